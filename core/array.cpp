@@ -1,0 +1,140 @@
+#include <linum/core/array.hpp>
+#include <linum/core/memory.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <iomanip>
+#include <ostream>
+#include <sstream>
+
+namespace linum {
+
+Buffer::Buffer(std::size_t bytes) : data_(memory::detail::allocate(bytes)), bytes_(bytes) {}
+Buffer::~Buffer() { memory::detail::deallocate(data_, bytes_); }
+
+Array Array::empty(const Shape& shape, DType dtype) {
+  Array a;
+  a.shape_ = shape;
+  a.dtype_ = dtype;
+  a.buffer_ = std::make_shared<Buffer>(static_cast<std::size_t>(shape.numel()) * dtype_size(dtype));
+  return a;
+}
+
+Array Array::zeros(const Shape& shape, DType dtype) {
+  Array a = empty(shape, dtype);
+  std::memset(a.buffer_->data(), 0, a.nbytes());
+  return a;
+}
+
+Array Array::full(const Shape& shape, float value) {
+  Array a = empty(shape);
+  std::fill_n(a.mutable_data(), a.numel(), value);
+  return a;
+}
+
+Array Array::full_i32(const Shape& shape, std::int32_t value) {
+  Array a = empty(shape, DType::i32);
+  std::fill_n(a.mutable_data_i32(), a.numel(), value);
+  return a;
+}
+
+Array Array::from(const Shape& shape, std::span<const float> values) {
+  if (static_cast<std::int64_t>(values.size()) != shape.numel())
+    throw ShapeError(detail::cat("Array::from: shape ", shape, " holds ", shape.numel(), " elements but ",
+                                 values.size(), " values were given"));
+  Array a = empty(shape);
+  std::copy(values.begin(), values.end(), a.mutable_data());
+  return a;
+}
+
+Array Array::from_i32(const Shape& shape, std::span<const std::int32_t> values) {
+  if (static_cast<std::int64_t>(values.size()) != shape.numel())
+    throw ShapeError(detail::cat("Array::from_i32: shape ", shape, " holds ", shape.numel(), " elements but ",
+                                 values.size(), " values were given"));
+  Array a = empty(shape, DType::i32);
+  std::copy(values.begin(), values.end(), a.mutable_data_i32());
+  return a;
+}
+
+Array Array::arange(std::int64_t n) {
+  Array a = empty(Shape{n});
+  float* p = a.mutable_data();
+  for (std::int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(i);
+  return a;
+}
+
+float* Array::mutable_data() {
+  check_dtype(DType::f32, "Array::mutable_data");
+  return static_cast<float*>(buffer_->data());
+}
+
+std::int32_t* Array::mutable_data_i32() {
+  check_dtype(DType::i32, "Array::mutable_data_i32");
+  return static_cast<std::int32_t*>(buffer_->data());
+}
+
+std::vector<float> Array::to_vector() const {
+  const float* p = data();
+  return {p, p + numel()};
+}
+
+std::vector<std::int32_t> Array::to_vector_i32() const {
+  const std::int32_t* p = data_i32();
+  return {p, p + numel()};
+}
+
+float Array::item() const {
+  if (!defined() || numel() != 1)
+    throw ShapeError(detail::cat("Array::item: needs an array with exactly one element, got shape ",
+                                 defined() ? shape_.str() : std::string("<undefined>")));
+  return dtype_ == DType::f32 ? data()[0] : static_cast<float>(data_i32()[0]);
+}
+
+bool Array::bitwise_equal(const Array& other) const {
+  if (!defined() || !other.defined()) return false;
+  if (!(shape_ == other.shape_) || dtype_ != other.dtype_) return false;
+  return std::memcmp(raw(), other.raw(), nbytes()) == 0;
+}
+
+Array Array::with_shape(const Shape& shape) const {
+  if (shape.numel() != numel())
+    throw ShapeError(detail::cat("Array::with_shape: cannot view an array of shape ", shape_, " (", numel(),
+                                 " elements) as shape ", shape, " (", shape.numel(), " elements)"));
+  Array a = detached();
+  a.shape_ = shape;
+  return a;
+}
+
+void Array::check_dtype(DType want, const char* where) const {
+  if (!defined())
+    throw ValueError(detail::cat(where, ": the array is undefined (default-constructed); create it with "
+                                        "Array::zeros, Array::from or an op first"));
+  if (dtype_ != want)
+    throw ShapeError(detail::cat(where, ": needs a ", dtype_name(want), " array, got ", dtype_name(dtype_),
+                                 shape_.str()));
+}
+
+std::string Array::str() const {
+  std::ostringstream os;
+  os << *this;
+  return os.str();
+}
+
+std::ostream& operator<<(std::ostream& os, const Array& a) {
+  if (!a.defined()) return os << "Array(<undefined>)";
+  os << "Array(" << dtype_name(a.dtype()) << a.shape().str();
+  if (a.numel() <= 16) {
+    os << ", [";
+    for (std::int64_t i = 0; i < a.numel(); ++i) {
+      if (i) os << ", ";
+      if (a.dtype() == DType::f32)
+        os << std::setprecision(9) << a.data()[i];
+      else
+        os << a.data_i32()[i];
+    }
+    os << "]";
+  }
+  return os << ")";
+}
+
+}  // namespace linum

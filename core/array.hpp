@@ -1,0 +1,130 @@
+// Array: a dense, row-major, N-dimensional float32 or int32 array.
+//
+// Buffers are shared and immutable: copying an Array is cheap and never copies data, and no op
+// writes into an existing buffer, so a value saved for the backward pass can never change behind
+// the autodiff's back. Buffers are 64-byte aligned and allocated through linum::memory, so every
+// byte is accounted.
+//
+// An Array may also carry a reference to the autodiff graph node that produced it (when it was
+// computed while differentiating); see core/autodiff/graph.hpp.
+#pragma once
+
+#include <linum/core/error.hpp>
+#include <linum/core/shape.hpp>
+
+#include <cstdint>
+#include <cstring>
+#include <iosfwd>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace linum {
+
+enum class DType : std::uint8_t { f32, i32 };
+
+inline const char* dtype_name(DType t) { return t == DType::f32 ? "float32" : "int32"; }
+inline std::size_t dtype_size(DType) { return 4; }
+
+namespace autodiff {
+class Node;
+}
+
+// An immutable block of accounted memory.
+class Buffer {
+ public:
+  explicit Buffer(std::size_t bytes);
+  ~Buffer();
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  std::size_t bytes() const { return bytes_; }
+  void* data() const { return data_; }
+
+ private:
+  void* data_;
+  std::size_t bytes_;
+};
+
+class Array {
+ public:
+  // An undefined array (no shape, no data). `defined()` is false.
+  Array() = default;
+
+  // --- construction -------------------------------------------------------------------------
+  // Uninitialised storage of the given shape; fill it through mutable_data() before sharing it.
+  static Array empty(const Shape& shape, DType dtype = DType::f32);
+  static Array zeros(const Shape& shape, DType dtype = DType::f32);
+  static Array ones(const Shape& shape) { return full(shape, 1.0f); }
+  static Array full(const Shape& shape, float value);
+  static Array full_i32(const Shape& shape, std::int32_t value);
+  static Array scalar(float value) { return full(Shape{}, value); }
+  static Array from(const Shape& shape, std::span<const float> values);
+  static Array from(const Shape& shape, std::initializer_list<float> values) {
+    return from(shape, std::span<const float>(values.begin(), values.size()));
+  }
+  static Array from_i32(const Shape& shape, std::span<const std::int32_t> values);
+  static Array from_i32(const Shape& shape, std::initializer_list<std::int32_t> values) {
+    return from_i32(shape, std::span<const std::int32_t>(values.begin(), values.size()));
+  }
+  // 0, 1, ..., n-1 as float32.
+  static Array arange(std::int64_t n);
+
+  // --- inspection ---------------------------------------------------------------------------
+  bool defined() const { return buffer_ != nullptr; }
+  const Shape& shape() const { return shape_; }
+  int rank() const { return shape_.rank(); }
+  std::int64_t dim(int axis) const { return shape_.dim(axis); }
+  std::int64_t numel() const { return shape_.numel(); }
+  DType dtype() const { return dtype_; }
+  std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * dtype_size(dtype_); }
+
+  // Typed read access; throws if the dtype does not match.
+  const float* data() const { check_dtype(DType::f32, "Array::data"); return static_cast<const float*>(raw()); }
+  const std::int32_t* data_i32() const { check_dtype(DType::i32, "Array::data_i32"); return static_cast<const std::int32_t*>(raw()); }
+  const void* raw() const { return buffer_ ? buffer_->data() : nullptr; }
+
+  // Write access for code that has just created this array (kernels). Writing into a buffer that
+  // is already shared breaks immutability; this is checked.
+  float* mutable_data();
+  std::int32_t* mutable_data_i32();
+
+  std::vector<float> to_vector() const;
+  std::vector<std::int32_t> to_vector_i32() const;
+  // The single element of a size-1 array as float (int32 arrays are converted).
+  float item() const;
+
+  // True when both arrays are defined, have the same shape and dtype and the same bytes.
+  bool bitwise_equal(const Array& other) const;
+  // The same buffer (not merely equal contents).
+  bool shares_buffer(const Array& other) const { return buffer_ == other.buffer_; }
+
+  // A view of the same buffer with another shape of the same size (no copy, no graph node).
+  Array with_shape(const Shape& shape) const;
+  // The same data without the autodiff node: a constant as far as gradients are concerned.
+  Array detached() const { Array a = *this; a.node_.reset(); a.output_index_ = 0; return a; }
+
+  std::string str() const;  // "f32[2,3]"-style description plus values for small arrays
+
+  // --- autodiff plumbing (see core/autodiff/graph.hpp) -----------------------------------------
+  const std::shared_ptr<autodiff::Node>& node() const { return node_; }
+  std::uint32_t output_index() const { return output_index_; }
+  void set_node(std::shared_ptr<autodiff::Node> node, std::uint32_t index) {
+    node_ = std::move(node);
+    output_index_ = index;
+  }
+
+ private:
+  void check_dtype(DType want, const char* where) const;
+
+  Shape shape_;
+  DType dtype_ = DType::f32;
+  std::shared_ptr<Buffer> buffer_;
+  std::shared_ptr<autodiff::Node> node_;
+  std::uint32_t output_index_ = 0;
+};
+
+std::ostream& operator<<(std::ostream& os, const Array& a);
+
+}  // namespace linum

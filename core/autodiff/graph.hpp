@@ -1,0 +1,185 @@
+// The reverse-mode autodiff graph.
+//
+// Ops run eagerly. While differentiating (inside grad/value_and_grad/vjp, see grad.hpp), an op
+// whose inputs carry graph nodes records a Node holding exactly what its backward rule needs and
+// attaches it to its output. The backward sweep orders the reachable nodes topologically once
+// (iteratively: deep models cannot overflow the stack), runs each node's rule in reverse order and,
+// unless asked to retain the graph, frees each node's saved arrays as soon as it has run.
+//
+// An op is written as forward kernel, then `record` with a lambda for its backward rule, so the
+// two sit next to each other and the lambda's captures say what is saved:
+//
+//   Array exp(const Array& x) {
+//     Array y = exp_kernel(x);
+//     if (autodiff::needs_grad(x))
+//       autodiff::record("exp", y, {&x}, [y = y.detached()](autodiff::Cotangents& c) {
+//         c.set(0, c.out() * y);                 // keeps its output, not its input
+//       });
+//     return y;
+//   }
+#pragma once
+
+#include <linum/core/array.hpp>
+
+#include <atomic>
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <optional>
+#include <span>
+#include <vector>
+
+namespace linum::autodiff {
+
+// ---- per-thread recording state -------------------------------------------------------------
+
+// True when ops on this thread may record graph nodes (the default). NoGradGuard turns it off.
+bool is_recording();
+
+// Within its lifetime no op on this thread records graph nodes: results are constants.
+class NoGradGuard {
+ public:
+  NoGradGuard();
+  ~NoGradGuard();
+  NoGradGuard(const NoGradGuard&) = delete;
+  NoGradGuard& operator=(const NoGradGuard&) = delete;
+
+ private:
+  bool previous_;
+};
+
+// ---- nodes ----------------------------------------------------------------------------------
+
+class Node;
+
+// An input of a node: the node that produced it and which of its outputs. A null node means the
+// input is a constant and needs no gradient.
+struct Edge {
+  std::shared_ptr<Node> node;
+  std::uint32_t index = 0;
+};
+
+// What a backward rule sees: the cotangents of the node's outputs, and slots for its inputs.
+class Cotangents {
+ public:
+  Cotangents(std::span<const Array> outs, std::span<Array> ins, std::span<const Edge> edges)
+      : outs_(outs), ins_(ins), edges_(edges) {}
+  // Cotangent of output i. For single-output nodes it is always defined; for multi-output nodes an
+  // output that received no gradient is undefined (check `.defined()`).
+  const Array& out(std::size_t i = 0) const { return outs_[i]; }
+  std::size_t num_outputs() const { return outs_.size(); }
+  // Whether input i needs a gradient (its producer is recorded). Rules skip the others.
+  bool needs(std::size_t i) const { return edges_[i].node != nullptr; }
+  void set(std::size_t i, Array g) { ins_[i] = std::move(g); }
+
+ private:
+  std::span<const Array> outs_;
+  std::span<Array> ins_;
+  std::span<const Edge> edges_;
+};
+
+class Node {
+ public:
+  Node(const char* op, std::vector<Edge> inputs, std::vector<Shape> output_shapes)
+      : inputs_(std::move(inputs)), output_shapes_(std::move(output_shapes)), op_(op) {}
+  virtual ~Node() = default;
+  Node(const Node&) = delete;
+  Node& operator=(const Node&) = delete;
+
+  const char* op() const { return op_; }
+  const std::vector<Edge>& inputs() const { return inputs_; }
+  const std::vector<Shape>& output_shapes() const { return output_shapes_; }
+  std::size_t num_outputs() const { return output_shapes_.size(); }
+  virtual bool is_leaf() const { return false; }
+
+  // Computes input cotangents from output cotangents.
+  virtual void backward(Cotangents& c) = 0;
+  // Frees what was saved for the backward pass (after the sweep has used it).
+  virtual void release() {}
+  // Appends the arrays this node keeps for its backward pass (for memory reports).
+  virtual void saved_arrays(std::vector<Array>& /*out*/) const {}
+  // True once release() ran: a second backward through it is an error.
+  bool released() const { return released_; }
+
+ private:
+  friend class Sweep;
+  friend void backward(std::span<const Array>, std::span<const Array>, bool);
+  std::vector<Edge> inputs_;
+  std::vector<Shape> output_shapes_;
+  std::vector<Array> grads_;      // accumulated output cotangents during a sweep
+  std::uint64_t mark_ = 0;        // visit mark of the current sweep
+  const char* op_;
+  bool released_ = false;
+
+ public:
+  // Accumulated cotangent of output i after a sweep (leaves keep theirs until taken).
+  Array take_grad(std::size_t i = 0);
+};
+
+// A differentiation variable: the node attached to the arrays grad/vjp differentiate against.
+class LeafNode final : public Node {
+ public:
+  explicit LeafNode(Shape shape) : Node("leaf", {}, {std::move(shape)}) {}
+  bool is_leaf() const override { return true; }
+  void backward(Cotangents&) override {}
+};
+
+// A node whose backward rule is a lambda; its captures are what it saves.
+template <class Rule>
+class RuleNode final : public Node {
+ public:
+  RuleNode(const char* op, std::vector<Edge> inputs, std::vector<Shape> shapes, Rule rule)
+      : Node(op, std::move(inputs), std::move(shapes)), rule_(std::move(rule)) {}
+  void backward(Cotangents& c) override { (*rule_)(c); }
+  void release() override { rule_.reset(); }
+
+ private:
+  std::optional<Rule> rule_;
+};
+
+// ---- recording ------------------------------------------------------------------------------
+
+// Whether an op applied to these inputs must record a node: recording is on and one input is
+// itself recorded. Ops call this before capturing anything, so constants cost nothing.
+inline bool needs_grad(const Array& a) { return a.node() != nullptr && is_recording(); }
+template <class... More>
+bool needs_grad(const Array& a, const More&... more) {
+  return is_recording() && (a.node() != nullptr || ((more.node() != nullptr) || ...));
+}
+bool needs_grad(std::span<const Array> inputs);
+
+std::vector<Edge> edges_of(std::initializer_list<const Array*> inputs);
+std::vector<Edge> edges_of(std::span<const Array> inputs);
+
+// Attaches a node with backward rule `rule` to `out`. `inputs` are the op's inputs in the order the
+// rule's Cotangents::set uses.
+template <class Rule>
+void record(const char* op, Array& out, std::initializer_list<const Array*> inputs, Rule&& rule) {
+  auto node = std::make_shared<RuleNode<std::decay_t<Rule>>>(op, edges_of(inputs), std::vector<Shape>{out.shape()},
+                                                             std::forward<Rule>(rule));
+  out.set_node(std::move(node), 0);
+}
+
+// The same for ops with several outputs (each output gets the node, with its index).
+template <class Rule>
+void record_multi(const char* op, std::span<Array> outs, std::vector<Edge> inputs, Rule&& rule) {
+  std::vector<Shape> shapes;
+  shapes.reserve(outs.size());
+  for (const Array& o : outs) shapes.push_back(o.shape());
+  auto node = std::make_shared<RuleNode<std::decay_t<Rule>>>(op, std::move(inputs), std::move(shapes),
+                                                             std::forward<Rule>(rule));
+  for (std::size_t i = 0; i < outs.size(); ++i) outs[i].set_node(node, static_cast<std::uint32_t>(i));
+}
+
+// ---- the backward sweep -----------------------------------------------------------------------
+
+// Runs the backward sweep from `roots` with the given cotangents (same shapes as the roots).
+// Gradients accumulate in the leaf nodes (take them with Node::take_grad). Unless
+// `retain_graph`, each node's saved arrays are freed as soon as its rule has run, and the graph
+// cannot be swept again.
+void backward(std::span<const Array> roots, std::span<const Array> cotangents, bool retain_graph = false);
+
+// Returns `x` as a new differentiation variable: same data, attached to a fresh LeafNode.
+Array make_leaf(const Array& x);
+
+}  // namespace linum::autodiff

@@ -1,0 +1,57 @@
+// Exact accounting of array buffer memory.
+//
+// Every Array buffer is allocated and freed through this one point, so the figures below are exact
+// byte counts of live array data (not estimates, and not the allocator's overhead). This is how
+// users, tests and benchmarks see what rematerialization saves.
+//
+//   auto before = linum::memory::stats().live_bytes;
+//   linum::memory::PeakScope scope;               // "peak bytes inside this block"
+//   ... run a training step ...
+//   std::int64_t extra = scope.peak_growth();     // peak live bytes minus live bytes at entry
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace linum::memory {
+
+struct Stats {
+  std::int64_t live_bytes = 0;     // bytes of array buffers alive now
+  std::int64_t peak_bytes = 0;     // highest live_bytes since start or the last reset_peak()
+  std::int64_t live_buffers = 0;   // number of buffers alive now
+  std::int64_t allocations = 0;    // buffers allocated since the program started
+};
+
+// A snapshot of the counters (thread-safe; the counters are process-wide).
+Stats stats();
+
+// Sets the peak to the current live bytes.
+void reset_peak();
+
+// Measures the peak of live bytes while it is alive. Scopes nest: an inner scope does not hide the
+// peak from an outer one, and the process-wide peak is restored to include the scope's peak.
+class PeakScope {
+ public:
+  PeakScope();
+  ~PeakScope();
+  PeakScope(const PeakScope&) = delete;
+  PeakScope& operator=(const PeakScope&) = delete;
+
+  std::int64_t start_bytes() const { return start_live_; }
+  // Highest live bytes seen since this scope began.
+  std::int64_t peak_bytes() const;
+  // peak_bytes() - start_bytes(): what the block needed on top of what was already alive.
+  std::int64_t peak_growth() const { return peak_bytes() - start_live_; }
+
+ private:
+  std::int64_t start_live_;
+  std::int64_t outer_peak_;
+};
+
+namespace detail {
+// The single allocation point: 64-byte aligned, accounted. Throws std::bad_alloc on failure.
+void* allocate(std::size_t bytes);
+void deallocate(void* p, std::size_t bytes) noexcept;
+}  // namespace detail
+
+}  // namespace linum::memory

@@ -1,0 +1,9 @@
+// Linum: Flax-style functional neural-network modules for C++, with lifted rematerialization.
+// Include this header for everything, or the individual <linum/core/...> headers.
+#pragma once
+
+#include <linum/core/array.hpp>
+#include <linum/core/error.hpp>
+#include <linum/core/memory.hpp>
+#include <linum/core/shape.hpp>
+#include <linum/core/autodiff/graph.hpp>

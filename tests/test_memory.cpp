@@ -1,0 +1,36 @@
+#include <doctest/doctest.h>
+#include <linum/linum.hpp>
+
+using namespace linum;
+
+TEST_CASE("every buffer is accounted exactly and released") {
+  auto before = memory::stats();
+  {
+    Array a = Array::zeros(Shape{3, 5});
+    auto mid = memory::stats();
+    CHECK(mid.live_bytes - before.live_bytes == 3 * 5 * 4);
+    CHECK(mid.live_buffers - before.live_buffers == 1);
+    CHECK(mid.allocations - before.allocations == 1);
+    Array b = a;  // shares the buffer
+    CHECK(memory::stats().live_bytes == mid.live_bytes);
+    CHECK(reinterpret_cast<std::uintptr_t>(a.raw()) % 64 == 0);
+  }
+  CHECK(memory::stats().live_bytes == before.live_bytes);
+}
+
+TEST_CASE("PeakScope measures the peak inside a block, and scopes nest") {
+  memory::PeakScope outer;
+  {
+    Array big = Array::zeros(Shape{1000});  // 4000 bytes
+  }
+  std::int64_t inner_growth = 0;
+  {
+    memory::PeakScope inner;
+    Array small = Array::zeros(Shape{10});
+    inner_growth = inner.peak_growth();
+  }
+  CHECK(inner_growth == 40);
+  CHECK(outer.peak_growth() == 4000);  // the inner scope did not hide the outer peak
+  memory::reset_peak();
+  CHECK(memory::stats().peak_bytes == memory::stats().live_bytes);
+}
