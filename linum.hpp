@@ -6,4 +6,5 @@
 #include <linum/core/error.hpp>
 #include <linum/core/memory.hpp>
 #include <linum/core/shape.hpp>
+#include <linum/rng/rng.hpp>
 #include <linum/core/autodiff/graph.hpp>
