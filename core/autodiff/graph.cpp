@@ -151,3 +151,10 @@ void backward(std::span<const Array> roots, std::span<const Array> cotangents, b
 }
 
 }  // namespace linum::autodiff
+
+#include <linum/core/autodiff/grad.hpp>
+
+namespace linum::autodiff {
+EnableGradGuard::EnableGradGuard() : previous_(t_recording) { t_recording = true; }
+EnableGradGuard::~EnableGradGuard() { t_recording = previous_; }
+}  // namespace linum::autodiff

@@ -1,0 +1,202 @@
+// The functional autodiff API, in the style of JAX: transformations that take a function and
+// return a function.
+//
+//   auto loss = [](const Array& w, const Array& x) { return linum::mean(linum::square(linum::matmul(x, w))); };
+//   auto [value, dw] = linum::value_and_grad(loss)(w, x);            // gradient w.r.t. argument 0
+//   auto [v, grads] = linum::value_and_grad<0, 1>(loss)(w, x);       // std::tuple of both gradients
+//   auto [y, pullback] = linum::vjp(f, w, x);  auto [dw, dx] = pullback(ct);
+//
+// Differentiated arguments may be Arrays or any type with a `Differentiable<T>` specialisation
+// (Tree, the variable dict, has one). Other arguments pass through untouched. Differentiation
+// always records, even inside a NoGradGuard; a NoGradGuard *inside* the function still stops it.
+#pragma once
+
+#include <linum/core/array.hpp>
+#include <linum/core/autodiff/graph.hpp>
+
+#include <array>
+#include <cstddef>
+#include <memory>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace linum {
+
+// How to differentiate with respect to a value of type T: attach fresh leaves to its arrays,
+// collect their gradients afterwards, and detach it from the graph (for auxiliary outputs).
+template <class T>
+struct Differentiable;
+
+template <>
+struct Differentiable<Array> {
+  static Array track(const Array& x) { return autodiff::make_leaf(x); }
+  static Array gradient(const Array& tracked) {
+    Array g = tracked.node() ? tracked.node()->take_grad(tracked.output_index()) : Array();
+    return g.defined() ? g : Array::zeros(tracked.shape());
+  }
+  static Array detach(const Array& x) { return x.detached(); }
+  static void outputs(const Array& y, std::vector<Array>& out) { out.push_back(y); }
+};
+
+template <class T>
+concept DifferentiableValue = requires { sizeof(Differentiable<std::decay_t<T>>); };
+
+namespace autodiff {
+
+// Turns recording on for its lifetime (used by the transformations).
+class EnableGradGuard {
+ public:
+  EnableGradGuard();
+  ~EnableGradGuard();
+  EnableGradGuard(const EnableGradGuard&) = delete;
+  EnableGradGuard& operator=(const EnableGradGuard&) = delete;
+
+ private:
+  bool previous_;
+};
+
+namespace detail {
+
+template <std::size_t I, std::size_t... Nums>
+constexpr bool contains() {
+  return ((I == Nums) || ...);
+}
+
+template <std::size_t... Nums, class... Args, std::size_t... Is>
+auto track_selected(std::index_sequence<Is...>, const Args&... args) {
+  return std::tuple<std::conditional_t<contains<Is, Nums...>(), std::decay_t<Args>, const Args&>...>(
+      [&]() -> decltype(auto) {
+        if constexpr (contains<Is, Nums...>()) {
+          static_assert(DifferentiableValue<Args>,
+                        "value_and_grad/grad: the selected argument's type cannot be differentiated; select "
+                        "Array or Tree arguments with the template argnums, e.g. value_and_grad<0, 2>(f)");
+          return Differentiable<std::decay_t<Args>>::track(args);
+        } else {
+          return args;
+        }
+      }()...);
+}
+
+inline Array check_scalar_loss(const Array& value, const char* api) {
+  if (!value.defined() || value.numel() != 1 || value.dtype() != DType::f32)
+    throw AutodiffError(linum::detail::cat(api, ": the function must return a float32 scalar (one element), got ",
+                                           value.defined() ? value.shape().str() : std::string("<undefined>"),
+                                           "; reduce it first (e.g. mean), or use vjp for non-scalar outputs"));
+  return value;
+}
+
+template <class Tuple, std::size_t... Nums>
+auto collect_gradients(const Tuple& tracked) {
+  if constexpr (sizeof...(Nums) == 1) {
+    constexpr std::size_t n = (Nums, ...);
+    using T = std::decay_t<std::tuple_element_t<n, Tuple>>;
+    return Differentiable<T>::gradient(std::get<n>(tracked));
+  } else {
+    return std::make_tuple(
+        Differentiable<std::decay_t<std::tuple_element_t<Nums, Tuple>>>::gradient(std::get<Nums>(tracked))...);
+  }
+}
+
+template <class T>
+auto detach_value(const T& v) {
+  if constexpr (DifferentiableValue<T>) return Differentiable<T>::detach(v);
+  else return v;
+}
+
+template <class F, std::size_t... Nums>
+struct ValueAndGrad {
+  F f;
+  bool has_aux;
+
+  template <class... Args>
+  auto operator()(const Args&... args) const {
+    static_assert(sizeof...(Nums) > 0, "value_and_grad: select at least one argument");
+    static_assert(((Nums < sizeof...(Args)) && ...),
+                  "value_and_grad: an argnum is out of range (argnums count from 0, the first argument)");
+    EnableGradGuard recording;
+    auto tracked = track_selected<Nums...>(std::index_sequence_for<Args...>{}, args...);
+    auto result = std::apply(f, tracked);
+    if constexpr (std::is_same_v<std::decay_t<decltype(result)>, Array>) {
+      Array value = check_scalar_loss(result, "value_and_grad");
+      Array one = Array::ones(value.shape());
+      autodiff::backward(std::span<const Array>(&value, 1), std::span<const Array>(&one, 1));
+      return std::make_pair(value.detached(), collect_gradients<decltype(tracked), Nums...>(tracked));
+    } else {
+      // has_aux: f returns (loss, aux); aux comes back detached from the graph.
+      Array value = check_scalar_loss(std::get<0>(result), "value_and_grad");
+      auto aux = detach_value(std::get<1>(result));
+      Array one = Array::ones(value.shape());
+      autodiff::backward(std::span<const Array>(&value, 1), std::span<const Array>(&one, 1));
+      return std::make_tuple(value.detached(), std::move(aux), collect_gradients<decltype(tracked), Nums...>(tracked));
+    }
+  }
+};
+
+}  // namespace detail
+}  // namespace autodiff
+
+// value_and_grad<argnums...>(f)(args...) -> (value, gradient) with one argnum (default 0), or
+// (value, std::tuple of gradients) with several. If f returns std::pair<Array, Aux> the result is
+// (value, aux, gradients): the auxiliary output (e.g. updated batch statistics) is not differentiated.
+// The graph is freed as the backward sweep runs.
+template <std::size_t... Argnums, class F>
+auto value_and_grad(F f) {
+  if constexpr (sizeof...(Argnums) == 0) return autodiff::detail::ValueAndGrad<F, 0>{std::move(f), false};
+  else return autodiff::detail::ValueAndGrad<F, Argnums...>{std::move(f), false};
+}
+
+// grad<argnums...>(f)(args...) -> the gradient(s) only.
+template <std::size_t... Argnums, class F>
+auto grad(F f) {
+  auto vg = value_and_grad<Argnums...>(std::move(f));
+  return [vg](const auto&... args) {
+    auto r = vg(args...);
+    if constexpr (std::tuple_size_v<decltype(r)> == 2) return std::get<1>(std::move(r));
+    else return std::get<2>(std::move(r));
+  };
+}
+
+// A pullback returned by vjp: call it with the output's cotangent to get the cotangents of every
+// argument (a std::tuple, or the single cotangent for a one-argument function). It keeps its
+// graph, so it can be called several times; the graph is freed with the pullback.
+template <class Out, class... Args>
+class Pullback {
+ public:
+  Pullback(Out out, std::tuple<Args...> tracked) : out_(std::move(out)), tracked_(std::move(tracked)) {}
+
+  auto operator()(const Out& cotangent) const {
+    std::vector<Array> roots, cts;
+    Differentiable<Out>::outputs(out_, roots);
+    Differentiable<Out>::outputs(cotangent, cts);
+    if (roots.size() != cts.size())
+      throw AutodiffError(linum::detail::cat("vjp pullback: the cotangent has ", cts.size(), " arrays, the output has ",
+                                             roots.size()));
+    autodiff::backward(roots, cts, /*retain_graph=*/true);
+    return collect(std::index_sequence_for<Args...>{});
+  }
+
+ private:
+  template <std::size_t... Is>
+  auto collect(std::index_sequence<Is...>) const {
+    if constexpr (sizeof...(Is) == 1) return Differentiable<Args...>::gradient(std::get<0>(tracked_));
+    else return std::make_tuple(Differentiable<Args>::gradient(std::get<Is>(tracked_))...);
+  }
+  Out out_;
+  std::tuple<Args...> tracked_;
+};
+
+// vjp(f, args...) -> (f(args...), pullback). Every argument is differentiated.
+template <class F, class... Args>
+auto vjp(F&& f, const Args&... args) {
+  static_assert((DifferentiableValue<Args> && ...), "vjp: every argument must be an Array or a Tree");
+  autodiff::EnableGradGuard recording;
+  std::tuple<std::decay_t<Args>...> tracked{Differentiable<std::decay_t<Args>>::track(args)...};
+  auto out = std::apply(std::forward<F>(f), tracked);
+  using Out = std::decay_t<decltype(out)>;
+  auto detached = Differentiable<Out>::detach(out);
+  return std::make_pair(std::move(detached), Pullback<Out, std::decay_t<Args>...>(std::move(out), std::move(tracked)));
+}
+
+}  // namespace linum

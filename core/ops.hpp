@@ -1,0 +1,9 @@
+// Every op: elementwise, reductions, data movement, matrix products, softmax, convolution, pooling.
+#pragma once
+
+#include <linum/core/ops/conv.hpp>
+#include <linum/core/ops/elementwise.hpp>
+#include <linum/core/ops/linalg.hpp>
+#include <linum/core/ops/reduce.hpp>
+#include <linum/core/ops/shape_ops.hpp>
+#include <linum/core/ops/softmax.hpp>

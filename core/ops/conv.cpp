@@ -1,0 +1,186 @@
+// conv2d through im2col + GEMM, processed in chunks of images so the column buffer stays small.
+// The backward rule keeps x and w (not the 9x larger columns) and rebuilds columns per chunk.
+#include <linum/core/ops/conv.hpp>
+#include <linum/core/ops/kernel_util.hpp>
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cstring>
+
+namespace linum {
+
+detail::AxisPlan detail::plan_axis(std::int64_t in, std::int64_t window, std::int64_t stride, std::int64_t dilation,
+                                   const Padding& padding, int axis, const char* op) {
+  if (window < 1 || stride < 1 || dilation < 1)
+    throw ShapeError(detail::cat(op, ": window ", window, ", stride ", stride, " and dilation ", dilation,
+                                 " on spatial axis ", axis, " must all be >= 1"));
+  const std::int64_t eff = (window - 1) * dilation + 1;
+  AxisPlan p{0, 0, 0};
+  switch (padding.kind) {
+    case Padding::Kind::valid:
+      break;
+    case Padding::Kind::same: {
+      const std::int64_t out = (in + stride - 1) / stride;
+      const std::int64_t total = std::max<std::int64_t>((out - 1) * stride + eff - in, 0);
+      p.pad_lo = total / 2;
+      p.pad_hi = total - p.pad_lo;
+      break;
+    }
+    case Padding::Kind::explicit_pairs:
+      p.pad_lo = padding.pairs[static_cast<std::size_t>(axis)].first;
+      p.pad_hi = padding.pairs[static_cast<std::size_t>(axis)].second;
+      if (p.pad_lo < 0 || p.pad_hi < 0)
+        throw ShapeError(detail::cat(op, ": negative padding on spatial axis ", axis));
+      break;
+  }
+  const std::int64_t padded = in + p.pad_lo + p.pad_hi;
+  if (padded < eff)
+    throw ShapeError(detail::cat(op, ": window of effective size ", eff, " does not fit spatial axis ", axis,
+                                 " of size ", in, " (padded ", padded, ")"));
+  p.out = (padded - eff) / stride + 1;
+  return p;
+}
+
+namespace {
+
+using autodiff::Cotangents;
+using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using Strided = Eigen::OuterStride<>;
+
+struct ConvGeometry {
+  std::int64_t n, h, w, c, kh, kw, cg, o, og, groups;
+  detail::AxisPlan ph, pw;
+  std::int64_t sh, sw, dh, dw;
+  std::int64_t rows_per_image() const { return ph.out * pw.out; }
+  std::int64_t col_width() const { return kh * kw * cg; }
+};
+
+// Columns of images [n0, n0 + count) for group g: [count * OH * OW, KH * KW * Cg].
+void im2col(const float* x, const ConvGeometry& G, std::int64_t n0, std::int64_t count, std::int64_t g, float* cols) {
+  const std::int64_t width = G.col_width();
+#pragma omp parallel for schedule(static) if (count * G.rows_per_image() * width > (1 << 16))
+  for (std::int64_t r = 0; r < count * G.rows_per_image(); ++r) {
+    const std::int64_t n = n0 + r / G.rows_per_image();
+    const std::int64_t oh = (r % G.rows_per_image()) / G.pw.out, ow = r % G.pw.out;
+    float* dst = cols + r * width;
+    for (std::int64_t i = 0; i < G.kh; ++i) {
+      const std::int64_t ih = oh * G.sh - G.ph.pad_lo + i * G.dh;
+      for (std::int64_t j = 0; j < G.kw; ++j, dst += G.cg) {
+        const std::int64_t iw = ow * G.sw - G.pw.pad_lo + j * G.dw;
+        if (ih < 0 || ih >= G.h || iw < 0 || iw >= G.w) {
+          std::memset(dst, 0, static_cast<std::size_t>(G.cg) * sizeof(float));
+        } else {
+          std::memcpy(dst, x + ((n * G.h + ih) * G.w + iw) * G.c + g * G.cg, static_cast<std::size_t>(G.cg) * sizeof(float));
+        }
+      }
+    }
+  }
+}
+
+// dx += col2im(dcols) for images [n0, n0 + count), group g. Rows of one image are processed by one
+// thread so the accumulation is race-free and deterministic.
+void col2im(const float* dcols, const ConvGeometry& G, std::int64_t n0, std::int64_t count, std::int64_t g, float* dx) {
+  const std::int64_t width = G.col_width();
+#pragma omp parallel for schedule(static) if (count > 1 && count * G.rows_per_image() * width > (1 << 16))
+  for (std::int64_t ni = 0; ni < count; ++ni) {
+    for (std::int64_t rr = 0; rr < G.rows_per_image(); ++rr) {
+      const std::int64_t r = ni * G.rows_per_image() + rr;
+      const std::int64_t n = n0 + ni;
+      const std::int64_t oh = rr / G.pw.out, ow = rr % G.pw.out;
+      const float* src = dcols + r * width;
+      for (std::int64_t i = 0; i < G.kh; ++i) {
+        const std::int64_t ih = oh * G.sh - G.ph.pad_lo + i * G.dh;
+        for (std::int64_t j = 0; j < G.kw; ++j, src += G.cg) {
+          const std::int64_t iw = ow * G.sw - G.pw.pad_lo + j * G.dw;
+          if (ih < 0 || ih >= G.h || iw < 0 || iw >= G.w) continue;
+          float* d = dx + ((n * G.h + ih) * G.w + iw) * G.c + g * G.cg;
+          for (std::int64_t k = 0; k < G.cg; ++k) d[k] += src[k];
+        }
+      }
+    }
+  }
+}
+
+std::int64_t images_per_chunk(const ConvGeometry& G) {
+  return std::max<std::int64_t>(1, std::min<std::int64_t>(G.n, 8192 / std::max<std::int64_t>(1, G.rows_per_image())));
+}
+
+// Accounted scratch for a column buffer.
+Array scratch(std::int64_t rows, std::int64_t width) { return Array::empty(Shape{rows, width}); }
+
+}  // namespace
+
+Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
+  ops::detail::require_f32(x, "conv2d");
+  ops::detail::require_f32(w, "conv2d");
+  if (x.rank() != 4 || w.rank() != 4)
+    throw ShapeError(detail::cat("conv2d: needs x as [N, H, W, C] and kernel as [KH, KW, C/groups, O], got ",
+                                 ops::detail::shapes_str({&x, &w})));
+  const std::int64_t groups = opt.feature_group_count;
+  ConvGeometry G{};
+  G.n = x.dim(0); G.h = x.dim(1); G.w = x.dim(2); G.c = x.dim(3);
+  G.kh = w.dim(0); G.kw = w.dim(1); G.cg = w.dim(2); G.o = w.dim(3);
+  G.groups = groups;
+  if (groups < 1 || G.c % groups != 0 || G.o % groups != 0 || G.cg * groups != G.c)
+    throw ShapeError(detail::cat("conv2d: input ", x.shape(), " and kernel ", w.shape(), " do not match with ",
+                                 groups, " feature group(s): need C = kernel's in-features * groups (", G.c, " vs ",
+                                 G.cg, " * ", groups, ") and O divisible by groups"));
+  G.og = G.o / groups;
+  G.sh = opt.strides[0]; G.sw = opt.strides[1];
+  G.dh = opt.dilation[0]; G.dw = opt.dilation[1];
+  G.ph = detail::plan_axis(G.h, G.kh, G.sh, G.dh, opt.padding, 0, "conv2d");
+  G.pw = detail::plan_axis(G.w, G.kw, G.sw, G.dw, opt.padding, 1, "conv2d");
+
+  Array y = Array::empty(Shape{G.n, G.ph.out, G.pw.out, G.o});
+  const std::int64_t chunk = images_per_chunk(G), R = G.col_width();
+  {
+    Array cols = scratch(chunk * G.rows_per_image(), R);
+    for (std::int64_t n0 = 0; n0 < G.n; n0 += chunk) {
+      const std::int64_t count = std::min(chunk, G.n - n0), P = count * G.rows_per_image();
+      for (std::int64_t g = 0; g < groups; ++g) {
+        im2col(x.data(), G, n0, count, g, cols.mutable_data());
+        Eigen::Map<const RowMat> C(cols.data(), P, R);
+        Eigen::Map<const RowMat, 0, Strided> W(w.data() + g * G.og, R, G.og, Strided(G.o));
+        Eigen::Map<RowMat, 0, Strided> Y(y.mutable_data() + n0 * G.rows_per_image() * G.o + g * G.og, P, G.og,
+                                         Strided(G.o));
+        Y.noalias() = C * W;
+      }
+    }
+  }
+  if (autodiff::needs_grad(x, w)) {
+    Array keep_x = x.detached();  // needed for dw (columns) — and cheap compared to the columns
+    Array keep_w = x.node() ? w.detached() : Array();
+    autodiff::record("conv2d", y, {&x, &w}, [keep_x, keep_w, G](Cotangents& c) {
+      const Array& gy = c.out();
+      const std::int64_t chunk = images_per_chunk(G), R = G.col_width();
+      Array dx = c.needs(0) ? Array::zeros(keep_x.shape()) : Array();
+      Array dw = c.needs(1) ? Array::zeros(Shape{G.kh, G.kw, G.cg, G.o}) : Array();
+      Array cols = scratch(chunk * G.rows_per_image(), R);
+      for (std::int64_t n0 = 0; n0 < G.n; n0 += chunk) {
+        const std::int64_t count = std::min(chunk, G.n - n0), P = count * G.rows_per_image();
+        for (std::int64_t g = 0; g < G.groups; ++g) {
+          Eigen::Map<const RowMat, 0, Strided> GY(gy.data() + n0 * G.rows_per_image() * G.o + g * G.og, P, G.og,
+                                                  Strided(G.o));
+          if (c.needs(1)) {
+            im2col(keep_x.data(), G, n0, count, g, cols.mutable_data());
+            Eigen::Map<const RowMat> C(cols.data(), P, R);
+            Eigen::Map<RowMat, 0, Strided> DW(dw.mutable_data() + g * G.og, R, G.og, Strided(G.o));
+            DW.noalias() += C.transpose() * GY;
+          }
+          if (c.needs(0)) {
+            Eigen::Map<const RowMat, 0, Strided> W(keep_w.data() + g * G.og, R, G.og, Strided(G.o));
+            Eigen::Map<RowMat> DC(cols.mutable_data(), P, R);
+            DC.noalias() = GY * W.transpose();
+            col2im(cols.data(), G, n0, count, g, dx.mutable_data());
+          }
+        }
+      }
+      if (c.needs(0)) c.set(0, dx);
+      if (c.needs(1)) c.set(1, dw);
+    });
+  }
+  return y;
+}
+
+}  // namespace linum

@@ -1,0 +1,55 @@
+// 2-D convolution and pooling on NHWC images (the layouts of Flax: inputs [N, H, W, C], kernels
+// [KH, KW, C / groups, O]).
+#pragma once
+
+#include <linum/core/array.hpp>
+
+#include <array>
+#include <cstdint>
+#include <utility>
+
+namespace linum {
+
+// Padding: SAME (output size ceil(in / stride), extra padding at the end), VALID (none), or
+// explicit (low, high) pairs per spatial axis.
+struct Padding {
+  enum class Kind { same, valid, explicit_pairs } kind = Kind::valid;
+  std::array<std::pair<std::int64_t, std::int64_t>, 2> pairs{};
+
+  static Padding same() { return {Kind::same, {}}; }
+  static Padding valid() { return {Kind::valid, {}}; }
+  static Padding explicit_pads(std::int64_t top, std::int64_t bottom, std::int64_t left, std::int64_t right) {
+    return {Kind::explicit_pairs, {{{top, bottom}, {left, right}}}};
+  }
+};
+
+struct ConvOptions {
+  std::array<std::int64_t, 2> strides{1, 1};
+  Padding padding = Padding::same();
+  std::array<std::int64_t, 2> dilation{1, 1};  // kernel (rhs) dilation
+  std::int64_t feature_group_count = 1;
+};
+
+// y[n, oh, ow, o] = sum over the window and the group's input channels of x * w.
+Array conv2d(const Array& x, const Array& w, const ConvOptions& options = {});
+
+struct PoolOptions {
+  std::array<std::int64_t, 2> window{2, 2};
+  std::array<std::int64_t, 2> strides{1, 1};  // Flax's default; pass the window for non-overlapping pools
+  Padding padding = Padding::valid();
+  bool count_include_pad = true;  // average pooling: divide by the full window (Flax's default)
+};
+
+Array avg_pool(const Array& x, const PoolOptions& options);
+Array max_pool(const Array& x, const PoolOptions& options);
+
+namespace detail {
+// (low, high) padding and output size for one spatial axis.
+struct AxisPlan {
+  std::int64_t pad_lo, pad_hi, out;
+};
+AxisPlan plan_axis(std::int64_t in, std::int64_t window, std::int64_t stride, std::int64_t dilation,
+                   const Padding& padding, int axis, const char* op);
+}  // namespace detail
+
+}  // namespace linum

@@ -1,0 +1,195 @@
+// Reductions. sum and max are primitives with their own backward rules; mean, min, var and
+// logsumexp are compositions whose gradients follow from their parts.
+#include <linum/core/ops/reduce.hpp>
+#include <linum/core/ops/elementwise.hpp>
+#include <linum/core/ops/kernel_util.hpp>
+#include <linum/core/ops/shape_ops.hpp>
+
+#include <Eigen/Core>
+
+#include <limits>
+#include <numeric>
+
+namespace linum {
+namespace {
+
+using autodiff::Cotangents;
+using autodiff::needs_grad;
+using autodiff::record;
+
+enum class Reduction { sum, max };
+
+std::vector<int> all_axes(int rank) {
+  std::vector<int> axes(static_cast<std::size_t>(rank));
+  std::iota(axes.begin(), axes.end(), 0);
+  return axes;
+}
+
+Shape reduced_shape(const Shape& s, const std::vector<int>& axes, bool keepdims) {
+  Shape out;
+  std::size_t k = 0;
+  for (int i = 0; i < s.rank(); ++i) {
+    const bool reduced = k < axes.size() && axes[k] == i;
+    if (reduced) ++k;
+    if (!reduced) out.push_back(s[i]);
+    else if (keepdims) out.push_back(1);
+  }
+  return out;
+}
+
+// Reduces x over the sorted axes `axes` with kind; the result has the keepdims shape.
+Array reduce_kernel(const Array& x, const std::vector<int>& axes, Reduction kind, const char* op) {
+  const Shape keep_shape = reduced_shape(x.shape(), axes, true);
+  if (axes.empty()) return x.detached();
+  const bool contiguous = axes.back() - axes.front() + 1 == static_cast<int>(axes.size());
+  if (!contiguous) {
+    // Move the reduced axes to the end, then reduce them as one trailing block.
+    std::vector<int> perm;
+    std::size_t k = 0;
+    for (int i = 0; i < x.rank(); ++i) {
+      if (k < axes.size() && axes[k] == i) { ++k; continue; }
+      perm.push_back(i);
+    }
+    const int kept = static_cast<int>(perm.size());
+    for (int a : axes) perm.push_back(a);
+    Array moved;
+    {
+      autodiff::NoGradGuard no_grad;
+      moved = transpose(x.detached(), perm);
+    }
+    std::vector<int> tail(axes.size());
+    std::iota(tail.begin(), tail.end(), kept);
+    return reduce_kernel(moved, tail, kind, op).with_shape(keep_shape);
+  }
+  std::int64_t outer = 1, red = 1, inner = 1;
+  for (int i = 0; i < x.rank(); ++i) {
+    if (i < axes.front()) outer *= x.shape()[i];
+    else if (i <= axes.back()) red *= x.shape()[i];
+    else inner *= x.shape()[i];
+  }
+  if (red == 0 && kind == Reduction::max)
+    throw ShapeError(detail::cat(op, ": cannot reduce an empty axis of shape ", x.shape(), " (no identity for max)"));
+  Array out = Array::empty(keep_shape);
+  const float* px = x.data();
+  float* po = out.mutable_data();
+  const float init = kind == Reduction::sum ? 0.0f : -std::numeric_limits<float>::infinity();
+  auto run = [&](std::int64_t o) {
+    const float* base = px + o * red * inner;
+    float* dst = po + o * inner;
+    if (inner == 1) {
+      Eigen::Map<const Eigen::ArrayXf> row(base, red);
+      dst[0] = red == 0 ? init : (kind == Reduction::sum ? row.sum() : row.maxCoeff());
+      return;
+    }
+    Eigen::Map<Eigen::ArrayXf> acc(dst, inner);
+    acc.setConstant(init);
+    for (std::int64_t r = 0; r < red; ++r) {
+      Eigen::Map<const Eigen::ArrayXf> v(base + r * inner, inner);
+      if (kind == Reduction::sum) acc += v;
+      else acc = acc.max(v);
+    }
+  };
+  if (outer > 1 && x.numel() >= ops::detail::kParallelMin) {
+#pragma omp parallel for schedule(static)
+    for (std::int64_t o = 0; o < outer; ++o) run(o);
+  } else {
+    for (std::int64_t o = 0; o < outer; ++o) run(o);
+  }
+  return out;
+}
+
+Array finish(const Array& keep, const Shape& x_shape, const std::vector<int>& axes, bool keepdims) {
+  return keepdims ? keep : keep.with_shape(reduced_shape(x_shape, axes, false));
+}
+
+}  // namespace
+
+Array sum(const Array& x, const std::vector<int>& axes_in, bool keepdims) {
+  ops::detail::require_f32(x, "sum");
+  const std::vector<int> axes = ops::detail::normalize_axes(axes_in, x.rank(), "sum");
+  Array y = finish(reduce_kernel(x, axes, Reduction::sum, "sum"), x.shape(), axes, keepdims);
+  if (needs_grad(x))
+    record("sum", y, {&x}, [xs = x.shape(), keep = reduced_shape(x.shape(), axes, true)](Cotangents& c) {
+      c.set(0, ops::detail::broadcast_raw(c.out().with_shape(keep), xs));
+    });
+  return y;
+}
+Array sum(const Array& x) { return sum(x, all_axes(x.rank()), false); }
+
+Array mean(const Array& x, const std::vector<int>& axes_in, bool keepdims) {
+  ops::detail::require_f32(x, "mean");
+  const std::vector<int> axes = ops::detail::normalize_axes(axes_in, x.rank(), "mean");
+  std::int64_t count = 1;
+  for (int a : axes) count *= x.shape()[a];
+  return sum(x, axes, keepdims) * (1.0f / static_cast<float>(count));
+}
+Array mean(const Array& x) { return mean(x, all_axes(x.rank()), false); }
+
+Array max(const Array& x, const std::vector<int>& axes_in, bool keepdims) {
+  ops::detail::require_f32(x, "max");
+  const std::vector<int> axes = ops::detail::normalize_axes(axes_in, x.rank(), "max");
+  Array keep = reduce_kernel(x, axes, Reduction::max, "max");
+  Array y = finish(keep, x.shape(), axes, keepdims);
+  if (needs_grad(x))
+    record("max", y, {&x}, [kx = x.detached(), keep = keep.detached(), axes](Cotangents& c) {
+      // Share the cotangent equally among the elements equal to the maximum.
+      Array hit = equal(kx, keep);
+      Array count = reduce_kernel(hit, axes, Reduction::sum, "max");
+      Array share = div(c.out().with_shape(keep.shape()), count);
+      c.set(0, mul(hit, share));
+    });
+  return y;
+}
+Array max(const Array& x) { return max(x, all_axes(x.rank()), false); }
+
+Array min(const Array& x, const std::vector<int>& axes, bool keepdims) { return neg(max(neg(x), axes, keepdims)); }
+Array min(const Array& x) { return neg(max(neg(x))); }
+
+Array var(const Array& x, const std::vector<int>& axes, bool keepdims) {
+  Array centered = x - mean(x, axes, true);
+  return mean(square(centered), axes, keepdims);
+}
+Array var(const Array& x) { return var(x, all_axes(x.rank()), false); }
+
+Array logsumexp(const Array& x, const std::vector<int>& axes_in, bool keepdims) {
+  ops::detail::require_f32(x, "logsumexp");
+  const std::vector<int> axes = ops::detail::normalize_axes(axes_in, x.rank(), "logsumexp");
+  Array m;
+  {
+    autodiff::NoGradGuard no_grad;
+    m = max(x.detached(), axes, true);
+    // An all -inf slice would give inf - inf; shift by 0 there instead.
+    float* pm = m.mutable_data();
+    for (std::int64_t i = 0; i < m.numel(); ++i)
+      if (!std::isfinite(pm[i])) pm[i] = 0.0f;
+  }
+  Array lse = log(sum(exp(x - m), axes, true)) + m;
+  return keepdims ? lse : reshape(lse, reduced_shape(x.shape(), axes, false).vec());
+}
+Array logsumexp(const Array& x) { return logsumexp(x, all_axes(x.rank()), false); }
+
+Array argmax(const Array& x, int axis_in) {
+  ops::detail::require_f32(x, "argmax");
+  const int axis = x.shape().normalize_axis(axis_in, "argmax");
+  if (x.shape()[axis] == 0) throw ShapeError(detail::cat("argmax: axis ", axis_in, " of ", x.shape(), " is empty"));
+  std::int64_t outer = 1, inner = 1;
+  for (int i = 0; i < axis; ++i) outer *= x.shape()[i];
+  for (int i = axis + 1; i < x.rank(); ++i) inner *= x.shape()[i];
+  const std::int64_t n = x.shape()[axis];
+  Array out = Array::empty(reduced_shape(x.shape(), {axis}, false), DType::i32);
+  const float* px = x.data();
+  std::int32_t* po = out.mutable_data_i32();
+  for (std::int64_t o = 0; o < outer; ++o)
+    for (std::int64_t i = 0; i < inner; ++i) {
+      std::int64_t best = 0;
+      float bv = px[o * n * inner + i];
+      for (std::int64_t k = 1; k < n; ++k) {
+        const float v = px[(o * n + k) * inner + i];
+        if (v > bv || (std::isnan(v) && !std::isnan(bv))) { bv = v; best = k; }
+      }
+      po[o * inner + i] = static_cast<std::int32_t>(best);
+    }
+  return out;
+}
+
+}  // namespace linum

@@ -1,0 +1,366 @@
+// Data-movement ops. They share one strided-copy kernel: every output element reads
+// x[base + sum_i idx_i * stride_i], with per-axis strides that express transposes, slices and
+// broadcasts.
+#include <linum/core/ops/shape_ops.hpp>
+#include <linum/core/ops/elementwise.hpp>
+#include <linum/core/ops/kernel_util.hpp>
+
+#include <cstring>
+#include <numeric>
+
+namespace linum {
+namespace {
+
+using autodiff::Cotangents;
+using autodiff::needs_grad;
+using autodiff::record;
+using Strides = std::array<std::int64_t, Shape::kMaxRank>;
+
+// Visits every output row (all axes but the last) and calls f(out_offset, in_offset).
+template <class F>
+void for_rows(const Shape& out, const Strides& in_strides, std::int64_t base, F f) {
+  const int rank = out.rank();
+  if (rank == 0) { f(std::int64_t{0}, base); return; }
+  const std::int64_t inner = out[rank - 1];
+  const std::int64_t rows = inner == 0 ? 0 : out.numel() / inner;
+  auto row = [&](std::int64_t r) {
+    std::int64_t rem = r, off = base;
+    for (int d = rank - 2; d >= 0; --d) {
+      off += (rem % out[d]) * in_strides[d];
+      rem /= out[d];
+    }
+    f(r * inner, off);
+  };
+  if (out.numel() >= ops::detail::kParallelMin && rows > 1) {
+#pragma omp parallel for schedule(static)
+    for (std::int64_t r = 0; r < rows; ++r) row(r);
+  } else {
+    for (std::int64_t r = 0; r < rows; ++r) row(r);
+  }
+}
+
+template <class T>
+Array strided_gather(const Array& x, const Shape& out_shape, const Strides& s, std::int64_t base) {
+  Array out = Array::empty(out_shape, x.dtype());
+  const T* px = static_cast<const T*>(x.raw());
+  T* po = static_cast<T*>(const_cast<void*>(out.raw()));
+  const int rank = out_shape.rank();
+  const std::int64_t inner = rank ? out_shape[rank - 1] : 1;
+  const std::int64_t step = rank ? s[rank - 1] : 0;
+  for_rows(out_shape, s, base, [&](std::int64_t o, std::int64_t i) {
+    if (step == 1) std::memcpy(po + o, px + i, static_cast<std::size_t>(inner) * sizeof(T));
+    else for (std::int64_t j = 0; j < inner; ++j) po[o + j] = px[i + j * step];
+  });
+  return out;
+}
+
+Array gather(const Array& x, const Shape& out_shape, const Strides& s, std::int64_t base) {
+  return x.dtype() == DType::f32 ? strided_gather<float>(x, out_shape, s, base)
+                                 : strided_gather<std::int32_t>(x, out_shape, s, base);
+}
+
+// dest[base + idx . s] = src[idx] (dest is freshly allocated; the mapping is injective).
+void strided_scatter(Array& dest, const Array& src, const Strides& s, std::int64_t base) {
+  const float* ps = src.data();
+  float* pd = dest.mutable_data();
+  const int rank = src.rank();
+  const std::int64_t inner = rank ? src.shape()[rank - 1] : 1;
+  const std::int64_t step = rank ? s[rank - 1] : 0;
+  for_rows(src.shape(), s, base, [&](std::int64_t o, std::int64_t i) {
+    for (std::int64_t j = 0; j < inner; ++j) pd[i + j * step] = ps[o + j];
+  });
+}
+
+std::string vec_str(const std::vector<std::int64_t>& v) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+
+}  // namespace
+
+Array ops::detail::broadcast_raw(const Array& x, const Shape& shape) {
+  if (x.shape() == shape) return x.detached();
+  broadcast_shapes(x.shape(), shape, "broadcast_to");
+  if (x.rank() > shape.rank() || !(broadcast_shapes(x.shape(), shape, "broadcast_to") == shape))
+    throw ShapeError(linum::detail::cat("broadcast_to: cannot broadcast shape ", x.shape(), " to ", shape));
+  Strides s{};
+  const auto xs = x.shape().strides();
+  const int lead = shape.rank() - x.rank();
+  for (int i = 0; i < shape.rank(); ++i) {
+    const int ix = i - lead;
+    s[i] = (ix >= 0 && x.shape()[ix] == shape[i]) ? xs[ix] : 0;
+  }
+  return gather(x, shape, s, 0);
+}
+
+Array reshape(const Array& x, const std::vector<std::int64_t>& dims) {
+  ops::detail::require_defined(x, "reshape");
+  std::vector<std::int64_t> d = dims;
+  std::int64_t known = 1;
+  int infer = -1;
+  for (std::size_t i = 0; i < d.size(); ++i) {
+    if (d[i] == -1) {
+      if (infer >= 0) throw ShapeError(detail::cat("reshape: more than one -1 in ", vec_str(dims)));
+      infer = static_cast<int>(i);
+    } else if (d[i] < 0) {
+      throw ShapeError(detail::cat("reshape: negative dimension in ", vec_str(dims)));
+    } else {
+      known *= d[i];
+    }
+  }
+  if (infer >= 0) {
+    if (known == 0 || x.numel() % known != 0)
+      throw ShapeError(detail::cat("reshape: cannot reshape ", x.shape(), " (", x.numel(), " elements) to ",
+                                   vec_str(dims)));
+    d[static_cast<std::size_t>(infer)] = x.numel() / known;
+  }
+  const Shape target(d);
+  if (target.numel() != x.numel())
+    throw ShapeError(detail::cat("reshape: cannot reshape ", x.shape(), " (", x.numel(), " elements) to ", target,
+                                 " (", target.numel(), " elements)"));
+  Array y = x.with_shape(target);
+  if (needs_grad(x))
+    record("reshape", y, {&x}, [xs = x.shape()](Cotangents& c) { c.set(0, c.out().with_shape(xs)); });
+  return y;
+}
+
+Array transpose(const Array& x, const std::vector<int>& perm_in) {
+  ops::detail::require_defined(x, "transpose");
+  std::vector<int> perm = perm_in;
+  if (perm.empty()) {
+    perm.resize(static_cast<std::size_t>(x.rank()));
+    std::iota(perm.rbegin(), perm.rend(), 0);
+  }
+  if (static_cast<int>(perm.size()) != x.rank())
+    throw ShapeError(detail::cat("transpose: permutation has ", perm.size(), " axes for an array of shape ", x.shape()));
+  std::vector<int> seen(perm.size(), 0);
+  for (int& p : perm) {
+    if (p < 0) p += x.rank();
+    if (p < 0 || p >= x.rank() || seen[static_cast<std::size_t>(p)]++)
+      throw ShapeError(detail::cat("transpose: invalid permutation for an array of shape ", x.shape(),
+                                   "; give each axis 0..", x.rank() - 1, " exactly once"));
+  }
+  Shape out;
+  Strides s{};
+  const auto xs = x.shape().strides();
+  for (std::size_t i = 0; i < perm.size(); ++i) {
+    out.push_back(x.shape()[perm[i]]);
+    s[i] = xs[static_cast<std::size_t>(perm[i])];
+  }
+  Array y = gather(x, out, s, 0);
+  if (needs_grad(x)) {
+    std::vector<int> inverse(perm.size());
+    for (std::size_t i = 0; i < perm.size(); ++i) inverse[static_cast<std::size_t>(perm[i])] = static_cast<int>(i);
+    record("transpose", y, {&x}, [inverse](Cotangents& c) { c.set(0, transpose(c.out(), inverse)); });
+  }
+  return y;
+}
+
+Array slice(const Array& x, const std::vector<std::int64_t>& starts, const std::vector<std::int64_t>& limits,
+            const std::vector<std::int64_t>& strides_in) {
+  ops::detail::require_defined(x, "slice");
+  const int rank = x.rank();
+  std::vector<std::int64_t> steps = strides_in.empty() ? std::vector<std::int64_t>(static_cast<std::size_t>(rank), 1)
+                                                       : strides_in;
+  if (static_cast<int>(starts.size()) != rank || static_cast<int>(limits.size()) != rank ||
+      static_cast<int>(steps.size()) != rank)
+    throw ShapeError(detail::cat("slice: starts ", vec_str(starts), ", limits ", vec_str(limits), " and strides ",
+                                 vec_str(steps), " need one entry per axis of shape ", x.shape()));
+  Shape out;
+  Strides s{};
+  std::int64_t base = 0;
+  const auto xs = x.shape().strides();
+  for (int i = 0; i < rank; ++i) {
+    const auto st = starts[i], li = limits[i], sp = steps[i];
+    if (st < 0 || li < st || li > x.shape()[i] || sp < 1)
+      throw ShapeError(detail::cat("slice: axis ", i, " of shape ", x.shape(), ": start ", st, ", limit ", li,
+                                   ", stride ", sp, " is not a valid range (need 0 <= start <= limit <= ",
+                                   x.shape()[i], ", stride >= 1)"));
+    out.push_back((li - st + sp - 1) / sp);
+    s[i] = xs[i] * sp;
+    base += st * xs[i];
+  }
+  Array y = gather(x, out, s, base);
+  if (needs_grad(x))
+    record("slice", y, {&x}, [xshape = x.shape(), s, base](Cotangents& c) {
+      Array g = Array::zeros(xshape);
+      strided_scatter(g, c.out(), s, base);
+      c.set(0, g);
+    });
+  return y;
+}
+
+Array slice_axis(const Array& x, int axis_in, std::int64_t start, std::int64_t limit) {
+  const int axis = x.shape().normalize_axis(axis_in, "slice_axis");
+  std::vector<std::int64_t> starts(static_cast<std::size_t>(x.rank()), 0);
+  std::vector<std::int64_t> limits = x.shape().vec();
+  starts[axis] = start;
+  limits[axis] = limit;
+  return slice(x, starts, limits);
+}
+
+Array concatenate(const std::vector<Array>& xs, int axis_in) {
+  if (xs.empty()) throw ShapeError("concatenate: needs at least one array");
+  for (const Array& a : xs) ops::detail::require_defined(a, "concatenate");
+  const Shape& first = xs[0].shape();
+  const int axis = first.normalize_axis(axis_in, "concatenate");
+  Shape out = first;
+  std::int64_t total = 0;
+  for (const Array& a : xs) {
+    bool ok = a.rank() == first.rank() && a.dtype() == xs[0].dtype();
+    for (int i = 0; ok && i < first.rank(); ++i) ok = i == axis || a.shape()[i] == first[i];
+    if (!ok)
+      throw ShapeError(detail::cat("concatenate: along axis ", axis_in, " cannot join ", dtype_name(xs[0].dtype()),
+                                   first.str(), " with ", dtype_name(a.dtype()), a.shape().str(),
+                                   " (all other axes and the dtype must match)"));
+    total += a.shape()[axis];
+  }
+  out[axis] = total;
+  Array y = Array::empty(out, xs[0].dtype());
+  std::int64_t outer = 1, inner = 1;
+  for (int i = 0; i < axis; ++i) outer *= out[i];
+  for (int i = axis + 1; i < out.rank(); ++i) inner *= out[i];
+  auto* py = static_cast<char*>(const_cast<void*>(y.raw()));
+  std::int64_t offset = 0;
+  for (const Array& a : xs) {
+    const std::int64_t chunk = a.shape()[axis] * inner * 4;
+    const auto* pa = static_cast<const char*>(a.raw());
+    for (std::int64_t o = 0; o < outer; ++o)
+      std::memcpy(py + (o * total * inner) * 4 + offset, pa + o * chunk, static_cast<std::size_t>(chunk));
+    offset += chunk;
+  }
+  if (autodiff::needs_grad(std::span<const Array>(xs))) {
+    std::vector<std::int64_t> sizes;
+    for (const Array& a : xs) sizes.push_back(a.shape()[axis]);
+    std::vector<Array> outs{y};
+    autodiff::record_multi("concatenate", std::span<Array>(outs), autodiff::edges_of(std::span<const Array>(xs)),
+                           [sizes, axis](Cotangents& c) {
+                             std::int64_t start = 0;
+                             for (std::size_t i = 0; i < sizes.size(); ++i) {
+                               if (c.needs(i)) c.set(i, slice_axis(c.out(), axis, start, start + sizes[i]));
+                               start += sizes[i];
+                             }
+                           });
+    y = outs[0];
+  }
+  return y;
+}
+
+std::vector<Array> split(const Array& x, const std::vector<std::int64_t>& indices, int axis_in) {
+  const int axis = x.shape().normalize_axis(axis_in, "split");
+  std::vector<Array> parts;
+  std::int64_t start = 0;
+  for (std::size_t i = 0; i <= indices.size(); ++i) {
+    const std::int64_t end = i < indices.size() ? indices[i] : x.shape()[axis];
+    if (end < start || end > x.shape()[axis])
+      throw ShapeError(detail::cat("split: indices ", vec_str(indices), " are not increasing within axis ", axis_in,
+                                   " of shape ", x.shape()));
+    parts.push_back(slice_axis(x, axis, start, end));
+    start = end;
+  }
+  return parts;
+}
+
+std::vector<Array> split(const Array& x, int sections, int axis_in) {
+  const int axis = x.shape().normalize_axis(axis_in, "split");
+  if (sections < 1 || x.shape()[axis] % sections != 0)
+    throw ShapeError(detail::cat("split: axis ", axis_in, " of shape ", x.shape(), " cannot be split into ", sections,
+                                 " equal sections"));
+  std::vector<std::int64_t> idx;
+  const std::int64_t step = x.shape()[axis] / sections;
+  for (int i = 1; i < sections; ++i) idx.push_back(i * step);
+  return split(x, idx, axis);
+}
+
+Array take(const Array& x, const Array& indices, int axis_in) {
+  ops::detail::require_defined(x, "take");
+  ops::detail::require_defined(indices, "take");
+  if (indices.dtype() != DType::i32)
+    throw ShapeError(detail::cat("take: indices must be int32, got ", dtype_name(indices.dtype()), indices.shape().str()));
+  const int axis = x.shape().normalize_axis(axis_in, "take");
+  const std::int64_t n = x.shape()[axis];
+  const std::int32_t* pi = indices.data_i32();
+  for (std::int64_t k = 0; k < indices.numel(); ++k)
+    if (pi[k] < 0 || pi[k] >= n)
+      throw ValueError(detail::cat("take: index ", pi[k], " at flat position ", k, " is out of range for axis ", axis_in,
+                                   " of size ", n, " (array shape ", x.shape(), ")"));
+  Shape out;
+  std::int64_t outer = 1, inner = 1;
+  for (int i = 0; i < axis; ++i) { out.push_back(x.shape()[i]); outer *= x.shape()[i]; }
+  for (std::int64_t d : indices.shape()) out.push_back(d);
+  for (int i = axis + 1; i < x.rank(); ++i) { out.push_back(x.shape()[i]); inner *= x.shape()[i]; }
+  Array y = Array::empty(out, x.dtype());
+  const auto* px = static_cast<const char*>(x.raw());
+  auto* py = static_cast<char*>(const_cast<void*>(y.raw()));
+  const std::int64_t m = indices.numel();
+  const std::size_t row = static_cast<std::size_t>(inner) * 4;
+  for (std::int64_t o = 0; o < outer; ++o)
+    for (std::int64_t k = 0; k < m; ++k)
+      std::memcpy(py + (o * m + k) * static_cast<std::int64_t>(row), px + (o * n + pi[k]) * static_cast<std::int64_t>(row), row);
+  if (needs_grad(x))
+    record("take", y, {&x}, [xshape = x.shape(), idx = indices.detached(), outer, inner, n](Cotangents& c) {
+      Array g = Array::zeros(xshape);
+      float* pg = g.mutable_data();
+      const float* pc = c.out().data();
+      const std::int32_t* ix = idx.data_i32();
+      const std::int64_t m = idx.numel();
+      for (std::int64_t o = 0; o < outer; ++o)
+        for (std::int64_t k = 0; k < m; ++k) {
+          float* dst = pg + (o * n + ix[k]) * inner;
+          const float* src = pc + (o * m + k) * inner;
+          for (std::int64_t j = 0; j < inner; ++j) dst[j] += src[j];
+        }
+      c.set(0, g);
+    });
+  return y;
+}
+
+Array one_hot(const Array& indices, std::int64_t num_classes) {
+  ops::detail::require_defined(indices, "one_hot");
+  if (indices.dtype() != DType::i32)
+    throw ShapeError(detail::cat("one_hot: labels must be int32, got ", dtype_name(indices.dtype()), indices.shape().str(),
+                                 "; convert with astype(labels, DType::i32)"));
+  if (num_classes < 1) throw ValueError(detail::cat("one_hot: num_classes must be positive, got ", num_classes));
+  Shape out = indices.shape();
+  out.push_back(num_classes);
+  Array y = Array::zeros(out);
+  float* py = y.mutable_data();
+  const std::int32_t* pi = indices.data_i32();
+  for (std::int64_t k = 0; k < indices.numel(); ++k)
+    if (pi[k] >= 0 && pi[k] < num_classes) py[k * num_classes + pi[k]] = 1.0f;
+  return y;
+}
+
+Array broadcast_to(const Array& x, const Shape& shape) {
+  ops::detail::require_defined(x, "broadcast_to");
+  Array y = ops::detail::broadcast_raw(x, shape);
+  if (needs_grad(x))
+    record("broadcast_to", y, {&x}, [xs = x.shape()](Cotangents& c) { c.set(0, ops::detail::sum_to(c.out(), xs)); });
+  return y;
+}
+
+Array expand_dims(const Array& x, int axis) {
+  const int rank = x.rank() + 1;
+  const int a = axis < 0 ? axis + rank : axis;
+  if (a < 0 || a >= rank)
+    throw ShapeError(detail::cat("expand_dims: axis ", axis, " is out of range for shape ", x.shape()));
+  std::vector<std::int64_t> d = x.shape().vec();
+  d.insert(d.begin() + a, 1);
+  return reshape(x, d);
+}
+
+Array squeeze(const Array& x, const std::vector<int>& axes_in) {
+  std::vector<int> axes = ops::detail::normalize_axes(axes_in, x.rank(), "squeeze");
+  std::vector<std::int64_t> d;
+  for (int i = 0; i < x.rank(); ++i) {
+    const bool listed = std::find(axes.begin(), axes.end(), i) != axes.end();
+    if (listed && x.shape()[i] != 1)
+      throw ShapeError(detail::cat("squeeze: axis ", i, " of shape ", x.shape(), " has size ", x.shape()[i], ", not 1"));
+    if ((axes.empty() && x.shape()[i] == 1) || listed) continue;
+    d.push_back(x.shape()[i]);
+  }
+  return reshape(x, d);
+}
+
+}  // namespace linum

@@ -1,0 +1,35 @@
+// Ops that move data without arithmetic: reshape, transpose, slice, concatenate, split, gather
+// (take), one_hot, broadcast_to, expand_dims, squeeze. All differentiable except one_hot.
+#pragma once
+
+#include <linum/core/array.hpp>
+
+#include <cstdint>
+#include <vector>
+
+namespace linum {
+
+// New shape with the same number of elements; one dimension may be -1 (inferred). No copy.
+Array reshape(const Array& x, const std::vector<std::int64_t>& shape);
+// Permutes axes; an empty `perm` reverses them (as jnp.transpose).
+Array transpose(const Array& x, const std::vector<int>& perm = {});
+// x[start:limit:stride] per axis (as lax.slice); `strides` empty means 1 everywhere.
+Array slice(const Array& x, const std::vector<std::int64_t>& starts, const std::vector<std::int64_t>& limits,
+            const std::vector<std::int64_t>& strides = {});
+// x[start:limit] along one axis.
+Array slice_axis(const Array& x, int axis, std::int64_t start, std::int64_t limit);
+Array concatenate(const std::vector<Array>& xs, int axis = 0);
+// Splits into `sections` equal parts along axis (as jnp.split with an int).
+std::vector<Array> split(const Array& x, int sections, int axis = 0);
+// Splits at the given indices along axis (as jnp.split with a list).
+std::vector<Array> split(const Array& x, const std::vector<std::int64_t>& indices, int axis = 0);
+// Gathers x along `axis` at int32 `indices` (embedding lookup). Out-of-range indices are an error.
+Array take(const Array& x, const Array& indices, int axis = 0);
+// One-hot float32 encoding of int32 labels; out-of-range labels give all-zero rows (as jax.nn.one_hot).
+Array one_hot(const Array& indices, std::int64_t num_classes);
+Array broadcast_to(const Array& x, const Shape& shape);
+Array expand_dims(const Array& x, int axis);
+// Removes the given size-1 axes (all size-1 axes when `axes` is empty).
+Array squeeze(const Array& x, const std::vector<int>& axes = {});
+
+}  // namespace linum

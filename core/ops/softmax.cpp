@@ -1,0 +1,43 @@
+#include <linum/core/ops/softmax.hpp>
+#include <linum/core/ops/elementwise.hpp>
+#include <linum/core/ops/kernel_util.hpp>
+#include <linum/core/ops/reduce.hpp>
+
+namespace linum {
+
+using autodiff::Cotangents;
+
+Array softmax(const Array& x, const std::vector<int>& axes) {
+  ops::detail::require_f32(x, "softmax");
+  Array y;
+  {
+    autodiff::NoGradGuard no_grad;
+    Array e = exp(x - max(x, axes, true));
+    y = e / sum(e, axes, true);
+  }
+  if (autodiff::needs_grad(x))
+    autodiff::record("softmax", y, {&x}, [ky = y.detached(), axes](Cotangents& c) {
+      // dx = y * (g - sum(g * y))
+      Array gy = mul(c.out(), ky);
+      c.set(0, sub(gy, mul(ky, sum(gy, axes, true))));
+    });
+  return y;
+}
+
+Array log_softmax(const Array& x, const std::vector<int>& axes) {
+  ops::detail::require_f32(x, "log_softmax");
+  Array y;
+  {
+    autodiff::NoGradGuard no_grad;
+    Array shifted = x - max(x, axes, true);
+    y = shifted - log(sum(exp(shifted), axes, true));
+  }
+  if (autodiff::needs_grad(x))
+    autodiff::record("log_softmax", y, {&x}, [ky = y.detached(), axes](Cotangents& c) {
+      // dx = g - exp(y) * sum(g)
+      c.set(0, sub(c.out(), mul(exp(ky), sum(c.out(), axes, true))));
+    });
+  return y;
+}
+
+}  // namespace linum

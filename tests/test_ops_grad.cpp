@@ -1,0 +1,179 @@
+// Every op against central finite differences, with per-op tolerances.
+#include <doctest/doctest.h>
+
+#include "testing/gradcheck.hpp"
+
+#include <cmath>
+
+using namespace linum;
+using linum::testing::check_gradients;
+using linum::testing::GradCheckOptions;
+using linum::testing::random_array;
+using V = std::vector<Array>;
+
+namespace {
+Array r(const Shape& s, unsigned seed, float lo = -1.0f, float hi = 1.0f, float away = 0.0f) {
+  return random_array(s, seed, lo, hi, away);
+}
+}  // namespace
+
+TEST_CASE("binary arithmetic with broadcasting") {
+  const Shape a{2, 3, 4}, row{4}, col{3, 1};
+  CHECK(check_gradients("add", [](const V& v) { return add(v[0], v[1]); }, {r(a, 1), r(row, 2)}));
+  CHECK(check_gradients("sub", [](const V& v) { return sub(v[0], v[1]); }, {r(col, 3), r(a, 4)}));
+  CHECK(check_gradients("mul", [](const V& v) { return mul(v[0], v[1]); }, {r(a, 5), r(col, 6)}));
+  CHECK(check_gradients("div", [](const V& v) { return div(v[0], v[1]); }, {r(a, 7), r(row, 8, 0.5f, 2.0f)}));
+  CHECK(check_gradients("pow", [](const V& v) { return pow(v[0], v[1]); }, {r(a, 9, 0.5f, 2.0f), r(row, 10)}));
+  CHECK(check_gradients("maximum", [](const V& v) { return maximum(v[0], v[1]); }, {r(a, 11), r(row, 12)},
+                        {.eps = 1e-3}));
+  CHECK(check_gradients("minimum", [](const V& v) { return minimum(v[0], v[1]); }, {r(a, 13), r(a, 14)},
+                        {.eps = 1e-3}));
+  CHECK(check_gradients("neg", [](const V& v) { return neg(v[0]); }, {r(a, 15)}));
+  CHECK(check_gradients("scalar ops", [](const V& v) { return (2.0f * v[0] - 1.0f) / 3.0f + 0.5f; }, {r(a, 16)}));
+}
+
+TEST_CASE("unary math and activations") {
+  const Shape s{3, 5};
+  struct Case {
+    const char* name;
+    std::function<Array(const Array&)> fn;
+    float lo, hi, away;
+  };
+  const Case cases[] = {
+      {"exp", [](const Array& x) { return exp(x); }, -2, 2, 0},
+      {"log", [](const Array& x) { return log(x); }, 0.5f, 3, 0},
+      {"log1p", [](const Array& x) { return log1p(x); }, -0.5f, 3, 0},
+      {"sqrt", [](const Array& x) { return sqrt(x); }, 0.5f, 3, 0},
+      {"rsqrt", [](const Array& x) { return rsqrt(x); }, 0.5f, 3, 0},
+      {"square", [](const Array& x) { return square(x); }, -2, 2, 0},
+      {"abs", [](const Array& x) { return abs(x); }, -2, 2, 0.05f},
+      {"tanh", [](const Array& x) { return tanh(x); }, -2, 2, 0},
+      {"sigmoid", [](const Array& x) { return sigmoid(x); }, -4, 4, 0},
+      {"relu", [](const Array& x) { return relu(x); }, -2, 2, 0.05f},
+      {"gelu (tanh)", [](const Array& x) { return gelu(x, true); }, -3, 3, 0},
+      {"gelu (erf)", [](const Array& x) { return gelu(x, false); }, -3, 3, 0},
+      {"silu", [](const Array& x) { return silu(x); }, -3, 3, 0},
+      {"softplus", [](const Array& x) { return softplus(x); }, -3, 3, 0},
+      {"clip", [](const Array& x) { return clip(x, -0.5f, 0.5f); }, -1, 1, 0},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.name);
+    Array x = r(s, 20, c.lo, c.hi, c.away);
+    if (std::string(c.name) == "clip") {  // keep away from the clip bounds
+      float* p = x.mutable_data();
+      for (std::int64_t i = 0; i < x.numel(); ++i)
+        if (std::fabs(std::fabs(p[i]) - 0.5f) < 0.05f) p[i] *= 1.2f;
+    }
+    CHECK(check_gradients(c.name, [&](const V& v) { return c.fn(v[0]); }, {x}, {.eps = 1e-3}));
+  }
+}
+
+TEST_CASE("where selects and routes gradients") {
+  Array cond = Array::from(Shape{3, 1}, {1, 0, 1});
+  CHECK(check_gradients("where", [&](const V& v) { return where(cond, v[0], v[1]); },
+                        {r(Shape{3, 4}, 30), r(Shape{4}, 31)}));
+}
+
+TEST_CASE("reductions") {
+  const Shape s{2, 3, 4};
+  for (std::vector<int> axes : {std::vector<int>{0}, {1}, {2}, {0, 2}, {-1, -2}, {0, 1, 2}}) {
+    for (bool keep : {false, true}) {
+      CAPTURE(axes.size());
+      CAPTURE(keep);
+      CHECK(check_gradients("sum", [&](const V& v) { return sum(v[0], axes, keep); }, {r(s, 40)}));
+      CHECK(check_gradients("mean", [&](const V& v) { return mean(v[0], axes, keep); }, {r(s, 41)}));
+      CHECK(check_gradients("max", [&](const V& v) { return max(v[0], axes, keep); }, {r(s, 42)}, {.eps = 1e-3}));
+      CHECK(check_gradients("min", [&](const V& v) { return min(v[0], axes, keep); }, {r(s, 43)}, {.eps = 1e-3}));
+      CHECK(check_gradients("var", [&](const V& v) { return var(v[0], axes, keep); }, {r(s, 44)}));
+      CHECK(check_gradients("logsumexp", [&](const V& v) { return logsumexp(v[0], axes, keep); }, {r(s, 45)}));
+    }
+  }
+  CHECK(check_gradients("sum all", [](const V& v) { return sum(v[0]); }, {r(s, 46)}));
+}
+
+TEST_CASE("matmul and dot_general") {
+  CHECK(check_gradients("matmul 2d", [](const V& v) { return matmul(v[0], v[1]); }, {r({3, 4}, 50), r({4, 5}, 51)}));
+  CHECK(check_gradients("matmul vec", [](const V& v) { return matmul(v[0], v[1]); }, {r({4}, 52), r({4, 5}, 53)}));
+  CHECK(check_gradients("matmul mat-vec", [](const V& v) { return matmul(v[0], v[1]); }, {r({3, 4}, 54), r({4}, 55)}));
+  CHECK(check_gradients("matmul batched+broadcast", [](const V& v) { return matmul(v[0], v[1]); },
+                        {r({2, 1, 3, 4}, 56), r({3, 4, 2}, 57)}));
+  DotDims dims{.lhs_contracting = {2}, .rhs_contracting = {1}, .lhs_batch = {0}, .rhs_batch = {0}};
+  CHECK(check_gradients("dot_general bmm", [&](const V& v) { return dot_general(v[0], v[1], dims); },
+                        {r({2, 3, 4}, 58), r({2, 4, 5}, 59)}));
+  DotDims attn{.lhs_contracting = {3}, .rhs_contracting = {3}, .lhs_batch = {0, 2}, .rhs_batch = {0, 2}};
+  CHECK(check_gradients("dot_general attention", [&](const V& v) { return dot_general(v[0], v[1], attn); },
+                        {r({2, 3, 2, 4}, 60), r({2, 5, 2, 4}, 61)}));
+}
+
+TEST_CASE("data movement") {
+  CHECK(check_gradients("reshape", [](const V& v) { return reshape(v[0], {4, -1}); }, {r({2, 3, 4}, 70)}));
+  CHECK(check_gradients("transpose", [](const V& v) { return transpose(v[0], {2, 0, 1}); }, {r({2, 3, 4}, 71)}));
+  CHECK(check_gradients("slice", [](const V& v) { return slice(v[0], {0, 1, 0}, {2, 3, 4}, {1, 1, 2}); },
+                        {r({2, 3, 4}, 72)}));
+  CHECK(check_gradients("concatenate", [](const V& v) { return concatenate({v[0], v[1], v[0]}, 1); },
+                        {r({2, 3}, 73), r({2, 2}, 74)}));
+  CHECK(check_gradients("split", [](const V& v) { auto p = split(v[0], 2, 1); return p[0] * p[1]; },
+                        {r({2, 4}, 75)}));
+  CHECK(check_gradients("split indices", [](const V& v) { auto p = split(v[0], std::vector<std::int64_t>{1, 3}, 0); return concatenate({p[2], p[0]}, 0); },
+                        {r({4, 2}, 76)}));
+  Array idx = Array::from_i32(Shape{2, 2}, {0, 2, 2, 1});
+  CHECK(check_gradients("take", [&](const V& v) { return take(v[0], idx, 0); }, {r({3, 4}, 77)}));
+  CHECK(check_gradients("take axis 1", [&](const V& v) { return take(v[0], idx, 1); }, {r({2, 3, 2}, 78)}));
+  CHECK(check_gradients("broadcast_to", [](const V& v) { return broadcast_to(v[0], Shape{2, 3, 4}); }, {r({3, 1}, 79)}));
+  CHECK(check_gradients("expand/squeeze", [](const V& v) { return squeeze(expand_dims(v[0], 1)) * 2.0f; }, {r({3, 4}, 80)}));
+}
+
+TEST_CASE("softmax and log_softmax") {
+  CHECK(check_gradients("softmax", [](const V& v) { return softmax(v[0]); }, {r({3, 5}, 90, -2, 2)}));
+  CHECK(check_gradients("softmax axis 0", [](const V& v) { return softmax(v[0], {0}); }, {r({3, 5}, 91, -2, 2)}));
+  CHECK(check_gradients("log_softmax", [](const V& v) { return log_softmax(v[0]); }, {r({3, 5}, 92, -2, 2)}));
+}
+
+TEST_CASE("conv2d: strides, padding, dilation, groups") {
+  struct Case {
+    const char* name;
+    ConvOptions opt;
+    Shape x, w;
+  };
+  const Case cases[] = {
+      {"same", {}, {2, 5, 5, 3}, {3, 3, 3, 4}},
+      {"valid stride 2", {.strides = {2, 2}, .padding = Padding::valid()}, {1, 6, 7, 2}, {3, 2, 2, 3}},
+      {"dilation 2", {.padding = Padding::same(), .dilation = {2, 2}}, {1, 6, 6, 2}, {3, 3, 2, 2}},
+      {"groups 2", {.feature_group_count = 2}, {2, 4, 4, 4}, {3, 3, 2, 6}},
+      {"explicit pads", {.strides = {2, 1}, .padding = Padding::explicit_pads(1, 0, 2, 1)}, {1, 5, 4, 1}, {2, 3, 1, 2}},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.name);
+    CHECK(check_gradients(c.name, [&](const V& v) { return conv2d(v[0], v[1], c.opt); }, {r(c.x, 100), r(c.w, 101)}));
+  }
+}
+
+TEST_CASE("pooling") {
+  CHECK(check_gradients("avg_pool", [](const V& v) { return avg_pool(v[0], {.window = {2, 2}, .strides = {2, 2}}); },
+                        {r({2, 4, 4, 3}, 110)}));
+  CHECK(check_gradients("avg_pool same, overlapping, exclude pad",
+                        [](const V& v) {
+                          return avg_pool(v[0], {.window = {3, 3}, .strides = {1, 2}, .padding = Padding::same(),
+                                                 .count_include_pad = false});
+                        },
+                        {r({1, 5, 5, 2}, 111)}));
+  CHECK(check_gradients("max_pool", [](const V& v) { return max_pool(v[0], {.window = {2, 2}, .strides = {2, 2}}); },
+                        {r({2, 4, 4, 3}, 112)}, {.eps = 1e-3}));
+  CHECK(check_gradients("max_pool same overlapping",
+                        [](const V& v) { return max_pool(v[0], {.window = {3, 3}, .strides = {1, 1}, .padding = Padding::same()}); },
+                        {r({1, 4, 4, 2}, 113)}, {.eps = 1e-3}));
+}
+
+TEST_CASE("the gradient check catches a wrong backward rule") {
+  // x * 3 recorded with the rule of x * 2: the harness must notice.
+  auto wrong = [](const V& v) {
+    Array y = v[0] * 3.0f;
+    Array out = y.detached();
+    if (autodiff::needs_grad(v[0]))
+      autodiff::record("wrong", out, {&v[0]}, [](autodiff::Cotangents& c) { c.set(0, c.out() * 2.0f); });
+    return out;
+  };
+  CHECK_FALSE(linum::testing::first_gradient_mismatch("wrong", wrong, {r({3}, 1)}).empty());
+  auto right = [](const V& v) { return v[0] * 3.0f; };
+  CHECK(linum::testing::first_gradient_mismatch("right", right, {r({3}, 1)}).empty());
+}
