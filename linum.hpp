@@ -8,3 +8,5 @@
 #include <linum/core/shape.hpp>
 #include <linum/rng/rng.hpp>
 #include <linum/core/autodiff/graph.hpp>
+#include <linum/core/autodiff/grad.hpp>
+#include <linum/core/ops.hpp>
