@@ -416,6 +416,13 @@ TEST_CASE("Streams: derivation is deterministic across threads and separates pat
   rng::Streams more = streams;
   more.set("noise", rng::key(99));
   CHECK(more.derive("dropout", a, 1) == ka1);
+  // Siblings drawn in another order, or with a new sibling in between, get the same keys: each
+  // key depends only on (stream, path, count).
+  const Key kb1 = streams.derive("dropout", b, 1);
+  const std::vector<std::string> added{"Encoder", "Extra_0"};
+  (void)streams.derive("dropout", added, 1);
+  CHECK(streams.derive("dropout", b, 1) == kb1);
+  CHECK(streams.derive("dropout", a, 1) == ka1);
   std::set<std::pair<std::uint32_t, std::uint32_t>> distinct;
   for (const auto* p : {&a, &b, &c})
     for (std::uint64_t count : {1, 2, 3, 256})
