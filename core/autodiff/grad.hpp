@@ -40,6 +40,29 @@ struct Differentiable<Array> {
   static void outputs(const Array& y, std::vector<Array>& out) { out.push_back(y); }
 };
 
+// A list of arrays (e.g. the layers' parameters) differentiates element by element.
+template <>
+struct Differentiable<std::vector<Array>> {
+  static std::vector<Array> track(const std::vector<Array>& xs) {
+    std::vector<Array> out;
+    out.reserve(xs.size());
+    for (const Array& x : xs) out.push_back(autodiff::make_leaf(x));
+    return out;
+  }
+  static std::vector<Array> gradient(const std::vector<Array>& tracked) {
+    std::vector<Array> out;
+    out.reserve(tracked.size());
+    for (const Array& t : tracked) out.push_back(Differentiable<Array>::gradient(t));
+    return out;
+  }
+  static std::vector<Array> detach(const std::vector<Array>& xs) {
+    std::vector<Array> out;
+    for (const Array& x : xs) out.push_back(x.detached());
+    return out;
+  }
+  static void outputs(const std::vector<Array>& ys, std::vector<Array>& out) { out.insert(out.end(), ys.begin(), ys.end()); }
+};
+
 template <class T>
 concept DifferentiableValue = requires { sizeof(Differentiable<std::decay_t<T>>); };
 

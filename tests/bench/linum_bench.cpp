@@ -1,0 +1,227 @@
+// linum-bench: measured speed and memory, printed as one JSON line per variant.
+//
+//   linum-bench mlp [--layers L] [--width W] [--batch B] [--steps S] [--threads T]
+//       The deep-MLP training step: L x (Dense(W) + GELU) on a batch of B, loss mean(h * h),
+//       forward + backward. Fields: bench, variant, step_s_min, step_s_median, model_gflops
+//       (6 B W^2 L / step_s_min), gemm_gflops (raw Eigen GEMM on the [B, W] x [W, W] shape, same run),
+//       gemm_ratio, peak_activation_bytes (exact accounting: peak live bytes during the step minus live
+//       bytes before it), peak_rss_growth_mib.
+//   linum-bench ops [--iters N]
+//       Per-op cost on tiny arrays, with and without recording the autodiff graph.
+#include <linum/linum.hpp>
+
+#include <Eigen/Core>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <string>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+using namespace linum;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+long status_kib(const char* field) {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  const std::size_t n = std::strlen(field);
+  while (std::getline(f, line))
+    if (line.compare(0, n, field) == 0) return std::stol(line.substr(n + 1));
+  return 0;
+}
+
+void reset_peak_rss() {
+  std::ofstream f("/proc/self/clear_refs");
+  f << "5";
+}
+
+struct Flags {
+  std::map<std::string, long> values;
+  long get(const std::string& k, long d) const {
+    auto it = values.find(k);
+    return it == values.end() ? d : it->second;
+  }
+};
+
+Flags parse_flags(int argc, char** argv, int first) {
+  Flags f;
+  for (int i = first; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a.rfind("--", 0) != 0 || i + 1 >= argc) {
+      std::cerr << "linum-bench: expected --name value, got '" << a << "'\n";
+      std::exit(2);
+    }
+    f.values[a.substr(2)] = std::stol(argv[++i]);
+  }
+  return f;
+}
+
+Array random_normal(const Shape& s, unsigned seed, float scale) {
+  Array a = Array::empty(s);
+  std::uint32_t state = seed * 747796405u + 2891336453u;
+  float* p = a.mutable_data();
+  for (std::int64_t i = 0; i < a.numel(); ++i) {
+    state = state * 1664525u + 1013904223u;
+    p[i] = scale * (static_cast<float>(state >> 8) / 16777216.0f - 0.5f) * 3.4641016f;  // unit variance
+  }
+  return a;
+}
+
+double gemm_gflops(std::int64_t m, std::int64_t k, std::int64_t n, int reps) {
+  using M = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  M a = M::Random(m, k), b = M::Random(k, n), c(m, n);
+  c.noalias() = a * b;  // warm-up
+  double best = 1e30;
+  for (int r = 0; r < reps; ++r) {
+    auto t = Clock::now();
+    c.noalias() = a * b;
+    best = std::min(best, seconds_since(t));
+  }
+  return 2.0 * m * k * n / best / 1e9;
+}
+
+int bench_mlp(const Flags& f) {
+  const long L = f.get("layers", 24), W = f.get("width", 512), B = f.get("batch", 2048), steps = f.get("steps", 5);
+  const int threads = static_cast<int>(f.get("threads", 2));
+#ifdef _OPENMP
+  omp_set_num_threads(threads);
+#endif
+  Eigen::setNbThreads(threads);
+  const double gemm = gemm_gflops(B, W, W, 10);
+
+  std::vector<Array> params;
+  for (long l = 0; l < L; ++l) {
+    params.push_back(random_normal(Shape{W, W}, static_cast<unsigned>(2 * l + 1), 1.0f / std::sqrt(static_cast<float>(W))));
+    params.push_back(Array::zeros(Shape{W}));
+  }
+  const Array x = random_normal(Shape{B, W}, 7u, 1.0f);
+
+  auto loss = [L](const std::vector<Array>& p, const Array& input) {
+    Array h = input;
+    for (long l = 0; l < L; ++l) h = gelu(matmul(h, p[2 * l]) + p[2 * l + 1]);
+    return mean(h * h);
+  };
+  auto step = value_and_grad(loss);
+
+  const std::string variant = "plain";
+  (void)step(params, x);  // warm-up
+  std::vector<double> times;
+  std::int64_t peak_activation = 0;
+  const long rss_before = status_kib("VmRSS");
+  reset_peak_rss();
+  for (long s = 0; s < steps; ++s) {
+    memory::PeakScope scope;
+    auto t = Clock::now();
+    auto [value, grads] = step(params, x);
+    times.push_back(seconds_since(t));
+    // Activations: everything beyond what was live before, minus the gradients the step returns.
+    std::int64_t grad_bytes = 0;
+    for (const Array& g : grads) grad_bytes += static_cast<std::int64_t>(g.nbytes());
+    peak_activation = std::max(peak_activation, scope.peak_growth() - grad_bytes);
+  }
+  const long rss_peak = status_kib("VmHWM");
+  std::sort(times.begin(), times.end());
+  const double flops = 6.0 * B * W * W * L;
+  nlohmann::json out = {
+      {"bench", "mlp"},
+      {"variant", variant},
+      {"layers", L},
+      {"width", W},
+      {"batch", B},
+      {"threads", threads},
+      {"steps", steps},
+      {"step_s_min", times.front()},
+      {"step_s_median", times[times.size() / 2]},
+      {"model_gflops", flops / times.front() / 1e9},
+      {"gemm_gflops", gemm},
+      {"gemm_ratio", flops / times.front() / 1e9 / gemm},
+      {"peak_activation_bytes", peak_activation},
+      {"peak_rss_growth_mib", static_cast<double>(rss_peak - rss_before) / 1024.0},
+  };
+  std::cout << out.dump() << std::endl;
+  return 0;
+}
+
+int bench_ops(const Flags& f) {
+  const long iters = f.get("iters", 200000);
+#ifdef _OPENMP
+  omp_set_num_threads(1);
+#endif
+  const Array a = Array::from(Shape{4}, {1, 2, 3, 4});
+  const Array b = Array::from(Shape{4}, {0.5f, 0.25f, 2, 1});
+  struct OpCase {
+    const char* name;
+    std::function<Array(const Array&, const Array&)> fn;
+  };
+  const std::vector<OpCase> cases = {
+      {"add", [](const Array& x, const Array& y) { return x + y; }},
+      {"mul", [](const Array& x, const Array& y) { return x * y; }},
+      {"exp", [](const Array& x, const Array&) { return exp(x); }},
+      {"tanh", [](const Array& x, const Array&) { return tanh(x); }},
+      {"sum", [](const Array& x, const Array&) { return sum(x); }},
+      {"reshape", [](const Array& x, const Array&) { return reshape(x, {2, 2}); }},
+  };
+  for (const OpCase& c : cases) {
+    auto time_it = [&](const Array& x) {
+      double best = 1e30;
+      for (int rep = 0; rep < 3; ++rep) {
+        auto t = Clock::now();
+        for (long i = 0; i < iters; ++i) {
+          Array y = c.fn(x, b);
+          if (y.numel() == 0) std::abort();
+        }
+        best = std::min(best, seconds_since(t));
+      }
+      return best / static_cast<double>(iters) * 1e9;
+    };
+    const double plain_ns = time_it(a);
+    double recorded_ns;
+    {
+      autodiff::EnableGradGuard on;
+      recorded_ns = time_it(autodiff::make_leaf(a));
+    }
+    nlohmann::json out = {{"bench", "ops"},
+                          {"op", c.name},
+                          {"shape", "(4,)"},
+                          {"plain_ns", plain_ns},
+                          {"recorded_ns", recorded_ns},
+                          {"recording_overhead_ns", recorded_ns - plain_ns}};
+    std::cout << out.dump() << std::endl;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::cerr << "usage: linum-bench mlp|ops [--name value ...]\n";
+    return 2;
+  }
+  const std::string what = argv[1];
+  try {
+    const Flags flags = parse_flags(argc, argv, 2);
+    if (what == "mlp") return bench_mlp(flags);
+    if (what == "ops") return bench_ops(flags);
+  } catch (const std::exception& e) {
+    std::cerr << "linum-bench: " << e.what() << "\n";
+    return 1;
+  }
+  std::cerr << "linum-bench: unknown benchmark '" << what << "' (choose mlp or ops)\n";
+  return 2;
+}

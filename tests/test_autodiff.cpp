@@ -1,0 +1,145 @@
+// The autodiff API and graph: values, gradients w.r.t. several arguments, vjp, stop_gradient,
+// no-grad, per-thread state, memory released after backward, deep graphs, misuse errors.
+#include <doctest/doctest.h>
+#include <linum/linum.hpp>
+
+#include "testing/gradcheck.hpp"
+
+#include <thread>
+
+using namespace linum;
+using linum::testing::random_array;
+
+TEST_CASE("value_and_grad of a simple function") {
+  Array x = Array::from(Shape{3}, {1, 2, 3});
+  auto [v, g] = value_and_grad([](const Array& a) { return sum(a * a); })(x);
+  CHECK(v.item() == doctest::Approx(14));
+  CHECK(g.to_vector() == std::vector<float>{2, 4, 6});
+  CHECK(v.node() == nullptr);  // results are detached
+}
+
+TEST_CASE("gradients with respect to several arguments, others pass through") {
+  Array w = Array::from(Shape{2, 2}, {1, 2, 3, 4});
+  Array x = Array::from(Shape{1, 2}, {1, -1});
+  auto f = [](const Array& w, const Array& x, float scale) { return sum(matmul(x, w)) * scale; };
+  auto [v, grads] = value_and_grad<0, 1>(f)(w, x, 2.0f);
+  auto [dw, dx] = grads;
+  CHECK(v.item() == doctest::Approx(2 * ((1 - 3) + (2 - 4))));
+  CHECK(dw.to_vector() == std::vector<float>{2, 2, -2, -2});
+  CHECK(dx.to_vector() == std::vector<float>{2 * 3, 2 * 7});
+  auto only_x = grad<1>(f)(w, x, 1.0f);
+  CHECK(only_x.to_vector() == std::vector<float>{3, 7});
+}
+
+TEST_CASE("has_aux: auxiliary outputs come back detached") {
+  Array x = Array::from(Shape{2}, {3, 4});
+  auto [v, aux, g] = value_and_grad([](const Array& a) { return std::make_pair(sum(a * a), a * 2.0f); })(x);
+  CHECK(v.item() == doctest::Approx(25));
+  CHECK(aux.to_vector() == std::vector<float>{6, 8});
+  CHECK(aux.node() == nullptr);
+  CHECK(g.to_vector() == std::vector<float>{6, 8});
+}
+
+TEST_CASE("unused arguments get zero gradients; a variable used twice accumulates") {
+  Array x = Array::from(Shape{2}, {1, 2});
+  Array y = Array::from(Shape{2}, {5, 5});
+  auto [v, grads] = value_and_grad<0, 1>([](const Array& a, const Array&) { return sum(a * a + a); })(x, y);
+  CHECK(std::get<0>(grads).to_vector() == std::vector<float>{3, 5});
+  CHECK(std::get<1>(grads).to_vector() == std::vector<float>{0, 0});
+}
+
+TEST_CASE("vjp keeps its graph and can be pulled back several times") {
+  Array x = Array::from(Shape{3}, {1, 2, 3});
+  auto [y, pullback] = vjp([](const Array& a) { return a * a; }, x);
+  CHECK(y.to_vector() == std::vector<float>{1, 4, 9});
+  CHECK(pullback(Array::ones(Shape{3})).to_vector() == std::vector<float>{2, 4, 6});
+  CHECK(pullback(Array::from(Shape{3}, {1, 0, 2})).to_vector() == std::vector<float>{2, 0, 12});
+}
+
+TEST_CASE("stop_gradient and NoGradGuard") {
+  Array x = Array::from(Shape{2}, {1, 2});
+  auto g = grad([](const Array& a) { return sum(a * stop_gradient(a)); })(x);
+  CHECK(g.to_vector() == std::vector<float>{1, 2});
+  auto g2 = grad([](const Array& a) {
+    Array c;
+    {
+      autodiff::NoGradGuard off;
+      c = a * 10.0f;
+    }
+    return sum(a + c);
+  })(x);
+  CHECK(g2.to_vector() == std::vector<float>{1, 1});
+  // grad records even when called under a NoGradGuard.
+  autodiff::NoGradGuard outer;
+  CHECK(grad([](const Array& a) { return sum(a * 3.0f); })(x).to_vector() == std::vector<float>{3, 3});
+}
+
+TEST_CASE("recording state is per thread") {
+  autodiff::NoGradGuard off_here;
+  bool other_thread_records = false;
+  std::thread t([&] { other_thread_records = autodiff::is_recording(); });
+  t.join();
+  CHECK(other_thread_records);
+  CHECK_FALSE(autodiff::is_recording());
+}
+
+TEST_CASE("graph memory is released after backward") {
+  const Array w = random_array(Shape{64, 64}, 1);
+  const Array x = random_array(Shape{32, 64}, 2);
+  const auto before = memory::stats().live_bytes;
+  {
+    auto [v, g] = value_and_grad([](const Array& w, const Array& x) {
+      Array h = x;
+      for (int i = 0; i < 10; ++i) h = tanh(matmul(h, w));
+      return mean(h);
+    })(w, x);
+    // Only the value and the gradient survive.
+    CHECK(memory::stats().live_bytes - before == static_cast<std::int64_t>(v.nbytes() + g.nbytes()));
+  }
+  CHECK(memory::stats().live_bytes == before);
+}
+
+TEST_CASE("saved arrays are freed during the sweep, not after it") {
+  // A chain of L tanh layers keeps L outputs; the backward sweep frees each as it passes, so the
+  // peak during backward is not above the peak at the end of the forward pass.
+  const Array x = random_array(Shape{1000}, 3);
+  Array y;
+  auto leaf = autodiff::make_leaf(x);
+  {
+    Array h = leaf;
+    for (int i = 0; i < 50; ++i) h = tanh(h);
+    y = sum(h);
+  }
+  const auto after_forward = memory::stats().live_bytes;
+  memory::PeakScope scope;
+  Array one = Array::ones(Shape{});
+  autodiff::backward(std::span<const Array>(&y, 1), std::span<const Array>(&one, 1));
+  CHECK(scope.peak_bytes() <= after_forward + 3 * 4000);
+  CHECK(memory::stats().live_bytes < after_forward - 40 * 4000);
+}
+
+TEST_CASE("deep graphs do not overflow the stack") {
+  Array x = Array::from(Shape{1}, {0.5f});
+  auto g = grad([](const Array& a) {
+    Array h = a;
+    for (int i = 0; i < 200000; ++i) h = h + 0.0f;
+    return sum(h);
+  })(x);
+  CHECK(g.item() == 1.0f);
+}
+
+TEST_CASE("misuse gives clear errors") {
+  Array x = Array::from(Shape{2}, {1, 2});
+  CHECK_THROWS_WITH_AS(value_and_grad([](const Array& a) { return a * 2.0f; })(x),
+                       doctest::Contains("must return a float32 scalar"), AutodiffError);
+  Array labels = Array::from_i32(Shape{2}, {0, 1});
+  CHECK_THROWS_WITH_AS(grad([](const Array& a) { return sum(astype(a, DType::f32)); })(labels),
+                       doctest::Contains("only float32 arrays can be differentiated"), AutodiffError);
+  // Reusing a graph that a backward pass has consumed.
+  Array leaf = autodiff::make_leaf(x);
+  Array y = sum(exp(leaf));
+  Array one = Array::ones(Shape{});
+  autodiff::backward(std::span<const Array>(&y, 1), std::span<const Array>(&one, 1));
+  CHECK_THROWS_WITH_AS(autodiff::backward(std::span<const Array>(&y, 1), std::span<const Array>(&one, 1)),
+                       doctest::Contains("already used by a backward pass"), AutodiffError);
+}

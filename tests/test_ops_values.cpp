@@ -1,0 +1,144 @@
+// Forward values of ops against hand-computed references, and the errors every op gives for
+// shapes it cannot accept (each names the op and the shapes).
+#include <doctest/doctest.h>
+#include <linum/linum.hpp>
+
+#include <cmath>
+#include <limits>
+
+using namespace linum;
+
+namespace {
+void check_close(const Array& a, const std::vector<float>& want, float tol = 1e-6f) {
+  REQUIRE(a.numel() == static_cast<std::int64_t>(want.size()));
+  for (std::size_t i = 0; i < want.size(); ++i) CHECK(a.data()[i] == doctest::Approx(want[i]).epsilon(tol));
+}
+}  // namespace
+
+TEST_CASE("broadcasting arithmetic") {
+  Array a = Array::from(Shape{2, 3}, {1, 2, 3, 4, 5, 6});
+  Array row = Array::from(Shape{3}, {10, 20, 30});
+  Array col = Array::from(Shape{2, 1}, {100, 200});
+  check_close(a + row, {11, 22, 33, 14, 25, 36});
+  check_close(a * col, {100, 200, 300, 800, 1000, 1200});
+  check_close(col - row, {90, 80, 70, 190, 180, 170});
+  CHECK((col - row).shape() == Shape{2, 3});
+  check_close(pow(a, 2.0f), {1, 4, 9, 16, 25, 36});
+  check_close(maximum(a, Array::scalar(3.5f)), {3.5f, 3.5f, 3.5f, 4, 5, 6});
+}
+
+TEST_CASE("math and activations") {
+  Array x = Array::from(Shape{4}, {-2, -0.5f, 0, 1.5f});
+  check_close(relu(x), {0, 0, 0, 1.5f});
+  check_close(abs(x), {2, 0.5f, 0, 1.5f});
+  check_close(sigmoid(x), {1 / (1 + std::exp(2.f)), 1 / (1 + std::exp(0.5f)), 0.5f, 1 / (1 + std::exp(-1.5f))}, 1e-5f);
+  check_close(softplus(x), {std::log1p(std::exp(-2.f)), std::log1p(std::exp(-0.5f)), std::log(2.f), std::log1p(std::exp(1.5f))}, 1e-5f);
+  // 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) and x Phi(x) at x = 1.5, computed in double
+  CHECK(gelu(Array::scalar(1.5f), true).item() == doctest::Approx(1.3995715f).epsilon(1e-5));
+  CHECK(gelu(Array::scalar(1.5f), false).item() == doctest::Approx(1.3997892f).epsilon(1e-5));
+  check_close(silu(x), {-2 / (1 + std::exp(2.f)), -0.5f / (1 + std::exp(0.5f)), 0, 1.5f / (1 + std::exp(-1.5f))}, 1e-5f);
+  check_close(clip(x, -1, 1), {-1, -0.5f, 0, 1});
+  check_close(where(greater(x, Array::scalar(0)), x, Array::scalar(-9)), {-9, -9, -9, 1.5f});
+}
+
+TEST_CASE("reductions") {
+  Array a = Array::from(Shape{2, 3}, {1, 5, 3, 4, 2, 6});
+  check_close(sum(a, {0}), {5, 7, 9});
+  check_close(sum(a, {1}, true), {9, 12});
+  CHECK(sum(a, {1}, true).shape() == Shape{2, 1});
+  check_close(mean(a), {3.5f});
+  check_close(max(a, {1}), {5, 6});
+  check_close(min(a, {0}), {1, 2, 3});
+  check_close(var(a, {1}), {8.0f / 3, 8.0f / 3});
+  check_close(logsumexp(a, {1}), {std::log(std::exp(1.f) + std::exp(5.f) + std::exp(3.f)),
+                                  std::log(std::exp(4.f) + std::exp(2.f) + std::exp(6.f))}, 1e-5f);
+  CHECK(argmax(a, 1).to_vector_i32() == std::vector<std::int32_t>{1, 2});
+  // logsumexp of an all -inf row is -inf, not NaN.
+  float inf = std::numeric_limits<float>::infinity();
+  CHECK(logsumexp(Array::from(Shape{2}, {-inf, -inf})).item() == -inf);
+}
+
+TEST_CASE("matmul, dot_general, softmax") {
+  Array a = Array::from(Shape{2, 2}, {1, 2, 3, 4});
+  Array b = Array::from(Shape{2, 2}, {5, 6, 7, 8});
+  check_close(matmul(a, b), {19, 22, 43, 50});
+  check_close(matmul(Array::from(Shape{2}, {1, 1}), b), {12, 14});
+  DotDims d{.lhs_contracting = {0}, .rhs_contracting = {0}};
+  check_close(dot_general(a, b, d), {26, 30, 38, 44});  // a^T b
+  Array s = softmax(Array::from(Shape{1, 3}, {1, 2, 3}));
+  const float z = std::exp(1.f) + std::exp(2.f) + std::exp(3.f);
+  check_close(s, {std::exp(1.f) / z, std::exp(2.f) / z, std::exp(3.f) / z}, 1e-5f);
+  check_close(log_softmax(Array::from(Shape{1, 3}, {1, 2, 3})),
+              {1 - std::log(z), 2 - std::log(z), 3 - std::log(z)}, 1e-5f);
+}
+
+TEST_CASE("data movement") {
+  Array a = Array::from(Shape{2, 3}, {0, 1, 2, 3, 4, 5});
+  check_close(transpose(a), {0, 3, 1, 4, 2, 5});
+  check_close(slice(a, {0, 1}, {2, 3}), {1, 2, 4, 5});
+  check_close(concatenate({a, a}, 0), {0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5});
+  auto parts = split(a, 3, 1);
+  check_close(parts[2], {2, 5});
+  check_close(take(a, Array::from_i32(Shape{2}, {2, 0}), 1), {2, 0, 5, 3});
+  check_close(one_hot(Array::from_i32(Shape{3}, {1, 0, 7}), 3), {0, 1, 0, 1, 0, 0, 0, 0, 0});
+  CHECK(reshape(a, {3, -1}).shape() == Shape{3, 2});
+  CHECK(reshape(a, {6}).shares_buffer(a));  // reshape never copies
+  check_close(broadcast_to(Array::from(Shape{3}, {1, 2, 3}), Shape{2, 3}), {1, 2, 3, 1, 2, 3});
+}
+
+TEST_CASE("conv2d and pooling") {
+  // 1 image 3x3x1, 2x2 kernel of ones, VALID: sums of each 2x2 window.
+  Array x = Array::from(Shape{1, 3, 3, 1}, {1, 2, 3, 4, 5, 6, 7, 8, 9});
+  Array w = Array::ones(Shape{2, 2, 1, 1});
+  check_close(conv2d(x, w, {.padding = Padding::valid()}), {12, 16, 24, 28});
+  // SAME pads at the end (low 0, high 1) for an even kernel.
+  check_close(conv2d(x, w, {.padding = Padding::same()}), {12, 16, 9, 24, 28, 15, 15, 17, 9});
+  check_close(conv2d(x, w, {.strides = {2, 2}, .padding = Padding::valid()}), {12});
+  check_close(avg_pool(x, {.window = {2, 2}, .strides = {1, 1}}), {3, 4, 6, 7});
+  check_close(max_pool(x, {.window = {2, 2}, .strides = {1, 1}}), {5, 6, 8, 9});
+  // Depthwise (groups = channels): each channel convolved alone.
+  Array x2 = Array::from(Shape{1, 1, 1, 2}, {3, 5});
+  Array w2 = Array::from(Shape{1, 1, 1, 2}, {10, 100});
+  check_close(conv2d(x2, w2, {.feature_group_count = 2}), {30, 500});
+}
+
+TEST_CASE("every op rejects bad shapes, naming the op and the shapes") {
+  Array a = Array::zeros(Shape{2, 3});
+  Array b = Array::zeros(Shape{4});
+  Array labels = Array::from_i32(Shape{2}, {0, 1});
+  auto throws = [](auto fn, const char* needle) {
+    CAPTURE(needle);
+    CHECK_THROWS_WITH_AS(fn(), doctest::Contains(needle), Error);
+  };
+  throws([&] { return add(a, b); }, "add: shapes (2, 3) and (4,) cannot be broadcast");
+  throws([&] { return mul(a, b); }, "mul: shapes (2, 3) and (4,)");
+  throws([&] { return div(a, b); }, "div: shapes");
+  throws([&] { return maximum(a, b); }, "maximum: shapes");
+  throws([&] { return where(a, a, b); }, "where: shapes");
+  throws([&] { return exp(labels); }, "exp: needs float32 input, got int32(2,)");
+  throws([&] { return sum(a, {2}); }, "sum: axis 2 is out of range for rank 2");
+  throws([&] { return max(a, {0, 0}); }, "max: repeated axis");
+  throws([&] { return matmul(a, a); }, "matmul: contracting dimensions differ: float32(2, 3) and float32(2, 3)");
+  throws([&] { return dot_general(a, a, {.lhs_contracting = {0}, .rhs_contracting = {1}}); },
+         "dot_general: contracting dimensions differ");
+  throws([&] { return reshape(a, {4, -1}); }, "reshape: cannot reshape (2, 3)");
+  throws([&] { return transpose(a, {0, 0}); }, "transpose: invalid permutation");
+  throws([&] { return slice(a, {0, 0}, {3, 1}); }, "slice: axis 0 of shape (2, 3)");
+  throws([&] { return concatenate({a, b}, 0); }, "concatenate: along axis 0 cannot join float32(2, 3) with float32(4,)");
+  throws([&] { return split(a, 2, 1); }, "split: axis 1 of shape (2, 3) cannot be split into 2");
+  throws([&] { return take(a, Array::from_i32(Shape{1}, {5}), 1); }, "take: index 5");
+  throws([&] { return take(a, a, 0); }, "take: indices must be int32");
+  throws([&] { return one_hot(a, 3); }, "one_hot: labels must be int32");
+  throws([&] { return broadcast_to(b, Shape{2, 3}); }, "broadcast_to");
+  throws([&] { return softmax(a, {3}); }, "axis 3 is out of range");
+  throws([&] { return conv2d(a, a); }, "conv2d: needs x as [N, H, W, C]");
+  throws([&] { return conv2d(Array::zeros(Shape{1, 4, 4, 3}), Array::zeros(Shape{3, 3, 2, 4})); },
+         "conv2d: input (1, 4, 4, 3) and kernel (3, 3, 2, 4) do not match");
+  throws([&] { return conv2d(Array::zeros(Shape{1, 2, 2, 1}), Array::zeros(Shape{3, 3, 1, 1}), {.padding = Padding::valid()}); },
+         "does not fit spatial axis 0");
+  throws([&] { return avg_pool(a, {}); }, "avg_pool: needs an NHWC array");
+  throws([&] { return max_pool(Array::zeros(Shape{1, 1, 1, 1}), {.window = {2, 2}}); }, "max_pool: window");
+  throws([&] { return squeeze(a, {0}); }, "squeeze: axis 0 of shape (2, 3) has size 2");
+  throws([&] { return Array::from(Shape{2}, {1, 2, 3}); }, "Array::from: shape (2,) holds 2 elements but 3 values");
+  throws([&] { return Array().item(); }, "Array::item");
+}
