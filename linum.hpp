@@ -10,3 +10,5 @@
 #include <linum/core/autodiff/graph.hpp>
 #include <linum/core/autodiff/grad.hpp>
 #include <linum/core/ops.hpp>
+#include <linum/core/tree.hpp>
+#include <linum/core/serialization.hpp>
