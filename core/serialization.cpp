@@ -211,6 +211,38 @@ std::string dims_str(std::span<const std::int64_t> dims) {
   return s + ")";
 }
 
+// True when `s` is well-formed UTF-8 (Python's msgpack decodes str keys as UTF-8 and rejects the rest).
+bool valid_utf8(std::string_view s) {
+  std::size_t i = 0;
+  while (i < s.size()) {
+    auto c = static_cast<unsigned char>(s[i]);
+    std::size_t n;
+    std::uint32_t cp;
+    if (c < 0x80) {
+      ++i;
+      continue;
+    } else if ((c & 0xe0) == 0xc0) {
+      n = 1, cp = c & 0x1fu;
+    } else if ((c & 0xf0) == 0xe0) {
+      n = 2, cp = c & 0x0fu;
+    } else if ((c & 0xf8) == 0xf0) {
+      n = 3, cp = c & 0x07u;
+    } else {
+      return false;
+    }
+    if (s.size() - i <= n) return false;
+    for (std::size_t k = 1; k <= n; ++k) {
+      auto cc = static_cast<unsigned char>(s[i + k]);
+      if ((cc & 0xc0) != 0x80) return false;
+      cp = (cp << 6) | (cc & 0x3fu);
+    }
+    static constexpr std::uint32_t kMin[] = {0, 0x80, 0x800, 0x10000};
+    if (cp < kMin[n] || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return false;
+    i += n + 1;
+  }
+  return true;
+}
+
 // =================================================================================================
 // MessagePack writer
 // =================================================================================================
@@ -607,6 +639,7 @@ class MsgpackReader {
       fail(detail::cat("map key at byte ", h.offset, " is a ", kind_name(h.kind), "; tree keys must be strings"));
     std::string k(reinterpret_cast<const char*>(h.data.data()), h.data.size());
     if (k.empty()) fail("empty map key; tree keys must be non-empty strings");
+    if (!valid_utf8(k)) fail(detail::cat("map key at byte ", h.offset, " is not valid UTF-8"));
     if (k.find('/') != std::string::npos)
       fail(detail::cat("map key '", k, "' contains '/', which Linum uses to separate path components"));
     return k;
@@ -1073,7 +1106,12 @@ void save_msgpack(const std::filesystem::path& path, const Tree& tree) {
 
 void save_json(const std::filesystem::path& path, const Tree& tree) {
   std::string text;
-  write_json_text(text, tree, 0);
+  try {
+    write_json_text(text, tree, 0);
+  } catch (const nlohmann::json::exception& e) {  // keys that are not valid UTF-8
+    throw IoError(detail::cat("cannot write '", path.string(), "' as JSON: ", e.what(),
+                              "; JSON keys must be valid UTF-8"));
+  }
   text += '\n';
   write_file_atomic(path, std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(text.data()), text.size()));
 }
