@@ -12,3 +12,5 @@
 #include <linum/core/ops.hpp>
 #include <linum/core/tree.hpp>
 #include <linum/core/serialization.hpp>
+#include <linum/modules/scope.hpp>
+#include <linum/modules/module.hpp>

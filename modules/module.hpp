@@ -1,0 +1,150 @@
+// init and apply: running a module on explicit variables and PRNG streams.
+//
+//   auto vars = linum::init(MLP{}, rng::key(0), x);                    // {"params": {...}}
+//   Array y = linum::apply(MLP{}, vars, x);
+//   auto [y2, updates] = linum::apply(MLP{}, vars, {.rngs = {{"dropout", rng::key(1)}},
+//                                                   .mutable_collections = {"batch_stats"}}, x, true);
+//
+// Both are pure: the same module, variables, keys and inputs give the same result, bit for bit.
+#pragma once
+
+#include <linum/core/autodiff/grad.hpp>
+#include <linum/core/tree.hpp>
+#include <linum/modules/scope.hpp>
+#include <linum/rng/streams.hpp>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace linum {
+
+// Options of an apply call.
+struct ApplyOptions {
+  rng::Streams rngs;                              // e.g. {{"dropout", rng::key(1)}}
+  std::vector<std::string> mutable_collections;   // collections the call may write, e.g. {"batch_stats"}
+  bool all_mutable = false;                       // every collection may be written (Flax's mutable=True)
+  // Refuse variable dicts with "params" entries the model never read (usually a dict from another
+  // model). Only checked when the module's operator() runs, not for other methods.
+  bool check_unused = true;
+};
+
+namespace detail {
+
+template <class M, class Body, class... Args>
+auto run_root(const M& module, ScopeState& state, Body&& body, Args&&... args) {
+  Scope root(state, {});
+  return root.run(module, std::forward<Body>(body), std::forward<Args>(args)...);
+}
+
+void check_unused_params(const ScopeState& state, const std::string& module_type);
+// The mutable collections after a call (what apply returns next to the output).
+Tree mutated_collections(const ScopeState& state);
+// The variables that init returns (every collection except "intermediates" unless asked for).
+Tree initialized_variables(ScopeState& state, bool keep_intermediates);
+void prepare_apply(ScopeState& state, const Tree& variables, const ApplyOptions& options);
+
+template <class M, class Method>
+auto method_body(Method method) {
+  return [method](const M& module, Scope& s, auto&&... args) -> decltype(auto) {
+    return (module.*method)(s, std::forward<decltype(args)>(args)...);
+  };
+}
+
+}  // namespace detail
+
+// ---- init -------------------------------------------------------------------------------------
+
+// Runs `module` in initialisation mode and returns (output, variables).
+template <class M, class... Args>
+auto init_with_output(const M& module, const rng::Streams& rngs, Args&&... args) {
+  detail::ScopeState state;
+  state.initializing = true;
+  state.all_mutable = true;
+  state.rngs = rngs;
+  auto out = detail::run_root(module, state, module, std::forward<Args>(args)...);
+  return std::make_pair(std::move(out), detail::initialized_variables(state, false));
+}
+
+// Runs `module` in initialisation mode and returns its variables ({"params": ..., ...}).
+// `rngs` is a set of named streams, or a single key for the "params" stream.
+template <class M, class... Args>
+Tree init(const M& module, const rng::Streams& rngs, Args&&... args) {
+  return init_with_output(module, rngs, std::forward<Args>(args)...).second;
+}
+template <class M, class... Args>
+Tree init(const M& module, rng::Key params_key, Args&&... args) {
+  return init(module, rng::Streams(params_key), std::forward<Args>(args)...);
+}
+
+// Initialises through another method of the module: init_method(&Encoder::encode, enc, key, x).
+template <class M, class Method, class... Args>
+  requires std::is_member_function_pointer_v<Method>
+Tree init_method(Method method, const M& module, const rng::Streams& rngs, Args&&... args) {
+  detail::ScopeState state;
+  state.initializing = true;
+  state.all_mutable = true;
+  state.rngs = rngs;
+  Scope root(state, {});
+  root.run(module, [&](Scope& s, auto&&... a) -> decltype(auto) { return (module.*method)(s, std::forward<decltype(a)>(a)...); },
+           std::forward<Args>(args)...);
+  return detail::initialized_variables(state, false);
+}
+
+// ---- apply ------------------------------------------------------------------------------------
+
+// Runs `module` on `variables`; returns its output. Writing to any collection is an error.
+template <class M, class... Args>
+  requires std::invocable<const M&, Scope&, Args...>
+auto apply(const M& module, const Tree& variables, Args&&... args) {
+  detail::ScopeState state;
+  detail::prepare_apply(state, variables, {});
+  auto out = detail::run_root(module, state, module, std::forward<Args>(args)...);
+  detail::check_unused_params(state, module_type_name<M>());
+  return out;
+}
+
+// Runs `module` on `variables` with streams and mutable collections; returns (output, updated
+// mutable collections), e.g. (logits, {"batch_stats": ...}).
+template <class M, class... Args>
+  requires std::invocable<const M&, Scope&, Args...>
+auto apply(const M& module, const Tree& variables, const ApplyOptions& options, Args&&... args) {
+  detail::ScopeState state;
+  detail::prepare_apply(state, variables, options);
+  auto out = detail::run_root(module, state, module, std::forward<Args>(args)...);
+  if (options.check_unused) detail::check_unused_params(state, module_type_name<M>());
+  return std::make_pair(std::move(out), detail::mutated_collections(state));
+}
+
+// Runs another method of the module: apply_method(&Encoder::encode, enc, vars, options, x).
+template <class M, class Method, class... Args>
+  requires std::is_member_function_pointer_v<Method>
+auto apply_method(Method method, const M& module, const Tree& variables, const ApplyOptions& options, Args&&... args) {
+  detail::ScopeState state;
+  detail::prepare_apply(state, variables, options);
+  Scope root(state, {});
+  auto out = root.run(module, [&](Scope& s, auto&&... a) -> decltype(auto) {
+    return (module.*method)(s, std::forward<decltype(a)>(a)...);
+  }, std::forward<Args>(args)...);
+  return std::make_pair(std::move(out), detail::mutated_collections(state));
+}
+
+// ---- differentiating with respect to variable dicts ----------------------------------------------
+
+template <>
+struct Differentiable<Tree> {
+  static Tree track(const Tree& t) {
+    return tree_map([](const Array& a) { return a.dtype() == DType::f32 ? autodiff::make_leaf(a) : a; }, t);
+  }
+  static Tree gradient(const Tree& tracked) {
+    return tree_map([](const Array& a) {
+      return a.dtype() == DType::f32 ? Differentiable<Array>::gradient(a) : Array::zeros(a.shape(), a.dtype());
+    }, tracked);
+  }
+  static Tree detach(const Tree& t) { return tree_map([](const Array& a) { return a.detached(); }, t); }
+  static void outputs(const Tree& t, std::vector<Array>& out) {
+    for (const Array& a : leaves(t)) out.push_back(a);
+  }
+};
+
+}  // namespace linum

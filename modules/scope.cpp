@@ -1,0 +1,167 @@
+#include <linum/modules/scope.hpp>
+
+#include <boost/core/demangle.hpp>
+
+namespace linum {
+
+namespace detail {
+
+std::string demangled_type_name(const char* mangled) {
+  std::string name = boost::core::demangle(mangled);
+  // Drop template arguments, then namespaces: "linum::nn::Block<3>" -> "Block".
+  if (auto lt = name.find('<'); lt != std::string::npos) name.erase(lt);
+  if (auto colon = name.rfind("::"); colon != std::string::npos) name.erase(0, colon + 2);
+  return name;
+}
+
+}  // namespace detail
+
+namespace {
+
+std::string join(const std::vector<std::string>& parts) {
+  std::string s;
+  for (const std::string& p : parts) s += (s.empty() ? "" : "/") + p;
+  return s;
+}
+
+}  // namespace
+
+// ---- Variable -------------------------------------------------------------------------------------
+
+const Array& Variable::value() const {
+  const Tree& collection = state_->variables.at(collection_);
+  return collection.at_path(path_).array();
+}
+
+void Variable::set(Array value) const {
+  if (!state_->is_mutable(collection_))
+    throw ValueError(detail::cat("cannot write variable '", collection_, "/", path_, "': collection '", collection_,
+                                 "' is not mutable in this apply call; pass it in ApplyOptions::mutable_collections "
+                                 "(e.g. {.mutable_collections = {\"", collection_, "\"}})"));
+  const Tree& vars = state_->variables;
+  const bool exists = vars.contains(collection_) && vars.at(collection_).contains_path(path_);
+  const Array old = exists ? vars.at(collection_).at_path(path_).array() : Array();
+  if (old.defined() && !(old.shape() == value.shape()))
+    throw ShapeError(detail::cat("variable '", collection_, "/", path_, "' has shape ", old.shape(),
+                                 "; cannot set a value of shape ", value.shape()));
+  state_->variables[collection_].set_path(path_, Tree(std::move(value)));
+}
+
+// ---- Scope ----------------------------------------------------------------------------------------
+
+std::string Scope::path_str() const { return path_.empty() ? std::string("<root>") : join(path_); }
+
+std::string Scope::full_path(std::string_view name) const {
+  std::string p = join(path_);
+  return p.empty() ? std::string(name) : p + "/" + std::string(name);
+}
+
+Scope Scope::child_scope(std::string name) const {
+  if (name.empty() || name.find('/') != std::string::npos)
+    throw ValueError(detail::cat("module name '", name, "' under '", path_str(),
+                                 "' is invalid: names must be non-empty and must not contain '/'"));
+  std::vector<std::string> p = path_;
+  p.push_back(std::move(name));
+  return Scope(*state_, std::move(p));
+}
+
+std::string Scope::next_auto_name(const std::string& type_name) {
+  int& n = auto_name_counts_[type_name];
+  return type_name + "_" + std::to_string(n++);
+}
+
+Array Scope::param(std::string_view name, const Initializer& init, const Shape& shape) {
+  const std::string path = full_path(name);
+  const std::string full = "params/" + path;
+  state_->touched.insert(full);
+  Tree& vars = state_->variables;
+  if (vars.contains("params") && vars.at("params").contains_path(path)) {
+    const Tree& entry = vars.at("params").at_path(path);
+    if (!entry.is_leaf())
+      throw ValueError(detail::cat("param '", full, "' is a dict in the variable dict, not an array"));
+    const Array& value = entry.array();
+    if (!(value.shape() == shape))
+      throw ShapeError(detail::cat("param '", full, "' has shape ", value.shape(), " in the variable dict but the module asks for ",
+                                   shape, "; the inputs differ from those used at init (or the dict belongs to another model)"));
+    return value;
+  }
+  if (!state_->initializing)
+    throw ValueError(detail::cat("param '", full, "' of shape ", shape,
+                                 " is missing from the variable dict; pass the dict returned by init for this model",
+                                 vars.contains("params") ? "" : " (the dict has no \"params\" collection at all)"));
+  Array value = init(make_rng("params"), shape);
+  if (!(value.shape() == shape))
+    throw ShapeError(detail::cat("the initializer of param '", full, "' returned shape ", value.shape(), " for shape ", shape));
+  vars["params"].set_path(path, Tree(value));
+  return value;
+}
+
+Variable Scope::variable(std::string_view collection, std::string_view name, const std::function<Array()>& init) {
+  const std::string path = full_path(name);
+  const std::string coll(collection);
+  state_->touched.insert(coll + "/" + path);
+  Tree& vars = state_->variables;
+  const bool exists = vars.contains(coll) && vars.at(coll).contains_path(path);
+  if (!exists) {
+    if (!state_->initializing && !state_->is_mutable(coll))
+      throw ValueError(detail::cat("variable '", coll, "/", path, "' is missing from the variable dict",
+                                   vars.contains(coll) ? "" : detail::cat(" (the dict has no \"", coll, "\" collection)"),
+                                   "; pass the full dict returned by init (e.g. {\"params\": ..., \"", coll,
+                                   "\": ...}), or make the collection mutable to create it"));
+    Array value = init();
+    vars[coll].set_path(path, Tree(std::move(value)));
+  }
+  return Variable(state_, coll, path, path_str());
+}
+
+bool Scope::has_variable(std::string_view collection, std::string_view name) const {
+  const Tree& vars = state_->variables;
+  return vars.contains(collection) && vars.at(collection).contains_path(full_path(name));
+}
+
+std::string Scope::rng_counter_key(std::string_view stream) const {
+  return std::string(stream) + "\n" + join(path_);
+}
+
+rng::Key Scope::make_rng(std::string_view stream) {
+  std::uint64_t& count = state_->rng_counters[rng_counter_key(stream)];
+  ++count;
+  return state_->rngs.derive(stream, path_, count);
+}
+
+bool Scope::sow(std::string_view collection, std::string_view name, const Array& value) {
+  const std::string coll(collection);
+  if (!state_->is_mutable(coll) || (state_->initializing && coll == "intermediates" && !state_->mutable_collections.count(coll)))
+    return false;
+  const std::string base = full_path(name);
+  Tree& c = state_->variables[coll];
+  int i = 0;
+  while (c.contains_path(base + "/" + std::to_string(i))) ++i;
+  c.set_path(base + "/" + std::to_string(i), Tree(value));
+  return true;
+}
+
+void Scope::rethrow_with_path(const std::string& type_name) const {
+  try {
+    throw;
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    if (msg.rfind("in module '", 0) == 0) throw;
+    const std::string where = detail::cat("in module '", path_str(), "' (", type_name, "): ", msg);
+    try {
+      throw;
+    } catch (const ShapeError&) {
+      throw ShapeError(where);
+    } catch (const ValueError&) {
+      throw ValueError(where);
+    } catch (const IoError&) {
+      throw IoError(where);
+    } catch (const AutodiffError&) {
+      throw AutodiffError(where);
+    } catch (const Error&) {
+      throw Error(where);
+    }
+  }
+}
+
+}  // namespace linum

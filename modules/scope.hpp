@@ -1,0 +1,192 @@
+// Scope: a module's view of its variable collections and PRNG streams.
+//
+// A module is a plain struct whose fields are hyperparameters and whose `operator()` takes a
+// Scope& plus inputs (the counterpart of Flax's @nn.compact __call__):
+//
+//   struct MLP {
+//     int features = 128;
+//     Array operator()(Scope& s, Array x) const {
+//       x = gelu(s(nn::Dense{.features = features}, x));   // child "Dense_0"
+//       return s("head", nn::Dense{.features = 10}, x);     // child "head"
+//     }
+//   };
+//
+// Inside a module, `param` creates a parameter at init and reads it at apply, `variable` does the
+// same for any collection (e.g. "batch_stats"), `make_rng` draws a key from a named stream
+// (derived from the stream's key, the module path and a per-scope counter exactly as in Flax), and
+// calling `s(module, args...)` runs a child module in a child scope. Children are auto-named per
+// type (`Dense_0`, `Dense_1`, ...) or named explicitly; calling the same name again shares its
+// variables.
+#pragma once
+
+#include <linum/core/array.hpp>
+#include <linum/core/error.hpp>
+#include <linum/core/tree.hpp>
+#include <linum/rng/key.hpp>
+#include <linum/rng/streams.hpp>
+
+#include <concepts>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace linum {
+
+// Creates a parameter's initial value from a key and a shape (see modules/initializers.hpp).
+using Initializer = std::function<Array(rng::Key key, const Shape& shape)>;
+
+class Scope;
+
+namespace detail {
+
+// State shared by every scope of one init or apply call.
+struct ScopeState {
+  bool initializing = false;
+  Tree variables;                                      // every collection, e.g. {"params": ..., "batch_stats": ...}
+  bool all_mutable = false;                            // init: every collection may be written
+  std::set<std::string, std::less<>> mutable_collections;
+  rng::Streams rngs;
+  std::map<std::string, std::uint64_t, std::less<>> rng_counters;  // "<stream>\n<path>" -> draws so far
+  std::set<std::string, std::less<>> touched;          // full variable paths read or written
+
+  bool is_mutable(std::string_view collection) const {
+    return all_mutable || mutable_collections.count(collection) > 0;
+  }
+};
+
+// "Dense" for linum::nn::Dense, "Block" for Block<3>; or M::module_name when declared.
+std::string demangled_type_name(const char* mangled);
+
+}  // namespace detail
+
+// The name used to auto-name a module type's instances (Flax: the class name). Declare
+// `static constexpr std::string_view module_name = "...";` in a module to choose it.
+template <class M>
+std::string module_type_name() {
+  if constexpr (requires { M::module_name; }) return std::string(M::module_name);
+  else return detail::demangled_type_name(typeid(M).name());
+}
+
+// A handle on one variable of a collection (Flax's `self.variable(...)`).
+class Variable {
+ public:
+  Variable(detail::ScopeState* state, std::string collection, std::string path, std::string module_path)
+      : state_(state), collection_(std::move(collection)), path_(std::move(path)), module_path_(std::move(module_path)) {}
+  // The current value.
+  const Array& value() const;
+  // Replaces the value. Throws ValueError if the collection is not mutable in this apply call.
+  void set(Array value) const;
+  const std::string& collection() const { return collection_; }
+  // Path inside the collection, e.g. "BatchNorm_0/mean".
+  const std::string& path() const { return path_; }
+
+ private:
+  detail::ScopeState* state_;
+  std::string collection_, path_, module_path_;
+};
+
+class Scope {
+ public:
+  Scope(detail::ScopeState& state, std::vector<std::string> path) : state_(&state), path_(std::move(path)) {}
+
+  // ---- where we are ----------------------------------------------------------------------------
+  const std::vector<std::string>& path() const { return path_; }
+  // "Encoder_0/Dense_1", or "<root>" for the top-level module.
+  std::string path_str() const;
+  bool is_initializing() const { return state_->initializing; }
+  bool is_mutable_collection(std::string_view collection) const { return state_->is_mutable(collection); }
+
+  // ---- variables ---------------------------------------------------------------------------------
+  // A parameter ("params" collection). At init it is created with init(make_rng("params"), shape);
+  // at apply it is read and its shape checked against `shape`.
+  Array param(std::string_view name, const Initializer& init, const Shape& shape);
+  // A variable of any collection. `init` runs only when the variable does not exist yet and the
+  // collection is mutable (always at init).
+  Variable variable(std::string_view collection, std::string_view name, const std::function<Array()>& init);
+  bool has_variable(std::string_view collection, std::string_view name) const;
+
+  // ---- randomness --------------------------------------------------------------------------------
+  // A fresh key from a named stream: fold_in(stream key, hash(path, count)) as in Flax, with a
+  // per-scope, per-stream counter. Throws ValueError naming the stream and this module's path if
+  // the stream was not given to init/apply.
+  rng::Key make_rng(std::string_view stream);
+  bool has_rng(std::string_view stream) const { return state_->rngs.has(stream); }
+
+  // ---- intermediates -----------------------------------------------------------------------------
+  // Stores `value` under <collection>/<path>/<name>/<i> (i = 0, 1, ... for repeated sows) when the
+  // collection is mutable; otherwise does nothing and returns false (as Flax's sow).
+  bool sow(std::string_view collection, std::string_view name, const Array& value);
+
+  // ---- child modules -----------------------------------------------------------------------------
+  // Runs `module` in a child scope auto-named "<Type>_<n>".
+  template <class M, class... Args>
+    requires(!std::is_convertible_v<const M&, std::string_view> && std::invocable<const M&, Scope&, Args...>)
+  decltype(auto) operator()(const M& module, Args&&... args) {
+    Scope child = child_scope(next_auto_name(module_type_name<M>()));
+    return child.run(module, module, std::forward<Args>(args)...);
+  }
+
+  // Runs `module` in a child scope with an explicit name; the same name shares variables.
+  template <class M, class... Args>
+    requires std::invocable<const M&, Scope&, Args...>
+  decltype(auto) operator()(std::string_view name, const M& module, Args&&... args) {
+    Scope child = child_scope(std::string(name));
+    return child.run(module, module, std::forward<Args>(args)...);
+  }
+
+  // Calls another method of a module in an auto-named child scope: s.call(&Encoder::encode, enc, x).
+  template <class M, class Method, class... Args>
+    requires std::is_member_function_pointer_v<Method>
+  decltype(auto) call(Method method, const M& module, Args&&... args) {
+    Scope child = child_scope(next_auto_name(module_type_name<M>()));
+    return child.run(module, [&](Scope& s, auto&&... a) -> decltype(auto) {
+      return (module.*method)(s, std::forward<decltype(a)>(a)...);
+    }, std::forward<Args>(args)...);
+  }
+
+  // Calls a method of a module in a named child scope: s.call("encoder", &Encoder::encode, enc, x).
+  template <class M, class Method, class... Args>
+    requires std::is_member_function_pointer_v<Method>
+  decltype(auto) call(std::string_view name, Method method, const M& module, Args&&... args) {
+    Scope child = child_scope(std::string(name));
+    return child.run(module, [&](Scope& s, auto&&... a) -> decltype(auto) {
+      return (module.*method)(s, std::forward<decltype(a)>(a)...);
+    }, std::forward<Args>(args)...);
+  }
+
+  // The child scope with this name (for code that manages scopes by hand, e.g. lifted transforms).
+  Scope child_scope(std::string name) const;
+  // "Dense_0", "Dense_1", ...: the next auto-name for a type in this scope.
+  std::string next_auto_name(const std::string& type_name);
+
+  detail::ScopeState& state() const { return *state_; }
+
+  // Runs `body(*this, args...)` as the body of `module`, adding this scope's path to Linum errors
+  // that escape it. Used by the child-module calls above and by the top-level init/apply.
+  template <class M, class Body, class... Args>
+  decltype(auto) run(const M& /*module*/, Body&& body, Args&&... args) {
+    try {
+      return body(*this, std::forward<Args>(args)...);
+    } catch (const Error&) {
+      rethrow_with_path(module_type_name<M>());
+    }
+  }
+
+ private:
+  [[noreturn]] void rethrow_with_path(const std::string& type_name) const;
+  std::string full_path(std::string_view name) const;  // "Dense_0/kernel"
+  std::string rng_counter_key(std::string_view stream) const;
+
+  detail::ScopeState* state_;
+  std::vector<std::string> path_;
+  std::map<std::string, int, std::less<>> auto_name_counts_;
+};
+
+}  // namespace linum

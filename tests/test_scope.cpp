@@ -1,0 +1,176 @@
+// Scope, init and apply: naming, sharing, variables and collections, streams, errors.
+#include <doctest/doctest.h>
+#include <linum/linum.hpp>
+
+using namespace linum;
+
+namespace {
+
+Initializer fill(float v) {
+  return [v](rng::Key, const Shape& s) { return Array::full(s, v); };
+}
+Initializer from_key() {  // deterministic in the key: lets tests see which key a param got
+  return [](rng::Key k, const Shape& s) { return rng::uniform(k, s); };
+}
+
+struct Affine {  // y = x * w + b with w, b of the input's last dimension
+  static constexpr std::string_view module_name = "Affine";
+  Array operator()(Scope& s, const Array& x) const {
+    Array w = s.param("w", from_key(), Shape{x.dim(-1)});
+    Array b = s.param("b", fill(0.5f), Shape{x.dim(-1)});
+    return x * w + b;
+  }
+};
+
+struct Counter {  // a mutable "stats" collection
+  Array operator()(Scope& s, const Array& x) const {
+    Variable n = s.variable("stats", "calls", [] { return Array::zeros(Shape{}); });
+    if (s.is_mutable_collection("stats")) n.set(n.value() + 1.0f);
+    return x;
+  }
+};
+
+struct Net {
+  Array operator()(Scope& s, const Array& x) const {
+    Array h = s(Affine{}, x);        // Affine_0
+    h = s(Affine{}, h);              // Affine_1
+    h = s("shared", Affine{}, h);    // explicit name
+    h = s("shared", Affine{}, h);    // same variables again
+    h = s(Counter{}, h);
+    s.sow("intermediates", "h", h);
+    return h;
+  }
+};
+
+struct Noisy {
+  Array operator()(Scope& s, const Array& x) const {
+    return x + rng::uniform(s.make_rng("noise"), x.shape()) + rng::uniform(s.make_rng("noise"), x.shape());
+  }
+};
+
+}  // namespace
+
+TEST_CASE("init creates params under auto and explicit names; a reused name shares them") {
+  Array x = Array::from(Shape{2, 3}, {1, 2, 3, 4, 5, 6});
+  Tree vars = init(Net{}, rng::key(0), x);
+  CHECK(vars.keys() == std::vector<std::string>{"params", "stats"});
+  CHECK(vars.at("params").keys() == std::vector<std::string>{"Affine_0", "Affine_1", "shared"});
+  CHECK(vars.at_path("params/Affine_0/w").array().shape() == Shape{3});
+  CHECK(vars.at_path("stats/Counter_0/calls").array().item() == 1.0f);  // init may write everything
+  CHECK_FALSE(vars.contains("intermediates"));                         // not kept by init (as Flax)
+  // Different modules got different keys; the same seed gives the same values.
+  CHECK_FALSE(vars.at_path("params/Affine_0/w").array().bitwise_equal(vars.at_path("params/Affine_1/w").array()));
+  CHECK(bitwise_equal(vars, init(Net{}, rng::key(0), x)));
+  CHECK_FALSE(bitwise_equal(vars, init(Net{}, rng::key(1), x)));
+}
+
+TEST_CASE("param keys follow Flax's derivation from the stream, the path and the count") {
+  Tree vars = init(Affine{}, rng::key(0), Array::zeros(Shape{4}));
+  // The root module's first draw from "params": path (), count 1.
+  rng::Streams streams(rng::key(0));
+  std::vector<std::string> root;
+  CHECK(vars.at_path("params/w").array().bitwise_equal(rng::uniform(streams.derive("params", root, 1), Shape{4})));
+}
+
+TEST_CASE("apply is pure and reads the variables it is given") {
+  Array x = Array::from(Shape{2, 3}, {1, 2, 3, 4, 5, 6});
+  Tree vars = init(Net{}, rng::key(0), x);
+  Array y1 = apply(Net{}, vars, x);
+  Array y2 = apply(Net{}, vars, x);
+  CHECK(y1.bitwise_equal(y2));
+  // Setting every w to 1 and b to 0 makes the net the identity.
+  Tree ident = tree_map_with_path([](const std::string& path, const Array& a) {
+    return path.ends_with("/w") ? Array::ones(a.shape()) : Array::zeros(a.shape());
+  }, vars);
+  CHECK(apply(Net{}, ident, x).bitwise_equal(x));
+}
+
+TEST_CASE("mutable collections: updated only when asked, returned next to the output") {
+  Array x = Array::ones(Shape{1, 3});
+  Tree vars = init(Net{}, rng::key(0), x);
+  auto [y, updates] = apply(Net{}, vars, {.mutable_collections = {"stats", "intermediates"}}, x);
+  CHECK(updates.keys() == std::vector<std::string>{"stats", "intermediates"});
+  CHECK(updates.at_path("stats/Counter_0/calls").array().item() == 2.0f);
+  CHECK(updates.at_path("intermediates/h/0").array().bitwise_equal(y));
+  // Not mutable: the module sees is_mutable_collection false and does not write.
+  CHECK(apply(Net{}, vars, x).bitwise_equal(y));
+}
+
+TEST_CASE("writing to a collection that is not mutable is an error") {
+  struct Writer {
+    Array operator()(Scope& s, const Array& x) const {
+      s.variable("stats", "v", [] { return Array::zeros(Shape{}); }).set(Array::ones(Shape{}));
+      return x;
+    }
+  };
+  Tree vars = init(Writer{}, rng::key(0), Array::zeros(Shape{1}));
+  CHECK_THROWS_WITH_AS(apply(Writer{}, vars, Array::zeros(Shape{1})),
+                       doctest::Contains("collection 'stats' is not mutable"), ValueError);
+}
+
+TEST_CASE("streams: each make_rng call draws a new key; same key every run; missing stream is an error") {
+  Array x = Array::zeros(Shape{3});
+  Tree vars = init(Noisy{}, rng::Streams{{"params", rng::key(0)}, {"noise", rng::key(1)}}, x);
+  auto run = [&](int seed) { return apply(Noisy{}, vars, {.rngs = {{"noise", rng::key(seed)}}}, x).first; };
+  CHECK(run(1).bitwise_equal(run(1)));
+  CHECK_FALSE(run(1).bitwise_equal(run(2)));
+  CHECK_THROWS_WITH_AS(apply(Noisy{}, vars, x), doctest::Contains("noise"), ValueError);
+}
+
+TEST_CASE("errors name the module path and the shapes") {
+  Array x = Array::from(Shape{2, 3}, {1, 2, 3, 4, 5, 6});
+  Tree vars = init(Net{}, rng::key(0), x);
+  // Wrong input size for existing params.
+  CHECK_THROWS_WITH_AS(apply(Net{}, vars, Array::zeros(Shape{2, 4})),
+                       doctest::Contains("in module 'Affine_0' (Affine): param 'params/Affine_0/w' has shape (3,) in the "
+                                         "variable dict but the module asks for (4,)"),
+                       ShapeError);
+  // Missing params.
+  Tree partial = vars;
+  partial.at("params").erase("Affine_1");
+  CHECK_THROWS_WITH_AS(apply(Net{}, partial, x), doctest::Contains("param 'params/Affine_1/w' of shape (3,) is missing"),
+                       ValueError);
+  // Missing collection.
+  Tree no_stats = vars;
+  no_stats.erase("stats");
+  CHECK_THROWS_WITH_AS(apply(Net{}, no_stats, x), doctest::Contains("the dict has no \"stats\" collection"), ValueError);
+  // Extra entries are listed.
+  Tree extra = vars;
+  extra.at("params").set("Stray_0", Tree{{"w", Array::zeros(Shape{1})}});
+  CHECK_THROWS_WITH_AS(apply(Net{}, extra, x), doctest::Contains("did not use: params/Stray_0/w"), ValueError);
+  // An op error deep inside a module names that module.
+  struct Bad {
+    Array operator()(Scope& s, const Array& x) const { return s(Affine{}, x) + Array::zeros(Shape{7}); }
+  };
+  CHECK_THROWS_WITH_AS(init(Bad{}, rng::key(0), x), doctest::Contains("in module '<root>' (Bad): add: shapes (2, 3) and (7,)"),
+                       ShapeError);
+}
+
+TEST_CASE("gradients with respect to the params dict") {
+  Array x = Array::from(Shape{1, 3}, {1, 2, 3});
+  Tree vars = init(Affine{}, rng::key(0), x);
+  auto loss = [&](const Tree& params) { return sum(apply(Affine{}, Tree{{"params", params}}, x)); };
+  auto [v, g] = value_and_grad(loss)(vars.at("params"));
+  CHECK(g.at("w").array().to_vector() == std::vector<float>{1, 2, 3});
+  CHECK(g.at("b").array().to_vector() == std::vector<float>{1, 1, 1});
+}
+
+struct Encoder {
+  Array encode(Scope& s, const Array& x) const { return s(Affine{}, x); }
+  Array decode(Scope& s, const Array& z) const { return s("dec", Affine{}, z); }
+  Array operator()(Scope& s, const Array& x) const { return decode(s, encode(s, x)); }
+};
+
+TEST_CASE("other methods run in the module's scope (init_method / apply_method / Scope::call)") {
+  Array x = Array::from(Shape{1, 2}, {1, 2});
+  Tree full = init(Encoder{}, rng::key(0), x);
+  Tree only_encode = init_method(&Encoder::encode, Encoder{}, rng::Streams(rng::key(0)), x);
+  CHECK(only_encode.at("params").keys() == std::vector<std::string>{"Affine_0"});
+  auto [z, _] = apply_method(&Encoder::encode, Encoder{}, full, {}, x);
+  CHECK(z.bitwise_equal(apply(Affine{}, Tree{{"params", full.at_path("params/Affine_0")}}, x)));
+  struct Outer {
+    Array operator()(Scope& s, const Array& x) const { return s.call("enc", &Encoder::encode, Encoder{}, x); }
+  };
+  Tree outer = init(Outer{}, rng::key(0), x);
+  CHECK(outer.contains_path("params/enc/Affine_0/w"));
+}
