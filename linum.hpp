@@ -12,5 +12,7 @@
 #include <linum/core/ops.hpp>
 #include <linum/core/tree.hpp>
 #include <linum/core/serialization.hpp>
+#include <linum/core/optim.hpp>
+#include <linum/modules/initializers.hpp>
 #include <linum/modules/scope.hpp>
 #include <linum/modules/module.hpp>

@@ -1,0 +1,395 @@
+#include <linum/core/optim.hpp>
+
+#include <linum/core/autodiff/graph.hpp>
+#include <linum/core/error.hpp>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <limits>
+#include <memory>
+#include <numbers>
+#include <optional>
+#include <span>
+#include <string_view>
+
+namespace linum::optim {
+
+namespace {
+
+// ---- tree helpers ------------------------------------------------------------------------------
+
+// Throws unless `a` and `b` have the same keys, kinds, shapes and dtypes everywhere.
+void check_same_structure(const std::string& who, std::string_view a_name, const Tree& a, std::string_view b_name,
+                          const Tree& b) {
+  if (auto d = structure_difference(a, b, /*compare_leaves=*/true))
+    throw ValueError(detail::cat(who, ": ", a_name, " and ", b_name, " have different structures: ", *d,
+                                 "; they must have the structure of the params the optimizer state was built "
+                                 "from (call init(params) again if the model changed)"));
+}
+
+// Throws unless every leaf of `tree` is float32.
+void check_f32(const std::string& who, std::string_view what, const Tree& tree) {
+  for (const auto& [path, a] : flatten(tree))
+    if (a.dtype() != DType::f32)
+      throw ValueError(detail::cat(who, ": ", what, " leaf '", path.empty() ? std::string("<root>") : path, "' is ",
+                                   dtype_name(a.dtype()), " ", a.shape(),
+                                   "; optimizers update float32 arrays only (keep integer values out of the "
+                                   "trees you optimize)"));
+}
+
+// A new tree with the structure of the first input whose leaves are f applied elementwise to
+// corresponding float32 elements of the inputs (which must already have been checked to share
+// one structure and be float32). The results are fresh constants.
+template <std::size_t N, class F>
+Tree map_elementwise(const std::array<const Tree*, N>& trees, F f) {
+  std::array<std::vector<Array>, N> in;
+  for (std::size_t k = 0; k < N; ++k) in[k] = leaves(*trees[k]);
+  std::vector<Array> out;
+  out.reserve(in[0].size());
+  for (std::size_t i = 0; i < in[0].size(); ++i) {
+    const Array& first = in[0][i];
+    Array r = Array::empty(first.shape());
+    float* o = r.mutable_data();
+    std::array<const float*, N> p;
+    for (std::size_t k = 0; k < N; ++k) p[k] = in[k][i].data();
+    const std::int64_t n = first.numel();
+    for (std::int64_t j = 0; j < n; ++j) {
+      if constexpr (N == 1) o[j] = f(p[0][j]);
+      else if constexpr (N == 2) o[j] = f(p[0][j], p[1][j]);
+      else o[j] = f(p[0][j], p[1][j], p[2][j]);
+    }
+    out.push_back(std::move(r));
+  }
+  return with_leaves(*trees[0], out);
+}
+
+template <class F>
+Tree map1(const Tree& a, F f) { return map_elementwise<1>({&a}, f); }
+template <class F>
+Tree map2(const Tree& a, const Tree& b, F f) { return map_elementwise<2>({&a, &b}, f); }
+template <class F>
+Tree map3(const Tree& a, const Tree& b, const Tree& c, F f) { return map_elementwise<3>({&a, &b, &c}, f); }
+
+// A tree with the structure of `params` and float32 zeros at every leaf.
+Tree zeros_like(const Tree& params) {
+  return tree_map([](const Array& a) { return Array::zeros(a.shape()); }, params);
+}
+
+// An empty dict: the state of a stateless transformation.
+Tree empty_state() { return Tree(); }
+
+// ---- state fields ------------------------------------------------------------------------------
+
+std::string key_list(const Tree& t) {
+  std::string s = "[";
+  bool first = true;
+  for (const auto& k : t.keys()) {
+    if (!first) s += ", ";
+    s += k;
+    first = false;
+  }
+  return s + "]";
+}
+
+// Throws unless `state` is a dict with exactly the keys `expected`, in any order.
+void check_state_keys(const std::string& who, const Tree& state, std::initializer_list<std::string_view> expected) {
+  bool ok = state.is_dict() && state.size() == expected.size();
+  if (ok)
+    for (std::string_view k : expected) ok = ok && state.contains(k);
+  if (!ok) {
+    std::string want = "[";
+    bool first = true;
+    for (std::string_view k : expected) {
+      if (!first) want += ", ";
+      want += k;
+      first = false;
+    }
+    want += "]";
+    throw ValueError(detail::cat(who, ": the optimizer state has ",
+                                 state.is_leaf() ? std::string("a single array") : "keys " + key_list(state),
+                                 " but this transformation's state has keys ", want,
+                                 "; pass the state that init() (or the previous update()) returned"));
+  }
+}
+
+constexpr std::int32_t kCountMax = std::numeric_limits<std::int32_t>::max();
+
+// The step counter stored under "count": an int32 scalar (a float32 scalar is accepted too, for
+// states that went through a format that does not keep dtypes).
+std::int64_t read_count(const std::string& who, const Tree& state) {
+  const Tree& c = state.at("count");
+  if (!c.is_leaf() || c.array().rank() != 0)
+    throw ValueError(detail::cat(who, ": the state's 'count' must be a scalar array, got ",
+                                 c.is_leaf() ? c.array().shape().str() : std::string("a dict"),
+                                 "; pass the state that init() returned"));
+  const Array& a = c.array();
+  std::int64_t n = a.dtype() == DType::i32 ? a.data_i32()[0] : static_cast<std::int64_t>(a.data()[0]);
+  if (n < 0)
+    throw ValueError(detail::cat(who, ": the state's 'count' is negative (", n, "); pass the state that init() returned"));
+  return n;
+}
+
+// optax.safe_increment: count + 1, saturating at the int32 maximum.
+Array count_array(std::int64_t n) { return Array::full_i32(Shape{}, static_cast<std::int32_t>(n)); }
+std::int64_t safe_increment(std::int64_t n) { return n < kCountMax ? n + 1 : kCountMax; }
+
+// The float32 rounding of a (double) hyperparameter, as JAX converts a weakly typed Python float.
+float f32(double x) { return static_cast<float>(x); }
+
+}  // namespace
+
+// ---- schedules ---------------------------------------------------------------------------------
+
+Schedule constant_schedule(float value) {
+  return [value](std::int64_t) { return value; };
+}
+
+Schedule linear_schedule(float init_value, float end_value, std::int64_t transition_steps,
+                         std::int64_t transition_begin) {
+  if (transition_steps <= 0) return [init_value](std::int64_t) { return init_value; };
+  if (transition_begin < 0) transition_begin = 0;
+  return [=](std::int64_t step) {
+    const std::int64_t t = std::clamp<std::int64_t>(step - transition_begin, 0, transition_steps);
+    const double frac = 1.0 - static_cast<double>(t) / static_cast<double>(transition_steps);
+    return static_cast<float>((static_cast<double>(init_value) - end_value) * frac + end_value);
+  };
+}
+
+Schedule cosine_decay_schedule(float init_value, std::int64_t decay_steps, float alpha) {
+  if (decay_steps <= 0)
+    throw ValueError(detail::cat("optim::cosine_decay_schedule: decay_steps must be positive, got ", decay_steps));
+  return [=](std::int64_t step) {
+    const double t = static_cast<double>(std::min(step, decay_steps));
+    const double cosine = 0.5 * (1.0 + std::cos(std::numbers::pi * t / static_cast<double>(decay_steps)));
+    const double decayed = (1.0 - alpha) * cosine + alpha;
+    return static_cast<float>(init_value * decayed);
+  };
+}
+
+Schedule warmup_cosine_decay_schedule(float init_value, float peak_value, std::int64_t warmup_steps,
+                                      std::int64_t decay_steps, float end_value) {
+  if (warmup_steps < 0)
+    throw ValueError(detail::cat("optim::warmup_cosine_decay_schedule: warmup_steps must be >= 0, got ", warmup_steps));
+  if (decay_steps <= warmup_steps)
+    throw ValueError(detail::cat("optim::warmup_cosine_decay_schedule: decay_steps (", decay_steps,
+                                 ") must exceed warmup_steps (", warmup_steps,
+                                 "); decay_steps counts the warmup, as in optax"));
+  // As optax: alpha = end / peak (0 when peak is 0), the cosine part restarts its count at the
+  // boundary, and join_schedules switches at step == warmup_steps.
+  const float alpha = peak_value == 0.0f ? 0.0f : static_cast<float>(static_cast<double>(end_value) / peak_value);
+  Schedule warmup = linear_schedule(init_value, peak_value, warmup_steps);
+  Schedule decay = cosine_decay_schedule(peak_value, decay_steps - warmup_steps, alpha);
+  return [=](std::int64_t step) { return step < warmup_steps ? warmup(step) : decay(step - warmup_steps); };
+}
+
+// ---- GradientTransformation ------------------------------------------------------------------
+
+Tree GradientTransformation::init(const Tree& params) const {
+  autodiff::NoGradGuard no_grad;
+  check_f32(name_ + ".init", "params", params);
+  return init_(params);
+}
+
+UpdateResult GradientTransformation::update(const Tree& grads, const Tree& state) const {
+  autodiff::NoGradGuard no_grad;
+  check_f32(name_ + ".update", "grads", grads);
+  return update_(grads, state, nullptr);
+}
+
+UpdateResult GradientTransformation::update(const Tree& grads, const Tree& state, const Tree& params) const {
+  autodiff::NoGradGuard no_grad;
+  check_f32(name_ + ".update", "grads", grads);
+  check_same_structure(name_ + ".update", "grads", grads, "params", params);
+  return update_(grads, state, &params);
+}
+
+Tree apply_updates(const Tree& params, const Tree& updates) {
+  autodiff::NoGradGuard no_grad;
+  const std::string who = "optim::apply_updates";
+  check_f32(who, "params", params);
+  check_same_structure(who, "params", params, "updates", updates);
+  return map2(params, updates, [](float p, float u) { return p + u; });
+}
+
+float global_norm(const Tree& tree) {
+  check_f32("optim::global_norm", "tree", tree);
+  double total = 0.0;
+  for (const Array& a : leaves(tree)) {
+    const float* p = a.data();
+    const std::int64_t n = a.numel();
+    for (std::int64_t i = 0; i < n; ++i) total += static_cast<double>(p[i]) * p[i];
+  }
+  return static_cast<float>(std::sqrt(total));
+}
+
+// ---- transformations ---------------------------------------------------------------------------
+
+GradientTransformation chain(std::vector<GradientTransformation> transformations) {
+  const std::string name = detail::cat("optim::chain(", transformations.size(), " transformations)");
+  auto ts = std::make_shared<const std::vector<GradientTransformation>>(std::move(transformations));
+  auto init = [ts](const Tree& params) {
+    Tree state;
+    for (std::size_t i = 0; i < ts->size(); ++i) state.set(std::to_string(i), (*ts)[i].init(params));
+    return state;
+  };
+  auto update = [ts, name](const Tree& grads, const Tree& state, const Tree* params) {
+    bool ok = state.is_dict() && state.size() == ts->size();
+    for (std::size_t i = 0; ok && i < ts->size(); ++i) ok = state.contains(std::to_string(i));
+    if (!ok)
+      throw ValueError(detail::cat(name, ".update: the optimizer state has ",
+                                   state.is_leaf() ? std::string("a single array") : "keys " + key_list(state),
+                                   " but a chain of ", ts->size(), " transformations has keys 0..", ts->size() - 1,
+                                   "; pass the state that init() (or the previous update()) returned"));
+    Tree updates = grads;
+    Tree new_state;
+    for (std::size_t i = 0; i < ts->size(); ++i) {
+      const std::string k = std::to_string(i);
+      UpdateResult r = params ? (*ts)[i].update(updates, state.at(k), *params) : (*ts)[i].update(updates, state.at(k));
+      updates = std::move(r.updates);
+      new_state.set(k, std::move(r.state));
+    }
+    return UpdateResult{std::move(updates), std::move(new_state)};
+  };
+  return GradientTransformation(name, std::move(init), std::move(update));
+}
+
+GradientTransformation identity() {
+  return GradientTransformation(
+      "optim::identity", [](const Tree&) { return empty_state(); },
+      [](const Tree& updates, const Tree& state, const Tree*) {
+        check_state_keys("optim::identity.update", state, {});
+        return UpdateResult{updates, empty_state()};
+      });
+}
+
+GradientTransformation scale(double step_size) {
+  const float s = f32(step_size);
+  return GradientTransformation(
+      "optim::scale", [](const Tree&) { return empty_state(); },
+      [s](const Tree& updates, const Tree& state, const Tree*) {
+        check_state_keys("optim::scale.update", state, {});
+        return UpdateResult{map1(updates, [s](float g) { return s * g; }), empty_state()};
+      });
+}
+
+GradientTransformation scale_by_schedule(Schedule schedule) {
+  if (!schedule) throw ValueError("optim::scale_by_schedule: the schedule is empty; pass a callable");
+  const std::string who = "optim::scale_by_schedule.update";
+  return GradientTransformation(
+      "optim::scale_by_schedule", [](const Tree&) { return Tree{{"count", count_array(0)}}; },
+      [schedule = std::move(schedule), who](const Tree& updates, const Tree& state, const Tree*) {
+        check_state_keys(who, state, {"count"});
+        const std::int64_t count = read_count(who, state);
+        const float s = schedule(count);
+        return UpdateResult{map1(updates, [s](float g) { return s * g; }),
+                            Tree{{"count", count_array(safe_increment(count))}}};
+      });
+}
+
+GradientTransformation scale_by_learning_rate(LearningRate learning_rate) {
+  if (!learning_rate.is_schedule()) return scale(-learning_rate.value());
+  Schedule s = learning_rate.schedule();
+  return scale_by_schedule([s](std::int64_t step) { return -s(step); });
+}
+
+GradientTransformation trace(double decay, bool nesterov) {
+  const float d = f32(decay);
+  const std::string who = "optim::trace.update";
+  return GradientTransformation(
+      "optim::trace", [](const Tree& params) { return Tree{{"trace", zeros_like(params)}}; },
+      [d, nesterov, who](const Tree& updates, const Tree& state, const Tree*) {
+        check_state_keys(who, state, {"trace"});
+        const Tree& prev = state.at("trace");
+        check_same_structure(who, "grads", updates, "state['trace']", prev);
+        auto f = [d](float g, float t) { return g + d * t; };
+        Tree new_trace = map2(updates, prev, f);
+        Tree out = nesterov ? map2(updates, new_trace, f) : new_trace;
+        return UpdateResult{std::move(out), Tree{{"trace", std::move(new_trace)}}};
+      });
+}
+
+GradientTransformation scale_by_adam(double b1, double b2, double eps, double eps_root) {
+  const std::string who = "optim::scale_by_adam.update";
+  return GradientTransformation(
+      "optim::scale_by_adam",
+      [](const Tree& params) {
+        return Tree{{"count", count_array(0)}, {"mu", zeros_like(params)}, {"nu", zeros_like(params)}};
+      },
+      [=](const Tree& updates, const Tree& state, const Tree*) {
+        check_state_keys(who, state, {"count", "mu", "nu"});
+        const Tree& mu_prev = state.at("mu");
+        const Tree& nu_prev = state.at("nu");
+        check_same_structure(who, "grads", updates, "state['mu']", mu_prev);
+        check_same_structure(who, "grads", updates, "state['nu']", nu_prev);
+        // optax: (1 - decay) is formed from the Python float, then rounded to float32.
+        const float c1 = f32(1.0 - b1), d1 = f32(b1);
+        const float c2 = f32(1.0 - b2), d2 = f32(b2);
+        Tree mu = map2(updates, mu_prev, [=](float g, float m) { return c1 * g + d1 * m; });
+        Tree nu = map2(updates, nu_prev, [=](float g, float v) { return c2 * (g * g) + d2 * v; });
+        const std::int64_t count = safe_increment(read_count(who, state));
+        // Bias corrections 1 - decay^t with the float32 decay, as optax's float32 arithmetic.
+        const float bc1 = 1.0f - static_cast<float>(std::pow(static_cast<double>(d1), static_cast<double>(count)));
+        const float bc2 = 1.0f - static_cast<float>(std::pow(static_cast<double>(d2), static_cast<double>(count)));
+        const float e = f32(eps), er = f32(eps_root);
+        Tree out = map2(mu, nu, [=](float m, float v) {
+          const float m_hat = m / bc1;
+          const float v_hat = v / bc2;
+          return m_hat / (std::sqrt(v_hat + er) + e);
+        });
+        return UpdateResult{std::move(out),
+                            Tree{{"count", count_array(count)}, {"mu", std::move(mu)}, {"nu", std::move(nu)}}};
+      });
+}
+
+GradientTransformation add_decayed_weights(double weight_decay) {
+  const float wd = f32(weight_decay);
+  const std::string who = "optim::add_decayed_weights.update";
+  return GradientTransformation(
+      "optim::add_decayed_weights", [](const Tree&) { return empty_state(); },
+      [wd, weight_decay, who](const Tree& updates, const Tree& state, const Tree* params) {
+        check_state_keys(who, state, {});
+        if (weight_decay == 0.0) return UpdateResult{updates, empty_state()};
+        if (!params)
+          throw ValueError(detail::cat(who, ": weight decay needs the parameters; call update(grads, state, params)"));
+        check_same_structure(who, "grads", updates, "params", *params);
+        return UpdateResult{map2(updates, *params, [wd](float g, float p) { return g + wd * p; }), empty_state()};
+      });
+}
+
+GradientTransformation clip_by_global_norm(double max_norm) {
+  if (!(max_norm >= 0) || !std::isfinite(max_norm))
+    throw ValueError(detail::cat("optim::clip_by_global_norm: max_norm must be a finite number >= 0, got ", max_norm));
+  const float m = f32(max_norm);
+  const std::string who = "optim::clip_by_global_norm.update";
+  return GradientTransformation(
+      "optim::clip_by_global_norm", [](const Tree&) { return empty_state(); },
+      [m, who](const Tree& updates, const Tree& state, const Tree*) {
+        check_state_keys(who, state, {});
+        const float norm = global_norm(updates);
+        if (norm < m) return UpdateResult{updates, empty_state()};
+        return UpdateResult{map1(updates, [norm, m](float t) { return (t / norm) * m; }), empty_state()};
+      });
+}
+
+// ---- optimizers ------------------------------------------------------------------------------
+
+GradientTransformation sgd(LearningRate learning_rate, double momentum, bool nesterov) {
+  if (!(momentum >= 0) || !std::isfinite(momentum))
+    throw ValueError(detail::cat("optim::sgd: momentum must be a finite number >= 0, got ", momentum));
+  GradientTransformation first = momentum == 0.0 ? identity() : trace(momentum, nesterov);
+  return chain(std::move(first), scale_by_learning_rate(std::move(learning_rate)));
+}
+
+GradientTransformation adam(LearningRate learning_rate, double b1, double b2, double eps, double eps_root) {
+  return chain(scale_by_adam(b1, b2, eps, eps_root), scale_by_learning_rate(std::move(learning_rate)));
+}
+
+GradientTransformation adamw(LearningRate learning_rate, double b1, double b2, double eps, double weight_decay,
+                             double eps_root) {
+  return chain(scale_by_adam(b1, b2, eps, eps_root), add_decayed_weights(weight_decay),
+               scale_by_learning_rate(std::move(learning_rate)));
+}
+
+}  // namespace linum::optim

@@ -1,0 +1,205 @@
+// Optimizers in the style of optax: pure gradient transformations over variable trees.
+//
+// A GradientTransformation is a pair of pure functions. `init(params)` builds the optimizer
+// state; `update(grads, state, params)` turns gradients into updates and returns the next state.
+// Nothing is mutated, so a training step is an explicit function of its inputs:
+//
+//   auto opt = optim::chain(optim::clip_by_global_norm(1.0), optim::adamw(1e-3));
+//   Tree state = opt.init(params);
+//   for (...) {
+//     Tree grads = ...;                                    // same structure as params
+//     auto [updates, new_state] = opt.update(grads, state, params);
+//     params = optim::apply_updates(params, updates);
+//     state = new_state;
+//   }
+//
+// The state is a Tree, so it saves and loads with core/serialization.hpp like the parameters.
+// Its layout is what `flax.serialization.to_state_dict` gives for the optax state of the same
+// optimizer: a chain is {"0": ..., "1": ...}; adam's moments are {"count": int32[], "mu": <params
+// structure>, "nu": <params structure>}; sgd's momentum is {"trace": <params structure>};
+// stateless steps are empty dicts {}.
+//
+// The formulas are optax's, evaluated in float32 with optax's constants: hyperparameters are
+// doubles (as Python floats) and derived constants such as 1 - b1 are formed in double before the
+// single rounding to float32, as JAX does with weakly typed Python scalars. Results agree with
+// optax to float32 rounding (the compiler may fuse a multiply and an add where XLA rounds twice;
+// global norms are accumulated in double; bias corrections use an exact power). Schedules are
+// evaluated in double and rounded to float.
+//
+// Updates are computed without recording autodiff nodes (under autodiff::NoGradGuard): they are
+// constants even inside a differentiated function. Every leaf must be float32. Trees whose
+// structures disagree (grads vs state vs params) throw linum::ValueError naming the first path
+// where they differ.
+#pragma once
+
+#include <linum/core/tree.hpp>
+
+#include <concepts>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace linum::optim {
+
+// ---- schedules ---------------------------------------------------------------------------------
+
+// A value (usually a learning rate) as a function of the step count, starting at 0.
+using Schedule = std::function<float(std::int64_t step)>;
+
+// optax.constant_schedule(value): `value` at every step.
+Schedule constant_schedule(float value);
+
+// optax.linear_schedule: init_value until transition_begin, then linear to end_value over
+// transition_steps steps, then end_value. With transition_steps <= 0 it is constant at init_value
+// (as optax); a negative transition_begin counts as 0.
+Schedule linear_schedule(float init_value, float end_value, std::int64_t transition_steps,
+                         std::int64_t transition_begin = 0);
+
+// optax.cosine_decay_schedule: init_value * ((1 - alpha) * 0.5 * (1 + cos(pi * t / decay_steps))
+// + alpha) with t = min(step, decay_steps). So init_value at step 0, init_value * (1 + alpha) / 2
+// half way, and alpha * init_value from decay_steps on. Throws ValueError unless decay_steps > 0.
+Schedule cosine_decay_schedule(float init_value, std::int64_t decay_steps, float alpha = 0.0f);
+
+// optax.warmup_cosine_decay_schedule: linear from init_value to peak_value over warmup_steps, then
+// a cosine decay from peak_value to end_value that ends at step decay_steps (decay_steps counts the
+// warmup, as in optax). Throws ValueError unless decay_steps > warmup_steps >= 0.
+Schedule warmup_cosine_decay_schedule(float init_value, float peak_value, std::int64_t warmup_steps,
+                                      std::int64_t decay_steps, float end_value = 0.0f);
+
+// A learning rate: a constant (a number) or a Schedule (any callable from the step to a float).
+//   optim::adam(1e-3);   optim::adam(optim::cosine_decay_schedule(1e-3, 10000));
+class LearningRate {
+ public:
+  // A constant learning rate.
+  LearningRate(double value) : value_(value) {}  // NOLINT(google-explicit-constructor)
+  // A learning rate that follows `schedule` (called with the step count 0, 1, 2, ...).
+  template <class F>
+    requires(!std::is_arithmetic_v<std::decay_t<F>> && std::is_invocable_r_v<float, F&, std::int64_t>)
+  LearningRate(F schedule) : schedule_(std::move(schedule)) {}  // NOLINT(google-explicit-constructor)
+
+  // True when this learning rate is a schedule rather than a constant.
+  bool is_schedule() const { return static_cast<bool>(schedule_); }
+  // The constant value (meaningful when !is_schedule()).
+  double value() const { return value_; }
+  // The schedule (empty when !is_schedule()).
+  const Schedule& schedule() const { return schedule_; }
+
+ private:
+  double value_ = 0.0;
+  Schedule schedule_;
+};
+
+// ---- gradient transformations ------------------------------------------------------------------
+
+// What update() returns: the transformed updates (same structure as the gradients) and the next
+// optimizer state. Usable with structured bindings: `auto [updates, state] = opt.update(...)`.
+struct UpdateResult {
+  // The transformed gradients; add them to the parameters with apply_updates.
+  Tree updates;
+  // The optimizer state to pass to the next update.
+  Tree state;
+};
+
+// A pure optimizer step, as optax.GradientTransformation: init builds a state from the
+// parameters; update maps (gradients, state, parameters) to (updates, next state).
+class GradientTransformation {
+ public:
+  // Builds the initial state from the parameters.
+  using InitFn = std::function<Tree(const Tree& params)>;
+  // Maps (updates, state, params or nullptr when not given) to (updates, next state).
+  using UpdateFn = std::function<UpdateResult(const Tree& updates, const Tree& state, const Tree* params)>;
+
+  // A transformation called `name` in error messages (e.g. "optim::scale_by_adam").
+  GradientTransformation(std::string name, InitFn init, UpdateFn update)
+      : name_(std::move(name)), init_(std::move(init)), update_(std::move(update)) {}
+
+  // The initial state for `params` (which fixes the structure every later call must have).
+  Tree init(const Tree& params) const;
+
+  // One step without the parameters. Transformations that need them (add_decayed_weights, hence
+  // adamw) throw ValueError asking for them.
+  UpdateResult update(const Tree& grads, const Tree& state) const;
+
+  // One step: the updates for `grads` and the next state. `params` are the current parameters.
+  UpdateResult update(const Tree& grads, const Tree& state, const Tree& params) const;
+
+  // The name used in error messages.
+  const std::string& name() const { return name_; }
+
+ private:
+  std::string name_;
+  InitFn init_;
+  UpdateFn update_;
+};
+
+// params + updates leaf by leaf (optax.apply_updates). Throws ValueError naming the first path
+// where the structures or shapes differ, or a leaf that is not float32.
+Tree apply_updates(const Tree& params, const Tree& updates);
+
+// The L2 norm of all leaves together: sqrt(sum over leaves of sum(x^2)), accumulated in double.
+float global_norm(const Tree& tree);
+
+// Applies the transformations in order, each to the previous one's updates (optax.chain). The
+// state is {"0": state of the first, "1": state of the second, ...}.
+GradientTransformation chain(std::vector<GradientTransformation> transformations);
+// chain(a, b, c): the same as chain({a, b, c}).
+template <class... T>
+  requires(sizeof...(T) >= 1 && (std::convertible_to<T, GradientTransformation> && ...))
+GradientTransformation chain(T... transformations) {
+  return chain(std::vector<GradientTransformation>{GradientTransformation(std::move(transformations))...});
+}
+
+// Leaves updates unchanged; state {} (optax.identity).
+GradientTransformation identity();
+
+// Multiplies updates by the constant `step_size`; state {} (optax.scale).
+GradientTransformation scale(double step_size);
+
+// Multiplies updates by schedule(count), then counts the step; state {"count": int32[]}
+// (optax.scale_by_schedule).
+GradientTransformation scale_by_schedule(Schedule schedule);
+
+// Multiplies updates by -learning_rate: scale(-lr) for a constant, scale_by_schedule(-schedule)
+// for a schedule (optax.scale_by_learning_rate).
+GradientTransformation scale_by_learning_rate(LearningRate learning_rate);
+
+// Momentum (optax.trace): trace = g + decay * trace_prev; the update is the trace, or
+// g + decay * trace with nesterov. State {"trace": <params structure>}.
+GradientTransformation trace(double decay, bool nesterov = false);
+
+// Adam's rescaling (optax.scale_by_adam): mu = (1-b1) g + b1 mu, nu = (1-b2) g^2 + b2 nu,
+// t = count + 1, update = (mu / (1 - b1^t)) / (sqrt(nu / (1 - b2^t) + eps_root) + eps).
+// State {"count": int32[], "mu": ..., "nu": ...}.
+GradientTransformation scale_by_adam(double b1 = 0.9, double b2 = 0.999, double eps = 1e-8, double eps_root = 0.0);
+
+// Adds weight_decay * params to the updates (optax.add_decayed_weights); needs the params.
+// State {}. A zero weight decay leaves the updates unchanged (as optax).
+GradientTransformation add_decayed_weights(double weight_decay);
+
+// Rescales all updates together so that their global norm is at most max_norm: unchanged when
+// global_norm < max_norm, else each leaf becomes (u / norm) * max_norm (optax.clip_by_global_norm).
+// State {}. Throws ValueError if max_norm is negative or not finite.
+GradientTransformation clip_by_global_norm(double max_norm);
+
+// ---- optimizers ------------------------------------------------------------------------------
+
+// Stochastic gradient descent (optax.sgd): chain(trace(momentum, nesterov), scale_by_learning_rate).
+// momentum == 0 means no momentum at all (optax's momentum=None): chain(identity, scale_by_lr),
+// state {"0": {}, "1": {...}}, and nesterov is ignored. Throws ValueError for a negative momentum.
+GradientTransformation sgd(LearningRate learning_rate, double momentum = 0.0, bool nesterov = false);
+
+// Adam (optax.adam): chain(scale_by_adam(b1, b2, eps, eps_root), scale_by_learning_rate(lr)).
+GradientTransformation adam(LearningRate learning_rate, double b1 = 0.9, double b2 = 0.999, double eps = 1e-8,
+                            double eps_root = 0.0);
+
+// AdamW (optax.adamw): chain(scale_by_adam(b1, b2, eps, eps_root), add_decayed_weights(weight_decay),
+// scale_by_learning_rate(lr)), so the decoupled decay is scaled by the learning rate:
+// update = -lr * (adam_update + weight_decay * params). optax's default weight_decay is 1e-4.
+// update() needs the params.
+GradientTransformation adamw(LearningRate learning_rate, double b1 = 0.9, double b2 = 0.999, double eps = 1e-8,
+                             double weight_decay = 1e-4, double eps_root = 0.0);
+
+}  // namespace linum::optim
