@@ -16,3 +16,6 @@
 #include <linum/modules/initializers.hpp>
 #include <linum/modules/scope.hpp>
 #include <linum/modules/module.hpp>
+#include <linum/lift/checkpoint.hpp>
+#include <linum/lift/policies.hpp>
+#include <linum/lift/remat.hpp>

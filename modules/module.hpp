@@ -86,8 +86,9 @@ Tree init_method(Method method, const M& module, const rng::Streams& rngs, Args&
   state.all_mutable = true;
   state.rngs = rngs;
   Scope root(state, {});
-  root.run(module, [&](Scope& s, auto&&... a) -> decltype(auto) { return (module.*method)(s, std::forward<decltype(a)>(a)...); },
-           std::forward<Args>(args)...);
+  root.run(module, [&](Scope& s, auto&&... a) -> decltype(auto) {
+    return Scope::invoke_method(module, method, s, std::forward<decltype(a)>(a)...);
+  }, std::forward<Args>(args)...);
   return detail::initialized_variables(state, false);
 }
 
@@ -124,7 +125,7 @@ auto apply_method(Method method, const M& module, const Tree& variables, const A
   detail::prepare_apply(state, variables, options);
   Scope root(state, {});
   auto out = root.run(module, [&](Scope& s, auto&&... a) -> decltype(auto) {
-    return (module.*method)(s, std::forward<decltype(a)>(a)...);
+    return Scope::invoke_method(module, method, s, std::forward<decltype(a)>(a)...);
   }, std::forward<Args>(args)...);
   return std::make_pair(std::move(out), detail::mutated_collections(state));
 }

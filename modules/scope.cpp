@@ -14,6 +14,22 @@ std::string demangled_type_name(const char* mangled) {
   return name;
 }
 
+namespace {
+thread_local const std::vector<std::string>* t_module_path = nullptr;
+}
+
+const std::vector<std::string>* current_module_path() { return t_module_path; }
+ModulePathGuard::ModulePathGuard(const std::vector<std::string>* path) : previous_(t_module_path) { t_module_path = path; }
+ModulePathGuard::~ModulePathGuard() { t_module_path = previous_; }
+
+void ScopeState::check_collection_visible(std::string_view collection, std::string_view module_path) const {
+  if (!lifted_collections || lifted_collections->count(collection)) return;
+  std::string lifted;
+  for (const auto& c : *lifted_collections) lifted += (lifted.empty() ? "" : ", ") + c;
+  throw ValueError(detail::cat("module '", module_path, "' uses collection '", collection, "', which is not lifted into ",
+                               lift_note, " (lifted collections: [", lifted, "]); add it to lift::variables<...>"));
+}
+
 }  // namespace detail
 
 namespace {
@@ -73,6 +89,7 @@ std::string Scope::next_auto_name(const std::string& type_name) {
 Array Scope::param(std::string_view name, const Initializer& init, const Shape& shape) {
   const std::string path = full_path(name);
   const std::string full = "params/" + path;
+  state_->check_collection_visible("params", path_str());
   state_->touched.insert(full);
   Tree& vars = state_->variables;
   if (vars.contains("params") && vars.at("params").contains_path(path)) {
@@ -99,6 +116,7 @@ Array Scope::param(std::string_view name, const Initializer& init, const Shape& 
 Variable Scope::variable(std::string_view collection, std::string_view name, const std::function<Array()>& init) {
   const std::string path = full_path(name);
   const std::string coll(collection);
+  state_->check_collection_visible(coll, path_str());
   state_->touched.insert(coll + "/" + path);
   Tree& vars = state_->variables;
   const bool exists = vars.contains(coll) && vars.at(coll).contains_path(path);
@@ -124,6 +142,12 @@ std::string Scope::rng_counter_key(std::string_view stream) const {
 }
 
 rng::Key Scope::make_rng(std::string_view stream) {
+  if (state_->lifted_streams && !state_->lifted_streams->count(stream)) {
+    std::string lifted;
+    for (const auto& c : *state_->lifted_streams) lifted += (lifted.empty() ? "" : ", ") + c;
+    throw ValueError(detail::cat("module '", path_str(), "' draws from rng stream '", stream, "', which is not lifted into ",
+                                 state_->lift_note, " (lifted streams: [", lifted, "]); add it to lift::rngs<...>"));
+  }
   std::uint64_t& count = state_->rng_counters[rng_counter_key(stream)];
   ++count;
   return state_->rngs.derive(stream, path_, count);
@@ -131,6 +155,7 @@ rng::Key Scope::make_rng(std::string_view stream) {
 
 bool Scope::sow(std::string_view collection, std::string_view name, const Array& value) {
   const std::string coll(collection);
+  if (state_->lifted_collections && !state_->lifted_collections->count(coll)) return false;
   if (!state_->is_mutable(coll) || (state_->initializing && coll == "intermediates" && !state_->mutable_collections.count(coll)))
     return false;
   const std::string base = full_path(name);

@@ -30,6 +30,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <string_view>
@@ -55,6 +56,14 @@ struct ScopeState {
   rng::Streams rngs;
   std::map<std::string, std::uint64_t, std::less<>> rng_counters;  // "<stream>\n<path>" -> draws so far
   std::set<std::string, std::less<>> touched;          // full variable paths read or written
+  // Inside a lifted transform (lift::remat): the collections and streams it lifts (unset: all),
+  // and a description of the transform for error messages.
+  std::optional<std::set<std::string, std::less<>>> lifted_collections;
+  std::optional<std::set<std::string, std::less<>>> lifted_streams;
+  std::string lift_note;
+
+  // Throws ValueError if `collection` is not visible here (not lifted into a transform).
+  void check_collection_visible(std::string_view collection, std::string_view module_path) const;
 
   bool is_mutable(std::string_view collection) const {
     return all_mutable || mutable_collections.count(collection) > 0;
@@ -64,13 +73,30 @@ struct ScopeState {
 // "Dense" for linum::nn::Dense, "Block" for Block<3>; or M::module_name when declared.
 std::string demangled_type_name(const char* mangled);
 
+// The path of the module whose body is running on this thread (null outside modules). Checkpoint
+// policies and residual reports use it.
+const std::vector<std::string>* current_module_path();
+
+// Sets the current module path for its lifetime.
+class ModulePathGuard {
+ public:
+  explicit ModulePathGuard(const std::vector<std::string>* path);
+  ~ModulePathGuard();
+  ModulePathGuard(const ModulePathGuard&) = delete;
+  ModulePathGuard& operator=(const ModulePathGuard&) = delete;
+
+ private:
+  const std::vector<std::string>* previous_;
+};
+
 }  // namespace detail
 
 // The name used to auto-name a module type's instances (Flax: the class name). Declare
 // `static constexpr std::string_view module_name = "...";` in a module to choose it.
 template <class M>
 std::string module_type_name() {
-  if constexpr (requires { M::module_name; }) return std::string(M::module_name);
+  if constexpr (requires { typename M::lifted_module; }) return module_type_name<typename M::lifted_module>();
+  else if constexpr (requires { M::module_name; }) return std::string(M::module_name);
   else return detail::demangled_type_name(typeid(M).name());
 }
 
@@ -147,7 +173,7 @@ class Scope {
   decltype(auto) call(Method method, const M& module, Args&&... args) {
     Scope child = child_scope(next_auto_name(module_type_name<M>()));
     return child.run(module, [&](Scope& s, auto&&... a) -> decltype(auto) {
-      return (module.*method)(s, std::forward<decltype(a)>(a)...);
+      return invoke_method(module, method, s, std::forward<decltype(a)>(a)...);
     }, std::forward<Args>(args)...);
   }
 
@@ -157,8 +183,18 @@ class Scope {
   decltype(auto) call(std::string_view name, Method method, const M& module, Args&&... args) {
     Scope child = child_scope(std::string(name));
     return child.run(module, [&](Scope& s, auto&&... a) -> decltype(auto) {
-      return (module.*method)(s, std::forward<decltype(a)>(a)...);
+      return invoke_method(module, method, s, std::forward<decltype(a)>(a)...);
     }, std::forward<Args>(args)...);
+  }
+
+  // Calls `method` of `module` in scope `s`; a lifted module (lift::remat) decides whether the
+  // method runs checkpointed.
+  template <class M, class Method, class... Args>
+  static decltype(auto) invoke_method(const M& module, Method method, Scope& s, Args&&... args) {
+    if constexpr (requires { module.lifted_call(method, s, std::forward<Args>(args)...); })
+      return module.lifted_call(method, s, std::forward<Args>(args)...);
+    else
+      return (module.*method)(s, std::forward<Args>(args)...);
   }
 
   // The child scope with this name (for code that manages scopes by hand, e.g. lifted transforms).
@@ -172,6 +208,7 @@ class Scope {
   // that escape it. Used by the child-module calls above and by the top-level init/apply.
   template <class M, class Body, class... Args>
   decltype(auto) run(const M& /*module*/, Body&& body, Args&&... args) {
+    detail::ModulePathGuard where(&path_);
     try {
       return body(*this, std::forward<Args>(args)...);
     } catch (const Error&) {

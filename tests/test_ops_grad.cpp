@@ -170,7 +170,7 @@ TEST_CASE("the gradient check catches a wrong backward rule") {
     Array y = v[0] * 3.0f;
     Array out = y.detached();
     if (autodiff::needs_grad(v[0]))
-      autodiff::record("wrong", out, {&v[0]}, [](autodiff::Cotangents& c) { c.set(0, c.out() * 2.0f); });
+      autodiff::record("wrong", out, {&v[0]}, {}, [](autodiff::Cotangents& c, autodiff::Saved) { c.set(0, c.out() * 2.0f); });
     return out;
   };
   CHECK_FALSE(linum::testing::first_gradient_mismatch("wrong", wrong, {r({3}, 1)}).empty());

@@ -1,16 +1,30 @@
 #include <linum/core/autodiff/graph.hpp>
+#include <linum/core/autodiff/grad.hpp>
+#include <linum/core/autodiff/hooks.hpp>
 
 #include <algorithm>
+#include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
 namespace linum::autodiff {
+
+// Private access for the sweep (keeps Node's bookkeeping out of its public interface).
+struct SweepAccess {
+  static std::vector<Array>& grads(Node* n) { return n->grads_; }
+  static std::vector<Edge>& inputs(Node* n) { return n->inputs_; }
+  static std::uint64_t& mark(Node* n) { return n->mark_; }
+  static bool& released(Node* n) { return n->released_; }
+};
+
 namespace {
 
 thread_local bool t_recording = true;
 std::atomic<std::uint64_t> g_sweep_counter{0};
+std::atomic<std::uint64_t> g_node_counter{1};
 
-// a += b for same-shaped float arrays, into a fresh buffer when `a`'s is shared.
-Array accumulate(Array a, const Array& b) {
+// a + b for same-shaped float arrays, into a fresh buffer.
+Array accumulate(const Array& a, const Array& b) {
   Array out = Array::empty(a.shape());
   const float* pa = a.data();
   const float* pb = b.data();
@@ -21,12 +35,150 @@ Array accumulate(Array a, const Array& b) {
   return out;
 }
 
+void add_into(Array& slot, Array g) {
+  slot = slot.defined() ? accumulate(slot, g) : std::move(g).detached();
+}
+
+[[noreturn]] void throw_released(const Node* n) {
+  throw AutodiffError(linum::detail::cat(
+      "backward: the graph through op '", n->op(),
+      "' was already used by a backward pass and freed; compute the forward pass again, or use vjp "
+      "(which keeps its graph) to pull back several cotangents"));
+}
+
+// Post-order DFS from the roots; nodes for which `stop(node)` is true are neither entered nor emitted.
+template <class Stop>
+std::vector<std::shared_ptr<Node>> topological_order(std::span<const Array> roots, std::uint64_t mark, Stop stop) {
+  std::vector<std::shared_ptr<Node>> order;
+  std::vector<std::pair<std::shared_ptr<Node>, std::size_t>> stack;
+  for (const Array& r : roots) {
+    if (r.node() == nullptr || SweepAccess::mark(r.node().get()) == mark || stop(r.node().get())) continue;
+    SweepAccess::mark(r.node().get()) = mark;
+    stack.emplace_back(r.node(), 0);
+    while (!stack.empty()) {
+      Node* node = stack.back().first.get();
+      std::size_t& next = stack.back().second;
+      auto& inputs = SweepAccess::inputs(node);
+      if (next < inputs.size()) {
+        const Edge& e = inputs[next++];
+        Node* child = e.node.get();
+        if (child != nullptr && SweepAccess::mark(child) != mark && !stop(child)) {
+          if (child->released()) throw_released(child);
+          SweepAccess::mark(child) = mark;
+          stack.emplace_back(e.node, 0);
+        }
+      } else {
+        order.push_back(std::move(stack.back().first));
+        stack.pop_back();
+      }
+    }
+  }
+  return order;
+}
+
+// Runs the sweep over `order` (reverse). `deliver(edge, grad)` returns true when it consumed a
+// cotangent for an edge (a boundary); otherwise the cotangent accumulates in the target node.
+template <class Deliver>
+void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, Deliver deliver) {
+  NoGradGuard no_grad;  // backward rules compute with constants
+  std::vector<Array> in_grads;
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    Node* node = it->get();
+    if (node->is_leaf()) continue;
+    auto& grads = SweepAccess::grads(node);
+    grads.resize(node->num_outputs());
+    const bool any = std::any_of(grads.begin(), grads.end(), [](const Array& g) { return g.defined(); });
+    auto& inputs = SweepAccess::inputs(node);
+    if (any) {
+      in_grads.assign(inputs.size(), Array());
+      Cotangents c(grads, in_grads, inputs);
+      node->backward(c);
+      for (std::size_t k = 0; k < inputs.size(); ++k) {
+        const Edge& e = inputs[k];
+        if (e.node == nullptr || !in_grads[k].defined()) continue;
+        Node* target = e.node.get();
+        const Shape& want = target->output_shapes()[e.index];
+        if (!(in_grads[k].shape() == want))
+          throw AutodiffError(linum::detail::cat("backward rule of op '", node->op(), "' produced a gradient of shape ",
+                                          in_grads[k].shape(), " for input ", k, " of shape ", want,
+                                          " (a bug in that op's rule; please report it)"));
+        if (deliver(e, in_grads[k])) continue;
+        auto& target_grads = SweepAccess::grads(target);
+        target_grads.resize(target->num_outputs());
+        add_into(target_grads[e.index], std::move(in_grads[k]));
+      }
+      in_grads.clear();
+    }
+    grads.clear();
+    if (!retain_graph) {
+      node->release();
+      SweepAccess::released(node) = true;
+      inputs.clear();
+      inputs.shrink_to_fit();
+    }
+    it->reset();  // drop our reference: the node dies now unless an array still refers to it
+  }
+}
+
+void seed(std::span<const Array> roots, std::span<const Array> cotangents) {
+  if (roots.size() != cotangents.size())
+    throw AutodiffError(linum::detail::cat("backward: ", roots.size(), " roots but ", cotangents.size(), " cotangents"));
+  for (std::size_t i = 0; i < roots.size(); ++i) {
+    Node* n = roots[i].node().get();
+    if (n == nullptr || !cotangents[i].defined()) continue;
+    if (n->released()) throw_released(n);
+    if (!(cotangents[i].shape() == roots[i].shape()))
+      throw AutodiffError(linum::detail::cat("backward: cotangent of shape ", cotangents[i].shape(), " for an output of shape ",
+                                      roots[i].shape()));
+    auto& grads = SweepAccess::grads(n);
+    grads.resize(n->num_outputs());
+    add_into(grads[roots[i].output_index()], cotangents[i]);
+  }
+}
+
 }  // namespace
+
+namespace detail {
+thread_local RecordHook* t_record_hook = nullptr;
+
+void on_record(const char* op, Array& out, const Node* node) {
+  bool region_seen = false;
+  for (RecordHook* h = t_record_hook; h != nullptr; h = h->previous()) {
+    if (h->is_region()) {
+      if (region_seen) continue;  // only the innermost checkpoint region numbers and saves ops
+      region_seen = true;
+    }
+    h->on_record(op, out, node);
+  }
+}
+
+const Array* peek_replayed_output() {
+  for (RecordHook* h = t_record_hook; h != nullptr; h = h->previous())
+    if (h->is_region()) return h->peek_replayed_output();
+  return nullptr;
+}
+
+RecordHook::RecordHook() : previous_(t_record_hook) { t_record_hook = this; }
+RecordHook::~RecordHook() { t_record_hook = previous_; }
+
+std::vector<Array> detach_all(std::initializer_list<Array> saved) {
+  std::vector<Array> out;
+  out.reserve(saved.size());
+  for (const Array& a : saved) out.push_back(a.detached());
+  return out;
+}
+}  // namespace detail
+
+std::uint64_t Node::next_id() { return g_node_counter.fetch_add(1, std::memory_order_relaxed); }
+std::uint64_t Node::peek_next_id() { return g_node_counter.load(std::memory_order_relaxed); }
 
 bool is_recording() { return t_recording; }
 
 NoGradGuard::NoGradGuard() : previous_(t_recording) { t_recording = false; }
 NoGradGuard::~NoGradGuard() { t_recording = previous_; }
+
+EnableGradGuard::EnableGradGuard() : previous_(t_recording) { t_recording = true; }
+EnableGradGuard::~EnableGradGuard() { t_recording = previous_; }
 
 bool needs_grad(std::span<const Array> inputs) {
   if (!is_recording()) return false;
@@ -54,7 +206,7 @@ Array Node::take_grad(std::size_t i) {
 
 Array make_leaf(const Array& x) {
   if (x.dtype() != DType::f32)
-    throw AutodiffError(detail::cat("make_leaf: only float32 arrays can be differentiated, got ",
+    throw AutodiffError(linum::detail::cat("make_leaf: only float32 arrays can be differentiated, got ",
                                     dtype_name(x.dtype()), x.shape().str(),
                                     "; pass integer arrays (labels, indices) as non-differentiated arguments"));
   Array leaf = x.detached();
@@ -63,98 +215,66 @@ Array make_leaf(const Array& x) {
 }
 
 void backward(std::span<const Array> roots, std::span<const Array> cotangents, bool retain_graph) {
-  if (roots.size() != cotangents.size())
-    throw AutodiffError(detail::cat("backward: ", roots.size(), " roots but ", cotangents.size(), " cotangents"));
   const std::uint64_t mark = ++g_sweep_counter;
-
-  // 1. Topological order (post-order DFS), iterative so that deep graphs cannot overflow the stack.
-  std::vector<std::shared_ptr<Node>> order;
-  std::vector<std::pair<std::shared_ptr<Node>, std::size_t>> stack;
-  for (const Array& r : roots) {
-    if (r.node() == nullptr || r.node()->mark_ == mark) continue;
-    r.node()->mark_ = mark;
-    stack.emplace_back(r.node(), 0);
-    while (!stack.empty()) {
-      Node* node = stack.back().first.get();
-      std::size_t& next = stack.back().second;
-      if (next < node->inputs_.size()) {
-        const Edge& e = node->inputs_[next++];
-        Node* child = e.node.get();
-        if (child != nullptr && child->mark_ != mark) {
-          if (child->released_)
-            throw AutodiffError(detail::cat(
-                "backward: the graph through op '", child->op(),
-                "' was already used by a backward pass and freed; compute the forward pass again, or use "
-                "vjp (which keeps its graph) to pull back several cotangents"));
-          child->mark_ = mark;
-          stack.emplace_back(e.node, 0);
-        }
-      } else {
-        order.push_back(std::move(stack.back().first));
-        stack.pop_back();
-      }
-    }
-  }
-
-  // 2. Seed the roots' cotangents.
-  for (std::size_t i = 0; i < roots.size(); ++i) {
-    Node* n = roots[i].node().get();
-    if (n == nullptr) continue;
-    if (n->released_)
-      throw AutodiffError(detail::cat("backward: the graph through op '", n->op(),
-                                      "' was already used by a backward pass and freed"));
-    if (!(cotangents[i].shape() == roots[i].shape()))
-      throw AutodiffError(detail::cat("backward: cotangent of shape ", cotangents[i].shape(),
-                                      " for an output of shape ", roots[i].shape()));
-    n->grads_.resize(n->num_outputs());
-    Array& slot = n->grads_[roots[i].output_index()];
-    slot = slot.defined() ? accumulate(slot, cotangents[i]) : cotangents[i].detached();
-  }
-
-  // 3. Sweep in reverse topological order.
-  NoGradGuard no_grad;  // backward rules compute with constants
-  std::vector<Array> in_grads;
-  for (auto it = order.rbegin(); it != order.rend(); ++it) {
-    Node* node = it->get();
-    if (node->is_leaf()) continue;
-    node->grads_.resize(node->num_outputs());
-    bool any = std::any_of(node->grads_.begin(), node->grads_.end(), [](const Array& g) { return g.defined(); });
-    if (any) {
-      if (node->num_outputs() == 1 && !node->grads_[0].defined()) continue;
-      in_grads.assign(node->inputs_.size(), Array());
-      Cotangents c(node->grads_, in_grads, node->inputs_);
-      node->backward(c);
-      for (std::size_t k = 0; k < node->inputs_.size(); ++k) {
-        const Edge& e = node->inputs_[k];
-        if (e.node == nullptr || !in_grads[k].defined()) continue;
-        Node* target = e.node.get();
-        const Shape& want = target->output_shapes_[e.index];
-        if (!(in_grads[k].shape() == want))
-          throw AutodiffError(detail::cat("backward rule of op '", node->op(), "' produced a gradient of shape ",
-                                          in_grads[k].shape(), " for input ", k, " of shape ", want,
-                                          " (a bug in that op's rule; please report it)"));
-        target->grads_.resize(target->num_outputs());
-        Array& slot = target->grads_[e.index];
-        slot = slot.defined() ? accumulate(std::move(slot), in_grads[k]) : std::move(in_grads[k]).detached();
-      }
-      in_grads.clear();
-    }
-    node->grads_.clear();
-    if (!retain_graph) {
-      node->release();
-      node->released_ = true;
-      node->inputs_.clear();
-      node->inputs_.shrink_to_fit();
-    }
-    it->reset();  // drop our reference: the node dies now unless an array still refers to it
-  }
+  auto order = topological_order(roots, mark, [](Node*) { return false; });
+  seed(roots, cotangents);
+  run_sweep(order, retain_graph, [](const Edge&, Array&) { return false; });
 }
 
-}  // namespace linum::autodiff
+std::vector<Array> backward_to(std::span<const Array> roots, std::span<const Array> cotangents,
+                               std::span<const Boundary> boundaries) {
+  std::unordered_set<const Node*> stop_nodes;
+  for (const Boundary& b : boundaries) stop_nodes.insert(b.node);
+  const std::uint64_t mark = ++g_sweep_counter;
+  auto order = topological_order(roots, mark, [&](Node* n) { return stop_nodes.count(n) > 0; });
+  std::vector<Array> out(boundaries.size());
+  // Cotangents seeded directly on a boundary (a root that is itself an input) go straight out.
+  std::vector<Array> inner_roots, inner_cts;
+  for (std::size_t i = 0; i < roots.size(); ++i) {
+    const Boundary here{roots[i].node().get(), roots[i].output_index()};
+    auto b = std::find(boundaries.begin(), boundaries.end(), here);
+    if (b != boundaries.end() && cotangents[i].defined()) {
+      add_into(out[static_cast<std::size_t>(b - boundaries.begin())], cotangents[i]);
+    } else {
+      inner_roots.push_back(roots[i]);
+      inner_cts.push_back(cotangents[i]);
+    }
+  }
+  seed(inner_roots, inner_cts);
+  run_sweep(order, /*retain_graph=*/false, [&](const Edge& e, Array& g) {
+    if (!stop_nodes.count(e.node.get())) return false;
+    const Boundary here{e.node.get(), e.index};
+    auto b = std::find(boundaries.begin(), boundaries.end(), here);
+    if (b != boundaries.end()) add_into(out[static_cast<std::size_t>(b - boundaries.begin())], std::move(g));
+    return true;
+  });
+  return out;
+}
 
-#include <linum/core/autodiff/grad.hpp>
+std::vector<Edge> external_inputs(std::span<const Array> roots, std::uint64_t first_id) {
+  std::vector<Edge> found;
+  std::unordered_set<const Node*> seen;
+  std::vector<std::pair<const Node*, std::uint32_t>> found_keys;
+  std::vector<Node*> stack;
+  auto consider = [&](const Edge& e) {
+    if (e.node == nullptr) return;
+    if (e.node->id() < first_id) {
+      const auto key = std::make_pair(static_cast<const Node*>(e.node.get()), e.index);
+      if (std::find(found_keys.begin(), found_keys.end(), key) == found_keys.end()) {
+        found_keys.push_back(key);
+        found.push_back(e);
+      }
+    } else if (seen.insert(e.node.get()).second) {
+      stack.push_back(e.node.get());
+    }
+  };
+  for (const Array& r : roots) consider(Edge{r.node(), r.output_index()});
+  while (!stack.empty()) {
+    Node* n = stack.back();
+    stack.pop_back();
+    for (const Edge& e : SweepAccess::inputs(n)) consider(e);
+  }
+  return found;
+}
 
-namespace linum::autodiff {
-EnableGradGuard::EnableGradGuard() : previous_(t_recording) { t_recording = true; }
-EnableGradGuard::~EnableGradGuard() { t_recording = previous_; }
 }  // namespace linum::autodiff

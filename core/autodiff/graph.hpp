@@ -12,9 +12,8 @@
 //   Array exp(const Array& x) {
 //     Array y = exp_kernel(x);
 //     if (autodiff::needs_grad(x))
-//       autodiff::record("exp", y, {&x}, [y = y.detached()](autodiff::Cotangents& c) {
-//         c.set(0, c.out() * y);                 // keeps its output, not its input
-//       });
+//       autodiff::record("exp", y, {&x}, {y},    // inputs, then what the rule keeps: its output
+//                        [](autodiff::Cotangents& c, autodiff::Saved s) { c.set(0, c.out() * s[0]); });
 //     return y;
 //   }
 #pragma once
@@ -27,6 +26,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string_view>
 #include <vector>
 
 namespace linum::autodiff {
@@ -81,7 +81,7 @@ class Cotangents {
 class Node {
  public:
   Node(const char* op, std::vector<Edge> inputs, std::vector<Shape> output_shapes)
-      : inputs_(std::move(inputs)), output_shapes_(std::move(output_shapes)), op_(op) {}
+      : inputs_(std::move(inputs)), output_shapes_(std::move(output_shapes)), id_(next_id()), op_(op) {}
   virtual ~Node() = default;
   Node(const Node&) = delete;
   Node& operator=(const Node&) = delete;
@@ -100,14 +100,21 @@ class Node {
   virtual void saved_arrays(std::vector<Array>& /*out*/) const {}
   // True once release() ran: a second backward through it is an error.
   bool released() const { return released_; }
+  // A label that policies can match (the name given by checkpoint_name), or empty.
+  virtual std::string_view label() const { return {}; }
+  // Creation order: a node created later has a larger id (process-wide, strictly increasing).
+  std::uint64_t id() const { return id_; }
+  static std::uint64_t next_id();
+  // The id the next node will get (nodes with id >= this value are created after the call).
+  static std::uint64_t peek_next_id();
 
  private:
-  friend class Sweep;
-  friend void backward(std::span<const Array>, std::span<const Array>, bool);
+  friend struct SweepAccess;
   std::vector<Edge> inputs_;
   std::vector<Shape> output_shapes_;
   std::vector<Array> grads_;      // accumulated output cotangents during a sweep
   std::uint64_t mark_ = 0;        // visit mark of the current sweep
+  std::uint64_t id_;
   const char* op_;
   bool released_ = false;
 
@@ -124,23 +131,37 @@ class LeafNode final : public Node {
   void backward(Cotangents&) override {}
 };
 
-// A node whose backward rule is a lambda; its captures are what it saves.
+// The arrays a backward rule reads, as the rule sees them.
+using Saved = std::span<const Array>;
+
+// A node whose backward rule is a lambda `rule(Cotangents&, Saved)`. The arrays it keeps for the
+// backward pass are declared explicitly (not hidden in captures), so memory reports and remat
+// policies can see them; the lambda captures only small non-array data (shapes, axes).
 template <class Rule>
 class RuleNode final : public Node {
  public:
-  RuleNode(const char* op, std::vector<Edge> inputs, std::vector<Shape> shapes, Rule rule)
-      : Node(op, std::move(inputs), std::move(shapes)), rule_(std::move(rule)) {}
-  void backward(Cotangents& c) override { (*rule_)(c); }
-  void release() override { rule_.reset(); }
+  RuleNode(const char* op, std::vector<Edge> inputs, std::vector<Shape> shapes, std::vector<Array> saved, Rule rule)
+      : Node(op, std::move(inputs), std::move(shapes)), saved_(std::move(saved)), rule_(std::move(rule)) {}
+  void backward(Cotangents& c) override { (*rule_)(c, Saved(saved_)); }
+  void release() override {
+    saved_.clear();
+    saved_.shrink_to_fit();
+    rule_.reset();
+  }
+  void saved_arrays(std::vector<Array>& out) const override {
+    for (const Array& a : saved_)
+      if (a.defined()) out.push_back(a);
+  }
 
  private:
+  std::vector<Array> saved_;
   std::optional<Rule> rule_;
 };
 
 // ---- recording ------------------------------------------------------------------------------
 
 // Whether an op applied to these inputs must record a node: recording is on and one input is
-// itself recorded. Ops call this before capturing anything, so constants cost nothing.
+// itself recorded. Ops call this before preparing anything, so constants cost nothing.
 inline bool needs_grad(const Array& a) { return a.node() != nullptr && is_recording(); }
 template <class... More>
 bool needs_grad(const Array& a, const More&... more) {
@@ -151,24 +172,43 @@ bool needs_grad(std::span<const Array> inputs);
 std::vector<Edge> edges_of(std::initializer_list<const Array*> inputs);
 std::vector<Edge> edges_of(std::span<const Array> inputs);
 
-// Attaches a node with backward rule `rule` to `out`. `inputs` are the op's inputs in the order the
-// rule's Cotangents::set uses.
+namespace detail {
+// Strips graph nodes from arrays a rule saves (the rule needs their values only).
+std::vector<Array> detach_all(std::initializer_list<Array> saved);
+class RecordHook;
+// The innermost hook observing recorded ops on this thread (checkpoint regions, residual traces;
+// see core/autodiff/hooks.hpp), or null. Ops pay one thread-local load when none is active.
+extern thread_local RecordHook* t_record_hook;
+// Shows a freshly recorded op to the active hooks; a checkpoint replaying its forward pass may
+// replace `out`'s value by the one it saved.
+void on_record(const char* op, Array& out, const Node* node);
+}  // namespace detail
+
+// Attaches a node to `out`: `inputs` are the op's inputs in the order the rule's Cotangents::set
+// uses, `saved` the arrays its backward rule reads (undefined entries allowed for "not needed").
 template <class Rule>
-void record(const char* op, Array& out, std::initializer_list<const Array*> inputs, Rule&& rule) {
+void record(const char* op, Array& out, std::initializer_list<const Array*> inputs, std::initializer_list<Array> saved,
+            Rule&& rule) {
   auto node = std::make_shared<RuleNode<std::decay_t<Rule>>>(op, edges_of(inputs), std::vector<Shape>{out.shape()},
-                                                             std::forward<Rule>(rule));
+                                                             detail::detach_all(saved), std::forward<Rule>(rule));
+  const Node* raw = node.get();
   out.set_node(std::move(node), 0);
+  if (detail::t_record_hook != nullptr) detail::on_record(op, out, raw);
 }
 
-// The same for ops with several outputs (each output gets the node, with its index).
+// The same for ops with several inputs given as a list, or several outputs (each output gets the
+// node, with its index).
 template <class Rule>
-void record_multi(const char* op, std::span<Array> outs, std::vector<Edge> inputs, Rule&& rule) {
+void record_multi(const char* op, std::span<Array> outs, std::vector<Edge> inputs, std::vector<Array> saved, Rule&& rule) {
   std::vector<Shape> shapes;
   shapes.reserve(outs.size());
   for (const Array& o : outs) shapes.push_back(o.shape());
-  auto node = std::make_shared<RuleNode<std::decay_t<Rule>>>(op, std::move(inputs), std::move(shapes),
+  for (Array& a : saved) a = a.detached();
+  auto node = std::make_shared<RuleNode<std::decay_t<Rule>>>(op, std::move(inputs), std::move(shapes), std::move(saved),
                                                              std::forward<Rule>(rule));
   for (std::size_t i = 0; i < outs.size(); ++i) outs[i].set_node(node, static_cast<std::uint32_t>(i));
+  if (detail::t_record_hook != nullptr)
+    for (Array& o : outs) detail::on_record(op, o, node.get());
 }
 
 // ---- the backward sweep -----------------------------------------------------------------------
@@ -178,6 +218,25 @@ void record_multi(const char* op, std::span<Array> outs, std::vector<Edge> input
 // `retain_graph`, each node's saved arrays are freed as soon as its rule has run, and the graph
 // cannot be swept again.
 void backward(std::span<const Array> roots, std::span<const Array> cotangents, bool retain_graph = false);
+
+// One input of a local backward sweep that must not be crossed: a node of an enclosing graph.
+struct Boundary {
+  Node* node;
+  std::uint32_t index;
+  friend bool operator==(const Boundary&, const Boundary&) = default;
+};
+
+// A backward sweep that stops at `boundaries`: their nodes are neither traversed nor run; the
+// cotangents that reach them are returned (one per boundary, undefined if none arrived) instead
+// of being accumulated into them. Used by checkpoints to differentiate a recomputed block without
+// touching the enclosing graph, which is in the middle of its own sweep.
+std::vector<Array> backward_to(std::span<const Array> roots, std::span<const Array> cotangents,
+                               std::span<const Boundary> boundaries);
+
+// The edges from the graph reachable from `roots` (nodes with id >= first_id) into older nodes:
+// the values a block of ops computed after `first_id` read from outside, deduplicated, in first-seen
+// order. A checkpoint uses it to find its inputs, including arrays its function captured.
+std::vector<Edge> external_inputs(std::span<const Array> roots, std::uint64_t first_id);
 
 // Returns `x` as a new differentiation variable: same data, attached to a fresh LeafNode.
 Array make_leaf(const Array& x);

@@ -1,6 +1,7 @@
 // conv2d through im2col + GEMM, processed in chunks of images so the column buffer stays small.
 // The backward rule keeps x and w (not the 9x larger columns) and rebuilds columns per chunk.
 #include <linum/core/ops/conv.hpp>
+#include <linum/core/autodiff/hooks.hpp>
 #include <linum/core/ops/kernel_util.hpp>
 
 #include <Eigen/Core>
@@ -132,9 +133,11 @@ Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
   G.ph = detail::plan_axis(G.h, G.kh, G.sh, G.dh, opt.padding, 0, "conv2d");
   G.pw = detail::plan_axis(G.w, G.kw, G.sw, G.dw, opt.padding, 1, "conv2d");
 
-  Array y = Array::empty(Shape{G.n, G.ph.out, G.pw.out, G.o});
+  const bool recording = autodiff::needs_grad(x, w);
+  const Array* saved = recording && autodiff::detail::t_record_hook ? autodiff::detail::peek_replayed_output() : nullptr;
+  Array y = saved ? saved->detached() : Array::empty(Shape{G.n, G.ph.out, G.pw.out, G.o});
   const std::int64_t chunk = images_per_chunk(G), R = G.col_width();
-  {
+  if (saved == nullptr) {
     Array cols = scratch(chunk * G.rows_per_image(), R);
     for (std::int64_t n0 = 0; n0 < G.n; n0 += chunk) {
       const std::int64_t count = std::min(chunk, G.n - n0), P = count * G.rows_per_image();
@@ -148,13 +151,13 @@ Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
       }
     }
   }
-  if (autodiff::needs_grad(x, w)) {
+  if (recording) {
     Array keep_x = x.detached();  // needed for dw (columns) — and cheap compared to the columns
     Array keep_w = x.node() ? w.detached() : Array();
-    autodiff::record("conv2d", y, {&x, &w}, [keep_x, keep_w, G](Cotangents& c) {
+    autodiff::record("conv2d", y, {&x, &w}, {keep_x, keep_w}, [G](Cotangents& c, autodiff::Saved s) {
       const Array& gy = c.out();
       const std::int64_t chunk = images_per_chunk(G), R = G.col_width();
-      Array dx = c.needs(0) ? Array::zeros(keep_x.shape()) : Array();
+      Array dx = c.needs(0) ? Array::zeros(s[0].shape()) : Array();
       Array dw = c.needs(1) ? Array::zeros(Shape{G.kh, G.kw, G.cg, G.o}) : Array();
       Array cols = scratch(chunk * G.rows_per_image(), R);
       for (std::int64_t n0 = 0; n0 < G.n; n0 += chunk) {
@@ -163,13 +166,13 @@ Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
           Eigen::Map<const RowMat, 0, Strided> GY(gy.data() + n0 * G.rows_per_image() * G.o + g * G.og, P, G.og,
                                                   Strided(G.o));
           if (c.needs(1)) {
-            im2col(keep_x.data(), G, n0, count, g, cols.mutable_data());
+            im2col(s[0].data(), G, n0, count, g, cols.mutable_data());
             Eigen::Map<const RowMat> C(cols.data(), P, R);
             Eigen::Map<RowMat, 0, Strided> DW(dw.mutable_data() + g * G.og, R, G.og, Strided(G.o));
             DW.noalias() += C.transpose() * GY;
           }
           if (c.needs(0)) {
-            Eigen::Map<const RowMat, 0, Strided> W(keep_w.data() + g * G.og, R, G.og, Strided(G.o));
+            Eigen::Map<const RowMat, 0, Strided> W(s[1].data() + g * G.og, R, G.og, Strided(G.o));
             Eigen::Map<RowMat> DC(cols.mutable_data(), P, R);
             DC.noalias() = GY * W.transpose();
             col2im(cols.data(), G, n0, count, g, dx.mutable_data());

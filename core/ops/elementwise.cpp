@@ -135,7 +135,7 @@ Array scalar(float v) { return Array::scalar(v); }
 Array add(const Array& a, const Array& b) {
   Array y = binary_kernel<float>(a, b, "add", [](float x, float z) { return x + z; });
   if (needs_grad(a, b))
-    record("add", y, {&a, &b}, [sa = a.shape(), sb = b.shape()](Cotangents& c) {
+    record("add", y, {&a, &b}, {}, [sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved) {
       if (c.needs(0)) c.set(0, sum_to(c.out(), sa));
       if (c.needs(1)) c.set(1, sum_to(c.out(), sb));
     });
@@ -145,7 +145,7 @@ Array add(const Array& a, const Array& b) {
 Array sub(const Array& a, const Array& b) {
   Array y = binary_kernel<float>(a, b, "sub", [](float x, float z) { return x - z; });
   if (needs_grad(a, b))
-    record("sub", y, {&a, &b}, [sa = a.shape(), sb = b.shape()](Cotangents& c) {
+    record("sub", y, {&a, &b}, {}, [sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved) {
       if (c.needs(0)) c.set(0, sum_to(c.out(), sa));
       if (c.needs(1)) c.set(1, neg(sum_to(c.out(), sb)));
     });
@@ -158,9 +158,9 @@ Array mul(const Array& a, const Array& b) {
     // Each operand is kept only if the *other* one needs a gradient.
     Array keep_a = b.node() ? a.detached() : Array();
     Array keep_b = a.node() ? b.detached() : Array();
-    record("mul", y, {&a, &b}, [keep_a, keep_b, sa = a.shape(), sb = b.shape()](Cotangents& c) {
-      if (c.needs(0)) c.set(0, sum_to(mul(c.out(), keep_b), sa));
-      if (c.needs(1)) c.set(1, sum_to(mul(c.out(), keep_a), sb));
+    record("mul", y, {&a, &b}, {keep_a, keep_b}, [sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved s) {
+      if (c.needs(0)) c.set(0, sum_to(mul(c.out(), s[1]), sa));
+      if (c.needs(1)) c.set(1, sum_to(mul(c.out(), s[0]), sb));
     });
   }
   return y;
@@ -170,10 +170,10 @@ Array div(const Array& a, const Array& b) {
   Array y = binary_kernel<float>(a, b, "div", [](float x, float z) { return x / z; });
   if (needs_grad(a, b)) {
     Array keep_y = b.node() ? y.detached() : Array();
-    record("div", y, {&a, &b}, [keep_b = b.detached(), keep_y, sa = a.shape(), sb = b.shape()](Cotangents& c) {
-      Array g_over_b = div(c.out(), keep_b);
+    record("div", y, {&a, &b}, {b, keep_y}, [sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved s) {
+      Array g_over_b = div(c.out(), s[0]);
       if (c.needs(0)) c.set(0, sum_to(g_over_b, sa));
-      if (c.needs(1)) c.set(1, sum_to(neg(mul(g_over_b, keep_y)), sb));  // -g a / b^2 = -(g/b) y
+      if (c.needs(1)) c.set(1, sum_to(neg(mul(g_over_b, s[1])), sb));  // -g a / b^2 = -(g/b) y
     });
   }
   return y;
@@ -182,18 +182,18 @@ Array div(const Array& a, const Array& b) {
 Array pow(const Array& a, const Array& b) {
   Array y = binary_kernel<float>(a, b, "pow", [](float x, float z) { return std::pow(x, z); });
   if (needs_grad(a, b)) {
-    record("pow", y, {&a, &b}, [ka = a.detached(), kb = b.detached(), ky = y.detached()](Cotangents& c) {
+    record("pow", y, {&a, &b}, {a, b, y}, [](Cotangents& c, autodiff::Saved s) {
       if (c.needs(0)) {
         // d/da a^b = b a^(b-1); b == 0 gives 0 (as JAX).
-        Array d = binary_kernel<float>(ka, kb, "pow", [](float x, float z) {
+        Array d = binary_kernel<float>(s[0], s[1], "pow", [](float x, float z) {
           return z == 0.0f ? 0.0f : z * std::pow(x, z - 1.0f);
         });
-        c.set(0, sum_to(mul(c.out(), d), ka.shape()));
+        c.set(0, sum_to(mul(c.out(), d), s[0].shape()));
       }
       if (c.needs(1)) {
         // d/db a^b = log(a) a^b, with log(0) replaced by 0 (as JAX).
-        Array loga = unary_kernel(ka, "pow", [](const CVec& v) { return (v == 0.0f).select(0.0f, v.log()); });
-        c.set(1, sum_to(mul(c.out(), mul(loga, ky)), kb.shape()));
+        Array loga = unary_kernel(s[0], "pow", [](const CVec& v) { return (v == 0.0f).select(0.0f, v.log()); });
+        c.set(1, sum_to(mul(c.out(), mul(loga, s[2])), s[1].shape()));
       }
     });
   }
@@ -208,12 +208,12 @@ template <bool kMax>
 Array extremum(const Array& a, const Array& b, const char* op) {
   Array y = binary_kernel<float>(a, b, op, [](float x, float z) { return kMax ? (x > z ? x : z) : (x < z ? x : z); });
   if (needs_grad(a, b))
-    record(op, y, {&a, &b}, [ka = a.detached(), kb = b.detached(), op](Cotangents& c) {
-      Array share_a = binary_kernel<float>(ka, kb, op, [](float x, float z) {
+    record(op, y, {&a, &b}, {a, b}, [op](Cotangents& c, autodiff::Saved s) {
+      Array share_a = binary_kernel<float>(s[0], s[1], op, [](float x, float z) {
         return x == z ? 0.5f : ((kMax ? x > z : x < z) ? 1.0f : 0.0f);
       });
-      if (c.needs(0)) c.set(0, sum_to(mul(c.out(), share_a), ka.shape()));
-      if (c.needs(1)) c.set(1, sum_to(mul(c.out(), sub(scalar(1.0f), share_a)), kb.shape()));
+      if (c.needs(0)) c.set(0, sum_to(mul(c.out(), share_a), s[0].shape()));
+      if (c.needs(1)) c.set(1, sum_to(mul(c.out(), sub(scalar(1.0f), share_a)), s[1].shape()));
     });
   return y;
 }
@@ -224,7 +224,7 @@ Array minimum(const Array& a, const Array& b) { return extremum<false>(a, b, "mi
 
 Array neg(const Array& x) {
   Array y = unary_kernel(x, "neg", [](const CVec& v) { return -v; });
-  if (needs_grad(x)) record("neg", y, {&x}, [](Cotangents& c) { c.set(0, neg(c.out())); });
+  if (needs_grad(x)) record("neg", y, {&x}, {}, [](Cotangents& c, autodiff::Saved) { c.set(0, neg(c.out())); });
   return y;
 }
 
@@ -247,21 +247,21 @@ Array operator/(float a, const Array& b) { return div(scalar(a), b); }
 Array exp(const Array& x) {
   Array y = unary_kernel(x, "exp", [](const CVec& v) { return v.exp(); });
   if (needs_grad(x))  // keeps its output
-    record("exp", y, {&x}, [ky = y.detached()](Cotangents& c) { c.set(0, mul(c.out(), ky)); });
+    record("exp", y, {&x}, {y}, [](Cotangents& c, autodiff::Saved s) { c.set(0, mul(c.out(), s[0])); });
   return y;
 }
 
 Array log(const Array& x) {
   Array y = unary_kernel(x, "log", [](const CVec& v) { return v.log(); });
-  if (needs_grad(x)) record("log", y, {&x}, [kx = x.detached()](Cotangents& c) { c.set(0, div(c.out(), kx)); });
+  if (needs_grad(x)) record("log", y, {&x}, {x}, [](Cotangents& c, autodiff::Saved s) { c.set(0, div(c.out(), s[0])); });
   return y;
 }
 
 Array log1p(const Array& x) {
   Array y = unary_kernel(x, "log1p", [](const CVec& v) { return v.log1p(); });
   if (needs_grad(x))
-    record("log1p", y, {&x}, [kx = x.detached()](Cotangents& c) {
-      c.set(0, zip_kernel(c.out(), kx, [](const CVec& g, const CVec& v) { return g / (1.0f + v); }));
+    record("log1p", y, {&x}, {x}, [](Cotangents& c, autodiff::Saved s) {
+      c.set(0, zip_kernel(c.out(), s[0], [](const CVec& g, const CVec& v) { return g / (1.0f + v); }));
     });
   return y;
 }
@@ -269,8 +269,8 @@ Array log1p(const Array& x) {
 Array sqrt(const Array& x) {
   Array y = unary_kernel(x, "sqrt", [](const CVec& v) { return v.sqrt(); });
   if (needs_grad(x))
-    record("sqrt", y, {&x}, [ky = y.detached()](Cotangents& c) {
-      c.set(0, zip_kernel(c.out(), ky, [](const CVec& g, const CVec& v) { return g * 0.5f / v; }));
+    record("sqrt", y, {&x}, {y}, [](Cotangents& c, autodiff::Saved s) {
+      c.set(0, zip_kernel(c.out(), s[0], [](const CVec& g, const CVec& v) { return g * 0.5f / v; }));
     });
   return y;
 }
@@ -278,8 +278,8 @@ Array sqrt(const Array& x) {
 Array rsqrt(const Array& x) {
   Array y = unary_kernel(x, "rsqrt", [](const CVec& v) { return v.rsqrt(); });
   if (needs_grad(x))  // d/dx x^-1/2 = -1/2 y^3
-    record("rsqrt", y, {&x}, [ky = y.detached()](Cotangents& c) {
-      c.set(0, zip_kernel(c.out(), ky, [](const CVec& g, const CVec& v) { return g * (-0.5f) * v * v * v; }));
+    record("rsqrt", y, {&x}, {y}, [](Cotangents& c, autodiff::Saved s) {
+      c.set(0, zip_kernel(c.out(), s[0], [](const CVec& g, const CVec& v) { return g * (-0.5f) * v * v * v; }));
     });
   return y;
 }
@@ -287,8 +287,8 @@ Array rsqrt(const Array& x) {
 Array square(const Array& x) {
   Array y = unary_kernel(x, "square", [](const CVec& v) { return v.square(); });
   if (needs_grad(x))
-    record("square", y, {&x}, [kx = x.detached()](Cotangents& c) {
-      c.set(0, zip_kernel(c.out(), kx, [](const CVec& g, const CVec& v) { return g * 2.0f * v; }));
+    record("square", y, {&x}, {x}, [](Cotangents& c, autodiff::Saved s) {
+      c.set(0, zip_kernel(c.out(), s[0], [](const CVec& g, const CVec& v) { return g * 2.0f * v; }));
     });
   return y;
 }
@@ -296,8 +296,8 @@ Array square(const Array& x) {
 Array abs(const Array& x) {
   Array y = unary_kernel(x, "abs", [](const CVec& v) { return v.abs(); });
   if (needs_grad(x))
-    record("abs", y, {&x}, [kx = x.detached()](Cotangents& c) {
-      c.set(0, zip_kernel(c.out(), kx, [](const CVec& g, const CVec& v) {
+    record("abs", y, {&x}, {x}, [](Cotangents& c, autodiff::Saved s) {
+      c.set(0, zip_kernel(c.out(), s[0], [](const CVec& g, const CVec& v) {
               return g * ((v > 0.0f).cast<float>() - (v < 0.0f).cast<float>());
             }));
     });
@@ -311,8 +311,8 @@ Array sign(const Array& x) {
 Array tanh(const Array& x) {
   Array y = unary_kernel(x, "tanh", [](const CVec& v) { return v.tanh(); });
   if (needs_grad(x))
-    record("tanh", y, {&x}, [ky = y.detached()](Cotangents& c) {
-      c.set(0, zip_kernel(c.out(), ky, [](const CVec& g, const CVec& v) { return g * (1.0f - v.square()); }));
+    record("tanh", y, {&x}, {y}, [](Cotangents& c, autodiff::Saved s) {
+      c.set(0, zip_kernel(c.out(), s[0], [](const CVec& g, const CVec& v) { return g * (1.0f - v.square()); }));
     });
   return y;
 }
@@ -320,8 +320,8 @@ Array tanh(const Array& x) {
 Array sigmoid(const Array& x) {
   Array y = unary_kernel(x, "sigmoid", [](const CVec& v) { return v.logistic(); });
   if (needs_grad(x))
-    record("sigmoid", y, {&x}, [ky = y.detached()](Cotangents& c) {
-      c.set(0, zip_kernel(c.out(), ky, [](const CVec& g, const CVec& v) { return g * v * (1.0f - v); }));
+    record("sigmoid", y, {&x}, {y}, [](Cotangents& c, autodiff::Saved s) {
+      c.set(0, zip_kernel(c.out(), s[0], [](const CVec& g, const CVec& v) { return g * v * (1.0f - v); }));
     });
   return y;
 }
@@ -336,8 +336,8 @@ Array clip(const Array& x, float lo, float hi) {
 Array relu(const Array& x) {
   Array y = unary_kernel(x, "relu", [](const CVec& v) { return v.max(0.0f); });
   if (needs_grad(x))  // keeps its output: y > 0 exactly where x > 0
-    record("relu", y, {&x}, [ky = y.detached()](Cotangents& c) {
-      c.set(0, zip_kernel(c.out(), ky, [](const CVec& g, const CVec& v) { return (v > 0.0f).select(g, 0.0f); }));
+    record("relu", y, {&x}, {y}, [](Cotangents& c, autodiff::Saved s) {
+      c.set(0, zip_kernel(c.out(), s[0], [](const CVec& g, const CVec& v) { return (v > 0.0f).select(g, 0.0f); }));
     });
   return y;
 }
@@ -357,15 +357,15 @@ Array gelu(const Array& x, bool approximate) {
                             return v * ((v * kInvSqrt2).erf() + 1.0f) * 0.5f;
                           });
   if (needs_grad(x))
-    record("gelu", y, {&x}, [kx = x.detached(), approximate](Cotangents& c) {
+    record("gelu", y, {&x}, {x}, [approximate](Cotangents& c, autodiff::Saved s) {
       if (approximate)
-        c.set(0, zip_kernel(c.out(), kx, [](const CVec& g, const CVec& v) {
+        c.set(0, zip_kernel(c.out(), s[0], [](const CVec& g, const CVec& v) {
                 const auto t = (kSqrt2OverPi * (v + kGeluCoeff * v.cube())).tanh().eval();
                 return g * (0.5f * (1.0f + t) +
                             0.5f * v * (1.0f - t.square()) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCoeff * v.square()));
               }));
       else
-        c.set(0, zip_kernel(c.out(), kx, [](const CVec& g, const CVec& v) {
+        c.set(0, zip_kernel(c.out(), s[0], [](const CVec& g, const CVec& v) {
                 return g * (0.5f * ((v * kInvSqrt2).erf() + 1.0f) + v * kInvSqrt2Pi * (-0.5f * v.square()).exp());
               }));
     });
@@ -375,8 +375,8 @@ Array gelu(const Array& x, bool approximate) {
 Array silu(const Array& x) {
   Array y = unary_kernel(x, "silu", [](const CVec& v) { return v * v.logistic(); });
   if (needs_grad(x))
-    record("silu", y, {&x}, [kx = x.detached()](Cotangents& c) {
-      c.set(0, zip_kernel(c.out(), kx, [](const CVec& g, const CVec& v) {
+    record("silu", y, {&x}, {x}, [](Cotangents& c, autodiff::Saved s) {
+      c.set(0, zip_kernel(c.out(), s[0], [](const CVec& g, const CVec& v) {
               const auto s = v.logistic().eval();
               return g * s * (1.0f + v * (1.0f - s));
             }));
@@ -388,8 +388,8 @@ Array softplus(const Array& x) {
   // log(1 + e^x) computed stably as max(x, 0) + log1p(e^-|x|).
   Array y = unary_kernel(x, "softplus", [](const CVec& v) { return v.max(0.0f) + (-v.abs()).exp().log1p(); });
   if (needs_grad(x))
-    record("softplus", y, {&x}, [kx = x.detached()](Cotangents& c) {
-      c.set(0, zip_kernel(c.out(), kx, [](const CVec& g, const CVec& v) { return g * v.logistic(); }));
+    record("softplus", y, {&x}, {x}, [](Cotangents& c, autodiff::Saved s) {
+      c.set(0, zip_kernel(c.out(), s[0], [](const CVec& g, const CVec& v) { return g * v.logistic(); }));
     });
   return y;
 }
@@ -416,12 +416,12 @@ Array where(const Array& cond, const Array& a, const Array& b) {
     });
   }
   if (needs_grad(a, b))
-    record("where", y, {&a, &b}, [kc = c.detached(), sa = a.shape(), sb = b.shape()](Cotangents& ct) {
+    record("where", y, {&a, &b}, {c}, [sa = a.shape(), sb = b.shape()](Cotangents& ct, autodiff::Saved s) {
       const Array& g = ct.out();
       if (ct.needs(0))
-        ct.set(0, sum_to(binary_kernel<float>(g, kc, "where", [](float v, float m) { return m != 0.0f ? v : 0.0f; }), sa));
+        ct.set(0, sum_to(binary_kernel<float>(g, s[0], "where", [](float v, float m) { return m != 0.0f ? v : 0.0f; }), sa));
       if (ct.needs(1))
-        ct.set(1, sum_to(binary_kernel<float>(g, kc, "where", [](float v, float m) { return m != 0.0f ? 0.0f : v; }), sb));
+        ct.set(1, sum_to(binary_kernel<float>(g, s[0], "where", [](float v, float m) { return m != 0.0f ? 0.0f : v; }), sb));
     });
   return y;
 }

@@ -2,6 +2,7 @@
 // (promotion of 1-D operands, batch broadcasting, dot_general's axis bookkeeping) is composed from
 // reshape/transpose/broadcast_to, whose gradients are their own.
 #include <linum/core/ops/linalg.hpp>
+#include <linum/core/autodiff/hooks.hpp>
 #include <linum/core/ops/kernel_util.hpp>
 #include <linum/core/ops/shape_ops.hpp>
 
@@ -42,13 +43,16 @@ Array gemm(const Array& a, const Array& b, bool ta, bool tb) {
 
 // The primitive: [M,K]@[K,N] or [B,M,K]@[B,K,N].
 Array mm(const Array& a, const Array& b) {
-  Array y = gemm(a, b, false, false);
-  if (needs_grad(a, b)) {
+  const bool recording = needs_grad(a, b);
+  // A checkpoint replaying its block may hold this product from the forward pass (dots policies).
+  const Array* saved = recording && autodiff::detail::t_record_hook ? autodiff::detail::peek_replayed_output() : nullptr;
+  Array y = saved ? saved->detached() : gemm(a, b, false, false);
+  if (recording) {
     Array keep_a = b.node() ? a.detached() : Array();
     Array keep_b = a.node() ? b.detached() : Array();
-    record("matmul", y, {&a, &b}, [keep_a, keep_b](Cotangents& c) {
-      if (c.needs(0)) c.set(0, gemm(c.out(), keep_b, false, true));  // dA = G B^T
-      if (c.needs(1)) c.set(1, gemm(keep_a, c.out(), true, false));  // dB = A^T G
+    record(a.rank() == 3 ? "batched_matmul" : "matmul", y, {&a, &b}, {keep_a, keep_b}, [](Cotangents& c, autodiff::Saved s) {
+      if (c.needs(0)) c.set(0, gemm(c.out(), s[1], false, true));  // dA = G B^T
+      if (c.needs(1)) c.set(1, gemm(s[0], c.out(), true, false));  // dB = A^T G
     });
   }
   return y;

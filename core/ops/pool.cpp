@@ -71,12 +71,11 @@ Array avg_pool(const Array& x, const PoolOptions& o) {
         py[out] /= pc[out];
       });
   if (autodiff::needs_grad(x))
-    autodiff::record("avg_pool", y, {&x}, [G, counts = o.count_include_pad ? Array() : counts, full,
-                                           xs = x.shape()](Cotangents& c) {
+    autodiff::record("avg_pool", y, {&x}, {o.count_include_pad ? Array() : counts}, [G, full, xs = x.shape()](Cotangents& c, autodiff::Saved s) {
       Array dx = Array::zeros(xs);
       float* pd = dx.mutable_data();
       const float* pg = c.out().data();
-      const float* pcnt = counts.defined() ? counts.data() : nullptr;
+      const float* pcnt = s[0].defined() ? s[0].data() : nullptr;
       // Windows overlap, so scatter serially per batch element to stay race-free.
       PoolGeometry serial = G;
       for (std::int64_t n = 0; n < G.n; ++n) {
@@ -128,12 +127,12 @@ Array max_pool(const Array& x, const PoolOptions& o) {
       },
       [](std::int64_t, std::int64_t) {});
   if (autodiff::needs_grad(x))
-    autodiff::record("max_pool", y, {&x}, [where = where, xs = x.shape()](Cotangents& c) {
+    autodiff::record("max_pool", y, {&x}, {where}, [xs = x.shape()](Cotangents& c, autodiff::Saved s) {
       Array dx = Array::zeros(xs);
       float* pd = dx.mutable_data();
       const float* pg = c.out().data();
-      const std::int32_t* pi = where.data_i32();
-      for (std::int64_t k = 0; k < where.numel(); ++k)
+      const std::int32_t* pi = s[0].data_i32();
+      for (std::int64_t k = 0; k < s[0].numel(); ++k)
         if (pi[k] >= 0) pd[pi[k]] += pg[k];
       c.set(0, dx);
     });

@@ -109,7 +109,7 @@ Array sum(const Array& x, const std::vector<int>& axes_in, bool keepdims) {
   const std::vector<int> axes = ops::detail::normalize_axes(axes_in, x.rank(), "sum");
   Array y = finish(reduce_kernel(x, axes, Reduction::sum, "sum"), x.shape(), axes, keepdims);
   if (needs_grad(x))
-    record("sum", y, {&x}, [xs = x.shape(), keep = reduced_shape(x.shape(), axes, true)](Cotangents& c) {
+    record("sum", y, {&x}, {}, [xs = x.shape(), keep = reduced_shape(x.shape(), axes, true)](Cotangents& c, autodiff::Saved) {
       c.set(0, ops::detail::broadcast_raw(c.out().with_shape(keep), xs));
     });
   return y;
@@ -131,11 +131,11 @@ Array max(const Array& x, const std::vector<int>& axes_in, bool keepdims) {
   Array keep = reduce_kernel(x, axes, Reduction::max, "max");
   Array y = finish(keep, x.shape(), axes, keepdims);
   if (needs_grad(x))
-    record("max", y, {&x}, [kx = x.detached(), keep = keep.detached(), axes](Cotangents& c) {
+    record("max", y, {&x}, {x, keep}, [axes](Cotangents& c, autodiff::Saved s) {
       // Share the cotangent equally among the elements equal to the maximum.
-      Array hit = equal(kx, keep);
+      Array hit = equal(s[0], s[1]);
       Array count = reduce_kernel(hit, axes, Reduction::sum, "max");
-      Array share = div(c.out().with_shape(keep.shape()), count);
+      Array share = div(c.out().with_shape(s[1].shape()), count);
       c.set(0, mul(hit, share));
     });
   return y;

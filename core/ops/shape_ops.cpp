@@ -121,7 +121,7 @@ Array reshape(const Array& x, const std::vector<std::int64_t>& dims) {
                                  " (", target.numel(), " elements)"));
   Array y = x.with_shape(target);
   if (needs_grad(x))
-    record("reshape", y, {&x}, [xs = x.shape()](Cotangents& c) { c.set(0, c.out().with_shape(xs)); });
+    record("reshape", y, {&x}, {}, [xs = x.shape()](Cotangents& c, autodiff::Saved) { c.set(0, c.out().with_shape(xs)); });
   return y;
 }
 
@@ -152,7 +152,7 @@ Array transpose(const Array& x, const std::vector<int>& perm_in) {
   if (needs_grad(x)) {
     std::vector<int> inverse(perm.size());
     for (std::size_t i = 0; i < perm.size(); ++i) inverse[static_cast<std::size_t>(perm[i])] = static_cast<int>(i);
-    record("transpose", y, {&x}, [inverse](Cotangents& c) { c.set(0, transpose(c.out(), inverse)); });
+    record("transpose", y, {&x}, {}, [inverse](Cotangents& c, autodiff::Saved) { c.set(0, transpose(c.out(), inverse)); });
   }
   return y;
 }
@@ -183,7 +183,7 @@ Array slice(const Array& x, const std::vector<std::int64_t>& starts, const std::
   }
   Array y = gather(x, out, s, base);
   if (needs_grad(x))
-    record("slice", y, {&x}, [xshape = x.shape(), s, base](Cotangents& c) {
+    record("slice", y, {&x}, {}, [xshape = x.shape(), s, base](Cotangents& c, autodiff::Saved) {
       Array g = Array::zeros(xshape);
       strided_scatter(g, c.out(), s, base);
       c.set(0, g);
@@ -234,8 +234,8 @@ Array concatenate(const std::vector<Array>& xs, int axis_in) {
     std::vector<std::int64_t> sizes;
     for (const Array& a : xs) sizes.push_back(a.shape()[axis]);
     std::vector<Array> outs{y};
-    autodiff::record_multi("concatenate", std::span<Array>(outs), autodiff::edges_of(std::span<const Array>(xs)),
-                           [sizes, axis](Cotangents& c) {
+    autodiff::record_multi("concatenate", std::span<Array>(outs), autodiff::edges_of(std::span<const Array>(xs)), {},
+                           [sizes, axis](Cotangents& c, autodiff::Saved) {
                              std::int64_t start = 0;
                              for (std::size_t i = 0; i < sizes.size(); ++i) {
                                if (c.needs(i)) c.set(i, slice_axis(c.out(), axis, start, start + sizes[i]));
@@ -299,12 +299,12 @@ Array take(const Array& x, const Array& indices, int axis_in) {
     for (std::int64_t k = 0; k < m; ++k)
       std::memcpy(py + (o * m + k) * static_cast<std::int64_t>(row), px + (o * n + pi[k]) * static_cast<std::int64_t>(row), row);
   if (needs_grad(x))
-    record("take", y, {&x}, [xshape = x.shape(), idx = indices.detached(), outer, inner, n](Cotangents& c) {
+    record("take", y, {&x}, {indices}, [xshape = x.shape(), outer, inner, n](Cotangents& c, autodiff::Saved s) {
       Array g = Array::zeros(xshape);
       float* pg = g.mutable_data();
       const float* pc = c.out().data();
-      const std::int32_t* ix = idx.data_i32();
-      const std::int64_t m = idx.numel();
+      const std::int32_t* ix = s[0].data_i32();
+      const std::int64_t m = s[0].numel();
       for (std::int64_t o = 0; o < outer; ++o)
         for (std::int64_t k = 0; k < m; ++k) {
           float* dst = pg + (o * n + ix[k]) * inner;
@@ -336,7 +336,7 @@ Array broadcast_to(const Array& x, const Shape& shape) {
   ops::detail::require_defined(x, "broadcast_to");
   Array y = ops::detail::broadcast_raw(x, shape);
   if (needs_grad(x))
-    record("broadcast_to", y, {&x}, [xs = x.shape()](Cotangents& c) { c.set(0, ops::detail::sum_to(c.out(), xs)); });
+    record("broadcast_to", y, {&x}, {}, [xs = x.shape()](Cotangents& c, autodiff::Saved) { c.set(0, ops::detail::sum_to(c.out(), xs)); });
   return y;
 }
 

@@ -16,10 +16,10 @@ Array softmax(const Array& x, const std::vector<int>& axes) {
     y = e / sum(e, axes, true);
   }
   if (autodiff::needs_grad(x))
-    autodiff::record("softmax", y, {&x}, [ky = y.detached(), axes](Cotangents& c) {
+    autodiff::record("softmax", y, {&x}, {y}, [axes](Cotangents& c, autodiff::Saved s) {
       // dx = y * (g - sum(g * y))
-      Array gy = mul(c.out(), ky);
-      c.set(0, sub(gy, mul(ky, sum(gy, axes, true))));
+      Array gy = mul(c.out(), s[0]);
+      c.set(0, sub(gy, mul(s[0], sum(gy, axes, true))));
     });
   return y;
 }
@@ -33,9 +33,9 @@ Array log_softmax(const Array& x, const std::vector<int>& axes) {
     y = shifted - log(sum(exp(shifted), axes, true));
   }
   if (autodiff::needs_grad(x))
-    autodiff::record("log_softmax", y, {&x}, [ky = y.detached(), axes](Cotangents& c) {
+    autodiff::record("log_softmax", y, {&x}, {y}, [axes](Cotangents& c, autodiff::Saved s) {
       // dx = g - exp(y) * sum(g)
-      c.set(0, sub(c.out(), mul(exp(ky), sum(c.out(), axes, true))));
+      c.set(0, sub(c.out(), mul(exp(s[0]), sum(c.out(), axes, true))));
     });
   return y;
 }

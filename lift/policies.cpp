@@ -1,0 +1,93 @@
+#include <linum/lift/policies.hpp>
+#include <linum/core/autodiff/graph.hpp>
+
+#include <algorithm>
+
+namespace linum::lift {
+
+Policy::Policy() : description_("nothing_saveable") {}
+Policy::Policy(std::string description, Predicate saveable)
+    : description_(std::move(description)), predicate_(std::move(saveable)) {}
+
+Policy Policy::everything() {
+  Policy p("everything_saveable", [](const OpInfo&) { return true; });
+  p.everything_ = true;
+  return p;
+}
+
+}  // namespace linum::lift
+
+namespace linum::policies {
+
+using lift::OpInfo;
+using lift::Policy;
+
+Policy everything_saveable::make() { return Policy::everything(); }
+Policy nothing_saveable::make() { return Policy(); }
+Policy dots_saveable::make() {
+  return Policy("dots_saveable", [](const OpInfo& op) { return op.is_dot(); });
+}
+Policy dots_with_no_batch_dims_saveable::make() {
+  return Policy("dots_with_no_batch_dims_saveable",
+                [](const OpInfo& op) { return (op.op == "matmul") && !op.has_batch_dims(); });
+}
+
+namespace {
+std::string list(const std::vector<std::string>& names) {
+  std::string s;
+  for (const auto& n : names) s += (s.empty() ? "" : ", ") + n;
+  return s;
+}
+}  // namespace
+
+Policy save_only_these_names(std::vector<std::string> names) {
+  std::string d = "save_only_these_names(" + list(names) + ")";
+  return Policy(std::move(d), [names = std::move(names)](const OpInfo& op) {
+    return op.op == "checkpoint_name" && std::find(names.begin(), names.end(), op.name) != names.end();
+  });
+}
+
+Policy save_any_names_but_these(std::vector<std::string> names) {
+  std::string d = "save_any_names_but_these(" + list(names) + ")";
+  return Policy(std::move(d), [names = std::move(names)](const OpInfo& op) {
+    return op.op == "checkpoint_name" && std::find(names.begin(), names.end(), op.name) == names.end();
+  });
+}
+
+Policy save_from_both_policies(const Policy& a, const Policy& b) {
+  if (a.saves_everything() || b.saves_everything()) return Policy::everything();
+  return Policy("save_from_both_policies(" + a.description() + ", " + b.description() + ")",
+                [a, b](const OpInfo& op) { return a.saveable(op) || b.saveable(op); });
+}
+
+}  // namespace linum::policies
+
+namespace linum {
+
+namespace {
+// checkpoint_name's node: the identity, labelled with the name for policies.
+class NamedNode final : public autodiff::Node {
+ public:
+  NamedNode(std::vector<autodiff::Edge> in, Shape shape, std::string name)
+      : Node("checkpoint_name", std::move(in), {std::move(shape)}), name_(std::move(name)) {}
+  void backward(autodiff::Cotangents& c) override { c.set(0, c.out()); }
+  std::string_view label() const override { return name_; }
+
+ private:
+  std::string name_;
+};
+}  // namespace
+
+Array checkpoint_name(const Array& x, std::string name) {
+  if (!x.defined()) throw ValueError("checkpoint_name: got an undefined array");
+  Array y = x.detached();
+  if (autodiff::needs_grad(x)) {
+    auto node = std::make_shared<NamedNode>(autodiff::edges_of({&x}), x.shape(), std::move(name));
+    const autodiff::Node* raw = node.get();
+    y.set_node(std::move(node), 0);
+    if (autodiff::detail::t_record_hook != nullptr) autodiff::detail::on_record("checkpoint_name", y, raw);
+  }
+  return y;
+}
+
+}  // namespace linum

@@ -1,0 +1,275 @@
+// lift::remat<Module, options...>: lifted rematerialization of modules (Flax's nn.remat).
+//
+//   using RematBlock = lift::remat<Block>;                                   // operator() checkpointed
+//   using DotsBlock  = lift::remat<Block, lift::policy<policies::dots_saveable>>;
+//   using Enc        = lift::remat<Encoder, lift::methods<&Encoder::encode, &Encoder::operator()>>;
+//   x = s(RematBlock{{.features = 512}}, x, train);                          // same fields as Block
+//
+// The wrapper has the fields of the module it wraps and keeps its name (remat<Dense> is still
+// auto-named Dense_0), so variable dicts of remat and plain models are interchangeable.
+//
+// A checkpointed method runs on *lifted* state: the variable collections and PRNG streams it may
+// use (all by default; choose with lift::variables<"params", ...> and lift::rngs<"dropout", ...>)
+// become explicit inputs, and the mutable collections it writes come back as outputs, written to
+// the enclosing scope once. When the backward pass recomputes the method, it sees the same
+// variables (as they were on entry), draws the same keys (the rng counters are replayed, not
+// advanced twice), and its writes are discarded: dropout masks are identical and batch statistics
+// are updated exactly once. Gradients equal those of the plain model bit for bit.
+//
+// Options (any order, each at most once):
+//   lift::methods<&M::f, ...>    methods to checkpoint (default: operator()); others run plainly.
+//                                Methods reach the wrapper through Scope::call / apply_method.
+//   lift::policy<P>              what may be saved instead of recomputed (policies.hpp).
+//   lift::static_argnums<i, ...> array arguments that are not differentiated; 0 is the first
+//                                argument after the Scope. Negative or out-of-range indices do not
+//                                compile. (Non-array arguments are always static.)
+//   lift::variables<"c", ...>    lifted collections (default: all).
+//   lift::rngs<"s", ...>         lifted streams (default: all).
+//   lift::verify                 check that recomputation reproduces the forward pass bit for bit.
+//   lift::prevent_cse<b>, lift::concrete<b>   parity with Flax; no effect in eager C++ (see
+//                                CheckpointOptions).
+#pragma once
+
+#include <linum/lift/checkpoint.hpp>
+#include <linum/lift/policies.hpp>
+#include <linum/modules/scope.hpp>
+
+#include <algorithm>
+#include <concepts>
+#include <cstddef>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace linum::lift {
+
+// A string usable as a template argument: lift::variables<"params">.
+template <std::size_t N>
+struct fixed_string {
+  char chars[N]{};
+  constexpr fixed_string(const char (&s)[N]) {  // NOLINT(google-explicit-constructor)
+    for (std::size_t i = 0; i < N; ++i) chars[i] = s[i];
+  }
+  constexpr std::string_view view() const { return {chars, N - 1}; }
+};
+
+template <auto... Methods>
+struct methods {};
+template <class P>
+struct policy {};
+template <int... Indices>
+struct static_argnums {
+  static_assert(((Indices >= 0) && ...),
+                "lift::static_argnums: indices count from 0, the first argument after the Scope; negative "
+                "indices are not accepted (Flax's self-relative counting is a common source of bugs)");
+};
+template <fixed_string... Names>
+struct variables {
+  static_assert(((Names.view().size() > 0) && ...), "lift::variables: collection names must not be empty");
+};
+template <fixed_string... Names>
+struct rngs {
+  static_assert(((Names.view().size() > 0) && ...), "lift::rngs: stream names must not be empty");
+};
+struct verify {};
+template <bool B>
+struct prevent_cse {};
+template <bool B>
+struct concrete {};
+
+namespace detail {
+
+// ---- reading the options -------------------------------------------------------------------------
+template <class T> struct is_methods : std::false_type {};
+template <auto... M> struct is_methods<methods<M...>> : std::true_type {};
+template <class T> struct is_policy : std::false_type {};
+template <class P> struct is_policy<policy<P>> : std::true_type { using type = P; };
+template <class T> struct is_static : std::false_type {};
+template <int... I> struct is_static<static_argnums<I...>> : std::true_type {
+  static std::vector<int> list() { return {I...}; }
+  template <std::size_t N> static constexpr bool in_range() { return ((I < static_cast<int>(N)) && ...); }
+};
+template <class T> struct is_variables : std::false_type {};
+template <fixed_string... N> struct is_variables<variables<N...>> : std::true_type {
+  static std::vector<std::string> list() { return {std::string(N.view())...}; }
+};
+template <class T> struct is_rngs : std::false_type {};
+template <fixed_string... N> struct is_rngs<rngs<N...>> : std::true_type {
+  static std::vector<std::string> list() { return {std::string(N.view())...}; }
+};
+
+template <template <class> class Pred, class... Opts>
+constexpr int count_matching() { return (0 + ... + (Pred<Opts>::value ? 1 : 0)); }
+
+template <template <class> class Pred, class Default, class... Opts>
+struct find_option { using type = Default; };
+template <template <class> class Pred, class Default, class First, class... Rest>
+struct find_option<Pred, Default, First, Rest...> {
+  using type = std::conditional_t<Pred<First>::value, First, typename find_option<Pred, Default, Rest...>::type>;
+};
+
+template <class T>
+struct is_known_option
+    : std::bool_constant<is_methods<T>::value || is_policy<T>::value || is_static<T>::value || is_variables<T>::value ||
+                         is_rngs<T>::value || std::is_same_v<T, verify> || std::is_same_v<T, prevent_cse<true>> ||
+                         std::is_same_v<T, prevent_cse<false>> || std::is_same_v<T, concrete<true>> ||
+                         std::is_same_v<T, concrete<false>>> {};
+
+template <class A, class B>
+constexpr bool same_member(A a, B b) {
+  if constexpr (std::is_same_v<A, B>) return a == b;
+  else return false;
+}
+
+template <class T> struct methods_list;
+template <auto... M> struct methods_list<methods<M...>> {
+  template <class Method>
+  static bool contains(Method m) { return (same_member(M, m) || ...); }
+};
+
+struct LiftFilters {
+  std::optional<std::vector<std::string>> collections;  // nullopt: all
+  std::optional<std::vector<std::string>> streams;      // nullopt: all
+};
+
+template <class... Opts>
+struct RematConfig {
+  static_assert((is_known_option<Opts>::value && ...),
+                "lift::remat: unknown option; use lift::methods<...>, lift::policy<P>, lift::static_argnums<...>, "
+                "lift::variables<...>, lift::rngs<...>, lift::verify, lift::prevent_cse<b> or lift::concrete<b>");
+  static_assert(count_matching<is_methods, Opts...>() <= 1, "lift::remat: give lift::methods at most once");
+  static_assert(count_matching<is_policy, Opts...>() <= 1, "lift::remat: give lift::policy at most once");
+  static_assert(count_matching<is_static, Opts...>() <= 1, "lift::remat: give lift::static_argnums at most once");
+  static_assert(count_matching<is_variables, Opts...>() <= 1, "lift::remat: give lift::variables at most once");
+  static_assert(count_matching<is_rngs, Opts...>() <= 1, "lift::remat: give lift::rngs at most once");
+
+  using Methods = typename find_option<is_methods, void, Opts...>::type;
+  using PolicyOpt = typename find_option<is_policy, policy<policies::nothing_saveable>, Opts...>::type;
+  using Static = typename find_option<is_static, static_argnums<>, Opts...>::type;
+  using Vars = typename find_option<is_variables, void, Opts...>::type;
+  using Rngs = typename find_option<is_rngs, void, Opts...>::type;
+  static constexpr bool kVerify = (std::is_same_v<Opts, verify> || ...);
+
+  static CheckpointOptions options() {
+    CheckpointOptions o;
+    o.policy = Policy(typename is_policy<PolicyOpt>::type{});
+    o.static_argnums = is_static<Static>::list();
+    o.verify = kVerify;
+    o.prevent_cse = !(std::is_same_v<Opts, prevent_cse<false>> || ...);
+    o.concrete = (std::is_same_v<Opts, concrete<true>> || ...);
+    return o;
+  }
+  static LiftFilters filters() {
+    LiftFilters f;
+    if constexpr (!std::is_void_v<Vars>) f.collections = is_variables<Vars>::list();
+    if constexpr (!std::is_void_v<Rngs>) f.streams = is_rngs<Rngs>::list();
+    return f;
+  }
+  // Is operator() checkpointed?
+  template <class M>
+  static constexpr bool lifts_call() {
+    if constexpr (std::is_void_v<Methods>) return true;
+    else if constexpr (requires { &M::operator(); }) return methods_list<Methods>::contains(&M::operator());
+    else return false;
+  }
+  template <class Method>
+  static bool lifts(Method m) {
+    if constexpr (std::is_void_v<Methods>) return false;  // default: only operator()
+    else return methods_list<Methods>::contains(m);
+  }
+};
+
+// ---- the lifted state (remat.cpp) -----------------------------------------------------------------
+
+using linum::detail::ScopeState;
+
+// The state a lifted call runs on: the lifted collections' variables under `path`, the lifted
+// streams and their counters, mutable = mutable outside and lifted.
+std::shared_ptr<ScopeState> make_lifted_state(const ScopeState& outer, const std::vector<std::string>& path,
+                                              const LiftFilters& filters);
+// Writes the lifted call's mutated collections, rng counters and variable accesses back (once).
+void write_back(ScopeState& outer, const ScopeState& lifted, const std::vector<std::string>& path);
+// The state recomputations start from: the state on entry plus the variables the forward pass created
+// (so the recomputation never creates any), not initializing.
+ScopeState recompute_base(const ScopeState& entry, const ScopeState& after_forward);
+std::vector<Array> variable_leaves(const ScopeState& state);
+
+template <class Config, class M, class Body, class... Args>
+auto lifted_invoke(const M& module, Scope& s, Body body, Args&&... args) {
+  static_assert(is_static<typename Config::Static>::template in_range<sizeof...(Args)>(),
+                "lift::static_argnums: an index is out of range for this call; count from 0 = the first argument "
+                "after the Scope");
+  const CheckpointOptions options = Config::options();
+  using Stored = std::tuple<std::decay_t<Args>...>;
+  auto stored = std::make_shared<const Stored>(linum::lift::detail::make_static(
+      Stored(std::forward<Args>(args)...), options.static_argnums, std::index_sequence_for<Args...>{}));
+  const std::vector<std::string> path = s.path();
+  std::shared_ptr<const ScopeState> entry = make_lifted_state(s.state(), path, Config::filters());
+  ScopeState forward_state = *entry;
+  auto base = std::make_shared<ScopeState>();
+
+  using Out = std::decay_t<decltype(std::apply(
+      [&](const auto&... a) -> decltype(auto) { return body(module, s, a...); }, *stored))>;
+  std::shared_ptr<Out> like;
+  auto forward = [&] {
+    Scope inner(forward_state, path);
+    like = std::make_shared<Out>(std::apply([&](const auto&... a) { return body(module, inner, a...); }, *stored));
+    return pytree::flatten(*like);
+  };
+  auto recompute = [module, body, stored, base, path] {
+    ScopeState state = *base;  // a fresh copy each time: writes made while recomputing are dropped
+    Scope inner(state, path);
+    linum::detail::ModulePathGuard where(&inner.path());
+    return pytree::flatten(std::apply([&](const auto&... a) { return body(module, inner, a...); }, *stored));
+  };
+  std::vector<Array> held;
+  std::apply([&](const auto&... a) { (pytree::flatten_into(a, held), ...); }, *stored);
+  for (const Array& v : variable_leaves(*entry)) held.push_back(v);
+  std::vector<Array> flat = run_checkpointed(forward, recompute, options, s.path_str(), std::move(held));
+  *base = recompute_base(*entry, forward_state);
+  write_back(s.state(), forward_state, path);
+  return pytree::rebuild(*like, flat);
+}
+
+}  // namespace detail
+
+// The module `M` with the selected methods checkpointed (see the header comment).
+template <class M, class... Options>
+struct remat : M {
+  using lifted_module = M;
+  using config = detail::RematConfig<Options...>;
+
+  template <class... Args>
+    requires std::invocable<const M&, Scope&, Args...>
+  auto operator()(Scope& s, Args&&... args) const {
+    if constexpr (config::template lifts_call<M>())
+      return detail::lifted_invoke<config>(static_cast<const M&>(*this), s,
+                                           [](const M& m, Scope& inner, const auto&... a) { return m(inner, a...); },
+                                           std::forward<Args>(args)...);
+    else
+      return M::operator()(s, std::forward<Args>(args)...);
+  }
+
+  // Called by Scope::call / apply_method for methods other than operator().
+  template <class Method, class... Args>
+  auto lifted_call(Method method, Scope& s, Args&&... args) const {
+    const M& self = static_cast<const M&>(*this);
+    using Out = std::decay_t<decltype((self.*method)(s, std::forward<Args>(args)...))>;
+    if (config::lifts(method))
+      return Out(detail::lifted_invoke<config>(self, s, [method](const M& m, Scope& inner, const auto&... a) {
+        return (m.*method)(inner, a...);
+      }, std::forward<Args>(args)...));
+    return Out((self.*method)(s, std::forward<Args>(args)...));
+  }
+};
+
+// Flax's other name for remat.
+template <class M, class... Options>
+using checkpoint = remat<M, Options...>;
+
+}  // namespace linum::lift
