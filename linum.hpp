@@ -19,3 +19,4 @@
 #include <linum/lift/checkpoint.hpp>
 #include <linum/lift/policies.hpp>
 #include <linum/lift/remat.hpp>
+#include <linum/lift/residuals.hpp>
