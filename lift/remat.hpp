@@ -129,7 +129,7 @@ constexpr bool same_member(A a, B b) {
 template <class T> struct methods_list;
 template <auto... M> struct methods_list<methods<M...>> {
   template <class Method>
-  static bool contains(Method m) { return (same_member(M, m) || ...); }
+  static constexpr bool contains(Method m) { return (same_member(M, m) || ...); }
 };
 
 struct LiftFilters {
