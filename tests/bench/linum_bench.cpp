@@ -1,8 +1,10 @@
 // linum-bench: measured speed and memory, printed as one JSON line per variant.
 //
-//   linum-bench mlp [--layers L] [--width W] [--batch B] [--steps S] [--threads T]
+//   linum-bench mlp [--layers L] [--width W] [--batch B] [--steps S] [--threads T] [--variant V]
 //       The deep-MLP training step: L x (Dense(W) + GELU) on a batch of B, loss mean(h * h),
-//       forward + backward. Fields: bench, variant, step_s_min, step_s_median, model_gflops
+//       forward + backward, in four variants: plain, remat_every (each layer checkpointed,
+//       nothing_saveable), remat_dots (each layer, dots_saveable), remat_sqrt (sqrt(L) checkpointed
+//       segments). Fields: bench, variant, step_s_min, step_s_median, model_gflops
 //       (6 B W^2 L / step_s_min), gemm_gflops (raw Eigen GEMM on the [B, W] x [W, W] shape, same run),
 //       gemm_ratio, peak_activation_bytes (exact accounting: peak live bytes during the step minus live
 //       bytes before it), peak_rss_growth_mib.
@@ -51,8 +53,12 @@ void reset_peak_rss() {
 }
 
 struct Flags {
-  std::map<std::string, long> values;
+  std::map<std::string, std::string> values;
   long get(const std::string& k, long d) const {
+    auto it = values.find(k);
+    return it == values.end() ? d : std::stol(it->second);
+  }
+  std::string text(const std::string& k, const std::string& d) const {
     auto it = values.find(k);
     return it == values.end() ? d : it->second;
   }
@@ -66,7 +72,7 @@ Flags parse_flags(int argc, char** argv, int first) {
       std::cerr << "linum-bench: expected --name value, got '" << a << "'\n";
       std::exit(2);
     }
-    f.values[a.substr(2)] = std::stol(argv[++i]);
+    f.values[a.substr(2)] = argv[++i];
   }
   return f;
 }
@@ -95,6 +101,10 @@ double gemm_gflops(std::int64_t m, std::int64_t k, std::int64_t n, int reps) {
   return 2.0 * m * k * n / best / 1e9;
 }
 
+void run_variant(const std::string& variant, const std::function<Array(const std::vector<Array>&, const Array&)>& loss,
+                 const std::vector<Array>& params, const Array& x, long L, long W, long B, long steps, int threads,
+                 double gemm);
+
 int bench_mlp(const Flags& f) {
   const long L = f.get("layers", 24), W = f.get("width", 512), B = f.get("batch", 2048), steps = f.get("steps", 5);
   const int threads = static_cast<int>(f.get("threads", 2));
@@ -111,14 +121,65 @@ int bench_mlp(const Flags& f) {
   }
   const Array x = random_normal(Shape{B, W}, 7u, 1.0f);
 
-  auto loss = [L](const std::vector<Array>& p, const Array& input) {
-    Array h = input;
-    for (long l = 0; l < L; ++l) h = gelu(matmul(h, p[2 * l]) + p[2 * l + 1]);
-    return mean(h * h);
+  // One layer: Dense(W) + GELU, as a function of (h, kernel, bias).
+  auto layer = [](const Array& h, const Array& w, const Array& b) { return gelu(matmul(h, w) + b); };
+  const long segments = std::max(1L, static_cast<long>(std::sqrt(static_cast<double>(L))));
+  struct Variant {
+    std::string name;
+    std::function<Array(const std::vector<Array>&, const Array&)> forward;
   };
-  auto step = value_and_grad(loss);
+  const auto every = checkpoint(layer);
+  const auto dots = checkpoint(layer, {.policy = policies::dots_saveable{}});
+  const std::vector<Variant> variants = {
+      {"plain",
+       [&](const std::vector<Array>& p, const Array& x) {
+         Array h = x;
+         for (long l = 0; l < L; ++l) h = layer(h, p[2 * l], p[2 * l + 1]);
+         return h;
+       }},
+      {"remat_every",
+       [&](const std::vector<Array>& p, const Array& x) {
+         Array h = x;
+         for (long l = 0; l < L; ++l) h = every(h, p[2 * l], p[2 * l + 1]);
+         return h;
+       }},
+      {"remat_dots",
+       [&](const std::vector<Array>& p, const Array& x) {
+         Array h = x;
+         for (long l = 0; l < L; ++l) h = dots(h, p[2 * l], p[2 * l + 1]);
+         return h;
+       }},
+      {"remat_sqrt",  // sqrt(L) checkpointed segments of consecutive layers
+       [&](const std::vector<Array>& p, const Array& x) {
+         Array h = x;
+         const long per = (L + segments - 1) / segments;
+         for (long first = 0; first < L; first += per) {
+           const long last = std::min(L, first + per);
+           auto segment = checkpoint([&, first, last](const Array& in) {
+             Array z = in;
+             for (long l = first; l < last; ++l) z = layer(z, p[2 * l], p[2 * l + 1]);
+             return z;
+           });
+           h = segment(h);
+         }
+         return h;
+       }},
+  };
+  const std::string only = f.text("variant", "");
+  for (const Variant& v : variants) {
+    if (!only.empty() && v.name != only) continue;
+    run_variant(v.name, [&](const std::vector<Array>& p, const Array& in) {
+      Array h = v.forward(p, in);
+      return mean(h * h);
+    }, params, x, L, W, B, steps, threads, gemm);
+  }
+  return 0;
+}
 
-  const std::string variant = "plain";
+void run_variant(const std::string& variant, const std::function<Array(const std::vector<Array>&, const Array&)>& loss,
+                 const std::vector<Array>& params, const Array& x, long L, long W, long B, long steps, int threads,
+                 double gemm) {
+  auto step = value_and_grad(loss);
   (void)step(params, x);  // warm-up
   std::vector<double> times;
   std::int64_t peak_activation = 0;
@@ -129,7 +190,7 @@ int bench_mlp(const Flags& f) {
     auto t = Clock::now();
     auto [value, grads] = step(params, x);
     times.push_back(seconds_since(t));
-    // Activations: everything beyond what was live before, minus the gradients the step returns.
+    // Activations: the peak beyond what was live before, minus the gradients the step returns.
     std::int64_t grad_bytes = 0;
     for (const Array& g : grads) grad_bytes += static_cast<std::int64_t>(g.nbytes());
     peak_activation = std::max(peak_activation, scope.peak_growth() - grad_bytes);
@@ -154,7 +215,6 @@ int bench_mlp(const Flags& f) {
       {"peak_rss_growth_mib", static_cast<double>(rss_peak - rss_before) / 1024.0},
   };
   std::cout << out.dump() << std::endl;
-  return 0;
 }
 
 int bench_ops(const Flags& f) {
