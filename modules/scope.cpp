@@ -1,13 +1,18 @@
 #include <linum/modules/scope.hpp>
 
-#include <boost/core/demangle.hpp>
+#include <cxxabi.h>
+
+#include <cstdlib>
+#include <memory>
 
 namespace linum {
 
 namespace detail {
 
 std::string demangled_type_name(const char* mangled) {
-  std::string name = boost::core::demangle(mangled);
+  int status = 0;
+  std::unique_ptr<char, void (*)(void*)> demangled(abi::__cxa_demangle(mangled, nullptr, nullptr, &status), std::free);
+  std::string name = status == 0 && demangled ? demangled.get() : mangled;
   // Drop template arguments, then namespaces: "linum::nn::Block<3>" -> "Block".
   if (auto lt = name.find('<'); lt != std::string::npos) name.erase(lt);
   if (auto colon = name.rfind("::"); colon != std::string::npos) name.erase(0, colon + 2);
