@@ -16,6 +16,7 @@
 #include <linum/modules/initializers.hpp>
 #include <linum/modules/scope.hpp>
 #include <linum/modules/module.hpp>
+#include <linum/modules/nn/nn.hpp>
 #include <linum/lift/checkpoint.hpp>
 #include <linum/lift/policies.hpp>
 #include <linum/lift/remat.hpp>

@@ -1,0 +1,176 @@
+#include <linum/modules/nn/attention.hpp>
+
+#include <linum/core/ops.hpp>
+#include <linum/modules/nn/dense.hpp>
+#include <linum/modules/nn/normalization.hpp>
+#include <linum/rng/random.hpp>
+
+#include <cmath>
+#include <limits>
+
+namespace linum::nn {
+
+namespace {
+
+void check_qkv(const Array& query, const Array& key, const Array* value) {
+  auto fail = [&](const char* why) {
+    throw ShapeError(detail::cat("dot_product_attention: ", why, " (query ", query.shape(), ", key ", key.shape(),
+                                 value ? detail::cat(", value ", value->shape()) : std::string(),
+                                 "); the layout is [batch..., length, heads, head_dim]"));
+  };
+  if (query.rank() < 3 || query.rank() != key.rank() || (value && value->rank() != query.rank()))
+    fail("query, key and value must have the same rank, at least 3");
+  const int r = query.rank();
+  for (int a = 0; a < r - 3; ++a)
+    if (query.dim(a) != key.dim(a) || (value && value->dim(a) != query.dim(a))) fail("batch dims must match");
+  if (query.dim(-2) != key.dim(-2) || (value && value->dim(-2) != query.dim(-2))) fail("num_heads must match");
+  if (query.dim(-1) != key.dim(-1)) fail("query and key depths must match");
+  if (value && value->dim(-3) != key.dim(-3)) fail("key and value lengths must match");
+}
+
+std::vector<int> iota(int n, int start = 0) {
+  std::vector<int> v(static_cast<std::size_t>(n));
+  for (int i = 0; i < n; ++i) v[static_cast<std::size_t>(i)] = start + i;
+  return v;
+}
+
+}  // namespace
+
+Array dot_product_attention_weights(const Array& query, const Array& key, const DotProductAttentionOptions& o) {
+  check_qkv(query, key, nullptr);
+  const int r = query.rank();
+  const int nb = r - 3;  // leading batch axes
+  const float depth = static_cast<float>(query.dim(-1));
+  Array q = query / std::sqrt(depth);
+  // '...qhd,...khd->...hqk'
+  std::vector<int> lb = iota(nb), rb = iota(nb);
+  lb.push_back(r - 2);
+  rb.push_back(r - 2);
+  Array w = dot_general(q, key, DotDims{.lhs_contracting = {r - 1}, .rhs_contracting = {r - 1},
+                                        .lhs_batch = lb, .rhs_batch = rb});
+  if (o.bias.defined()) w = w + o.bias;
+  if (o.mask.defined()) w = where(o.mask, w, Array::scalar(std::numeric_limits<float>::lowest()));
+  w = softmax(w, {-1});
+  if (o.sow_scope) o.sow_scope->sow("intermediates", "attention_weights", w);
+  if (!o.deterministic && o.dropout_rate > 0.0) {
+    if (!o.dropout_rng)
+      throw ValueError("dot_product_attention: dropout_rate > 0 and not deterministic, but no dropout_rng was given");
+    const float keep_prob = static_cast<float>(1.0 - o.dropout_rate);
+    Shape mask_shape = w.shape();
+    if (o.broadcast_dropout)
+      for (int a = 0; a < w.rank() - 2; ++a) mask_shape[a] = 1;
+    Array keep = rng::bernoulli(*o.dropout_rng, keep_prob, mask_shape);
+    w = w * (keep / keep_prob);
+  }
+  return w;
+}
+
+Array dot_product_attention(const Array& query, const Array& key, const Array& value,
+                            const DotProductAttentionOptions& options) {
+  check_qkv(query, key, &value);
+  Array w = dot_product_attention_weights(query, key, options);  // [..., h, q, k]
+  const int r = query.rank();
+  const int nb = r - 3;
+  // '...hqk,...khd->...qhd': batch (..., h), contract k; the result is [..., h, q, d].
+  std::vector<int> lb = iota(nb), rb = iota(nb);
+  lb.push_back(nb);
+  rb.push_back(nb + 1);
+  Array y = dot_general(w, value, DotDims{.lhs_contracting = {nb + 2}, .rhs_contracting = {nb},
+                                          .lhs_batch = lb, .rhs_batch = rb});
+  std::vector<int> perm = iota(nb);
+  perm.push_back(nb + 1);
+  perm.push_back(nb);
+  perm.push_back(nb + 2);
+  return transpose(y, perm);
+}
+
+Array make_attention_mask(const Array& query_input, const Array& key_input, int extra_batch_dims) {
+  Array q = query_input.dtype() == DType::f32 ? query_input : astype(query_input, DType::f32);
+  Array k = key_input.dtype() == DType::f32 ? key_input : astype(key_input, DType::f32);
+  if (q.rank() < 1 || k.rank() != q.rank())
+    throw ShapeError(detail::cat("make_attention_mask: query_input ", q.shape(), " and key_input ", k.shape(),
+                                 " must be [batch..., length] of the same rank"));
+  Array m = expand_dims(q, -1) * expand_dims(k, -2);  // [..., q, k]
+  m = expand_dims(m, -3);                              // [..., 1, q, k]
+  for (int i = 0; i < extra_batch_dims; ++i) m = expand_dims(m, 0);
+  return stop_gradient(m);
+}
+
+Array make_causal_mask(const Array& x, int extra_batch_dims) {
+  if (x.rank() < 1) throw ShapeError("make_causal_mask: x must be [batch..., length]");
+  const std::int64_t n = x.dim(-1);
+  Array idx = Array::arange(n);
+  Array causal = greater_equal(expand_dims(idx, -1), expand_dims(idx, 0));  // [len, len], q >= k
+  Shape out = x.shape();
+  out[out.rank() - 1] = 1;  // becomes the heads axis
+  out.push_back(n);
+  out.push_back(n);
+  Array m = broadcast_to(causal, out);
+  for (int i = 0; i < extra_batch_dims; ++i) m = expand_dims(m, 0);
+  return m;
+}
+
+Array combine_masks(const std::vector<Array>& masks) {
+  Array out;
+  for (const Array& m : masks) {
+    if (!m.defined()) continue;
+    Array f = m.dtype() == DType::f32 ? not_equal(m, Array::scalar(0.0f)) : not_equal(astype(m, DType::f32), Array::scalar(0.0f));
+    if (out.defined() && out.rank() != f.rank())
+      throw ShapeError(detail::cat("combine_masks: masks must have the same rank, got ", out.shape(), " and ", f.shape()));
+    out = out.defined() ? out * f : f;
+  }
+  return out;
+}
+
+// ---- MultiHeadDotProductAttention --------------------------------------------------------------
+
+Array MultiHeadDotProductAttention::operator()(Scope& s, const Array& inputs_q, const AttentionArgs& args) const {
+  return (*this)(s, inputs_q, inputs_q, inputs_q, args);
+}
+
+Array MultiHeadDotProductAttention::operator()(Scope& s, const Array& inputs_q, const Array& inputs_kv,
+                                               const AttentionArgs& args) const {
+  return (*this)(s, inputs_q, inputs_kv, inputs_kv, args);
+}
+
+Array MultiHeadDotProductAttention::operator()(Scope& s, const Array& inputs_q, const Array& inputs_k,
+                                               const Array& inputs_v, const AttentionArgs& args) const {
+  if (num_heads <= 0)
+    throw ValueError(detail::cat("MultiHeadDotProductAttention: num_heads must be positive (got ", num_heads,
+                                 "); construct it as nn::MultiHeadDotProductAttention{.num_heads = H}"));
+  if (inputs_q.rank() < 2)
+    throw ShapeError(detail::cat("MultiHeadDotProductAttention: inputs_q of shape ", inputs_q.shape(),
+                                 " must be [batch..., length, features]"));
+  const std::int64_t features = out_features.value_or(inputs_q.dim(-1));
+  const std::int64_t qkv = qkv_features.value_or(inputs_q.dim(-1));
+  if (qkv % num_heads != 0)
+    throw ValueError(detail::cat("MultiHeadDotProductAttention: qkv_features (", qkv,
+                                 ") must be divisible by num_heads (", num_heads, ")"));
+  const std::int64_t head_dim = qkv / num_heads;
+  const DenseGeneral dense{.features = {num_heads, head_dim}, .axis = {-1}, .use_bias = use_bias,
+                           .kernel_init = kernel_init, .bias_init = bias_init};
+  Array query = s("query", dense, inputs_q);
+  Array key = s("key", dense, inputs_k);
+  Array value = s("value", dense, inputs_v);
+  if (normalize_qk) {
+    query = s("query_ln", LayerNorm{.use_bias = false}, query);
+    key = s("key_ln", LayerNorm{.use_bias = false}, key);
+  }
+  DotProductAttentionOptions o;
+  o.mask = args.mask;
+  o.broadcast_dropout = broadcast_dropout;
+  o.dropout_rate = dropout_rate;
+  o.deterministic = true;
+  if (dropout_rate > 0.0) {
+    o.deterministic = merge_param("MultiHeadDotProductAttention", "deterministic", deterministic, args.deterministic);
+    if (!o.deterministic) o.dropout_rng = args.dropout_rng ? *args.dropout_rng : s.make_rng("dropout");
+  }
+  if (args.sow_weights) o.sow_scope = &s;
+  Array x = dot_product_attention(query, key, value, o);  // [..., q, heads, head_dim]
+  const DenseGeneral out{.features = {features}, .axis = {-2, -1}, .use_bias = use_bias,
+                         .kernel_init = out_kernel_init ? out_kernel_init : kernel_init,
+                         .bias_init = out_bias_init ? out_bias_init : bias_init};
+  return s("out", out, x);
+}
+
+}  // namespace linum::nn

@@ -1,0 +1,115 @@
+#include <linum/modules/nn/conv.hpp>
+
+#include <linum/core/ops.hpp>
+
+namespace linum::nn {
+
+namespace {
+
+// Flax's maybe_broadcast: empty -> 1 on every axis, one value -> that value on every axis.
+std::vector<std::int64_t> per_axis(const std::vector<std::int64_t>& v, std::size_t n, const char* field) {
+  if (v.empty()) return std::vector<std::int64_t>(n, 1);
+  if (v.size() == 1) return std::vector<std::int64_t>(n, v[0]);
+  if (v.size() != n)
+    throw ValueError(detail::cat("Conv: ", field, " has ", v.size(), " values but the kernel has ", n,
+                                 " spatial axes; give one value per axis or a single value"));
+  for (std::int64_t x : v)
+    if (x <= 0) throw ValueError(detail::cat("Conv: ", field, " values must be positive"));
+  return v;
+}
+
+}  // namespace
+
+Array Conv::operator()(Scope& s, const Array& x_in) const {
+  if (features <= 0)
+    throw ValueError(detail::cat("Conv: features must be positive (got ", features,
+                                 "); construct it as nn::Conv{.features = N, .kernel_size = {3, 3}}"));
+  const std::size_t nsp = kernel_size.size();
+  if (nsp != 1 && nsp != 2)
+    throw ValueError(detail::cat("Conv: kernel_size must have 1 (sequences) or 2 (images) entries, got ", nsp,
+                                 "; e.g. .kernel_size = {3, 3}"));
+  for (std::int64_t k : kernel_size)
+    if (k <= 0) throw ValueError("Conv: kernel_size values must be positive");
+  const int want = static_cast<int>(nsp) + 2;  // [N, spatial..., C]
+  const char* layout = nsp == 2 ? "NHWC [N, H, W, C]" : "NWC [N, L, C]";
+  if (x_in.rank() < want - 1)
+    throw ShapeError(detail::cat("Conv: input of shape ", x_in.shape(), " has rank ", x_in.rank(), "; a ", nsp,
+                                 "-D convolution needs ", layout, " (or one example without the batch axis); "
+                                 "for a single-channel image add the channel axis with reshape(x, {N, H, W, 1})"));
+  if (x_in.dtype() != DType::f32)
+    throw ShapeError(detail::cat("Conv: input must be float32, got ", dtype_name(x_in.dtype()),
+                                 "; convert with astype(x, DType::f32)"));
+
+  // Bring the input to exactly one batch axis, as Flax does.
+  const int batch_axes = x_in.rank() - (want - 1);
+  Array x = x_in;
+  if (batch_axes != 1) {
+    std::vector<std::int64_t> flat{-1};
+    for (int a = batch_axes; a < x_in.rank(); ++a) flat.push_back(x_in.dim(a));
+    x = reshape(x_in, flat);
+  }
+  const std::int64_t in_features = x.dim(-1);
+  if (feature_group_count <= 0 || in_features % feature_group_count != 0 || features % feature_group_count != 0)
+    throw ValueError(detail::cat("Conv: feature_group_count ", feature_group_count, " must divide the input channels (",
+                                 in_features, ") and features (", features, ")"));
+
+  const auto strides_v = per_axis(strides, nsp, "strides");
+  const auto dilation_v = per_axis(kernel_dilation, nsp, "kernel_dilation");
+
+  Padding pad = Padding::same();
+  if (padding.mode == "SAME") {
+    pad = Padding::same();
+  } else if (padding.mode == "VALID") {
+    pad = Padding::valid();
+  } else if (padding.mode == "CAUSAL") {
+    if (nsp != 1) throw ValueError("Conv: CAUSAL padding is only implemented for 1-D convolutions (as in Flax)");
+    pad = Padding::explicit_pads(0, 0, dilation_v[0] * (kernel_size[0] - 1), 0);
+  } else if (padding.mode.empty()) {
+    auto pairs = padding.pairs;
+    if (pairs.size() == 1) pairs.assign(nsp, pairs[0]);
+    if (pairs.size() != nsp)
+      throw ValueError(detail::cat("Conv: padding has ", padding.pairs.size(), " (low, high) pairs but the kernel has ",
+                                   nsp, " spatial axes"));
+    pad = nsp == 2 ? Padding::explicit_pads(pairs[0].first, pairs[0].second, pairs[1].first, pairs[1].second)
+                   : Padding::explicit_pads(0, 0, pairs[0].first, pairs[0].second);
+  } else {
+    throw ValueError(detail::cat("Conv: unknown padding '", padding.mode,
+                                 "'; use \"SAME\", \"VALID\", \"CAUSAL\", an int or (low, high) pairs "
+                                 "(CIRCULAR and REFLECT are not supported)"));
+  }
+
+  Shape kernel_shape;
+  for (std::int64_t k : kernel_size) kernel_shape.push_back(k);
+  kernel_shape.push_back(in_features / feature_group_count);
+  kernel_shape.push_back(features);
+  Array kernel = s.param("kernel", kernel_init, kernel_shape);
+
+  ConvOptions opt;
+  opt.padding = pad;
+  opt.feature_group_count = feature_group_count;
+  Array y;
+  if (nsp == 2) {
+    opt.strides = {strides_v[0], strides_v[1]};
+    opt.dilation = {dilation_v[0], dilation_v[1]};
+    y = conv2d(x, kernel, opt);
+  } else {
+    // A 1-D convolution is a 2-D one over an image of height 1.
+    opt.strides = {1, strides_v[0]};
+    opt.dilation = {1, dilation_v[0]};
+    Array x4 = reshape(x, {x.dim(0), 1, x.dim(1), x.dim(2)});
+    Array k4 = reshape(kernel, {1, kernel.dim(0), kernel.dim(1), kernel.dim(2)});
+    Array y4 = conv2d(x4, k4, opt);
+    y = reshape(y4, {y4.dim(0), y4.dim(2), y4.dim(3)});
+  }
+  if (use_bias) y = y + s.param("bias", bias_init, Shape{features});
+
+  if (batch_axes != 1) {
+    std::vector<std::int64_t> out;
+    for (int a = 0; a < batch_axes; ++a) out.push_back(x_in.dim(a));
+    for (int a = 1; a < y.rank(); ++a) out.push_back(y.dim(a));
+    y = reshape(y, out);
+  }
+  return y;
+}
+
+}  // namespace linum::nn

@@ -1,0 +1,75 @@
+#include <linum/modules/nn/losses.hpp>
+
+#include <linum/core/ops.hpp>
+#include <linum/modules/nn/activations.hpp>
+
+#include <vector>
+
+namespace linum::nn {
+
+namespace {
+
+void require_same_shape(const Array& a, const Array& b, const char* loss, const char* an, const char* bn) {
+  if (!(a.shape() == b.shape()))
+    throw ShapeError(detail::cat(loss, ": ", an, " of shape ", a.shape(), " and ", bn, " of shape ", b.shape(),
+                                 " must have the same shape"));
+  if (a.dtype() != DType::f32 || b.dtype() != DType::f32)
+    throw ShapeError(detail::cat(loss, ": ", an, " and ", bn, " must be float32 (got ", dtype_name(a.dtype()), " and ",
+                                 dtype_name(b.dtype()), ")"));
+}
+
+}  // namespace
+
+Array softmax_cross_entropy(const Array& logits, const Array& labels) {
+  require_same_shape(logits, labels, "softmax_cross_entropy", "logits", "labels");
+  if (logits.rank() < 1) throw ShapeError("softmax_cross_entropy: logits must have a class axis");
+  return -sum(labels * log_softmax(logits, {-1}), {-1});
+}
+
+Array softmax_cross_entropy_with_integer_labels(const Array& logits, const Array& labels) {
+  const char* loss = "softmax_cross_entropy_with_integer_labels";
+  if (logits.rank() < 1 || logits.dtype() != DType::f32)
+    throw ShapeError(detail::cat(loss, ": logits must be float32 [..., classes], got ", dtype_name(logits.dtype()),
+                                 logits.shape()));
+  if (labels.dtype() != DType::i32)
+    throw ShapeError(detail::cat(loss, ": labels must be int32 class indices, got ", dtype_name(labels.dtype()),
+                                 "; for one-hot or soft labels use softmax_cross_entropy"));
+  Shape batch(std::vector<std::int64_t>(logits.shape().begin(), logits.shape().end() - 1));
+  if (!(labels.shape() == batch))
+    throw ShapeError(detail::cat(loss, ": labels of shape ", labels.shape(), " must have the shape of logits ",
+                                 logits.shape(), " without the class axis, ", batch));
+  const std::int64_t classes = logits.dim(-1);
+  const std::int32_t* raw = labels.data_i32();
+  const std::int64_t n = labels.numel();
+  std::vector<std::int32_t> flat(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (raw[i] < 0 || raw[i] >= classes)
+      throw ValueError(detail::cat(loss, ": label ", raw[i], " at flat position ", i, " is outside [0, ", classes, ")"));
+    flat[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(i * classes + raw[i]);
+  }
+  // take_along_axis(logits, labels[..., None], -1)[..., 0] as a gather from the flattened logits.
+  Array label_logits = reshape(take(reshape(logits, {-1}), Array::from_i32(Shape{n}, flat), 0), batch.vec());
+  return logsumexp(logits, {-1}) - label_logits;
+}
+
+Array sigmoid_binary_cross_entropy(const Array& logits, const Array& labels) {
+  require_same_shape(logits, labels, "sigmoid_binary_cross_entropy", "logits", "labels");
+  return -labels * log_sigmoid(logits) - (1.0f - labels) * log_sigmoid(-logits);
+}
+
+Array squared_error(const Array& predictions, const Array& targets) {
+  require_same_shape(predictions, targets, "squared_error", "predictions", "targets");
+  return square(predictions - targets);
+}
+
+Array l2_loss(const Array& predictions, const Array& targets) {
+  require_same_shape(predictions, targets, "l2_loss", "predictions", "targets");
+  return 0.5f * square(predictions - targets);
+}
+
+Array mse(const Array& predictions, const Array& targets) {
+  require_same_shape(predictions, targets, "mse", "predictions", "targets");
+  return mean(square(predictions - targets));
+}
+
+}  // namespace linum::nn
