@@ -683,6 +683,14 @@ TEST_CASE("gradients of layers with respect to inputs and params") {
     return apply(nn::BatchNorm{}, vars, {.mutable_collections = {"batch_stats"}}, a[0], false).first;
   }, {random_array(Shape{4, 3}, 116, -2, 2), random_array(Shape{3}, 117), random_array(Shape{3}, 118)});
 
+  check_gradients("RMSNorm", [](const V& a) {
+    return apply(nn::RMSNorm{}, params({{"scale", a[1]}}), a[0]);
+  }, {random_array(Shape{2, 5}, 129, -2, 2, 0.1f), random_array(Shape{5}, 130)});
+
+  check_gradients("Dropout (train, fixed key)", [](const V& a) {
+    return apply(nn::Dropout{.rate = 0.4}, Tree{}, a[0], false, rng::key(5));
+  }, {random_array(Shape{4, 5}, 132)});
+
   check_gradients("Embed (table)", [](const V& a) {
     return apply(nn::Embed{.num_embeddings = 4, .features = 3}, params({{"embedding", a[0]}}), Array::from_i32(Shape{3}, {1, 3, 1}));
   }, {random_array(Shape{4, 3}, 119)});

@@ -35,7 +35,8 @@ Array Conv::operator()(Scope& s, const Array& x_in) const {
   if (x_in.rank() < want - 1)
     throw ShapeError(detail::cat("Conv: input of shape ", x_in.shape(), " has rank ", x_in.rank(), "; a ", nsp,
                                  "-D convolution needs ", layout, " (or one example without the batch axis); "
-                                 "for a single-channel image add the channel axis with reshape(x, {N, H, W, 1})"));
+                                 "add the missing axes with reshape, e.g. reshape(x, {N, H, W, 1}) for a batch of "
+                                 "single-channel images"));
   if (x_in.dtype() != DType::f32)
     throw ShapeError(detail::cat("Conv: input must be float32, got ", dtype_name(x_in.dtype()),
                                  "; convert with astype(x, DType::f32)"));
