@@ -113,7 +113,9 @@ Array unary_kernel(const Array& x, const char* op, F f) {
   return out;
 }
 
-// out = f(a, b) for same-shaped float arrays via Eigen expressions (used by backward rules).
+// out = f(a, b) for same-shaped float arrays via Eigen expressions (used by backward rules). A
+// three-argument f(a, b, out) writes the block itself, so it can use `out` as scratch space (an
+// expression returned from f must not refer to f's locals: they are gone when it is evaluated).
 template <class F>
 Array zip_kernel(const Array& a, const Array& b, F f) {
   Array out = Array::empty(a.shape());
@@ -121,7 +123,12 @@ Array zip_kernel(const Array& a, const Array& b, F f) {
   const float* pb = b.data();
   float* po = out.mutable_data();
   for_blocks(a.numel(), [&](std::int64_t s, std::int64_t c) {
-    OVec(po + s, c) = f(CVec(pa + s, c), CVec(pb + s, c));
+    if constexpr (std::is_invocable_v<F&, const CVec&, const CVec&, OVec&>) {
+      OVec o(po + s, c);
+      f(CVec(pa + s, c), CVec(pb + s, c), o);
+    } else {
+      OVec(po + s, c) = f(CVec(pa + s, c), CVec(pb + s, c));
+    }
   });
   return out;
 }
@@ -359,10 +366,10 @@ Array gelu(const Array& x, bool approximate) {
   if (needs_grad(x))
     record("gelu", y, {&x}, {x}, [approximate](Cotangents& c, autodiff::Saved s) {
       if (approximate)
-        c.set(0, zip_kernel(c.out(), s[0], [](const CVec& g, const CVec& v) {
-                const auto t = (kSqrt2OverPi * (v + kGeluCoeff * v.cube())).tanh().eval();
-                return g * (0.5f * (1.0f + t) +
-                            0.5f * v * (1.0f - t.square()) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCoeff * v.square()));
+        c.set(0, zip_kernel(c.out(), s[0], [](const CVec& g, const CVec& v, OVec& out) {
+                out = (kSqrt2OverPi * (v + kGeluCoeff * v.cube())).tanh();  // t, then the gradient in place
+                out = g * (0.5f * (1.0f + out) +
+                           0.5f * v * (1.0f - out.square()) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCoeff * v.square()));
               }));
       else
         c.set(0, zip_kernel(c.out(), s[0], [](const CVec& g, const CVec& v) {
@@ -376,9 +383,9 @@ Array silu(const Array& x) {
   Array y = unary_kernel(x, "silu", [](const CVec& v) { return v * v.logistic(); });
   if (needs_grad(x))
     record("silu", y, {&x}, {x}, [](Cotangents& c, autodiff::Saved s) {
-      c.set(0, zip_kernel(c.out(), s[0], [](const CVec& g, const CVec& v) {
-              const auto s = v.logistic().eval();
-              return g * s * (1.0f + v * (1.0f - s));
+      c.set(0, zip_kernel(c.out(), s[0], [](const CVec& g, const CVec& v, OVec& out) {
+              out = v.logistic();  // sigmoid(x), then the gradient in place
+              out = g * out * (1.0f + v * (1.0f - out));
             }));
     });
   return y;
