@@ -1,0 +1,383 @@
+// Linum's main example: a CNN learns Fashion-MNIST, with its blocks rematerialized.
+//
+//   fashion_mnist [--epochs 2] [--remat full|dots|none] [--batch 128] [--lr 0.001] [--optimizer adam|sgd]
+//                 [--dropout 0.0] [--batchnorm] [--seed 0] [--data DIR] [--checkpoint FILE] [--resume]
+//                 [--eval] [--limit N]
+//
+// It shows what Linum is for: a compact model (modules in a Scope), remat on its blocks
+// (lift::remat, which keeps parameter names, so checkpoints load into either model), init/apply
+// with variable dicts, training with value_and_grad and an optax-style optimizer, checkpoints
+// written atomically after each epoch, and the activation memory remat saved, measured with the
+// exact accounting. The last line of output is one JSON object for scripts.
+#include "idx.hpp"
+
+#include <linum/linum.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <string>
+
+using namespace linum;
+namespace fs = std::filesystem;
+
+// ---- the model -------------------------------------------------------------------------------
+
+// Conv 3x3 -> (BatchNorm) -> ReLU -> 2x2 average pool.
+struct ConvBlock {
+  std::int64_t features = 32;
+  bool batch_norm = false;
+  Array operator()(Scope& s, const Array& x, bool train) const {
+    Array h = s(nn::Conv{.features = features, .kernel_size = {3, 3}}, x);
+    if (batch_norm) h = s(nn::BatchNorm{}, h, /*use_running_average=*/!train);
+    return avg_pool(relu(h), {.window = {2, 2}, .strides = {2, 2}});
+  }
+};
+
+// Flatten -> Dense 256 -> ReLU -> (Dropout) -> Dense 10.
+struct Head {
+  double dropout = 0.0;
+  Array operator()(Scope& s, const Array& x, bool train) const {
+    Array h = reshape(x, {x.dim(0), -1});
+    h = relu(s(nn::Dense{.features = 256}, h));
+    if (dropout > 0) h = s(nn::Dropout{.rate = dropout}, h, /*deterministic=*/!train);
+    return s(nn::Dense{.features = 10}, h);
+  }
+};
+
+enum class Remat { none, full, dots };
+
+// The CNN of Flax's MNIST example. Whatever `remat` says, the variable dict is the same: remat<M>
+// keeps M's name.
+struct CNN {
+  Remat remat = Remat::full;
+  bool batch_norm = false;
+  double dropout = 0.0;
+
+  template <class Block>
+  Array run(Scope& s, Array x, bool train) const {
+    x = s(Block{{.features = 32, .batch_norm = batch_norm}}, x, train);
+    x = s(Block{{.features = 64, .batch_norm = batch_norm}}, x, train);
+    return x;
+  }
+  Array operator()(Scope& s, const Array& images, bool train) const {
+    Array x;
+    switch (remat) {
+      case Remat::none: x = run<lift::remat<ConvBlock, lift::policy<policies::everything_saveable>>>(s, images, train); break;
+      case Remat::full: x = run<lift::remat<ConvBlock>>(s, images, train); break;
+      case Remat::dots: x = run<lift::remat<ConvBlock, lift::policy<policies::dots_saveable>>>(s, images, train); break;
+    }
+    return s(Head{.dropout = dropout}, x, train);
+  }
+};
+
+// ---- command line ------------------------------------------------------------------------------
+
+struct Options {
+  int epochs = 2;
+  std::int64_t batch = 128;
+  double lr = 1e-3;
+  std::string optimizer = "adam";
+  Remat remat = Remat::full;
+  double dropout = 0.0;
+  bool batch_norm = false;
+  int seed = 0;
+  fs::path data = "/usr/share/datasets/fashion-mnist";
+  fs::path checkpoint = "fashion_mnist.msgpack";
+  bool resume = false;
+  bool eval_only = false;
+  std::int64_t limit = 0;  // use only the first N training images (0: all)
+};
+
+const char* remat_name(Remat r) { return r == Remat::none ? "none" : r == Remat::full ? "full" : "dots"; }
+
+[[noreturn]] void usage_error(const std::string& message) {
+  std::cerr << "fashion_mnist: " << message << "\n"
+            << "usage: fashion_mnist [--epochs N] [--remat full|dots|none] [--batch N] [--lr X] [--optimizer adam|sgd]\n"
+            << "                     [--dropout X] [--batchnorm] [--seed N] [--data DIR] [--checkpoint FILE] [--resume]\n"
+            << "                     [--eval] [--limit N]\n";
+  std::exit(2);
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) usage_error(a + " needs a value");
+      return argv[++i];
+    };
+    auto number = [&](double lo, double hi) {
+      const std::string v = value();
+      char* end = nullptr;
+      const double x = std::strtod(v.c_str(), &end);
+      if (end == v.c_str() || *end != '\0' || !(x >= lo && x <= hi))
+        usage_error(a + " needs a number in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got '" + v + "'");
+      return x;
+    };
+    if (a == "--epochs") o.epochs = static_cast<int>(number(0, 1000));
+    else if (a == "--batch") o.batch = static_cast<std::int64_t>(number(1, 1 << 16));
+    else if (a == "--lr") o.lr = number(1e-8, 10);
+    else if (a == "--dropout") o.dropout = number(0, 0.99);
+    else if (a == "--seed") o.seed = static_cast<int>(number(0, 1 << 30));
+    else if (a == "--limit") o.limit = static_cast<std::int64_t>(number(0, 1e9));
+    else if (a == "--batchnorm") o.batch_norm = true;
+    else if (a == "--resume") o.resume = true;
+    else if (a == "--eval") o.eval_only = true;
+    else if (a == "--data") o.data = value();
+    else if (a == "--checkpoint") o.checkpoint = value();
+    else if (a == "--optimizer") {
+      o.optimizer = value();
+      if (o.optimizer != "adam" && o.optimizer != "sgd") usage_error("--optimizer must be adam or sgd");
+    } else if (a == "--remat") {
+      const std::string r = value();
+      if (r == "none") o.remat = Remat::none;
+      else if (r == "full") o.remat = Remat::full;
+      else if (r == "dots") o.remat = Remat::dots;
+      else usage_error("--remat must be full, dots or none, got '" + r + "'");
+    } else if (a == "--help" || a == "-h") {
+      usage_error("help");
+    } else {
+      usage_error("unknown flag '" + a + "'");
+    }
+  }
+  return o;
+}
+
+// ---- training ------------------------------------------------------------------------------------
+
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+Array batch_of(const Array& data, const Array& order, std::int64_t start, std::int64_t count) {
+  return take(data, slice_axis(order, 0, start, start + count), 0);
+}
+
+std::int64_t correct(const Array& logits, const Array& labels) {
+  const Array predicted = argmax(logits, -1);
+  std::int64_t n = 0;
+  for (std::int64_t i = 0; i < labels.numel(); ++i) n += predicted.data_i32()[i] == labels.data_i32()[i];
+  return n;
+}
+
+struct Trainer {
+  CNN model;
+  optim::GradientTransformation optimizer;
+  Tree params, batch_stats, opt_state;
+
+  Tree variables() const {
+    Tree v{{"params", params}};
+    if (!batch_stats.empty()) v.set("batch_stats", batch_stats);
+    return v;
+  }
+
+  // One optimisation step; returns (loss, number of correct predictions).
+  std::pair<float, std::int64_t> step(const Array& x, const Array& y, rng::Key dropout_key) {
+    auto loss_fn = [&](const Tree& p) {
+      Tree vars{{"params", p}};
+      if (!batch_stats.empty()) vars.set("batch_stats", batch_stats);
+      auto [logits, updates] =
+          apply(model, vars, {.rngs = {{"dropout", dropout_key}}, .mutable_collections = {"batch_stats"}}, x, true);
+      Tree aux = updates;
+      aux.set("logits", Tree(logits));
+      return std::make_pair(mean(nn::softmax_cross_entropy_with_integer_labels(logits, y)), aux);
+    };
+    auto [loss, aux, grads] = value_and_grad(loss_fn)(params);
+    auto [updates, state] = optimizer.update(grads, opt_state, params);
+    params = optim::apply_updates(params, updates);
+    opt_state = state;
+    if (aux.contains("batch_stats")) batch_stats = aux.at("batch_stats");
+    return {loss.item(), correct(aux.at("logits").array(), y)};
+  }
+
+  double evaluate(const fashion::Dataset& test, std::int64_t batch) const {
+    autodiff::NoGradGuard no_grad;
+    std::int64_t hits = 0;
+    for (std::int64_t start = 0; start < test.labels.numel(); start += batch) {
+      const std::int64_t n = std::min(batch, test.labels.numel() - start);
+      Array logits = apply(model, variables(), slice_axis(test.images, 0, start, start + n), false);
+      hits += correct(logits, slice_axis(test.labels, 0, start, start + n));
+    }
+    return static_cast<double>(hits) / static_cast<double>(test.labels.numel());
+  }
+};
+
+// Peak activation bytes of one training step of `model` on a batch: the peak of live bytes during
+// the step beyond what was alive before, minus the gradients the step returns.
+std::int64_t step_activation_bytes(const CNN& model, const Tree& params, const Tree& batch_stats, const Array& x,
+                                   const Array& y) {
+  auto loss_fn = [&](const Tree& p) {
+    Tree vars{{"params", p}};
+    if (!batch_stats.empty()) vars.set("batch_stats", batch_stats);
+    auto [logits, updates] =
+        apply(model, vars, {.rngs = {{"dropout", rng::key(0)}}, .mutable_collections = {"batch_stats"}}, x, true);
+    return mean(nn::softmax_cross_entropy_with_integer_labels(logits, y));
+  };
+  memory::PeakScope scope;
+  Tree grads = grad(loss_fn)(params);
+  return scope.peak_growth() - byte_count(grads);
+}
+
+class Progress {
+ public:
+  Progress(int epoch, int epochs, std::int64_t total) : epoch_(epoch), epochs_(epochs), total_(total), tty_(isatty(1)) {}
+  void update(std::int64_t done, double loss, double accuracy, double seconds, bool final) {
+    const double rate = seconds > 0 ? static_cast<double>(done) / seconds : 0.0;
+    if (tty_) {
+      const int width = 30, filled = static_cast<int>(width * done / std::max<std::int64_t>(total_, 1));
+      std::printf("\repoch %d/%d [%s%s] %lld/%lld  %.0f ex/s  loss %.4f  acc %.4f", epoch_, epochs_,
+                  std::string(filled, '#').c_str(), std::string(width - filled, '.').c_str(),
+                  static_cast<long long>(done), static_cast<long long>(total_), rate, loss, accuracy);
+      if (final) std::printf("\n");
+      std::fflush(stdout);
+    } else if (final || done >= next_) {
+      std::printf("epoch %d/%d %lld/%lld  %.0f ex/s  loss %.4f  acc %.4f\n", epoch_, epochs_, static_cast<long long>(done),
+                  static_cast<long long>(total_), rate, loss, accuracy);
+      next_ = done + total_ / 5;
+      std::fflush(stdout);
+    }
+  }
+
+ private:
+  int epoch_, epochs_;
+  std::int64_t total_, next_ = 0;
+  bool tty_;
+};
+
+Tree checkpoint_tree(const Trainer& t, int epochs_done, const Options& o) {
+  Tree c{{"params", t.params}, {"opt_state", t.opt_state}};
+  if (!t.batch_stats.empty()) c.set("batch_stats", t.batch_stats);
+  c.set("progress", Tree{{"epochs_done", Array::full_i32(Shape{}, epochs_done)},
+                         {"seed", Array::full_i32(Shape{}, o.seed)},
+                         {"batch_norm", Array::full_i32(Shape{}, o.batch_norm)},
+                         {"dropout", Array::full(Shape{}, static_cast<float>(o.dropout))}});
+  return c;
+}
+
+int run(const Options& o) {
+  fashion::Dataset train, test;
+  try {
+    train = fashion::load_split(o.data, "train");
+    test = fashion::load_split(o.data, "t10k");
+  } catch (const IoError& e) {
+    std::cerr << "fashion_mnist: cannot read the dataset: " << e.what() << "\n"
+              << "Install it with `apt-get install dataset-fashion-mnist` (files in /usr/share/datasets/fashion-mnist),\n"
+              << "or pass --data DIR with train-/t10k-images-idx3-ubyte.gz and -labels-idx1-ubyte.gz (e.g. MNIST).\n";
+    return 1;
+  }
+  if (o.limit > 0 && o.limit < train.labels.numel()) {
+    train.images = slice_axis(train.images, 0, 0, o.limit);
+    train.labels = slice_axis(train.labels, 0, 0, o.limit);
+  }
+  const std::int64_t n = train.labels.numel();
+  std::printf("Fashion-MNIST: %lld training and %lld test images from %s\n", static_cast<long long>(n),
+              static_cast<long long>(test.labels.numel()), o.data.c_str());
+
+  Trainer t{CNN{.remat = o.remat, .batch_norm = o.batch_norm, .dropout = o.dropout},
+            o.optimizer == "adam" ? optim::adam(o.lr) : optim::sgd(o.lr, 0.9), {}, {}, {}};
+  const Array sample = slice_axis(train.images, 0, 0, std::min<std::int64_t>(o.batch, n));
+  Tree vars = init(t.model, rng::Streams{{"params", rng::key(o.seed)}, {"dropout", rng::key(o.seed + 1)}}, sample, false);
+  t.params = vars.at("params");
+  if (vars.contains("batch_stats")) t.batch_stats = vars.at("batch_stats");
+  t.opt_state = t.optimizer.init(t.params);
+  int first_epoch = 0;
+
+  if (o.resume || o.eval_only) {
+    if (!fs::exists(o.checkpoint)) {
+      std::cerr << "fashion_mnist: no checkpoint at '" << o.checkpoint.string() << "' to "
+                << (o.eval_only ? "evaluate" : "resume from") << "; train first (without --resume/--eval)\n";
+      return 1;
+    }
+    Tree c = serialization::load(o.checkpoint);
+    const Tree& progress = c.at("progress");
+    if (progress.at("seed").array().item() != o.seed ||
+        static_cast<bool>(progress.at("batch_norm").array().item()) != o.batch_norm ||
+        progress.at("dropout").array().item() != static_cast<float>(o.dropout)) {
+      std::cerr << "fashion_mnist: the checkpoint was trained with other --seed/--batchnorm/--dropout; pass the same flags\n";
+      return 1;
+    }
+    if (!same_structure(c.at("params"), t.params)) {
+      std::cerr << "fashion_mnist: the checkpoint's parameters do not fit this model\n";
+      return 1;
+    }
+    t.params = c.at("params");
+    t.opt_state = c.at("opt_state");
+    if (c.contains("batch_stats")) t.batch_stats = c.at("batch_stats");
+    first_epoch = static_cast<int>(progress.at("epochs_done").array().item());
+    std::printf("loaded '%s' (%d epoch(s) done)\n", o.checkpoint.c_str(), first_epoch);
+  }
+
+  // Activation memory of one training step, with the chosen remat and without.
+  const Array mx = slice_axis(train.images, 0, 0, std::min<std::int64_t>(o.batch, n));
+  const Array my = slice_axis(train.labels, 0, 0, std::min<std::int64_t>(o.batch, n));
+  CNN plain_model = t.model;
+  plain_model.remat = Remat::none;
+  const std::int64_t peak_plain = step_activation_bytes(plain_model, t.params, t.batch_stats, mx, my);
+  const std::int64_t peak = step_activation_bytes(t.model, t.params, t.batch_stats, mx, my);
+
+  double train_seconds = 0;
+  int epochs_run = 0;
+  if (!o.eval_only) {
+    for (int epoch = first_epoch; epoch < o.epochs; ++epoch) {
+      const Array order = rng::permutation(rng::fold_in(rng::key(o.seed), static_cast<std::uint32_t>(epoch)), n);
+      const rng::Key epoch_key = rng::fold_in(rng::key(o.seed + 1), static_cast<std::uint32_t>(epoch));
+      Progress bar(epoch + 1, o.epochs, n);
+      const auto start = Clock::now();
+      double loss_sum = 0;
+      std::int64_t hits = 0, seen = 0, steps = 0;
+      for (std::int64_t b = 0; b + o.batch <= n || (b < n && b == 0); b += o.batch) {
+        const std::int64_t count = std::min(o.batch, n - b);
+        const Array x = batch_of(train.images, order, b, count);
+        const Array y = batch_of(train.labels, order, b, count);
+        auto [loss, ok] = t.step(x, y, rng::fold_in(epoch_key, static_cast<std::uint32_t>(steps)));
+        loss_sum += loss;
+        hits += ok;
+        seen += count;
+        ++steps;
+        bar.update(seen, loss_sum / static_cast<double>(steps), static_cast<double>(hits) / static_cast<double>(seen),
+                   since(start), false);
+      }
+      const double seconds = since(start);
+      bar.update(seen, loss_sum / static_cast<double>(std::max<std::int64_t>(steps, 1)),
+                 static_cast<double>(hits) / static_cast<double>(std::max<std::int64_t>(seen, 1)), seconds, true);
+      train_seconds += seconds;
+      ++epochs_run;
+      serialization::save(o.checkpoint, checkpoint_tree(t, epoch + 1, o));  // atomic: temp file + rename
+    }
+  }
+
+  const double accuracy = t.evaluate(test, 500);
+  const double per_epoch = epochs_run ? train_seconds / epochs_run : 0.0;
+  std::printf("test accuracy %.4f", accuracy);
+  if (epochs_run) std::printf(", %.1f s per epoch", per_epoch);
+  std::printf("\npeak activation memory of a training step (batch %lld): %.1f MiB with remat=%s, %.1f MiB without remat",
+              static_cast<long long>(mx.dim(0)), peak / 1048576.0, remat_name(o.remat), peak_plain / 1048576.0);
+  if (peak_plain > 0) std::printf(" (%.0f%% saved)", 100.0 * (1.0 - static_cast<double>(peak) / static_cast<double>(peak_plain)));
+  std::printf("\n");
+  const nlohmann::json result = {{"test_accuracy", accuracy},
+                                 {"epochs", o.eval_only ? first_epoch : o.epochs},
+                                 {"seconds_per_epoch", per_epoch},
+                                 {"remat", remat_name(o.remat)},
+                                 {"peak_activation_bytes", peak},
+                                 {"peak_activation_bytes_plain", peak_plain}};
+  std::printf("%s\n", result.dump().c_str());
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  const Options options = parse(argc, argv);
+  try {
+    return run(options);
+  } catch (const linum::Error& e) {
+    std::cerr << "fashion_mnist: " << e.what() << "\n";
+    return 1;
+  }
+}
