@@ -125,17 +125,23 @@ class CheckpointNode final : public Node {
               "checkpoint '", where_, "': the recomputed forward pass differs from the original (output ", i, " of shape ",
               outs[i].shape(), "). The block is not deterministic: make it a pure function of its inputs, variables and "
               "rng streams (no global state, no unseeded random numbers)"));
-    std::vector<Array> roots, cts;
-    for (std::size_t i = 0; i < outs.size(); ++i)
-      if (c.out(i).defined() && outs[i].node() != nullptr) {
-        roots.push_back(outs[i]);
-        cts.push_back(c.out(i));
-      }
+    // Only the recomputed outputs' graph nodes are needed, not their values: dropping the values
+    // (and taking the incoming cotangents) frees them before the recomputed block is differentiated.
+    std::vector<autodiff::Edge> roots;
+    std::vector<Array> cts;
+    for (std::size_t i = 0; i < outs.size(); ++i) {
+      if (!c.out(i).defined() || outs[i].node() == nullptr) continue;
+      if (!(outs[i].shape() == c.out(i).shape()))
+        throw AutodiffError(linum::detail::cat("checkpoint '", where_, "': the recomputation's output ", i, " has shape ",
+                                               outs[i].shape(), ", the forward pass's ", c.out(i).shape()));
+      roots.push_back(autodiff::Edge{outs[i].node(), outs[i].output_index()});
+      cts.push_back(c.take_out(i));
+    }
     outs.clear();
     std::vector<autodiff::Boundary> boundaries;
     boundaries.reserve(inputs().size());
     for (const autodiff::Edge& e : inputs()) boundaries.push_back({e.node.get(), e.index});
-    std::vector<Array> grads = autodiff::backward_to(roots, cts, boundaries);
+    std::vector<Array> grads = autodiff::backward_to(std::move(roots), std::move(cts), boundaries);
     for (std::size_t k = 0; k < grads.size(); ++k)
       if (c.needs(k) && grads[k].defined()) c.set(k, std::move(grads[k]));
   }

@@ -223,24 +223,51 @@ void backward(std::span<const Array> roots, std::span<const Array> cotangents, b
 
 std::vector<Array> backward_to(std::span<const Array> roots, std::span<const Array> cotangents,
                                std::span<const Boundary> boundaries) {
+  if (roots.size() != cotangents.size())
+    throw AutodiffError(linum::detail::cat("backward: ", roots.size(), " roots but ", cotangents.size(), " cotangents"));
+  std::vector<Edge> edges;
+  for (const Array& r : roots) edges.push_back(Edge{r.node(), r.output_index()});
+  for (std::size_t i = 0; i < roots.size(); ++i)
+    if (roots[i].node() && cotangents[i].defined() && !(cotangents[i].shape() == roots[i].shape()))
+      throw AutodiffError(linum::detail::cat("backward: cotangent of shape ", cotangents[i].shape(),
+                                             " for an output of shape ", roots[i].shape()));
+  return backward_to(std::move(edges), std::vector<Array>(cotangents.begin(), cotangents.end()), boundaries);
+}
+
+std::vector<Array> backward_to(std::vector<Edge> roots, std::vector<Array> cotangents,
+                               std::span<const Boundary> boundaries) {
+  if (roots.size() != cotangents.size())
+    throw AutodiffError(linum::detail::cat("backward: ", roots.size(), " roots but ", cotangents.size(), " cotangents"));
   std::unordered_set<const Node*> stop_nodes;
   for (const Boundary& b : boundaries) stop_nodes.insert(b.node);
-  const std::uint64_t mark = ++g_sweep_counter;
-  auto order = topological_order(roots, mark, [&](Node* n) { return stop_nodes.count(n) > 0; });
   std::vector<Array> out(boundaries.size());
-  // Cotangents seeded directly on a boundary (a root that is itself an input) go straight out.
-  std::vector<Array> inner_roots, inner_cts;
+  // Roots that are boundaries themselves (an input passed straight through) go straight out; the
+  // others are seeded into their nodes.
+  std::vector<Array> inner;  // hollow arrays carrying only the root nodes, for the traversal
   for (std::size_t i = 0; i < roots.size(); ++i) {
-    const Boundary here{roots[i].node().get(), roots[i].output_index()};
-    auto b = std::find(boundaries.begin(), boundaries.end(), here);
-    if (b != boundaries.end() && cotangents[i].defined()) {
-      add_into(out[static_cast<std::size_t>(b - boundaries.begin())], cotangents[i]);
-    } else {
-      inner_roots.push_back(roots[i]);
-      inner_cts.push_back(cotangents[i]);
+    Node* n = roots[i].node.get();
+    if (n == nullptr || !cotangents[i].defined()) continue;
+    const Boundary here{n, roots[i].index};
+    if (auto b = std::find(boundaries.begin(), boundaries.end(), here); b != boundaries.end()) {
+      add_into(out[static_cast<std::size_t>(b - boundaries.begin())], std::move(cotangents[i]));
+      continue;
     }
+    if (n->released()) throw_released(n);
+    if (!(cotangents[i].shape() == n->output_shapes()[roots[i].index]))
+      throw AutodiffError(linum::detail::cat("backward: cotangent of shape ", cotangents[i].shape(),
+                                             " for an output of shape ", n->output_shapes()[roots[i].index]));
+    auto& grads = SweepAccess::grads(n);
+    grads.resize(n->num_outputs());
+    add_into(grads[roots[i].index], std::move(cotangents[i]));
+    Array hollow;
+    hollow.set_node(roots[i].node, roots[i].index);
+    inner.push_back(std::move(hollow));
   }
-  seed(inner_roots, inner_cts);
+  cotangents.clear();
+  roots.clear();
+  const std::uint64_t mark = ++g_sweep_counter;
+  auto order = topological_order(inner, mark, [&](Node* n) { return stop_nodes.count(n) > 0; });
+  inner.clear();
   run_sweep(order, /*retain_graph=*/false, [&](const Edge& e, Array& g) {
     if (!stop_nodes.count(e.node.get())) return false;
     const Boundary here{e.node.get(), e.index};

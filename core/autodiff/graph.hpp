@@ -25,6 +25,7 @@
 #include <initializer_list>
 #include <memory>
 #include <optional>
+#include <utility>
 #include <span>
 #include <string_view>
 #include <vector>
@@ -62,7 +63,7 @@ struct Edge {
 // What a backward rule sees: the cotangents of the node's outputs, and slots for its inputs.
 class Cotangents {
  public:
-  Cotangents(std::span<const Array> outs, std::span<Array> ins, std::span<const Edge> edges)
+  Cotangents(std::span<Array> outs, std::span<Array> ins, std::span<const Edge> edges)
       : outs_(outs), ins_(ins), edges_(edges) {}
   // Cotangent of output i. For single-output nodes it is always defined; for multi-output nodes an
   // output that received no gradient is undefined (check `.defined()`).
@@ -71,9 +72,11 @@ class Cotangents {
   // Whether input i needs a gradient (its producer is recorded). Rules skip the others.
   bool needs(std::size_t i) const { return edges_[i].node != nullptr; }
   void set(std::size_t i, Array g) { ins_[i] = std::move(g); }
+  // Moves the cotangent of output i out (for rules that want to free it as early as possible).
+  Array take_out(std::size_t i) { return std::exchange(outs_[i], Array()); }
 
  private:
-  std::span<const Array> outs_;
+  std::span<Array> outs_;
   std::span<Array> ins_;
   std::span<const Edge> edges_;
 };
@@ -231,6 +234,10 @@ struct Boundary {
 // of being accumulated into them. Used by checkpoints to differentiate a recomputed block without
 // touching the enclosing graph, which is in the middle of its own sweep.
 std::vector<Array> backward_to(std::span<const Array> roots, std::span<const Array> cotangents,
+                               std::span<const Boundary> boundaries);
+// The same with the roots given as graph edges, so that the caller need not keep the roots' values
+// alive during the sweep. The cotangents are consumed (freed as soon as the sweep has used them).
+std::vector<Array> backward_to(std::vector<Edge> roots, std::vector<Array> cotangents,
                                std::span<const Boundary> boundaries);
 
 // The edges from the graph reachable from `roots` (nodes with id >= first_id) into older nodes:
