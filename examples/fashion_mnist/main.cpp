@@ -1,6 +1,6 @@
 // Linum's main example: a CNN learns Fashion-MNIST, with its blocks rematerialized.
 //
-//   fashion_mnist [--epochs 2] [--remat full|dots|none] [--batch 128] [--lr 0.001] [--optimizer adam|sgd]
+//   fashion_mnist [--epochs 3] [--remat full|dots|none] [--batch 128] [--lr 0.001] [--optimizer adam|sgd]
 //                 [--dropout 0.0] [--batchnorm] [--seed 0] [--data DIR] [--checkpoint FILE] [--resume]
 //                 [--eval] [--limit N]
 //
@@ -82,7 +82,7 @@ struct CNN {
 // ---- command line ------------------------------------------------------------------------------
 
 struct Options {
-  int epochs = 2;
+  int epochs = 3;
   std::int64_t batch = 128;
   double lr = 1e-3;
   std::string optimizer = "adam";

@@ -1,0 +1,136 @@
+// The main example end to end on a small synthetic dataset in the IDX format: it trains, writes
+// its result line, resumes to the same result as an uninterrupted run, evaluates a saved model, and
+// turns missing or corrupt data into a clear error (exit code 1), never a crash.
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include <sys/wait.h>
+#include <unistd.h>
+#include <linum/linum.hpp>
+
+#include "../examples/fashion_mnist/idx.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+
+namespace fs = std::filesystem;
+using namespace linum;
+
+namespace {
+
+std::string g_binary;  // path of the fashion_mnist executable (first command-line argument)
+
+struct Run {
+  int status;
+  std::string output;
+};
+
+Run run(const std::string& args) {
+  const std::string command = g_binary + " " + args + " 2>&1";
+  std::unique_ptr<FILE, int (*)(FILE*)> pipe(popen(command.c_str(), "r"), pclose);
+  REQUIRE(pipe != nullptr);
+  std::string out;
+  std::array<char, 4096> buf{};
+  while (std::fgets(buf.data(), buf.size(), pipe.get())) out += buf.data();
+  const int status = pclose(pipe.release());
+  return {WEXITSTATUS(status), out};
+}
+
+nlohmann::json last_line(const std::string& output) {
+  const auto end = output.find_last_not_of('\n');
+  const auto start = output.rfind('\n', end);
+  return nlohmann::json::parse(output.substr(start == std::string::npos ? 0 : start + 1, end - start));
+}
+
+// Class k: a bright horizontal band at rows 2k..2k+3, plus noise.
+void make_split(const fs::path& dir, const std::string& prefix, std::int64_t n, unsigned seed) {
+  Array labels = rng::randint(rng::key(seed), Shape{n}, 0, 10);
+  Array noise = rng::uniform(rng::key(seed + 100), Shape{n, 28, 28}, 0.0f, 60.0f);
+  Array images = Array::empty(Shape{n, 28, 28});
+  for (std::int64_t i = 0; i < n; ++i)
+    for (int r = 0; r < 28; ++r)
+      for (int c = 0; c < 28; ++c) {
+        const int k = labels.data_i32()[i];
+        const float band = (r >= 2 * k + 2 && r < 2 * k + 6) ? 180.0f : 0.0f;
+        images.mutable_data()[(i * 28 + r) * 28 + c] = band + noise.data()[(i * 28 + r) * 28 + c];
+      }
+  fashion::write_split(dir, prefix, images, labels);
+}
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    path = fs::temp_directory_path() / ("linum_fashion_" + std::to_string(::getpid()));
+    fs::create_directories(path);
+  }
+  ~TempDir() { fs::remove_all(path); }
+};
+
+}  // namespace
+
+TEST_CASE("fashion_mnist trains, resumes to the same result, evaluates, and reports bad data") {
+  REQUIRE_MESSAGE(!g_binary.empty(), "pass the fashion_mnist binary as the first argument");
+  TempDir tmp;
+  const fs::path data = tmp.path / "data";
+  fs::create_directories(data);
+  make_split(data, "train", 512, 1);
+  make_split(data, "t10k", 256, 2);
+  const std::string common = "--data " + data.string() + " --batch 64 --lr 0.003 ";
+
+  Run full = run(common + "--epochs 2 --checkpoint " + (tmp.path / "full.msgpack").string());
+  INFO(full.output);
+  REQUIRE(full.status == 0);
+  const auto result = last_line(full.output);
+  CHECK(result["epochs"] == 2);
+  CHECK(result["remat"] == "full");
+  CHECK(result["test_accuracy"].get<double>() > 0.9);  // the bands are easy to learn
+  CHECK(result["peak_activation_bytes"].get<long>() > 0);
+  CHECK(result["peak_activation_bytes_plain"].get<long>() > 0);
+
+  // One epoch, then --resume for the second: the same model as the uninterrupted run, bit for bit.
+  const std::string ck = (tmp.path / "resumed.msgpack").string();
+  REQUIRE(run(common + "--epochs 1 --checkpoint " + ck).status == 0);
+  Run resumed = run(common + "--epochs 2 --resume --checkpoint " + ck);
+  INFO(resumed.output);
+  REQUIRE(resumed.status == 0);
+  CHECK(last_line(resumed.output)["test_accuracy"] == result["test_accuracy"]);
+  CHECK(bitwise_equal(serialization::load(ck), serialization::load(tmp.path / "full.msgpack")));
+
+  // --eval only evaluates the saved model.
+  Run eval = run(common + "--eval --checkpoint " + ck);
+  REQUIRE(eval.status == 0);
+  CHECK(last_line(eval.output)["test_accuracy"] == result["test_accuracy"]);
+
+  // Without remat the same training gives the same model (remat changes memory, not results).
+  Run plain = run(common + "--epochs 2 --remat none --checkpoint " + (tmp.path / "plain.msgpack").string());
+  REQUIRE(plain.status == 0);
+  CHECK(bitwise_equal(serialization::load(tmp.path / "plain.msgpack"), serialization::load(tmp.path / "full.msgpack")));
+
+  // Missing data: a message saying how to get it, exit code 1.
+  Run missing = run("--data " + (tmp.path / "nowhere").string());
+  CHECK(missing.status == 1);
+  CHECK(missing.output.find("apt-get install dataset-fashion-mnist") != std::string::npos);
+  // A truncated file: an error naming it, no crash.
+  {
+    const fs::path f = data / "t10k-images-idx3-ubyte.gz";
+    const auto size = fs::file_size(f);
+    fs::resize_file(f, size / 2);
+  }
+  Run corrupt = run(common + "--epochs 1 --checkpoint " + (tmp.path / "c.msgpack").string());
+  CHECK(corrupt.status == 1);
+  CHECK(corrupt.output.find("t10k-images-idx3-ubyte.gz") != std::string::npos);
+  // Bad flags: exit code 2 with usage.
+  CHECK(run("--remat sometimes").status == 2);
+}
+
+int main(int argc, char** argv) {
+  if (argc > 1 && argv[1][0] != '-') g_binary = argv[1];
+  doctest::Context context(argc - (g_binary.empty() ? 0 : 1), argv + (g_binary.empty() ? 0 : 1));
+  return context.run();
+}
