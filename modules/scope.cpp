@@ -21,7 +21,12 @@ std::string demangled_type_name(const char* mangled) {
 
 namespace {
 thread_local const std::vector<std::string>* t_module_path = nullptr;
-}
+thread_local ModuleCallObserver* t_observer = nullptr;
+}  // namespace
+
+ModuleCallObserver* module_call_observer() { return t_observer; }
+ModuleCallObserverGuard::ModuleCallObserverGuard(ModuleCallObserver* observer) : previous_(t_observer) { t_observer = observer; }
+ModuleCallObserverGuard::~ModuleCallObserverGuard() { t_observer = previous_; }
 
 const std::vector<std::string>* current_module_path() { return t_module_path; }
 ModulePathGuard::ModulePathGuard(const std::vector<std::string>* path) : previous_(t_module_path) { t_module_path = path; }

@@ -20,6 +20,7 @@
 #pragma once
 
 #include <linum/core/array.hpp>
+#include <linum/core/autodiff/pytree.hpp>
 #include <linum/core/error.hpp>
 #include <linum/core/tree.hpp>
 #include <linum/rng/key.hpp>
@@ -76,6 +77,28 @@ std::string demangled_type_name(const char* mangled);
 // The path of the module whose body is running on this thread (null outside modules). Checkpoint
 // policies and residual reports use it.
 const std::vector<std::string>* current_module_path();
+
+// Sees every module call on this thread (for tools such as nn::tabulate): entry with the module's
+// path and type name, and exit with the arrays of its output. Install with ModuleCallObserverGuard.
+class ModuleCallObserver {
+ public:
+  virtual ~ModuleCallObserver() = default;
+  virtual void on_enter(const std::vector<std::string>& path, const std::string& type) = 0;
+  virtual void on_exit(const std::vector<std::string>& path, const std::string& type, const std::vector<Array>& outputs) = 0;
+};
+ModuleCallObserver* module_call_observer();
+
+// Installs an observer for its lifetime (the previous one is restored afterwards).
+class ModuleCallObserverGuard {
+ public:
+  explicit ModuleCallObserverGuard(ModuleCallObserver* observer);
+  ~ModuleCallObserverGuard();
+  ModuleCallObserverGuard(const ModuleCallObserverGuard&) = delete;
+  ModuleCallObserverGuard& operator=(const ModuleCallObserverGuard&) = delete;
+
+ private:
+  ModuleCallObserver* previous_;
+};
 
 // Sets the current module path for its lifetime.
 class ModulePathGuard {
@@ -210,7 +233,13 @@ class Scope {
   decltype(auto) run(const M& /*module*/, Body&& body, Args&&... args) {
     detail::ModulePathGuard where(&path_);
     try {
-      return body(*this, std::forward<Args>(args)...);
+      detail::ModuleCallObserver* observer = detail::module_call_observer();
+      if (observer == nullptr) return body(*this, std::forward<Args>(args)...);
+      const std::string type = module_type_name<M>();
+      observer->on_enter(path_, type);
+      decltype(auto) out = body(*this, std::forward<Args>(args)...);
+      observer->on_exit(path_, type, pytree::flatten(out));
+      return out;
     } catch (const Error&) {
       rethrow_with_path(module_type_name<M>());
     }

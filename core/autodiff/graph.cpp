@@ -30,7 +30,7 @@ Array accumulate(const Array& a, const Array& b) {
   const float* pb = b.data();
   float* po = out.mutable_data();
   const std::int64_t n = a.numel();
-#pragma omp parallel for if (n > (1 << 16)) schedule(static)
+#pragma omp parallel for if (n > (1 << 18)) schedule(static)
   for (std::int64_t i = 0; i < n; ++i) po[i] = pa[i] + pb[i];
   return out;
 }

@@ -2,6 +2,7 @@
 // The backward rule keeps x and w (not the 9x larger columns) and rebuilds columns per chunk.
 #include <linum/core/ops/conv.hpp>
 #include <linum/core/autodiff/hooks.hpp>
+#include <linum/core/ops/gemm.hpp>
 #include <linum/core/ops/kernel_util.hpp>
 
 #include <Eigen/Core>
@@ -60,7 +61,7 @@ struct ConvGeometry {
 // Columns of images [n0, n0 + count) for group g: [count * OH * OW, KH * KW * Cg].
 void im2col(const float* x, const ConvGeometry& G, std::int64_t n0, std::int64_t count, std::int64_t g, float* cols) {
   const std::int64_t width = G.col_width();
-#pragma omp parallel for schedule(static) if (count * G.rows_per_image() * width > (1 << 16))
+#pragma omp parallel for schedule(static) if (count * G.rows_per_image() * width > ops::detail::kParallelMin)
   for (std::int64_t r = 0; r < count * G.rows_per_image(); ++r) {
     const std::int64_t n = n0 + r / G.rows_per_image();
     const std::int64_t oh = (r % G.rows_per_image()) / G.pw.out, ow = r % G.pw.out;
@@ -70,9 +71,10 @@ void im2col(const float* x, const ConvGeometry& G, std::int64_t n0, std::int64_t
       for (std::int64_t j = 0; j < G.kw; ++j, dst += G.cg) {
         const std::int64_t iw = ow * G.sw - G.pw.pad_lo + j * G.dw;
         if (ih < 0 || ih >= G.h || iw < 0 || iw >= G.w) {
-          std::memset(dst, 0, static_cast<std::size_t>(G.cg) * sizeof(float));
+          for (std::int64_t k = 0; k < G.cg; ++k) dst[k] = 0.0f;
         } else {
-          std::memcpy(dst, x + ((n * G.h + ih) * G.w + iw) * G.c + g * G.cg, static_cast<std::size_t>(G.cg) * sizeof(float));
+          const float* src = x + ((n * G.h + ih) * G.w + iw) * G.c + g * G.cg;
+          for (std::int64_t k = 0; k < G.cg; ++k) dst[k] = src[k];  // a loop: cg is often tiny (1-3 channels)
         }
       }
     }
@@ -83,7 +85,7 @@ void im2col(const float* x, const ConvGeometry& G, std::int64_t n0, std::int64_t
 // thread so the accumulation is race-free and deterministic.
 void col2im(const float* dcols, const ConvGeometry& G, std::int64_t n0, std::int64_t count, std::int64_t g, float* dx) {
   const std::int64_t width = G.col_width();
-#pragma omp parallel for schedule(static) if (count > 1 && count * G.rows_per_image() * width > (1 << 16))
+#pragma omp parallel for schedule(static) if (count > 1 && count * G.rows_per_image() * width > ops::detail::kParallelMin)
   for (std::int64_t ni = 0; ni < count; ++ni) {
     for (std::int64_t rr = 0; rr < G.rows_per_image(); ++rr) {
       const std::int64_t r = ni * G.rows_per_image() + rr;
@@ -147,7 +149,7 @@ Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
         Eigen::Map<const RowMat, 0, Strided> W(w.data() + g * G.og, R, G.og, Strided(G.o));
         Eigen::Map<RowMat, 0, Strided> Y(y.mutable_data() + n0 * G.rows_per_image() * G.o + g * G.og, P, G.og,
                                          Strided(G.o));
-        Y.noalias() = C * W;
+        ops::detail::gemm_into(Y, C, W);
       }
     }
   }
@@ -169,12 +171,12 @@ Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
             im2col(s[0].data(), G, n0, count, g, cols.mutable_data());
             Eigen::Map<const RowMat> C(cols.data(), P, R);
             Eigen::Map<RowMat, 0, Strided> DW(dw.mutable_data() + g * G.og, R, G.og, Strided(G.o));
-            DW.noalias() += C.transpose() * GY;
+            ops::detail::gemm_into(DW, C.transpose(), GY, /*accumulate=*/true);
           }
           if (c.needs(0)) {
             Eigen::Map<const RowMat, 0, Strided> W(s[1].data() + g * G.og, R, G.og, Strided(G.o));
             Eigen::Map<RowMat> DC(cols.mutable_data(), P, R);
-            DC.noalias() = GY * W.transpose();
+            ops::detail::gemm_into(DC, GY, W.transpose());
             col2im(cols.data(), G, n0, count, g, dx.mutable_data());
           }
         }

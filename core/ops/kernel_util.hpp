@@ -13,7 +13,7 @@ namespace linum::ops::detail {
 
 // Elements per parallel block; arrays smaller than kParallelMin run on one thread.
 constexpr std::int64_t kBlock = 16384;
-constexpr std::int64_t kParallelMin = 1 << 16;
+constexpr std::int64_t kParallelMin = 1 << 18;
 
 // Calls f(begin, count) over [0, n) in blocks, in parallel for large n.
 template <class F>

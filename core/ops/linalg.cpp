@@ -3,6 +3,7 @@
 // reshape/transpose/broadcast_to, whose gradients are their own.
 #include <linum/core/ops/linalg.hpp>
 #include <linum/core/autodiff/hooks.hpp>
+#include <linum/core/ops/gemm.hpp>
 #include <linum/core/ops/kernel_util.hpp>
 #include <linum/core/ops/shape_ops.hpp>
 
@@ -33,10 +34,10 @@ Array gemm(const Array& a, const Array& b, bool ta, bool tb) {
     CMap B(b.data() + i * b0 * b1, b0, b1);
     MMap C(y.mutable_data() + i * m * n, m, n);
     if (k == 0) { C.setZero(); continue; }
-    if (!ta && !tb) C.noalias() = A * B;
-    else if (ta && !tb) C.noalias() = A.transpose() * B;
-    else if (!ta && tb) C.noalias() = A * B.transpose();
-    else C.noalias() = A.transpose() * B.transpose();
+    if (!ta && !tb) ops::detail::gemm_into(C, A, B);
+    else if (ta && !tb) ops::detail::gemm_into(C, A.transpose(), B);
+    else if (!ta && tb) ops::detail::gemm_into(C, A, B.transpose());
+    else ops::detail::gemm_into(C, A.transpose(), B.transpose());
   }
   return y;
 }

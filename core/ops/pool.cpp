@@ -1,8 +1,11 @@
-// Average and max pooling on NHWC images. avg_pool's backward needs only shapes; max_pool keeps the
-// int32 position of each window's maximum (one per output, not the whole input).
+// Average and max pooling on NHWC images. Loops run per output pixel with the channels innermost
+// (contiguous, vectorised). avg_pool's backward needs only shapes (and, without
+// count_include_pad, one divisor per output pixel); max_pool keeps the int32 position of each
+// window's maximum (one per output, not the whole input).
 #include <linum/core/ops/conv.hpp>
 #include <linum/core/ops/kernel_util.hpp>
 
+#include <algorithm>
 #include <limits>
 
 namespace linum {
@@ -13,6 +16,7 @@ using autodiff::Cotangents;
 struct PoolGeometry {
   std::int64_t n, h, w, c, kh, kw, sh, sw;
   detail::AxisPlan ph, pw;
+  std::int64_t out_pixels() const { return n * ph.out * pw.out; }
 };
 
 PoolGeometry plan(const Array& x, const PoolOptions& o, const char* op) {
@@ -26,32 +30,32 @@ PoolGeometry plan(const Array& x, const PoolOptions& o, const char* op) {
   return G;
 }
 
-// Calls f(out_index, in_index) for each in-bounds input of the window of every output element,
-// with begin(out_index) before and end(out_index, valid_count) after each window.
-template <class Begin, class Visit, class End>
-void for_windows(const PoolGeometry& G, Begin begin, Visit visit, End end) {
-  const std::int64_t total = G.n * G.ph.out * G.pw.out;
-#pragma omp parallel for schedule(static) if (total * G.c > (1 << 16))
-  for (std::int64_t p = 0; p < total; ++p) {
-    const std::int64_t n = p / (G.ph.out * G.pw.out);
-    const std::int64_t oh = (p / G.pw.out) % G.ph.out, ow = p % G.pw.out;
-    for (std::int64_t ch = 0; ch < G.c; ++ch) {
-      const std::int64_t out = p * G.c + ch;
-      begin(out);
-      std::int64_t valid = 0;
-      for (std::int64_t i = 0; i < G.kh; ++i) {
-        const std::int64_t ih = oh * G.sh - G.ph.pad_lo + i;
-        if (ih < 0 || ih >= G.h) continue;
-        for (std::int64_t j = 0; j < G.kw; ++j) {
-          const std::int64_t iw = ow * G.sw - G.pw.pad_lo + j;
-          if (iw < 0 || iw >= G.w) continue;
-          visit(out, ((n * G.h + ih) * G.w + iw) * G.c + ch);
-          ++valid;
-        }
-      }
-      end(out, valid);
+// Calls visit(in_pixel) for each in-bounds input pixel of output pixel p's window; returns how many.
+template <class Visit>
+std::int64_t for_window(const PoolGeometry& G, std::int64_t p, Visit visit) {
+  const std::int64_t n = p / (G.ph.out * G.pw.out);
+  const std::int64_t oh = (p / G.pw.out) % G.ph.out, ow = p % G.pw.out;
+  std::int64_t valid = 0;
+  for (std::int64_t i = 0; i < G.kh; ++i) {
+    const std::int64_t ih = oh * G.sh - G.ph.pad_lo + i;
+    if (ih < 0 || ih >= G.h) continue;
+    for (std::int64_t j = 0; j < G.kw; ++j) {
+      const std::int64_t iw = ow * G.sw - G.pw.pad_lo + j;
+      if (iw < 0 || iw >= G.w) continue;
+      visit((n * G.h + ih) * G.w + iw);
+      ++valid;
     }
   }
+  return valid;
+}
+
+// Runs f(p) for every output pixel, in parallel when the work is large.
+template <class F>
+void for_pixels(const PoolGeometry& G, F f) {
+  const std::int64_t pixels = G.out_pixels();
+  const bool parallel = pixels * G.c * G.kh * G.kw > ops::detail::kParallelMin;
+#pragma omp parallel for schedule(static) if (parallel)
+  for (std::int64_t p = 0; p < pixels; ++p) f(p);
 }
 
 }  // namespace
@@ -59,44 +63,41 @@ void for_windows(const PoolGeometry& G, Begin begin, Visit visit, End end) {
 Array avg_pool(const Array& x, const PoolOptions& o) {
   const PoolGeometry G = plan(x, o, "avg_pool");
   Array y = Array::empty(Shape{G.n, G.ph.out, G.pw.out, G.c});
-  Array counts = Array::empty(y.shape());  // divisor per output
+  // Without count_include_pad, windows at the border divide by their in-bounds size.
+  Array divisors = o.count_include_pad ? Array() : Array::empty(Shape{G.n, G.ph.out, G.pw.out});
   const float* px = x.data();
   float* py = y.mutable_data();
-  float* pc = counts.mutable_data();
+  float* pdiv = divisors.defined() ? divisors.mutable_data() : nullptr;
   const float full = static_cast<float>(G.kh * G.kw);
-  for_windows(
-      G, [&](std::int64_t out) { py[out] = 0.0f; }, [&](std::int64_t out, std::int64_t in) { py[out] += px[in]; },
-      [&](std::int64_t out, std::int64_t valid) {
-        pc[out] = o.count_include_pad ? full : static_cast<float>(valid);
-        py[out] /= pc[out];
-      });
+  const std::int64_t C = G.c;
+  for_pixels(G, [&](std::int64_t p) {
+    float* out = py + p * C;
+    std::fill_n(out, C, 0.0f);
+    const std::int64_t valid = for_window(G, p, [&](std::int64_t in_pixel) {
+      const float* in = px + in_pixel * C;
+      for (std::int64_t ch = 0; ch < C; ++ch) out[ch] += in[ch];
+    });
+    const float divisor = pdiv ? static_cast<float>(valid) : full;
+    if (pdiv) pdiv[p] = divisor;
+    for (std::int64_t ch = 0; ch < C; ++ch) out[ch] /= divisor;
+  });
   if (autodiff::needs_grad(x))
-    autodiff::record("avg_pool", y, {&x}, {o.count_include_pad ? Array() : counts}, [G, full, xs = x.shape()](Cotangents& c, autodiff::Saved s) {
+    autodiff::record("avg_pool", y, {&x}, {divisors}, [G, full, xs = x.shape()](Cotangents& c, autodiff::Saved s) {
       Array dx = Array::zeros(xs);
       float* pd = dx.mutable_data();
       const float* pg = c.out().data();
-      const float* pcnt = s[0].defined() ? s[0].data() : nullptr;
-      // Windows overlap, so scatter serially per batch element to stay race-free.
-      PoolGeometry serial = G;
+      const float* pdiv = s[0].defined() ? s[0].data() : nullptr;
+      const std::int64_t C = G.c, per_image = G.ph.out * G.pw.out;
+      // Windows may overlap within an image but never across images: one image per thread.
+#pragma omp parallel for schedule(static) if (G.n > 1 && G.out_pixels() * C * G.kh * G.kw > ops::detail::kParallelMin)
       for (std::int64_t n = 0; n < G.n; ++n) {
-        serial.n = 1;
-        const std::int64_t out_off = n * G.ph.out * G.pw.out * G.c, in_off = n * G.h * G.w * G.c;
-        const std::int64_t total = G.ph.out * G.pw.out;
-        for (std::int64_t p = 0; p < total; ++p) {
-          const std::int64_t oh = p / G.pw.out, ow = p % G.pw.out;
-          for (std::int64_t ch = 0; ch < G.c; ++ch) {
-            const std::int64_t out = out_off + p * G.c + ch;
-            const float share = pg[out] / (pcnt ? pcnt[out] : full);
-            for (std::int64_t i = 0; i < G.kh; ++i) {
-              const std::int64_t ih = oh * G.sh - G.ph.pad_lo + i;
-              if (ih < 0 || ih >= G.h) continue;
-              for (std::int64_t j = 0; j < G.kw; ++j) {
-                const std::int64_t iw = ow * G.sw - G.pw.pad_lo + j;
-                if (iw < 0 || iw >= G.w) continue;
-                pd[in_off + (ih * G.w + iw) * G.c + ch] += share;
-              }
-            }
-          }
+        for (std::int64_t p = n * per_image; p < (n + 1) * per_image; ++p) {
+          const float inv = 1.0f / (pdiv ? pdiv[p] : full);
+          const float* g = pg + p * C;
+          for_window(G, p, [&](std::int64_t in_pixel) {
+            float* d = pd + in_pixel * C;
+            for (std::int64_t ch = 0; ch < C; ++ch) d[ch] += g[ch] * inv;
+          });
         }
       }
       c.set(0, dx);
@@ -106,26 +107,28 @@ Array avg_pool(const Array& x, const PoolOptions& o) {
 
 Array max_pool(const Array& x, const PoolOptions& o) {
   const PoolGeometry G = plan(x, o, "max_pool");
+  if (x.numel() > std::numeric_limits<std::int32_t>::max())
+    throw ShapeError(detail::cat("max_pool: input of shape ", x.shape(), " is too large (more than 2^31 elements)"));
   Array y = Array::empty(Shape{G.n, G.ph.out, G.pw.out, G.c});
   Array where = Array::empty(y.shape(), DType::i32);  // flat input index of each maximum
   const float* px = x.data();
   float* py = y.mutable_data();
   std::int32_t* pw = where.mutable_data_i32();
-  if (x.numel() > std::numeric_limits<std::int32_t>::max())
-    throw ShapeError(detail::cat("max_pool: input of shape ", x.shape(), " is too large (more than 2^31 elements)"));
-  for_windows(
-      G,
-      [&](std::int64_t out) {
-        py[out] = -std::numeric_limits<float>::infinity();
-        pw[out] = -1;
-      },
-      [&](std::int64_t out, std::int64_t in) {
-        if (px[in] > py[out] || pw[out] < 0) {
-          py[out] = px[in];
-          pw[out] = static_cast<std::int32_t>(in);
+  const std::int64_t C = G.c;
+  for_pixels(G, [&](std::int64_t p) {
+    float* out = py + p * C;
+    std::int32_t* arg = pw + p * C;
+    std::fill_n(out, C, -std::numeric_limits<float>::infinity());
+    std::fill_n(arg, C, -1);
+    for_window(G, p, [&](std::int64_t in_pixel) {
+      const float* in = px + in_pixel * C;
+      for (std::int64_t ch = 0; ch < C; ++ch)
+        if (in[ch] > out[ch] || arg[ch] < 0) {  // the first maximum wins ties
+          out[ch] = in[ch];
+          arg[ch] = static_cast<std::int32_t>(in_pixel * C + ch);
         }
-      },
-      [](std::int64_t, std::int64_t) {});
+    });
+  });
   if (autodiff::needs_grad(x))
     autodiff::record("max_pool", y, {&x}, {where}, [xs = x.shape()](Cotangents& c, autodiff::Saved s) {
       Array dx = Array::zeros(xs);

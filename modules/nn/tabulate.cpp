@@ -1,6 +1,5 @@
 #include <linum/modules/nn/tabulate.hpp>
 
-#include <linum/core/autodiff/hooks.hpp>
 
 #include <algorithm>
 #include <cctype>
@@ -13,38 +12,33 @@ namespace linum::nn {
 
 namespace tabulate_detail {
 
-struct Trace::Hook final : autodiff::detail::RecordHook {
+struct Trace::Observer final : linum::detail::ModuleCallObserver {
   std::vector<Row> rows;
-  std::vector<std::size_t> open;  // rows of the module calls currently running, outermost first
+  std::vector<std::size_t> open;  // rows of the calls currently running, outermost first
 
-  static bool is_prefix(const std::vector<std::string>& prefix, const std::vector<std::string>& path) {
-    return prefix.size() <= path.size() && std::equal(prefix.begin(), prefix.end(), path.begin());
+  void on_enter(const std::vector<std::string>& path, const std::string& type) override {
+    Row r;
+    r.path = path;
+    r.type = type;
+    rows.push_back(std::move(r));
+    open.push_back(rows.size() - 1);
   }
-
-  void on_record(const char* /*op*/, Array& out, const autodiff::Node* /*node*/) override {
-    const std::vector<std::string>* where = linum::detail::current_module_path();
-    if (where == nullptr) return;
-    const std::vector<std::string>& path = *where;
-    // Calls that are not this module or one of its ancestors have returned.
-    while (!open.empty() && !is_prefix(rows[open.back()].path, path)) open.pop_back();
-    // Enter the calls from the innermost open one down to this module.
-    for (std::size_t depth = open.empty() ? 0 : rows[open.back()].path.size() + 1; depth <= path.size(); ++depth) {
-      Row r;
-      r.path.assign(path.begin(), path.begin() + static_cast<std::ptrdiff_t>(depth));
-      rows.push_back(std::move(r));
-      open.push_back(rows.size() - 1);
-    }
-    for (std::size_t i : open) {
-      rows[i].has_output = true;
-      rows[i].output_shape = out.shape();
-      rows[i].output_dtype = out.dtype();
+  void on_exit(const std::vector<std::string>&, const std::string&, const std::vector<Array>& outputs) override {
+    Row& r = rows[open.back()];
+    open.pop_back();
+    if (!outputs.empty() && outputs.front().defined()) {
+      r.has_output = true;
+      r.output_shape = outputs.front().shape();
+      r.output_dtype = outputs.front().dtype();
     }
   }
 };
 
-Trace::Trace() : hook_(std::make_unique<Hook>()) {}
+Trace::Trace()
+    : observer_(std::make_unique<Observer>()),
+      guard_(std::make_unique<linum::detail::ModuleCallObserverGuard>(observer_.get())) {}
 Trace::~Trace() = default;
-const std::vector<Row>& Trace::rows() const { return hook_->rows; }
+const std::vector<Row>& Trace::rows() const { return observer_->rows; }
 
 namespace {
 
@@ -153,7 +147,7 @@ std::string render(const std::string& root_type, const Tree& variables, std::vec
     const std::string path = join(r.path);
     std::vector<std::string> cells;
     cells.push_back(r.path.empty() ? "<root>" : path);
-    cells.push_back(r.path.empty() ? root_type : type_from_name(r.path.back()));
+    cells.push_back(r.path.empty() ? root_type : !r.type.empty() ? r.type : type_from_name(r.path.back()));
     cells.push_back(r.has_output ? shape_str(r.output_dtype, r.output_shape) : "?");
     for (const auto& c : collections) {
       auto it = owned.find({c, path});

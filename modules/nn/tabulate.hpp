@@ -7,18 +7,8 @@
 // bytes (the bytes of its output); then totals: every collection of the variable dict, and the
 // activation bytes summed over the rows that call no submodule.
 //
-// How it works (Scope has no hook for observing child calls): the model is initialised with
-// `init`, then applied once more to those variables with every float32 variable and input made a
-// differentiation leaf and an autodiff record hook installed. Each recorded op is attributed to
-// the module whose body is running (detail::current_module_path()), and a module's output is the
-// last value its body (or its children) computed before control returned to its parent. Limits
-// that follow from this, and that a Scope hook would remove:
-//   * a module that computes nothing from its inputs or variables (e.g. deterministic Dropout,
-//     which returns its input) gets no row unless it owns variables, and its output is unknown;
-//   * the type column is known for the root and inferred from auto-names ("Dense_0" -> Dense);
-//     explicitly named children (e.g. "query", "layers_0") show no type;
-//   * two calls of the same explicit name with nothing in between show as one row.
-// The root's output is always exact.
+// It runs `init`, then applies the model once more with a module-call observer installed (see
+// Scope), which sees every call with its path, type and output.
 #pragma once
 
 #include <linum/core/array.hpp>
@@ -41,12 +31,13 @@ namespace tabulate_detail {
 // One traced module call.
 struct Row {
   std::vector<std::string> path;
+  std::string type;
   bool has_output = false;
   Shape output_shape;
   DType output_dtype = DType::f32;
 };
 
-// Observes the ops recorded on this thread while alive and groups them into module calls.
+// Observes the module calls on this thread while alive.
 class Trace {
  public:
   Trace();
@@ -57,19 +48,10 @@ class Trace {
   const std::vector<Row>& rows() const;
 
  private:
-  struct Hook;
-  std::unique_ptr<Hook> hook_;
+  struct Observer;
+  std::unique_ptr<Observer> observer_;
+  std::unique_ptr<linum::detail::ModuleCallObserverGuard> guard_;
 };
-
-// The float32 input arrays become differentiation leaves (so every op depending on them is
-// recorded); other arguments pass through unchanged.
-template <class T>
-decltype(auto) track_arg(T&& arg) {
-  if constexpr (std::is_same_v<std::remove_cvref_t<T>, Array>)
-    return arg.dtype() == DType::f32 ? autodiff::make_leaf(arg) : arg;
-  else
-    return std::forward<T>(arg);
-}
 
 // Formats the table. `root_output` is undefined when the root's output is not a single Array.
 std::string render(const std::string& root_type, const Tree& variables, std::vector<Row> rows, const Array& root_output);
@@ -81,13 +63,12 @@ std::string render(const std::string& root_type, const Tree& variables, std::vec
 template <class M, class... Args>
 std::string tabulate(const M& module, const rng::Streams& rngs, const Args&... args) {
   Tree variables = init(module, rngs, args...);
-  Tree tracked = Differentiable<Tree>::track(variables);
   std::vector<tabulate_detail::Row> rows;
   Array root_output;
   {
     tabulate_detail::Trace trace;
     ApplyOptions options{.rngs = rngs, .all_mutable = true, .check_unused = false};
-    auto result = apply(module, tracked, options, tabulate_detail::track_arg(args)...);
+    auto result = apply(module, variables, options, args...);
     if constexpr (std::is_same_v<std::remove_cvref_t<decltype(result.first)>, Array>)
       root_output = result.first.detached();
     rows = trace.rows();

@@ -1,0 +1,57 @@
+// Internal (include from .cpp files only: it pulls in Eigen). Matrix products with Linum's own
+// threading policy: small products run on the calling thread; large ones are split into row (or
+// column) panels, one per OpenMP thread, each an Eigen single-threaded GEMM. Eigen's own
+// parallelisation starts threads for products of a few hundred thousand multiply-adds, where waking
+// the team costs more than it saves and, on a busy machine, stalls the whole step.
+#pragma once
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cstdint>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace linum::ops::detail {
+
+// Products with fewer multiply-adds than this run on one thread.
+constexpr double kParallelGemmWork = 4.0 * 1024 * 1024;
+
+// C = A * B (or C += A * B when `accumulate`), for Eigen expressions of matching sizes.
+template <class Dst, class Lhs, class Rhs>
+void gemm_into(Dst&& c, const Lhs& a, const Rhs& b, bool accumulate = false) {
+  Eigen::setNbThreads(1);  // Eigen itself stays single-threaded; the panels below are the threads
+  const Eigen::Index m = c.rows(), n = c.cols(), k = a.cols();
+  int threads = 1;
+#ifdef _OPENMP
+  if (static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) >= kParallelGemmWork && !omp_in_parallel())
+    threads = omp_get_max_threads();
+#endif
+  if (threads <= 1) {
+    if (accumulate) c.noalias() += a * b;
+    else c.noalias() = a * b;
+    return;
+  }
+  const bool by_rows = m >= n;
+  const Eigen::Index extent = by_rows ? m : n;
+  // Panels aligned to 16 rows/columns so each thread's block fits the GEMM kernel's register tiles.
+  const Eigen::Index panel = std::max<Eigen::Index>(16, ((extent + threads - 1) / threads + 15) / 16 * 16);
+  const Eigen::Index panels = (extent + panel - 1) / panel;
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (Eigen::Index p = 0; p < panels; ++p) {
+    const Eigen::Index start = p * panel, len = std::min(panel, extent - start);
+    if (by_rows) {
+      auto part = c.middleRows(start, len);
+      if (accumulate) part.noalias() += a.middleRows(start, len) * b;
+      else part.noalias() = a.middleRows(start, len) * b;
+    } else {
+      auto part = c.middleCols(start, len);
+      if (accumulate) part.noalias() += a * b.middleCols(start, len);
+      else part.noalias() = a * b.middleCols(start, len);
+    }
+  }
+}
+
+}  // namespace linum::ops::detail
