@@ -21,3 +21,4 @@
 #include <linum/lift/policies.hpp>
 #include <linum/lift/remat.hpp>
 #include <linum/lift/residuals.hpp>
+#include <linum/lift/scan.hpp>

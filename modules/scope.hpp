@@ -118,7 +118,8 @@ class ModulePathGuard {
 // `static constexpr std::string_view module_name = "...";` in a module to choose it.
 template <class M>
 std::string module_type_name() {
-  if constexpr (requires { typename M::lifted_module; }) return module_type_name<typename M::lifted_module>();
+  if constexpr (requires { { M::type_name() } -> std::convertible_to<std::string>; }) return M::type_name();
+  else if constexpr (requires { typename M::lifted_module; }) return module_type_name<typename M::lifted_module>();
   else if constexpr (requires { M::module_name; }) return std::string(M::module_name);
   else return detail::demangled_type_name(typeid(M).name());
 }

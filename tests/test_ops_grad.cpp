@@ -119,6 +119,8 @@ TEST_CASE("data movement") {
   Array idx = Array::from_i32(Shape{2, 2}, {0, 2, 2, 1});
   CHECK(check_gradients("take", [&](const V& v) { return take(v[0], idx, 0); }, {r({3, 4}, 77)}));
   CHECK(check_gradients("take axis 1", [&](const V& v) { return take(v[0], idx, 1); }, {r({2, 3, 2}, 78)}));
+  CHECK(check_gradients("unstack/stack", [](const V& v) { auto p = unstack(v[0]); return stack({p[2] * p[0], p[1]}); },
+                        {r({3, 2, 2}, 81)}));
   CHECK(check_gradients("broadcast_to", [](const V& v) { return broadcast_to(v[0], Shape{2, 3, 4}); }, {r({3, 1}, 79)}));
   CHECK(check_gradients("expand/squeeze", [](const V& v) { return squeeze(expand_dims(v[0], 1)) * 2.0f; }, {r({3, 4}, 80)}));
 }

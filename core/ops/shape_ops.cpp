@@ -273,6 +273,40 @@ std::vector<Array> split(const Array& x, int sections, int axis_in) {
   return split(x, idx, axis);
 }
 
+std::vector<Array> unstack(const Array& x) {
+  ops::detail::require_defined(x, "unstack");
+  if (x.rank() == 0) throw ShapeError("unstack: needs an array of rank >= 1, got a scalar");
+  const std::int64_t n = x.dim(0);
+  Shape part;
+  for (int i = 1; i < x.rank(); ++i) part.push_back(x.shape()[i]);
+  const std::size_t bytes = static_cast<std::size_t>(part.numel()) * dtype_size(x.dtype());
+  std::vector<Array> parts;
+  parts.reserve(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) {
+    Array p = Array::empty(part, x.dtype());
+    std::memcpy(const_cast<void*>(p.raw()), static_cast<const char*>(x.raw()) + static_cast<std::size_t>(i) * bytes, bytes);
+    parts.push_back(std::move(p));
+  }
+  if (autodiff::needs_grad(x))
+    autodiff::record_multi("unstack", std::span<Array>(parts), autodiff::edges_of({&x}), {},
+                           [xs = x.shape(), bytes](Cotangents& c, autodiff::Saved) {
+                             Array g = Array::zeros(xs);
+                             for (std::size_t i = 0; i < c.num_outputs(); ++i)
+                               if (c.out(i).defined())
+                                 std::memcpy(g.mutable_data() + i * (bytes / sizeof(float)), c.out(i).data(), bytes);
+                             c.set(0, g);
+                           });
+  return parts;
+}
+
+Array stack(const std::vector<Array>& xs) {
+  if (xs.empty()) throw ShapeError("stack: needs at least one array");
+  std::vector<Array> expanded;
+  expanded.reserve(xs.size());
+  for (const Array& a : xs) expanded.push_back(expand_dims(a, 0));
+  return concatenate(expanded, 0);
+}
+
 Array take(const Array& x, const Array& indices, int axis_in) {
   ops::detail::require_defined(x, "take");
   ops::detail::require_defined(indices, "take");

@@ -23,6 +23,11 @@ Array concatenate(const std::vector<Array>& xs, int axis = 0);
 std::vector<Array> split(const Array& x, int sections, int axis = 0);
 // Splits at the given indices along axis (as jnp.split with a list).
 std::vector<Array> split(const Array& x, const std::vector<std::int64_t>& indices, int axis = 0);
+// The slices x[i] along axis 0 (n arrays of shape x.shape[1:]), as one op whose backward pass
+// writes all the cotangents into one gradient (unlike n separate slices).
+std::vector<Array> unstack(const Array& x);
+// Joins same-shaped arrays along a new leading axis.
+Array stack(const std::vector<Array>& xs);
 // Gathers x along `axis` at int32 `indices` (embedding lookup). Out-of-range indices are an error.
 Array take(const Array& x, const Array& indices, int axis = 0);
 // One-hot float32 encoding of int32 labels; out-of-range labels give all-zero rows (as jax.nn.one_hot).
