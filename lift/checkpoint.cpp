@@ -21,10 +21,7 @@ struct Counters {
 
 std::string current_module_path() {
   const std::vector<std::string>* p = linum::detail::current_module_path();
-  std::string s;
-  if (p)
-    for (const auto& part : *p) s += (s.empty() ? "" : "/") + part;
-  return s;
+  return p ? linum::detail::join_module_path(*p) : std::string();
 }
 
 // One value a policy kept: the index of the op in the block's record order, and its output.

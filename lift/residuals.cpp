@@ -31,9 +31,8 @@ struct Producer {
 class ProducerTrace final : public autodiff::detail::RecordHook {
  public:
   void on_record(const char* op, Array& out, const autodiff::Node* node) override {
-    std::string path;
-    if (const auto* p = linum::detail::current_module_path())
-      for (const auto& part : *p) path += (path.empty() ? "" : "/") + part;
+    const auto* where = linum::detail::current_module_path();
+    std::string path = where ? linum::detail::join_module_path(*where) : std::string();
     producers_[out.raw()] = {op, std::string(node ? node->label() : std::string_view()), std::move(path), out.detached()};
   }
   const Producer* find(const void* p) const {

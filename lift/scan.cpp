@@ -6,11 +6,7 @@
 namespace linum::lift::detail {
 namespace {
 
-std::string join(const std::vector<std::string>& parts) {
-  std::string s;
-  for (const auto& p : parts) s += (s.empty() ? "" : "/") + p;
-  return s;
-}
+std::string join(const std::vector<std::string>& parts) { return linum::detail::join_module_path(parts); }
 
 }  // namespace
 

@@ -9,6 +9,12 @@ namespace linum {
 
 namespace detail {
 
+std::string join_module_path(const std::vector<std::string>& parts) {
+  std::string s;
+  for (const std::string& p : parts) s += (s.empty() ? "" : "/") + p;
+  return s;
+}
+
 std::string demangled_type_name(const char* mangled) {
   int status = 0;
   std::unique_ptr<char, void (*)(void*)> demangled(abi::__cxa_demangle(mangled, nullptr, nullptr, &status), std::free);
@@ -43,13 +49,7 @@ void ScopeState::check_collection_visible(std::string_view collection, std::stri
 }  // namespace detail
 
 namespace {
-
-std::string join(const std::vector<std::string>& parts) {
-  std::string s;
-  for (const std::string& p : parts) s += (s.empty() ? "" : "/") + p;
-  return s;
-}
-
+std::string join(const std::vector<std::string>& parts) { return detail::join_module_path(parts); }
 }  // namespace
 
 // ---- Variable -------------------------------------------------------------------------------------

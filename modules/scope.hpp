@@ -71,6 +71,9 @@ struct ScopeState {
   }
 };
 
+// "Encoder_0/Dense_1" for {"Encoder_0", "Dense_1"}; "" for the root.
+std::string join_module_path(const std::vector<std::string>& parts);
+
 // "Dense" for linum::nn::Dense, "Block" for Block<3>; or M::module_name when declared.
 std::string demangled_type_name(const char* mangled);
 

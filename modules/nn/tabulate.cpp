@@ -42,11 +42,7 @@ const std::vector<Row>& Trace::rows() const { return observer_->rows; }
 
 namespace {
 
-std::string join(const std::vector<std::string>& parts) {
-  std::string s;
-  for (const auto& p : parts) s += (s.empty() ? "" : "/") + p;
-  return s;
-}
+std::string join(const std::vector<std::string>& parts) { return linum::detail::join_module_path(parts); }
 
 std::vector<std::string> split(const std::string& path) {
   std::vector<std::string> out;
