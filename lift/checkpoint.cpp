@@ -194,9 +194,9 @@ void check_static_argnums(const std::vector<int>& argnums, std::size_t num_args)
 }
 
 std::vector<Array> run_checkpointed(const Thunk& forward, Thunk recompute, const CheckpointOptions& options,
-                                    std::string where, std::vector<Array> held) {
+                                    std::string where, std::vector<Array> held,
+                                    const std::function<bool(const std::vector<Array>&)>& keep_plain) {
   if (!autodiff::is_recording() || options.policy.saves_everything()) return forward();
-  g_stats.calls.fetch_add(1, std::memory_order_relaxed);
   const std::uint64_t first = Node::peek_next_id();
   std::vector<Array> outs;
   std::vector<SavedValue> saved;
@@ -205,6 +205,8 @@ std::vector<Array> run_checkpointed(const Thunk& forward, Thunk recompute, const
     outs = forward();
     saved = region.take_saved();
   }
+  if (keep_plain && keep_plain(outs)) return outs;
+  g_stats.calls.fetch_add(1, std::memory_order_relaxed);
   std::vector<autodiff::Edge> inputs = autodiff::external_inputs(outs, first);
   if (inputs.empty()) {
     for (Array& o : outs) o = o.detached();  // nothing to differentiate: plain constants

@@ -65,8 +65,11 @@ using Thunk = std::function<std::vector<Array>()>;
 // its flattened outputs, attached to one checkpoint node whose backward pass calls `recompute` (which
 // must compute the same outputs from the same inputs) and differentiates that. `held` lists the
 // arrays the recomputation keeps alive (for saved_residuals).
+// `keep_plain(outputs)`, if given and true after the forward pass, keeps the block's own graph
+// (no checkpoint node: the block behaves as if it were not checkpointed).
 std::vector<Array> run_checkpointed(const Thunk& forward, Thunk recompute, const CheckpointOptions& options,
-                                    std::string where, std::vector<Array> held);
+                                    std::string where, std::vector<Array> held,
+                                    const std::function<bool(const std::vector<Array>&)>& keep_plain = nullptr);
 
 void check_static_argnums(const std::vector<int>& argnums, std::size_t num_args);
 

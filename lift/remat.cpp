@@ -106,4 +106,28 @@ ScopeState recompute_base(const ScopeState& entry, const ScopeState& after_forwa
 
 std::vector<Array> variable_leaves(const ScopeState& state) { return leaves(state.variables); }
 
+std::vector<Array> lifted_run(Scope& s, const ScopedBody& body, const CheckpointOptions& options,
+                              const LiftFilters& filters, std::vector<Array> held,
+                              const std::function<bool(const std::vector<Array>&)>& keep_plain) {
+  const std::vector<std::string> path = s.path();
+  std::shared_ptr<const ScopeState> entry = make_lifted_state(s.state(), path, filters);
+  ScopeState forward_state = *entry;
+  auto base = std::make_shared<ScopeState>();
+  auto forward = [&] {
+    Scope inner(forward_state, path);
+    return body(inner);
+  };
+  auto recompute = [body, base, path] {
+    ScopeState state = *base;  // a fresh copy each time: writes made while recomputing are dropped
+    Scope inner(state, path);
+    linum::detail::ModulePathGuard where(&inner.path());
+    return body(inner);
+  };
+  for (const Array& v : variable_leaves(*entry)) held.push_back(v);
+  std::vector<Array> flat = run_checkpointed(forward, recompute, options, s.path_str(), std::move(held), keep_plain);
+  *base = recompute_base(*entry, forward_state);
+  write_back(s.state(), forward_state, path);
+  return flat;
+}
+
 }  // namespace linum::lift::detail

@@ -36,6 +36,7 @@
 
 #include <algorithm>
 #include <concepts>
+#include <functional>
 #include <cstddef>
 #include <memory>
 #include <optional>
@@ -199,6 +200,18 @@ void write_back(ScopeState& outer, const ScopeState& lifted, const std::vector<s
 ScopeState recompute_base(const ScopeState& entry, const ScopeState& after_forward);
 std::vector<Array> variable_leaves(const ScopeState& state);
 
+// A checkpointed call's body: runs the module on the given (lifted) scope and returns its output's
+// arrays. It runs once in the forward pass and again for each recomputation.
+using ScopedBody = std::function<std::vector<Array>(Scope&)>;
+
+// The engine behind remat<M> and RematScope: runs `body` on lifted state at scope `s` as a
+// checkpointed block, publishes the mutable collections once, and returns the output arrays.
+// `keep_plain(outputs)`, if given and true after the forward pass, keeps the block's graph instead
+// (no checkpoint: RematScope's larger_than mode).
+std::vector<Array> lifted_run(Scope& s, const ScopedBody& body, const CheckpointOptions& options,
+                              const LiftFilters& filters, std::vector<Array> held,
+                              const std::function<bool(const std::vector<Array>&)>& keep_plain = nullptr);
+
 template <class Config, class M, class Body, class... Args>
 auto lifted_invoke(const M& module, Scope& s, Body body, Args&&... args) {
   static_assert(is_static<typename Config::Static>::template in_range<sizeof...(Args)>(),
@@ -208,32 +221,29 @@ auto lifted_invoke(const M& module, Scope& s, Body body, Args&&... args) {
   using Stored = std::tuple<std::decay_t<Args>...>;
   auto stored = std::make_shared<const Stored>(linum::lift::detail::make_static(
       Stored(std::forward<Args>(args)...), options.static_argnums, std::index_sequence_for<Args...>{}));
-  const std::vector<std::string> path = s.path();
-  std::shared_ptr<const ScopeState> entry = make_lifted_state(s.state(), path, Config::filters());
-  ScopeState forward_state = *entry;
-  auto base = std::make_shared<ScopeState>();
-
   using Out = std::decay_t<decltype(std::apply(
       [&](const auto&... a) -> decltype(auto) { return body(module, s, a...); }, *stored))>;
-  std::shared_ptr<Out> like;
-  auto forward = [&] {
-    Scope inner(forward_state, path);
-    like = std::make_shared<Out>(std::apply([&](const auto&... a) { return body(module, inner, a...); }, *stored));
-    return pytree::flatten(*like);
+  // The forward pass keeps its output's structure, to rebuild the output around the returned arrays.
+  struct Structure {
+    bool first = true;
+    std::optional<Out> like;
   };
-  auto recompute = [module, body, stored, base, path] {
-    ScopeState state = *base;  // a fresh copy each time: writes made while recomputing are dropped
-    Scope inner(state, path);
-    linum::detail::ModulePathGuard where(&inner.path());
-    return pytree::flatten(std::apply([&](const auto&... a) { return body(module, inner, a...); }, *stored));
+  auto structure = std::make_shared<Structure>();
+  ScopedBody scoped = [module, body, stored, structure](Scope& inner) {
+    Out out = std::apply([&](const auto&... a) { return body(module, inner, a...); }, *stored);
+    std::vector<Array> flat = pytree::flatten(out);
+    if (structure->first) {
+      structure->first = false;
+      structure->like.emplace(std::move(out));
+    }
+    return flat;
   };
   std::vector<Array> held;
   std::apply([&](const auto&... a) { (pytree::flatten_into(a, held), ...); }, *stored);
-  for (const Array& v : variable_leaves(*entry)) held.push_back(v);
-  std::vector<Array> flat = run_checkpointed(forward, recompute, options, s.path_str(), std::move(held));
-  *base = recompute_base(*entry, forward_state);
-  write_back(s.state(), forward_state, path);
-  return pytree::rebuild(*like, flat);
+  std::vector<Array> flat = lifted_run(s, scoped, options, Config::filters(), std::move(held));
+  Out result = pytree::rebuild(*structure->like, std::span<const Array>(flat));
+  structure->like.reset();
+  return result;
 }
 
 }  // namespace detail

@@ -28,7 +28,14 @@ std::string demangled_type_name(const char* mangled) {
 namespace {
 thread_local const std::vector<std::string>* t_module_path = nullptr;
 thread_local ModuleCallObserver* t_observer = nullptr;
+thread_local CallInterceptor* t_interceptor = nullptr;
 }  // namespace
+
+CallInterceptor* call_interceptor() { return t_interceptor; }
+CallInterceptorGuard::CallInterceptorGuard(CallInterceptor* interceptor) : previous_(t_interceptor) {
+  t_interceptor = interceptor;
+}
+CallInterceptorGuard::~CallInterceptorGuard() { t_interceptor = previous_; }
 
 ModuleCallObserver* module_call_observer() { return t_observer; }
 ModuleCallObserverGuard::ModuleCallObserverGuard(ModuleCallObserver* observer) : previous_(t_observer) { t_observer = observer; }

@@ -32,6 +32,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <tuple>
 #include <set>
 #include <string>
 #include <string_view>
@@ -101,6 +102,30 @@ class ModuleCallObserverGuard {
 
  private:
   ModuleCallObserver* previous_;
+};
+
+// Decides, at call time, that a child module call runs checkpointed (lift::RematScope installs one).
+class CallInterceptor {
+ public:
+  virtual ~CallInterceptor() = default;
+  // Whether the call of a module of type `type` at `path` is taken over.
+  virtual bool wants(const std::vector<std::string>& path, const std::string& type) const = 0;
+  // Runs `body` (the module on the scope it is given; returns its output's arrays) for the call at `scope`.
+  virtual std::vector<Array> run(Scope& scope, const std::function<std::vector<Array>(Scope&)>& body) = 0;
+};
+// The innermost interceptor on this thread, or null.
+CallInterceptor* call_interceptor();
+
+// Installs an interceptor for its lifetime (the previous one is restored afterwards).
+class CallInterceptorGuard {
+ public:
+  explicit CallInterceptorGuard(CallInterceptor* interceptor);
+  ~CallInterceptorGuard();
+  CallInterceptorGuard(const CallInterceptorGuard&) = delete;
+  CallInterceptorGuard& operator=(const CallInterceptorGuard&) = delete;
+
+ private:
+  CallInterceptor* previous_;
 };
 
 // Sets the current module path for its lifetime.
@@ -183,6 +208,8 @@ class Scope {
     requires(!std::is_convertible_v<const M&, std::string_view> && std::invocable<const M&, Scope&, Args...>)
   decltype(auto) operator()(const M& module, Args&&... args) {
     Scope child = child_scope(next_auto_name(module_type_name<M>()));
+    if (detail::CallInterceptor* ic = detail::call_interceptor(); ic != nullptr && ic->wants(child.path(), module_type_name<M>()))
+      return child.run_intercepted(*ic, module, std::forward<Args>(args)...);
     return child.run(module, module, std::forward<Args>(args)...);
   }
 
@@ -191,6 +218,8 @@ class Scope {
     requires std::invocable<const M&, Scope&, Args...>
   decltype(auto) operator()(std::string_view name, const M& module, Args&&... args) {
     Scope child = child_scope(std::string(name));
+    if (detail::CallInterceptor* ic = detail::call_interceptor(); ic != nullptr && ic->wants(child.path(), module_type_name<M>()))
+      return child.run_intercepted(*ic, module, std::forward<Args>(args)...);
     return child.run(module, module, std::forward<Args>(args)...);
   }
 
@@ -230,6 +259,33 @@ class Scope {
   std::string next_auto_name(const std::string& type_name);
 
   detail::ScopeState& state() const { return *state_; }
+
+  // Runs `module` through an interceptor (see detail::CallInterceptor): the interceptor gets a body
+  // that runs the module on whatever scope it is given, and the output is rebuilt around the
+  // arrays it returns.
+  template <class M, class... Args>
+  auto run_intercepted(detail::CallInterceptor& interceptor, const M& module, Args&&... args) {
+    using Out = std::decay_t<std::invoke_result_t<const M&, Scope&, Args...>>;
+    struct Structure {
+      bool first = true;
+      std::optional<Out> like;
+    };
+    auto structure = std::make_shared<Structure>();
+    auto stored = std::make_shared<const std::tuple<std::decay_t<Args>...>>(std::forward<Args>(args)...);
+    std::function<std::vector<Array>(Scope&)> body = [module, stored, structure](Scope& s) {
+      Out out = std::apply([&](const auto&... a) { return s.run(module, module, a...); }, *stored);
+      std::vector<Array> flat = pytree::flatten(out);
+      if (structure->first) {
+        structure->first = false;
+        structure->like.emplace(std::move(out));
+      }
+      return flat;
+    };
+    std::vector<Array> flat = interceptor.run(*this, body);
+    Out result = pytree::rebuild(*structure->like, std::span<const Array>(flat));
+    structure->like.reset();
+    return result;
+  }
 
   // Runs `body(*this, args...)` as the body of `module`, adding this scope's path to Linum errors
   // that escape it. Used by the child-module calls above and by the top-level init/apply.

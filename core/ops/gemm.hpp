@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <mutex>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -22,7 +23,8 @@ constexpr double kParallelGemmWork = 4.0 * 1024 * 1024;
 // C = A * B (or C += A * B when `accumulate`), for Eigen expressions of matching sizes.
 template <class Dst, class Lhs, class Rhs>
 void gemm_into(Dst&& c, const Lhs& a, const Rhs& b, bool accumulate = false) {
-  Eigen::setNbThreads(1);  // Eigen itself stays single-threaded; the panels below are the threads
+  static std::once_flag eigen_single_threaded;  // Eigen itself stays single-threaded; the panels are the threads
+  std::call_once(eigen_single_threaded, [] { Eigen::setNbThreads(1); });
   const Eigen::Index m = c.rows(), n = c.cols(), k = a.cols();
   int threads = 1;
 #ifdef _OPENMP
