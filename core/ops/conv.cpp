@@ -58,47 +58,66 @@ struct ConvGeometry {
   std::int64_t col_width() const { return kh * kw * cg; }
 };
 
-// Columns of images [n0, n0 + count) for group g: [count * OH * OW, KH * KW * Cg].
+// The output columns ow whose input column ow * stride - pad + j * dilation lies in [0, w): [lo, hi).
+struct ColumnRange {
+  std::int64_t lo, hi;
+};
+ColumnRange valid_columns(const ConvGeometry& G, std::int64_t j) {
+  const std::int64_t offset = j * G.dw - G.pw.pad_lo;  // iw = ow * sw + offset
+  std::int64_t lo = offset >= 0 ? 0 : (-offset + G.sw - 1) / G.sw;
+  std::int64_t hi = G.w - offset <= 0 ? 0 : (G.w - offset + G.sw - 1) / G.sw;
+  lo = std::min(lo, G.pw.out);
+  hi = std::max(lo, std::min(hi, G.pw.out));
+  return {lo, hi};
+}
+
+// Columns of images [n0, n0 + count) for group g: [count * OH * OW, KH * KW * Cg]. Work goes by
+// output row (n, oh) and kernel tap (i, j), so bounds are settled once per tap, not per element.
 void im2col(const float* x, const ConvGeometry& G, std::int64_t n0, std::int64_t count, std::int64_t g, float* cols) {
-  const std::int64_t width = G.col_width();
-#pragma omp parallel for schedule(static) if (count * G.rows_per_image() * width > ops::detail::kParallelMin)
-  for (std::int64_t r = 0; r < count * G.rows_per_image(); ++r) {
-    const std::int64_t n = n0 + r / G.rows_per_image();
-    const std::int64_t oh = (r % G.rows_per_image()) / G.pw.out, ow = r % G.pw.out;
-    float* dst = cols + r * width;
+  const std::int64_t width = G.col_width(), cg = G.cg;
+  const std::int64_t rows = count * G.ph.out;
+#pragma omp parallel for schedule(static) if (rows * G.pw.out * width > ops::detail::kParallelMin)
+  for (std::int64_t row = 0; row < rows; ++row) {
+    const std::int64_t n = n0 + row / G.ph.out, oh = row % G.ph.out;
+    float* base = cols + row * G.pw.out * width;
     for (std::int64_t i = 0; i < G.kh; ++i) {
       const std::int64_t ih = oh * G.sh - G.ph.pad_lo + i * G.dh;
-      for (std::int64_t j = 0; j < G.kw; ++j, dst += G.cg) {
-        const std::int64_t iw = ow * G.sw - G.pw.pad_lo + j * G.dw;
-        if (ih < 0 || ih >= G.h || iw < 0 || iw >= G.w) {
-          for (std::int64_t k = 0; k < G.cg; ++k) dst[k] = 0.0f;
-        } else {
-          const float* src = x + ((n * G.h + ih) * G.w + iw) * G.c + g * G.cg;
-          for (std::int64_t k = 0; k < G.cg; ++k) dst[k] = src[k];  // a loop: cg is often tiny (1-3 channels)
-        }
+      for (std::int64_t j = 0; j < G.kw; ++j) {
+        float* dst = base + (i * G.kw + j) * cg;
+        const ColumnRange cr = (ih < 0 || ih >= G.h) ? ColumnRange{0, 0} : valid_columns(G, j);
+        for (std::int64_t ow = 0; ow < cr.lo; ++ow)
+          for (std::int64_t k = 0; k < cg; ++k) dst[ow * width + k] = 0.0f;
+        for (std::int64_t ow = cr.hi; ow < G.pw.out; ++ow)
+          for (std::int64_t k = 0; k < cg; ++k) dst[ow * width + k] = 0.0f;
+        if (cr.lo >= cr.hi) continue;
+        const float* src = x + ((n * G.h + ih) * G.w + (cr.lo * G.sw + j * G.dw - G.pw.pad_lo)) * G.c + g * cg;
+        const std::int64_t src_step = G.sw * G.c;
+        for (std::int64_t ow = cr.lo; ow < cr.hi; ++ow, src += src_step)
+          for (std::int64_t k = 0; k < cg; ++k) dst[ow * width + k] = src[k];
       }
     }
   }
 }
 
-// dx += col2im(dcols) for images [n0, n0 + count), group g. Rows of one image are processed by one
-// thread so the accumulation is race-free and deterministic.
+// dx += col2im(dcols) for images [n0, n0 + count), group g. One image per thread, so the
+// accumulation is race-free and its order does not depend on the number of threads.
 void col2im(const float* dcols, const ConvGeometry& G, std::int64_t n0, std::int64_t count, std::int64_t g, float* dx) {
-  const std::int64_t width = G.col_width();
+  const std::int64_t width = G.col_width(), cg = G.cg;
 #pragma omp parallel for schedule(static) if (count > 1 && count * G.rows_per_image() * width > ops::detail::kParallelMin)
   for (std::int64_t ni = 0; ni < count; ++ni) {
-    for (std::int64_t rr = 0; rr < G.rows_per_image(); ++rr) {
-      const std::int64_t r = ni * G.rows_per_image() + rr;
-      const std::int64_t n = n0 + ni;
-      const std::int64_t oh = rr / G.pw.out, ow = rr % G.pw.out;
-      const float* src = dcols + r * width;
+    const std::int64_t n = n0 + ni;
+    for (std::int64_t oh = 0; oh < G.ph.out; ++oh) {
+      const float* base = dcols + (ni * G.ph.out + oh) * G.pw.out * width;
       for (std::int64_t i = 0; i < G.kh; ++i) {
         const std::int64_t ih = oh * G.sh - G.ph.pad_lo + i * G.dh;
-        for (std::int64_t j = 0; j < G.kw; ++j, src += G.cg) {
-          const std::int64_t iw = ow * G.sw - G.pw.pad_lo + j * G.dw;
-          if (ih < 0 || ih >= G.h || iw < 0 || iw >= G.w) continue;
-          float* d = dx + ((n * G.h + ih) * G.w + iw) * G.c + g * G.cg;
-          for (std::int64_t k = 0; k < G.cg; ++k) d[k] += src[k];
+        if (ih < 0 || ih >= G.h) continue;
+        for (std::int64_t j = 0; j < G.kw; ++j) {
+          const ColumnRange cr = valid_columns(G, j);
+          const float* src = base + (i * G.kw + j) * cg;
+          float* d = dx + ((n * G.h + ih) * G.w + (cr.lo * G.sw + j * G.dw - G.pw.pad_lo)) * G.c + g * cg;
+          const std::int64_t d_step = G.sw * G.c;
+          for (std::int64_t ow = cr.lo; ow < cr.hi; ++ow, d += d_step)
+            for (std::int64_t k = 0; k < cg; ++k) d[k] += src[ow * width + k];
         }
       }
     }
