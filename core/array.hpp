@@ -99,6 +99,9 @@ class Array {
   bool bitwise_equal(const Array& other) const;
   // The same buffer (not merely equal contents).
   bool shares_buffer(const Array& other) const { return buffer_ == other.buffer_; }
+  // No other Array refers to this buffer: an op that consumes this array may write its result
+  // into it (backward rules reuse cotangent buffers this way).
+  bool owns_buffer_alone() const { return buffer_ != nullptr && buffer_.use_count() == 1; }
 
   // A view of the same buffer with another shape of the same size (no copy, no graph node).
   Array with_shape(const Shape& shape) const;

@@ -133,6 +133,28 @@ Array zip_kernel(const Array& a, const Array& b, F f) {
   return out;
 }
 
+// The backward rule of an elementwise op: f(g, saved) -> gradient, where g is output 0's cotangent.
+// The cotangent is taken from the sweep; when no other array refers to its buffer, the gradient is
+// written into that buffer instead of a new one (one activation-sized buffer less at the peak).
+template <class F>
+Array pointwise_grad(Cotangents& c, const Array& saved, F f) {
+  Array g = c.take_out(0);
+  if (!g.owns_buffer_alone()) return zip_kernel(g, saved, f);
+  float* pg = g.mutable_data();
+  const float* ps = saved.data();
+  for_blocks(g.numel(), [&](std::int64_t s, std::int64_t n) {
+    OVec o(pg + s, n);
+    if constexpr (std::is_invocable_v<F&, const CVec&, const CVec&, OVec&>) {
+      // f uses `out` as scratch, so it needs its inputs elsewhere: keep a copy of this block of g.
+      const Eigen::ArrayXf gin = CVec(pg + s, n);
+      f(CVec(gin.data(), n), CVec(ps + s, n), o);
+    } else {
+      o = f(CVec(pg + s, n), CVec(ps + s, n));  // coefficient-wise: reading g[i] before writing it is fine
+    }
+  });
+  return g.detached();
+}
+
 Array scalar(float v) { return Array::scalar(v); }
 
 }  // namespace
@@ -268,7 +290,7 @@ Array log1p(const Array& x) {
   Array y = unary_kernel(x, "log1p", [](const CVec& v) { return v.log1p(); });
   if (needs_grad(x))
     record("log1p", y, {&x}, {x}, [](Cotangents& c, autodiff::Saved s) {
-      c.set(0, zip_kernel(c.out(), s[0], [](const CVec& g, const CVec& v) { return g / (1.0f + v); }));
+      c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g / (1.0f + v); }));
     });
   return y;
 }
@@ -277,7 +299,7 @@ Array sqrt(const Array& x) {
   Array y = unary_kernel(x, "sqrt", [](const CVec& v) { return v.sqrt(); });
   if (needs_grad(x))
     record("sqrt", y, {&x}, {y}, [](Cotangents& c, autodiff::Saved s) {
-      c.set(0, zip_kernel(c.out(), s[0], [](const CVec& g, const CVec& v) { return g * 0.5f / v; }));
+      c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * 0.5f / v; }));
     });
   return y;
 }
@@ -286,7 +308,7 @@ Array rsqrt(const Array& x) {
   Array y = unary_kernel(x, "rsqrt", [](const CVec& v) { return v.rsqrt(); });
   if (needs_grad(x))  // d/dx x^-1/2 = -1/2 y^3
     record("rsqrt", y, {&x}, {y}, [](Cotangents& c, autodiff::Saved s) {
-      c.set(0, zip_kernel(c.out(), s[0], [](const CVec& g, const CVec& v) { return g * (-0.5f) * v * v * v; }));
+      c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * (-0.5f) * v * v * v; }));
     });
   return y;
 }
@@ -295,7 +317,7 @@ Array square(const Array& x) {
   Array y = unary_kernel(x, "square", [](const CVec& v) { return v.square(); });
   if (needs_grad(x))
     record("square", y, {&x}, {x}, [](Cotangents& c, autodiff::Saved s) {
-      c.set(0, zip_kernel(c.out(), s[0], [](const CVec& g, const CVec& v) { return g * 2.0f * v; }));
+      c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * 2.0f * v; }));
     });
   return y;
 }
@@ -304,7 +326,7 @@ Array abs(const Array& x) {
   Array y = unary_kernel(x, "abs", [](const CVec& v) { return v.abs(); });
   if (needs_grad(x))
     record("abs", y, {&x}, {x}, [](Cotangents& c, autodiff::Saved s) {
-      c.set(0, zip_kernel(c.out(), s[0], [](const CVec& g, const CVec& v) {
+      c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) {
               return g * ((v > 0.0f).cast<float>() - (v < 0.0f).cast<float>());
             }));
     });
@@ -319,7 +341,7 @@ Array tanh(const Array& x) {
   Array y = unary_kernel(x, "tanh", [](const CVec& v) { return v.tanh(); });
   if (needs_grad(x))
     record("tanh", y, {&x}, {y}, [](Cotangents& c, autodiff::Saved s) {
-      c.set(0, zip_kernel(c.out(), s[0], [](const CVec& g, const CVec& v) { return g * (1.0f - v.square()); }));
+      c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * (1.0f - v.square()); }));
     });
   return y;
 }
@@ -328,7 +350,7 @@ Array sigmoid(const Array& x) {
   Array y = unary_kernel(x, "sigmoid", [](const CVec& v) { return v.logistic(); });
   if (needs_grad(x))
     record("sigmoid", y, {&x}, {y}, [](Cotangents& c, autodiff::Saved s) {
-      c.set(0, zip_kernel(c.out(), s[0], [](const CVec& g, const CVec& v) { return g * v * (1.0f - v); }));
+      c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * v * (1.0f - v); }));
     });
   return y;
 }
@@ -344,7 +366,7 @@ Array relu(const Array& x) {
   Array y = unary_kernel(x, "relu", [](const CVec& v) { return v.max(0.0f); });
   if (needs_grad(x))  // keeps its output: y > 0 exactly where x > 0
     record("relu", y, {&x}, {y}, [](Cotangents& c, autodiff::Saved s) {
-      c.set(0, zip_kernel(c.out(), s[0], [](const CVec& g, const CVec& v) { return (v > 0.0f).select(g, 0.0f); }));
+      c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return (v > 0.0f).select(g, 0.0f); }));
     });
   return y;
 }
@@ -366,13 +388,13 @@ Array gelu(const Array& x, bool approximate) {
   if (needs_grad(x))
     record("gelu", y, {&x}, {x}, [approximate](Cotangents& c, autodiff::Saved s) {
       if (approximate)
-        c.set(0, zip_kernel(c.out(), s[0], [](const CVec& g, const CVec& v, OVec& out) {
+        c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v, OVec& out) {
                 out = (kSqrt2OverPi * (v + kGeluCoeff * v.cube())).tanh();  // t, then the gradient in place
                 out = g * (0.5f * (1.0f + out) +
                            0.5f * v * (1.0f - out.square()) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCoeff * v.square()));
               }));
       else
-        c.set(0, zip_kernel(c.out(), s[0], [](const CVec& g, const CVec& v) {
+        c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) {
                 return g * (0.5f * ((v * kInvSqrt2).erf() + 1.0f) + v * kInvSqrt2Pi * (-0.5f * v.square()).exp());
               }));
     });
@@ -383,7 +405,7 @@ Array silu(const Array& x) {
   Array y = unary_kernel(x, "silu", [](const CVec& v) { return v * v.logistic(); });
   if (needs_grad(x))
     record("silu", y, {&x}, {x}, [](Cotangents& c, autodiff::Saved s) {
-      c.set(0, zip_kernel(c.out(), s[0], [](const CVec& g, const CVec& v, OVec& out) {
+      c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v, OVec& out) {
               out = v.logistic();  // sigmoid(x), then the gradient in place
               out = g * out * (1.0f + v * (1.0f - out));
             }));
@@ -396,7 +418,7 @@ Array softplus(const Array& x) {
   Array y = unary_kernel(x, "softplus", [](const CVec& v) { return v.max(0.0f) + (-v.abs()).exp().log1p(); });
   if (needs_grad(x))
     record("softplus", y, {&x}, {x}, [](Cotangents& c, autodiff::Saved s) {
-      c.set(0, zip_kernel(c.out(), s[0], [](const CVec& g, const CVec& v) { return g * v.logistic(); }));
+      c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * v.logistic(); }));
     });
   return y;
 }

@@ -38,7 +38,8 @@ struct ConvBlock {
   Array operator()(Scope& s, const Array& x, bool train) const {
     Array h = s(nn::Conv{.features = features, .kernel_size = {3, 3}}, x);
     if (batch_norm) h = s(nn::BatchNorm{}, h, /*use_running_average=*/!train);
-    return avg_pool(relu(h), {.window = {2, 2}, .strides = {2, 2}});
+    h = relu(h);  // reassigning frees the conv output now: relu keeps only its own output
+    return avg_pool(h, {.window = {2, 2}, .strides = {2, 2}});
   }
 };
 
