@@ -207,20 +207,14 @@ class Scope {
   template <class M, class... Args>
     requires(!std::is_convertible_v<const M&, std::string_view> && std::invocable<const M&, Scope&, Args...>)
   decltype(auto) operator()(const M& module, Args&&... args) {
-    Scope child = child_scope(next_auto_name(module_type_name<M>()));
-    if (detail::CallInterceptor* ic = detail::call_interceptor(); ic != nullptr && ic->wants(child.path(), module_type_name<M>()))
-      return child.run_intercepted(*ic, module, std::forward<Args>(args)...);
-    return child.run(module, module, std::forward<Args>(args)...);
+    return child_scope(next_auto_name(module_type_name<M>())).call_module(module, std::forward<Args>(args)...);
   }
 
   // Runs `module` in a child scope with an explicit name; the same name shares variables.
   template <class M, class... Args>
     requires std::invocable<const M&, Scope&, Args...>
   decltype(auto) operator()(std::string_view name, const M& module, Args&&... args) {
-    Scope child = child_scope(std::string(name));
-    if (detail::CallInterceptor* ic = detail::call_interceptor(); ic != nullptr && ic->wants(child.path(), module_type_name<M>()))
-      return child.run_intercepted(*ic, module, std::forward<Args>(args)...);
-    return child.run(module, module, std::forward<Args>(args)...);
+    return child_scope(std::string(name)).call_module(module, std::forward<Args>(args)...);
   }
 
   // Calls another method of a module in an auto-named child scope: s.call(&Encoder::encode, enc, x).
@@ -259,6 +253,15 @@ class Scope {
   std::string next_auto_name(const std::string& type_name);
 
   detail::ScopeState& state() const { return *state_; }
+
+  // Runs `module` as the body of this (child) scope, through the active interceptor if it wants
+  // the call (see detail::CallInterceptor).
+  template <class M, class... Args>
+  decltype(auto) call_module(const M& module, Args&&... args) {
+    if (detail::CallInterceptor* ic = detail::call_interceptor(); ic != nullptr && ic->wants(path_, module_type_name<M>()))
+      return run_intercepted(*ic, module, std::forward<Args>(args)...);
+    return run(module, module, std::forward<Args>(args)...);
+  }
 
   // Runs `module` through an interceptor (see detail::CallInterceptor): the interceptor gets a body
   // that runs the module on whatever scope it is given, and the output is rebuilt around the

@@ -2,6 +2,8 @@
 // determinism, JAX's documented values and errors.
 #include <doctest/doctest.h>
 
+#include "testing/errors.hpp"
+
 #include <linum/linum.hpp>
 
 #include <cmath>
@@ -38,17 +40,8 @@ Stats stats(const Array& a) {
   return {mean, std::sqrt(s2 / n - mean * mean), lo, hi};
 }
 
-template <class E>
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  }
-  return "<no exception>";
-}
-
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+using linum::testing::contains;
+using linum::testing::error_of;
 
 }  // namespace
 

@@ -3,6 +3,8 @@
 // convergence on a quadratic; errors naming the differing path.
 #include <doctest/doctest.h>
 
+#include "testing/errors.hpp"
+
 #include <linum/linum.hpp>
 
 #include <cmath>
@@ -35,17 +37,8 @@ void check_close(const Tree& got, const std::vector<double>& want, double rel = 
   }
 }
 
-template <class E>
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  }
-  return "<no exception>";
-}
-
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+using linum::testing::contains;
+using linum::testing::error_of;
 
 const std::vector<double> P0 = {1.0, -2.0, 0.5};
 const std::vector<double> G1 = {0.1, 0.2, -0.3};
