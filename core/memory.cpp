@@ -3,7 +3,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <mutex>
 #include <new>
+#include <unordered_map>
+#include <vector>
 
 namespace linum::memory {
 namespace {
@@ -14,6 +17,49 @@ std::atomic<std::int64_t> g_live{0};
 std::atomic<std::int64_t> g_peak{0};
 std::atomic<std::int64_t> g_buffers{0};
 std::atomic<std::int64_t> g_allocations{0};
+
+// Freed large blocks by (rounded) size, for reuse. Never destroyed: buffers may be freed during
+// static destruction, after any ordinary static object would be gone.
+struct BlockCache {
+  std::mutex mutex;
+  std::unordered_map<std::size_t, std::vector<void*>> free_blocks;
+  std::size_t cached = 0;
+  std::size_t limit = std::size_t{256} << 20;
+};
+constexpr std::size_t kCacheMinBytes = std::size_t{1} << 16;
+
+BlockCache& cache() {
+  static BlockCache* c = new BlockCache;
+  return *c;
+}
+
+void* take_cached(std::size_t rounded) {
+  BlockCache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  auto it = c.free_blocks.find(rounded);
+  if (it == c.free_blocks.end() || it->second.empty()) return nullptr;
+  void* p = it->second.back();
+  it->second.pop_back();
+  c.cached -= rounded;
+  return p;
+}
+
+bool keep_cached(void* p, std::size_t rounded) noexcept {
+  try {
+    BlockCache& c = cache();
+    std::lock_guard<std::mutex> lock(c.mutex);
+    if (c.cached + rounded > c.limit) return false;
+    c.free_blocks[rounded].push_back(p);
+    c.cached += rounded;
+    return true;
+  } catch (...) {
+    return false;  // could not record it: the caller frees the block instead
+  }
+}
+
+std::size_t rounded_size(std::size_t bytes) {
+  return (std::max<std::size_t>(bytes, 1) + kAlignment - 1) / kAlignment * kAlignment;
+}
 
 void raise_peak_to(std::int64_t value) {
   std::int64_t peak = g_peak.load(std::memory_order_relaxed);
@@ -29,7 +75,30 @@ Stats stats() {
   s.peak_bytes = g_peak.load();
   s.live_buffers = g_buffers.load();
   s.allocations = g_allocations.load();
+  {
+    BlockCache& c = cache();
+    std::lock_guard<std::mutex> lock(c.mutex);
+    s.cached_bytes = static_cast<std::int64_t>(c.cached);
+  }
   return s;
+}
+
+void set_cache_limit(std::int64_t bytes) {
+  {
+    BlockCache& c = cache();
+    std::lock_guard<std::mutex> lock(c.mutex);
+    c.limit = static_cast<std::size_t>(std::max<std::int64_t>(bytes, 0));
+  }
+  release_cached();
+}
+
+void release_cached() {
+  BlockCache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  for (auto& [size, blocks] : c.free_blocks)
+    for (void* p : blocks) std::free(p);
+  c.free_blocks.clear();
+  c.cached = 0;
 }
 
 void reset_peak() { g_peak.store(g_live.load()); }
@@ -47,8 +116,13 @@ namespace detail {
 void* allocate(std::size_t bytes) {
   // aligned_alloc needs a size that is a multiple of the alignment; round up but account the
   // bytes the caller asked for, so that figures match shapes exactly.
-  std::size_t rounded = (std::max<std::size_t>(bytes, 1) + kAlignment - 1) / kAlignment * kAlignment;
-  void* p = std::aligned_alloc(kAlignment, rounded);
+  const std::size_t rounded = rounded_size(bytes);
+  void* p = rounded >= kCacheMinBytes ? take_cached(rounded) : nullptr;
+  if (p == nullptr) p = std::aligned_alloc(kAlignment, rounded);
+  if (p == nullptr) {
+    release_cached();  // memory is short: give the cache back and try once more
+    p = std::aligned_alloc(kAlignment, rounded);
+  }
   if (p == nullptr) throw std::bad_alloc();
   std::int64_t live = g_live.fetch_add(static_cast<std::int64_t>(bytes)) + static_cast<std::int64_t>(bytes);
   raise_peak_to(live);
@@ -59,7 +133,8 @@ void* allocate(std::size_t bytes) {
 
 void deallocate(void* p, std::size_t bytes) noexcept {
   if (p == nullptr) return;
-  std::free(p);
+  const std::size_t rounded = rounded_size(bytes);
+  if (rounded < kCacheMinBytes || !keep_cached(p, rounded)) std::free(p);
   g_live.fetch_sub(static_cast<std::int64_t>(bytes));
   g_buffers.fetch_sub(1, std::memory_order_relaxed);
 }

@@ -20,7 +20,16 @@ struct Stats {
   std::int64_t peak_bytes = 0;     // highest live_bytes since start or the last reset_peak()
   std::int64_t live_buffers = 0;   // number of buffers alive now
   std::int64_t allocations = 0;    // buffers allocated since the program started
+  std::int64_t cached_bytes = 0;   // freed large blocks kept for reuse (not live; see below)
 };
+
+// Freed blocks of 64 KiB and more are kept (up to a limit, 256 MiB by default) and handed out
+// again for buffers of the same size: a training step allocates the same sizes every time, and
+// reusing warm memory saves the page faults of fresh allocations. Cached blocks are not live
+// bytes; they count in the process's RSS.
+void set_cache_limit(std::int64_t bytes);
+// Returns every cached block to the system.
+void release_cached();
 
 // A snapshot of the counters (thread-safe; the counters are process-wide).
 Stats stats();

@@ -34,3 +34,27 @@ TEST_CASE("PeakScope measures the peak inside a block, and scopes nest") {
   memory::reset_peak();
   CHECK(memory::stats().peak_bytes == memory::stats().live_bytes);
 }
+
+TEST_CASE("large freed blocks are cached for reuse without counting as live bytes") {
+  memory::release_cached();
+  const auto before = memory::stats();
+  CHECK(before.cached_bytes == 0);
+  const void* address = nullptr;
+  {
+    Array big = Array::zeros(Shape{1 << 16});  // 256 KiB
+    address = big.raw();
+  }
+  const auto freed = memory::stats();
+  CHECK(freed.live_bytes == before.live_bytes);  // exact accounting is unchanged
+  CHECK(freed.cached_bytes == 1 << 18);
+  {
+    Array again = Array::zeros(Shape{1 << 16});
+    CHECK(again.raw() == address);  // the same block, reused
+    CHECK(memory::stats().cached_bytes == 0);
+    CHECK(memory::stats().live_bytes - before.live_bytes == 1 << 18);
+  }
+  memory::set_cache_limit(0);  // no caching: blocks go straight back
+  { Array big = Array::zeros(Shape{1 << 16}); }
+  CHECK(memory::stats().cached_bytes == 0);
+  memory::set_cache_limit(std::int64_t{256} << 20);
+}
