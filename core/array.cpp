@@ -1,5 +1,7 @@
 #include <linum/core/array.hpp>
+#include <linum/core/fp_mode.hpp>
 #include <linum/core/memory.hpp>
+#include <linum/core/autodiff/graph.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -13,6 +15,7 @@ Buffer::Buffer(std::size_t bytes) : data_(memory::detail::allocate(bytes)), byte
 Buffer::~Buffer() { memory::detail::deallocate(data_, bytes_); }
 
 Array Array::empty(const Shape& shape, DType dtype) {
+  detail::enter_compute();  // every op allocates its output first: the calling thread's FP mode is set here
   Array a;
   a.shape_ = shape;
   a.dtype_ = dtype;
@@ -26,9 +29,14 @@ Array Array::zeros(const Shape& shape, DType dtype) {
   return a;
 }
 
-Array Array::full(const Shape& shape, float value) {
-  Array a = empty(shape);
-  std::fill_n(a.mutable_data(), a.numel(), value);
+Array Array::full(const Shape& shape, float value, DType dtype) {
+  if (dtype == DType::i32)
+    throw ValueError("Array::full: needs a float dtype (float32 or bfloat16); use full_i32 for int32 arrays");
+  Array a = empty(shape, dtype);
+  if (dtype == DType::bf16)
+    std::fill_n(a.mutable_data_bf16(), a.numel(), bfloat16(value));
+  else
+    std::fill_n(a.mutable_data(), a.numel(), value);
   return a;
 }
 
@@ -73,7 +81,29 @@ std::int32_t* Array::mutable_data_i32() {
   return static_cast<std::int32_t*>(buffer_->data());
 }
 
+bfloat16* Array::mutable_data_bf16() {
+  check_dtype(DType::bf16, "Array::mutable_data_bf16");
+  return static_cast<bfloat16*>(buffer_->data());
+}
+
+void* Array::mutable_raw() {
+  if (!defined()) throw ValueError("Array::mutable_raw: the array is undefined");
+  return buffer_->data();
+}
+
+void Array::set_node(std::shared_ptr<autodiff::Node> node, std::uint32_t index) {
+  if (node && defined()) node->set_output_dtype(index, dtype_);
+  node_ = std::move(node);
+  output_index_ = index;
+  weak_ = false;
+}
+
 std::vector<float> Array::to_vector() const {
+  if (defined() && dtype_ == DType::bf16) {
+    std::vector<float> out(static_cast<std::size_t>(numel()));
+    bf16_to_f32(data_bf16(), out.data(), numel());
+    return out;
+  }
   const float* p = data();
   return {p, p + numel()};
 }
@@ -87,6 +117,7 @@ float Array::item() const {
   if (!defined() || numel() != 1)
     throw ShapeError(detail::cat("Array::item: needs an array with exactly one element, got shape ",
                                  defined() ? shape_.str() : std::string("<undefined>")));
+  if (dtype_ == DType::bf16) return static_cast<float>(data_bf16()[0]);
   return dtype_ == DType::f32 ? data()[0] : static_cast<float>(data_i32()[0]);
 }
 
@@ -114,6 +145,11 @@ void Array::check_dtype(DType want, const char* where) const {
                                  shape_.str()));
 }
 
+std::string Array::type_str() const {
+  if (!defined()) return "<undefined>";
+  return std::string(dtype_short_name(dtype_)) + shape_.str();
+}
+
 std::string Array::str() const {
   std::ostringstream os;
   os << *this;
@@ -129,6 +165,8 @@ std::ostream& operator<<(std::ostream& os, const Array& a) {
       if (i) os << ", ";
       if (a.dtype() == DType::f32)
         os << std::setprecision(9) << a.data()[i];
+      else if (a.dtype() == DType::bf16)
+        os << std::setprecision(4) << static_cast<float>(a.data_bf16()[i]);
       else
         os << a.data_i32()[i];
     }

@@ -1,4 +1,4 @@
-// Array: a dense, row-major, N-dimensional float32 or int32 array.
+// Array: a dense, row-major, N-dimensional float32, bfloat16 or int32 array.
 //
 // Buffers are shared and immutable: copying an Array is cheap and never copies data, and no op
 // writes into an existing buffer, so a value saved for the backward pass can never change behind
@@ -9,6 +9,7 @@
 // computed while differentiating); see core/autodiff/graph.hpp.
 #pragma once
 
+#include <linum/core/dtype.hpp>
 #include <linum/core/error.hpp>
 #include <linum/core/shape.hpp>
 
@@ -22,10 +23,6 @@
 
 namespace linum {
 
-enum class DType : std::uint8_t { f32, i32 };
-
-inline const char* dtype_name(DType t) { return t == DType::f32 ? "float32" : "int32"; }
-inline std::size_t dtype_size(DType) { return 4; }
 
 namespace autodiff {
 class Node;
@@ -57,9 +54,12 @@ class Array {
   static Array empty(const Shape& shape, DType dtype = DType::f32);
   static Array zeros(const Shape& shape, DType dtype = DType::f32);
   static Array ones(const Shape& shape) { return full(shape, 1.0f); }
-  static Array full(const Shape& shape, float value);
+  // `value` in the given float dtype (rounded to nearest even for bf16).
+  static Array full(const Shape& shape, float value, DType dtype = DType::f32);
   static Array full_i32(const Shape& shape, std::int32_t value);
-  static Array scalar(float value) { return full(Shape{}, value); }
+  // A weakly typed float32 scalar, like a Python scalar in JAX: in a binary op with a bf16 array it
+  // takes bf16 instead of widening the result to float32 (x * 0.5f stays bf16).
+  static Array scalar(float value) { Array a = full(Shape{}, value); a.weak_ = true; return a; }
   static Array from(const Shape& shape, std::span<const float> values);
   static Array from(const Shape& shape, std::initializer_list<float> values) {
     return from(shape, std::span<const float>(values.begin(), values.size()));
@@ -78,21 +78,27 @@ class Array {
   std::int64_t dim(int axis) const { return shape_.dim(axis); }
   std::int64_t numel() const { return shape_.numel(); }
   DType dtype() const { return dtype_; }
+  // A weakly typed scalar (see scalar()); results of ops are never weak.
+  bool weak_type() const { return weak_; }
   std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * dtype_size(dtype_); }
 
   // Typed read access; throws if the dtype does not match.
   const float* data() const { check_dtype(DType::f32, "Array::data"); return static_cast<const float*>(raw()); }
   const std::int32_t* data_i32() const { check_dtype(DType::i32, "Array::data_i32"); return static_cast<const std::int32_t*>(raw()); }
+  const bfloat16* data_bf16() const { check_dtype(DType::bf16, "Array::data_bf16"); return static_cast<const bfloat16*>(raw()); }
   const void* raw() const { return buffer_ ? buffer_->data() : nullptr; }
 
   // Write access for code that has just created this array (kernels). Writing into a buffer that
   // is already shared breaks immutability; this is checked.
   float* mutable_data();
   std::int32_t* mutable_data_i32();
+  bfloat16* mutable_data_bf16();
+  void* mutable_raw();
 
+  // The elements as float (float32 and bfloat16 arrays).
   std::vector<float> to_vector() const;
   std::vector<std::int32_t> to_vector_i32() const;
-  // The single element of a size-1 array as float (int32 arrays are converted).
+  // The single element of a size-1 array as float (bf16 and int32 arrays are converted).
   float item() const;
 
   // True when both arrays are defined, have the same shape and dtype and the same bytes.
@@ -107,22 +113,25 @@ class Array {
   Array with_shape(const Shape& shape) const;
   // The same data without the autodiff node: a constant as far as gradients are concerned.
   Array detached() const { Array a = *this; a.node_.reset(); a.output_index_ = 0; return a; }
+  // The same array without its weak type (a strongly typed float32 scalar).
+  Array strongly_typed() const { Array a = *this; a.weak_ = false; return a; }
 
-  std::string str() const;  // "f32[2,3]"-style description plus values for small arrays
+  std::string str() const;  // "Array(float32[2,3], [...])": dtype, shape, values of small arrays
+  std::string type_str() const;  // "bf16[2048,512]", as JAX prints an array's type
 
   // --- autodiff plumbing (see core/autodiff/graph.hpp) -----------------------------------------
   const std::shared_ptr<autodiff::Node>& node() const { return node_; }
   std::uint32_t output_index() const { return output_index_; }
-  void set_node(std::shared_ptr<autodiff::Node> node, std::uint32_t index) {
-    node_ = std::move(node);
-    output_index_ = index;
-  }
+  // Attaches this array to output `index` of `node`, which learns the output's dtype (gradients
+  // are delivered in the dtype of the value they belong to).
+  void set_node(std::shared_ptr<autodiff::Node> node, std::uint32_t index);
 
  private:
   void check_dtype(DType want, const char* where) const;
 
   Shape shape_;
   DType dtype_ = DType::f32;
+  bool weak_ = false;
   std::shared_ptr<Buffer> buffer_;
   std::shared_ptr<autodiff::Node> node_;
   std::uint32_t output_index_ = 0;

@@ -1,5 +1,6 @@
 // MessagePack (Flax layout) and JSON encodings of Trees, and atomic file writing.
 // See serialization.hpp for the formats.
+#include <linum/core/fp_mode.hpp>
 #include <linum/core/serialization.hpp>
 
 #include <algorithm>
@@ -1019,14 +1020,20 @@ Tree from_msgpack(std::span<const std::uint8_t> bytes, std::string_view source) 
   return t;
 }
 
-nlohmann::ordered_json to_json(const Tree& tree) { return tree_json(tree); }
+// JSON holds numbers as doubles: converting subnormal floats to and from them must not flush.
+nlohmann::ordered_json to_json(const Tree& tree) {
+  IeeeSubnormalScope exact;
+  return tree_json(tree);
+}
 
 Tree from_json(const nlohmann::ordered_json& json, std::string_view source) {
+  IeeeSubnormalScope exact;
   JsonReader<nlohmann::ordered_json> r(source);
   return r.value(json, 0);
 }
 
 Tree from_json(const nlohmann::json& json, std::string_view source) {
+  IeeeSubnormalScope exact;
   JsonReader<nlohmann::json> r(source);
   return r.value(json, 0);
 }
@@ -1107,6 +1114,7 @@ void save_msgpack(const std::filesystem::path& path, const Tree& tree) {
 void save_json(const std::filesystem::path& path, const Tree& tree) {
   std::string text;
   try {
+    IeeeSubnormalScope exact;  // subnormal floats are written exactly
     write_json_text(text, tree, 0);
   } catch (const nlohmann::json::exception& e) {  // keys that are not valid UTF-8
     throw IoError(detail::cat("cannot write '", path.string(), "' as JSON: ", e.what(),

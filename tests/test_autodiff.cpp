@@ -134,7 +134,7 @@ TEST_CASE("misuse gives clear errors") {
                        doctest::Contains("must return a float32 scalar"), AutodiffError);
   Array labels = Array::from_i32(Shape{2}, {0, 1});
   CHECK_THROWS_WITH_AS(grad([](const Array& a) { return sum(astype(a, DType::f32)); })(labels),
-                       doctest::Contains("only float32 arrays can be differentiated"), AutodiffError);
+                       doctest::Contains("only float32 and bfloat16 arrays can be differentiated"), AutodiffError);
   // Reusing a graph that a backward pass has consumed.
   Array leaf = autodiff::make_leaf(x);
   Array y = sum(exp(leaf));

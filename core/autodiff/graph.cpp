@@ -1,4 +1,6 @@
+#include <linum/core/fp_mode.hpp>
 #include <linum/core/autodiff/graph.hpp>
+#include <linum/core/ops/elementwise.hpp>
 #include <linum/core/autodiff/grad.hpp>
 #include <linum/core/autodiff/hooks.hpp>
 
@@ -25,14 +27,29 @@ std::atomic<std::uint64_t> g_node_counter{1};
 
 // a + b for same-shaped float arrays, into a fresh buffer.
 Array accumulate(const Array& a, const Array& b) {
+  if (a.dtype() != DType::f32 || b.dtype() != DType::f32) {
+    NoGradGuard no_grad;
+    return add(a.detached(), b.detached());  // computes in float32, rounds once to the common dtype
+  }
   Array out = Array::empty(a.shape());
   const float* pa = a.data();
   const float* pb = b.data();
   float* po = out.mutable_data();
   const std::int64_t n = a.numel();
 #pragma omp parallel for if (n > (1 << 18)) schedule(static)
-  for (std::int64_t i = 0; i < n; ++i) po[i] = pa[i] + pb[i];
+  for (std::int64_t i = 0; i < n; ++i) {
+    if ((i & 16383) == 0) linum::detail::enter_compute();
+    po[i] = pa[i] + pb[i];
+  }
   return out;
+}
+
+// A cotangent in the dtype of the value it belongs to (a float32 parameter cast to bf16 for the
+// forward pass gets a float32 gradient).
+Array in_dtype(Array g, DType want) {
+  if (!g.defined() || g.dtype() == want) return g;
+  NoGradGuard no_grad;
+  return astype(g.detached(), want);
 }
 
 void add_into(Array& slot, Array g) {
@@ -102,6 +119,7 @@ void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, Del
           throw AutodiffError(linum::detail::cat("backward rule of op '", node->op(), "' produced a gradient of shape ",
                                           in_grads[k].shape(), " for input ", k, " of shape ", want,
                                           " (a bug in that op's rule; please report it)"));
+        in_grads[k] = in_dtype(std::move(in_grads[k]), target->output_dtype(e.index));
         if (deliver(e, in_grads[k])) continue;
         auto& target_grads = SweepAccess::grads(target);
         target_grads.resize(target->num_outputs());
@@ -132,7 +150,7 @@ void seed(std::span<const Array> roots, std::span<const Array> cotangents) {
                                       roots[i].shape()));
     auto& grads = SweepAccess::grads(n);
     grads.resize(n->num_outputs());
-    add_into(grads[roots[i].output_index()], cotangents[i]);
+    add_into(grads[roots[i].output_index()], in_dtype(cotangents[i], n->output_dtype(roots[i].output_index())));
   }
 }
 
@@ -205,8 +223,8 @@ Array Node::take_grad(std::size_t i) {
 }
 
 Array make_leaf(const Array& x) {
-  if (x.dtype() != DType::f32)
-    throw AutodiffError(linum::detail::cat("make_leaf: only float32 arrays can be differentiated, got ",
+  if (!is_floating(x.dtype()))
+    throw AutodiffError(linum::detail::cat("make_leaf: only float32 and bfloat16 arrays can be differentiated, got ",
                                     dtype_name(x.dtype()), x.shape().str(),
                                     "; pass integer arrays (labels, indices) as non-differentiated arguments"));
   Array leaf = x.detached();
@@ -249,7 +267,8 @@ std::vector<Array> backward_to(std::vector<Edge> roots, std::vector<Array> cotan
     if (n == nullptr || !cotangents[i].defined()) continue;
     const Boundary here{n, roots[i].index};
     if (auto b = std::find(boundaries.begin(), boundaries.end(), here); b != boundaries.end()) {
-      add_into(out[static_cast<std::size_t>(b - boundaries.begin())], std::move(cotangents[i]));
+      add_into(out[static_cast<std::size_t>(b - boundaries.begin())],
+               in_dtype(std::move(cotangents[i]), n->output_dtype(roots[i].index)));
       continue;
     }
     if (n->released()) throw_released(n);
@@ -258,7 +277,7 @@ std::vector<Array> backward_to(std::vector<Edge> roots, std::vector<Array> cotan
                                              " for an output of shape ", n->output_shapes()[roots[i].index]));
     auto& grads = SweepAccess::grads(n);
     grads.resize(n->num_outputs());
-    add_into(grads[roots[i].index], std::move(cotangents[i]));
+    add_into(grads[roots[i].index], in_dtype(std::move(cotangents[i]), n->output_dtype(roots[i].index)));
     Array hollow;
     hollow.set_node(roots[i].node, roots[i].index);
     inner.push_back(std::move(hollow));

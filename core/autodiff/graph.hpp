@@ -92,6 +92,13 @@ class Node {
   const char* op() const { return op_; }
   const std::vector<Edge>& inputs() const { return inputs_; }
   const std::vector<Shape>& output_shapes() const { return output_shapes_; }
+  // The dtype of output i (set when an array is attached to it; float32 until then). Cotangents
+  // reaching this output are converted to it, so every gradient has its value's dtype.
+  DType output_dtype(std::size_t i) const { return i < output_dtypes_.size() ? output_dtypes_[i] : DType::f32; }
+  void set_output_dtype(std::size_t i, DType t) {
+    if (output_dtypes_.size() < output_shapes_.size()) output_dtypes_.resize(output_shapes_.size(), DType::f32);
+    if (i < output_dtypes_.size()) output_dtypes_[i] = t;
+  }
   std::size_t num_outputs() const { return output_shapes_.size(); }
   virtual bool is_leaf() const { return false; }
 
@@ -115,6 +122,7 @@ class Node {
   friend struct SweepAccess;
   std::vector<Edge> inputs_;
   std::vector<Shape> output_shapes_;
+  std::vector<DType> output_dtypes_;
   std::vector<Array> grads_;      // accumulated output cotangents during a sweep
   std::uint64_t mark_ = 0;        // visit mark of the current sweep
   std::uint64_t id_;

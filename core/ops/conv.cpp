@@ -1,5 +1,6 @@
 // conv2d through im2col + GEMM, processed in chunks of images so the column buffer stays small.
 // The backward rule keeps x and w (not the 9x larger columns) and rebuilds columns per chunk.
+#include <linum/core/fp_mode.hpp>
 #include <linum/core/ops/conv.hpp>
 #include <linum/core/autodiff/hooks.hpp>
 #include <linum/core/ops/gemm.hpp>
@@ -78,6 +79,7 @@ void im2col(const float* x, const ConvGeometry& G, std::int64_t n0, std::int64_t
   const std::int64_t rows = count * G.ph.out;
 #pragma omp parallel for schedule(static) if (rows * G.pw.out * width > ops::detail::kParallelMin)
   for (std::int64_t row = 0; row < rows; ++row) {
+    linum::detail::enter_compute();
     const std::int64_t n = n0 + row / G.ph.out, oh = row % G.ph.out;
     float* base = cols + row * G.pw.out * width;
     for (std::int64_t i = 0; i < G.kh; ++i) {
@@ -105,6 +107,7 @@ void col2im(const float* dcols, const ConvGeometry& G, std::int64_t n0, std::int
   const std::int64_t width = G.col_width(), cg = G.cg;
 #pragma omp parallel for schedule(static) if (count > 1 && count * G.rows_per_image() * width > ops::detail::kParallelMin)
   for (std::int64_t ni = 0; ni < count; ++ni) {
+    linum::detail::enter_compute();
     const std::int64_t n = n0 + ni;
     for (std::int64_t oh = 0; oh < G.ph.out; ++oh) {
       const float* base = dcols + (ni * G.ph.out + oh) * G.pw.out * width;

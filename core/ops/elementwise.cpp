@@ -1,4 +1,5 @@
 // Elementwise ops. Each op's backward rule follows its forward and captures only what it needs.
+#include <linum/core/fp_mode.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/kernel_util.hpp>
 #include <linum/core/ops/reduce.hpp>
@@ -7,6 +8,8 @@
 #include <unsupported/Eigen/SpecialFunctions>
 
 #include <cmath>
+#include <cstring>
+#include <optional>
 
 namespace linum {
 namespace {
@@ -16,46 +19,73 @@ using autodiff::needs_grad;
 using autodiff::record;
 using ops::detail::broadcast_shapes;
 using ops::detail::for_blocks;
-using ops::detail::require_f32;
 using ops::detail::sum_to;
 using Vec = Eigen::Map<Eigen::ArrayXf, Eigen::Aligned64>;
 using CVec = Eigen::Map<const Eigen::ArrayXf>;
 using OVec = Eigen::Map<Eigen::ArrayXf>;
 
 // ---- kernels ---------------------------------------------------------------------------------
+// Every kernel computes in float32. bf16 operands are widened a chunk at a time into stack scratch
+// and bf16 results rounded back per chunk, so a bf16 op reads and writes 2 bytes per element and
+// equals the float32 op rounded once. float32 operands are used in place (no copies).
 
-// out[i] = f(a[i], b[i]) with NumPy broadcasting; float32 in, T out.
-template <class T, class F>
-Array binary_kernel(const Array& a, const Array& b, const char* op, F f) {
-  require_f32(a, op);
-  require_f32(b, op);
+using ops::detail::f32_at;
+using ops::detail::f32_commit;
+using ops::detail::f32_target;
+using ops::detail::f32_view;
+using ops::detail::for_chunks;
+using ops::detail::kChunk;
+using ops::detail::require_float;
+
+// The dtype of a binary op's result under JAX's promotion rules (weak scalars adopt the other side).
+DType result_dtype(const Array& a, const Array& b) {
+  return promote_types(a.dtype(), a.weak_type(), b.dtype(), b.weak_type());
+}
+
+// out[i] = f(a[i], b[i]) with NumPy broadcasting; float32 or bf16 in, `out_dtype` out (the
+// promoted dtype unless given).
+template <class F>
+Array binary_kernel(const Array& a, const Array& b, const char* op, F f, std::optional<DType> out_dtype = std::nullopt) {
+  require_float(a, op);
+  require_float(b, op);
   const Shape out_shape = broadcast_shapes(a.shape(), b.shape(), op);
-  Array out = Array::empty(out_shape, std::is_same_v<T, float> ? DType::f32 : DType::i32);
-  T* po = static_cast<T*>(const_cast<void*>(out.raw()));
-  const float* pa = a.data();
-  const float* pb = b.data();
+  Array out = Array::empty(out_shape, out_dtype ? *out_dtype : result_dtype(a, b));
   const std::int64_t n = out_shape.numel();
   if (a.numel() == n && b.numel() == n) {
-    for_blocks(n, [&](std::int64_t s, std::int64_t c) {
-      for (std::int64_t i = s; i < s + c; ++i) po[i] = f(pa[i], pb[i]);
+    for_chunks(n, [&](std::int64_t s, std::int64_t c) {
+      float sa[kChunk], sb[kChunk], so[kChunk];
+      const float* pa = f32_view(a, s, c, sa);
+      const float* pb = f32_view(b, s, c, sb);
+      float* po = f32_target(out, s, so);
+      for (std::int64_t i = 0; i < c; ++i) po[i] = f(pa[i], pb[i]);
+      f32_commit(out, s, c, po);
     });
     return out;
   }
   if (b.numel() == 1 && a.numel() == n) {
-    const float vb = pb[0];
-    for_blocks(n, [&](std::int64_t s, std::int64_t c) {
-      for (std::int64_t i = s; i < s + c; ++i) po[i] = f(pa[i], vb);
+    const float vb = f32_at(b, 0);
+    for_chunks(n, [&](std::int64_t s, std::int64_t c) {
+      float sa[kChunk], so[kChunk];
+      const float* pa = f32_view(a, s, c, sa);
+      float* po = f32_target(out, s, so);
+      for (std::int64_t i = 0; i < c; ++i) po[i] = f(pa[i], vb);
+      f32_commit(out, s, c, po);
     });
     return out;
   }
   if (a.numel() == 1 && b.numel() == n) {
-    const float va = pa[0];
-    for_blocks(n, [&](std::int64_t s, std::int64_t c) {
-      for (std::int64_t i = s; i < s + c; ++i) po[i] = f(va, pb[i]);
+    const float va = f32_at(a, 0);
+    for_chunks(n, [&](std::int64_t s, std::int64_t c) {
+      float sb[kChunk], so[kChunk];
+      const float* pb = f32_view(b, s, c, sb);
+      float* po = f32_target(out, s, so);
+      for (std::int64_t i = 0; i < c; ++i) po[i] = f(va, pb[i]);
+      f32_commit(out, s, c, po);
     });
     return out;
   }
-  // General case: walk the output row by row (rows = all axes but the last).
+  // General case: walk the output row by row (rows = all axes but the last). Along the last axis an
+  // operand either advances (step 1) or is broadcast (step 0).
   const int rank = out_shape.rank();
   std::array<std::int64_t, Shape::kMaxRank> sa{}, sb{};
   {
@@ -70,8 +100,9 @@ Array binary_kernel(const Array& a, const Array& b, const char* op, F f) {
   }
   const std::int64_t inner = out_shape[rank - 1];
   const std::int64_t rows = n / std::max<std::int64_t>(inner, 1);
-  const std::int64_t ia_step = sa[rank - 1], ib_step = sb[rank - 1];
+  const bool a_steps = sa[rank - 1] != 0, b_steps = sb[rank - 1] != 0;
   auto do_rows = [&](std::int64_t r0, std::int64_t r1) {
+    float bufa[kChunk], bufb[kChunk], bufo[kChunk];
     for (std::int64_t r = r0; r < r1; ++r) {
       std::int64_t rem = r, oa = 0, ob = 0;
       for (int d = rank - 2; d >= 0; --d) {
@@ -80,56 +111,79 @@ Array binary_kernel(const Array& a, const Array& b, const char* op, F f) {
         oa += idx * sa[d];
         ob += idx * sb[d];
       }
-      T* o = po + r * inner;
-      const float* xa = pa + oa;
-      const float* xb = pb + ob;
-      if (ia_step == 1 && ib_step == 1)
-        for (std::int64_t j = 0; j < inner; ++j) o[j] = f(xa[j], xb[j]);
-      else if (ia_step == 1 && ib_step == 0)
-        for (std::int64_t j = 0; j < inner; ++j) o[j] = f(xa[j], xb[0]);
-      else if (ia_step == 0 && ib_step == 1)
-        for (std::int64_t j = 0; j < inner; ++j) o[j] = f(xa[0], xb[j]);
-      else
-        for (std::int64_t j = 0; j < inner; ++j) o[j] = f(xa[j * ia_step], xb[j * ib_step]);
+      for (std::int64_t j0 = 0; j0 < inner; j0 += kChunk) {
+        const std::int64_t len = std::min(kChunk, inner - j0);
+        const float* xa = a_steps ? f32_view(a, oa + j0, len, bufa) : f32_view(a, oa, 1, bufa);
+        const float* xb = b_steps ? f32_view(b, ob + j0, len, bufb) : f32_view(b, ob, 1, bufb);
+        float* o = f32_target(out, r * inner + j0, bufo);
+        if (a_steps && b_steps)
+          for (std::int64_t j = 0; j < len; ++j) o[j] = f(xa[j], xb[j]);
+        else if (a_steps)
+          for (std::int64_t j = 0; j < len; ++j) o[j] = f(xa[j], xb[0]);
+        else if (b_steps)
+          for (std::int64_t j = 0; j < len; ++j) o[j] = f(xa[0], xb[j]);
+        else
+          for (std::int64_t j = 0; j < len; ++j) o[j] = f(xa[0], xb[0]);
+        f32_commit(out, r * inner + j0, len, o);
+      }
     }
   };
   if (n >= ops::detail::kParallelMin && rows > 1) {
 #pragma omp parallel for schedule(static)
-    for (std::int64_t r = 0; r < rows; ++r) do_rows(r, r + 1);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      linum::detail::enter_compute();
+      do_rows(r, r + 1);
+    }
   } else {
     do_rows(0, rows);
   }
   return out;
 }
 
-// out = f(x) using Eigen's vectorised array expressions: f(CVec in) -> expression.
+// out = f(x) using Eigen's vectorised array expressions: f(CVec in) -> expression. The result has
+// x's dtype.
 template <class F>
 Array unary_kernel(const Array& x, const char* op, F f) {
-  require_f32(x, op);
-  Array out = Array::empty(x.shape());
-  const float* px = x.data();
-  float* po = out.mutable_data();
-  for_blocks(x.numel(), [&](std::int64_t s, std::int64_t c) { OVec(po + s, c) = f(CVec(px + s, c)); });
+  require_float(x, op);
+  Array out = Array::empty(x.shape(), x.dtype());
+  for_chunks(x.numel(), [&](std::int64_t s, std::int64_t c) {
+    float sx[kChunk], so[kChunk];
+    const float* px = f32_view(x, s, c, sx);
+    float* po = f32_target(out, s, so);
+    OVec(po, c) = f(CVec(px, c));
+    f32_commit(out, s, c, po);
+  });
   return out;
 }
 
-// out = f(a, b) for same-shaped float arrays via Eigen expressions (used by backward rules). A
-// three-argument f(a, b, out) writes the block itself, so it can use `out` as scratch space (an
-// expression returned from f must not refer to f's locals: they are gone when it is evaluated).
+// out = f(a, b) over chunks of same-shaped float arrays, written into `out` (which may be `a`'s
+// buffer). A three-argument f(a, b, out) writes the chunk itself, so it can use `out` as scratch
+// space (an expression returned from f must not refer to f's locals: they are gone when it is
+// evaluated); `a` is then read from a copy.
+template <class F>
+void zip_into(Array& out, const Array& a, const Array& b, F f) {
+  for_chunks(a.numel(), [&](std::int64_t s, std::int64_t c) {
+    float sa[kChunk], sb[kChunk], so[kChunk];
+    const float* pb = f32_view(b, s, c, sb);
+    float* po = f32_target(out, s, so);
+    if constexpr (std::is_invocable_v<F&, const CVec&, const CVec&, OVec&>) {
+      const float* pa = f32_view(a, s, c, sa);
+      if (pa != sa && a.shares_buffer(out)) pa = static_cast<const float*>(std::memcpy(sa, pa, c * sizeof(float)));
+      OVec o(po, c);
+      f(CVec(pa, c), CVec(pb, c), o);
+    } else {
+      const float* pa = f32_view(a, s, c, sa);
+      OVec(po, c) = f(CVec(pa, c), CVec(pb, c));  // coefficient-wise: reading a[i] before writing it is fine
+    }
+    f32_commit(out, s, c, po);
+  });
+}
+
+// out = f(a, b) for same-shaped float arrays (used by backward rules); the result has a's dtype.
 template <class F>
 Array zip_kernel(const Array& a, const Array& b, F f) {
-  Array out = Array::empty(a.shape());
-  const float* pa = a.data();
-  const float* pb = b.data();
-  float* po = out.mutable_data();
-  for_blocks(a.numel(), [&](std::int64_t s, std::int64_t c) {
-    if constexpr (std::is_invocable_v<F&, const CVec&, const CVec&, OVec&>) {
-      OVec o(po + s, c);
-      f(CVec(pa + s, c), CVec(pb + s, c), o);
-    } else {
-      OVec(po + s, c) = f(CVec(pa + s, c), CVec(pb + s, c));
-    }
-  });
+  Array out = Array::empty(a.shape(), a.dtype());
+  zip_into(out, a, b, f);
   return out;
 }
 
@@ -140,18 +194,7 @@ template <class F>
 Array pointwise_grad(Cotangents& c, const Array& saved, F f) {
   Array g = c.take_out(0);
   if (!g.owns_buffer_alone()) return zip_kernel(g, saved, f);
-  float* pg = g.mutable_data();
-  const float* ps = saved.data();
-  for_blocks(g.numel(), [&](std::int64_t s, std::int64_t n) {
-    OVec o(pg + s, n);
-    if constexpr (std::is_invocable_v<F&, const CVec&, const CVec&, OVec&>) {
-      // f uses `out` as scratch, so it needs its inputs elsewhere: keep a copy of this block of g.
-      const Eigen::ArrayXf gin = CVec(pg + s, n);
-      f(CVec(gin.data(), n), CVec(ps + s, n), o);
-    } else {
-      o = f(CVec(pg + s, n), CVec(ps + s, n));  // coefficient-wise: reading g[i] before writing it is fine
-    }
-  });
+  zip_into(g, g, saved, f);
   return g.detached();
 }
 
@@ -162,7 +205,7 @@ Array scalar(float v) { return Array::scalar(v); }
 // ---- arithmetic -----------------------------------------------------------------------------
 
 Array add(const Array& a, const Array& b) {
-  Array y = binary_kernel<float>(a, b, "add", [](float x, float z) { return x + z; });
+  Array y = binary_kernel(a, b, "add", [](float x, float z) { return x + z; });
   if (needs_grad(a, b))
     record("add", y, {&a, &b}, {}, [sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved) {
       if (c.needs(0)) c.set(0, sum_to(c.out(), sa));
@@ -172,7 +215,7 @@ Array add(const Array& a, const Array& b) {
 }
 
 Array sub(const Array& a, const Array& b) {
-  Array y = binary_kernel<float>(a, b, "sub", [](float x, float z) { return x - z; });
+  Array y = binary_kernel(a, b, "sub", [](float x, float z) { return x - z; });
   if (needs_grad(a, b))
     record("sub", y, {&a, &b}, {}, [sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved) {
       if (c.needs(0)) c.set(0, sum_to(c.out(), sa));
@@ -182,7 +225,7 @@ Array sub(const Array& a, const Array& b) {
 }
 
 Array mul(const Array& a, const Array& b) {
-  Array y = binary_kernel<float>(a, b, "mul", [](float x, float z) { return x * z; });
+  Array y = binary_kernel(a, b, "mul", [](float x, float z) { return x * z; });
   if (needs_grad(a, b)) {
     // Each operand is kept only if the *other* one needs a gradient.
     Array keep_a = b.node() ? a.detached() : Array();
@@ -196,7 +239,7 @@ Array mul(const Array& a, const Array& b) {
 }
 
 Array div(const Array& a, const Array& b) {
-  Array y = binary_kernel<float>(a, b, "div", [](float x, float z) { return x / z; });
+  Array y = binary_kernel(a, b, "div", [](float x, float z) { return x / z; });
   if (needs_grad(a, b)) {
     Array keep_y = b.node() ? y.detached() : Array();
     record("div", y, {&a, &b}, {b, keep_y}, [sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved s) {
@@ -209,12 +252,12 @@ Array div(const Array& a, const Array& b) {
 }
 
 Array pow(const Array& a, const Array& b) {
-  Array y = binary_kernel<float>(a, b, "pow", [](float x, float z) { return std::pow(x, z); });
+  Array y = binary_kernel(a, b, "pow", [](float x, float z) { return std::pow(x, z); });
   if (needs_grad(a, b)) {
     record("pow", y, {&a, &b}, {a, b, y}, [](Cotangents& c, autodiff::Saved s) {
       if (c.needs(0)) {
         // d/da a^b = b a^(b-1); b == 0 gives 0 (as JAX).
-        Array d = binary_kernel<float>(s[0], s[1], "pow", [](float x, float z) {
+        Array d = binary_kernel(s[0], s[1], "pow", [](float x, float z) {
           return z == 0.0f ? 0.0f : z * std::pow(x, z - 1.0f);
         });
         c.set(0, sum_to(mul(c.out(), d), s[0].shape()));
@@ -235,10 +278,10 @@ namespace {
 // Gradient share of `a` in max(a, b): 1 where a wins, 1/2 at ties, 0 where b wins.
 template <bool kMax>
 Array extremum(const Array& a, const Array& b, const char* op) {
-  Array y = binary_kernel<float>(a, b, op, [](float x, float z) { return kMax ? (x > z ? x : z) : (x < z ? x : z); });
+  Array y = binary_kernel(a, b, op, [](float x, float z) { return kMax ? (x > z ? x : z) : (x < z ? x : z); });
   if (needs_grad(a, b))
     record(op, y, {&a, &b}, {a, b}, [op](Cotangents& c, autodiff::Saved s) {
-      Array share_a = binary_kernel<float>(s[0], s[1], op, [](float x, float z) {
+      Array share_a = binary_kernel(s[0], s[1], op, [](float x, float z) {
         return x == z ? 0.5f : ((kMax ? x > z : x < z) ? 1.0f : 0.0f);
       });
       if (c.needs(0)) c.set(0, sum_to(mul(c.out(), share_a), s[0].shape()));
@@ -428,8 +471,13 @@ Array softplus(const Array& x) {
 Array where(const Array& cond, const Array& a, const Array& b) {
   ops::detail::require_defined(cond, "where");
   Array c = cond.dtype() == DType::f32 ? cond : astype(cond, DType::f32);
-  require_f32(a, "where");
-  require_f32(b, "where");
+  require_float(a, "where");
+  require_float(b, "where");
+  if (a.dtype() != DType::f32 || b.dtype() != DType::f32) {
+    // Select in float32 and round back: exact, since the values are only moved.
+    const DType out = result_dtype(a, b);
+    return astype(where(cond, astype(a, DType::f32), astype(b, DType::f32)), out);
+  }
   const Shape out_shape = broadcast_shapes(c.shape(), broadcast_shapes(a.shape(), b.shape(), "where"), "where");
   const Array cb = ops::detail::broadcast_raw(c, out_shape);
   const Array ab = ops::detail::broadcast_raw(a, out_shape);
@@ -448,16 +496,16 @@ Array where(const Array& cond, const Array& a, const Array& b) {
     record("where", y, {&a, &b}, {c}, [sa = a.shape(), sb = b.shape()](Cotangents& ct, autodiff::Saved s) {
       const Array& g = ct.out();
       if (ct.needs(0))
-        ct.set(0, sum_to(binary_kernel<float>(g, s[0], "where", [](float v, float m) { return m != 0.0f ? v : 0.0f; }), sa));
+        ct.set(0, sum_to(binary_kernel(g, s[0], "where", [](float v, float m) { return m != 0.0f ? v : 0.0f; }, g.dtype()), sa));
       if (ct.needs(1))
-        ct.set(1, sum_to(binary_kernel<float>(g, s[0], "where", [](float v, float m) { return m != 0.0f ? 0.0f : v; }), sb));
+        ct.set(1, sum_to(binary_kernel(g, s[0], "where", [](float v, float m) { return m != 0.0f ? 0.0f : v; }, g.dtype()), sb));
     });
   return y;
 }
 
 #define LINUM_COMPARISON(name, expr)                                                          \
   Array name(const Array& a, const Array& b) {                                                \
-    return binary_kernel<float>(a, b, #name, [](float x, float z) { return (expr) ? 1.0f : 0.0f; }); \
+    return binary_kernel(a, b, #name, [](float x, float z) { return (expr) ? 1.0f : 0.0f; }, DType::f32); \
   }
 LINUM_COMPARISON(greater, x > z)
 LINUM_COMPARISON(greater_equal, x >= z)
@@ -469,17 +517,29 @@ LINUM_COMPARISON(not_equal, x != z)
 
 Array astype(const Array& x, DType dtype) {
   ops::detail::require_defined(x, "astype");
-  if (x.dtype() == dtype) return x.detached();
+  if (x.dtype() == dtype) return x.weak_type() ? x.strongly_typed() : x;
   Array out = Array::empty(x.shape(), dtype);
-  if (dtype == DType::f32) {
+  const std::int64_t n = x.numel();
+  if (is_floating(x.dtype()) && is_floating(dtype)) {
+    if (dtype == DType::bf16)
+      for_blocks(n, [&](std::int64_t s, std::int64_t c) { f32_to_bf16(x.data() + s, out.mutable_data_bf16() + s, c); });
+    else
+      for_blocks(n, [&](std::int64_t s, std::int64_t c) { bf16_to_f32(x.data_bf16() + s, out.mutable_data() + s, c); });
+    if (needs_grad(x))  // the cotangent goes back to the input's dtype
+      record("astype", out, {&x}, {}, [from = x.dtype()](Cotangents& c, autodiff::Saved) { c.set(0, astype(c.out(), from)); });
+    return out;
+  }
+  // int32 <-> float: not differentiable.
+  if (x.dtype() == DType::i32) {
     const std::int32_t* p = x.data_i32();
-    float* o = out.mutable_data();
-    for (std::int64_t i = 0; i < x.numel(); ++i) o[i] = static_cast<float>(p[i]);
+    for (std::int64_t i = 0; i < n; ++i) {
+      if (dtype == DType::f32) out.mutable_data()[i] = static_cast<float>(p[i]);
+      else out.mutable_data_bf16()[i] = bfloat16(static_cast<float>(p[i]));
+    }
   } else {
-    const float* p = x.data();
     std::int32_t* o = out.mutable_data_i32();
-    for (std::int64_t i = 0; i < x.numel(); ++i) {
-      const float v = p[i];
+    for (std::int64_t i = 0; i < n; ++i) {
+      const float v = f32_at(x, i);
       if (!(v > -2147483904.0f && v < 2147483648.0f))
         throw ValueError(detail::cat("astype: value ", v, " at flat index ", i, " of ", x.shape(),
                                      " does not fit in int32"));

@@ -65,7 +65,12 @@ Array less_equal(const Array& a, const Array& b);
 Array equal(const Array& a, const Array& b);
 Array not_equal(const Array& a, const Array& b);
 
-// Converts between float32 and int32 (float -> int truncates toward zero). Not differentiable.
+// Converts between float32, bfloat16 and int32. float32 -> bfloat16 rounds to nearest even (as
+// JAX); float -> int truncates toward zero. Float-to-float conversions are differentiable (the
+// cotangent is converted back); conversions from or to int32 are not.
+//
+// Binary ops promote as JAX does: bf16 with f32 gives f32; a C++ scalar (x * 0.5f, Array::scalar)
+// is weakly typed and does not widen a bf16 array. Comparisons return float32 masks.
 Array astype(const Array& x, DType dtype);
 
 // The same values as a constant: gradients do not flow through it.

@@ -5,6 +5,8 @@
 // the team costs more than it saves and, on a busy machine, stalls the whole step.
 #pragma once
 
+#include <linum/core/fp_mode.hpp>
+
 #include <Eigen/Core>
 
 #include <algorithm>
@@ -43,6 +45,7 @@ void gemm_into(Dst&& c, const Lhs& a, const Rhs& b, bool accumulate = false) {
   const Eigen::Index panels = (extent + panel - 1) / panel;
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (Eigen::Index p = 0; p < panels; ++p) {
+    linum::detail::enter_compute();
     const Eigen::Index start = p * panel, len = std::min(panel, extent - start);
     if (by_rows) {
       auto part = c.middleRows(start, len);

@@ -17,6 +17,13 @@ void require_f32(const Array& a, const char* op) {
                                         "; convert with astype(x, DType::f32)"));
 }
 
+void require_float(const Array& a, const char* op) {
+  require_defined(a, op);
+  if (!is_floating(a.dtype()))
+    throw ShapeError(linum::detail::cat(op, ": needs float32 or bfloat16 input, got ", dtype_name(a.dtype()),
+                                        a.shape().str(), "; convert with astype(x, DType::f32)"));
+}
+
 Shape broadcast_shapes(const Shape& a, const Shape& b, const char* op) {
   if (a == b) return a;
   const int rank = std::max(a.rank(), b.rank());

@@ -3,6 +3,7 @@
 
 #include <linum/core/array.hpp>
 #include <linum/core/autodiff/graph.hpp>
+#include <linum/core/fp_mode.hpp>
 
 #include <algorithm>
 #include <cstdint>
@@ -25,6 +26,7 @@ void for_blocks(std::int64_t n, F&& f) {
   const std::int64_t blocks = (n + kBlock - 1) / kBlock;
 #pragma omp parallel for schedule(static)
   for (std::int64_t b = 0; b < blocks; ++b) {
+    linum::detail::enter_compute();
     const std::int64_t begin = b * kBlock;
     f(begin, std::min(kBlock, n - begin));
   }
@@ -32,6 +34,39 @@ void for_blocks(std::int64_t n, F&& f) {
 
 // Throws ShapeError unless `a` is float32.
 void require_f32(const Array& a, const char* op);
+// Throws ShapeError unless `a` is float32 or bfloat16.
+void require_float(const Array& a, const char* op);
+
+// ---- bf16 support: kernels compute in float32 on chunks of at most kChunk elements ------------
+constexpr std::int64_t kChunk = 2048;
+
+// Elements [start, start + n) of a float array as float32: a pointer into `a` itself when it is
+// float32, else the elements widened into `scratch` (n <= kChunk).
+inline const float* f32_view(const Array& a, std::int64_t start, std::int64_t n, float* scratch) {
+  if (a.dtype() == DType::f32) return static_cast<const float*>(a.raw()) + start;
+  bf16_to_f32(static_cast<const bfloat16*>(a.raw()) + start, scratch, n);
+  return scratch;
+}
+// Element i of a float array as float32.
+inline float f32_at(const Array& a, std::int64_t i) {
+  return a.dtype() == DType::f32 ? static_cast<const float*>(a.raw())[i]
+                                 : static_cast<float>(static_cast<const bfloat16*>(a.raw())[i]);
+}
+// Where a kernel writes elements [start, start + n) of `out` in float32: `out` itself when it is
+// float32, else `scratch`, which f32_commit then rounds into `out`.
+inline float* f32_target(Array& out, std::int64_t start, float* scratch) {
+  return out.dtype() == DType::f32 ? static_cast<float*>(out.mutable_raw()) + start : scratch;
+}
+inline void f32_commit(Array& out, std::int64_t start, std::int64_t n, const float* scratch) {
+  if (out.dtype() == DType::bf16) f32_to_bf16(scratch, static_cast<bfloat16*>(out.mutable_raw()) + start, n);
+}
+// Calls f(begin, count) over [0, n) in chunks of at most kChunk elements, blocks in parallel.
+template <class F>
+void for_chunks(std::int64_t n, F&& f) {
+  for_blocks(n, [&](std::int64_t s, std::int64_t c) {
+    for (std::int64_t x = s; x < s + c; x += kChunk) f(x, std::min(kChunk, s + c - x));
+  });
+}
 // Throws ShapeError unless `a` is defined.
 void require_defined(const Array& a, const char* op);
 

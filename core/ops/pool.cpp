@@ -2,6 +2,7 @@
 // (contiguous, vectorised). avg_pool's backward needs only shapes (and, without
 // count_include_pad, one divisor per output pixel); max_pool keeps the int32 position of each
 // window's maximum (one per output, not the whole input).
+#include <linum/core/fp_mode.hpp>
 #include <linum/core/ops/conv.hpp>
 #include <linum/core/ops/kernel_util.hpp>
 
@@ -55,7 +56,10 @@ void for_pixels(const PoolGeometry& G, F f) {
   const std::int64_t pixels = G.out_pixels();
   const bool parallel = pixels * G.c * G.kh * G.kw > ops::detail::kParallelMin;
 #pragma omp parallel for schedule(static) if (parallel)
-  for (std::int64_t p = 0; p < pixels; ++p) f(p);
+  for (std::int64_t p = 0; p < pixels; ++p) {
+    linum::detail::enter_compute();
+    f(p);
+  }
 }
 
 }  // namespace
@@ -91,6 +95,7 @@ Array avg_pool(const Array& x, const PoolOptions& o) {
       // Windows may overlap within an image but never across images: one image per thread.
 #pragma omp parallel for schedule(static) if (G.n > 1 && G.out_pixels() * C * G.kh * G.kw > ops::detail::kParallelMin)
       for (std::int64_t n = 0; n < G.n; ++n) {
+        linum::detail::enter_compute();
         for (std::int64_t p = n * per_image; p < (n + 1) * per_image; ++p) {
           const float inv = 1.0f / (pdiv ? pdiv[p] : full);
           const float* g = pg + p * C;

@@ -1,5 +1,6 @@
 // Reductions. sum and max are primitives with their own backward rules; mean, min, var and
 // logsumexp are compositions whose gradients follow from their parts.
+#include <linum/core/fp_mode.hpp>
 #include <linum/core/ops/reduce.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/kernel_util.hpp>
@@ -91,7 +92,10 @@ Array reduce_kernel(const Array& x, const std::vector<int>& axes, Reduction kind
   };
   if (outer > 1 && x.numel() >= ops::detail::kParallelMin) {
 #pragma omp parallel for schedule(static)
-    for (std::int64_t o = 0; o < outer; ++o) run(o);
+    for (std::int64_t o = 0; o < outer; ++o) {
+      linum::detail::enter_compute();
+      run(o);
+    }
   } else {
     for (std::int64_t o = 0; o < outer; ++o) run(o);
   }

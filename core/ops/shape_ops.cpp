@@ -1,6 +1,7 @@
 // Data-movement ops. They share one strided-copy kernel: every output element reads
 // x[base + sum_i idx_i * stride_i], with per-axis strides that express transposes, slices and
 // broadcasts.
+#include <linum/core/fp_mode.hpp>
 #include <linum/core/ops/shape_ops.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/kernel_util.hpp>
@@ -33,7 +34,10 @@ void for_rows(const Shape& out, const Strides& in_strides, std::int64_t base, F 
   };
   if (out.numel() >= ops::detail::kParallelMin && rows > 1) {
 #pragma omp parallel for schedule(static)
-    for (std::int64_t r = 0; r < rows; ++r) row(r);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      linum::detail::enter_compute();
+      row(r);
+    }
   } else {
     for (std::int64_t r = 0; r < rows; ++r) row(r);
   }
