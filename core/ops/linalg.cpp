@@ -1,13 +1,14 @@
-// matmul and dot_general. One primitive, a batched GEMM with its backward rule; everything else
+// matmul and dot_general. One primitive, a batched GEMM (core/kernels/gemm.hpp: oneDNN or Eigen) with
+// its backward rule; everything else
 // (promotion of 1-D operands, batch broadcasting, dot_general's axis bookkeeping) is composed from
 // reshape/transpose/broadcast_to, whose gradients are their own.
 #include <linum/core/ops/linalg.hpp>
 #include <linum/core/autodiff/hooks.hpp>
-#include <linum/core/ops/gemm.hpp>
+#include <linum/core/kernels/gemm.hpp>
 #include <linum/core/ops/kernel_util.hpp>
 #include <linum/core/ops/shape_ops.hpp>
+#include <linum/core/ops/elementwise.hpp>
 
-#include <Eigen/Core>
 
 namespace linum {
 namespace {
@@ -15,32 +16,8 @@ namespace {
 using autodiff::Cotangents;
 using autodiff::needs_grad;
 using autodiff::record;
-using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-using CMap = Eigen::Map<const RowMat>;
-using MMap = Eigen::Map<RowMat>;
 
-// out[b] = op(a[b]) @ op(b[b]) for stacked matrices; op transposes when asked. Rank 2 inputs are a
-// batch of one. `a` is [.., M, K] (or [.., K, M] when ta), `b` is [.., K, N] (or [.., N, K]).
-Array gemm(const Array& a, const Array& b, bool ta, bool tb) {
-  const int ra = a.rank(), rb = b.rank();
-  const std::int64_t batch = ra == 3 ? a.shape()[0] : 1;
-  const std::int64_t a0 = a.shape()[ra - 2], a1 = a.shape()[ra - 1];
-  const std::int64_t b0 = b.shape()[rb - 2], b1 = b.shape()[rb - 1];
-  const std::int64_t m = ta ? a1 : a0, k = ta ? a0 : a1, n = tb ? b0 : b1;
-  Shape out = ra == 3 ? Shape{batch, m, n} : Shape{m, n};
-  Array y = Array::empty(out);
-  for (std::int64_t i = 0; i < batch; ++i) {
-    CMap A(a.data() + i * a0 * a1, a0, a1);
-    CMap B(b.data() + i * b0 * b1, b0, b1);
-    MMap C(y.mutable_data() + i * m * n, m, n);
-    if (k == 0) { C.setZero(); continue; }
-    if (!ta && !tb) ops::detail::gemm_into(C, A, B);
-    else if (ta && !tb) ops::detail::gemm_into(C, A.transpose(), B);
-    else if (!ta && tb) ops::detail::gemm_into(C, A, B.transpose());
-    else ops::detail::gemm_into(C, A.transpose(), B.transpose());
-  }
-  return y;
-}
+Array gemm(const Array& a, const Array& b, bool ta, bool tb) { return kernels::batched_gemm(a, b, ta, tb); }
 
 // The primitive: [M,K]@[K,N] or [B,M,K]@[B,K,N].
 Array mm(const Array& a, const Array& b) {
@@ -67,9 +44,16 @@ std::string dims_str(const std::vector<int>& v) {
 
 }  // namespace
 
-Array matmul(const Array& a_in, const Array& b_in) {
-  ops::detail::require_f32(a_in, "matmul");
-  ops::detail::require_f32(b_in, "matmul");
+// Both operands in their promoted dtype (bf16 with f32 computes in f32, as JAX).
+static std::pair<Array, Array> promoted(const Array& a, const Array& b) {
+  const DType t = promote_types(a.dtype(), a.weak_type(), b.dtype(), b.weak_type());
+  return {astype(a, t), astype(b, t)};
+}
+
+Array matmul(const Array& a_orig, const Array& b_orig) {
+  ops::detail::require_float(a_orig, "matmul");
+  ops::detail::require_float(b_orig, "matmul");
+  const auto [a_in, b_in] = promoted(a_orig, b_orig);
   if (a_in.rank() == 0 || b_in.rank() == 0)
     throw ShapeError(detail::cat("matmul: operands must have rank >= 1, got ", ops::detail::shapes_str({&a_in, &b_in}),
                                  "; use mul for scalars"));
@@ -109,9 +93,10 @@ Array matmul(const Array& a_in, const Array& b_in) {
   return y;
 }
 
-Array dot_general(const Array& lhs, const Array& rhs, const DotDims& dims) {
-  ops::detail::require_f32(lhs, "dot_general");
-  ops::detail::require_f32(rhs, "dot_general");
+Array dot_general(const Array& lhs_orig, const Array& rhs_orig, const DotDims& dims) {
+  ops::detail::require_float(lhs_orig, "dot_general");
+  ops::detail::require_float(rhs_orig, "dot_general");
+  const auto [lhs, rhs] = promoted(lhs_orig, rhs_orig);
   auto bad = [&](const std::string& why) {
     return ShapeError(detail::cat("dot_general: ", why, " (lhs ", lhs.shape(), ", rhs ", rhs.shape(),
                                   ", contracting ", dims_str(dims.lhs_contracting), "/", dims_str(dims.rhs_contracting),

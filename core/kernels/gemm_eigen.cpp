@@ -1,0 +1,44 @@
+// Matrix products on Eigen, with Linum's own threading (core/ops/gemm.hpp). bf16 operands are
+// widened to float32 and the product rounded back.
+#include <linum/core/kernels/gemm.hpp>
+#include <linum/core/autodiff/graph.hpp>
+#include <linum/core/ops/elementwise.hpp>
+#include <linum/core/ops/gemm.hpp>
+
+#include <Eigen/Core>
+
+namespace linum::kernels {
+namespace {
+using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using CMap = Eigen::Map<const RowMat>;
+using MMap = Eigen::Map<RowMat>;
+}  // namespace
+
+Array batched_gemm_eigen(const Array& a_in, const Array& b_in, bool ta, bool tb) {
+  if (a_in.dtype() != DType::f32) {
+    autodiff::NoGradGuard constants;
+    return astype(batched_gemm_eigen(astype(a_in, DType::f32), astype(b_in, DType::f32), ta, tb), a_in.dtype());
+  }
+  const Array& a = a_in;
+  const Array& b = b_in;
+  const int ra = a.rank(), rb = b.rank();
+  const std::int64_t batch = ra == 3 ? a.shape()[0] : 1;
+  const std::int64_t a0 = a.shape()[ra - 2], a1 = a.shape()[ra - 1];
+  const std::int64_t b0 = b.shape()[rb - 2], b1 = b.shape()[rb - 1];
+  const std::int64_t m = ta ? a1 : a0, k = ta ? a0 : a1, n = tb ? b0 : b1;
+  Shape out = ra == 3 ? Shape{batch, m, n} : Shape{m, n};
+  Array y = Array::empty(out);
+  for (std::int64_t i = 0; i < batch; ++i) {
+    CMap A(a.data() + i * a0 * a1, a0, a1);
+    CMap B(b.data() + i * b0 * b1, b0, b1);
+    MMap C(y.mutable_data() + i * m * n, m, n);
+    if (k == 0) { C.setZero(); continue; }
+    if (!ta && !tb) ops::detail::gemm_into(C, A, B);
+    else if (ta && !tb) ops::detail::gemm_into(C, A.transpose(), B);
+    else if (!ta && tb) ops::detail::gemm_into(C, A, B.transpose());
+    else ops::detail::gemm_into(C, A.transpose(), B.transpose());
+  }
+  return y;
+}
+
+}  // namespace linum::kernels

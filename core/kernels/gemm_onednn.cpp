@@ -1,0 +1,103 @@
+// Matrix products on oneDNN. Primitives are created once per (shapes, transposes, dtype, threads)
+// and cached, so a training step does not rebuild them; executing the same cached primitive on the
+// same shapes gives bitwise the same result, which remat's recomputation relies on.
+#include <linum/core/fp_mode.hpp>
+#include <linum/core/kernels/gemm.hpp>
+
+#include <oneapi/dnnl/dnnl.hpp>
+
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace linum::kernels {
+namespace {
+
+using dnnl::memory;
+
+dnnl::engine& cpu_engine() {
+  static dnnl::engine e(dnnl::engine::kind::cpu, 0);
+  return e;
+}
+
+memory::data_type to_dnnl(DType t) { return t == DType::bf16 ? memory::data_type::bf16 : memory::data_type::f32; }
+
+struct Key {
+  std::int64_t batch, m, k, n;
+  bool ta, tb;
+  DType dtype;
+  int threads;
+  auto tie() const { return std::tie(batch, m, k, n, ta, tb, dtype, threads); }
+  bool operator<(const Key& o) const { return tie() < o.tie(); }
+};
+
+struct Cached {
+  memory::desc a, b, c;
+  dnnl::matmul primitive;
+};
+
+std::mutex g_cache_mutex;
+std::map<Key, Cached>& cache() {
+  static std::map<Key, Cached> c;
+  return c;
+}
+
+// The primitive for `key`, created on first use. Operands are described through strides, so a
+// transposed operand is read in place.
+const Cached& primitive_for(const Key& key) {
+  std::lock_guard<std::mutex> lock(g_cache_mutex);
+  auto it = cache().find(key);
+  if (it != cache().end()) return it->second;
+  const auto dt = to_dnnl(key.dtype);
+  const memory::dim B = key.batch, M = key.m, K = key.k, N = key.n;
+  // a is stored [B, M, K] (or [B, K, M] when ta): logical [B, M, K] with the matching strides.
+  memory::desc a(memory::dims{B, M, K}, dt, key.ta ? memory::dims{M * K, 1, M} : memory::dims{M * K, K, 1});
+  memory::desc b(memory::dims{B, K, N}, dt, key.tb ? memory::dims{K * N, 1, K} : memory::dims{K * N, N, 1});
+  memory::desc c(memory::dims{B, M, N}, dt, memory::dims{M * N, N, 1});
+  dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), cpu_engine());
+  return cache().emplace(key, Cached{a, b, c, dnnl::matmul(pd)}).first->second;
+}
+
+}  // namespace
+
+Array batched_gemm_onednn(const Array& a, const Array& b, bool ta, bool tb) {
+  const int ra = a.rank(), rb = b.rank();
+  const std::int64_t batch = ra == 3 ? a.shape()[0] : 1;
+  const std::int64_t a0 = a.shape()[ra - 2], a1 = a.shape()[ra - 1];
+  const std::int64_t b0 = b.shape()[rb - 2];
+  const std::int64_t b1 = b.shape()[rb - 1];
+  const std::int64_t m = ta ? a1 : a0, k = ta ? a0 : a1, n = tb ? b0 : b1;
+  Array y = Array::empty(ra == 3 ? Shape{batch, m, n} : Shape{m, n}, a.dtype());
+  if (y.numel() == 0) return y;
+  if (k == 0) {
+    std::memset(y.mutable_raw(), 0, y.nbytes());
+    return y;
+  }
+  int threads = 1;
+#ifdef _OPENMP
+  if (!omp_in_parallel() &&
+      static_cast<double>(batch) * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) >= kParallelGemmWork)
+    threads = omp_get_max_threads();
+  const int previous = omp_get_max_threads();
+  if (threads != previous) omp_set_num_threads(threads);
+#endif
+  const Cached& p = primitive_for(Key{batch, m, k, n, ta, tb, a.dtype(), threads});
+  memory ma(p.a, cpu_engine(), const_cast<void*>(a.raw()));
+  memory mb(p.b, cpu_engine(), const_cast<void*>(b.raw()));
+  memory mc(p.c, cpu_engine(), y.mutable_raw());
+  dnnl::stream stream(cpu_engine());
+  p.primitive.execute(stream, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
+  stream.wait();
+#ifdef _OPENMP
+  if (threads != previous) omp_set_num_threads(previous);
+#endif
+  (void)b1;
+  return y;
+}
+
+}  // namespace linum::kernels
