@@ -93,10 +93,11 @@ const DTypeInfo* find_dtype(std::string_view name) {
 
 DType target_dtype(FileDType t) {
   switch (t) {
+    case FileDType::bf16:
+      return DType::bf16;  // kept as bfloat16 (2 bytes per element), as Flax wrote it
     case FileDType::f32:
     case FileDType::f64:
     case FileDType::f16:
-    case FileDType::bf16:
       return DType::f32;
     default:
       return DType::i32;
@@ -107,6 +108,11 @@ DType target_dtype(FileDType t) {
 struct ConvertError {
   std::string message;
 };
+
+// Little-endian 2-byte bfloat16 words from a file into an array.
+void copy_bf16(const std::uint8_t* src, std::size_t count, bfloat16* dst) {
+  for (std::size_t i = 0; i < count; ++i) dst[i].bits = load_le<std::uint16_t>(src + 2 * i);
+}
 
 std::string fmt_double(double d) {
   std::ostringstream os;
@@ -626,6 +632,10 @@ class MsgpackReader {
 
   Array to_array(const RawArray& raw) {
     Array out = Array::empty(Shape(raw.dims), target_dtype(raw.dtype->type));
+    if (out.dtype() == DType::bf16) {
+      copy_bf16(raw.data.data(), static_cast<std::size_t>(raw.numel), out.mutable_data_bf16());
+      return out;
+    }
     void* dst = out.dtype() == DType::f32 ? static_cast<void*>(out.mutable_data()) : out.mutable_data_i32();
     try {
       convert_elements(*raw.dtype, raw.data.data(), static_cast<std::size_t>(raw.numel), dst);
@@ -724,10 +734,15 @@ class MsgpackReader {
       fail(detail::cat("chunked array of shape ", dims_str(*dims), " needs ", *numel, " elements, the chunks hold ",
                        total));
     Array out = Array::empty(Shape(*dims), dt ? target_dtype(dt->type) : DType::f32);
-    auto* dst = static_cast<std::uint8_t*>(out.dtype() == DType::f32 ? static_cast<void*>(out.mutable_data())
-                                                                      : static_cast<void*>(out.mutable_data_i32()));
+    auto* dst = static_cast<std::uint8_t*>(out.mutable_raw());
     std::size_t offset = 0;
     for (std::size_t i = 0; i < chunks.size(); ++i) {
+      if (out.dtype() == DType::bf16) {
+        copy_bf16(chunks[i].data.data(), static_cast<std::size_t>(chunks[i].numel),
+                  reinterpret_cast<bfloat16*>(dst + offset));
+        offset += static_cast<std::size_t>(chunks[i].numel) * 2;
+        continue;
+      }
       try {
         convert_elements(*dt, chunks[i].data.data(), static_cast<std::size_t>(chunks[i].numel), dst + offset);
       } catch (const ConvertError& e) {
@@ -813,6 +828,9 @@ Json leaf_json(const Array& a) {
   if (a.dtype() == DType::f32) {
     const float* p = a.data();
     for (std::size_t i = 0; i < n; ++i) data.push_back(float_json<Json>(p[i]));
+  } else if (a.dtype() == DType::bf16) {  // every bfloat16 value is a float32 value: written exactly
+    const bfloat16* p = a.data_bf16();
+    for (std::size_t i = 0; i < n; ++i) data.push_back(float_json<Json>(static_cast<float>(p[i])));
   } else {
     const std::int32_t* p = a.data_i32();
     for (std::size_t i = 0; i < n; ++i) data.push_back(p[i]);
@@ -922,10 +940,12 @@ class JsonReader {
     DType dtype;
     if (dt == "float32")
       dtype = DType::f32;
+    else if (dt == "bfloat16")
+      dtype = DType::bf16;
     else if (dt == "int32")
       dtype = DType::i32;
     else
-      fail(detail::cat("unsupported dtype \"", dt.substr(0, 40), "\"; JSON files hold float32 or int32 arrays"));
+      fail(detail::cat("unsupported dtype \"", dt.substr(0, 40), "\"; JSON files hold float32, bfloat16 or int32 arrays"));
     const Json& shape = j["shape"];
     if (!shape.is_array()) fail(detail::cat("\"shape\" must be an array of integers, found ", type_name(shape)));
     if (shape.size() > static_cast<std::size_t>(Shape::kMaxRank))
@@ -951,6 +971,15 @@ class JsonReader {
     if (dtype == DType::f32) {
       float* p = out.mutable_data();
       for (const auto& e : data) p[i] = element_f32(e, i), ++i;
+    } else if (dtype == DType::bf16) {
+      bfloat16* p = out.mutable_data_bf16();
+      for (const auto& e : data) {
+        const float v = element_f32(e, i);
+        p[i] = bfloat16(v);
+        if (!std::isnan(v) && std::bit_cast<std::uint32_t>(static_cast<float>(p[i])) != std::bit_cast<std::uint32_t>(v))
+          fail(detail::cat("\"data\"[", i, "] = ", fmt_double(v), " is not exactly representable as bfloat16"));
+        ++i;
+      }
     } else {
       std::int32_t* p = out.mutable_data_i32();
       for (const auto& e : data) p[i] = element_i32(e, i), ++i;

@@ -2,6 +2,7 @@
 // The backward rule keeps x and w (not the 9x larger columns) and rebuilds columns per chunk.
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/ops/conv.hpp>
+#include <linum/core/ops/elementwise.hpp>
 #include <linum/core/autodiff/hooks.hpp>
 #include <linum/core/ops/gemm.hpp>
 #include <linum/core/ops/kernel_util.hpp>
@@ -137,8 +138,14 @@ Array scratch(std::int64_t rows, std::int64_t width) { return Array::empty(Shape
 }  // namespace
 
 Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
-  ops::detail::require_f32(x, "conv2d");
-  ops::detail::require_f32(w, "conv2d");
+  ops::detail::require_float(x, "conv2d");
+  ops::detail::require_float(w, "conv2d");
+  if (x.dtype() != DType::f32 || w.dtype() != DType::f32) {
+    // bf16: the float32 kernel on widened operands, the result rounded once (not yet a native bf16
+    // convolution: see the README's performance notes).
+    const DType t = promote_types(x.dtype(), x.weak_type(), w.dtype(), w.weak_type());
+    return astype(conv2d(astype(x, DType::f32), astype(w, DType::f32), opt), t);
+  }
   if (x.rank() != 4 || w.rank() != 4)
     throw ShapeError(detail::cat("conv2d: needs x as [N, H, W, C] and kernel as [KH, KW, C/groups, O], got ",
                                  ops::detail::shapes_str({&x, &w})));

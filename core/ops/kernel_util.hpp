@@ -4,6 +4,7 @@
 #include <linum/core/array.hpp>
 #include <linum/core/autodiff/graph.hpp>
 #include <linum/core/fp_mode.hpp>
+#include <linum/core/ops/elementwise.hpp>
 
 #include <algorithm>
 #include <cstdint>
@@ -60,6 +61,13 @@ inline float* f32_target(Array& out, std::int64_t start, float* scratch) {
 inline void f32_commit(Array& out, std::int64_t start, std::int64_t n, const float* scratch) {
   if (out.dtype() == DType::bf16) f32_to_bf16(scratch, static_cast<bfloat16*>(out.mutable_raw()) + start, n);
 }
+// How ops that accumulate (reductions, softmax) take bf16 input, as Flax does: `f` runs on the
+// input widened to float32 (differentiably) and its result is rounded back once.
+template <class F>
+Array via_f32(const Array& x, F&& f) {
+  return astype(f(astype(x, DType::f32)), x.dtype());
+}
+
 // Calls f(begin, count) over [0, n) in chunks of at most kChunk elements, blocks in parallel.
 template <class F>
 void for_chunks(std::int64_t n, F&& f) {

@@ -65,6 +65,8 @@ void for_pixels(const PoolGeometry& G, F f) {
 }  // namespace
 
 Array avg_pool(const Array& x, const PoolOptions& o) {
+  ops::detail::require_float(x, "avg_pool");
+  if (x.dtype() == DType::bf16) return ops::detail::via_f32(x, [&](const Array& w) { return avg_pool(w, o); });
   const PoolGeometry G = plan(x, o, "avg_pool");
   Array y = Array::empty(Shape{G.n, G.ph.out, G.pw.out, G.c});
   // Without count_include_pad, windows at the border divide by their in-bounds size.
@@ -111,6 +113,8 @@ Array avg_pool(const Array& x, const PoolOptions& o) {
 }
 
 Array max_pool(const Array& x, const PoolOptions& o) {
+  ops::detail::require_float(x, "max_pool");
+  if (x.dtype() == DType::bf16) return ops::detail::via_f32(x, [&](const Array& w) { return max_pool(w, o); });
   const PoolGeometry G = plan(x, o, "max_pool");
   if (x.numel() > std::numeric_limits<std::int32_t>::max())
     throw ShapeError(detail::cat("max_pool: input of shape ", x.shape(), " is too large (more than 2^31 elements)"));

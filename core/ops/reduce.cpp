@@ -109,7 +109,8 @@ Array finish(const Array& keep, const Shape& x_shape, const std::vector<int>& ax
 }  // namespace
 
 Array sum(const Array& x, const std::vector<int>& axes_in, bool keepdims) {
-  ops::detail::require_f32(x, "sum");
+  ops::detail::require_float(x, "sum");
+  if (x.dtype() == DType::bf16) return ops::detail::via_f32(x, [&](const Array& w) { return sum(w, axes_in, keepdims); });
   const std::vector<int> axes = ops::detail::normalize_axes(axes_in, x.rank(), "sum");
   Array y = finish(reduce_kernel(x, axes, Reduction::sum, "sum"), x.shape(), axes, keepdims);
   if (needs_grad(x))
@@ -121,7 +122,8 @@ Array sum(const Array& x, const std::vector<int>& axes_in, bool keepdims) {
 Array sum(const Array& x) { return sum(x, all_axes(x.rank()), false); }
 
 Array mean(const Array& x, const std::vector<int>& axes_in, bool keepdims) {
-  ops::detail::require_f32(x, "mean");
+  ops::detail::require_float(x, "mean");
+  if (x.dtype() == DType::bf16) return ops::detail::via_f32(x, [&](const Array& w) { return mean(w, axes_in, keepdims); });
   const std::vector<int> axes = ops::detail::normalize_axes(axes_in, x.rank(), "mean");
   std::int64_t count = 1;
   for (int a : axes) count *= x.shape()[a];
@@ -130,7 +132,8 @@ Array mean(const Array& x, const std::vector<int>& axes_in, bool keepdims) {
 Array mean(const Array& x) { return mean(x, all_axes(x.rank()), false); }
 
 Array max(const Array& x, const std::vector<int>& axes_in, bool keepdims) {
-  ops::detail::require_f32(x, "max");
+  ops::detail::require_float(x, "max");
+  if (x.dtype() == DType::bf16) return ops::detail::via_f32(x, [&](const Array& w) { return max(w, axes_in, keepdims); });
   const std::vector<int> axes = ops::detail::normalize_axes(axes_in, x.rank(), "max");
   Array keep = reduce_kernel(x, axes, Reduction::max, "max");
   Array y = finish(keep, x.shape(), axes, keepdims);
@@ -150,13 +153,16 @@ Array min(const Array& x, const std::vector<int>& axes, bool keepdims) { return 
 Array min(const Array& x) { return neg(max(neg(x))); }
 
 Array var(const Array& x, const std::vector<int>& axes, bool keepdims) {
+  ops::detail::require_float(x, "var");
+  if (x.dtype() == DType::bf16) return ops::detail::via_f32(x, [&](const Array& w) { return var(w, axes, keepdims); });
   Array centered = x - mean(x, axes, true);
   return mean(square(centered), axes, keepdims);
 }
 Array var(const Array& x) { return var(x, all_axes(x.rank()), false); }
 
 Array logsumexp(const Array& x, const std::vector<int>& axes_in, bool keepdims) {
-  ops::detail::require_f32(x, "logsumexp");
+  ops::detail::require_float(x, "logsumexp");
+  if (x.dtype() == DType::bf16) return ops::detail::via_f32(x, [&](const Array& w) { return logsumexp(w, axes_in, keepdims); });
   const std::vector<int> axes = ops::detail::normalize_axes(axes_in, x.rank(), "logsumexp");
   Array m;
   {
@@ -173,7 +179,11 @@ Array logsumexp(const Array& x, const std::vector<int>& axes_in, bool keepdims) 
 Array logsumexp(const Array& x) { return logsumexp(x, all_axes(x.rank()), false); }
 
 Array argmax(const Array& x, int axis_in) {
-  ops::detail::require_f32(x, "argmax");
+  ops::detail::require_float(x, "argmax");
+  if (x.dtype() == DType::bf16) {
+    autodiff::NoGradGuard constants;
+    return argmax(astype(x.detached(), DType::f32), axis_in);
+  }
   const int axis = x.shape().normalize_axis(axis_in, "argmax");
   if (x.shape()[axis] == 0) throw ShapeError(detail::cat("argmax: axis ", axis_in, " of ", x.shape(), " is empty"));
   std::int64_t outer = 1, inner = 1;

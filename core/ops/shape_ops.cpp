@@ -58,21 +58,28 @@ Array strided_gather(const Array& x, const Shape& out_shape, const Strides& s, s
   return out;
 }
 
+// Data movement only: elements are copied as bit patterns of their size.
 Array gather(const Array& x, const Shape& out_shape, const Strides& s, std::int64_t base) {
-  return x.dtype() == DType::f32 ? strided_gather<float>(x, out_shape, s, base)
-                                 : strided_gather<std::int32_t>(x, out_shape, s, base);
+  return dtype_size(x.dtype()) == 2 ? strided_gather<std::uint16_t>(x, out_shape, s, base)
+                                    : strided_gather<std::uint32_t>(x, out_shape, s, base);
 }
 
 // dest[base + idx . s] = src[idx] (dest is freshly allocated; the mapping is injective).
-void strided_scatter(Array& dest, const Array& src, const Strides& s, std::int64_t base) {
-  const float* ps = src.data();
-  float* pd = dest.mutable_data();
+template <class T>
+void strided_scatter_as(Array& dest, const Array& src, const Strides& s, std::int64_t base) {
+  const T* ps = static_cast<const T*>(src.raw());
+  T* pd = static_cast<T*>(dest.mutable_raw());
   const int rank = src.rank();
   const std::int64_t inner = rank ? src.shape()[rank - 1] : 1;
   const std::int64_t step = rank ? s[rank - 1] : 0;
   for_rows(src.shape(), s, base, [&](std::int64_t o, std::int64_t i) {
     for (std::int64_t j = 0; j < inner; ++j) pd[i + j * step] = ps[o + j];
   });
+}
+
+void strided_scatter(Array& dest, const Array& src, const Strides& s, std::int64_t base) {
+  if (dtype_size(src.dtype()) == 2) strided_scatter_as<std::uint16_t>(dest, src, s, base);
+  else strided_scatter_as<std::uint32_t>(dest, src, s, base);
 }
 
 std::string vec_str(const std::vector<std::int64_t>& v) {
@@ -188,7 +195,7 @@ Array slice(const Array& x, const std::vector<std::int64_t>& starts, const std::
   Array y = gather(x, out, s, base);
   if (needs_grad(x))
     record("slice", y, {&x}, {}, [xshape = x.shape(), s, base](Cotangents& c, autodiff::Saved) {
-      Array g = Array::zeros(xshape);
+      Array g = Array::zeros(xshape, c.out().dtype());
       strided_scatter(g, c.out(), s, base);
       c.set(0, g);
     });
@@ -228,10 +235,11 @@ Array concatenate(const std::vector<Array>& xs, int axis_in) {
   auto* py = static_cast<char*>(const_cast<void*>(y.raw()));
   std::int64_t offset = 0;
   for (const Array& a : xs) {
-    const std::int64_t chunk = a.shape()[axis] * inner * 4;
+    const std::int64_t esize = static_cast<std::int64_t>(dtype_size(a.dtype()));
+    const std::int64_t chunk = a.shape()[axis] * inner * esize;
     const auto* pa = static_cast<const char*>(a.raw());
     for (std::int64_t o = 0; o < outer; ++o)
-      std::memcpy(py + (o * total * inner) * 4 + offset, pa + o * chunk, static_cast<std::size_t>(chunk));
+      std::memcpy(py + (o * total * inner) * esize + offset, pa + o * chunk, static_cast<std::size_t>(chunk));
     offset += chunk;
   }
   if (autodiff::needs_grad(std::span<const Array>(xs))) {
@@ -294,10 +302,12 @@ std::vector<Array> unstack(const Array& x) {
   if (autodiff::needs_grad(x))
     autodiff::record_multi("unstack", std::span<Array>(parts), autodiff::edges_of({&x}), {},
                            [xs = x.shape(), bytes](Cotangents& c, autodiff::Saved) {
-                             Array g = Array::zeros(xs);
+                             Array g = Array::zeros(xs, c.out(0).defined() ? c.out(0).dtype() : DType::f32);
                              for (std::size_t i = 0; i < c.num_outputs(); ++i)
-                               if (c.out(i).defined())
-                                 std::memcpy(g.mutable_data() + i * (bytes / sizeof(float)), c.out(i).data(), bytes);
+                               if (c.out(i).defined()) {
+                                 const Array gi = astype(c.out(i), g.dtype());
+                                 std::memcpy(static_cast<char*>(g.mutable_raw()) + i * bytes, gi.raw(), bytes);
+                               }
                              c.set(0, g);
                            });
   return parts;
@@ -332,15 +342,16 @@ Array take(const Array& x, const Array& indices, int axis_in) {
   const auto* px = static_cast<const char*>(x.raw());
   auto* py = static_cast<char*>(const_cast<void*>(y.raw()));
   const std::int64_t m = indices.numel();
-  const std::size_t row = static_cast<std::size_t>(inner) * 4;
+  const std::size_t row = static_cast<std::size_t>(inner) * dtype_size(x.dtype());
   for (std::int64_t o = 0; o < outer; ++o)
     for (std::int64_t k = 0; k < m; ++k)
       std::memcpy(py + (o * m + k) * static_cast<std::int64_t>(row), px + (o * n + pi[k]) * static_cast<std::int64_t>(row), row);
   if (needs_grad(x))
     record("take", y, {&x}, {indices}, [xshape = x.shape(), outer, inner, n](Cotangents& c, autodiff::Saved s) {
-      Array g = Array::zeros(xshape);
+      Array g = Array::zeros(xshape);  // accumulated in float32; the sweep rounds it to x's dtype
       float* pg = g.mutable_data();
-      const float* pc = c.out().data();
+      const Array co = astype(c.out(), DType::f32);
+      const float* pc = co.data();
       const std::int32_t* ix = s[0].data_i32();
       const std::int64_t m = s[0].numel();
       for (std::int64_t o = 0; o < outer; ++o)

@@ -8,12 +8,13 @@ namespace linum {
 using autodiff::Cotangents;
 
 Array softmax(const Array& x, const std::vector<int>& axes) {
-  ops::detail::require_f32(x, "softmax");
+  ops::detail::require_float(x, "softmax");
   Array y;
   {
-    autodiff::NoGradGuard no_grad;
-    Array e = exp(x - max(x, axes, true));
-    y = e / sum(e, axes, true);
+    autodiff::NoGradGuard no_grad;  // computed in float32, rounded once to x's dtype; only y is kept
+    const Array xf = astype(x.detached(), DType::f32);
+    Array e = exp(xf - max(xf, axes, true));
+    y = astype(e / sum(e, axes, true), x.dtype());
   }
   if (autodiff::needs_grad(x))
     autodiff::record("softmax", y, {&x}, {y}, [axes](Cotangents& c, autodiff::Saved s) {
@@ -25,12 +26,13 @@ Array softmax(const Array& x, const std::vector<int>& axes) {
 }
 
 Array log_softmax(const Array& x, const std::vector<int>& axes) {
-  ops::detail::require_f32(x, "log_softmax");
+  ops::detail::require_float(x, "log_softmax");
   Array y;
   {
-    autodiff::NoGradGuard no_grad;
-    Array shifted = x - max(x, axes, true);
-    y = shifted - log(sum(exp(shifted), axes, true));
+    autodiff::NoGradGuard no_grad;  // computed in float32, rounded once to x's dtype
+    const Array xf = astype(x.detached(), DType::f32);
+    Array shifted = xf - max(xf, axes, true);
+    y = astype(shifted - log(sum(exp(shifted), axes, true)), x.dtype());
   }
   if (autodiff::needs_grad(x))
     autodiff::record("log_softmax", y, {&x}, {y}, [axes](Cotangents& c, autodiff::Saved s) {
