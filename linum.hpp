@@ -4,6 +4,7 @@
 
 #include <linum/core/array.hpp>
 #include <linum/core/error.hpp>
+#include <linum/core/engine.hpp>
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/memory.hpp>
 #include <linum/core/shape.hpp>

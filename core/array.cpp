@@ -147,7 +147,9 @@ void Array::check_dtype(DType want, const char* where) const {
 
 std::string Array::type_str() const {
   if (!defined()) return "<undefined>";
-  return std::string(dtype_short_name(dtype_)) + shape_.str();
+  std::string s = std::string(dtype_short_name(dtype_)) + "[";
+  for (int i = 0; i < shape_.rank(); ++i) s += (i ? "," : "") + std::to_string(shape_[i]);
+  return s + "]";
 }
 
 std::string Array::str() const {

@@ -229,7 +229,7 @@ std::vector<Array> run_checkpointed(const Thunk& forward, Thunk recompute, const
                                                options.verify, std::move(where), std::move(prints), std::move(unique_held));
   for (std::size_t i = 0; i < outs.size(); ++i) {
     outs[i] = outs[i].detached();  // drops the block's own graph: its intermediates are freed here
-    if (outs[i].dtype() == DType::f32) outs[i].set_node(node, static_cast<std::uint32_t>(i));
+    if (is_floating(outs[i].dtype())) outs[i].set_node(node, static_cast<std::uint32_t>(i));
   }
   if (autodiff::detail::t_record_hook != nullptr)
     for (Array& o : outs)

@@ -9,7 +9,7 @@
 namespace linum::lift {
 
 std::string Residual::str() const {
-  std::string s = dtype == DType::f32 ? "f32[" : "i32[";
+  std::string s = std::string(dtype_short_name(dtype)) + "[";
   for (int i = 0; i < shape.rank(); ++i) s += (i ? "," : "") + std::to_string(shape[i]);
   s += "] ";
   if (kind == "argument") s += "from the argument " + std::to_string(argument);
@@ -52,7 +52,7 @@ std::vector<Residual> trace_residuals(const std::vector<Array>& arguments,
   std::map<const void*, int> argument_index;
   for (std::size_t i = 0; i < arguments.size(); ++i) {
     const Array& a = arguments[i];
-    tracked.push_back(a.defined() && a.dtype() == DType::f32 ? autodiff::make_leaf(a) : a);
+    tracked.push_back(a.defined() && is_floating(a.dtype()) ? autodiff::make_leaf(a) : a);
     if (a.defined()) argument_index.emplace(a.raw(), static_cast<int>(i));
   }
   ProducerTrace trace;

@@ -103,9 +103,9 @@ auto track_selected(std::index_sequence<Is...>, const Args&... args) {
 }
 
 inline Array check_scalar_loss(const Array& value, const char* api) {
-  if (!value.defined() || value.numel() != 1 || value.dtype() != DType::f32)
-    throw AutodiffError(linum::detail::cat(api, ": the function must return a float32 scalar (one element), got ",
-                                           value.defined() ? value.shape().str() : std::string("<undefined>"),
+  if (!value.defined() || value.numel() != 1 || !is_floating(value.dtype()))
+    throw AutodiffError(linum::detail::cat(api, ": the function must return a float scalar (one element), got ",
+                                           value.type_str(),
                                            "; reduce it first (e.g. mean), or use vjp for non-scalar outputs"));
   return value;
 }
@@ -143,14 +143,14 @@ struct ValueAndGrad {
     auto result = std::apply(f, tracked);
     if constexpr (std::is_same_v<std::decay_t<decltype(result)>, Array>) {
       Array value = check_scalar_loss(result, "value_and_grad");
-      Array one = Array::ones(value.shape());
+      Array one = Array::full(value.shape(), 1.0f, value.dtype());
       autodiff::backward(std::span<const Array>(&value, 1), std::span<const Array>(&one, 1));
       return std::make_pair(value.detached(), collect_gradients<decltype(tracked), Nums...>(tracked));
     } else {
       // has_aux: f returns (loss, aux); aux comes back detached from the graph.
       Array value = check_scalar_loss(std::get<0>(result), "value_and_grad");
       auto aux = detach_value(std::get<1>(result));
-      Array one = Array::ones(value.shape());
+      Array one = Array::full(value.shape(), 1.0f, value.dtype());
       autodiff::backward(std::span<const Array>(&value, 1), std::span<const Array>(&one, 1));
       return std::make_tuple(value.detached(), std::move(aux), collect_gradients<decltype(tracked), Nums...>(tracked));
     }

@@ -1,11 +1,15 @@
 // linum-bench: measured speed and memory, printed as one JSON line per variant.
 //
 //   linum-bench mlp [--layers L] [--width W] [--batch B] [--steps S] [--threads T] [--variant V]
+//                   [--dtype f32|bf16] [--engine onednn|eigen]
 //       The deep-MLP training step: L x (Dense(W) + GELU) on a batch of B, loss mean(h * h),
+//       parameters kept in float32 and cast to --dtype for the computation (Flax's dtype=bf16 with
+//       param_dtype=float32, PyTorch's autocast),
 //       forward + backward, in four variants: plain, remat_every (each layer checkpointed,
 //       nothing_saveable), remat_dots (each layer, dots_saveable), remat_sqrt (sqrt(L) checkpointed
-//       segments). Fields: bench, variant, step_s_min, step_s_median, model_gflops
-//       (6 B W^2 L / step_s_min), gemm_gflops (raw Eigen GEMM on the [B, W] x [W, W] shape, same run),
+//       segments). Fields: bench, variant, dtype, engine, step_s_min, step_s_median, model_gflops
+//       (6 B W^2 L / step_s_min), gemm_gflops (the engine's raw product in --dtype on the
+//       [B, W] x [W, W] shape, same run),
 //       gemm_ratio, peak_activation_bytes (exact accounting: peak live bytes during the step minus live
 //       bytes before it), peak_rss_growth_mib.
 //   linum-bench ops [--iters N]
@@ -88,22 +92,38 @@ Array random_normal(const Shape& s, unsigned seed, float scale) {
   return a;
 }
 
-double gemm_gflops(std::int64_t m, std::int64_t k, std::int64_t n, int reps) {
-  using M = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-  M a = M::Random(m, k), b = M::Random(k, n), c(m, n);
-  c.noalias() = a * b;  // warm-up
+// The engine's raw product [m, k] x [k, n] in `dtype` (Linum's matmul on constants: the kernel plus
+// the output allocation, which the block cache serves).
+double gemm_gflops(std::int64_t m, std::int64_t k, std::int64_t n, DType dtype, int reps) {
+  const Array a = astype(random_normal(Shape{m, k}, 11u, 1.0f), dtype);
+  const Array b = astype(random_normal(Shape{k, n}, 12u, 1.0f), dtype);
+  (void)matmul(a, b);  // warm-up (creates the primitive)
   double best = 1e30;
   for (int r = 0; r < reps; ++r) {
     auto t = Clock::now();
-    c.noalias() = a * b;
+    Array c = matmul(a, b);
     best = std::min(best, seconds_since(t));
   }
   return 2.0 * m * k * n / best / 1e9;
 }
 
+DType parse_dtype(const std::string& s) {
+  if (s == "f32" || s == "float32") return DType::f32;
+  if (s == "bf16" || s == "bfloat16") return DType::bf16;
+  throw ValueError("--dtype must be f32 or bf16, got '" + s + "'");
+}
+
+void apply_engine_flag(const Flags& f) {
+  const std::string e = f.text("engine", "");
+  if (e.empty()) return;
+  if (e == "eigen") set_engine(Engine::eigen);
+  else if (e == "onednn") set_engine(Engine::onednn);
+  else throw ValueError("--engine must be onednn or eigen, got '" + e + "'");
+}
+
 void run_variant(const std::string& variant, const std::function<Array(const std::vector<Array>&, const Array&)>& loss,
                  const std::vector<Array>& params, const Array& x, long L, long W, long B, long steps, int threads,
-                 double gemm);
+                 double gemm, DType dtype);
 
 int bench_mlp(const Flags& f) {
   const long L = f.get("layers", 24), W = f.get("width", 512), B = f.get("batch", 2048), steps = f.get("steps", 5);
@@ -112,17 +132,22 @@ int bench_mlp(const Flags& f) {
   omp_set_num_threads(threads);
 #endif
   Eigen::setNbThreads(threads);
-  const double gemm = gemm_gflops(B, W, W, 10);
+  apply_engine_flag(f);
+  const DType dtype = parse_dtype(f.text("dtype", "f32"));
+  const double gemm = gemm_gflops(B, W, W, dtype, 10);
 
   std::vector<Array> params;
   for (long l = 0; l < L; ++l) {
     params.push_back(random_normal(Shape{W, W}, static_cast<unsigned>(2 * l + 1), 1.0f / std::sqrt(static_cast<float>(W))));
     params.push_back(Array::zeros(Shape{W}));
   }
-  const Array x = random_normal(Shape{B, W}, 7u, 1.0f);
+  const Array x = astype(random_normal(Shape{B, W}, 7u, 1.0f), dtype);
 
-  // One layer: Dense(W) + GELU, as a function of (h, kernel, bias).
-  auto layer = [](const Array& h, const Array& w, const Array& b) { return gelu(matmul(h, w) + b); };
+  // One layer: Dense(W) + GELU, as a function of (h, kernel, bias); float32 parameters are cast to
+  // the computation dtype (a no-op for f32).
+  auto layer = [dtype](const Array& h, const Array& w, const Array& b) {
+    return gelu(matmul(h, astype(w, dtype)) + astype(b, dtype));
+  };
   const long segments = std::max(1L, static_cast<long>(std::sqrt(static_cast<double>(L))));
   struct Variant {
     std::string name;
@@ -171,14 +196,14 @@ int bench_mlp(const Flags& f) {
     run_variant(v.name, [&](const std::vector<Array>& p, const Array& in) {
       Array h = v.forward(p, in);
       return mean(h * h);
-    }, params, x, L, W, B, steps, threads, gemm);
+    }, params, x, L, W, B, steps, threads, gemm, dtype);
   }
   return 0;
 }
 
 void run_variant(const std::string& variant, const std::function<Array(const std::vector<Array>&, const Array&)>& loss,
                  const std::vector<Array>& params, const Array& x, long L, long W, long B, long steps, int threads,
-                 double gemm) {
+                 double gemm, DType dtype) {
   auto step = value_and_grad(loss);
   (void)step(params, x);  // warm-up
   std::vector<double> times;
@@ -201,6 +226,8 @@ void run_variant(const std::string& variant, const std::function<Array(const std
   nlohmann::json out = {
       {"bench", "mlp"},
       {"variant", variant},
+      {"dtype", dtype_short_name(dtype)},
+      {"engine", engine_name(engine())},
       {"layers", L},
       {"width", W},
       {"batch", B},

@@ -1,0 +1,290 @@
+// Mixed precision: bfloat16 storage and conversion, JAX's promotion rules, every op in bf16 against
+// float32 within bf16 tolerance, gradients in their value's dtype, remat vs plain bitwise in bf16,
+// the two matmul engines agreeing, serialization round trips, and subnormal flushing.
+#include <doctest/doctest.h>
+#include <linum/linum.hpp>
+
+#include "testing/gradcheck.hpp"
+
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
+
+using namespace linum;
+using linum::testing::random_array;
+
+namespace {
+
+std::uint16_t bits_of(float v) { return bfloat16(v).bits; }
+float from_bits(std::uint32_t u) { return std::bit_cast<float>(u); }
+
+// max |a - b| / (1 + |b|) over the elements, computing on float copies.
+double max_rel_diff(const Array& a, const Array& b) {
+  const auto va = a.to_vector(), vb = b.to_vector();
+  REQUIRE(va.size() == vb.size());
+  double worst = 0;
+  for (std::size_t i = 0; i < va.size(); ++i)
+    worst = std::max(worst, std::abs(static_cast<double>(va[i]) - vb[i]) / (1.0 + std::abs(static_cast<double>(vb[i]))));
+  return worst;
+}
+
+Array bf(const Array& x) { return astype(x, DType::bf16); }
+
+}  // namespace
+
+TEST_CASE("bfloat16 conversion rounds to nearest even, as JAX/XLA") {
+  CHECK(bits_of(1.0f) == 0x3f80);
+  CHECK(bits_of(-2.0f) == 0xc000);
+  CHECK(bits_of(from_bits(0x3f808000u)) == 0x3f80);  // exactly halfway, even below: round down
+  CHECK(bits_of(from_bits(0x3f818000u)) == 0x3f82);  // exactly halfway, odd below: round up
+  CHECK(bits_of(from_bits(0x3f808001u)) == 0x3f81);  // above halfway
+  CHECK(bits_of(from_bits(0x3f807fffu)) == 0x3f80);  // below halfway
+  CHECK(bits_of(std::numeric_limits<float>::infinity()) == 0x7f80);
+  CHECK(bits_of(std::numeric_limits<float>::max()) == 0x7f80);  // rounds up to inf, as XLA
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  CHECK(std::isnan(static_cast<float>(bfloat16(nan))));
+  CHECK(std::isnan(static_cast<float>(bfloat16(from_bits(0x7f800001u)))));  // a NaN whose payload is in the low bits
+  // The bulk converter agrees with the scalar one on every kind of value.
+  std::vector<float> v = {0.0f, -0.0f, 1.0f, 0.1f, 1e-40f, 3.4e38f, from_bits(0x3f808000u), from_bits(0x3f818000u),
+                          nan, -std::numeric_limits<float>::infinity(), from_bits(0x7f800001u)};
+  std::vector<bfloat16> out(v.size());
+  f32_to_bf16(v.data(), out.data(), static_cast<std::int64_t>(v.size()));
+  for (std::size_t i = 0; i < v.size(); ++i) CHECK(out[i].bits == bfloat16(v[i]).bits);
+  // Widening is exact and round-trips.
+  std::vector<float> back(v.size());
+  bf16_to_f32(out.data(), back.data(), static_cast<std::int64_t>(v.size()));
+  for (std::size_t i = 0; i < v.size(); ++i) CHECK(bfloat16(back[i]).bits == out[i].bits);
+}
+
+TEST_CASE("arrays: bf16 storage is 2 bytes per element, printed as JAX prints types") {
+  const Array x = astype(Array::from(Shape{2, 3}, {1, 2, 3, 4, 5, 6}), DType::bf16);
+  CHECK(x.dtype() == DType::bf16);
+  CHECK(x.nbytes() == 12);
+  CHECK(x.type_str() == "bf16[2,3]");
+  CHECK(x.to_vector() == std::vector<float>{1, 2, 3, 4, 5, 6});
+  CHECK(Array::full(Shape{2}, 0.1f, DType::bf16).to_vector()[0] == static_cast<float>(bfloat16(0.1f)));
+  CHECK(astype(x, DType::f32).to_vector() == std::vector<float>{1, 2, 3, 4, 5, 6});
+  CHECK(astype(astype(x, DType::i32), DType::bf16).bitwise_equal(x));
+}
+
+TEST_CASE("promotion follows JAX: bf16 with f32 gives f32, a C++ scalar does not widen bf16") {
+  const Array b = bf(random_array(Shape{3}, 1));
+  const Array f = random_array(Shape{3}, 2);
+  CHECK((b + f).dtype() == DType::f32);
+  CHECK((f * b).dtype() == DType::f32);
+  CHECK((b + b).dtype() == DType::bf16);
+  CHECK((b * 0.5f).dtype() == DType::bf16);
+  CHECK((2.0f - b).dtype() == DType::bf16);
+  CHECK((b / Array::scalar(3.0f)).dtype() == DType::bf16);
+  CHECK((f * 0.5f).dtype() == DType::f32);
+  // A strongly typed f32 scalar array does widen, as a jnp.float32 value does.
+  CHECK((b * Array::full(Shape{}, 2.0f)).dtype() == DType::f32);
+  CHECK(matmul(bf(random_array(Shape{2, 3}, 3)), random_array(Shape{3, 2}, 4)).dtype() == DType::f32);
+  CHECK(promote_types(DType::bf16, DType::i32) == DType::bf16);
+  CHECK(maximum(b, f).dtype() == DType::f32);
+  CHECK(where(greater(f, Array::scalar(0.0f)), b, b).dtype() == DType::bf16);
+  // Comparisons give float32 masks.
+  CHECK(greater(b, b).dtype() == DType::f32);
+}
+
+TEST_CASE("every op in bf16 matches float32 within bf16 tolerance") {
+  const Array x = random_array(Shape{4, 6}, 10, -2.0f, 2.0f);
+  const Array y = random_array(Shape{4, 6}, 11, 0.5f, 2.0f);
+  const Array row = random_array(Shape{6}, 12);
+  const Array w = random_array(Shape{6, 5}, 13);
+  struct Case {
+    const char* name;
+    std::function<Array(const Array&, const Array&)> f;
+  };
+  const std::vector<Case> cases = {
+      {"add", [&](const Array& a, const Array&) { return a + astype(row, a.dtype()); }},
+      {"sub", [](const Array& a, const Array& b) { return a - b; }},
+      {"mul", [](const Array& a, const Array& b) { return a * b; }},
+      {"div", [](const Array& a, const Array& b) { return a / b; }},
+      {"pow", [](const Array& a, const Array& b) { return pow(b, a); }},
+      {"maximum", [](const Array& a, const Array& b) { return maximum(a, b); }},
+      {"neg", [](const Array& a, const Array&) { return -a; }},
+      {"exp", [](const Array& a, const Array&) { return exp(a); }},
+      {"log", [](const Array&, const Array& b) { return log(b); }},
+      {"sqrt", [](const Array&, const Array& b) { return sqrt(b); }},
+      {"rsqrt", [](const Array&, const Array& b) { return rsqrt(b); }},
+      {"tanh", [](const Array& a, const Array&) { return tanh(a); }},
+      {"sigmoid", [](const Array& a, const Array&) { return sigmoid(a); }},
+      {"relu", [](const Array& a, const Array&) { return relu(a); }},
+      {"gelu", [](const Array& a, const Array&) { return gelu(a); }},
+      {"gelu_erf", [](const Array& a, const Array&) { return gelu(a, false); }},
+      {"silu", [](const Array& a, const Array&) { return silu(a); }},
+      {"softplus", [](const Array& a, const Array&) { return softplus(a); }},
+      {"where", [](const Array& a, const Array& b) { return where(greater(a, b), a, b); }},
+      {"sum", [](const Array& a, const Array&) { return sum(a, {1}); }},
+      {"mean", [](const Array& a, const Array&) { return mean(a); }},
+      {"max", [](const Array& a, const Array&) { return max(a, {0}); }},
+      {"var", [](const Array& a, const Array&) { return var(a, {1}); }},
+      {"logsumexp", [](const Array& a, const Array&) { return logsumexp(a, {1}); }},
+      {"softmax", [](const Array& a, const Array&) { return softmax(a); }},
+      {"log_softmax", [](const Array& a, const Array&) { return log_softmax(a); }},
+      {"matmul", [&](const Array& a, const Array&) { return matmul(a, astype(w, a.dtype())); }},
+      {"dot_general", [](const Array& a, const Array& b) { return dot_general(a, b, DotDims{{1}, {1}, {}, {}}); }},
+      {"transpose", [](const Array& a, const Array&) { return transpose(a); }},
+      {"reshape", [](const Array& a, const Array&) { return reshape(a, {6, 4}); }},
+      {"slice", [](const Array& a, const Array&) { return slice_axis(a, 1, 1, 4); }},
+      {"concatenate", [](const Array& a, const Array& b) { return concatenate({a, b}, 1); }},
+      {"broadcast_to", [](const Array& a, const Array&) { return broadcast_to(a, Shape{2, 4, 6}); }},
+      {"take", [](const Array& a, const Array&) { return take(a, Array::from_i32(Shape{3}, {2, 0, 2}), 0); }},
+      {"conv2d", [](const Array& a, const Array&) {
+         return conv2d(reshape(a, {1, 4, 6, 1}), astype(Array::full(Shape{2, 2, 1, 3}, 0.25f), a.dtype()));
+       }},
+      {"avg_pool", [](const Array& a, const Array&) { return avg_pool(reshape(a, {1, 4, 6, 1}), {.window = {2, 2}, .strides = {2, 2}}); }},
+      {"max_pool", [](const Array& a, const Array&) { return max_pool(reshape(a, {1, 4, 6, 1}), {.window = {2, 2}, .strides = {2, 2}}); }},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.name);
+    const Array ref = c.f(astype(bf(x), DType::f32), astype(bf(y), DType::f32));  // same inputs, float32 math
+    const Array got = c.f(bf(x), bf(y));
+    CHECK(got.dtype() == DType::bf16);
+    CHECK(got.shape() == ref.shape());
+    CHECK(max_rel_diff(got, ref) <= 1.0 / 128);  // one bf16 rounding of the float32 result (2^-8 relative) and change
+  }
+}
+
+TEST_CASE("gradients come back in the dtype of the value they belong to") {
+  const Array w = random_array(Shape{6, 5}, 20);  // float32 "parameter"
+  const Array x = bf(random_array(Shape{4, 6}, 21));
+  // Flax's dtype=bf16, param_dtype=float32: the parameter is cast for the computation.
+  auto loss = [](const Array& w, const Array& x) { return mean(square(gelu(matmul(x, astype(w, DType::bf16))))); };
+  auto [value, grads] = value_and_grad<0, 1>(loss)(w, x);
+  CHECK(value.dtype() == DType::bf16);
+  CHECK(std::get<0>(grads).dtype() == DType::f32);
+  CHECK(std::get<1>(grads).dtype() == DType::bf16);
+  // And the values agree with the float32 computation within bf16 tolerance.
+  auto loss32 = [](const Array& w, const Array& x) {
+    return mean(square(gelu(matmul(x, astype(astype(w, DType::bf16), DType::f32)))));
+  };
+  auto g32 = grad<0>(loss32)(w, astype(x, DType::f32));
+  CHECK(max_rel_diff(std::get<0>(grads), g32) < 0.02);
+  // A bf16 value mixed into a float32 computation gets a bf16 gradient.
+  auto mixed = [](const Array& x) { return sum(x * Array::full(Shape{6}, 2.0f)); };  // promotes to f32
+  Array gx = grad(mixed)(x);
+  CHECK(gx.dtype() == DType::bf16);
+  CHECK(gx.to_vector() == std::vector<float>(24, 2.0f));
+}
+
+TEST_CASE("float32 gradient checks pass through astype round trips") {
+  linum::testing::check_gradients(
+      "astype", [](const std::vector<Array>& in) { return astype(astype(in[0], DType::bf16), DType::f32) * in[0]; },
+      {random_array(Shape{3, 4}, 30)}, {.eps = 1e-2, .rtol = 2e-2, .atol = 1e-2});
+}
+
+TEST_CASE("remat in bf16: values and gradients bitwise equal to the plain model") {
+  const Array w1 = random_array(Shape{8, 8}, 40), w2 = random_array(Shape{8, 8}, 41);
+  const Array x = bf(random_array(Shape{5, 8}, 42));
+  auto layer = [](const Array& h, const Array& w) { return gelu(matmul(h, astype(w, DType::bf16)) + 0.1f); };
+  auto plain = [&](const Array& a, const Array& b, const Array& x) { return mean(square(layer(layer(x, a), b))); };
+  auto every = [&](const Array& a, const Array& b, const Array& x) {
+    return mean(square(checkpoint(layer)(checkpoint(layer)(x, a), b)));
+  };
+  auto dots = [&](const Array& a, const Array& b, const Array& x) {
+    auto c = checkpoint(layer, {.policy = policies::dots_saveable{}});
+    return mean(square(c(c(x, a), b)));
+  };
+  auto [v1, g1] = value_and_grad<0, 1, 2>(plain)(w1, w2, x);
+  auto [v2, g2] = value_and_grad<0, 1, 2>(every)(w1, w2, x);
+  auto [v3, g3] = value_and_grad<0, 1, 2>(dots)(w1, w2, x);
+  CHECK(v1.bitwise_equal(v2));
+  CHECK(v1.bitwise_equal(v3));
+  CHECK(std::get<0>(g1).dtype() == DType::f32);
+  CHECK(std::get<2>(g1).dtype() == DType::bf16);
+  CHECK(std::get<0>(g1).bitwise_equal(std::get<0>(g2)));
+  CHECK(std::get<1>(g1).bitwise_equal(std::get<1>(g2)));
+  CHECK(std::get<2>(g1).bitwise_equal(std::get<2>(g2)));
+  CHECK(std::get<0>(g1).bitwise_equal(std::get<0>(g3)));
+  CHECK(std::get<1>(g1).bitwise_equal(std::get<1>(g3)));
+  CHECK(std::get<2>(g1).bitwise_equal(std::get<2>(g3)));
+}
+
+TEST_CASE("remat policies and residual reports see dtypes and count 2 bytes per bf16 element") {
+  const Array w = random_array(Shape{8, 8}, 50);
+  const Array x = bf(random_array(Shape{4, 8}, 51));
+  auto f = [](const Array& x, const Array& w) { return tanh(matmul(x, astype(w, DType::bf16))); };
+  const auto residuals = lift::saved_residuals(f, x, w);
+  std::size_t bf16_bytes = 0;
+  bool saw_x = false;
+  for (const auto& r : residuals) {
+    if (r.dtype == DType::bf16) bf16_bytes += r.bytes;
+    if (r.str().rfind("bf16[4,8] from the argument 0", 0) == 0) saw_x = true;
+  }
+  CHECK(saw_x);
+  // x (4x8), the bf16 cast of w (8x8) and tanh's output (4x8), at 2 bytes per element.
+  CHECK(bf16_bytes == 2 * (32 + 64 + 32));
+}
+
+TEST_CASE("the oneDNN and Eigen engines agree") {
+  if (!engine_available(Engine::onednn)) return;
+  const Engine before = engine();
+  const Array a = random_array(Shape{3, 37, 29}, 60), b = random_array(Shape{3, 29, 41}, 61);
+  for (DType t : {DType::f32, DType::bf16}) {
+    CAPTURE(dtype_name(t));
+    set_engine(Engine::onednn);
+    const Array y1 = matmul(astype(a, t), astype(b, t));
+    const auto g1 = grad<0, 1>([](const Array& p, const Array& q) { return sum(square(matmul(p, q))); })(astype(a, t), astype(b, t));
+    set_engine(Engine::eigen);
+    const Array y2 = matmul(astype(a, t), astype(b, t));
+    const auto g2 = grad<0, 1>([](const Array& p, const Array& q) { return sum(square(matmul(p, q))); })(astype(a, t), astype(b, t));
+    CHECK(y1.dtype() == t);
+    CHECK(max_rel_diff(y1, y2) < (t == DType::f32 ? 1e-5 : 1.0 / 64));
+    CHECK(max_rel_diff(std::get<0>(g1), std::get<0>(g2)) < (t == DType::f32 ? 1e-4 : 1.0 / 16));
+    CHECK(max_rel_diff(std::get<1>(g1), std::get<1>(g2)) < (t == DType::f32 ? 1e-4 : 1.0 / 16));
+  }
+  set_engine(before);
+  set_engine(Engine::eigen);
+  CHECK(engine() == Engine::eigen);
+  set_engine(before);
+}
+
+TEST_CASE("serialization keeps bf16 arrays bit for bit, in Flax's msgpack layout") {
+  Tree t;
+  std::vector<float> specials = {0.0f, -0.0f, 1.0f, -3.5f, 1e-39f, 3e38f, std::numeric_limits<float>::infinity(),
+                                 std::numeric_limits<float>::quiet_NaN()};
+  t.set_path("params/w", astype(Array::from(Shape{2, 4}, specials), DType::bf16));
+  t.set_path("params/f", random_array(Shape{3}, 70));
+  const auto mp = serialization::to_msgpack(t);
+  const Tree back = serialization::from_msgpack(mp);
+  CHECK(back.at("params").at("w").array().dtype() == DType::bf16);
+  CHECK(bitwise_equal(back, t));
+  // The record holds "bfloat16" and 2 bytes per element, as flax.serialization writes.
+  const std::string text(mp.begin(), mp.end());
+  CHECK(text.find("bfloat16") != std::string::npos);
+  const Tree from_json = serialization::from_json(serialization::to_json(t));
+  CHECK(bitwise_equal(from_json, t));
+  // A JSON value that bf16 cannot hold exactly is refused, not rounded silently.
+  auto j = serialization::to_json(t);
+  j["params"]["w"]["data"][0] = 0.1;
+  CHECK_THROWS_AS(serialization::from_json(j), IoError);
+}
+
+TEST_CASE("subnormals are flushed in every thread Linum computes in, unless opted out") {
+  REQUIRE(flush_denormals());
+  const Array tiny = Array::full(Shape{1 << 19}, 1e-30f);  // large enough for the OpenMP threads to join
+  const Array y = tiny * 1e-10f;                           // 1e-40 is subnormal in float32
+  CHECK(thread_flushes_denormals());
+  for (float v : y.to_vector()) {
+    if (v != 0.0f) { CHECK(v == 0.0f); break; }
+  }
+  set_flush_denormals(false);
+  const Array z = tiny * 1e-10f;
+  CHECK_FALSE(thread_flushes_denormals());
+  bool all_subnormal = true;
+  for (float v : z.to_vector()) all_subnormal = all_subnormal && v != 0.0f && std::fpclassify(v) == FP_SUBNORMAL;
+  CHECK(all_subnormal);
+  set_flush_denormals(true);
+  CHECK(thread_flushes_denormals());
+  {
+    IeeeSubnormalScope exact;
+    CHECK_FALSE(thread_flushes_denormals());
+  }
+  CHECK(thread_flushes_denormals());
+}
