@@ -1,6 +1,7 @@
 #include <linum/core/optim.hpp>
 
 #include <linum/core/autodiff/graph.hpp>
+#include <linum/core/ops/elementwise.hpp>
 #include <linum/core/error.hpp>
 
 #include <algorithm>
@@ -29,23 +30,31 @@ void check_same_structure(const std::string& who, std::string_view a_name, const
                                  "from (call init(params) again if the model changed)"));
 }
 
-// Throws unless every leaf of `tree` is float32.
+// Throws unless every leaf of `tree` is float32 or bfloat16.
 void check_f32(const std::string& who, std::string_view what, const Tree& tree) {
   for (const auto& [path, a] : flatten(tree))
-    if (a.dtype() != DType::f32)
+    if (!is_floating(a.dtype()))
       throw ValueError(detail::cat(who, ": ", what, " leaf '", path.empty() ? std::string("<root>") : path, "' is ",
                                    dtype_name(a.dtype()), " ", a.shape(),
-                                   "; optimizers update float32 arrays only (keep integer values out of the "
+                                   "; optimizers update float arrays only (keep integer values out of the "
                                    "trees you optimize)"));
 }
 
 // A new tree with the structure of the first input whose leaves are f applied elementwise to
-// corresponding float32 elements of the inputs (which must already have been checked to share
-// one structure and be float32). The results are fresh constants.
+// corresponding elements of the inputs (which must already have been checked to share one
+// structure and be float), computed in float32. Each result leaf has the dtype of the first
+// input's leaf (optimizer states and updates follow the parameters' dtype, as optax). The results
+// are fresh constants.
 template <std::size_t N, class F>
 Tree map_elementwise(const std::array<const Tree*, N>& trees, F f) {
   std::array<std::vector<Array>, N> in;
-  for (std::size_t k = 0; k < N; ++k) in[k] = leaves(*trees[k]);
+  autodiff::NoGradGuard constants;
+  for (std::size_t k = 0; k < N; ++k) {
+    in[k] = leaves(*trees[k]);
+    for (Array& a : in[k])
+      if (a.dtype() != DType::f32) a = astype(a, DType::f32);
+  }
+  const std::vector<Array> first_leaves = leaves(*trees[0]);
   std::vector<Array> out;
   out.reserve(in[0].size());
   for (std::size_t i = 0; i < in[0].size(); ++i) {
@@ -60,7 +69,7 @@ Tree map_elementwise(const std::array<const Tree*, N>& trees, F f) {
       else if constexpr (N == 2) o[j] = f(p[0][j], p[1][j]);
       else o[j] = f(p[0][j], p[1][j], p[2][j]);
     }
-    out.push_back(std::move(r));
+    out.push_back(first_leaves[i].dtype() == DType::f32 ? std::move(r) : astype(r, first_leaves[i].dtype()));
   }
   return with_leaves(*trees[0], out);
 }
@@ -72,9 +81,9 @@ Tree map2(const Tree& a, const Tree& b, F f) { return map_elementwise<2>({&a, &b
 template <class F>
 Tree map3(const Tree& a, const Tree& b, const Tree& c, F f) { return map_elementwise<3>({&a, &b, &c}, f); }
 
-// A tree with the structure of `params` and float32 zeros at every leaf.
+// A tree with the structure of `params` and zeros of each leaf's dtype at every leaf.
 Tree zeros_like(const Tree& params) {
-  return tree_map([](const Array& a) { return Array::zeros(a.shape()); }, params);
+  return tree_map([](const Array& a) { return Array::zeros(a.shape(), a.dtype()); }, params);
 }
 
 // An empty dict: the state of a stateless transformation.
@@ -216,7 +225,8 @@ Tree apply_updates(const Tree& params, const Tree& updates) {
 float global_norm(const Tree& tree) {
   check_f32("optim::global_norm", "tree", tree);
   double total = 0.0;
-  for (const Array& a : leaves(tree)) {
+  for (const Array& leaf : leaves(tree)) {
+    const Array a = leaf.dtype() == DType::f32 ? leaf : astype(leaf, DType::f32);
     const float* p = a.data();
     const std::int64_t n = a.numel();
     for (std::int64_t i = 0; i < n; ++i) total += static_cast<double>(p[i]) * p[i];

@@ -27,7 +27,9 @@
 // evaluated in double and rounded to float.
 //
 // Updates are computed without recording autodiff nodes (under autodiff::NoGradGuard): they are
-// constants even inside a differentiated function. Every leaf must be float32. Trees whose
+// constants even inside a differentiated function. Every leaf must be float32 or bfloat16: bf16
+// leaves are computed in float32 and their states and updates are kept in bf16, as optax keeps
+// states in the parameters' dtype. Trees whose
 // structures disagree (grads vs state vs params) throw linum::ValueError naming the first path
 // where they differ.
 #pragma once
@@ -136,7 +138,7 @@ class GradientTransformation {
 };
 
 // params + updates leaf by leaf (optax.apply_updates). Throws ValueError naming the first path
-// where the structures or shapes differ, or a leaf that is not float32.
+// where the structures or shapes differ, or a leaf that is not a float array.
 Tree apply_updates(const Tree& params, const Tree& updates);
 
 // The L2 norm of all leaves together: sqrt(sum over leaves of sum(x^2)), accumulated in double.

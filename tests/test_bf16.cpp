@@ -288,3 +288,105 @@ TEST_CASE("subnormals are flushed in every thread Linum computes in, unless opte
   }
   CHECK(thread_flushes_denormals());
 }
+
+// ---- layers: Flax's dtype and param_dtype --------------------------------------------------------
+
+namespace {
+const Array* leaf_at(const Tree& t, const std::string& path) {
+  static Array holder;
+  holder = t.at_path(path).array();
+  return &holder;
+}
+}  // namespace
+
+TEST_CASE("Dense: dtype sets the computation, param_dtype the parameters, as flax.linen") {
+  const Array x = random_array(Shape{3, 4}, 80);
+  // Mixed precision: float32 params, bf16 computation, float32 gradients.
+  const nn::Dense mixed{.features = 5, .dtype = DType::bf16};
+  Tree v = init(mixed, rng::key(0), x);
+  CHECK(leaf_at(v, "params/kernel")->dtype() == DType::f32);
+  CHECK(apply(mixed, v, x).dtype() == DType::bf16);
+  // The same parameters as the float32 layer (param_dtype float32 is the default).
+  CHECK(bitwise_equal(v, init(nn::Dense{.features = 5}, rng::key(0), x)));
+  Tree params = v.at("params");
+  auto loss = [&](const Tree& p) { return mean(square(apply(mixed, Tree{{"params", p}}, x))); };
+  Tree g = grad(loss)(params);
+  CHECK(g.at("kernel").array().dtype() == DType::f32);
+  CHECK(g.at("bias").array().dtype() == DType::f32);
+  // bf16 parameters: created in bf16 (the float32 draw rounded); with float32 input the default
+  // dtype promotes to float32, with bf16 input it stays bf16.
+  const nn::Dense half{.features = 5, .param_dtype = DType::bf16};
+  Tree vh = init(half, rng::key(0), x);
+  CHECK(leaf_at(vh, "params/kernel")->dtype() == DType::bf16);
+  CHECK(leaf_at(vh, "params/kernel")->bitwise_equal(astype(v.at_path("params/kernel").array(), DType::bf16)));
+  CHECK(apply(half, vh, x).dtype() == DType::f32);
+  CHECK(apply(half, vh, astype(x, DType::bf16)).dtype() == DType::bf16);
+  CHECK_THROWS_WITH_AS(init(nn::Dense{.features = 2, .param_dtype = DType::i32}, rng::key(0), x),
+                       doctest::Contains("param_dtype must be a float dtype"), ValueError);
+}
+
+TEST_CASE("every layer runs in bf16 and matches its float32 output within bf16 tolerance") {
+  const Array img = random_array(Shape{2, 6, 6, 3}, 81);
+  const Array seq = random_array(Shape{2, 5, 8}, 82);
+  auto compare = [](const auto& layer32, const auto& layer16, const Array& x, double tol) {
+    Tree v = init(layer32, rng::key(3), x);
+    const Array y32 = apply(layer32, v, x);
+    const Array y16 = apply(layer16, v, x);
+    CHECK(y16.dtype() == DType::bf16);
+    CHECK(max_rel_diff(y16, y32) < tol);
+  };
+  compare(nn::Conv{.features = 4, .kernel_size = {3, 3}}, nn::Conv{.features = 4, .kernel_size = {3, 3}, .dtype = DType::bf16}, img, 0.03);
+  compare(nn::DenseGeneral{.features = {2, 3}}, nn::DenseGeneral{.features = {2, 3}, .dtype = DType::bf16}, seq, 0.03);
+  compare(nn::LayerNorm{}, nn::LayerNorm{.dtype = DType::bf16}, seq, 0.02);
+  compare(nn::RMSNorm{}, nn::RMSNorm{.dtype = DType::bf16}, seq, 0.02);
+  compare(nn::GroupNorm{.num_groups = 4}, nn::GroupNorm{.num_groups = 4, .dtype = DType::bf16}, seq, 0.02);
+  compare(nn::MultiHeadDotProductAttention{.num_heads = 2},
+          nn::MultiHeadDotProductAttention{.num_heads = 2, .dtype = DType::bf16}, seq, 0.05);
+  const Array ids = Array::from_i32(Shape{2, 3}, {0, 1, 2, 3, 4, 0});
+  compare(nn::Embed{.num_embeddings = 5, .features = 4}, nn::Embed{.num_embeddings = 5, .features = 4, .dtype = DType::bf16},
+          ids, 0.01);
+  // Normalization of a bf16 input with float32 params gives float32 by default (Flax promotes).
+  Tree v = init(nn::LayerNorm{}, rng::key(0), astype(seq, DType::bf16));
+  CHECK(apply(nn::LayerNorm{}, v, astype(seq, DType::bf16)).dtype() == DType::f32);
+  // BatchNorm keeps float32 running statistics for bf16 inputs.
+  const nn::BatchNorm bn{.use_running_average = false, .dtype = DType::bf16};
+  Tree vb = init(bn, rng::key(0), img);
+  auto [y, updated] = apply(bn, vb, {.mutable_collections = {"batch_stats"}}, astype(img, DType::bf16));
+  CHECK(y.dtype() == DType::bf16);
+  CHECK(updated.at_path("batch_stats/mean").array().dtype() == DType::f32);
+}
+
+TEST_CASE("mixed-precision training: adam keeps float32 masters, bf16 params keep bf16 states, loss falls") {
+  const Array x = random_array(Shape{32, 6}, 90);
+  const Array labels = linum::testing::random_labels(Shape{32}, 91, 3);
+  struct Net {
+    Array operator()(Scope& s, const Array& x) const {
+      Array h = gelu(s(nn::Dense{.features = 16, .dtype = DType::bf16}, x));
+      return s(nn::Dense{.features = 3, .dtype = DType::bf16}, h);
+    }
+  };
+  Tree params = init(Net{}, rng::key(4), x).at("params");
+  const auto opt = optim::adam(3e-2);
+  Tree state = opt.init(params);
+  auto loss = [&](const Tree& p) {
+    return mean(nn::softmax_cross_entropy_with_integer_labels(apply(Net{}, Tree{{"params", p}}, x), labels));
+  };
+  const float before = loss(params).item();
+  for (int step = 0; step < 40; ++step) {
+    auto [value, grads] = value_and_grad(loss)(params);
+    CHECK(value.dtype() == DType::f32);  // losses compute in float32
+    auto [updates, next] = opt.update(grads, state, params);
+    params = optim::apply_updates(params, updates);
+    state = next;
+  }
+  CHECK(params.at_path("Dense_0/kernel").array().dtype() == DType::f32);
+  CHECK(loss(params).item() < 0.5f * before);
+  // With bf16 parameters, adam's moments are bf16 too (optax keeps states in the params' dtype).
+  Tree p16 = tree_map([](const Array& a) { return astype(a, DType::bf16); }, params);
+  Tree s16 = opt.init(p16);
+  for (const auto& [path, a] : flatten(s16))
+    if (path.find("count") == std::string::npos) CHECK(a.dtype() == DType::bf16);
+  auto [u16, n16] = opt.update(p16, s16, p16);
+  CHECK(u16.at_path("Dense_0/kernel").array().dtype() == DType::bf16);
+  CHECK(optim::apply_updates(p16, u16).at_path("Dense_0/kernel").array().dtype() == DType::bf16);
+}

@@ -746,7 +746,14 @@ BOOST_HANA_ADAPT_STRUCT(MyBlock, depth, dropout_rate, head, name);
 
 TEST_CASE("module_config / module_from_config round trips") {
   nlohmann::json d = nn::module_config(nn::Dense{.features = 10});
-  CHECK(d.dump() == R"({"features":10,"use_bias":true})");
+  CHECK(d.dump() == R"({"dtype":null,"features":10,"param_dtype":"float32","use_bias":true})");
+  // Flax's dtype and param_dtype travel with the configuration.
+  nlohmann::json dbf = nn::module_config(nn::Dense{.features = 4, .dtype = DType::bf16});
+  CHECK(dbf.at("dtype") == "bfloat16");
+  CHECK(nn::module_from_config<nn::Dense>(dbf).dtype == DType::bf16);
+  CHECK(nn::module_from_config<nn::Dense>(nlohmann::json{{"param_dtype", "bfloat16"}}).param_dtype == DType::bf16);
+  CHECK_THROWS_WITH_AS(nn::module_from_config<nn::Dense>(nlohmann::json{{"dtype", "float16"}}),
+                       doctest::Contains("Dense.dtype' must be a dtype"), ValueError);
   CHECK(nn::module_from_config<nn::Dense>(d).features == 10);
 
   nn::Conv conv{.features = 8, .kernel_size = {3, 3}, .strides = {2, 2}, .padding = {{1, 0}, {0, 1}}, .feature_group_count = 2};
@@ -768,19 +775,19 @@ TEST_CASE("module_config / module_from_config round trips") {
   CHECK_FALSE(gn2.num_groups.has_value());
   CHECK(gn2.group_size == 4);
   nlohmann::json bn = nn::module_config(nn::BatchNorm{.momentum = 0.9});
-  CHECK(bn.dump() == R"({"axis":-1,"epsilon":1e-05,"momentum":0.9,"use_bias":true,"use_fast_variance":true,)"
-                     R"("use_running_average":null,"use_scale":true})");
+  CHECK(bn.dump() == R"({"axis":-1,"dtype":null,"epsilon":1e-05,"momentum":0.9,"param_dtype":"float32","use_bias":true,)"
+                     R"("use_fast_variance":true,"use_running_average":null,"use_scale":true})");
   CHECK(nn::module_from_config<nn::BatchNorm>(bn).momentum == 0.9);
   nlohmann::json m = nn::module_config(nn::MultiHeadDotProductAttention{.num_heads = 4, .qkv_features = 64});
   CHECK(m.at("qkv_features") == 64);
   CHECK(m.at("out_features").is_null());
   CHECK(nn::module_from_config<nn::MultiHeadDotProductAttention>(m).qkv_features == 64);
   CHECK(nn::module_from_config<nn::Dropout>(nn::module_config(nn::Dropout{.rate = 0.25, .deterministic = true})).deterministic == true);
-  CHECK(nn::module_config(nn::Embed{.num_embeddings = 7, .features = 2}).dump() == R"({"features":2,"num_embeddings":7})");
+  CHECK(nn::module_config(nn::Embed{.num_embeddings = 7, .features = 2}).dump() == R"({"dtype":null,"features":2,"num_embeddings":7,"param_dtype":"float32"})");
 
   // A user's module, nested configuration included.
   nlohmann::json u = nn::module_config(MyBlock{});
-  CHECK(u.dump() == R"({"depth":2,"dropout_rate":0.1,"head":{"features":10,"use_bias":true},"name":"block"})");
+  CHECK(u.dump() == R"({"depth":2,"dropout_rate":0.1,"head":{"dtype":null,"features":10,"param_dtype":"float32","use_bias":true},"name":"block"})");
   u["head"]["features"] = 3;
   CHECK(nn::module_from_config<MyBlock>(u).head.features == 3);
 

@@ -49,7 +49,13 @@ Array dot_product_attention_weights(const Array& query, const Array& key, const 
   Array w = dot_general(q, key, DotDims{.lhs_contracting = {r - 1}, .rhs_contracting = {r - 1},
                                         .lhs_batch = lb, .rhs_batch = rb});
   if (o.bias.defined()) w = w + o.bias;
-  if (o.mask.defined()) w = where(o.mask, w, Array::scalar(std::numeric_limits<float>::lowest()));
+  if (o.mask.defined()) {
+    // jnp.finfo(dtype).min of the logits' dtype, as Flax (float32's lowest would round to -inf in bf16).
+    bfloat16 bf16_lowest;
+    bf16_lowest.bits = 0xff7f;
+    const float big_neg = w.dtype() == DType::bf16 ? static_cast<float>(bf16_lowest) : std::numeric_limits<float>::lowest();
+    w = where(o.mask, w, Array::scalar(big_neg));
+  }
   w = softmax(w, {-1});
   if (o.sow_scope) o.sow_scope->sow("intermediates", "attention_weights", w);
   if (!o.deterministic && o.dropout_rate > 0.0) {
@@ -60,7 +66,7 @@ Array dot_product_attention_weights(const Array& query, const Array& key, const 
     if (o.broadcast_dropout)
       for (int a = 0; a < w.rank() - 2; ++a) mask_shape[a] = 1;
     Array keep = rng::bernoulli(*o.dropout_rng, keep_prob, mask_shape);
-    w = w * (keep / keep_prob);
+    w = w * astype(keep / keep_prob, w.dtype());
   }
   return w;
 }
@@ -148,13 +154,14 @@ Array MultiHeadDotProductAttention::operator()(Scope& s, const Array& inputs_q, 
                                  ") must be divisible by num_heads (", num_heads, ")"));
   const std::int64_t head_dim = qkv / num_heads;
   const DenseGeneral dense{.features = {num_heads, head_dim}, .axis = {-1}, .use_bias = use_bias,
-                           .kernel_init = kernel_init, .bias_init = bias_init};
+                           .kernel_init = kernel_init, .bias_init = bias_init, .dtype = dtype,
+                           .param_dtype = param_dtype};
   Array query = s("query", dense, inputs_q);
   Array key = s("key", dense, inputs_k);
   Array value = s("value", dense, inputs_v);
   if (normalize_qk) {
-    query = s("query_ln", LayerNorm{.use_bias = false}, query);
-    key = s("key_ln", LayerNorm{.use_bias = false}, key);
+    query = s("query_ln", LayerNorm{.use_bias = false, .dtype = dtype, .param_dtype = param_dtype}, query);
+    key = s("key_ln", LayerNorm{.use_bias = false, .dtype = dtype, .param_dtype = param_dtype}, key);
   }
   DotProductAttentionOptions o;
   o.mask = args.mask;
@@ -169,7 +176,8 @@ Array MultiHeadDotProductAttention::operator()(Scope& s, const Array& inputs_q, 
   Array x = dot_product_attention(query, key, value, o);  // [..., q, heads, head_dim]
   const DenseGeneral out{.features = {features}, .axis = {-2, -1}, .use_bias = use_bias,
                          .kernel_init = out_kernel_init ? out_kernel_init : kernel_init,
-                         .bias_init = out_bias_init ? out_bias_init : bias_init};
+                         .bias_init = out_bias_init ? out_bias_init : bias_init, .dtype = dtype,
+                         .param_dtype = param_dtype};
   return s("out", out, x);
 }
 

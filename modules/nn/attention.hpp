@@ -15,6 +15,7 @@
 
 #include <linum/core/array.hpp>
 #include <linum/modules/initializers.hpp>
+#include <linum/modules/nn/dtypes.hpp>
 #include <linum/modules/scope.hpp>
 #include <linum/rng/key.hpp>
 
@@ -83,6 +84,8 @@ struct MultiHeadDotProductAttention {
   Initializer out_bias_init;                     // empty: bias_init
   bool use_bias = true;
   bool normalize_qk = false;
+  std::optional<DType> dtype;                                 // computation dtype; nullopt: promote inputs and params
+  DType param_dtype = DType::f32;                             // dtype the params are created in
 
   // Self-attention over inputs_q [batch..., length, features].
   Array operator()(Scope& s, const Array& inputs_q, const AttentionArgs& args = {}) const;

@@ -38,21 +38,22 @@
 #include <utility>
 #include <vector>
 
-BOOST_HANA_ADAPT_STRUCT(linum::nn::Dense, features, use_bias);
-BOOST_HANA_ADAPT_STRUCT(linum::nn::DenseGeneral, features, axis, use_bias);
+BOOST_HANA_ADAPT_STRUCT(linum::nn::Dense, features, use_bias, dtype, param_dtype);
+BOOST_HANA_ADAPT_STRUCT(linum::nn::DenseGeneral, features, axis, use_bias, dtype, param_dtype);
 BOOST_HANA_ADAPT_STRUCT(linum::nn::Conv, features, kernel_size, strides, padding, kernel_dilation, feature_group_count,
-                        use_bias);
-BOOST_HANA_ADAPT_STRUCT(linum::nn::Embed, num_embeddings, features);
+                        use_bias, dtype, param_dtype);
+BOOST_HANA_ADAPT_STRUCT(linum::nn::Embed, num_embeddings, features, dtype, param_dtype);
 BOOST_HANA_ADAPT_STRUCT(linum::nn::LayerNorm, epsilon, use_bias, use_scale, reduction_axes, feature_axes,
-                        use_fast_variance);
-BOOST_HANA_ADAPT_STRUCT(linum::nn::RMSNorm, epsilon, use_scale, reduction_axes, feature_axes, use_fast_variance);
+                        use_fast_variance, dtype, param_dtype);
+BOOST_HANA_ADAPT_STRUCT(linum::nn::RMSNorm, epsilon, use_scale, reduction_axes, feature_axes, use_fast_variance, dtype,
+                        param_dtype);
 BOOST_HANA_ADAPT_STRUCT(linum::nn::GroupNorm, num_groups, group_size, epsilon, use_bias, use_scale, reduction_axes,
-                        use_fast_variance);
+                        use_fast_variance, dtype, param_dtype);
 BOOST_HANA_ADAPT_STRUCT(linum::nn::BatchNorm, use_running_average, axis, momentum, epsilon, use_bias, use_scale,
-                        use_fast_variance);
+                        use_fast_variance, dtype, param_dtype);
 BOOST_HANA_ADAPT_STRUCT(linum::nn::Dropout, rate, broadcast_dims, deterministic, rng_collection);
 BOOST_HANA_ADAPT_STRUCT(linum::nn::MultiHeadDotProductAttention, num_heads, qkv_features, out_features,
-                        broadcast_dropout, dropout_rate, deterministic, use_bias, normalize_qk);
+                        broadcast_dropout, dropout_rate, deterministic, use_bias, normalize_qk, dtype, param_dtype);
 
 namespace linum::nn {
 
@@ -164,6 +165,8 @@ nlohmann::json to_value(const T& v) {
     return nlohmann::json(v);
   } else if constexpr (std::is_same_v<T, float>) {
     return nlohmann::json(float_as_double(v));
+  } else if constexpr (std::is_same_v<T, DType>) {
+    return nlohmann::json(dtype_name(v));  // "float32", "bfloat16", "int32" (NumPy's names)
   } else if constexpr (is_optional<T>::value) {
     return v ? to_value(*v) : nlohmann::json(nullptr);
   } else if constexpr (is_vector<T>::value) {
@@ -197,6 +200,12 @@ T from_value(const nlohmann::json& j, const std::string& where) {
   } else if constexpr (std::is_same_v<T, std::string>) {
     if (!j.is_string()) bad_field(where, "a string", j);
     return j.get<std::string>();
+  } else if constexpr (std::is_same_v<T, DType>) {
+    const std::string name = j.is_string() ? j.get<std::string>() : std::string();
+    if (name == "float32" || name == "f32") return DType::f32;
+    if (name == "bfloat16" || name == "bf16") return DType::bf16;
+    if (name == "int32" || name == "i32") return DType::i32;
+    bad_field(where, "a dtype (\"float32\" or \"bfloat16\")", j);
   } else if constexpr (is_optional<T>::value) {
     if (j.is_null()) return T{};
     return T{from_value<typename T::value_type>(j, where)};

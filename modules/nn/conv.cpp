@@ -37,9 +37,10 @@ Array Conv::operator()(Scope& s, const Array& x_in) const {
                                  "-D convolution needs ", layout, " (or one example without the batch axis); "
                                  "add the missing axes with reshape, e.g. reshape(x, {N, H, W, 1}) for a batch of "
                                  "single-channel images"));
-  if (x_in.dtype() != DType::f32)
-    throw ShapeError(detail::cat("Conv: input must be float32, got ", dtype_name(x_in.dtype()),
+  if (!is_floating(x_in.dtype()))
+    throw ShapeError(detail::cat("Conv: input must be float32 or bfloat16, got ", dtype_name(x_in.dtype()),
                                  "; convert with astype(x, DType::f32)"));
+  require_float_dtype(param_dtype, "Conv", "param_dtype");
 
   // Bring the input to exactly one batch axis, as Flax does.
   const int batch_axes = x_in.rank() - (want - 1);
@@ -83,7 +84,14 @@ Array Conv::operator()(Scope& s, const Array& x_in) const {
   for (std::int64_t k : kernel_size) kernel_shape.push_back(k);
   kernel_shape.push_back(in_features / feature_group_count);
   kernel_shape.push_back(features);
-  Array kernel = s.param("kernel", kernel_init, kernel_shape);
+  Array kernel = s.param("kernel", initializer_in(kernel_init, param_dtype), kernel_shape);
+  Array bias = use_bias ? s.param("bias", initializer_in(bias_init, param_dtype), Shape{features}) : Array();
+  {
+    auto p = promote_dtype({x, kernel, bias}, dtype);
+    x = p[0];
+    kernel = p[1];
+    bias = p[2];
+  }
 
   ConvOptions opt;
   opt.padding = pad;
@@ -102,7 +110,7 @@ Array Conv::operator()(Scope& s, const Array& x_in) const {
     Array y4 = conv2d(x4, k4, opt);
     y = reshape(y4, {y4.dim(0), y4.dim(2), y4.dim(3)});
   }
-  if (use_bias) y = y + s.param("bias", bias_init, Shape{features});
+  if (use_bias) y = y + bias;
 
   if (batch_axes != 1) {
     std::vector<std::int64_t> out;

@@ -12,9 +12,11 @@
 
 #include <linum/core/array.hpp>
 #include <linum/modules/initializers.hpp>
+#include <linum/modules/nn/dtypes.hpp>
 #include <linum/modules/scope.hpp>
 
 #include <cstdint>
+#include <optional>
 #include <initializer_list>
 #include <string>
 #include <utility>
@@ -57,6 +59,8 @@ struct Conv {
   bool use_bias = true;                                       // add the "bias" param
   Initializer kernel_init = initializers::lecun_normal();
   Initializer bias_init = initializers::zeros();
+  std::optional<DType> dtype;                                 // computation dtype; nullopt: promote inputs and params
+  DType param_dtype = DType::f32;                             // dtype the params are created in
 
   // The convolution of `x` ([N, H, W, C] or [N, L, C]; see the file comment for other ranks).
   Array operator()(Scope& s, const Array& x) const;

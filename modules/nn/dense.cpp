@@ -13,10 +13,13 @@ Array Dense::operator()(Scope& s, const Array& x) const {
   if (x.rank() < 1)
     throw ShapeError(detail::cat("Dense: the input must have at least one axis (got shape ", x.shape(),
                                  "); reshape a scalar to (1,) first"));
+  require_float_dtype(param_dtype, "Dense", "param_dtype");
   const int last = x.rank() - 1;
-  Array kernel = s.param("kernel", kernel_init, Shape{x.dim(-1), features});
-  Array y = dot_general(x, kernel, DotDims{.lhs_contracting = {last}, .rhs_contracting = {0}});
-  if (use_bias) y = y + s.param("bias", bias_init, Shape{features});
+  Array kernel = s.param("kernel", initializer_in(kernel_init, param_dtype), Shape{x.dim(-1), features});
+  Array bias = use_bias ? s.param("bias", initializer_in(bias_init, param_dtype), Shape{features}) : Array();
+  auto p = promote_dtype({x, kernel, bias}, dtype);  // Flax: inputs, kernel, bias in one dtype
+  Array y = dot_general(p[0], p[1], DotDims{.lhs_contracting = {last}, .rhs_contracting = {0}});
+  if (use_bias) y = y + p[2];
   return y;
 }
 
@@ -61,11 +64,15 @@ Array DenseGeneral::operator()(Scope& s, const Array& x) const {
     bias_shape.push_back(f);
     cols *= f;
   }
-  Array kernel = s.param("kernel", flattened(kernel_init, rows, cols, true), kernel_shape);
+  require_float_dtype(param_dtype, "DenseGeneral", "param_dtype");
+  Array kernel = s.param("kernel", initializer_in(flattened(kernel_init, rows, cols, true), param_dtype), kernel_shape);
+  Array bias = use_bias ? s.param("bias", initializer_in(flattened(bias_init, 1, cols, false), param_dtype), bias_shape)
+                        : Array();
+  auto p = promote_dtype({x, kernel, bias}, dtype);
   std::vector<int> rhs(axes.size());
   for (std::size_t i = 0; i < axes.size(); ++i) rhs[i] = static_cast<int>(i);
-  Array y = dot_general(x, kernel, DotDims{.lhs_contracting = axes, .rhs_contracting = rhs});
-  if (use_bias) y = y + s.param("bias", flattened(bias_init, 1, cols, false), bias_shape);
+  Array y = dot_general(p[0], p[1], DotDims{.lhs_contracting = axes, .rhs_contracting = rhs});
+  if (use_bias) y = y + p[2];
   return y;
 }
 

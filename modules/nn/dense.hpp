@@ -10,9 +10,11 @@
 
 #include <linum/core/array.hpp>
 #include <linum/modules/initializers.hpp>
+#include <linum/modules/nn/dtypes.hpp>
 #include <linum/modules/scope.hpp>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace linum::nn {
@@ -24,6 +26,8 @@ struct Dense {
   bool use_bias = true;                                       // add the "bias" param
   Initializer kernel_init = initializers::lecun_normal();     // Flax's default_kernel_init
   Initializer bias_init = initializers::zeros();
+  std::optional<DType> dtype;                                 // computation dtype; nullopt: promote inputs and params
+  DType param_dtype = DType::f32;                             // dtype the params are created in
 
   // The layer applied to `x` ([..., in] -> [..., features]).
   Array operator()(Scope& s, const Array& x) const;
@@ -40,6 +44,8 @@ struct DenseGeneral {
   bool use_bias = true;                                       // add the "bias" param (shape `features`)
   Initializer kernel_init = initializers::lecun_normal();
   Initializer bias_init = initializers::zeros();
+  std::optional<DType> dtype;                                 // computation dtype; nullopt: promote inputs and params
+  DType param_dtype = DType::f32;                             // dtype the params are created in
 
   // The layer applied to `x`.
   Array operator()(Scope& s, const Array& x) const;

@@ -15,8 +15,8 @@ Array Dropout::operator()(Scope& s, const Array& x, std::optional<bool> determin
   const bool det = merge_param("Dropout", "deterministic", deterministic, deterministic_arg);
   if (rate == 0.0 || det) return x;
   if (rate == 1.0) return Array::zeros(x.shape(), x.dtype());
-  if (x.dtype() != DType::f32)
-    throw ShapeError(detail::cat("Dropout: input must be float32, got ", dtype_name(x.dtype())));
+  if (!is_floating(x.dtype()))
+    throw ShapeError(detail::cat("Dropout: input must be float32 or bfloat16, got ", dtype_name(x.dtype())));
   const float keep_prob = static_cast<float>(1.0 - rate);  // Python computes 1.0 - rate in double
   const rng::Key key = rng ? *rng : s.make_rng(rng_collection);
   Shape mask_shape = x.shape();

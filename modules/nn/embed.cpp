@@ -32,7 +32,9 @@ Array embedding_param(Scope& s, const Embed& e) {
   if (e.num_embeddings <= 0 || e.features <= 0)
     throw ValueError(detail::cat("Embed: num_embeddings and features must be positive (got ", e.num_embeddings, " and ",
                                  e.features, "); construct it as nn::Embed{.num_embeddings = V, .features = D}"));
-  return s.param("embedding", e.embedding_init, Shape{e.num_embeddings, e.features});
+  require_float_dtype(e.param_dtype, "Embed", "param_dtype");
+  Array table = s.param("embedding", initializer_in(e.embedding_init, e.param_dtype), Shape{e.num_embeddings, e.features});
+  return e.dtype && table.dtype() != *e.dtype ? astype(table, *e.dtype) : table;  // Flax: promote_dtype(embedding, dtype)
 }
 
 }  // namespace
@@ -70,7 +72,8 @@ Array Embed::attend(Scope& s, const Array& query) const {
   Array table = embedding_param(s, *this);
   if (query.rank() < 1 || query.dim(-1) != features)
     throw ShapeError(detail::cat("Embed::attend: query of shape ", query.shape(), " must end in features = ", features));
-  return dot_general(query, table, DotDims{.lhs_contracting = {query.rank() - 1}, .rhs_contracting = {1}});
+  auto p = promote_dtype({query, table}, dtype);
+  return dot_general(p[0], p[1], DotDims{.lhs_contracting = {query.rank() - 1}, .rhs_contracting = {1}});
 }
 
 }  // namespace linum::nn

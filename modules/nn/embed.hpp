@@ -11,9 +11,11 @@
 
 #include <linum/core/array.hpp>
 #include <linum/modules/initializers.hpp>
+#include <linum/modules/nn/dtypes.hpp>
 #include <linum/modules/scope.hpp>
 
 #include <cstdint>
+#include <optional>
 
 namespace linum::nn {
 
@@ -26,6 +28,8 @@ struct Embed {
   std::int64_t num_embeddings = 0;                 // vocabulary size (required, > 0)
   std::int64_t features = 0;                       // vector size (required, > 0)
   Initializer embedding_init = default_embed_init();
+  std::optional<DType> dtype;                                 // computation dtype; nullopt: promote inputs and params
+  DType param_dtype = DType::f32;                             // dtype the params are created in
 
   // Looks up int32 `indices` of any shape: the result has shape indices.shape + (features,).
   // Negative indices count from the end (as jnp.take); indices outside [-num_embeddings,

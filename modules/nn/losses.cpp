@@ -13,24 +13,28 @@ void require_same_shape(const Array& a, const Array& b, const char* loss, const 
   if (!(a.shape() == b.shape()))
     throw ShapeError(detail::cat(loss, ": ", an, " of shape ", a.shape(), " and ", bn, " of shape ", b.shape(),
                                  " must have the same shape"));
-  if (a.dtype() != DType::f32 || b.dtype() != DType::f32)
-    throw ShapeError(detail::cat(loss, ": ", an, " and ", bn, " must be float32 (got ", dtype_name(a.dtype()), " and ",
-                                 dtype_name(b.dtype()), ")"));
+  if (!is_floating(a.dtype()) || !is_floating(b.dtype()))
+    throw ShapeError(detail::cat(loss, ": ", an, " and ", bn, " must be float32 or bfloat16 (got ", dtype_name(a.dtype()),
+                                 " and ", dtype_name(b.dtype()), ")"));
 }
+
+// Losses compute and return float32 whatever the inputs' float dtype (bf16 logits are widened
+// first), so the sums that losses are made of accumulate in float32.
+Array f32(const Array& x) { return x.dtype() == DType::f32 ? x : astype(x, DType::f32); }
 
 }  // namespace
 
 Array softmax_cross_entropy(const Array& logits, const Array& labels) {
   require_same_shape(logits, labels, "softmax_cross_entropy", "logits", "labels");
   if (logits.rank() < 1) throw ShapeError("softmax_cross_entropy: logits must have a class axis");
-  return -sum(labels * log_softmax(logits, {-1}), {-1});
+  return -sum(f32(labels) * log_softmax(f32(logits), {-1}), {-1});
 }
 
 Array softmax_cross_entropy_with_integer_labels(const Array& logits, const Array& labels) {
   const char* loss = "softmax_cross_entropy_with_integer_labels";
-  if (logits.rank() < 1 || logits.dtype() != DType::f32)
-    throw ShapeError(detail::cat(loss, ": logits must be float32 [..., classes], got ", dtype_name(logits.dtype()),
-                                 logits.shape()));
+  if (logits.rank() < 1 || !is_floating(logits.dtype()))
+    throw ShapeError(detail::cat(loss, ": logits must be float32 or bfloat16 [..., classes], got ",
+                                 dtype_name(logits.dtype()), logits.shape()));
   if (labels.dtype() != DType::i32)
     throw ShapeError(detail::cat(loss, ": labels must be int32 class indices, got ", dtype_name(labels.dtype()),
                                  "; for one-hot or soft labels use softmax_cross_entropy"));
@@ -48,28 +52,30 @@ Array softmax_cross_entropy_with_integer_labels(const Array& logits, const Array
     flat[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(i * classes + raw[i]);
   }
   // take_along_axis(logits, labels[..., None], -1)[..., 0] as a gather from the flattened logits.
-  Array label_logits = reshape(take(reshape(logits, {-1}), Array::from_i32(Shape{n}, flat), 0), batch.vec());
-  return logsumexp(logits, {-1}) - label_logits;
+  const Array wide = f32(logits);
+  Array label_logits = reshape(take(reshape(wide, {-1}), Array::from_i32(Shape{n}, flat), 0), batch.vec());
+  return logsumexp(wide, {-1}) - label_logits;
 }
 
 Array sigmoid_binary_cross_entropy(const Array& logits, const Array& labels) {
   require_same_shape(logits, labels, "sigmoid_binary_cross_entropy", "logits", "labels");
-  return -labels * log_sigmoid(logits) - (1.0f - labels) * log_sigmoid(-logits);
+  const Array y = f32(labels), z = f32(logits);
+  return -y * log_sigmoid(z) - (1.0f - y) * log_sigmoid(-z);
 }
 
 Array squared_error(const Array& predictions, const Array& targets) {
   require_same_shape(predictions, targets, "squared_error", "predictions", "targets");
-  return square(predictions - targets);
+  return square(f32(predictions) - f32(targets));
 }
 
 Array l2_loss(const Array& predictions, const Array& targets) {
   require_same_shape(predictions, targets, "l2_loss", "predictions", "targets");
-  return 0.5f * square(predictions - targets);
+  return 0.5f * square(f32(predictions) - f32(targets));
 }
 
 Array mse(const Array& predictions, const Array& targets) {
   require_same_shape(predictions, targets, "mse", "predictions", "targets");
-  return mean(square(predictions - targets));
+  return mean(square(f32(predictions) - f32(targets)));
 }
 
 }  // namespace linum::nn

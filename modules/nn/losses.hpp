@@ -1,5 +1,7 @@
 // Losses, as optax's. Each returns the loss per example (the leading axes of its inputs), like
-// optax; take `mean(...)` for a scalar training loss:
+// optax; take `mean(...)` for a scalar training loss. Inputs may be float32 or bfloat16; losses are
+// computed and returned in float32 (bf16 inputs are widened first), so their sums accumulate in
+// float32:
 //
 //   Array loss = mean(nn::softmax_cross_entropy_with_integer_labels(logits, labels));
 #pragma once

@@ -7,6 +7,7 @@
 #include <linum/modules/nn/attention.hpp>
 #include <linum/modules/nn/conv.hpp>
 #include <linum/modules/nn/dense.hpp>
+#include <linum/modules/nn/dtypes.hpp>
 #include <linum/modules/nn/dropout.hpp>
 #include <linum/modules/nn/embed.hpp>
 #include <linum/modules/nn/losses.hpp>

@@ -33,10 +33,15 @@ std::vector<int> canonical_axes(const std::vector<int>& axes, const Array& x, co
   return out;
 }
 
-void require_f32(const Array& x, const char* layer) {
-  if (x.dtype() != DType::f32)
-    throw ShapeError(detail::cat(layer, ": input must be float32, got ", dtype_name(x.dtype()), " of shape ", x.shape()));
+void require_float(const Array& x, const char* layer, DType param_dtype) {
+  if (!is_floating(x.dtype()))
+    throw ShapeError(detail::cat(layer, ": input must be float32 or bfloat16, got ", dtype_name(x.dtype()), " of shape ",
+                                 x.shape()));
+  require_float_dtype(param_dtype, layer, "param_dtype");
 }
+
+// Flax computes statistics and the normalization in float32 at least (promote_types(dtype, f32)).
+Array widened(const Array& x) { return x.dtype() == DType::f32 ? x : astype(x, DType::f32); }
 
 // Flax's _compute_stats with keepdims: (mean, var) over `axes`. With use_mean false the mean is
 // zero and var = E[x^2].
@@ -53,8 +58,10 @@ std::pair<Array, Array> compute_stats(const Array& x, const std::vector<int>& ax
 
 // Flax's _normalize: y = (x - mean) * (rsqrt(var + eps) * scale) + bias, with "scale" and "bias"
 // params of the shape of `feature_axes`. `mean` may be undefined (no centring).
-Array normalize(Scope& s, const Array& x, const Array& mu, const Array& var, const std::vector<int>& feature_axes,
-                double epsilon, bool use_bias, bool use_scale, const Initializer& bias_init, const Initializer& scale_init) {
+Array normalize(Scope& s, const Array& x_in, const Array& mu, const Array& var, const std::vector<int>& feature_axes,
+                double epsilon, bool use_bias, bool use_scale, const Initializer& bias_init, const Initializer& scale_init,
+                std::optional<DType> dtype, DType param_dtype) {
+  const Array x = widened(x_in);
   Shape param_shape;
   std::vector<std::int64_t> broadcast_shape(static_cast<std::size_t>(x.rank()), 1);
   for (int a : feature_axes) {
@@ -63,32 +70,41 @@ Array normalize(Scope& s, const Array& x, const Array& mu, const Array& var, con
   }
   Array y = mu.defined() ? x - mu : x;
   Array mul = rsqrt(var + static_cast<float>(epsilon));
-  if (use_scale) mul = mul * reshape(s.param("scale", scale_init, param_shape), broadcast_shape);
+  Array scale, bias;
+  if (use_scale) {
+    scale = s.param("scale", initializer_in(scale_init, param_dtype), param_shape);
+    mul = mul * reshape(scale, broadcast_shape);
+  }
   y = y * mul;
-  if (use_bias) y = y + reshape(s.param("bias", bias_init, param_shape), broadcast_shape);
-  return y;
+  if (use_bias) {
+    bias = s.param("bias", initializer_in(bias_init, param_dtype), param_shape);
+    y = y + reshape(bias, broadcast_shape);
+  }
+  // The result in `dtype`, or the promotion of the input and the params (Flax's canonicalize_dtype).
+  const DType out = computation_dtype({&x_in, &scale, &bias}, dtype);
+  return y.dtype() == out ? y : astype(y, out);
 }
 
 }  // namespace
 
 Array LayerNorm::operator()(Scope& s, const Array& x) const {
-  require_f32(x, "LayerNorm");
+  require_float(x, "LayerNorm", param_dtype);
   const auto red = canonical_axes(reduction_axes, x, "LayerNorm", "reduction_axes");
   const auto feat = canonical_axes(feature_axes, x, "LayerNorm", "feature_axes");
-  auto [mu, var] = compute_stats(x, red, true, use_fast_variance);
-  return normalize(s, x, mu, var, feat, epsilon, use_bias, use_scale, bias_init, scale_init);
+  auto [mu, var] = compute_stats(widened(x), red, true, use_fast_variance);
+  return normalize(s, x, mu, var, feat, epsilon, use_bias, use_scale, bias_init, scale_init, dtype, param_dtype);
 }
 
 Array RMSNorm::operator()(Scope& s, const Array& x) const {
-  require_f32(x, "RMSNorm");
+  require_float(x, "RMSNorm", param_dtype);
   const auto red = canonical_axes(reduction_axes, x, "RMSNorm", "reduction_axes");
   const auto feat = canonical_axes(feature_axes, x, "RMSNorm", "feature_axes");
-  auto [mu, var] = compute_stats(x, red, false, use_fast_variance);
-  return normalize(s, x, mu, var, feat, epsilon, false, use_scale, initializers::zeros(), scale_init);
+  auto [mu, var] = compute_stats(widened(x), red, false, use_fast_variance);
+  return normalize(s, x, mu, var, feat, epsilon, false, use_scale, initializers::zeros(), scale_init, dtype, param_dtype);
 }
 
 Array GroupNorm::operator()(Scope& s, const Array& x) const {
-  require_f32(x, "GroupNorm");
+  require_float(x, "GroupNorm", param_dtype);
   if (x.rank() < 2)
     throw ShapeError(detail::cat("GroupNorm: input of shape ", x.shape(), " needs at least a batch and a channel axis ([N, ..., C])"));
   std::vector<int> red_in;
@@ -123,21 +139,30 @@ Array GroupNorm::operator()(Scope& s, const Array& x) const {
   std::vector<std::int64_t> grouped(x.shape().begin(), x.shape().end() - 1);
   grouped.push_back(groups);
   grouped.push_back(per_group);
-  Array xg = reshape(x, grouped);
+  Array xg = reshape(widened(x), grouped);
   std::vector<int> group_red(red.begin(), red.end() - 1);
   group_red.push_back(xg.rank() - 1);
   auto [mu, var] = compute_stats(xg, group_red, true, use_fast_variance);
   Array y = xg - mu;
   Array mul = rsqrt(var + static_cast<float>(epsilon));
   const Shape param_shape{channels};
-  if (use_scale) mul = mul * reshape(s.param("scale", scale_init, param_shape), {groups, per_group});
+  Array scale, bias;
+  if (use_scale) {
+    scale = s.param("scale", initializer_in(scale_init, param_dtype), param_shape);
+    mul = mul * reshape(scale, {groups, per_group});
+  }
   y = y * mul;
-  if (use_bias) y = y + reshape(s.param("bias", bias_init, param_shape), {groups, per_group});
-  return reshape(y, x.shape().vec());
+  if (use_bias) {
+    bias = s.param("bias", initializer_in(bias_init, param_dtype), param_shape);
+    y = y + reshape(bias, {groups, per_group});
+  }
+  y = reshape(y, x.shape().vec());
+  const DType out = computation_dtype({&x, &scale, &bias}, dtype);
+  return y.dtype() == out ? y : astype(y, out);
 }
 
 Array BatchNorm::operator()(Scope& s, const Array& x, std::optional<bool> use_running_average_arg) const {
-  require_f32(x, "BatchNorm");
+  require_float(x, "BatchNorm", param_dtype);
   const bool use_ra = merge_param("BatchNorm", "use_running_average", use_running_average, use_running_average_arg);
   const int feature_axis = x.shape().normalize_axis(axis, "BatchNorm (axis)");
   std::vector<int> red;
@@ -159,7 +184,7 @@ Array BatchNorm::operator()(Scope& s, const Array& x, std::optional<bool> use_ru
     mu = reshape(mu, broadcast_shape);
     var = reshape(var, broadcast_shape);
   } else {
-    auto stats = compute_stats(x, red, true, use_fast_variance);
+    auto stats = compute_stats(widened(x), red, true, use_fast_variance);
     mu = stats.first;
     var = stats.second;
     if (!s.is_initializing() && s.is_mutable_collection("batch_stats")) {
@@ -170,7 +195,7 @@ Array BatchNorm::operator()(Scope& s, const Array& x, std::optional<bool> use_ru
       ra_var.set(stop_gradient(m * ra_var.value() + one_minus * reshape(var, feature_shape.vec())));
     }
   }
-  return normalize(s, x, mu, var, {feature_axis}, epsilon, use_bias, use_scale, bias_init, scale_init);
+  return normalize(s, x, mu, var, {feature_axis}, epsilon, use_bias, use_scale, bias_init, scale_init, dtype, param_dtype);
 }
 
 }  // namespace linum::nn

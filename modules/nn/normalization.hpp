@@ -12,6 +12,7 @@
 
 #include <linum/core/array.hpp>
 #include <linum/modules/initializers.hpp>
+#include <linum/modules/nn/dtypes.hpp>
 #include <linum/modules/scope.hpp>
 
 #include <optional>
@@ -31,7 +32,10 @@ struct LayerNorm {
   std::vector<int> feature_axes = {-1};
   bool use_fast_variance = true;
 
-  // Normalizes `x`; same shape out.
+  std::optional<DType> dtype;                                 // computation dtype; nullopt: promote inputs and params
+  DType param_dtype = DType::f32;                             // dtype the params are created in
+  // Normalizes `x`; same shape out. Statistics and normalization run in float32 (or wider); the
+  // result is cast to `dtype` (default: the promotion of x and the params), as Flax does.
   Array operator()(Scope& s, const Array& x) const;
 };
 
@@ -44,7 +48,10 @@ struct RMSNorm {
   std::vector<int> feature_axes = {-1};
   bool use_fast_variance = true;  // unused without the mean; kept for configuration parity with Flax
 
-  // Normalizes `x`; same shape out.
+  std::optional<DType> dtype;                                 // computation dtype; nullopt: promote inputs and params
+  DType param_dtype = DType::f32;                             // dtype the params are created in
+  // Normalizes `x`; same shape out. Statistics and normalization run in float32 (or wider); the
+  // result is cast to `dtype` (default: the promotion of x and the params), as Flax does.
   Array operator()(Scope& s, const Array& x) const;
 };
 
@@ -62,6 +69,8 @@ struct GroupNorm {
   std::optional<std::vector<int>> reduction_axes;  // must include the last axis; default 1..rank-1
   bool use_fast_variance = true;
 
+  std::optional<DType> dtype;                                 // computation dtype; nullopt: promote inputs and params
+  DType param_dtype = DType::f32;                             // dtype the params are created in
   // Normalizes `x` ([N, ..., C]); same shape out. Params "scale"/"bias" of shape (C,).
   Array operator()(Scope& s, const Array& x) const;
 };
@@ -87,7 +96,10 @@ struct BatchNorm {
   Initializer scale_init = initializers::ones();
   bool use_fast_variance = true;
 
-  // Normalizes `x`; same shape out.
+  std::optional<DType> dtype;                                 // computation dtype; nullopt: promote inputs and params
+  DType param_dtype = DType::f32;                             // dtype the params are created in
+  // Normalizes `x`; same shape out. Statistics and normalization run in float32 (or wider); the
+  // result is cast to `dtype` (default: the promotion of x and the params), as Flax does.
   Array operator()(Scope& s, const Array& x, std::optional<bool> use_running_average = std::nullopt) const;
 };
 
