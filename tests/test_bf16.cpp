@@ -239,6 +239,25 @@ TEST_CASE("the oneDNN and Eigen engines agree") {
     CHECK(max_rel_diff(std::get<0>(g1), std::get<0>(g2)) < (t == DType::f32 ? 1e-4 : 1.0 / 16));
     CHECK(max_rel_diff(std::get<1>(g1), std::get<1>(g2)) < (t == DType::f32 ? 1e-4 : 1.0 / 16));
   }
+  // Convolutions: strides, dilation, groups and asymmetric padding, forward and both gradients.
+  const Array x = random_array(Shape{2, 9, 8, 4}, 62), w = random_array(Shape{3, 2, 2, 6}, 63);
+  const ConvOptions opt{.strides = {2, 1}, .padding = Padding::explicit_pads(1, 2, 0, 1), .dilation = {1, 2},
+                        .feature_group_count = 2};
+  auto conv_loss = [&](const Array& p, const Array& q) { return sum(square(conv2d(p, q, opt))); };
+  for (DType t : {DType::f32, DType::bf16}) {
+    CAPTURE(dtype_name(t));
+    set_engine(Engine::onednn);
+    const Array y1 = conv2d(astype(x, t), astype(w, t), opt);
+    const auto g1 = grad<0, 1>(conv_loss)(astype(x, t), astype(w, t));
+    set_engine(Engine::eigen);
+    const Array y2 = conv2d(astype(x, t), astype(w, t), opt);
+    const auto g2 = grad<0, 1>(conv_loss)(astype(x, t), astype(w, t));
+    CHECK(y1.dtype() == t);
+    CHECK(y1.shape() == y2.shape());
+    CHECK(max_rel_diff(y1, y2) < (t == DType::f32 ? 1e-5 : 1.0 / 64));
+    CHECK(max_rel_diff(std::get<0>(g1), std::get<0>(g2)) < (t == DType::f32 ? 1e-4 : 1.0 / 16));
+    CHECK(max_rel_diff(std::get<1>(g1), std::get<1>(g2)) < (t == DType::f32 ? 1e-4 : 1.0 / 16));
+  }
   set_engine(before);
   set_engine(Engine::eigen);
   CHECK(engine() == Engine::eigen);

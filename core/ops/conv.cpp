@@ -1,10 +1,14 @@
-// conv2d through im2col + GEMM, processed in chunks of images so the column buffer stays small.
-// The backward rule keeps x and w (not the 9x larger columns) and rebuilds columns per chunk.
+// conv2d: on oneDNN's convolution primitives when the engine is oneDNN (core/kernels/conv_onednn.cpp),
+// else through im2col + Eigen GEMM, processed in chunks of images so the column buffer stays small.
+// The backward rules keep x and w (not the 9x larger columns); the Eigen one rebuilds columns per
+// chunk.
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/ops/conv.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/autodiff/hooks.hpp>
 #include <linum/core/ops/gemm.hpp>
+#include <linum/core/engine.hpp>
+#include <linum/core/kernels/conv.hpp>
 #include <linum/core/ops/kernel_util.hpp>
 
 #include <Eigen/Core>
@@ -140,12 +144,11 @@ Array scratch(std::int64_t rows, std::int64_t width) { return Array::empty(Shape
 Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
   ops::detail::require_float(x, "conv2d");
   ops::detail::require_float(w, "conv2d");
-  if (x.dtype() != DType::f32 || w.dtype() != DType::f32) {
-    // bf16: the float32 kernel on widened operands, the result rounded once (not yet a native bf16
-    // convolution: see the README's performance notes).
-    const DType t = promote_types(x.dtype(), x.weak_type(), w.dtype(), w.weak_type());
+  const DType t = promote_types(x.dtype(), x.weak_type(), w.dtype(), w.weak_type());
+  const bool onednn = LINUM_HAVE_ONEDNN && engine() == Engine::onednn;
+  if (onednn && (x.dtype() != t || w.dtype() != t)) return conv2d(astype(x, t), astype(w, t), opt);
+  if (!onednn && t != DType::f32)  // Eigen: the float32 kernel on widened operands, rounded once
     return astype(conv2d(astype(x, DType::f32), astype(w, DType::f32), opt), t);
-  }
   if (x.rank() != 4 || w.rank() != 4)
     throw ShapeError(detail::cat("conv2d: needs x as [N, H, W, C] and kernel as [KH, KW, C/groups, O], got ",
                                  ops::detail::shapes_str({&x, &w})));
@@ -166,6 +169,23 @@ Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
 
   const bool recording = autodiff::needs_grad(x, w);
   const Array* saved = recording && autodiff::detail::t_record_hook ? autodiff::detail::peek_replayed_output() : nullptr;
+#if LINUM_HAVE_ONEDNN
+  if (onednn) {
+    const kernels::ConvShape S{G.n, G.h, G.w, G.c, G.kh, G.kw, G.cg, G.o, G.groups, G.ph.out, G.pw.out, G.sh, G.sw,
+                               G.dh, G.dw, G.ph.pad_lo, G.ph.pad_hi, G.pw.pad_lo, G.pw.pad_hi, t};
+    Array y = saved ? saved->detached() : kernels::conv_forward_onednn(x, w, S);
+    if (recording) {
+      Array keep_x = w.node() ? x.detached() : Array();  // for dw
+      Array keep_w = x.node() ? w.detached() : Array();  // for dx
+      autodiff::record("conv2d", y, {&x, &w}, {keep_x, keep_w}, [S](Cotangents& c, autodiff::Saved s) {
+        const Array gy = c.take_out(0);
+        if (c.needs(1)) c.set(1, kernels::conv_backward_weights_onednn(s[0], gy, S));
+        if (c.needs(0)) c.set(0, kernels::conv_backward_data_onednn(gy, s[1], S));
+      });
+    }
+    return y;
+  }
+#endif
   Array y = saved ? saved->detached() : Array::empty(Shape{G.n, G.ph.out, G.pw.out, G.o});
   const std::int64_t chunk = images_per_chunk(G), R = G.col_width();
   if (saved == nullptr) {
