@@ -112,6 +112,19 @@ TEST_CASE("fashion_mnist trains, resumes to the same result, evaluates, and repo
   REQUIRE(plain.status == 0);
   CHECK(bitwise_equal(serialization::load(tmp.path / "plain.msgpack"), serialization::load(tmp.path / "full.msgpack")));
 
+  // Mixed precision: bf16 trains as well; remat none and full still give bitwise the same model.
+  Run bf16 = run(common + "--epochs 2 --dtype bf16 --checkpoint " + (tmp.path / "bf16.msgpack").string());
+  INFO(bf16.output);
+  REQUIRE(bf16.status == 0);
+  CHECK(last_line(bf16.output)["dtype"] == "bf16");
+  CHECK(last_line(bf16.output)["test_accuracy"].get<double>() > 0.9);
+  Run bf16_plain = run(common + "--epochs 2 --dtype bf16 --remat none --checkpoint " + (tmp.path / "bf16p.msgpack").string());
+  REQUIRE(bf16_plain.status == 0);
+  const Tree bf16_model = serialization::load(tmp.path / "bf16.msgpack");
+  CHECK(bitwise_equal(serialization::load(tmp.path / "bf16p.msgpack"), bf16_model));
+  CHECK(bf16_model.at_path("params/Head_0/Dense_0/kernel").array().dtype() == DType::f32);  // float32 masters
+  CHECK(run("--dtype f16").status == 2);
+
   // Missing data: a message saying how to get it, exit code 1.
   Run missing = run("--data " + (tmp.path / "nowhere").string());
   CHECK(missing.status == 1);

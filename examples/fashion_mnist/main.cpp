@@ -2,7 +2,10 @@
 //
 //   fashion_mnist [--epochs 3] [--remat full|dots|none] [--batch 128] [--lr 0.001] [--optimizer adam|sgd]
 //                 [--dropout 0.0] [--batchnorm] [--seed 0] [--data DIR] [--checkpoint FILE] [--resume]
-//                 [--eval] [--limit N]
+//                 [--eval] [--limit N] [--dtype f32|bf16]
+//
+// --dtype bf16 trains with mixed precision as Flax does (dtype=bf16, param_dtype=float32): float32
+// parameters and optimizer, convolutions and matrix products in bfloat16, the loss in float32.
 //
 // It shows what Linum is for: a compact model (modules in a Scope), remat on its blocks
 // (lift::remat, which keeps parameter names, so checkpoints load into either model), init/apply
@@ -35,9 +38,10 @@ namespace fs = std::filesystem;
 struct ConvBlock {
   std::int64_t features = 32;
   bool batch_norm = false;
+  std::optional<DType> dtype;  // the computation dtype (Flax's dtype); parameters stay float32
   Array operator()(Scope& s, const Array& x, bool train) const {
-    Array h = s(nn::Conv{.features = features, .kernel_size = {3, 3}}, x);
-    if (batch_norm) h = s(nn::BatchNorm{}, h, /*use_running_average=*/!train);
+    Array h = s(nn::Conv{.features = features, .kernel_size = {3, 3}, .dtype = dtype}, x);
+    if (batch_norm) h = s(nn::BatchNorm{.dtype = dtype}, h, /*use_running_average=*/!train);
     h = relu(h);  // reassigning frees the conv output now: relu keeps only its own output
     return avg_pool(h, {.window = {2, 2}, .strides = {2, 2}});
   }
@@ -46,11 +50,12 @@ struct ConvBlock {
 // Flatten -> Dense 256 -> ReLU -> (Dropout) -> Dense 10.
 struct Head {
   double dropout = 0.0;
+  std::optional<DType> dtype;
   Array operator()(Scope& s, const Array& x, bool train) const {
     Array h = reshape(x, {x.dim(0), -1});
-    h = relu(s(nn::Dense{.features = 256}, h));
+    h = relu(s(nn::Dense{.features = 256, .dtype = dtype}, h));
     if (dropout > 0) h = s(nn::Dropout{.rate = dropout}, h, /*deterministic=*/!train);
-    return s(nn::Dense{.features = 10}, h);
+    return s(nn::Dense{.features = 10, .dtype = dtype}, h);
   }
 };
 
@@ -62,11 +67,12 @@ struct CNN {
   Remat remat = Remat::full;
   bool batch_norm = false;
   double dropout = 0.0;
+  std::optional<DType> dtype;
 
   template <class Block>
   Array run(Scope& s, Array x, bool train) const {
-    x = s(Block{{.features = 32, .batch_norm = batch_norm}}, x, train);
-    x = s(Block{{.features = 64, .batch_norm = batch_norm}}, x, train);
+    x = s(Block{{.features = 32, .batch_norm = batch_norm, .dtype = dtype}}, x, train);
+    x = s(Block{{.features = 64, .batch_norm = batch_norm, .dtype = dtype}}, x, train);
     return x;
   }
   Array operator()(Scope& s, const Array& images, bool train) const {
@@ -76,7 +82,7 @@ struct CNN {
       case Remat::full: x = run<lift::remat<ConvBlock>>(s, images, train); break;
       case Remat::dots: x = run<lift::remat<ConvBlock, lift::policy<policies::dots_saveable>>>(s, images, train); break;
     }
-    return s(Head{.dropout = dropout}, x, train);
+    return s(Head{.dropout = dropout, .dtype = dtype}, x, train);
   }
 };
 
@@ -96,6 +102,7 @@ struct Options {
   bool resume = false;
   bool eval_only = false;
   std::int64_t limit = 0;  // use only the first N training images (0: all)
+  DType dtype = DType::f32;
 };
 
 const char* remat_name(Remat r) { return r == Remat::none ? "none" : r == Remat::full ? "full" : "dots"; }
@@ -104,7 +111,7 @@ const char* remat_name(Remat r) { return r == Remat::none ? "none" : r == Remat:
   std::cerr << "fashion_mnist: " << message << "\n"
             << "usage: fashion_mnist [--epochs N] [--remat full|dots|none] [--batch N] [--lr X] [--optimizer adam|sgd]\n"
             << "                     [--dropout X] [--batchnorm] [--seed N] [--data DIR] [--checkpoint FILE] [--resume]\n"
-            << "                     [--eval] [--limit N]\n";
+            << "                     [--eval] [--limit N] [--dtype f32|bf16]\n";
   std::exit(2);
 }
 
@@ -144,6 +151,11 @@ Options parse(int argc, char** argv) {
       else if (r == "full") o.remat = Remat::full;
       else if (r == "dots") o.remat = Remat::dots;
       else usage_error("--remat must be full, dots or none, got '" + r + "'");
+    } else if (a == "--dtype") {
+      const std::string d = value();
+      if (d == "f32") o.dtype = DType::f32;
+      else if (d == "bf16") o.dtype = DType::bf16;
+      else usage_error("--dtype must be f32 or bf16, got '" + d + "'");
     } else if (a == "--help" || a == "-h") {
       usage_error("help");
     } else {
@@ -282,7 +294,8 @@ int run(const Options& o) {
   std::printf("Fashion-MNIST: %lld training and %lld test images from %s\n", static_cast<long long>(n),
               static_cast<long long>(test.labels.numel()), o.data.c_str());
 
-  Trainer t{CNN{.remat = o.remat, .batch_norm = o.batch_norm, .dropout = o.dropout},
+  Trainer t{CNN{.remat = o.remat, .batch_norm = o.batch_norm, .dropout = o.dropout,
+                .dtype = o.dtype == DType::f32 ? std::nullopt : std::optional<DType>(o.dtype)},
             o.optimizer == "adam" ? optim::adam(o.lr) : optim::sgd(o.lr, 0.9), {}, {}, {}};
   const Array sample = slice_axis(train.images, 0, 0, std::min<std::int64_t>(o.batch, n));
   Tree vars = init(t.model, rng::Streams{{"params", rng::key(o.seed)}, {"dropout", rng::key(o.seed + 1)}}, sample, false);
@@ -367,6 +380,7 @@ int run(const Options& o) {
                                  {"epochs", o.eval_only ? first_epoch : o.epochs},
                                  {"seconds_per_epoch", per_epoch},
                                  {"remat", remat_name(o.remat)},
+                                 {"dtype", dtype_short_name(o.dtype)},
                                  {"peak_activation_bytes", peak},
                                  {"peak_activation_bytes_plain", peak_plain}};
   std::printf("%s\n", result.dump().c_str());
