@@ -7,6 +7,7 @@
 #include <Eigen/Core>
 #include <unsupported/Eigen/SpecialFunctions>
 
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -42,8 +43,40 @@ DType result_dtype(const Array& a, const Array& b) {
   return promote_types(a.dtype(), a.weak_type(), b.dtype(), b.weak_type());
 }
 
+// Element access by storage type: float32 as is, bf16 widened on load and rounded on store. The
+// loops below are written per storage type so the compiler vectorises load, op and store together.
+inline float load(float v) { return v; }
+inline float load(bfloat16 v) { return std::bit_cast<float>(static_cast<std::uint32_t>(v.bits) << 16); }
+template <class T>
+inline T store(float v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    const std::uint32_t u = std::bit_cast<std::uint32_t>(v);
+    const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    T out;
+    out.bits = static_cast<std::uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? ((u >> 16) | 0x0040u) : rounded);
+    return out;
+  }
+}
+
+// Calls body(TA*, TB*, TO*) with the storage types of a, b and out (float or bfloat16).
+template <class Body>
+void with_types(const Array& a, const Array& b, Array& out, Body&& body) {
+  auto pick_out = [&](const auto* pa, const auto* pb) {
+    if (out.dtype() == DType::bf16) body(pa, pb, static_cast<bfloat16*>(out.mutable_raw()));
+    else body(pa, pb, static_cast<float*>(out.mutable_raw()));
+  };
+  auto pick_b = [&](const auto* pa) {
+    if (b.dtype() == DType::bf16) pick_out(pa, static_cast<const bfloat16*>(b.raw()));
+    else pick_out(pa, static_cast<const float*>(b.raw()));
+  };
+  if (a.dtype() == DType::bf16) pick_b(static_cast<const bfloat16*>(a.raw()));
+  else pick_b(static_cast<const float*>(a.raw()));
+}
+
 // out[i] = f(a[i], b[i]) with NumPy broadcasting; float32 or bf16 in, `out_dtype` out (the
-// promoted dtype unless given).
+// promoted dtype unless given). Computed in float32, rounded once on store.
 template <class F>
 Array binary_kernel(const Array& a, const Array& b, const char* op, F f, std::optional<DType> out_dtype = std::nullopt) {
   require_float(a, op);
@@ -51,36 +84,26 @@ Array binary_kernel(const Array& a, const Array& b, const char* op, F f, std::op
   const Shape out_shape = broadcast_shapes(a.shape(), b.shape(), op);
   Array out = Array::empty(out_shape, out_dtype ? *out_dtype : result_dtype(a, b));
   const std::int64_t n = out_shape.numel();
-  if (a.numel() == n && b.numel() == n) {
-    for_chunks(n, [&](std::int64_t s, std::int64_t c) {
-      float sa[kChunk], sb[kChunk], so[kChunk];
-      const float* pa = f32_view(a, s, c, sa);
-      const float* pb = f32_view(b, s, c, sb);
-      float* po = f32_target(out, s, so);
-      for (std::int64_t i = 0; i < c; ++i) po[i] = f(pa[i], pb[i]);
-      f32_commit(out, s, c, po);
-    });
-    return out;
-  }
-  if (b.numel() == 1 && a.numel() == n) {
-    const float vb = f32_at(b, 0);
-    for_chunks(n, [&](std::int64_t s, std::int64_t c) {
-      float sa[kChunk], so[kChunk];
-      const float* pa = f32_view(a, s, c, sa);
-      float* po = f32_target(out, s, so);
-      for (std::int64_t i = 0; i < c; ++i) po[i] = f(pa[i], vb);
-      f32_commit(out, s, c, po);
-    });
-    return out;
-  }
-  if (a.numel() == 1 && b.numel() == n) {
-    const float va = f32_at(a, 0);
-    for_chunks(n, [&](std::int64_t s, std::int64_t c) {
-      float sb[kChunk], so[kChunk];
-      const float* pb = f32_view(b, s, c, sb);
-      float* po = f32_target(out, s, so);
-      for (std::int64_t i = 0; i < c; ++i) po[i] = f(va, pb[i]);
-      f32_commit(out, s, c, po);
+  if ((a.numel() == n || a.numel() == 1) && (b.numel() == n || b.numel() == 1)) {
+    with_types(a, b, out, [&](const auto* pa, const auto* pb, auto* po) {
+      using TO = std::remove_pointer_t<decltype(po)>;
+      if (a.numel() == n && b.numel() == n) {
+        for_blocks(n, [&](std::int64_t s, std::int64_t c) {
+          for (std::int64_t i = s; i < s + c; ++i) po[i] = store<TO>(f(load(pa[i]), load(pb[i])));
+        });
+      } else if (a.numel() == n) {
+        const float vb = load(pb[0]);
+        for_blocks(n, [&](std::int64_t s, std::int64_t c) {
+          for (std::int64_t i = s; i < s + c; ++i) po[i] = store<TO>(f(load(pa[i]), vb));
+        });
+      } else if (b.numel() == n) {
+        const float va = load(pa[0]);
+        for_blocks(n, [&](std::int64_t s, std::int64_t c) {
+          for (std::int64_t i = s; i < s + c; ++i) po[i] = store<TO>(f(va, load(pb[i])));
+        });
+      } else {
+        for (std::int64_t i = 0; i < n; ++i) po[i] = store<TO>(f(load(pa[0]), load(pb[0])));
+      }
     });
     return out;
   }
@@ -102,31 +125,32 @@ Array binary_kernel(const Array& a, const Array& b, const char* op, F f, std::op
   const std::int64_t rows = n / std::max<std::int64_t>(inner, 1);
   const bool a_steps = sa[rank - 1] != 0, b_steps = sb[rank - 1] != 0;
   auto do_rows = [&](std::int64_t r0, std::int64_t r1) {
-    float bufa[kChunk], bufb[kChunk], bufo[kChunk];
-    for (std::int64_t r = r0; r < r1; ++r) {
-      std::int64_t rem = r, oa = 0, ob = 0;
-      for (int d = rank - 2; d >= 0; --d) {
-        const std::int64_t idx = rem % out_shape[d];
-        rem /= out_shape[d];
-        oa += idx * sa[d];
-        ob += idx * sb[d];
-      }
-      for (std::int64_t j0 = 0; j0 < inner; j0 += kChunk) {
-        const std::int64_t len = std::min(kChunk, inner - j0);
-        const float* xa = a_steps ? f32_view(a, oa + j0, len, bufa) : f32_view(a, oa, 1, bufa);
-        const float* xb = b_steps ? f32_view(b, ob + j0, len, bufb) : f32_view(b, ob, 1, bufb);
-        float* o = f32_target(out, r * inner + j0, bufo);
+    with_types(a, b, out, [&](const auto* pa, const auto* pb, auto* po) {
+      using TO = std::remove_pointer_t<decltype(po)>;
+      for (std::int64_t r = r0; r < r1; ++r) {
+        std::int64_t rem = r, oa = 0, ob = 0;
+        for (int d = rank - 2; d >= 0; --d) {
+          const std::int64_t idx = rem % out_shape[d];
+          rem /= out_shape[d];
+          oa += idx * sa[d];
+          ob += idx * sb[d];
+        }
+        auto* o = po + r * inner;
+        const auto* xa = pa + oa;
+        const auto* xb = pb + ob;
         if (a_steps && b_steps)
-          for (std::int64_t j = 0; j < len; ++j) o[j] = f(xa[j], xb[j]);
-        else if (a_steps)
-          for (std::int64_t j = 0; j < len; ++j) o[j] = f(xa[j], xb[0]);
-        else if (b_steps)
-          for (std::int64_t j = 0; j < len; ++j) o[j] = f(xa[0], xb[j]);
-        else
-          for (std::int64_t j = 0; j < len; ++j) o[j] = f(xa[0], xb[0]);
-        f32_commit(out, r * inner + j0, len, o);
+          for (std::int64_t j = 0; j < inner; ++j) o[j] = store<TO>(f(load(xa[j]), load(xb[j])));
+        else if (a_steps) {
+          const float vb = load(xb[0]);
+          for (std::int64_t j = 0; j < inner; ++j) o[j] = store<TO>(f(load(xa[j]), vb));
+        } else if (b_steps) {
+          const float va = load(xa[0]);
+          for (std::int64_t j = 0; j < inner; ++j) o[j] = store<TO>(f(va, load(xb[j])));
+        } else {
+          for (std::int64_t j = 0; j < inner; ++j) o[j] = store<TO>(f(load(xa[0]), load(xb[0])));
+        }
       }
-    }
+    });
   };
   if (n >= ops::detail::kParallelMin && rows > 1) {
 #pragma omp parallel for schedule(static)

@@ -9,6 +9,7 @@
 #include <Eigen/Core>
 
 #include <limits>
+#include <optional>
 #include <numeric>
 
 namespace linum {
@@ -38,8 +39,13 @@ Shape reduced_shape(const Shape& s, const std::vector<int>& axes, bool keepdims)
   return out;
 }
 
-// Reduces x over the sorted axes `axes` with kind; the result has the keepdims shape.
-Array reduce_kernel(const Array& x, const std::vector<int>& axes, Reduction kind, const char* op) {
+Array reduce_kernel_bf16(const Array& x, std::int64_t outer, std::int64_t red, std::int64_t inner, Reduction kind,
+                        const Shape& keep_shape, DType out_dtype);
+
+// Reduces x over the sorted axes `axes` with kind; the result has the keepdims shape and
+// `out_dtype` (x's dtype unless given). float32 accumulation whatever the input dtype.
+Array reduce_kernel(const Array& x, const std::vector<int>& axes, Reduction kind, const char* op,
+                    std::optional<DType> out_dtype = std::nullopt) {
   const Shape keep_shape = reduced_shape(x.shape(), axes, true);
   if (axes.empty()) return x.detached();
   const bool contiguous = axes.back() - axes.front() + 1 == static_cast<int>(axes.size());
@@ -60,7 +66,7 @@ Array reduce_kernel(const Array& x, const std::vector<int>& axes, Reduction kind
     }
     std::vector<int> tail(axes.size());
     std::iota(tail.begin(), tail.end(), kept);
-    return reduce_kernel(moved, tail, kind, op).with_shape(keep_shape);
+    return reduce_kernel(moved, tail, kind, op, out_dtype).with_shape(keep_shape);
   }
   std::int64_t outer = 1, red = 1, inner = 1;
   for (int i = 0; i < x.rank(); ++i) {
@@ -70,6 +76,7 @@ Array reduce_kernel(const Array& x, const std::vector<int>& axes, Reduction kind
   }
   if (red == 0 && kind == Reduction::max)
     throw ShapeError(detail::cat(op, ": cannot reduce an empty axis of shape ", x.shape(), " (no identity for max)"));
+  if (x.dtype() == DType::bf16) return reduce_kernel_bf16(x, outer, red, inner, kind, keep_shape, out_dtype.value_or(DType::bf16));
   Array out = Array::empty(keep_shape);
   const float* px = x.data();
   float* po = out.mutable_data();
@@ -102,38 +109,92 @@ Array reduce_kernel(const Array& x, const std::vector<int>& axes, Reduction kind
   return out;
 }
 
+// The bf16 reduction: rows are widened a chunk at a time and accumulated in float32, which is
+// rounded once to `out_dtype` at the end.
+Array reduce_kernel_bf16(const Array& x, std::int64_t outer, std::int64_t red, std::int64_t inner, Reduction kind,
+                        const Shape& keep_shape, DType out_dtype) {
+  using ops::detail::f32_view;
+  using ops::detail::kChunk;
+  Array acc = Array::empty(keep_shape);
+  float* pacc = acc.mutable_data();
+  const float init = kind == Reduction::sum ? 0.0f : -std::numeric_limits<float>::infinity();
+  auto run = [&](std::int64_t o) {
+    float scratch[kChunk];
+    float* dst = pacc + o * inner;
+    const std::int64_t base = o * red * inner;
+    if (inner == 1) {
+      float total = init;
+      for (std::int64_t r0 = 0; r0 < red; r0 += kChunk) {
+        const std::int64_t len = std::min(kChunk, red - r0);
+        Eigen::Map<const Eigen::ArrayXf> v(f32_view(x, base + r0, len, scratch), len);
+        total = kind == Reduction::sum ? total + v.sum() : std::max(total, v.maxCoeff());
+      }
+      dst[0] = total;
+      return;
+    }
+    std::fill_n(dst, inner, init);
+    for (std::int64_t r = 0; r < red; ++r)
+      for (std::int64_t j0 = 0; j0 < inner; j0 += kChunk) {
+        const std::int64_t len = std::min(kChunk, inner - j0);
+        Eigen::Map<Eigen::ArrayXf> a(dst + j0, len);
+        Eigen::Map<const Eigen::ArrayXf> v(f32_view(x, base + r * inner + j0, len, scratch), len);
+        if (kind == Reduction::sum) a += v;
+        else a = a.max(v);
+      }
+  };
+  if (outer > 1 && x.numel() >= ops::detail::kParallelMin) {
+#pragma omp parallel for schedule(static)
+    for (std::int64_t o = 0; o < outer; ++o) {
+      linum::detail::enter_compute();
+      run(o);
+    }
+  } else {
+    for (std::int64_t o = 0; o < outer; ++o) run(o);
+  }
+  if (out_dtype == DType::f32) return acc;
+  autodiff::NoGradGuard constants;
+  return astype(acc, out_dtype);
+}
+
 Array finish(const Array& keep, const Shape& x_shape, const std::vector<int>& axes, bool keepdims) {
   return keepdims ? keep : keep.with_shape(reduced_shape(x_shape, axes, false));
 }
 
 }  // namespace
 
-Array sum(const Array& x, const std::vector<int>& axes_in, bool keepdims) {
+namespace {
+// sum with the result in `out_dtype` (a bf16 sum may stay in its float32 accumulator).
+Array sum_as(const Array& x, const std::vector<int>& axes_in, bool keepdims, DType out_dtype) {
   ops::detail::require_float(x, "sum");
-  if (x.dtype() == DType::bf16) return ops::detail::via_f32(x, [&](const Array& w) { return sum(w, axes_in, keepdims); });
   const std::vector<int> axes = ops::detail::normalize_axes(axes_in, x.rank(), "sum");
-  Array y = finish(reduce_kernel(x, axes, Reduction::sum, "sum"), x.shape(), axes, keepdims);
+  Array y = finish(reduce_kernel(x, axes, Reduction::sum, "sum", out_dtype), x.shape(), axes, keepdims);
   if (needs_grad(x))
     record("sum", y, {&x}, {}, [xs = x.shape(), keep = reduced_shape(x.shape(), axes, true)](Cotangents& c, autodiff::Saved) {
-      c.set(0, ops::detail::broadcast_raw(c.out().with_shape(keep), xs));
+      c.set(0, ops::detail::broadcast_raw(c.out().with_shape(keep), xs));  // the sweep casts it to x's dtype
     });
   return y;
+}
+}  // namespace
+
+Array sum(const Array& x, const std::vector<int>& axes_in, bool keepdims) {
+  ops::detail::require_float(x, "sum");
+  return sum_as(x, axes_in, keepdims, x.dtype());
 }
 Array sum(const Array& x) { return sum(x, all_axes(x.rank()), false); }
 
 Array mean(const Array& x, const std::vector<int>& axes_in, bool keepdims) {
   ops::detail::require_float(x, "mean");
-  if (x.dtype() == DType::bf16) return ops::detail::via_f32(x, [&](const Array& w) { return mean(w, axes_in, keepdims); });
   const std::vector<int> axes = ops::detail::normalize_axes(axes_in, x.rank(), "mean");
   std::int64_t count = 1;
   for (int a : axes) count *= x.shape()[a];
+  if (x.dtype() == DType::bf16)  // the float32 sum, scaled, rounded once
+    return astype(sum_as(x, axes, keepdims, DType::f32) * (1.0f / static_cast<float>(count)), x.dtype());
   return sum(x, axes, keepdims) * (1.0f / static_cast<float>(count));
 }
 Array mean(const Array& x) { return mean(x, all_axes(x.rank()), false); }
 
 Array max(const Array& x, const std::vector<int>& axes_in, bool keepdims) {
   ops::detail::require_float(x, "max");
-  if (x.dtype() == DType::bf16) return ops::detail::via_f32(x, [&](const Array& w) { return max(w, axes_in, keepdims); });
   const std::vector<int> axes = ops::detail::normalize_axes(axes_in, x.rank(), "max");
   Array keep = reduce_kernel(x, axes, Reduction::max, "max");
   Array y = finish(keep, x.shape(), axes, keepdims);
