@@ -39,7 +39,7 @@ class ForwardRegion final : public autodiff::detail::RecordHook {
     const std::uint64_t index = next_++;
     if (policy_.saves_nothing()) return;
     const std::string path = current_module_path();
-    const OpInfo info{op, out.shape(), out.nbytes(), node ? node->label() : std::string_view(), path};
+    const OpInfo info{op, out.shape(), out.nbytes(), node ? node->label() : std::string_view(), path, out.dtype()};
     if (policy_.saveable(info)) {
       saved_.push_back({index, out.detached()});
       g_stats.saved.fetch_add(1, std::memory_order_relaxed);

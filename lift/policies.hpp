@@ -2,7 +2,8 @@
 // backward pass instead of being recomputed (JAX's jax.checkpoint_policies, same names and rules).
 //
 // A policy sees every op the block records, as an OpInfo: the op kind, its output's shape and
-// bytes, the name given by checkpoint_name (for those ops) and the path of the module that ran it.
+// bytes and dtype, the name given by checkpoint_name (for those ops) and the path of the module
+// that ran it.
 // A saved value is reused when the block is recomputed; for matmul and conv2d the product is then
 // not computed again.
 //
@@ -30,6 +31,7 @@ struct OpInfo {
   std::size_t bytes;             // output bytes
   std::string_view name;         // for checkpoint_name ops: the name; otherwise empty
   std::string_view module_path;  // "Encoder_0/Block_1", or empty outside modules
+  DType dtype = DType::f32;      // output dtype (bytes count 2 per bf16 element)
 
   // A matrix product or convolution (JAX's dot_general and conv_general_dilated).
   bool is_dot() const { return op == "matmul" || op == "batched_matmul" || op == "conv2d"; }

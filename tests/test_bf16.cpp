@@ -6,6 +6,7 @@
 
 #include "testing/gradcheck.hpp"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -218,6 +219,15 @@ TEST_CASE("remat policies and residual reports see dtypes and count 2 bytes per 
     if (r.str().rfind("bf16[4,8] from the argument 0", 0) == 0) saw_x = true;
   }
   CHECK(saw_x);
+  // A policy sees the dtype and the bytes of each op's output.
+  std::vector<std::string> seen;
+  lift::Policy spy("spy", [&](const lift::OpInfo& op) {
+    seen.push_back(std::string(op.op) + ":" + dtype_short_name(op.dtype) + ":" + std::to_string(op.bytes));
+    return false;
+  });
+  (void)grad<1>([&](const Array& x, const Array& w) { return sum(checkpoint(f, {.policy = spy})(x, w)); })(x, w);
+  CHECK(std::find(seen.begin(), seen.end(), "matmul:bf16:64") != seen.end());
+  CHECK(std::find(seen.begin(), seen.end(), "astype:bf16:128") != seen.end());
   // x (4x8), the bf16 cast of w (8x8) and tanh's output (4x8), at 2 bytes per element.
   CHECK(bf16_bytes == 2 * (32 + 64 + 32));
 }

@@ -11,6 +11,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <utility>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -56,14 +57,15 @@ Descs descs_of(const ConvShape& s) {
 
 memory::desc any_weights(const Descs& d) { return memory::desc(d.w_user.dims(), d.w_user.data_type(), tag::any); }
 
+template <class Prim>
+using Built = std::optional<std::pair<typename Prim::primitive_desc, Prim>>;
+
 struct Primitives {
   Descs d;
   dnnl::convolution_forward::primitive_desc fwd_pd;
   dnnl::convolution_forward fwd;
-  std::optional<dnnl::convolution_backward_data::primitive_desc> bwd_data_pd;
-  std::optional<dnnl::convolution_backward_data> bwd_data;
-  std::optional<dnnl::convolution_backward_weights::primitive_desc> bwd_weights_pd;
-  std::optional<dnnl::convolution_backward_weights> bwd_weights;
+  Built<dnnl::convolution_backward_data> bwd_data;        // created on first use (training only)
+  Built<dnnl::convolution_backward_weights> bwd_weights;
 };
 
 std::mutex g_mutex;
@@ -80,8 +82,20 @@ Primitives& primitives_for(const ConvShape& s, int threads) {
   dnnl::convolution_forward::desc fd(dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, d.x,
                                      any_weights(d), d.y, d.strides, d.dilates, d.pad_l, d.pad_r);
   dnnl::convolution_forward::primitive_desc fpd(fd, cpu_engine());
-  Primitives p{d, fpd, dnnl::convolution_forward(fpd), {}, {}, {}, {}};
+  Primitives p{d, fpd, dnnl::convolution_forward(fpd), {}, {}};
   return cache().emplace(key, std::move(p)).first->second;
+}
+
+// A backward primitive (data or weights; their descriptors take the same arguments), built once.
+template <class Prim>
+const std::pair<typename Prim::primitive_desc, Prim>& backward(Built<Prim>& slot, const Primitives& p) {
+  if (!slot) {
+    typename Prim::desc desc(dnnl::algorithm::convolution_direct, p.d.x, any_weights(p.d), p.d.y, p.d.strides,
+                             p.d.dilates, p.d.pad_l, p.d.pad_r);
+    typename Prim::primitive_desc pd(desc, cpu_engine(), p.fwd_pd);
+    slot.emplace(pd, Prim(pd));
+  }
+  return *slot;
 }
 
 // Runs `body` with OpenMP limited to the thread count chosen for this convolution (one thread for
@@ -140,18 +154,13 @@ Array conv_backward_data_onednn(const Array& gy, const Array& w, const ConvShape
   return with_threads(threads, [&] {
     std::unique_lock<std::mutex> lock(g_mutex);
     Primitives& p = primitives_for(s, threads);
-    if (!p.bwd_data) {
-      dnnl::convolution_backward_data::desc bd(dnnl::algorithm::convolution_direct, p.d.x, any_weights(p.d), p.d.y,
-                                               p.d.strides, p.d.dilates, p.d.pad_l, p.d.pad_r);
-      p.bwd_data_pd.emplace(bd, cpu_engine(), p.fwd_pd);
-      p.bwd_data.emplace(*p.bwd_data_pd);
-    }
+    const auto& [pd, prim] = backward(p.bwd_data, p);
     lock.unlock();
     Array dx = Array::empty(Shape{s.n, s.h, s.w, s.c}, s.dtype);
     dnnl::stream stream(cpu_engine());
-    memory mw = in_layout(wrap(p.d.w_user, w), p.bwd_data_pd->weights_desc(), stream);
+    memory mw = in_layout(wrap(p.d.w_user, w), pd.weights_desc(), stream);
     memory mgy = wrap(p.d.y, gy), mdx(p.d.x, cpu_engine(), dx.mutable_raw());
-    p.bwd_data->execute(stream, {{DNNL_ARG_DIFF_DST, mgy}, {DNNL_ARG_WEIGHTS, mw}, {DNNL_ARG_DIFF_SRC, mdx}});
+    prim.execute(stream, {{DNNL_ARG_DIFF_DST, mgy}, {DNNL_ARG_WEIGHTS, mw}, {DNNL_ARG_DIFF_SRC, mdx}});
     stream.wait();
     return dx;
   });
@@ -162,20 +171,15 @@ Array conv_backward_weights_onednn(const Array& x, const Array& gy, const ConvSh
   return with_threads(threads, [&] {
     std::unique_lock<std::mutex> lock(g_mutex);
     Primitives& p = primitives_for(s, threads);
-    if (!p.bwd_weights) {
-      dnnl::convolution_backward_weights::desc bd(dnnl::algorithm::convolution_direct, p.d.x, any_weights(p.d), p.d.y,
-                                                  p.d.strides, p.d.dilates, p.d.pad_l, p.d.pad_r);
-      p.bwd_weights_pd.emplace(bd, cpu_engine(), p.fwd_pd);
-      p.bwd_weights.emplace(*p.bwd_weights_pd);
-    }
+    const auto& [pd, prim] = backward(p.bwd_weights, p);
     lock.unlock();
     Array dw = Array::empty(Shape{s.kh, s.kw, s.cg, s.o}, s.dtype);
     dnnl::stream stream(cpu_engine());
     memory user_dw(p.d.w_user, cpu_engine(), dw.mutable_raw());
-    const bool direct = p.bwd_weights_pd->diff_weights_desc() == p.d.w_user;
-    memory mdw = direct ? user_dw : memory(p.bwd_weights_pd->diff_weights_desc(), cpu_engine());
+    const bool direct = pd.diff_weights_desc() == p.d.w_user;
+    memory mdw = direct ? user_dw : memory(pd.diff_weights_desc(), cpu_engine());
     memory mx = wrap(p.d.x, x), mgy = wrap(p.d.y, gy);
-    p.bwd_weights->execute(stream, {{DNNL_ARG_SRC, mx}, {DNNL_ARG_DIFF_DST, mgy}, {DNNL_ARG_DIFF_WEIGHTS, mdw}});
+    prim.execute(stream, {{DNNL_ARG_SRC, mx}, {DNNL_ARG_DIFF_DST, mgy}, {DNNL_ARG_DIFF_WEIGHTS, mdw}});
     if (!direct) dnnl::reorder(mdw, user_dw).execute(stream, mdw, user_dw);
     stream.wait();
     return dw;
