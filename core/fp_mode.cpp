@@ -1,4 +1,5 @@
 #include <linum/core/fp_mode.hpp>
+#include <linum/core/threading.hpp>
 
 #include <cstdlib>
 #include <cstring>
@@ -55,6 +56,7 @@ std::atomic<unsigned> g_fp_mode_generation{1};
 thread_local unsigned t_fp_mode_generation = 0;
 
 void apply_fp_mode() {
+  keep_threading_linked();
   read_environment_once();
   const unsigned generation = g_fp_mode_generation.load(std::memory_order_acquire);
   set_thread_mode(g_flush.load(std::memory_order_relaxed));

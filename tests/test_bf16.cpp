@@ -1,6 +1,6 @@
 // Mixed precision: bfloat16 storage and conversion, JAX's promotion rules, every op in bf16 against
 // float32 within bf16 tolerance, gradients in their value's dtype, remat vs plain bitwise in bf16,
-// the two matmul engines agreeing, serialization round trips, and subnormal flushing.
+// the two engines agreeing, serialization round trips, layers' dtype and param_dtype.
 #include <doctest/doctest.h>
 #include <linum/linum.hpp>
 
@@ -293,29 +293,6 @@ TEST_CASE("serialization keeps bf16 arrays bit for bit, in Flax's msgpack layout
   auto j = serialization::to_json(t);
   j["params"]["w"]["data"][0] = 0.1;
   CHECK_THROWS_AS(serialization::from_json(j), IoError);
-}
-
-TEST_CASE("subnormals are flushed in every thread Linum computes in, unless opted out") {
-  REQUIRE(flush_denormals());
-  const Array tiny = Array::full(Shape{1 << 19}, 1e-30f);  // large enough for the OpenMP threads to join
-  const Array y = tiny * 1e-10f;                           // 1e-40 is subnormal in float32
-  CHECK(thread_flushes_denormals());
-  for (float v : y.to_vector()) {
-    if (v != 0.0f) { CHECK(v == 0.0f); break; }
-  }
-  set_flush_denormals(false);
-  const Array z = tiny * 1e-10f;
-  CHECK_FALSE(thread_flushes_denormals());
-  bool all_subnormal = true;
-  for (float v : z.to_vector()) all_subnormal = all_subnormal && v != 0.0f && std::fpclassify(v) == FP_SUBNORMAL;
-  CHECK(all_subnormal);
-  set_flush_denormals(true);
-  CHECK(thread_flushes_denormals());
-  {
-    IeeeSubnormalScope exact;
-    CHECK_FALSE(thread_flushes_denormals());
-  }
-  CHECK(thread_flushes_denormals());
 }
 
 // ---- layers: Flax's dtype and param_dtype --------------------------------------------------------

@@ -12,6 +12,11 @@
 //       [B, W] x [W, W] shape, same run),
 //       gemm_ratio, peak_activation_bytes (exact accounting: peak live bytes during the step minus live
 //       bytes before it), peak_rss_growth_mib.
+//   linum-bench load [--layers L] [--width W] [--batch B] [--steps S] [--dtype f32|bf16] [--rounds R]
+//       The plain deep-MLP step on a quiet machine and with one competing CPU-bound process pinned
+//       to the last core, alternating R rounds in one invocation. Fields: bench, wait_policy (how
+//       OpenMP threads wait in this run), quiet_step_s, loaded_step_s (minimum over rounds of the
+//       per-round median), slowdown = loaded / quiet.
 //   linum-bench ops [--iters N]
 //       Per-op cost on tiny arrays, with and without recording the autodiff graph.
 #include <linum/linum.hpp>
@@ -31,6 +36,11 @@
 #include <string>
 #include <vector>
 
+#include <sched.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -39,6 +49,14 @@ using namespace linum;
 using Clock = std::chrono::steady_clock;
 
 namespace {
+
+int omp_get_max_threads_or_1() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
@@ -295,9 +313,69 @@ int bench_ops(const Flags& f) {
 
 }  // namespace
 
+// A CPU-bound process pinned to `core` until killed.
+pid_t start_competitor(int core) {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(core, &set);
+    sched_setaffinity(0, sizeof(set), &set);
+    volatile std::uint64_t x = 0;
+    for (;;) x = x + 1;
+  }
+  return pid;
+}
+
+int bench_load(const Flags& f) {
+  const long L = f.get("layers", 24), W = f.get("width", 512), B = f.get("batch", 2048), steps = f.get("steps", 3);
+  const long rounds = f.get("rounds", 2);
+  const DType dtype = parse_dtype(f.text("dtype", "f32"));
+  std::vector<Array> params;
+  for (long l = 0; l < L; ++l) {
+    params.push_back(random_normal(Shape{W, W}, static_cast<unsigned>(2 * l + 1), 1.0f / std::sqrt(static_cast<float>(W))));
+    params.push_back(Array::zeros(Shape{W}));
+  }
+  const Array x = astype(random_normal(Shape{B, W}, 7u, 1.0f), dtype);
+  auto loss = [&](const std::vector<Array>& p, const Array& in) {
+    Array h = in;
+    for (long l = 0; l < L; ++l) h = gelu(matmul(h, astype(p[2 * l], dtype)) + astype(p[2 * l + 1], dtype));
+    return mean(h * h);
+  };
+  auto step = value_and_grad(loss);
+  (void)step(params, x);  // warm-up
+  auto median_step = [&] {
+    std::vector<double> t;
+    for (long s = 0; s < steps; ++s) {
+      auto start = Clock::now();
+      (void)step(params, x);
+      t.push_back(seconds_since(start));
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  };
+  const int cores = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
+  double quiet = 1e30, loaded = 1e30;
+  for (long r = 0; r < rounds; ++r) {
+    quiet = std::min(quiet, median_step());
+    const pid_t competitor = start_competitor(cores - 1);
+    if (competitor < 0) throw Error("linum-bench load: fork failed");
+    usleep(200000);  // let the scheduler settle
+    loaded = std::min(loaded, median_step());
+    kill(competitor, SIGKILL);
+    waitpid(competitor, nullptr, 0);
+  }
+  nlohmann::json out = {{"bench", "load"},         {"wait_policy", openmp_wait_policy()},
+                        {"dtype", dtype_short_name(dtype)}, {"layers", L}, {"width", W}, {"batch", B},
+                        {"threads", omp_get_max_threads_or_1()}, {"quiet_step_s", quiet}, {"loaded_step_s", loaded},
+                        {"slowdown", loaded / quiet}};
+  std::cout << out.dump() << std::endl;
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::cerr << "usage: linum-bench mlp|ops [--name value ...]\n";
+    std::cerr << "usage: linum-bench mlp|load|ops [--name value ...]\n";
     return 2;
   }
   const std::string what = argv[1];
@@ -305,10 +383,11 @@ int main(int argc, char** argv) {
     const Flags flags = parse_flags(argc, argv, 2);
     if (what == "mlp") return bench_mlp(flags);
     if (what == "ops") return bench_ops(flags);
+    if (what == "load") return bench_load(flags);
   } catch (const std::exception& e) {
     std::cerr << "linum-bench: " << e.what() << "\n";
     return 1;
   }
-  std::cerr << "linum-bench: unknown benchmark '" << what << "' (choose mlp or ops)\n";
+  std::cerr << "linum-bench: unknown benchmark '" << what << "' (choose mlp, load or ops)\n";
   return 2;
 }

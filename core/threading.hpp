@@ -1,0 +1,32 @@
+// Threads that survive a busy machine.
+//
+// Linum's parallel loops and oneDNN's kernels run on OpenMP (GNU libgomp). By default libgomp
+// threads spin for a long while (about 300,000 iterations) at every barrier before they sleep.
+// On a dedicated machine that saves a few microseconds per parallel region; on a machine where
+// another process takes a core, it is a collapse: the spinning thread holds its core while the
+// thread it waits for is descheduled, so every barrier costs a scheduler time slice, and a
+// training step was measured 20x slower.
+//
+// So programs linked with Linum (as a static library, the default build) start with
+// OMP_WAIT_POLICY=passive unless the environment already says how OpenMP threads should wait
+// (OMP_WAIT_POLICY or GOMP_SPINCOUNT): idle threads sleep at once, and under load the scheduler can
+// move a descheduled thread to the core they free. On a dedicated machine, set
+// OMP_WAIT_POLICY=active to spin as before (linum-bench load measures both). The setting is made
+// before any library initialises (an ELF pre-initialisation function), because libgomp reads it
+// once at start-up; the process environment itself is left as it was (child processes and getenv
+// do not see it).
+#pragma once
+
+#include <string>
+
+namespace linum {
+
+// The wait policy OpenMP threads use in this process, as the environment gives it:
+// "passive (Linum's default)", "passive", "active", or "GOMP_SPINCOUNT=N".
+std::string openmp_wait_policy();
+
+namespace detail {
+void keep_threading_linked();
+}  // namespace detail
+
+}  // namespace linum
