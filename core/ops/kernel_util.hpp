@@ -25,7 +25,9 @@ void for_blocks(std::int64_t n, F&& f) {
     return;
   }
   const std::int64_t blocks = (n + kBlock - 1) / kBlock;
-#pragma omp parallel for schedule(static)
+  // Dynamic: on a busy machine the thread whose core is free takes more blocks (results do not
+  // depend on which thread computes a block).
+#pragma omp parallel for schedule(dynamic, 1)
   for (std::int64_t b = 0; b < blocks; ++b) {
     linum::detail::enter_compute();
     const std::int64_t begin = b * kBlock;
