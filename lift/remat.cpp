@@ -95,7 +95,14 @@ void write_back(ScopeState& outer, const ScopeState& lifted, const std::vector<s
 ScopeState recompute_base(const ScopeState& entry, const ScopeState& after_forward) {
   ScopeState base = entry;
   base.initializing = false;
-  // Variables the forward pass created (at init) exist for the recomputation, which creates none.
+  // Variables the forward pass created exist for the recomputation, which creates none, at the
+  // values they were created with (a variable created and then updated in the same call must be
+  // seen as it was when created, as on entry).
+  for (const auto& [name, collection] : after_forward.created) {
+    Tree& mine = base.variables[name];
+    for (const auto& [path, value] : flatten(collection))
+      if (!mine.contains_path(path)) mine.set_path(path, Tree(value));
+  }
   for (const auto& [name, collection] : after_forward.variables) {
     Tree& mine = base.variables[name];
     for (const auto& [path, value] : flatten(collection))

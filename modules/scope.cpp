@@ -127,6 +127,7 @@ Array Scope::param(std::string_view name, const Initializer& init, const Shape& 
   if (!(value.shape() == shape))
     throw ShapeError(detail::cat("the initializer of param '", full, "' returned shape ", value.shape(), " for shape ", shape));
   vars["params"].set_path(path, Tree(value));
+  state_->created["params"].set_path(path, Tree(value));
   return value;
 }
 
@@ -144,6 +145,7 @@ Variable Scope::variable(std::string_view collection, std::string_view name, con
                                    "; pass the full dict returned by init (e.g. {\"params\": ..., \"", coll,
                                    "\": ...}), or make the collection mutable to create it"));
     Array value = init();
+    state_->created[coll].set_path(path, Tree(value));
     vars[coll].set_path(path, Tree(std::move(value)));
   }
   return Variable(state_, coll, path, path_str());

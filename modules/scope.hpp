@@ -58,6 +58,7 @@ struct ScopeState {
   rng::Streams rngs;
   std::map<std::string, std::uint64_t, std::less<>> rng_counters;  // "<stream>\n<path>" -> draws so far
   std::set<std::string, std::less<>> touched;          // full variable paths read or written
+  Tree created;                                        // variables created here, at their initial values
   // Inside a lifted transform (lift::remat): the collections and streams it lifts (unset: all),
   // and a description of the transform for error messages.
   std::optional<std::set<std::string, std::less<>>> lifted_collections;
