@@ -271,3 +271,41 @@ TEST_CASE("memory: a checkpointed chain keeps only the block inputs") {
   // Checkpointed: only the block inputs, i.e. 1 unit per block but the first: 8/9 of it is gone.
   CHECK(rematted == (L - 1) * unit + 4);
 }
+
+TEST_CASE("dots_with_no_batch_dims_saveable saves products without batch dimensions, at their real shapes") {
+  const Array x = random_array(Shape{2, 5, 4}, 11), w = random_array(Shape{4, 6}, 12), v = random_array(Shape{2, 4, 3}, 13);
+  auto residual_text = [](const std::vector<lift::Residual>& rs) {
+    std::string all;
+    for (const auto& r : rs) all += r.str() + "\n";
+    return all;
+  };
+  // [B, T, D] @ [D, E] contracts without batch dimensions (as jnp.matmul): saved, seen as [2,5,6].
+  auto dense_like = checkpoint([](const Array& x, const Array& w) { return tanh(matmul(x, w)); },
+                               {.policy = policies::dots_with_no_batch_dims_saveable{}});
+  const std::string saved = residual_text(lift::saved_residuals(dense_like, x, w));
+  INFO(saved);
+  CHECK(saved.find("f32[2,5,6] output of matmul") != std::string::npos);
+  // dot_general without batch axes too (Dense, DenseGeneral and attention projections use it).
+  auto general = checkpoint([](const Array& x, const Array& w) { return tanh(dot_general(x, w, DotDims{{2}, {0}, {}, {}})); },
+                            {.policy = policies::dots_with_no_batch_dims_saveable{}});
+  CHECK(residual_text(lift::saved_residuals(general, x, w)).find("f32[2,5,6] output of matmul") != std::string::npos);
+  // A product with batch dimensions is not saved by this policy (it is by dots_saveable).
+  auto batched = [](const lift::Policy& p) {
+    return checkpoint([](const Array& x, const Array& v) { return tanh(matmul(x, v)); }, {.policy = p});
+  };
+  CHECK(residual_text(lift::saved_residuals(batched(policies::dots_with_no_batch_dims_saveable{}), x, v))
+            .find("output of batched_matmul") == std::string::npos);
+  CHECK(residual_text(lift::saved_residuals(batched(policies::dots_saveable{}), x, v)).find("f32[2,5,3] output of batched_matmul") !=
+        std::string::npos);
+  // The policy sees the op's real output shape, not the [1, m, n] of the kernel call.
+  std::vector<Shape> shapes;
+  lift::Policy spy("spy", [&](const lift::OpInfo& op) {
+    if (op.is_dot()) shapes.push_back(op.shape);
+    return false;
+  });
+  (void)grad<1>([&](const Array& x, const Array& w) {
+    return sum(checkpoint([](const Array& x, const Array& w) { return tanh(matmul(x, w)); }, {.policy = spy})(x, w));
+  })(x, w);
+  REQUIRE(!shapes.empty());
+  CHECK(shapes.front() == Shape{2, 5, 6});
+}

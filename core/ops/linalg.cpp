@@ -19,19 +19,25 @@ using autodiff::record;
 
 Array gemm(const Array& a, const Array& b, bool ta, bool tb) { return kernels::batched_gemm(a, b, ta, tb); }
 
-// The primitive: [M,K]@[K,N] or [B,M,K]@[B,K,N].
-Array mm(const Array& a, const Array& b) {
+// The primitive: [M,K]@[K,N] ("matmul", a product without batch dimensions) or
+// [B,M,K]@[B,K,N] ("batched_matmul"). The result is viewed as `out_shape`, the op's real output
+// shape (e.g. [batch, tokens, features] for a Dense on a sequence), which is what remat policies and
+// residual reports see.
+Array mm(const Array& a, const Array& b, const Shape& out_shape) {
   const bool recording = needs_grad(a, b);
   // A checkpoint replaying its block may hold this product from the forward pass (dots policies).
   const Array* saved = recording && autodiff::detail::t_record_hook ? autodiff::detail::peek_replayed_output() : nullptr;
-  Array y = saved ? saved->detached() : gemm(a, b, false, false);
+  Array y = saved ? saved->detached() : gemm(a, b, false, false).with_shape(out_shape);
   if (recording) {
     Array keep_a = b.node() ? a.detached() : Array();
     Array keep_b = a.node() ? b.detached() : Array();
-    record(a.rank() == 3 ? "batched_matmul" : "matmul", y, {&a, &b}, {keep_a, keep_b}, [](Cotangents& c, autodiff::Saved s) {
-      if (c.needs(0)) c.set(0, gemm(c.out(), s[1], false, true));  // dA = G B^T
-      if (c.needs(1)) c.set(1, gemm(s[0], c.out(), true, false));  // dB = A^T G
-    });
+    const Shape product = a.rank() == 3 ? Shape{a.dim(0), a.dim(1), b.dim(2)} : Shape{a.dim(0), b.dim(1)};
+    record(a.rank() == 3 ? "batched_matmul" : "matmul", y, {&a, &b}, {keep_a, keep_b},
+           [product](Cotangents& c, autodiff::Saved s) {
+             const Array g = c.out().with_shape(product);
+             if (c.needs(0)) c.set(0, gemm(g, s[1], false, true));  // dA = G B^T
+             if (c.needs(1)) c.set(1, gemm(s[0], g, true, false));  // dB = A^T G
+           });
   }
   return y;
 }
@@ -66,7 +72,13 @@ Array matmul(const Array& a_orig, const Array& b_orig) {
                                  " (", k, " vs ", k2, ")"));
   Array y;
   if (a.rank() == 2 && b.rank() == 2) {
-    y = mm(a, b);
+    y = mm(a, b, Shape{m, n});
+  } else if (b.rank() == 2) {
+    // [..., M, K] @ [K, N] contracts without batch dimensions (as jnp.matmul's dot_general does):
+    // one [prod(...) * M, K] @ [K, N] product, no copies of b.
+    std::vector<std::int64_t> out = a.shape().vec();
+    out.back() = n;
+    y = mm(reshape(a, {-1, k}), b, Shape(out));
   } else {
     // Broadcast the batch axes, flatten them into one, run the batched primitive, unflatten.
     Shape ba, bb;
@@ -82,7 +94,7 @@ Array matmul(const Array& a_orig, const Array& b_orig) {
     std::vector<std::int64_t> out = batch.vec();
     out.push_back(m);
     out.push_back(n);
-    y = reshape(mm(a3, b3), out);
+    y = mm(a3, b3, Shape(out));
   }
   if (a_vec || b_vec) {
     std::vector<std::int64_t> d = y.shape().vec();
@@ -146,8 +158,9 @@ Array dot_general(const Array& lhs_orig, const Array& rhs_orig, const DotDims& d
   };
   Array l = is_identity(lp) ? lhs : transpose(lhs, lp);
   Array r = is_identity(rp) ? rhs : transpose(rhs, rp);
-  Array y = mm(reshape(l, {nb, nm, nk}), reshape(r, {nb, nk, nn}));
-  return reshape(y, out);
+  if (lb.empty())  // no batch dimensions: one 2-D product (what dots_with_no_batch_dims_saveable saves)
+    return mm(reshape(l, {nm, nk}), reshape(r, {nk, nn}), Shape(out));
+  return mm(reshape(l, {nb, nm, nk}), reshape(r, {nb, nk, nn}), Shape(out));
 }
 
 }  // namespace linum
