@@ -33,7 +33,12 @@ class ProducerTrace final : public autodiff::detail::RecordHook {
   void on_record(const char* op, Array& out, const autodiff::Node* node) override {
     const auto* where = linum::detail::current_module_path();
     std::string path = where ? linum::detail::join_module_path(*where) : std::string();
-    producers_[out.raw()] = {op, std::string(node ? node->label() : std::string_view()), std::move(path), out.detached()};
+    // A view (reshape, a same-shape broadcast_to) only looks at the value its input's producer made,
+    // so it does not take the name; a checkpoint or checkpoint_name re-publishing a value does.
+    const std::string_view kind = op;
+    Producer p{op, std::string(node ? node->label() : std::string_view()), std::move(path), out.detached()};
+    if (kind == "reshape" || kind == "broadcast_to") producers_.try_emplace(out.raw(), std::move(p));
+    else producers_[out.raw()] = std::move(p);
   }
   const Producer* find(const void* p) const {
     auto it = producers_.find(p);

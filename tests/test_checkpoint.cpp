@@ -309,3 +309,14 @@ TEST_CASE("dots_with_no_batch_dims_saveable saves products without batch dimensi
   REQUIRE(!shapes.empty());
   CHECK(shapes.front() == Shape{2, 5, 6});
 }
+
+TEST_CASE("saved_residuals names the op that produced a value, not a view of it") {
+  const Array x = random_array(Shape{3, 4}, 21), w = random_array(Shape{4, 6}, 22);
+  auto f = checkpoint([](const Array& x, const Array& w) { return tanh(reshape(matmul(x, w), {2, 9})); },
+                      {.policy = policies::dots_saveable{}});
+  std::string all;
+  for (const auto& r : lift::saved_residuals(f, x, w)) all += r.str() + "\n";
+  INFO(all);
+  CHECK(all.find("output of matmul") != std::string::npos);
+  CHECK(all.find("output of reshape") == std::string::npos);
+}
