@@ -754,6 +754,11 @@ TEST_CASE("module_config / module_from_config round trips") {
   CHECK(nn::module_from_config<nn::Dense>(nlohmann::json{{"param_dtype", "bfloat16"}}).param_dtype == DType::bf16);
   CHECK_THROWS_WITH_AS(nn::module_from_config<nn::Dense>(nlohmann::json{{"dtype", "float16"}}),
                        doctest::Contains("Dense.dtype' must be a dtype"), ValueError);
+  // Integers the field cannot hold are refused, not narrowed.
+  CHECK_THROWS_WITH_AS(nn::module_from_config<nn::BatchNorm>(nlohmann::json{{"axis", 4294967295LL}}),
+                       doctest::Contains("BatchNorm.axis' must be an integer in [-2147483648, 2147483647]"), ValueError);
+  CHECK_THROWS_AS(nn::module_from_config<nn::Dense>(nlohmann::json{{"features", 18446744073709551615ULL}}), ValueError);
+  CHECK(nn::module_from_config<nn::BatchNorm>(nlohmann::json{{"axis", -2}}).axis == -2);
   CHECK(nn::module_from_config<nn::Dense>(d).features == 10);
 
   nn::Conv conv{.features = 8, .kernel_size = {3, 3}, .strides = {2, 2}, .padding = {{1, 0}, {0, 1}}, .feature_group_count = 2};

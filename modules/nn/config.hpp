@@ -30,6 +30,7 @@
 
 #include <charconv>
 #include <cstdlib>
+#include <limits>
 #include <optional>
 #include <set>
 #include <string>
@@ -193,6 +194,18 @@ T from_value(const nlohmann::json& j, const std::string& where) {
     return j.get<bool>();
   } else if constexpr (std::is_integral_v<T>) {
     if (!j.is_number_integer()) bad_field(where, "an integer", j);
+    // Refuse values the field cannot hold instead of narrowing them ({"axis": 4294967295} is not -1).
+    const auto max = static_cast<std::uint64_t>(std::numeric_limits<T>::max());
+    bool fits;
+    if (j.is_number_unsigned()) {
+      fits = j.get<std::uint64_t>() <= max;
+    } else {
+      const std::int64_t v = j.get<std::int64_t>();
+      fits = v >= 0 ? static_cast<std::uint64_t>(v) <= max
+                    : std::is_signed_v<T> && v >= static_cast<std::int64_t>(std::numeric_limits<T>::min());
+    }
+    if (!fits)
+      bad_field(where, detail::cat("an integer in [", +std::numeric_limits<T>::min(), ", ", +std::numeric_limits<T>::max(), "]").c_str(), j);
     return j.get<T>();
   } else if constexpr (std::is_floating_point_v<T>) {
     if (!j.is_number()) bad_field(where, "a number", j);
