@@ -299,6 +299,9 @@ GradientTransformation scale_by_schedule(Schedule schedule) {
 }
 
 GradientTransformation scale_by_learning_rate(LearningRate learning_rate) {
+  if (!learning_rate.is_schedule() && !std::isfinite(learning_rate.value()))
+    throw ValueError(detail::cat("optim: the learning rate must be a finite number, got ", learning_rate.value(),
+                                 "; every update would be NaN"));
   if (!learning_rate.is_schedule()) return scale(-learning_rate.value());
   Schedule s = learning_rate.schedule();
   return scale_by_schedule([s](std::int64_t step) { return -s(step); });
@@ -321,6 +324,10 @@ GradientTransformation trace(double decay, bool nesterov) {
 }
 
 GradientTransformation scale_by_adam(double b1, double b2, double eps, double eps_root) {
+  if (!(b1 >= 0.0 && b1 < 1.0) || !(b2 >= 0.0 && b2 < 1.0) || !(eps >= 0.0) || !(eps_root >= 0.0) ||
+      !std::isfinite(eps) || !std::isfinite(eps_root))
+    throw ValueError(detail::cat("optim::scale_by_adam: needs 0 <= b1, b2 < 1 and finite eps, eps_root >= 0; got b1 = ", b1,
+                                 ", b2 = ", b2, ", eps = ", eps, ", eps_root = ", eps_root));
   const std::string who = "optim::scale_by_adam.update";
   return GradientTransformation(
       "optim::scale_by_adam",

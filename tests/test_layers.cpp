@@ -840,3 +840,13 @@ TEST_CASE("tabulate: one row per module call with outputs, params per collection
   // Activations of the leaf modules: Conv 128 + BatchNorm 128 + Dropout 128 + head 20 floats.
   CHECK(t.find("Total activation bytes (modules without submodules): 1616") != std::string::npos);
 }
+
+TEST_CASE("BatchNorm refuses an empty batch and a momentum outside [0, 1]") {
+  const Array x = linum::testing::random_array(Shape{4, 3}, 1);
+  Tree v = init(nn::BatchNorm{.use_running_average = false}, rng::key(0), x);
+  CHECK_THROWS_WITH_AS(apply(nn::BatchNorm{.use_running_average = false}, v, {.mutable_collections = {"batch_stats"}},
+                             Array::zeros(Shape{0, 3})),
+                       doctest::Contains("empty input of shape"), ShapeError);
+  CHECK_THROWS_WITH_AS(init(nn::BatchNorm{.use_running_average = false, .momentum = 2.0}, rng::key(0), x),
+                       doctest::Contains("momentum must be in [0, 1]"), ValueError);
+}

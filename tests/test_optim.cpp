@@ -376,3 +376,10 @@ TEST_CASE("optimizer errors name the differing path and what to do") {
   CHECK(contains(error_of<ValueError>([] { optim::clip_by_global_norm(-1.0); }), "max_norm"));
   CHECK(contains(error_of<ValueError>([] { optim::sgd(0.1, -0.5); }), "momentum"));
 }
+
+TEST_CASE("optimizers refuse hyperparameters that would make every update NaN") {
+  CHECK_THROWS_WITH_AS(optim::adam(std::nan("")), doctest::Contains("learning rate must be a finite number"), ValueError);
+  CHECK_THROWS_WITH_AS(optim::sgd(std::numeric_limits<double>::infinity()), doctest::Contains("finite"), ValueError);
+  CHECK_THROWS_WITH_AS(optim::adam(1e-3, 1.5), doctest::Contains("0 <= b1, b2 < 1"), ValueError);
+  CHECK_NOTHROW(optim::adam(1e-3));
+}

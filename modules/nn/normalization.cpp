@@ -164,6 +164,10 @@ Array GroupNorm::operator()(Scope& s, const Array& x) const {
 Array BatchNorm::operator()(Scope& s, const Array& x, std::optional<bool> use_running_average_arg) const {
   require_float(x, "BatchNorm", param_dtype);
   const bool use_ra = merge_param("BatchNorm", "use_running_average", use_running_average, use_running_average_arg);
+  if (!(momentum >= 0.0 && momentum <= 1.0))
+    throw ValueError(detail::cat("BatchNorm: momentum must be in [0, 1] (the weight of the old running statistics), got ",
+                                 momentum));
+  if (!(epsilon >= 0.0)) throw ValueError(detail::cat("BatchNorm: epsilon must be >= 0, got ", epsilon));
   const int feature_axis = x.shape().normalize_axis(axis, "BatchNorm (axis)");
   std::vector<int> red;
   for (int a = 0; a < x.rank(); ++a)
@@ -184,6 +188,10 @@ Array BatchNorm::operator()(Scope& s, const Array& x, std::optional<bool> use_ru
     mu = reshape(mu, broadcast_shape);
     var = reshape(var, broadcast_shape);
   } else {
+    if (x.numel() == 0)
+      throw ShapeError(detail::cat("BatchNorm: cannot compute batch statistics of an empty input of shape ", x.shape(),
+                                   " (they would be NaN and poison the running statistics); skip empty batches, or "
+                                   "use_running_average = true"));
     auto stats = compute_stats(widened(x), red, true, use_fast_variance);
     mu = stats.first;
     var = stats.second;
