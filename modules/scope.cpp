@@ -28,14 +28,25 @@ std::string demangled_type_name(const char* mangled) {
 namespace {
 thread_local const std::vector<std::string>* t_module_path = nullptr;
 thread_local ModuleCallObserver* t_observer = nullptr;
-thread_local CallInterceptor* t_interceptor = nullptr;
+thread_local CallInterceptorGuard* t_interceptor_top = nullptr;
 }  // namespace
 
-CallInterceptor* call_interceptor() { return t_interceptor; }
-CallInterceptorGuard::CallInterceptorGuard(CallInterceptor* interceptor) : previous_(t_interceptor) {
-  t_interceptor = interceptor;
+CallInterceptor* call_interceptor() { return t_interceptor_top ? t_interceptor_top->interceptor_ : nullptr; }
+CallInterceptorGuard::CallInterceptorGuard(CallInterceptor* interceptor) : interceptor_(interceptor), below_(t_interceptor_top) {
+  t_interceptor_top = this;
 }
-CallInterceptorGuard::~CallInterceptorGuard() { t_interceptor = previous_; }
+CallInterceptorGuard::~CallInterceptorGuard() {
+  if (t_interceptor_top == this) {
+    t_interceptor_top = below_;
+    return;
+  }
+  // Destroyed before a guard installed after it: unlink it from below that guard.
+  for (CallInterceptorGuard* g = t_interceptor_top; g != nullptr; g = g->below_)
+    if (g->below_ == this) {
+      g->below_ = below_;
+      return;
+    }
+}
 
 ModuleCallObserver* module_call_observer() { return t_observer; }
 ModuleCallObserverGuard::ModuleCallObserverGuard(ModuleCallObserver* observer) : previous_(t_observer) { t_observer = observer; }

@@ -117,7 +117,10 @@ class CallInterceptor {
 // The innermost interceptor on this thread, or null.
 CallInterceptor* call_interceptor();
 
-// Installs an interceptor for its lifetime (the previous one is restored afterwards).
+// Installs an interceptor for its lifetime. Guards form a per-thread stack whose top is the active
+// interceptor; a guard may be destroyed out of order (an outer lift::RematScope before an inner
+// one, as happens with unique_ptrs or scopes kept in objects): it then leaves the stack wherever it
+// is and the others stay valid. Destroy a guard on the thread that created it.
 class CallInterceptorGuard {
  public:
   explicit CallInterceptorGuard(CallInterceptor* interceptor);
@@ -126,7 +129,9 @@ class CallInterceptorGuard {
   CallInterceptorGuard& operator=(const CallInterceptorGuard&) = delete;
 
  private:
-  CallInterceptor* previous_;
+  CallInterceptor* interceptor_;
+  CallInterceptorGuard* below_;
+  friend CallInterceptor* call_interceptor();
 };
 
 // Sets the current module path for its lifetime.

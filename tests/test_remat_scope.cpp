@@ -3,6 +3,8 @@
 #include <doctest/doctest.h>
 #include <linum/linum.hpp>
 
+#include <memory>
+
 #include "testing/gradcheck.hpp"
 
 #include <map>
@@ -110,4 +112,20 @@ TEST_CASE("RematScope modes: which calls are checkpointed; results bitwise those
     check_same(step(vars, x));
     CHECK(g_calls["Wide_0"] == 2);  // two plain steps, no recomputation
   }
+}
+
+TEST_CASE("RematScopes destroyed out of order leave no dangling interceptor") {
+  const Array x = random_array(Shape{4, 8}, 1);
+  Tree vars = init(Model{}, rng::Streams{{"params", rng::key(0)}, {"dropout", rng::key(1)}}, x, false);
+  const Step plain = step(vars, x);
+  auto outer = std::make_unique<lift::RematScope>(lift::RematScopeOptions{.mode = lift::RematMode::full});
+  auto inner = std::make_unique<lift::RematScope>(lift::RematScopeOptions{.mode = lift::RematMode::none});
+  outer.reset();  // the outer scope first: the inner one ("none") stays active
+  g_calls.clear();
+  CHECK(bitwise_equal(step(vars, x).grads, plain.grads));
+  CHECK(g_calls["Wide_0"] == 1);  // none: nothing recomputed
+  inner.reset();
+  g_calls.clear();
+  CHECK(bitwise_equal(step(vars, x).grads, plain.grads));  // no scope at all now; no crash
+  CHECK(g_calls["Wide_0"] == 1);
 }
