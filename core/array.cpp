@@ -4,6 +4,7 @@
 #include <linum/core/autodiff/graph.hpp>
 
 #include <algorithm>
+#include <new>
 #include <cmath>
 #include <iomanip>
 #include <ostream>
@@ -19,7 +20,18 @@ Array Array::empty(const Shape& shape, DType dtype) {
   Array a;
   a.shape_ = shape;
   a.dtype_ = dtype;
-  a.buffer_ = std::make_shared<Buffer>(static_cast<std::size_t>(shape.numel()) * dtype_size(dtype));
+  const std::int64_t n = shape.numel();
+  std::int64_t bytes = 0;
+  if (__builtin_mul_overflow(n, static_cast<std::int64_t>(dtype_size(dtype)), &bytes) || bytes > (std::int64_t{1} << 56))
+    throw ShapeError(detail::cat("Array: an array of shape ", shape, " and dtype ", dtype_name(dtype), " would need ",
+                                 static_cast<double>(n) * static_cast<double>(dtype_size(dtype)),
+                                 " bytes; that is more memory than any machine has (the op or the shapes are wrong)"));
+  try {
+    a.buffer_ = std::make_shared<Buffer>(static_cast<std::size_t>(bytes));
+  } catch (const std::bad_alloc&) {
+    throw Error(detail::cat("Array: out of memory allocating ", bytes, " bytes for an array of shape ", shape, " (",
+                            dtype_name(dtype), "); live array bytes: ", memory::stats().live_bytes));
+  }
   return a;
 }
 

@@ -30,10 +30,21 @@ class Shape {
   // Axis from the end for negative values, like Python: dim(-1) is the last axis.
   std::int64_t dim(int axis) const { return (*this)[normalize_axis(axis, "Shape::dim")]; }
 
+  // The number of elements. Throws ShapeError when the product of the non-zero dimensions does not
+  // fit in 64 bits (no array could be that large, and its strides would overflow), even if a zero
+  // dimension makes the array empty.
   std::int64_t numel() const {
     std::int64_t n = 1;
-    for (int i = 0; i < rank_; ++i) n *= dims_[static_cast<std::size_t>(i)];
-    return n;
+    bool empty = false;
+    for (int i = 0; i < rank_; ++i) {
+      const std::int64_t d = dims_[static_cast<std::size_t>(i)];
+      if (d == 0) {
+        empty = true;
+        continue;
+      }
+      if (__builtin_mul_overflow(n, d, &n)) throw_too_large();
+    }
+    return empty ? 0 : n;
   }
 
   const std::int64_t* begin() const { return dims_.data(); }
@@ -87,6 +98,10 @@ class Shape {
       if (*first < 0) throw ShapeError(detail::cat("Shape: negative dimension ", *first));
       push_back(static_cast<std::int64_t>(*first));
     }
+  }
+
+  [[noreturn]] void throw_too_large() const {
+    throw ShapeError(detail::cat("Shape ", str(), " has more than 2^63 elements; no array can be that large"));
   }
 
   std::array<std::int64_t, kMaxRank> dims_{};

@@ -142,3 +142,11 @@ TEST_CASE("every op rejects bad shapes, naming the op and the shapes") {
   throws([&] { return Array::from(Shape{2}, {1, 2, 3}); }, "Array::from: shape (2,) holds 2 elements but 3 values");
   throws([&] { return Array().item(); }, "Array::item");
 }
+
+TEST_CASE("sizes that overflow are errors naming the shape, not undefined behaviour") {
+  CHECK_THROWS_WITH_AS(broadcast_to(Array::ones({1}), Shape{std::int64_t{1} << 62}), doctest::Contains("would need"), ShapeError);
+  CHECK_THROWS_WITH_AS(Array::zeros({std::int64_t{1} << 40, std::int64_t{1} << 40}), doctest::Contains("more than 2^63 elements"),
+                       ShapeError);
+  CHECK_THROWS_AS((Shape{std::int64_t{1} << 62, std::int64_t{1} << 62, 0}.numel()), ShapeError);
+  CHECK(Shape{std::int64_t{1} << 40, 0}.numel() == 0);  // an honest empty shape is fine
+}
