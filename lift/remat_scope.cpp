@@ -53,8 +53,27 @@ class RematScope::Interceptor final : public linum::detail::CallInterceptor {
   std::shared_ptr<const RematScopeOptions> options_;
 };
 
+namespace {
+// Options that cannot mean what the user wants are refused (Keras accepts several of them silently).
+RematScopeOptions validated(RematScopeOptions o) {
+  const int mode = static_cast<int>(o.mode);
+  if (mode < static_cast<int>(RematMode::none) || mode > static_cast<int>(RematMode::list_of_layers))
+    throw ValueError(linum::detail::cat("RematScope: mode ", mode, " is not a RematMode (none, full, larger_than, list_of_layers)"));
+  if (o.output_size_threshold < 0)
+    throw ValueError(linum::detail::cat("RematScope: output_size_threshold must be >= 0 elements, got ", o.output_size_threshold));
+  if (o.mode == RematMode::list_of_layers && o.layer_names.empty())
+    throw ValueError("RematScope: list_of_layers needs layer_names (module names such as \"Dense_0\" or paths such as "
+                     "\"Encoder_0/Block_1\"); with no names nothing would be rematerialized");
+  if (o.mode != RematMode::list_of_layers && !o.layer_names.empty())
+    throw ValueError("RematScope: layer_names are only used with mode = list_of_layers; set that mode or drop the names");
+  for (const auto& name : o.layer_names)
+    if (name.empty()) throw ValueError("RematScope: an entry of layer_names is empty");
+  return o;
+}
+}  // namespace
+
 RematScope::RematScope(RematScopeOptions options)
-    : interceptor_(std::make_unique<Interceptor>(std::make_shared<const RematScopeOptions>(std::move(options)))),
+    : interceptor_(std::make_unique<Interceptor>(std::make_shared<const RematScopeOptions>(validated(std::move(options))))),
       guard_(std::make_unique<linum::detail::CallInterceptorGuard>(interceptor_.get())) {}
 
 RematScope::~RematScope() = default;

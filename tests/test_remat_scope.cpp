@@ -129,3 +129,14 @@ TEST_CASE("RematScopes destroyed out of order leave no dangling interceptor") {
   CHECK(bitwise_equal(step(vars, x).grads, plain.grads));  // no scope at all now; no crash
   CHECK(g_calls["Wide_0"] == 1);
 }
+
+TEST_CASE("RematScope refuses options that cannot mean what the user wants") {
+  using lift::RematMode;
+  CHECK_THROWS_WITH_AS(lift::RematScope({.mode = RematMode::list_of_layers}), doctest::Contains("needs layer_names"), ValueError);
+  CHECK_THROWS_WITH_AS(lift::RematScope({.mode = RematMode::full, .layer_names = {"Dense_0"}}),
+                       doctest::Contains("only used with mode = list_of_layers"), ValueError);
+  CHECK_THROWS_WITH_AS(lift::RematScope({.mode = RematMode::larger_than, .output_size_threshold = -1}),
+                       doctest::Contains("output_size_threshold must be >= 0"), ValueError);
+  CHECK_THROWS_WITH_AS(lift::RematScope({.mode = static_cast<RematMode>(42)}), doctest::Contains("is not a RematMode"), ValueError);
+  CHECK_NOTHROW(lift::RematScope({.mode = RematMode::list_of_layers, .layer_names = {"Wide_0"}}));
+}
