@@ -4,6 +4,7 @@
 #include <linum/core/serialization.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <atomic>
 #include <bit>
 #include <cerrno>
@@ -17,6 +18,7 @@
 #include <string>
 
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -1089,11 +1091,34 @@ std::vector<std::uint8_t> read_file(const std::filesystem::path& path) {
   return out;
 }
 
+// Removes temporary files that earlier writers of `name` in `dir` left behind when they were killed
+// mid-write: ".<name>.tmp-<pid>-<n>" whose process no longer exists and that have not been touched
+// for a minute (so a writer in another PID namespace sharing the directory is left alone).
+// Best effort: errors are ignored.
+void remove_stale_temporaries(const std::filesystem::path& dir, const std::string& name) {
+  const std::string prefix = "." + name + ".tmp-";
+  std::error_code ec;
+  const auto now = std::filesystem::file_time_type::clock::now();
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string file = it->path().filename().string();
+    if (file.compare(0, prefix.size(), prefix) != 0) continue;
+    long pid = 0;
+    const auto [p, parse] = std::from_chars(file.data() + prefix.size(), file.data() + file.size(), pid);
+    if (parse != std::errc() || p == file.data() + file.size() || *p != '-' || pid <= 0) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // alive (or not ours to judge)
+    std::error_code time_ec;
+    const auto written = std::filesystem::last_write_time(it->path(), time_ec);
+    if (time_ec || now - written < std::chrono::minutes(1)) continue;
+    std::filesystem::remove(it->path(), time_ec);
+  }
+}
+
 void write_file_atomic(const std::filesystem::path& path, std::span<const std::uint8_t> bytes) {
   static std::atomic<unsigned> counter{0};
   std::filesystem::path dir = path.parent_path();
   if (path.filename().empty())
     throw IoError(detail::cat("cannot write '", path.string(), "': the path names a directory, not a file"));
+  remove_stale_temporaries(dir.empty() ? std::filesystem::path(".") : dir, path.filename().string());
   std::filesystem::path tmp =
       (dir.empty() ? std::filesystem::path(".") : dir) /
       detail::cat(".", path.filename().string(), ".tmp-", ::getpid(), "-", counter.fetch_add(1));

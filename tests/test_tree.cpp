@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <chrono>
 #include <fstream>
 #include <limits>
 #include <random>
@@ -835,4 +836,19 @@ TEST_CASE("files: a failed write keeps the old file and leaves no temporary file
   CHECK(bitwise_equal(ser::load(target), new_tree));
   CHECK(dir_entries(dir) == std::vector<std::string>{"taken.msgpack", "vars.msgpack"});
   fs::remove_all(dir);
+}
+
+TEST_CASE("files: temporary files of writers killed mid-write are cleaned up by the next save") {
+  fs::path dir = fresh_dir("stale_tmp");
+  const fs::path stale = dir / ".vars.msgpack.tmp-2147483600-0";          // no such process
+  const fs::path fresh_stale = dir / ".vars.msgpack.tmp-2147483601-0";    // no such process, but just written
+  const fs::path live = dir / (".vars.msgpack.tmp-" + std::to_string(::getpid()) + "-99");  // a writer still running
+  for (const auto& p : {stale, fresh_stale, live}) std::ofstream(p) << "partial";
+  fs::last_write_time(stale, fs::file_time_type::clock::now() - std::chrono::hours(1));
+  fs::last_write_time(live, fs::file_time_type::clock::now() - std::chrono::hours(1));
+  ser::save(dir / "vars.msgpack", tricky_tree());
+  CHECK_FALSE(fs::exists(stale));
+  CHECK(fs::exists(fresh_stale));  // might belong to a writer in another PID namespace: left for a minute
+  CHECK(fs::exists(live));
+  CHECK(bitwise_equal(ser::load(dir / "vars.msgpack"), tricky_tree()));
 }
