@@ -41,14 +41,7 @@ void bf16_to_f32(const bfloat16* in, float* out, std::int64_t n) {
 }
 
 void f32_to_bf16(const float* in, bfloat16* out, std::int64_t n) {
-  const std::uint32_t* src = reinterpret_cast<const std::uint32_t*>(in);
-  std::uint16_t* dst = reinterpret_cast<std::uint16_t*>(out);
-  for (std::int64_t i = 0; i < n; ++i) {
-    const std::uint32_t u = src[i];
-    const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const std::uint32_t nan = (u >> 16) | 0x0040u;
-    dst[i] = static_cast<std::uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-  }
+  for (std::int64_t i = 0; i < n; ++i) out[i].bits = bfloat16::round_bits(in[i]);
 }
 
 }  // namespace linum

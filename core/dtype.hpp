@@ -35,11 +35,13 @@ struct bfloat16 {
   explicit bfloat16(float v) : bits(round_bits(v)) {}
   explicit operator float() const { return std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16); }
 
-  // Round to nearest, ties to even; NaNs stay (quiet) NaNs of the same sign.
+  // Round to nearest, ties to even; NaNs stay (quiet) NaNs of the same sign. Branch-free, so loops
+  // that call it vectorise.
   static std::uint16_t round_bits(float v) {
     const std::uint32_t u = std::bit_cast<std::uint32_t>(v);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x0040u);
-    return static_cast<std::uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const std::uint32_t nan = (u >> 16) | 0x0040u;
+    return static_cast<std::uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
   }
 };
 

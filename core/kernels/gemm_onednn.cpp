@@ -96,7 +96,6 @@ Array batched_gemm_onednn(const Array& a, const Array& b, bool ta, bool tb) {
 #ifdef _OPENMP
   if (threads != previous) omp_set_num_threads(previous);
 #endif
-  (void)b1;
   return y;
 }
 

@@ -46,16 +46,14 @@ DType result_dtype(const Array& a, const Array& b) {
 // Element access by storage type: float32 as is, bf16 widened on load and rounded on store. The
 // loops below are written per storage type so the compiler vectorises load, op and store together.
 inline float load(float v) { return v; }
-inline float load(bfloat16 v) { return std::bit_cast<float>(static_cast<std::uint32_t>(v.bits) << 16); }
+inline float load(bfloat16 v) { return static_cast<float>(v); }
 template <class T>
 inline T store(float v) {
   if constexpr (std::is_same_v<T, float>) {
     return v;
   } else {
-    const std::uint32_t u = std::bit_cast<std::uint32_t>(v);
-    const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
     T out;
-    out.bits = static_cast<std::uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? ((u >> 16) | 0x0040u) : rounded);
+    out.bits = bfloat16::round_bits(v);
     return out;
   }
 }
