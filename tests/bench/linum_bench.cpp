@@ -17,6 +17,8 @@
 //       to the last core, alternating R rounds in one invocation. Fields: bench, wait_policy (how
 //       OpenMP threads wait in this run), quiet_step_s, loaded_step_s (minimum over rounds of the
 //       per-round median), slowdown = loaded / quiet.
+//   linum-bench gpt [...]
+//       A GPT-style training step with adam (see gpt_bench.cpp).
 //   linum-bench ops [--iters N]
 //       Per-op cost on tiny arrays, with and without recording the autodiff graph.
 #include <linum/linum.hpp>
@@ -45,99 +47,11 @@
 #include <omp.h>
 #endif
 
-using namespace linum;
-using Clock = std::chrono::steady_clock;
+#include "bench_util.hpp"
+
+using namespace linum_bench;
 
 namespace {
-
-int omp_get_max_threads_or_1() {
-#ifdef _OPENMP
-  return omp_get_max_threads();
-#else
-  return 1;
-#endif
-}
-
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
-long status_kib(const char* field) {
-  std::ifstream f("/proc/self/status");
-  std::string line;
-  const std::size_t n = std::strlen(field);
-  while (std::getline(f, line))
-    if (line.compare(0, n, field) == 0) return std::stol(line.substr(n + 1));
-  return 0;
-}
-
-void reset_peak_rss() {
-  std::ofstream f("/proc/self/clear_refs");
-  f << "5";
-}
-
-struct Flags {
-  std::map<std::string, std::string> values;
-  long get(const std::string& k, long d) const {
-    auto it = values.find(k);
-    return it == values.end() ? d : std::stol(it->second);
-  }
-  std::string text(const std::string& k, const std::string& d) const {
-    auto it = values.find(k);
-    return it == values.end() ? d : it->second;
-  }
-};
-
-Flags parse_flags(int argc, char** argv, int first) {
-  Flags f;
-  for (int i = first; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a.rfind("--", 0) != 0 || i + 1 >= argc) {
-      std::cerr << "linum-bench: expected --name value, got '" << a << "'\n";
-      std::exit(2);
-    }
-    f.values[a.substr(2)] = argv[++i];
-  }
-  return f;
-}
-
-Array random_normal(const Shape& s, unsigned seed, float scale) {
-  Array a = Array::empty(s);
-  std::uint32_t state = seed * 747796405u + 2891336453u;
-  float* p = a.mutable_data();
-  for (std::int64_t i = 0; i < a.numel(); ++i) {
-    state = state * 1664525u + 1013904223u;
-    p[i] = scale * (static_cast<float>(state >> 8) / 16777216.0f - 0.5f) * 3.4641016f;  // unit variance
-  }
-  return a;
-}
-
-// The engine's raw product [m, k] x [k, n] in `dtype` (Linum's matmul on constants: the kernel plus
-// the output allocation, which the block cache serves).
-double gemm_gflops(std::int64_t m, std::int64_t k, std::int64_t n, DType dtype, int reps) {
-  const Array a = astype(random_normal(Shape{m, k}, 11u, 1.0f), dtype);
-  const Array b = astype(random_normal(Shape{k, n}, 12u, 1.0f), dtype);
-  (void)matmul(a, b);  // warm-up (creates the primitive)
-  double best = 1e30;
-  for (int r = 0; r < reps; ++r) {
-    auto t = Clock::now();
-    Array c = matmul(a, b);
-    best = std::min(best, seconds_since(t));
-  }
-  return 2.0 * m * k * n / best / 1e9;
-}
-
-DType parse_dtype(const std::string& s) {
-  if (s == "f32" || s == "float32") return DType::f32;
-  if (s == "bf16" || s == "bfloat16") return DType::bf16;
-  throw ValueError("--dtype must be f32 or bf16, got '" + s + "'");
-}
-
-void apply_engine_flag(const Flags& f) {
-  const std::string e = f.text("engine", "");
-  if (e.empty()) return;
-  if (e == "eigen") set_engine(Engine::eigen);
-  else if (e == "onednn") set_engine(Engine::onednn);
-  else throw ValueError("--engine must be onednn or eigen, got '" + e + "'");
-}
 
 void run_variant(const std::string& variant, const std::function<Array(const std::vector<Array>&, const Array&)>& loss,
                  const std::vector<Array>& params, const Array& x, long L, long W, long B, long steps, int threads,
@@ -375,7 +289,7 @@ int bench_load(const Flags& f) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::cerr << "usage: linum-bench mlp|load|ops [--name value ...]\n";
+    std::cerr << "usage: linum-bench mlp|gpt|load|ops [--name value ...]\n";
     return 2;
   }
   const std::string what = argv[1];
@@ -384,10 +298,11 @@ int main(int argc, char** argv) {
     if (what == "mlp") return bench_mlp(flags);
     if (what == "ops") return bench_ops(flags);
     if (what == "load") return bench_load(flags);
+    if (what == "gpt") return bench_gpt(flags);
   } catch (const std::exception& e) {
     std::cerr << "linum-bench: " << e.what() << "\n";
     return 1;
   }
-  std::cerr << "linum-bench: unknown benchmark '" << what << "' (choose mlp, load or ops)\n";
+  std::cerr << "linum-bench: unknown benchmark '" << what << "' (choose mlp, gpt, load or ops)\n";
   return 2;
 }

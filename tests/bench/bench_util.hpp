@@ -1,0 +1,118 @@
+// Helpers shared by linum-bench's benchmarks: flags, clocks, /proc memory figures, test data.
+#pragma once
+
+#include <linum/linum.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <string>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace linum_bench {
+
+using namespace linum;
+using Clock = std::chrono::steady_clock;
+
+inline int omp_get_max_threads_or_1() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+inline double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+inline long status_kib(const char* field) {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  const std::size_t n = std::strlen(field);
+  while (std::getline(f, line))
+    if (line.compare(0, n, field) == 0) return std::stol(line.substr(n + 1));
+  return 0;
+}
+
+inline void reset_peak_rss() {
+  std::ofstream f("/proc/self/clear_refs");
+  f << "5";
+}
+
+struct Flags {
+  std::map<std::string, std::string> values;
+  long get(const std::string& k, long d) const {
+    auto it = values.find(k);
+    return it == values.end() ? d : std::stol(it->second);
+  }
+  std::string text(const std::string& k, const std::string& d) const {
+    auto it = values.find(k);
+    return it == values.end() ? d : it->second;
+  }
+};
+
+inline Flags parse_flags(int argc, char** argv, int first) {
+  Flags f;
+  for (int i = first; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a.rfind("--", 0) != 0 || i + 1 >= argc) {
+      std::cerr << "linum-bench: expected --name value, got '" << a << "'\n";
+      std::exit(2);
+    }
+    f.values[a.substr(2)] = argv[++i];
+  }
+  return f;
+}
+
+inline Array random_normal(const Shape& s, unsigned seed, float scale) {
+  Array a = Array::empty(s);
+  std::uint32_t state = seed * 747796405u + 2891336453u;
+  float* p = a.mutable_data();
+  for (std::int64_t i = 0; i < a.numel(); ++i) {
+    state = state * 1664525u + 1013904223u;
+    p[i] = scale * (static_cast<float>(state >> 8) / 16777216.0f - 0.5f) * 3.4641016f;  // unit variance
+  }
+  return a;
+}
+
+// The engine's raw product [m, k] x [k, n] in `dtype` (Linum's matmul on constants: the kernel plus
+// the output allocation, which the block cache serves).
+inline double gemm_gflops(std::int64_t m, std::int64_t k, std::int64_t n, DType dtype, int reps) {
+  const Array a = astype(random_normal(Shape{m, k}, 11u, 1.0f), dtype);
+  const Array b = astype(random_normal(Shape{k, n}, 12u, 1.0f), dtype);
+  (void)matmul(a, b);  // warm-up (creates the primitive)
+  double best = 1e30;
+  for (int r = 0; r < reps; ++r) {
+    auto t = Clock::now();
+    Array c = matmul(a, b);
+    best = std::min(best, seconds_since(t));
+  }
+  return 2.0 * m * k * n / best / 1e9;
+}
+
+inline DType parse_dtype(const std::string& s) {
+  if (s == "f32" || s == "float32") return DType::f32;
+  if (s == "bf16" || s == "bfloat16") return DType::bf16;
+  throw ValueError("--dtype must be f32 or bf16, got '" + s + "'");
+}
+
+inline void apply_engine_flag(const Flags& f) {
+  const std::string e = f.text("engine", "");
+  if (e.empty()) return;
+  if (e == "eigen") set_engine(Engine::eigen);
+  else if (e == "onednn") set_engine(Engine::onednn);
+  else throw ValueError("--engine must be onednn or eigen, got '" + e + "'");
+}
+
+// The benchmarks, one per file.
+int bench_gpt(const Flags& f);
+
+}  // namespace linum_bench
