@@ -51,6 +51,14 @@ Array batched_gemm(const Array& a, const Array& b, bool ta, bool tb) {
 #endif
   return batched_gemm_eigen(a, b, ta, tb);
 }
+
+void gemm_f32_serial(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
+                     std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
+#if LINUM_HAVE_ONEDNN
+  if (engine() == Engine::onednn) return gemm_f32_serial_onednn(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+#endif
+  gemm_f32_serial_eigen(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
 }  // namespace kernels
 
 }  // namespace linum

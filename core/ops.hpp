@@ -1,6 +1,7 @@
 // Every op: elementwise, reductions, data movement, matrix products, softmax, convolution, pooling.
 #pragma once
 
+#include <linum/core/ops/attention.hpp>
 #include <linum/core/ops/conv.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/linalg.hpp>

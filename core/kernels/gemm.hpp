@@ -4,6 +4,8 @@
 
 #include <linum/core/array.hpp>
 
+#include <cstdint>
+
 namespace linum::kernels {
 
 // out[i] = op(a[i]) @ op(b[i]) for stacked matrices; op transposes when asked (read through
@@ -15,6 +17,20 @@ Array batched_gemm(const Array& a, const Array& b, bool ta, bool tb);
 Array batched_gemm_eigen(const Array& a, const Array& b, bool ta, bool tb);
 #if LINUM_HAVE_ONEDNN
 Array batched_gemm_onednn(const Array& a, const Array& b, bool ta, bool tb);
+#endif
+
+// C = alpha * op(A) @ op(B) + beta * C on float32 row-major matrices with row strides lda, ldb,
+// ldc (op transposes when asked: A is [m, k], or [k, m] when ta), on the calling thread only. For
+// fused kernels that run their own parallel loop (attention); the result depends only on the
+// operands' values, shapes and strides, never on the thread, so recomputation is bitwise.
+void gemm_f32_serial(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
+                     std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc);
+void gemm_f32_serial_eigen(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
+                           std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc);
+#if LINUM_HAVE_ONEDNN
+void gemm_f32_serial_onednn(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
+                            const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c,
+                            std::int64_t ldc);
 #endif
 
 // Products with fewer multiply-adds than this run on the calling thread only (waking the team

@@ -41,4 +41,21 @@ Array batched_gemm_eigen(const Array& a_in, const Array& b_in, bool ta, bool tb)
   return y;
 }
 
+void gemm_f32_serial_eigen(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
+                           std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
+  using Stride = Eigen::OuterStride<>;
+  using CStrided = Eigen::Map<const RowMat, 0, Stride>;
+  Eigen::Map<RowMat, 0, Stride> C(c, m, n, Stride(ldc));
+  if (beta == 0.0f) C.setZero();
+  else if (beta != 1.0f) C *= beta;
+  if (m == 0 || n == 0 || k == 0) return;
+  CStrided A(a, ta ? k : m, ta ? m : k, Stride(lda));
+  CStrided B(b, tb ? n : k, tb ? k : n, Stride(ldb));
+  // Eigen's product on the calling thread (its own parallelism is switched off by gemm_into).
+  if (!ta && !tb) C.noalias() += alpha * (A * B);
+  else if (ta && !tb) C.noalias() += alpha * (A.transpose() * B);
+  else if (!ta && tb) C.noalias() += alpha * (A * B.transpose());
+  else C.noalias() += alpha * (A.transpose() * B.transpose());
+}
+
 }  // namespace linum::kernels

@@ -99,4 +99,18 @@ Array batched_gemm_onednn(const Array& a, const Array& b, bool ta, bool tb) {
   return y;
 }
 
+void gemm_f32_serial_onednn(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
+                            const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c,
+                            std::int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  if (k == 0) return gemm_f32_serial_eigen(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  // dnnl_sgemm is row-major, JIT-compiled for this CPU, and runs on the calling thread when called
+  // from inside a parallel region (the fused kernels call it once per work item).
+  const dnnl_status_t status =
+      dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  if (status != dnnl_success)
+    throw Error(linum::detail::cat("oneDNN sgemm failed (status ", static_cast<int>(status), ") on a ", m, "x", k, " by ", k,
+                            "x", n, " product"));
+}
+
 }  // namespace linum::kernels

@@ -28,6 +28,12 @@ void check_qkv(const Array& query, const Array& key, const Array* value) {
   if (value && value->dim(-3) != key.dim(-3)) fail("key and value lengths must match");
 }
 
+// Attend where both masks attend (nonzero), as float32 0/1.
+Array logical_and_mask(const Array& a, const Array& b) {
+  auto as01 = [](const Array& m) { return not_equal(m.dtype() == DType::f32 ? m : astype(m, DType::f32), Array::scalar(0.0f)); };
+  return as01(a) * as01(b);
+}
+
 std::vector<int> iota(int n, int start = 0) {
   std::vector<int> v(static_cast<std::size_t>(n));
   for (int i = 0; i < n; ++i) v[static_cast<std::size_t>(i)] = start + i;
@@ -49,12 +55,19 @@ Array dot_product_attention_weights(const Array& query, const Array& key, const 
   Array w = dot_general(q, key, DotDims{.lhs_contracting = {r - 1}, .rhs_contracting = {r - 1},
                                         .lhs_batch = lb, .rhs_batch = rb});
   if (o.bias.defined()) w = w + o.bias;
-  if (o.mask.defined()) {
+  Array mask = o.mask;
+  if (o.is_causal) {
+    // [q, k]: 1 where key position <= query position.
+    const Array causal =
+        greater_equal(expand_dims(Array::arange(query.dim(-3)), -1), expand_dims(Array::arange(key.dim(-3)), 0));
+    mask = mask.defined() ? logical_and_mask(mask, causal) : causal;
+  }
+  if (mask.defined()) {
     // jnp.finfo(dtype).min of the logits' dtype, as Flax (float32's lowest would round to -inf in bf16).
     bfloat16 bf16_lowest;
     bf16_lowest.bits = 0xff7f;
     const float big_neg = w.dtype() == DType::bf16 ? static_cast<float>(bf16_lowest) : std::numeric_limits<float>::lowest();
-    w = where(o.mask, w, Array::scalar(big_neg));
+    w = where(mask, w, Array::scalar(big_neg));
   }
   w = softmax(w, {-1});
   if (o.sow_scope) o.sow_scope->sow("intermediates", "attention_weights", w);
@@ -74,6 +87,9 @@ Array dot_product_attention_weights(const Array& query, const Array& key, const 
 Array dot_product_attention(const Array& query, const Array& key, const Array& value,
                             const DotProductAttentionOptions& options) {
   check_qkv(query, key, &value);
+  const bool dropout = !options.deterministic && options.dropout_rate > 0.0;
+  if (!options.bias.defined() && !dropout && options.sow_scope == nullptr)
+    return scaled_dot_product_attention(query, key, value, {.mask = options.mask, .is_causal = options.is_causal});
   Array w = dot_product_attention_weights(query, key, options);  // [..., h, q, k]
   const int r = query.rank();
   const int nb = r - 3;
@@ -165,6 +181,7 @@ Array MultiHeadDotProductAttention::operator()(Scope& s, const Array& inputs_q, 
   }
   DotProductAttentionOptions o;
   o.mask = args.mask;
+  o.is_causal = args.is_causal;
   o.broadcast_dropout = broadcast_dropout;
   o.dropout_rate = dropout_rate;
   o.deterministic = true;

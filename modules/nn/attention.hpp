@@ -35,6 +35,7 @@ struct DotProductAttentionOptions {
   bool deterministic = false;           // no dropout when true
   Scope* sow_scope = nullptr;           // if set, the weights (after softmax, before dropout) are sown
                                         // into "intermediates" as "attention_weights" there
+  bool is_causal = false;               // query i attends key j only when j <= i (with `mask`, both apply)
 };
 
 // softmax(query . key / sqrt(head_dim) [+ bias, masked]) with optional dropout.
@@ -42,7 +43,9 @@ struct DotProductAttentionOptions {
 Array dot_product_attention_weights(const Array& query, const Array& key, const DotProductAttentionOptions& options = {});
 
 // The attention-weighted sum of `value`: query [..., q, h, d], key [..., k, h, d],
-// value [..., k, h, dv] -> [..., q, h, dv].
+// value [..., k, h, dv] -> [..., q, h, dv]. Without bias, active dropout or sown weights it runs as
+// one fused op (core/ops/attention.hpp: the weights are recomputed in backward, never kept);
+// otherwise as Flax composes it.
 Array dot_product_attention(const Array& query, const Array& key, const Array& value,
                             const DotProductAttentionOptions& options = {});
 
@@ -65,6 +68,8 @@ struct AttentionArgs {
   std::optional<bool> deterministic;    // set here or on the module, not both (only needed with dropout)
   std::optional<rng::Key> dropout_rng;  // default: a key from the "dropout" stream
   bool sow_weights = false;             // sow the attention weights into "intermediates"
+  bool is_causal = false;               // causal self-attention without building a mask (as
+                                        // jax.nn.dot_product_attention's is_causal); combines with mask
 };
 
 // Multi-head dot-product attention. Params (children): "query", "key", "value" are DenseGeneral

@@ -26,11 +26,11 @@ struct GptBlock {
   std::int64_t heads = 4;
   std::optional<DType> dtype;
 
-  Array operator()(Scope& s, const Array& x, const Array& mask) const {
+  Array operator()(Scope& s, const Array& x) const {
     const std::int64_t d = x.dim(-1);
     const nn::LayerNorm ln{.epsilon = 1e-6, .dtype = dtype};
     const nn::MultiHeadDotProductAttention attention{.num_heads = heads, .dtype = dtype};
-    Array h = x + s("attn", attention, s("ln1", ln, x), nn::AttentionArgs{.mask = mask});
+    Array h = x + s("attn", attention, s("ln1", ln, x), nn::AttentionArgs{.is_causal = true});
     Array m = gelu(s("fc1", nn::Dense{.features = 4 * d, .dtype = dtype}, s("ln2", ln, h)));
     return h + s("fc2", nn::Dense{.features = d, .dtype = dtype}, m);
   }
@@ -49,21 +49,20 @@ struct Gpt {
     Array positions = astype(Array::arange(t), DType::i32);
     Array x = s("wte", nn::Embed{.num_embeddings = vocab, .features = dim, .embedding_init = embed_init, .dtype = dtype}, tokens) +
               s("wpe", nn::Embed{.num_embeddings = seq, .features = dim, .embedding_init = embed_init, .dtype = dtype}, positions);
-    const Array mask = nn::make_causal_mask(tokens);  // [B, 1, T, T], a broadcast view
     const GptBlock block{.heads = heads, .dtype = dtype};
     switch (stack) {
       case Stack::plain:
-        for (std::int64_t l = 0; l < layers; ++l) x = s(block, x, mask);
+        for (std::int64_t l = 0; l < layers; ++l) x = s(block, x);
         break;
       case Stack::remat:
-        for (std::int64_t l = 0; l < layers; ++l) x = s(lift::remat<GptBlock>{block}, x, mask);
+        for (std::int64_t l = 0; l < layers; ++l) x = s(lift::remat<GptBlock>{block}, x);
         break;
       case Stack::dots:
         for (std::int64_t l = 0; l < layers; ++l)
-          x = s(lift::remat<GptBlock, lift::policy<policies::dots_saveable>>{block}, x, mask);
+          x = s(lift::remat<GptBlock, lift::policy<policies::dots_saveable>>{block}, x);
         break;
       case Stack::scan_remat:
-        x = s(lift::scan<lift::remat<GptBlock>>{.body = {block}, .length = static_cast<int>(layers)}, x, mask);
+        x = s(lift::scan<lift::remat<GptBlock>>{.body = {block}, .length = static_cast<int>(layers)}, x);
         break;
     }
     x = s("ln_f", nn::LayerNorm{.epsilon = 1e-6, .dtype = dtype}, x);

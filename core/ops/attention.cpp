@@ -1,0 +1,374 @@
+#include <linum/core/ops/attention.hpp>
+
+#include <linum/core/autodiff/graph.hpp>
+#include <linum/core/kernels/gemm.hpp>
+#include <linum/core/ops/kernel_util.hpp>
+
+#include <Eigen/Core>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <mutex>
+#include <new>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace linum {
+
+namespace {
+
+using autodiff::Cotangents;
+using Row = Eigen::Map<Eigen::ArrayXf>;
+using ConstRow = Eigen::Map<const Eigen::ArrayXf>;
+
+// Query rows per block: the logits of one block ([rows, kv_len] float32) live in thread scratch,
+// and with is_causal a block only computes the keys its rows can see.
+constexpr std::int64_t kQueryBlock = 64;
+constexpr float kLowest = std::numeric_limits<float>::lowest();
+
+// A thread's reusable float32 scratch, 64-byte aligned (so kernels see the same alignment in a
+// forward pass and in its recomputation, whichever thread runs them).
+class Scratch {
+ public:
+  Scratch() = default;
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  ~Scratch() { std::free(data_); }
+  float* get(std::int64_t count) {
+    if (count > capacity_) {
+      std::free(data_);
+      const std::size_t bytes = (static_cast<std::size_t>(count) * sizeof(float) + 63) / 64 * 64;
+      data_ = static_cast<float*>(std::aligned_alloc(64, bytes));
+      if (data_ == nullptr) throw std::bad_alloc();
+      capacity_ = count;
+    }
+    return data_;
+  }
+
+ private:
+  float* data_ = nullptr;
+  std::int64_t capacity_ = 0;
+};
+
+// The problem's sizes. Item (n, h) is batch element n (the batch axes flattened) and head h; a
+// row of item (n, h) in q is q[n, i, h, :], `heads * head_dim` floats after the previous row.
+struct Geometry {
+  std::int64_t batch = 1, heads = 0, q_len = 0, kv_len = 0, head_dim = 0, v_dim = 0;
+  float scale = 1.0f;
+  bool causal = false;
+  Shape batch_shape;
+  std::int64_t q_offset(std::int64_t n, std::int64_t h) const { return (n * q_len * heads + h) * head_dim; }
+  std::int64_t k_offset(std::int64_t n, std::int64_t h) const { return (n * kv_len * heads + h) * head_dim; }
+  std::int64_t v_offset(std::int64_t n, std::int64_t h) const { return (n * kv_len * heads + h) * v_dim; }
+  std::int64_t o_offset(std::int64_t n, std::int64_t h) const { return (n * q_len * heads + h) * v_dim; }
+  std::int64_t qk_stride() const { return heads * head_dim; }
+  std::int64_t v_stride() const { return heads * v_dim; }
+  // Keys visible to the query rows [begin, end): all, or with is_causal those up to end - 1.
+  std::int64_t visible_keys(std::int64_t end, bool has_mask) const {
+    return causal && !has_mask ? std::min(kv_len, end) : kv_len;
+  }
+};
+
+// A float32 mask read in place through broadcasting strides (0 along broadcast axes).
+struct MaskView {
+  const float* data = nullptr;
+  std::vector<std::int64_t> batch_strides;  // one per batch axis of q
+  std::int64_t head_stride = 0, row_stride = 0, col_stride = 0;
+
+  // Where item (n, h)'s [q_len, kv_len] mask starts.
+  std::int64_t base(const Geometry& g, std::int64_t n, std::int64_t h) const {
+    std::int64_t off = h * head_stride;
+    for (int a = g.batch_shape.rank() - 1; a >= 0; --a) {
+      const std::int64_t d = g.batch_shape[a];
+      off += (n % d) * batch_strides[static_cast<std::size_t>(a)];
+      n /= d;
+    }
+    return off;
+  }
+};
+
+// Rows [0, rows) of a strided [rows, cols] slice of `a` starting at `offset`, as float32: a pointer
+// into `a` when it is float32, else the rows widened into `scratch`. Returns the row stride.
+const float* f32_rows(const Array& a, std::int64_t offset, std::int64_t rows, std::int64_t cols, std::int64_t stride,
+                      Scratch& scratch, std::int64_t& ld) {
+  if (a.dtype() == DType::f32) {
+    ld = stride;
+    return static_cast<const float*>(a.raw()) + offset;
+  }
+  float* s = scratch.get(rows * cols);
+  const bfloat16* src = static_cast<const bfloat16*>(a.raw()) + offset;
+  for (std::int64_t r = 0; r < rows; ++r) bf16_to_f32(src + r * stride, s + r * cols, cols);
+  ld = cols;
+  return s;
+}
+
+// Writes float32 rows (row stride `ld`) into the strided slice of `out` at `offset`, rounding for bf16.
+void store_rows(Array& out, std::int64_t offset, std::int64_t rows, std::int64_t cols, std::int64_t stride,
+                const float* src, std::int64_t ld) {
+  if (out.dtype() == DType::f32) {
+    float* dst = static_cast<float*>(out.mutable_raw()) + offset;
+    if (dst == src) return;
+    for (std::int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * stride, src + r * ld, static_cast<std::size_t>(cols) * 4);
+    return;
+  }
+  bfloat16* dst = static_cast<bfloat16*>(out.mutable_raw()) + offset;
+  for (std::int64_t r = 0; r < rows; ++r) f32_to_bf16(src + r * ld, dst + r * stride, cols);
+}
+
+// The logits of query rows [i0, i0 + rows) against keys [0, keys) into s (row stride ld_s):
+// scale * q k^T with masked entries at float32's lowest.
+void masked_logits(const Geometry& g, const MaskView* mask, std::int64_t mask_base, const float* q, std::int64_t ldq,
+                   const float* k, std::int64_t ldk, std::int64_t i0, std::int64_t rows, std::int64_t keys, float* s,
+                   std::int64_t ld_s) {
+  kernels::gemm_f32_serial(false, true, rows, keys, g.head_dim, g.scale, q + i0 * ldq, ldq, k, ldk, 0.0f, s, ld_s);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t i = i0 + r;
+    float* row = s + r * ld_s;
+    if (mask != nullptr) {
+      const float* m = mask->data + mask_base + i * mask->row_stride;
+      for (std::int64_t j = 0; j < keys; ++j)
+        if (m[j * mask->col_stride] == 0.0f) row[j] = kLowest;
+    }
+    if (g.causal)
+      for (std::int64_t j = i + 1; j < keys; ++j) row[j] = kLowest;
+  }
+}
+
+// Runs f(n, h, scratch...) for every item, in parallel when the work is large enough. Items are
+// handed out dynamically, so on a busy machine the free core takes more of them.
+template <class F>
+void for_items(const Geometry& g, F&& f) {
+  const std::int64_t items = g.batch * g.heads;
+  const double work = static_cast<double>(items) * static_cast<double>(g.q_len) * static_cast<double>(g.kv_len) *
+                      static_cast<double>(g.head_dim + g.v_dim);
+  std::exception_ptr error;
+  std::mutex error_mutex;
+#pragma omp parallel if (work >= kernels::kParallelGemmWork && items > 1)
+  {
+    linum::detail::enter_compute();
+    Scratch scratch[6];
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t item = 0; item < items; ++item) {
+      try {
+        f(item / g.heads, item % g.heads, scratch);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(error_mutex);
+        if (!error) error = std::current_exception();
+      }
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+// Forward: out = softmax(logits) v, and per query row (max, 1 / sum of exp) in stats.
+void attention_forward(const Geometry& g, const Array& q, const Array& k, const Array& v, const MaskView* mask,
+                       Array& out, Array& stats) {
+  float* stats_data = stats.mutable_data();
+  for_items(g, [&](std::int64_t n, std::int64_t h, Scratch* scratch) {
+    std::int64_t ldq, ldk, ldv;
+    const float* qf = f32_rows(q, g.q_offset(n, h), g.q_len, g.head_dim, g.qk_stride(), scratch[0], ldq);
+    const float* kf = f32_rows(k, g.k_offset(n, h), g.kv_len, g.head_dim, g.qk_stride(), scratch[1], ldk);
+    const float* vf = f32_rows(v, g.v_offset(n, h), g.kv_len, g.v_dim, g.v_stride(), scratch[2], ldv);
+    const std::int64_t mask_base = mask ? mask->base(g, n, h) : 0;
+    float* s = scratch[3].get(kQueryBlock * g.kv_len);
+    const bool direct = out.dtype() == DType::f32;
+    float* o_block = direct ? nullptr : scratch[4].get(kQueryBlock * g.v_dim);
+    float* row_stats = stats_data + (n * g.heads + h) * g.q_len * 2;
+    for (std::int64_t i0 = 0; i0 < g.q_len; i0 += kQueryBlock) {
+      const std::int64_t rows = std::min(kQueryBlock, g.q_len - i0);
+      const std::int64_t keys = g.visible_keys(i0 + rows, mask != nullptr);
+      masked_logits(g, mask, mask_base, qf, ldq, kf, ldk, i0, rows, keys, s, g.kv_len);
+      for (std::int64_t r = 0; r < rows; ++r) {
+        Row p(s + r * g.kv_len, keys);
+        const float m = p.maxCoeff();
+        p = (p - m).exp();
+        const float inv = 1.0f / p.sum();
+        p *= inv;
+        row_stats[2 * (i0 + r)] = m;
+        row_stats[2 * (i0 + r) + 1] = inv;
+      }
+      float* o = direct ? static_cast<float*>(out.mutable_raw()) + g.o_offset(n, h) + i0 * g.v_stride() : o_block;
+      const std::int64_t ldo = direct ? g.v_stride() : g.v_dim;
+      kernels::gemm_f32_serial(false, false, rows, g.v_dim, keys, 1.0f, s, g.kv_len, vf, ldv, 0.0f, o, ldo);
+      if (!direct) store_rows(out, g.o_offset(n, h) + i0 * g.v_stride(), rows, g.v_dim, g.v_stride(), o, ldo);
+    }
+  });
+}
+
+// Backward: recomputes each block's weights from the saved row statistics, then
+// dv = p^T do, dp = do v^T, ds = p (dp - rowsum(do * o)), dq = scale ds k, dk = scale ds^T q.
+void attention_backward(const Geometry& g, const Array& q, const Array& k, const Array& v, const Array& out,
+                        const Array& stats, const MaskView* mask, const Array& d_out, Array& dq, Array& dk, Array& dv) {
+  const float* stats_data = stats.data();
+  for_items(g, [&](std::int64_t n, std::int64_t h, Scratch* scratch) {
+    std::int64_t ldq, ldk, ldv, ldo, lddo;
+    const float* qf = f32_rows(q, g.q_offset(n, h), g.q_len, g.head_dim, g.qk_stride(), scratch[0], ldq);
+    const float* kf = f32_rows(k, g.k_offset(n, h), g.kv_len, g.head_dim, g.qk_stride(), scratch[1], ldk);
+    const float* vf = f32_rows(v, g.v_offset(n, h), g.kv_len, g.v_dim, g.v_stride(), scratch[2], ldv);
+    const float* of = f32_rows(out, g.o_offset(n, h), g.q_len, g.v_dim, g.v_stride(), scratch[4], ldo);
+    const float* dof = f32_rows(d_out, g.o_offset(n, h), g.q_len, g.v_dim, g.v_stride(), scratch[5], lddo);
+    // Scratch 3: the p and dp blocks, then the dk and dv accumulators.
+    const std::int64_t block = kQueryBlock * g.kv_len;
+    float* p = scratch[3].get(2 * block + g.kv_len * (g.head_dim + g.v_dim));
+    float* dp = p + block;
+    float* dk_acc = dp + block;
+    float* dv_acc = dk_acc + g.kv_len * g.head_dim;
+    std::fill(dk_acc, dk_acc + g.kv_len * (g.head_dim + g.v_dim), 0.0f);
+    const bool dq_direct = dq.dtype() == DType::f32;
+    std::vector<float> dq_rows;
+    if (!dq_direct) dq_rows.resize(static_cast<std::size_t>(kQueryBlock * g.head_dim));
+    const std::int64_t mask_base = mask ? mask->base(g, n, h) : 0;
+    const float* row_stats = stats_data + (n * g.heads + h) * g.q_len * 2;
+    for (std::int64_t i0 = 0; i0 < g.q_len; i0 += kQueryBlock) {
+      const std::int64_t rows = std::min(kQueryBlock, g.q_len - i0);
+      const std::int64_t keys = g.visible_keys(i0 + rows, mask != nullptr);
+      masked_logits(g, mask, mask_base, qf, ldq, kf, ldk, i0, rows, keys, p, g.kv_len);
+      for (std::int64_t r = 0; r < rows; ++r) {
+        Row pr(p + r * g.kv_len, keys);
+        pr = (pr - row_stats[2 * (i0 + r)]).exp() * row_stats[2 * (i0 + r) + 1];
+      }
+      // dv[0:keys] += p^T do
+      kernels::gemm_f32_serial(true, false, keys, g.v_dim, rows, 1.0f, p, g.kv_len, dof + i0 * lddo, lddo, 1.0f, dv_acc,
+                               g.v_dim);
+      // dp = do v^T
+      kernels::gemm_f32_serial(false, true, rows, keys, g.v_dim, 1.0f, dof + i0 * lddo, lddo, vf, ldv, 0.0f, dp, g.kv_len);
+      for (std::int64_t r = 0; r < rows; ++r) {
+        const std::int64_t i = i0 + r;
+        Row dsr(dp + r * g.kv_len, keys);
+        if (row_stats[2 * i] == kLowest) {  // nothing attended: the logits were constants
+          dsr.setZero();
+          continue;
+        }
+        const float di = (ConstRow(dof + i * lddo, g.v_dim) * ConstRow(of + i * ldo, g.v_dim)).sum();
+        dsr = ConstRow(p + r * g.kv_len, keys) * (dsr - di);
+        if (mask != nullptr) {  // masked logits were constants: no gradient through them
+          const float* m = mask->data + mask_base + i * mask->row_stride;
+          float* d = dp + r * g.kv_len;
+          for (std::int64_t j = 0; j < keys; ++j)
+            if (m[j * mask->col_stride] == 0.0f) d[j] = 0.0f;
+        }
+      }
+      // dq = scale ds k
+      float* dq_out = dq_direct ? static_cast<float*>(dq.mutable_raw()) + g.q_offset(n, h) + i0 * g.qk_stride()
+                                : dq_rows.data();
+      const std::int64_t lddq = dq_direct ? g.qk_stride() : g.head_dim;
+      kernels::gemm_f32_serial(false, false, rows, g.head_dim, keys, g.scale, dp, g.kv_len, kf, ldk, 0.0f, dq_out, lddq);
+      if (!dq_direct) store_rows(dq, g.q_offset(n, h) + i0 * g.qk_stride(), rows, g.head_dim, g.qk_stride(), dq_out, lddq);
+      // dk[0:keys] += scale ds^T q
+      kernels::gemm_f32_serial(true, false, keys, g.head_dim, rows, g.scale, dp, g.kv_len, qf + i0 * ldq, ldq, 1.0f,
+                               dk_acc, g.head_dim);
+    }
+    store_rows(dk, g.k_offset(n, h), g.kv_len, g.head_dim, g.qk_stride(), dk_acc, g.head_dim);
+    store_rows(dv, g.v_offset(n, h), g.kv_len, g.v_dim, g.v_stride(), dv_acc, g.v_dim);
+  });
+}
+
+[[noreturn]] void shape_error(const char* why, const Array& q, const Array& k, const Array& v) {
+  throw ShapeError(linum::detail::cat("scaled_dot_product_attention: ", why, " (query ", q.shape(), ", key ", k.shape(),
+                                      ", value ", v.shape(), "); the layout is [batch..., length, heads, head_dim]"));
+}
+
+Geometry geometry_of(const Array& q, const Array& k, const Array& v, const ScaledDotProductAttentionOptions& o) {
+  for (const Array* a : {&q, &k, &v}) ops::detail::require_float(*a, "scaled_dot_product_attention");
+  const int r = q.rank();
+  if (r < 3 || k.rank() != r || v.rank() != r) shape_error("query, key and value must have the same rank, at least 3", q, k, v);
+  Geometry g;
+  for (int a = 0; a < r - 3; ++a) {
+    if (k.dim(a) != q.dim(a) || v.dim(a) != q.dim(a)) shape_error("batch dims must match", q, k, v);
+    g.batch_shape.push_back(q.dim(a));
+    g.batch *= q.dim(a);
+  }
+  g.q_len = q.dim(-3);
+  g.kv_len = k.dim(-3);
+  g.heads = q.dim(-2);
+  g.head_dim = q.dim(-1);
+  g.v_dim = v.dim(-1);
+  if (k.dim(-2) != g.heads || v.dim(-2) != g.heads) shape_error("num_heads must match", q, k, v);
+  if (k.dim(-1) != g.head_dim) shape_error("query and key depths must match", q, k, v);
+  if (v.dim(-3) != g.kv_len) shape_error("key and value lengths must match", q, k, v);
+  if (g.kv_len == 0 && g.q_len > 0 && g.batch * g.heads > 0)
+    shape_error("there must be at least one key for the queries to attend to", q, k, v);
+  if (o.scale && !std::isfinite(*o.scale))
+    throw ValueError(linum::detail::cat("scaled_dot_product_attention: scale must be finite, got ", *o.scale));
+  g.scale = o.scale.value_or(g.head_dim > 0 ? 1.0f / std::sqrt(static_cast<float>(g.head_dim)) : 1.0f);
+  g.causal = o.is_causal;
+  return g;
+}
+
+// The mask as float32 with its broadcasting strides against [batch..., heads, q_len, kv_len].
+MaskView mask_view(const Array& mask, const Geometry& g, const Array& q, const Array& k, const Array& v) {
+  Shape target = g.batch_shape;
+  target.push_back(g.heads);
+  target.push_back(g.q_len);
+  target.push_back(g.kv_len);
+  const int r = target.rank(), rm = mask.rank();
+  if (rm > r)
+    throw ShapeError(linum::detail::cat("scaled_dot_product_attention: mask of shape ", mask.shape(),
+                                        " has more axes than the attention weights ", target, " (query ", q.shape(),
+                                        ", key ", k.shape(), ", value ", v.shape(), ")"));
+  std::vector<std::int64_t> strides(static_cast<std::size_t>(r), 0);
+  std::int64_t stride = 1;
+  for (int d = r - 1; d >= r - rm; --d) {
+    const std::int64_t md = mask.dim(d - (r - rm));
+    if (md != 1 && md != target[d])
+      throw ShapeError(linum::detail::cat("scaled_dot_product_attention: mask of shape ", mask.shape(),
+                                          " does not broadcast to the attention weights ", target, " (query ", q.shape(),
+                                          ", key ", k.shape(), "); use 1 for axes the mask shares"));
+    strides[static_cast<std::size_t>(d)] = md == 1 ? 0 : stride;
+    stride *= md;
+  }
+  MaskView view;
+  view.data = mask.data();
+  view.batch_strides.assign(strides.begin(), strides.end() - 3);
+  view.head_stride = strides[static_cast<std::size_t>(r - 3)];
+  view.row_stride = strides[static_cast<std::size_t>(r - 2)];
+  view.col_stride = strides[static_cast<std::size_t>(r - 1)];
+  return view;
+}
+
+}  // namespace
+
+Array scaled_dot_product_attention(const Array& q_in, const Array& k_in, const Array& v_in,
+                                   const ScaledDotProductAttentionOptions& o) {
+  for (const Array* a : {&q_in, &k_in, &v_in}) ops::detail::require_defined(*a, "scaled_dot_product_attention");
+  // One computation dtype (JAX's promotion); astype is differentiable, so gradients reach each input.
+  const DType dt = promote_types(promote_types(q_in.dtype(), k_in.dtype()), v_in.dtype());
+  const Array q = q_in.dtype() == dt ? q_in : astype(q_in, dt);
+  const Array k = k_in.dtype() == dt ? k_in : astype(k_in, dt);
+  const Array v = v_in.dtype() == dt ? v_in : astype(v_in, dt);
+  const Geometry g = geometry_of(q, k, v, o);
+  Array mask;
+  if (o.mask.defined()) mask = o.mask.dtype() == DType::f32 ? o.mask.detached() : astype(o.mask.detached(), DType::f32);
+  std::optional<MaskView> view;
+  if (mask.defined()) view = mask_view(mask, g, q, k, v);
+
+  Shape out_shape = q.shape();
+  out_shape[out_shape.rank() - 1] = g.v_dim;
+  Array out = Array::empty(out_shape, dt);
+  Array stats = Array::empty(Shape{g.batch, g.heads, g.q_len, 2});
+  attention_forward(g, q, k, v, view ? &*view : nullptr, out, stats);
+
+  if (autodiff::needs_grad(q, k, v))
+    autodiff::record("attention", out, {&q, &k, &v}, {q, k, v, out, stats, mask},
+                     [g](Cotangents& c, autodiff::Saved s) {
+                       std::optional<MaskView> view;
+                       if (s[5].defined()) view = mask_view(s[5], g, s[0], s[1], s[2]);
+                       Array dq = Array::empty(s[0].shape(), s[0].dtype());
+                       Array dk = Array::empty(s[1].shape(), s[1].dtype());
+                       Array dv = Array::empty(s[2].shape(), s[2].dtype());
+                       const Array d_out = c.out().dtype() == s[3].dtype() ? c.out() : astype(c.out(), s[3].dtype());
+                       attention_backward(g, s[0], s[1], s[2], s[3], s[4], view ? &*view : nullptr, d_out, dq, dk, dv);
+                       if (c.needs(0)) c.set(0, std::move(dq));
+                       if (c.needs(1)) c.set(1, std::move(dk));
+                       if (c.needs(2)) c.set(2, std::move(dv));
+                     });
+  return out;
+}
+
+}  // namespace linum

@@ -1,0 +1,172 @@
+// Fused ops (attention, normalization, softmax): each against the composed ops it replaces
+// (values and gradients), against finite differences, in bf16, and for the memory it saves.
+#include <doctest/doctest.h>
+
+#include "testing/gradcheck.hpp"
+
+#include <cmath>
+
+using namespace linum;
+using linum::testing::check_gradients;
+using linum::testing::random_array;
+using V = std::vector<Array>;
+
+namespace {
+
+// Flax's composed attention: softmax(q k^T / sqrt(d), masked) v through dot_general.
+Array composed_attention(const Array& q, const Array& k, const Array& v, const Array& mask) {
+  nn::DotProductAttentionOptions o;
+  o.mask = mask;
+  o.deterministic = true;
+  Array w = nn::dot_product_attention_weights(q, k, o);  // [..., h, q, k]
+  const int nb = q.rank() - 3;
+  std::vector<int> lb, rb;
+  for (int i = 0; i < nb; ++i) lb.push_back(i), rb.push_back(i);
+  lb.push_back(nb);
+  rb.push_back(nb + 1);
+  Array y = dot_general(w, v, DotDims{.lhs_contracting = {nb + 2}, .rhs_contracting = {nb}, .lhs_batch = lb, .rhs_batch = rb});
+  std::vector<int> perm;
+  for (int i = 0; i < nb; ++i) perm.push_back(i);
+  perm.push_back(nb + 1);
+  perm.push_back(nb);
+  perm.push_back(nb + 2);
+  return transpose(y, perm);
+}
+
+float max_abs_diff(const Array& a, const Array& b) {
+  REQUIRE(a.shape() == b.shape());
+  const auto x = a.to_vector(), y = b.to_vector();
+  float m = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) m = std::max(m, std::abs(x[i] - y[i]));
+  return m;
+}
+
+// Gradients of sum(f(q, k, v) * r) with respect to q, k, v.
+V attention_grads(const std::function<Array(const V&)>& f, const V& inputs, const Array& r) {
+  auto [value, grads] = value_and_grad([&](const V& in) { return sum(f(in) * r); })(inputs);
+  (void)value;
+  return grads;
+}
+
+}  // namespace
+
+TEST_CASE("fused attention equals the composed attention: no mask, causal, padding mask, both") {
+  // [batch 2, length 70 (two query blocks, the second partial), heads 3, depth 8]; values depth 5.
+  const Array q = random_array(Shape{2, 70, 3, 8}, 1), k = random_array(Shape{2, 70, 3, 8}, 2);
+  const Array v = random_array(Shape{2, 70, 3, 5}, 3);
+  const Array r = random_array(Shape{2, 70, 3, 5}, 4);
+  const Array causal = nn::make_causal_mask(Array::zeros(Shape{2, 70}));
+  // Padding: batch 0 sees all keys, batch 1 only the first 50.
+  std::vector<float> valid(2 * 70, 1.0f);
+  for (int j = 50; j < 70; ++j) valid[70 + static_cast<std::size_t>(j)] = 0.0f;
+  const Array padding = nn::make_attention_mask(Array::ones(Shape{2, 70}), Array::from(Shape{2, 70}, valid));
+  struct Case {
+    const char* name;
+    Array mask;       // for the composed reference
+    Array fused_mask;
+    bool causal;
+  };
+  const std::vector<Case> cases = {
+      {"no mask", Array(), Array(), false},
+      {"is_causal", causal, Array(), true},
+      {"causal mask array", causal, causal, false},
+      {"padding mask", padding, padding, false},
+      {"padding and is_causal", nn::combine_masks({padding, causal}), padding, true},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.name);
+    auto fused = [&](const V& in) {
+      return scaled_dot_product_attention(in[0], in[1], in[2], {.mask = c.fused_mask, .is_causal = c.causal});
+    };
+    auto reference = [&](const V& in) { return composed_attention(in[0], in[1], in[2], c.mask); };
+    CHECK(max_abs_diff(fused({q, k, v}), reference({q, k, v})) < 2e-6f);
+    const V gf = attention_grads(fused, {q, k, v}, r), gr = attention_grads(reference, {q, k, v}, r);
+    for (int i = 0; i < 3; ++i) CHECK(max_abs_diff(gf[static_cast<std::size_t>(i)], gr[static_cast<std::size_t>(i)]) < 2e-5f);
+  }
+}
+
+TEST_CASE("fused attention against finite differences") {
+  const V in = {random_array(Shape{1, 6, 2, 4}, 5), random_array(Shape{1, 7, 2, 4}, 6), random_array(Shape{1, 7, 2, 3}, 7)};
+  CHECK(check_gradients("attention", [](const V& v) { return scaled_dot_product_attention(v[0], v[1], v[2]); }, in));
+  CHECK(check_gradients("attention causal",
+                        [](const V& v) { return scaled_dot_product_attention(v[0], v[1], v[2], {.is_causal = true}); }, in));
+  const Array mask = Array::from(Shape{6, 7}, {1, 0, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0,
+                                               1, 0, 0, 0, 0, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 1, 1, 1, 1, 1, 1});
+  CHECK(check_gradients("attention masked, scale 0.3", [&](const V& v) {
+    return scaled_dot_product_attention(v[0], v[1], v[2], {.mask = mask, .scale = 0.3f});
+  }, in));
+}
+
+TEST_CASE("fused attention: a query with nothing to attend to averages the values, as Flax") {
+  const Array q = random_array(Shape{1, 2, 1, 4}, 8), k = random_array(Shape{1, 3, 1, 4}, 9);
+  const Array v = Array::from(Shape{1, 3, 1, 2}, {1, 10, 2, 20, 6, 60});
+  const Array mask = Array::from(Shape{2, 3}, {1, 1, 0, 0, 0, 0});  // query 1 sees nothing
+  const Array y = scaled_dot_product_attention(q, k, v, {.mask = mask});
+  CHECK(y.to_vector()[2] == doctest::Approx(3.0f));
+  CHECK(y.to_vector()[3] == doctest::Approx(30.0f));
+  CHECK(max_abs_diff(y, composed_attention(q, k, v, mask)) < 1e-6f);
+  // Its logits were constants: no gradient reaches q through them, and k only through query 0.
+  const V g = attention_grads([&](const V& in) { return scaled_dot_product_attention(in[0], in[1], in[2], {.mask = mask}); },
+                              {q, k, v}, Array::ones(Shape{1, 2, 1, 2}));
+  const auto gq = g[0].to_vector();
+  CHECK(gq[4] == 0.0f);
+  CHECK(gq[7] == 0.0f);
+}
+
+TEST_CASE("fused attention keeps no [batch, heads, q, k] array for backward") {
+  const Array q = random_array(Shape{2, 128, 2, 16}, 10), k = random_array(Shape{2, 128, 2, 16}, 11);
+  const Array v = random_array(Shape{2, 128, 2, 16}, 12);
+  const std::int64_t weights_bytes = 2 * 2 * 128 * 128 * 4;
+  auto peak = [&](const std::function<Array(const V&)>& f) {
+    memory::PeakScope scope;
+    auto g = grad([&](const V& in) { return sum(f(in)); })(V{q, k, v});
+    return scope.peak_growth();
+  };
+  const std::int64_t fused = peak([](const V& in) { return scaled_dot_product_attention(in[0], in[1], in[2], {.is_causal = true}); });
+  const Array causal = nn::make_causal_mask(Array::zeros(Shape{2, 128}));
+  const std::int64_t composed = peak([&](const V& in) { return composed_attention(in[0], in[1], in[2], causal); });
+  // q, k, v, the output and gradients: 7 arrays of 64 KiB; the composed version holds several
+  // weight-sized arrays (256 KiB each) at once.
+  CHECK(fused < weights_bytes);
+  CHECK(composed > 2 * weights_bytes);
+}
+
+TEST_CASE("fused attention in bf16 follows float32 to bf16 precision; gradients come back in bf16") {
+  const Array q = random_array(Shape{2, 40, 2, 8}, 13), k = random_array(Shape{2, 40, 2, 8}, 14);
+  const Array v = random_array(Shape{2, 40, 2, 8}, 15);
+  auto f = [](const V& in) { return scaled_dot_product_attention(in[0], in[1], in[2], {.is_causal = true}); };
+  const V b = {astype(q, DType::bf16), astype(k, DType::bf16), astype(v, DType::bf16)};
+  const Array y16 = f(b);
+  CHECK(y16.dtype() == DType::bf16);
+  CHECK(max_abs_diff(astype(y16, DType::f32), f({astype(b[0], DType::f32), astype(b[1], DType::f32), astype(b[2], DType::f32)})) <
+        1e-2f);
+  const V g = attention_grads(f, b, Array::full(Shape{2, 40, 2, 8}, 1.0f, DType::bf16));
+  for (const Array& x : g) CHECK(x.dtype() == DType::bf16);
+  // Mixed dtypes promote as JAX does.
+  CHECK(f({q, b[1], b[2]}).dtype() == DType::f32);
+}
+
+TEST_CASE("fused attention: remat of a block using it gives bitwise the plain gradients") {
+  const Array q = random_array(Shape{2, 70, 2, 8}, 16), k = random_array(Shape{2, 70, 2, 8}, 17);
+  const Array v = random_array(Shape{2, 70, 2, 8}, 18);
+  auto block = [](const Array& x, const Array& y, const Array& z) {
+    return tanh(scaled_dot_product_attention(x * 1.5f, y, z, {.is_causal = true}));
+  };
+  auto plain = grad([&](const V& in) { return sum(block(in[0], in[1], in[2])); })(V{q, k, v});
+  auto rematted_block = checkpoint(block);
+  auto remat = grad([&](const V& in) { return sum(rematted_block(in[0], in[1], in[2])); })(V{q, k, v});
+  for (int i = 0; i < 3; ++i) CHECK(plain[static_cast<std::size_t>(i)].bitwise_equal(remat[static_cast<std::size_t>(i)]));
+}
+
+TEST_CASE("fused attention: errors name the op and the shapes") {
+  const Array q = Array::zeros(Shape{2, 5, 2, 4}), k = Array::zeros(Shape{2, 6, 2, 4}), v = Array::zeros(Shape{2, 6, 2, 3});
+  CHECK_THROWS_WITH_AS(scaled_dot_product_attention(q, Array::zeros(Shape{2, 6, 3, 4}), v),
+                       doctest::Contains("num_heads must match"), ShapeError);
+  CHECK_THROWS_WITH_AS(scaled_dot_product_attention(q, k, Array::zeros(Shape{2, 5, 2, 3})),
+                       doctest::Contains("key and value lengths"), ShapeError);
+  CHECK_THROWS_WITH_AS(scaled_dot_product_attention(q, k, v, {.mask = Array::ones(Shape{5, 5})}),
+                       doctest::Contains("does not broadcast to the attention weights (2, 2, 5, 6)"), ShapeError);
+  CHECK_THROWS_WITH_AS(scaled_dot_product_attention(Array::zeros(Shape{5, 4}), k, v),
+                       doctest::Contains("at least 3"), ShapeError);
+  CHECK_THROWS_AS(scaled_dot_product_attention(q, k, v, {.scale = NAN}), ValueError);
+}
