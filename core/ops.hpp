@@ -5,6 +5,7 @@
 #include <linum/core/ops/conv.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/linalg.hpp>
+#include <linum/core/ops/normalization.hpp>
 #include <linum/core/ops/reduce.hpp>
 #include <linum/core/ops/shape_ops.hpp>
 #include <linum/core/ops/softmax.hpp>

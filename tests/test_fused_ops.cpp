@@ -170,3 +170,79 @@ TEST_CASE("fused attention: errors name the op and the shapes") {
                        doctest::Contains("at least 3"), ShapeError);
   CHECK_THROWS_AS(scaled_dot_product_attention(q, k, v, {.scale = NAN}), ValueError);
 }
+
+// ---- layer_norm / rms_norm ------------------------------------------------------------------
+
+namespace {
+Array composed_layer_norm(const Array& x, const Array& scale, const Array& bias, float eps, bool center) {
+  Array mu = center ? mean(x, {-1}, true) : Array();
+  Array var = center ? mean(square(x - mu), {-1}, true) : mean(square(x), {-1}, true);
+  Array y = (center ? x - mu : x) * (rsqrt(var + eps) * scale);
+  return bias.defined() ? y + bias : y;
+}
+}  // namespace
+
+TEST_CASE("fused layer_norm and rms_norm equal the composed formulas, values and gradients") {
+  const Array x = random_array(Shape{3, 37, 24}, 20, -2.0f, 3.0f);
+  const Array scale = random_array(Shape{24}, 21, 0.5f, 1.5f), bias = random_array(Shape{24}, 22);
+  const Array r = random_array(Shape{3, 37, 24}, 23);
+  for (bool center : {true, false}) {
+    CAPTURE(center);
+    auto fused = [&](const V& in) {
+      return center ? layer_norm(in[0], in[1], in[2], {.epsilon = 1e-5, .fast_variance = false})
+                    : rms_norm(in[0], in[1], {.epsilon = 1e-5});
+    };
+    auto reference = [&](const V& in) { return composed_layer_norm(in[0], in[1], center ? in[2] : Array(), 1e-5f, center); };
+    CHECK(max_abs_diff(fused({x, scale, bias}), reference({x, scale, bias})) < 5e-6f);
+    auto [v1, gf] = value_and_grad([&](const V& in) { return sum(fused(in) * r); })(V{x, scale, bias});
+    auto [v2, gr] = value_and_grad([&](const V& in) { return sum(reference(in) * r); })(V{x, scale, bias});
+    CHECK(max_abs_diff(gf[0], gr[0]) < 2e-5f);
+    CHECK(max_abs_diff(gf[1], gr[1]) < 2e-4f);
+    if (center) CHECK(max_abs_diff(gf[2], gr[2]) < 2e-4f);
+  }
+}
+
+TEST_CASE("fused layer_norm against finite differences; two normalized axes; no params") {
+  const V in = {random_array(Shape{4, 3, 5}, 24), random_array(Shape{3, 5}, 25, 0.5f, 1.5f), random_array(Shape{3, 5}, 26)};
+  CHECK(check_gradients("layer_norm", [](const V& v) { return layer_norm(v[0], v[1], v[2], {.num_axes = 2}); }, in));
+  CHECK(check_gradients("layer_norm fast variance",
+                        [](const V& v) { return layer_norm(v[0], v[1], v[2], {.num_axes = 2, .fast_variance = true}); }, in));
+  CHECK(check_gradients("rms_norm", [](const V& v) { return rms_norm(v[0], v[1], {.num_axes = 2}); }, {in[0], in[1]}));
+  CHECK(check_gradients("layer_norm without params", [](const V& v) { return layer_norm(v[0], Array(), Array()); }, {in[0]}));
+}
+
+TEST_CASE("nn::LayerNorm keeps only its input and two floats per row for backward") {
+  const Array x = random_array(Shape{64, 128}, 27);
+  Tree vars = init(nn::LayerNorm{}, rng::key(0), x);
+  auto f = [&](const Array& in) { return apply(nn::LayerNorm{}, vars, in); };
+  const std::string report = lift::print_saved_residuals(f, x);
+  CAPTURE(report);
+  CHECK(report.find("f32[64,128] output of") == std::string::npos);  // no x-sized intermediate
+  CHECK(report.find("f32[64,2]") != std::string::npos);               // the row statistics
+}
+
+TEST_CASE("fused layer_norm in bf16: float32 statistics, output in the promoted dtype, gradients in each input's dtype") {
+  const Array x = astype(random_array(Shape{8, 64}, 28, -3.0f, 3.0f), DType::bf16);
+  const Array scale = random_array(Shape{64}, 29, 0.5f, 1.5f), bias = random_array(Shape{64}, 30);
+  CHECK(layer_norm(x, scale, bias).dtype() == DType::f32);
+  const Array y = layer_norm(x, scale, bias, {.dtype = DType::bf16});
+  CHECK(y.dtype() == DType::bf16);
+  CHECK(max_abs_diff(astype(y, DType::f32), layer_norm(astype(x, DType::f32), scale, bias)) < 3e-2f);
+  auto g = grad([&](const V& in) { return sum(astype(layer_norm(in[0], in[1], in[2], {.dtype = DType::bf16}), DType::f32)); })(
+      V{x, scale, bias});
+  CHECK(g[0].dtype() == DType::bf16);
+  CHECK(g[1].dtype() == DType::f32);
+}
+
+TEST_CASE("fused layer_norm: remat gives bitwise the plain gradients; errors name op and shapes") {
+  const Array x = random_array(Shape{100, 48}, 31), scale = random_array(Shape{48}, 32), bias = random_array(Shape{48}, 33);
+  auto block = [](const Array& a, const Array& s, const Array& b) { return tanh(layer_norm(a * 2.0f, s, b)); };
+  auto plain = grad([&](const V& in) { return sum(block(in[0], in[1], in[2])); })(V{x, scale, bias});
+  auto rb = checkpoint(block);
+  auto remat = grad([&](const V& in) { return sum(rb(in[0], in[1], in[2])); })(V{x, scale, bias});
+  for (int i = 0; i < 3; ++i) CHECK(plain[static_cast<std::size_t>(i)].bitwise_equal(remat[static_cast<std::size_t>(i)]));
+  CHECK_THROWS_WITH_AS(layer_norm(x, Array::ones(Shape{47}), Array()),
+                       doctest::Contains("layer_norm: scale and bias must have the shape of the normalized axes of x, (48,), got (47,)"), ShapeError);
+  CHECK_THROWS_WITH_AS(layer_norm(x, Array(), Array(), {.num_axes = 3}), doctest::Contains("num_axes"), ShapeError);
+  CHECK_THROWS_AS(rms_norm(x, Array(), {.epsilon = -1.0}), ValueError);
+}

@@ -85,12 +85,29 @@ Array normalize(Scope& s, const Array& x_in, const Array& mu, const Array& var, 
   return y.dtype() == out ? y : astype(y, out);
 }
 
+// How many trailing axes `red` and `feat` name when they are the same trailing run of axes (the
+// layout the fused core ops normalize), else 0.
+int trailing_run(const std::vector<int>& red, const std::vector<int>& feat, int rank) {
+  if (red != feat || red.empty()) return 0;
+  for (std::size_t i = 0; i < red.size(); ++i)
+    if (red[i] != rank - static_cast<int>(red.size()) + static_cast<int>(i)) return 0;
+  return static_cast<int>(red.size());
+}
+
 }  // namespace
 
 Array LayerNorm::operator()(Scope& s, const Array& x) const {
   require_float(x, "LayerNorm", param_dtype);
   const auto red = canonical_axes(reduction_axes, x, "LayerNorm", "reduction_axes");
   const auto feat = canonical_axes(feature_axes, x, "LayerNorm", "feature_axes");
+  if (const int k = trailing_run(red, feat, x.rank()); k > 0) {  // one fused op (core/ops/normalization.hpp)
+    Shape param_shape;
+    for (int a : feat) param_shape.push_back(x.dim(a));
+    Array scale, bias;
+    if (use_scale) scale = s.param("scale", initializer_in(scale_init, param_dtype), param_shape);
+    if (use_bias) bias = s.param("bias", initializer_in(bias_init, param_dtype), param_shape);
+    return layer_norm(x, scale, bias, {.num_axes = k, .epsilon = epsilon, .fast_variance = use_fast_variance, .dtype = dtype});
+  }
   auto [mu, var] = compute_stats(widened(x), red, true, use_fast_variance);
   return normalize(s, x, mu, var, feat, epsilon, use_bias, use_scale, bias_init, scale_init, dtype, param_dtype);
 }
@@ -99,6 +116,13 @@ Array RMSNorm::operator()(Scope& s, const Array& x) const {
   require_float(x, "RMSNorm", param_dtype);
   const auto red = canonical_axes(reduction_axes, x, "RMSNorm", "reduction_axes");
   const auto feat = canonical_axes(feature_axes, x, "RMSNorm", "feature_axes");
+  if (const int k = trailing_run(red, feat, x.rank()); k > 0) {
+    Shape param_shape;
+    for (int a : feat) param_shape.push_back(x.dim(a));
+    Array scale;
+    if (use_scale) scale = s.param("scale", initializer_in(scale_init, param_dtype), param_shape);
+    return rms_norm(x, scale, {.num_axes = k, .epsilon = epsilon, .dtype = dtype});
+  }
   auto [mu, var] = compute_stats(widened(x), red, false, use_fast_variance);
   return normalize(s, x, mu, var, feat, epsilon, false, use_scale, initializers::zeros(), scale_init, dtype, param_dtype);
 }
