@@ -1,4 +1,16 @@
+// Every multiply and add rounds separately (no fused multiply-add contraction), as XLA evaluates
+// optax's formulas; the fused step() and the transformation-by-transformation path then give the
+// same floats.
+#pragma GCC optimize("fp-contract=off")
+
 #include <linum/core/optim.hpp>
+#include <linum/core/ops/kernel_util.hpp>
+
+#include <Eigen/Core>
+
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 #include <linum/core/autodiff/graph.hpp>
 #include <linum/core/ops/elementwise.hpp>
@@ -14,6 +26,7 @@
 #include <optional>
 #include <span>
 #include <string_view>
+#include <type_traits>
 
 namespace linum::optim {
 
@@ -63,12 +76,14 @@ Tree map_elementwise(const std::array<const Tree*, N>& trees, F f) {
     float* o = r.mutable_data();
     std::array<const float*, N> p;
     for (std::size_t k = 0; k < N; ++k) p[k] = in[k][i].data();
-    const std::int64_t n = first.numel();
-    for (std::int64_t j = 0; j < n; ++j) {
-      if constexpr (N == 1) o[j] = f(p[0][j]);
-      else if constexpr (N == 2) o[j] = f(p[0][j], p[1][j]);
-      else o[j] = f(p[0][j], p[1][j], p[2][j]);
-    }
+    // Captured by value (f, the pointers): stores through o cannot alias them, so the loop vectorizes.
+    ops::detail::for_blocks(first.numel(), [=](std::int64_t begin, std::int64_t count) {
+      for (std::int64_t j = begin; j < begin + count; ++j) {
+        if constexpr (N == 1) o[j] = f(p[0][j]);
+        else if constexpr (N == 2) o[j] = f(p[0][j], p[1][j]);
+        else o[j] = f(p[0][j], p[1][j], p[2][j]);
+      }
+    });
     out.push_back(first_leaves[i].dtype() == DType::f32 ? std::move(r) : astype(r, first_leaves[i].dtype()));
   }
   return with_leaves(*trees[0], out);
@@ -212,6 +227,17 @@ UpdateResult GradientTransformation::update(const Tree& grads, const Tree& state
   check_f32(name_ + ".update", "grads", grads);
   check_same_structure(name_ + ".update", "grads", grads, "params", params);
   return update_(grads, state, &params);
+}
+
+StepResult GradientTransformation::step(Tree params, const Tree& grads, Tree state) const {
+  autodiff::NoGradGuard no_grad;
+  if (step_) {
+    check_f32(name_ + ".step", "grads", grads);
+    check_same_structure(name_ + ".step", "grads", grads, "params", params);
+    return step_(std::move(params), grads, std::move(state));
+  }
+  UpdateResult r = update(grads, state, params);
+  return StepResult{apply_updates(params, r.updates), std::move(r.state)};
 }
 
 Tree apply_updates(const Tree& params, const Tree& updates) {
@@ -399,14 +425,136 @@ GradientTransformation sgd(LearningRate learning_rate, double momentum, bool nes
   return chain(std::move(first), scale_by_learning_rate(std::move(learning_rate)));
 }
 
+namespace {
+
+// x[i] = sqrt(x[i]), correctly rounded, vectorized.
+void sqrt_in_place(float* x, std::int64_t n) {
+  std::int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, _mm512_sqrt_ps(_mm512_loadu_ps(x + i)));
+#elif defined(__AVX__)
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_sqrt_ps(_mm256_loadu_ps(x + i)));
+#endif
+  for (; i < n; ++i) x[i] = std::sqrt(x[i]);
+}
+
+// Takes the array out of a leaf, leaving a placeholder, so that the caller holds the only
+// reference when nobody else does (then the buffer may be written in place).
+Array take_leaf(Tree& leaf) {
+  static const Array placeholder = Array::zeros(Shape{});
+  Array a = leaf.array();
+  leaf = Tree(placeholder);
+  return a;
+}
+
+// An array to write leaf-sized results into: `a`'s own buffer when nothing else refers to it,
+// else a fresh one.
+Array writable(const Array& a) { return a.owns_buffer_alone() && !a.node() ? a : Array::empty(a.shape()); }
+
+// Calls f(param, grad, mu, nu) for corresponding leaves (the structures were checked equal),
+// where param/mu/nu are taken out of their trees and replaced by what f leaves in them.
+template <class F>
+void for_each_adam_leaf(Tree& params, const Tree& grads, Tree& mu, Tree& nu, F& f) {
+  if (grads.is_leaf()) {
+    Array p = take_leaf(params), m = take_leaf(mu), v = take_leaf(nu);
+    f(p, grads.array(), m, v);
+    params = Tree(std::move(p));
+    mu = Tree(std::move(m));
+    nu = Tree(std::move(v));
+    return;
+  }
+  for (const auto& [key, sub] : grads) for_each_adam_leaf(params.at(key), sub, mu.at(key), nu.at(key), f);
+}
+
+bool all_f32(const Tree& t) {
+  for (const Array& a : leaves(t))
+    if (a.dtype() != DType::f32) return false;
+  return true;
+}
+
+// adam / adamw with a constant learning rate as one pass per leaf. The arithmetic is the chain's,
+// operation for operation (scale_by_adam, add_decayed_weights, scale, apply_updates), so the
+// results are the same floats.
+GradientTransformation::StepFn fused_adam_step(GradientTransformation chained, double b1, double b2, double eps,
+                                               double eps_root, double weight_decay, double learning_rate) {
+  return [=](Tree&& params, const Tree& grads, Tree&& state) -> StepResult {
+    const std::string who = chained.name() + ".step";
+    const std::string adam_key = "0", lr_key = weight_decay != 0.0 ? "2" : "1";
+    const bool layout_ok = state.is_dict() && state.contains(adam_key) && state.contains(lr_key) &&
+                           state.size() == (weight_decay != 0.0 ? 3u : 2u) && state.at(adam_key).is_dict() &&
+                           state.at(adam_key).contains("mu") && state.at(adam_key).contains("nu");
+    if (!layout_ok || !all_f32(params) || !all_f32(grads) || !all_f32(state.at(adam_key).at("mu")) ||
+        !all_f32(state.at(adam_key).at("nu"))) {
+      UpdateResult r = chained.update(grads, state, params);  // the general path (and its error messages)
+      return StepResult{apply_updates(params, r.updates), std::move(r.state)};
+    }
+    Tree& adam_state = state.at(adam_key);
+    check_state_keys("optim::scale_by_adam.update", adam_state, {"count", "mu", "nu"});
+    check_same_structure(who, "grads", grads, "state['mu']", adam_state.at("mu"));
+    check_same_structure(who, "grads", grads, "state['nu']", adam_state.at("nu"));
+    const std::int64_t count = safe_increment(read_count("optim::scale_by_adam.update", adam_state));
+    const float c1 = f32(1.0 - b1), d1 = f32(b1), c2 = f32(1.0 - b2), d2 = f32(b2);
+    const float bc1 = 1.0f - static_cast<float>(std::pow(static_cast<double>(d1), static_cast<double>(count)));
+    const float bc2 = 1.0f - static_cast<float>(std::pow(static_cast<double>(d2), static_cast<double>(count)));
+    const float e = f32(eps), er = f32(eps_root), wd = f32(weight_decay), s = f32(-learning_rate);
+    const bool decay = weight_decay != 0.0;
+    Tree mu = std::move(adam_state.at("mu")), nu = std::move(adam_state.at("nu"));
+    adam_state = Tree();
+    auto update_leaf = [&](Array& p_arr, const Array& g_arr, Array& m_arr, Array& v_arr) {
+      Array p_out = writable(p_arr), m_out = writable(m_arr), v_out = writable(v_arr);
+      const float* g = g_arr.data();
+      const float* p_in = p_arr.data();
+      const float* m_in = m_arr.data();
+      const float* v_in = v_arr.data();
+      float* p = p_out.mutable_data();
+      float* m = m_out.mutable_data();
+      float* v = v_out.mutable_data();
+      // Eigen array expressions (explicitly vectorized); every operation rounds as the scalar
+      // path's does (IEEE division and square root, no contraction in this file).
+      ops::detail::for_blocks(g_arr.numel(), [=](std::int64_t begin, std::int64_t n) {
+        using Map = Eigen::Map<Eigen::ArrayXf>;
+        using CMap = Eigen::Map<const Eigen::ArrayXf>;
+        const CMap gj(g + begin, n), pj(p_in + begin, n);
+        Map mj(m + begin, n), vj(v + begin, n), out(p + begin, n);
+        mj = c1 * gj + d1 * CMap(m_in + begin, n);
+        vj = c2 * (gj * gj) + d2 * CMap(v_in + begin, n);
+        thread_local std::vector<float> scratch;
+        if (static_cast<std::int64_t>(scratch.size()) < n) scratch.resize(static_cast<std::size_t>(n));
+        Map u(scratch.data(), n);
+        u = vj / bc2 + er;
+        sqrt_in_place(u.data(), n);  // correctly rounded, as std::sqrt (Eigen's fast-math sqrt is not)
+        u = (mj / bc1) / (u + e);
+        if (decay) u = u + wd * pj;
+        u = s * u;
+        out = pj + u;
+      });
+      p_arr = std::move(p_out);
+      m_arr = std::move(m_out);
+      v_arr = std::move(v_out);
+    };
+    for_each_adam_leaf(params, grads, mu, nu, update_leaf);
+    Tree next = std::move(state);
+    next.set(adam_key, Tree{{"count", count_array(count)}, {"mu", std::move(mu)}, {"nu", std::move(nu)}});
+    return StepResult{std::move(params), std::move(next)};
+  };
+}
+
+}  // namespace
+
 GradientTransformation adam(LearningRate learning_rate, double b1, double b2, double eps, double eps_root) {
-  return chain(scale_by_adam(b1, b2, eps, eps_root), scale_by_learning_rate(std::move(learning_rate)));
+  const bool constant = !learning_rate.is_schedule();
+  const double lr = learning_rate.value();
+  GradientTransformation t = chain(scale_by_adam(b1, b2, eps, eps_root), scale_by_learning_rate(std::move(learning_rate)));
+  return constant ? t.with_fused_step(fused_adam_step(t, b1, b2, eps, eps_root, 0.0, lr)) : t;
 }
 
 GradientTransformation adamw(LearningRate learning_rate, double b1, double b2, double eps, double weight_decay,
                              double eps_root) {
-  return chain(scale_by_adam(b1, b2, eps, eps_root), add_decayed_weights(weight_decay),
-               scale_by_learning_rate(std::move(learning_rate)));
+  const bool constant = !learning_rate.is_schedule();
+  const double lr = learning_rate.value();
+  GradientTransformation t = chain(scale_by_adam(b1, b2, eps, eps_root), add_decayed_weights(weight_decay),
+                                   scale_by_learning_rate(std::move(learning_rate)));
+  return constant ? t.with_fused_step(fused_adam_step(t, b1, b2, eps, eps_root, weight_decay, lr)) : t;
 }
 
 }  // namespace linum::optim

@@ -105,6 +105,12 @@ struct UpdateResult {
   Tree state;
 };
 
+// What step() returns: the parameters after the update and the next optimizer state.
+struct StepResult {
+  Tree params;
+  Tree state;
+};
+
 // A pure optimizer step, as optax.GradientTransformation: init builds a state from the
 // parameters; update maps (gradients, state, parameters) to (updates, next state).
 class GradientTransformation {
@@ -128,13 +134,32 @@ class GradientTransformation {
   // One step: the updates for `grads` and the next state. `params` are the current parameters.
   UpdateResult update(const Tree& grads, const Tree& state, const Tree& params) const;
 
+  // update() and apply_updates() in one call: the parameters after this step and the next state,
+  // the same values as
+  //   auto [updates, next] = opt.update(grads, state, params); params = apply_updates(params, updates);
+  // adam and adamw (constant learning rate, float32 leaves) run it as one parallel pass per leaf
+  // that reads each parameter, gradient and moment once; passed by value with std::move, the
+  // parameters and state are updated in their own buffers (when nothing else holds them):
+  //   auto [params2, state2] = opt.step(std::move(params), grads, std::move(state));
+  StepResult step(Tree params, const Tree& grads, Tree state) const;
+
   // The name used in error messages.
   const std::string& name() const { return name_; }
+
+  // A fused step: (params, grads, state) -> StepResult.
+  using StepFn = std::function<StepResult(Tree&& params, const Tree& grads, Tree&& state)>;
+  // This transformation with a fused step(), which must give exactly what update + apply_updates give.
+  GradientTransformation with_fused_step(StepFn step) const {
+    GradientTransformation t = *this;
+    t.step_ = std::move(step);
+    return t;
+  }
 
  private:
   std::string name_;
   InitFn init_;
   UpdateFn update_;
+  StepFn step_;
 };
 
 // params + updates leaf by leaf (optax.apply_updates). Throws ValueError naming the first path

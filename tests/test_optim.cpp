@@ -383,3 +383,57 @@ TEST_CASE("optimizers refuse hyperparameters that would make every update NaN") 
   CHECK_THROWS_WITH_AS(optim::adam(1e-3, 1.5), doctest::Contains("0 <= b1, b2 < 1"), ValueError);
   CHECK_NOTHROW(optim::adam(1e-3));
 }
+
+TEST_CASE("step(): adam and adamw fused give bitwise what update + apply_updates give, in place when moved") {
+  // Leaves large enough for the parallel blocks, plus a small nested one.
+  auto make = [](unsigned seed) {
+    return Tree{{"big", rng::normal(rng::key(seed), Shape{300000})},
+                {"b", Tree{{"c", rng::normal(rng::key(seed + 1), Shape{7})}}}};
+  };
+  for (double wd : {0.0, 0.01}) {
+    CAPTURE(wd);
+    const optim::GradientTransformation opt = wd == 0.0 ? optim::adam(1e-2) : optim::adamw(1e-2, 0.9, 0.999, 1e-8, wd);
+    Tree params_ref = make(1), state_ref = opt.init(params_ref);
+    Tree params = make(1), state = opt.init(params);  // separate buffers, so step() may write them
+    for (int step = 0; step < 3; ++step) {
+      const Tree grads = make(10 + static_cast<unsigned>(step));
+      auto [updates, next] = opt.update(grads, state_ref, params_ref);
+      params_ref = optim::apply_updates(params_ref, updates);
+      state_ref = next;
+      const void* before = params.at("big").array().raw();
+      const void* mu_before = state.at("0").at("mu").at("big").array().raw();
+      auto [p2, s2] = opt.step(std::move(params), grads, std::move(state));
+      CHECK(p2.at("big").array().raw() == before);  // written in place: nothing else held them
+      CHECK(s2.at("0").at("mu").at("big").array().raw() == mu_before);
+      params = std::move(p2);
+      state = std::move(s2);
+      CHECK(bitwise_equal(params, params_ref));
+      CHECK(bitwise_equal(state, state_ref));
+    }
+  }
+}
+
+TEST_CASE("step(): parameters the caller still holds are not modified; schedules and bf16 take the general path") {
+  const optim::GradientTransformation opt = optim::adam(1e-2);
+  const Tree params = make_tree(1, -2, 0.5f), grads = make_tree(0.1f, 0.2f, -0.3f);
+  const Tree state = opt.init(params);
+  const Tree params_copy = params;
+  auto [p2, s2] = opt.step(params, grads, state);  // copies: the caller keeps the old values
+  CHECK(bitwise_equal(params, params_copy));
+  CHECK(!bitwise_equal(p2, params));
+  auto [updates, next] = opt.update(grads, state, params);
+  CHECK(bitwise_equal(p2, optim::apply_updates(params, updates)));
+  CHECK(bitwise_equal(s2, next));
+
+  const optim::GradientTransformation scheduled = optim::adam(optim::linear_schedule(1e-2f, 0.0f, 10));
+  auto [p3, s3] = scheduled.step(params, grads, scheduled.init(params));
+  auto [u3, n3] = scheduled.update(grads, scheduled.init(params), params);
+  CHECK(bitwise_equal(p3, optim::apply_updates(params, u3)));
+  CHECK(bitwise_equal(s3, n3));
+
+  const Tree params16 = tree_map([](const Array& a) { return astype(a, DType::bf16); }, params);
+  const Tree grads16 = tree_map([](const Array& a) { return astype(a, DType::bf16); }, grads);
+  auto [p4, s4] = opt.step(params16, grads16, opt.init(params16));
+  CHECK(p4.at("w").array().dtype() == DType::bf16);
+  CHECK_THROWS_AS(opt.step(params, make_tree(1, 2, 3).at("b"), state), ValueError);
+}

@@ -8,8 +8,8 @@
 //
 // One JSON line per variant: plain; remat (every block checkpointed, nothing saved); dots (every
 // block checkpointed, dots_saveable); scan_remat (lift::scan over the rematted block). Fields:
-// step_s_min, step_s_median (forward + backward + adam), fwd_bwd_s_median, adam_s (median of the
-// optimizer update and apply_updates), peak_activation_bytes (exact accounting: the peak of live
+// step_s_min, step_s_median (forward + backward + adam), fwd_bwd_s_median, adam_s (median of
+// opt.step: the update applied to the parameters, in place), peak_activation_bytes (exact accounting: the peak of live
 // bytes during forward + backward beyond what was live before, minus the gradients returned), loss
 // of the first and last step.
 #include "bench_util.hpp"
@@ -139,8 +139,8 @@ int bench_gpt(const Flags& f) {
         loss = value.item();
       }
       const auto t1 = Clock::now();
-      auto [updates, next_state] = opt.update(grads, opt_state, params);
-      params = optim::apply_updates(params, updates);
+      auto [next_params, next_state] = opt.step(std::move(params), grads, std::move(opt_state));
+      params = std::move(next_params);
       opt_state = std::move(next_state);
       const auto t2 = Clock::now();
       losses.push_back(loss);
