@@ -8,6 +8,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include <unistd.h>
+
 namespace linum::memory {
 namespace {
 
@@ -17,6 +19,7 @@ std::atomic<std::int64_t> g_live{0};
 std::atomic<std::int64_t> g_peak{0};
 std::atomic<std::int64_t> g_buffers{0};
 std::atomic<std::int64_t> g_allocations{0};
+std::atomic<std::int64_t> g_high_water{0};  // the most live bytes ever (never reset)
 
 // Freed large blocks by (rounded) size, for reuse. Never destroyed: buffers may be freed during
 // static destruction, after any ordinary static object would be gone.
@@ -24,7 +27,14 @@ struct BlockCache {
   std::mutex mutex;
   std::unordered_map<std::size_t, std::vector<void*>> free_blocks;
   std::size_t cached = 0;
-  std::size_t limit = std::size_t{256} << 20;
+  std::size_t limit = default_limit();
+
+  // A quarter of the machine's memory (1 GiB if it cannot be read).
+  static std::size_t default_limit() {
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+    if (pages <= 0 || page <= 0) return std::size_t{1} << 30;
+    return static_cast<std::size_t>(pages) / 4 * static_cast<std::size_t>(page);
+  }
 };
 constexpr std::size_t kCacheMinBytes = std::size_t{1} << 16;
 
@@ -48,7 +58,10 @@ bool keep_cached(void* p, std::size_t rounded) noexcept {
   try {
     BlockCache& c = cache();
     std::lock_guard<std::mutex> lock(c.mutex);
-    if (c.cached + rounded > c.limit) return false;
+    // The cache follows the workload: it keeps at most what the process ever had live at once
+    // (a training step's peak, so the next step is served without page faults), within the limit.
+    const std::size_t workload = static_cast<std::size_t>(std::max<std::int64_t>(g_high_water.load(std::memory_order_relaxed), 0));
+    if (c.cached + rounded > std::min(c.limit, workload)) return false;
     c.free_blocks[rounded].push_back(p);
     c.cached += rounded;
     return true;
@@ -61,11 +74,13 @@ std::size_t rounded_size(std::size_t bytes) {
   return (std::max<std::size_t>(bytes, 1) + kAlignment - 1) / kAlignment * kAlignment;
 }
 
-void raise_peak_to(std::int64_t value) {
-  std::int64_t peak = g_peak.load(std::memory_order_relaxed);
-  while (value > peak && !g_peak.compare_exchange_weak(peak, value, std::memory_order_relaxed)) {
+void raise_to(std::atomic<std::int64_t>& counter, std::int64_t value) {
+  std::int64_t current = counter.load(std::memory_order_relaxed);
+  while (value > current && !counter.compare_exchange_weak(current, value, std::memory_order_relaxed)) {
   }
 }
+
+void raise_peak_to(std::int64_t value) { raise_to(g_peak, value); }
 
 }  // namespace
 
@@ -79,7 +94,10 @@ Stats stats() {
     BlockCache& c = cache();
     std::lock_guard<std::mutex> lock(c.mutex);
     s.cached_bytes = static_cast<std::int64_t>(c.cached);
+    s.cache_limit_bytes = static_cast<std::int64_t>(std::min<std::size_t>(
+        c.limit, static_cast<std::size_t>(std::max<std::int64_t>(g_high_water.load(), 0))));
   }
+  s.high_water_bytes = g_high_water.load();
   return s;
 }
 
@@ -126,6 +144,7 @@ void* allocate(std::size_t bytes) {
   if (p == nullptr) throw std::bad_alloc();
   std::int64_t live = g_live.fetch_add(static_cast<std::int64_t>(bytes)) + static_cast<std::int64_t>(bytes);
   raise_peak_to(live);
+  raise_to(g_high_water, live);
   g_buffers.fetch_add(1, std::memory_order_relaxed);
   g_allocations.fetch_add(1, std::memory_order_relaxed);
   return p;

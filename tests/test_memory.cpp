@@ -1,6 +1,9 @@
 #include <doctest/doctest.h>
 #include <linum/linum.hpp>
 
+#include <algorithm>
+#include <vector>
+
 using namespace linum;
 
 TEST_CASE("every buffer is accounted exactly and released") {
@@ -56,5 +59,32 @@ TEST_CASE("large freed blocks are cached for reuse without counting as live byte
   memory::set_cache_limit(0);  // no caching: blocks go straight back
   { Array big = Array::zeros(Shape{1 << 16}); }
   CHECK(memory::stats().cached_bytes == 0);
+  memory::set_cache_limit(std::int64_t{256} << 20);
+}
+
+TEST_CASE("the block cache sizes itself to the workload: a step's peak is kept, within the limit") {
+  memory::set_cache_limit(std::int64_t{1} << 40);  // effectively unlimited: the workload decides
+  auto step = [] {  // a "training step" holding 96 MiB at its peak, in 1 MiB buffers
+    std::vector<Array> live;
+    for (int i = 0; i < 96; ++i) live.push_back(Array::empty(Shape{1 << 18}));
+    std::vector<const void*> addresses;
+    for (const Array& a : live) addresses.push_back(a.raw());
+    return addresses;
+  };
+  const auto first = step();
+  const auto after = memory::stats();
+  CHECK(after.high_water_bytes >= std::int64_t{96} << 20);
+  CHECK(after.cached_bytes >= std::int64_t{96} << 20);  // every block of the step was kept
+  CHECK(after.cached_bytes <= after.high_water_bytes);  // and never more than the workload's peak
+  auto second = step();  // served entirely from the cache: the same blocks again
+  std::sort(second.begin(), second.end());
+  auto first_sorted = first;
+  std::sort(first_sorted.begin(), first_sorted.end());
+  CHECK(second == first_sorted);
+
+  memory::set_cache_limit(std::int64_t{32} << 20);  // the user's cap wins over the workload
+  (void)step();
+  CHECK(memory::stats().cached_bytes <= std::int64_t{32} << 20);
+  CHECK(memory::stats().cache_limit_bytes == std::int64_t{32} << 20);
   memory::set_cache_limit(std::int64_t{256} << 20);
 }
