@@ -246,3 +246,28 @@ TEST_CASE("fused layer_norm: remat gives bitwise the plain gradients; errors nam
   CHECK_THROWS_WITH_AS(layer_norm(x, Array(), Array(), {.num_axes = 3}), doctest::Contains("num_axes"), ShapeError);
   CHECK_THROWS_AS(rms_norm(x, Array(), {.epsilon = -1.0}), ValueError);
 }
+
+// ---- softmax / log_softmax over the last axis ---------------------------------------------------
+
+TEST_CASE("fused softmax and log_softmax (last axis) equal the general-axis path; bf16 rounds once") {
+  const Array x = random_array(Shape{5, 33, 300}, 40, -8.0f, 8.0f);
+  const Array r = random_array(Shape{5, 33, 300}, 41);
+  // The general path, reached by normalizing axis 0 of the transposed array.
+  auto general = [](const Array& a, bool log) {
+    Array t = transpose(a, {2, 0, 1});
+    return transpose(log ? log_softmax(t, {0}) : softmax(t, {0}), {1, 2, 0});
+  };
+  for (bool log : {false, true}) {
+    CAPTURE(log);
+    auto fused = [log](const V& in) { return log ? log_softmax(in[0]) : softmax(in[0]); };
+    auto reference = [&](const V& in) { return general(in[0], log); };
+    CHECK(max_abs_diff(fused({x}), reference({x})) < 2e-6f);
+    auto gf = grad([&](const V& in) { return sum(fused(in) * r); })(V{x});
+    auto gr = grad([&](const V& in) { return sum(reference(in) * r); })(V{x});
+    CHECK(max_abs_diff(gf[0], gr[0]) < 2e-6f);
+    CHECK(check_gradients(log ? "log_softmax" : "softmax", fused, {random_array(Shape{3, 7}, 42)}));
+    const Array y16 = fused({astype(x, DType::bf16)});
+    CHECK(y16.dtype() == DType::bf16);
+    CHECK(max_abs_diff(astype(y16, DType::f32), fused({astype(astype(x, DType::bf16), DType::f32)})) < (log ? 0.07f : 4e-3f));
+  }
+}
