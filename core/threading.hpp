@@ -15,6 +15,17 @@
 // before any library initialises (an ELF pre-initialisation function), because libgomp reads it
 // once at start-up; the process environment itself is left as it was (child processes and getenv
 // do not see it).
+//
+// Sleeping threads are not enough: every parallel region still waits for its slowest thread, and a
+// thread sharing its core with a CPU-bound process runs at half speed and wakes late. So Linum
+// sizes each parallel region to the cores that are free: omp_get_max_threads(), less one for each
+// core other processes keep busy (the kernel's count of runnable threads, read at most every
+// 10 ms), at least 1. On a quiet machine that is every thread; with one of 2 cores taken, the step
+// runs on the free core instead of waiting on the busy one. Results do not depend on it: Linum's
+// kernels split work into pieces fixed by the shapes (not by the thread count), and oneDNN's matrix
+// products give the same bits on 1 and 2 threads (tests/test_threading.cpp checks both).
+// Convolutions keep the full team (oneDNN's weight gradient sums per thread). Turn adaptation off
+// with set_adaptive_threads(false) or LINUM_ADAPTIVE_THREADS=0 (dedicated machines).
 #pragma once
 
 #include <string>
@@ -24,6 +35,12 @@ namespace linum {
 // The wait policy OpenMP threads use in this process, as the environment gives it:
 // "passive (Linum's default)", "passive", "active", or "GOMP_SPINCOUNT=N".
 std::string openmp_wait_policy();
+
+// The number of threads Linum's parallel regions use now (see above).
+int team_size();
+// Whether team_size() follows the free cores (default: true, unless LINUM_ADAPTIVE_THREADS=0).
+bool adaptive_threads();
+void set_adaptive_threads(bool on);
 
 namespace detail {
 void keep_threading_linked();

@@ -1,6 +1,7 @@
 // Threefry-2x32 and the key operations built on it, following JAX's threefry2x32 PRNG
 // implementation (seed, split, fold_in, random_bits in both threefry modes).
 #include <linum/rng/key.hpp>
+#include <linum/core/threading.hpp>
 
 #include <linum/core/error.hpp>
 
@@ -27,7 +28,7 @@ void hash_iota(Key key, std::uint64_t n, std::uint32_t* out) {
   const std::uint64_t half = (n + 1) / 2;
   const auto pairs = static_cast<std::int64_t>(half);
 #if defined(_OPENMP)
-#pragma omp parallel for schedule(static) if (pairs > 65536)
+#pragma omp parallel for schedule(static) num_threads(linum::team_size()) if (pairs > 65536)
 #endif
   for (std::int64_t jj = 0; jj < pairs; ++jj) {
     const auto j = static_cast<std::uint64_t>(jj);
@@ -142,7 +143,7 @@ std::vector<std::uint32_t> bits_u32(Key key, std::int64_t count, Mode mode) {
   if (mode == Mode::legacy) return legacy_words(key, static_cast<std::uint64_t>(count));
   std::vector<std::uint32_t> out(static_cast<std::size_t>(count));
 #if defined(_OPENMP)
-#pragma omp parallel for schedule(static) if (count > 65536)
+#pragma omp parallel for schedule(static) num_threads(linum::team_size()) if (count > 65536)
 #endif
   for (std::int64_t i = 0; i < count; ++i) {
     const auto idx = static_cast<std::uint64_t>(i);

@@ -5,6 +5,15 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <vector>
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 using namespace linum;
 
@@ -35,4 +44,74 @@ TEST_CASE("OpenMP threads wait passively by default, and a user's setting wins")
   const bool user_set = std::getenv("OMP_WAIT_POLICY") != nullptr || std::getenv("GOMP_SPINCOUNT") != nullptr;
   if (!user_set) CHECK(openmp_wait_policy() == "passive (Linum's default)");
   else CHECK(openmp_wait_policy().find("Linum") == std::string::npos);
+}
+
+namespace {
+// A CPU-bound child process until killed.
+pid_t spin_process() {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    volatile unsigned long x = 0;
+    for (;;) x = x + 1;
+  }
+  return pid;
+}
+}  // namespace
+
+TEST_CASE("parallel regions shrink to the free cores while other processes hold them") {
+#ifdef _OPENMP
+  const int max = omp_get_max_threads();
+  CHECK(team_size() >= 1);
+  CHECK(team_size() <= max);
+  // Every core busy with another process: regions run on one thread.
+  const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  std::vector<pid_t> spinners;
+  for (long i = 0; i < cores; ++i) spinners.push_back(spin_process());
+  usleep(100000);
+  int seen = max;
+  for (int i = 0; i < 20 && seen > 1; ++i) {
+    usleep(20000);  // the count is refreshed every 10 ms
+    seen = team_size();
+  }
+  CHECK(seen == 1);
+  set_adaptive_threads(false);  // a dedicated machine: always the full team
+  CHECK(team_size() == max);
+  set_adaptive_threads(true);
+  for (pid_t p : spinners) kill(p, SIGKILL);
+  for (pid_t p : spinners) waitpid(p, nullptr, 0);
+#endif
+}
+
+TEST_CASE("results do not depend on how many threads run them (what adaptive teams rely on)") {
+#ifdef _OPENMP
+  // Shapes of the deep MLP and GPT benchmarks, forward and gradient products, in float32 and bf16.
+  auto compute = [] {
+    std::vector<Array> out;
+    for (DType dt : {DType::f32, DType::bf16}) {
+      const Array a = astype(rng::normal(rng::key(1), Shape{2048, 512}), dt);
+      const Array w = astype(rng::normal(rng::key(2), Shape{512, 768}), dt);
+      out.push_back(matmul(a, w));
+      out.push_back(matmul(transpose(a, {1, 0}), a));  // a weight gradient: contraction over the batch
+      out.push_back(matmul(reshape(a, {4096, 256}), transpose(reshape(w, {1536, 256}), {1, 0})));
+      const Array x = reshape(a, {16, 256, 4, 64});
+      out.push_back(scaled_dot_product_attention(x, x * 0.5f, x, {.is_causal = true}));
+      out.push_back(layer_norm(a, Array(), Array()));
+      out.push_back(softmax(a));
+      out.push_back(sum(a, {0}));
+      out.push_back(sum(a, {1}));
+      out.push_back(logsumexp(a, {1}));
+      out.push_back(gelu(a) * a + a);
+    }
+    return out;
+  };
+  const int max = omp_get_max_threads();
+  const auto many = compute();
+  omp_set_num_threads(1);
+  const auto one = compute();
+  omp_set_num_threads(max);
+  for (std::size_t i = 0; i < many.size(); ++i) {
+    CAPTURE(i);
+    CHECK(many[i].bitwise_equal(one[i]));
+  }
+#endif
 }

@@ -1,4 +1,5 @@
 #include <linum/core/fp_mode.hpp>
+#include <linum/core/threading.hpp>
 #include <linum/core/autodiff/graph.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/autodiff/grad.hpp>
@@ -36,7 +37,7 @@ Array accumulate(const Array& a, const Array& b) {
   const float* pb = b.data();
   float* po = out.mutable_data();
   const std::int64_t n = a.numel();
-#pragma omp parallel for if (n > (1 << 18)) schedule(static)
+#pragma omp parallel for if (n > (1 << 18)) schedule(static) num_threads(linum::team_size())
   for (std::int64_t i = 0; i < n; ++i) {
     if ((i & 16383) == 0) linum::detail::enter_compute();
     po[i] = pa[i] + pb[i];

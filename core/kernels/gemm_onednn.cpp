@@ -3,6 +3,7 @@
 // same shapes gives bitwise the same result, which remat's recomputation relies on.
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/kernels/gemm.hpp>
+#include <linum/core/threading.hpp>
 
 #include <oneapi/dnnl/dnnl.hpp>
 
@@ -82,7 +83,7 @@ Array batched_gemm_onednn(const Array& a, const Array& b, bool ta, bool tb) {
 #ifdef _OPENMP
   if (!omp_in_parallel() &&
       static_cast<double>(batch) * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) >= kParallelGemmWork)
-    threads = omp_get_max_threads();
+    threads = team_size();  // the free cores (core/threading.hpp); the product's bits do not depend on it
   const int previous = omp_get_max_threads();
   if (threads != previous) omp_set_num_threads(threads);
 #endif

@@ -1,4 +1,5 @@
 #include <linum/core/ops/attention.hpp>
+#include <linum/core/threading.hpp>
 
 #include <linum/core/autodiff/graph.hpp>
 #include <linum/core/kernels/gemm.hpp>
@@ -32,29 +33,7 @@ using ConstRow = Eigen::Map<const Eigen::ArrayXf>;
 constexpr std::int64_t kQueryBlock = 64;
 constexpr float kLowest = std::numeric_limits<float>::lowest();
 
-// A thread's reusable float32 scratch, 64-byte aligned (so kernels see the same alignment in a
-// forward pass and in its recomputation, whichever thread runs them).
-class Scratch {
- public:
-  Scratch() = default;
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-  ~Scratch() { std::free(data_); }
-  float* get(std::int64_t count) {
-    if (count > capacity_) {
-      std::free(data_);
-      const std::size_t bytes = (static_cast<std::size_t>(count) * sizeof(float) + 63) / 64 * 64;
-      data_ = static_cast<float*>(std::aligned_alloc(64, bytes));
-      if (data_ == nullptr) throw std::bad_alloc();
-      capacity_ = count;
-    }
-    return data_;
-  }
-
- private:
-  float* data_ = nullptr;
-  std::int64_t capacity_ = 0;
-};
+using Scratch = ops::detail::AlignedScratch;
 
 // The problem's sizes. Item (n, h) is batch element n (the batch axes flattened) and head h; a
 // row of item (n, h) in q is q[n, i, h, :], `heads * head_dim` floats after the previous row.
@@ -149,7 +128,7 @@ void for_items(const Geometry& g, F&& f) {
                       static_cast<double>(g.head_dim + g.v_dim);
   std::exception_ptr error;
   std::mutex error_mutex;
-#pragma omp parallel if (work >= kernels::kParallelGemmWork && items > 1)
+#pragma omp parallel if (work >= kernels::kParallelGemmWork && items > 1) num_threads(linum::team_size())
   {
     linum::detail::enter_compute();
     Scratch scratch[6];

@@ -3,6 +3,7 @@
 // The backward rules keep x and w (not the 9x larger columns); the Eigen one rebuilds columns per
 // chunk.
 #include <linum/core/fp_mode.hpp>
+#include <linum/core/threading.hpp>
 #include <linum/core/ops/conv.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/autodiff/hooks.hpp>
@@ -82,7 +83,7 @@ ColumnRange valid_columns(const ConvGeometry& G, std::int64_t j) {
 void im2col(const float* x, const ConvGeometry& G, std::int64_t n0, std::int64_t count, std::int64_t g, float* cols) {
   const std::int64_t width = G.col_width(), cg = G.cg;
   const std::int64_t rows = count * G.ph.out;
-#pragma omp parallel for schedule(static) if (rows * G.pw.out * width > ops::detail::kParallelMin)
+#pragma omp parallel for schedule(static) num_threads(linum::team_size()) if (rows * G.pw.out * width > ops::detail::kParallelMin)
   for (std::int64_t row = 0; row < rows; ++row) {
     linum::detail::enter_compute();
     const std::int64_t n = n0 + row / G.ph.out, oh = row % G.ph.out;
@@ -110,7 +111,7 @@ void im2col(const float* x, const ConvGeometry& G, std::int64_t n0, std::int64_t
 // accumulation is race-free and its order does not depend on the number of threads.
 void col2im(const float* dcols, const ConvGeometry& G, std::int64_t n0, std::int64_t count, std::int64_t g, float* dx) {
   const std::int64_t width = G.col_width(), cg = G.cg;
-#pragma omp parallel for schedule(static) if (count > 1 && count * G.rows_per_image() * width > ops::detail::kParallelMin)
+#pragma omp parallel for schedule(static) num_threads(linum::team_size()) if (count > 1 && count * G.rows_per_image() * width > ops::detail::kParallelMin)
   for (std::int64_t ni = 0; ni < count; ++ni) {
     linum::detail::enter_compute();
     const std::int64_t n = n0 + ni;

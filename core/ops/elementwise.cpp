@@ -1,5 +1,6 @@
 // Elementwise ops. Each op's backward rule follows its forward and captures only what it needs.
 #include <linum/core/fp_mode.hpp>
+#include <linum/core/threading.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/kernel_util.hpp>
 #include <linum/core/ops/reduce.hpp>
@@ -151,7 +152,7 @@ Array binary_kernel(const Array& a, const Array& b, const char* op, F f, std::op
     });
   };
   if (n >= ops::detail::kParallelMin && rows > 1) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(linum::team_size())
     for (std::int64_t r = 0; r < rows; ++r) {
       linum::detail::enter_compute();
       do_rows(r, r + 1);

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <linum/core/fp_mode.hpp>
+#include <linum/core/threading.hpp>
 
 #include <Eigen/Core>
 
@@ -43,7 +44,9 @@ void gemm_into(Dst&& c, const Lhs& a, const Rhs& b, bool accumulate = false) {
   // Panels aligned to 16 rows/columns so each thread's block fits the GEMM kernel's register tiles.
   const Eigen::Index panel = std::max<Eigen::Index>(16, ((extent + threads - 1) / threads + 15) / 16 * 16);
   const Eigen::Index panels = (extent + panel - 1) / panel;
-#pragma omp parallel for schedule(static) num_threads(threads)
+  // The panels are fixed by omp_get_max_threads() (so the result never depends on how many threads
+  // run them); team_size() threads take them (fewer when other processes hold cores).
+#pragma omp parallel for schedule(dynamic, 1) num_threads(linum::team_size())
   for (Eigen::Index p = 0; p < panels; ++p) {
     linum::detail::enter_compute();
     const Eigen::Index start = p * panel, len = std::min(panel, extent - start);

@@ -2,11 +2,14 @@
 #pragma once
 
 #include <linum/core/array.hpp>
+#include <linum/core/threading.hpp>
 #include <linum/core/autodiff/graph.hpp>
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/ops/elementwise.hpp>
 
 #include <algorithm>
+#include <cstdlib>
+#include <new>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -27,13 +30,43 @@ void for_blocks(std::int64_t n, F&& f) {
   const std::int64_t blocks = (n + kBlock - 1) / kBlock;
   // Dynamic: on a busy machine the thread whose core is free takes more blocks (results do not
   // depend on which thread computes a block).
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(linum::team_size())
   for (std::int64_t b = 0; b < blocks; ++b) {
     linum::detail::enter_compute();
     const std::int64_t begin = b * kBlock;
     f(begin, std::min(kBlock, n - begin));
   }
 }
+
+// A thread's reusable float32 scratch, 64-byte aligned. Kernels whose row sums go through Eigen
+// need it: Eigen's vectorized sums start at the first aligned element, so the summation order (and
+// the last bit of the result) depends on a buffer's alignment, which must not vary between runs
+// or threads.
+class AlignedScratch {
+ public:
+  AlignedScratch() = default;
+  explicit AlignedScratch(std::int64_t count) { get(count); }
+  AlignedScratch(const AlignedScratch&) = delete;
+  AlignedScratch& operator=(const AlignedScratch&) = delete;
+  ~AlignedScratch() { std::free(data_); }
+  // At least `count` floats (contents unspecified).
+  float* get(std::int64_t count) {
+    if (count > capacity_) {
+      std::free(data_);
+      data_ = nullptr;
+      const std::size_t bytes = (static_cast<std::size_t>(count) * sizeof(float) + 63) / 64 * 64;
+      data_ = static_cast<float*>(std::aligned_alloc(64, bytes));
+      if (data_ == nullptr) throw std::bad_alloc();
+      capacity_ = count;
+    }
+    return data_;
+  }
+  float* data() { return data_; }
+
+ private:
+  float* data_ = nullptr;
+  std::int64_t capacity_ = 0;
+};
 
 // Throws ShapeError unless `a` is float32.
 void require_f32(const Array& a, const char* op);

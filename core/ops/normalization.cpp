@@ -1,4 +1,5 @@
 #include <linum/core/ops/normalization.hpp>
+#include <linum/core/threading.hpp>
 
 #include <linum/core/autodiff/graph.hpp>
 #include <linum/core/ops/kernel_util.hpp>
@@ -29,10 +30,10 @@ template <class F>
 void for_row_blocks(const NormShape& s, F&& f) {
   const std::int64_t blocks = (s.rows + kRowsPerBlock - 1) / kRowsPerBlock;
   const bool parallel = s.rows * s.features >= ops::detail::kParallelMin && blocks > 1;
-#pragma omp parallel if (parallel)
+#pragma omp parallel if (parallel) num_threads(linum::team_size())
   {
     linum::detail::enter_compute();
-    std::vector<float> scratch(static_cast<std::size_t>(3 * s.features));
+    ops::detail::AlignedScratch scratch(3 * s.features);
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t b = 0; b < blocks; ++b) {
       const std::int64_t first = b * kRowsPerBlock;

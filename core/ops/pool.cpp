@@ -3,6 +3,7 @@
 // count_include_pad, one divisor per output pixel); max_pool keeps the int32 position of each
 // window's maximum (one per output, not the whole input).
 #include <linum/core/fp_mode.hpp>
+#include <linum/core/threading.hpp>
 #include <linum/core/ops/conv.hpp>
 #include <linum/core/ops/kernel_util.hpp>
 
@@ -55,7 +56,7 @@ template <class F>
 void for_pixels(const PoolGeometry& G, F f) {
   const std::int64_t pixels = G.out_pixels();
   const bool parallel = pixels * G.c * G.kh * G.kw > ops::detail::kParallelMin;
-#pragma omp parallel for schedule(static) if (parallel)
+#pragma omp parallel for schedule(static) num_threads(linum::team_size()) if (parallel)
   for (std::int64_t p = 0; p < pixels; ++p) {
     linum::detail::enter_compute();
     f(p);
@@ -95,7 +96,7 @@ Array avg_pool(const Array& x, const PoolOptions& o) {
       const float* pdiv = s[0].defined() ? s[0].data() : nullptr;
       const std::int64_t C = G.c, per_image = G.ph.out * G.pw.out;
       // Windows may overlap within an image but never across images: one image per thread.
-#pragma omp parallel for schedule(static) if (G.n > 1 && G.out_pixels() * C * G.kh * G.kw > ops::detail::kParallelMin)
+#pragma omp parallel for schedule(static) num_threads(linum::team_size()) if (G.n > 1 && G.out_pixels() * C * G.kh * G.kw > ops::detail::kParallelMin)
       for (std::int64_t n = 0; n < G.n; ++n) {
         linum::detail::enter_compute();
         for (std::int64_t p = n * per_image; p < (n + 1) * per_image; ++p) {

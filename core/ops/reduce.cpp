@@ -1,6 +1,7 @@
 // Reductions. sum and max are primitives with their own backward rules; mean, min, var and
 // logsumexp are compositions whose gradients follow from their parts.
 #include <linum/core/fp_mode.hpp>
+#include <linum/core/threading.hpp>
 #include <linum/core/ops/reduce.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/kernel_util.hpp>
@@ -47,7 +48,7 @@ Array reduce_kernel_bf16(const Array& x, std::int64_t outer, std::int64_t red, s
 template <class F>
 void for_each_outer(std::int64_t outer, std::int64_t elements, F& run) {
   if (outer > 1 && elements >= ops::detail::kParallelMin) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(linum::team_size())
     for (std::int64_t o = 0; o < outer; ++o) {
       linum::detail::enter_compute();
       run(o);

@@ -2,6 +2,7 @@
 // x[base + sum_i idx_i * stride_i], with per-axis strides that express transposes, slices and
 // broadcasts.
 #include <linum/core/fp_mode.hpp>
+#include <linum/core/threading.hpp>
 #include <linum/core/ops/shape_ops.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/kernel_util.hpp>
@@ -33,7 +34,7 @@ void for_rows(const Shape& out, const Strides& in_strides, std::int64_t base, F 
     f(r * inner, off);
   };
   if (out.numel() >= ops::detail::kParallelMin && rows > 1) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(linum::team_size())
     for (std::int64_t r = 0; r < rows; ++r) {
       linum::detail::enter_compute();
       row(r);

@@ -1,4 +1,5 @@
 #include <linum/core/ops/softmax.hpp>
+#include <linum/core/threading.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/kernel_util.hpp>
 #include <linum/core/ops/reduce.hpp>
@@ -29,10 +30,10 @@ template <class F>
 void for_rows(std::int64_t rows, std::int64_t n, F&& f) {
   const std::int64_t per_block = std::max<std::int64_t>(1, ops::detail::kBlock / n);
   const std::int64_t blocks = (rows + per_block - 1) / per_block;
-#pragma omp parallel if (rows * n >= ops::detail::kParallelMin && blocks > 1)
+#pragma omp parallel if (rows * n >= ops::detail::kParallelMin && blocks > 1) num_threads(linum::team_size())
   {
     linum::detail::enter_compute();
-    std::vector<float> scratch(static_cast<std::size_t>(3 * n));
+    ops::detail::AlignedScratch scratch(3 * n);
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t b = 0; b < blocks; ++b)
       for (std::int64_t r = b * per_block; r < std::min(rows, (b + 1) * per_block); ++r) f(r, scratch.data());
