@@ -59,6 +59,7 @@ namespace {
 std::atomic<int> g_adaptive{-1};  // -1: not yet read from LINUM_ADAPTIVE_THREADS
 std::atomic<std::int64_t> g_last_check_ns{std::numeric_limits<std::int64_t>::min() / 2};
 std::atomic<int> g_free_cores{1 << 20};
+std::atomic<int> g_previous_reading{1 << 20};
 constexpr std::int64_t kCheckIntervalNs = 10'000'000;
 
 // Threads runnable on the whole machine right now (the 4th field of /proc/loadavg, "3/456"),
@@ -116,9 +117,14 @@ int own_runnable_threads() {
 // Cores of ours not taken by other processes: our cores, less the runnable threads that are not
 // ours and do not fit on the cores outside our affinity mask.
 int free_cores() {
+  // Our threads are counted before and after the machine-wide count, so that one of ours going
+  // to sleep (or waking) in between is not mistaken for another process.
+  const int own_before = own_runnable_threads();
   const int running = runnable_threads();
+  const int own_after = own_runnable_threads();
   if (running < 0) return cores_allowed();
-  const int others = std::max(0, running - own_runnable_threads() - (cores_online() - cores_allowed()));
+  const int own = std::max(own_before, own_after);
+  const int others = std::max(0, running - own - (cores_online() - cores_allowed()));
   return std::max(1, cores_allowed() - others);
 }
 
@@ -143,8 +149,14 @@ int team_size() {
   const std::int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
                                std::chrono::steady_clock::now().time_since_epoch()).count();
   std::int64_t last = g_last_check_ns.load(std::memory_order_relaxed);
-  if (now - last >= kCheckIntervalNs && g_last_check_ns.compare_exchange_strong(last, now, std::memory_order_relaxed))
-    g_free_cores.store(free_cores(), std::memory_order_relaxed);
+  if (now - last >= kCheckIntervalNs && g_last_check_ns.compare_exchange_strong(last, now, std::memory_order_relaxed)) {
+    // Shrink only when two readings in a row agree (a process that ran for an instant does not
+    // halve the next 10 ms); grow back at once.
+    const int reading = free_cores();
+    const int previous = g_previous_reading.exchange(reading, std::memory_order_relaxed);
+    g_free_cores.store(std::max(reading, std::min(previous, g_free_cores.load(std::memory_order_relaxed))),
+                       std::memory_order_relaxed);
+  }
   return std::clamp(g_free_cores.load(std::memory_order_relaxed), 1, max);
 #else
   return 1;
