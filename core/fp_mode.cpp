@@ -56,7 +56,6 @@ std::atomic<unsigned> g_fp_mode_generation{1};
 thread_local unsigned t_fp_mode_generation = 0;
 
 void apply_fp_mode() {
-  keep_threading_linked();
   read_environment_once();
   const unsigned generation = g_fp_mode_generation.load(std::memory_order_acquire);
   set_thread_mode(g_flush.load(std::memory_order_relaxed));

@@ -15,7 +15,7 @@
 //   linum-bench load [--layers L] [--width W] [--batch B] [--steps S] [--dtype f32|bf16] [--rounds R]
 //       The plain deep-MLP step on a quiet machine and with one competing CPU-bound process pinned
 //       to the last core, alternating R rounds in one invocation. Fields: bench, wait_policy (how
-//       OpenMP threads wait in this run), quiet_step_s, loaded_step_s (minimum over rounds of the
+//       OpenMP threads wait in this run), adaptive_threads (core/threading.hpp), quiet_step_s, loaded_step_s (minimum over rounds of the
 //       per-round median), slowdown = loaded / quiet.
 //   linum-bench gpt [...]
 //       A GPT-style training step with adam (see gpt_bench.cpp).
@@ -279,7 +279,7 @@ int bench_load(const Flags& f) {
     kill(competitor, SIGKILL);
     waitpid(competitor, nullptr, 0);
   }
-  nlohmann::json out = {{"bench", "load"},         {"wait_policy", openmp_wait_policy()},
+  nlohmann::json out = {{"bench", "load"},         {"wait_policy", openmp_wait_policy()}, {"adaptive_threads", adaptive_threads()},
                         {"dtype", dtype_short_name(dtype)}, {"layers", L}, {"width", W}, {"batch", B},
                         {"threads", omp_get_max_threads_or_1()}, {"quiet_step_s", quiet}, {"loaded_step_s", loaded},
                         {"slowdown", loaded / quiet}};
