@@ -29,7 +29,7 @@ std::atomic<int> g_adaptive{-1};  // -1: not yet read from LINUM_ADAPTIVE_THREAD
 std::atomic<std::int64_t> g_last_check_ns{std::numeric_limits<std::int64_t>::min() / 2};
 std::atomic<int> g_free_cores{1 << 20};
 std::atomic<int> g_previous_reading{1 << 20};
-constexpr std::int64_t kCheckIntervalNs = 10'000'000;
+constexpr std::int64_t kCheckIntervalNs = 25'000'000;
 
 // Threads runnable on the whole machine right now (the 4th field of /proc/loadavg, "3/456"),
 // including the caller; -1 if it cannot be read.
