@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <sstream>
 
 namespace linum::lift {
 namespace {
@@ -30,13 +31,39 @@ struct SavedValue {
   Array value;
 };
 
+std::uint64_t fingerprint(const Array& a) {
+  std::uint64_t h = 1469598103934665603ull;
+  const auto* p = static_cast<const unsigned char*>(a.raw());
+  for (std::size_t i = 0; i < a.nbytes(); ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+
+// What verify mode remembers of each op of the forward pass: kind, output type, bytes, module.
+struct OpPrint {
+  std::string op;
+  Shape shape;
+  DType dtype;
+  std::uint64_t hash;
+  std::string module_path;
+};
+
+std::string describe(const OpPrint& p) {
+  std::ostringstream shape;
+  shape << dtype_short_name(p.dtype) << "[";
+  for (int i = 0; i < p.shape.rank(); ++i) shape << (i ? "," : "") << p.shape[i];
+  shape << "]";
+  return linum::detail::cat("'", p.op, "' (", shape.str(), ")",
+                            p.module_path.empty() ? std::string() : linum::detail::cat(" in module '", p.module_path, "'"));
+}
+
 // Numbers the ops recorded by the block's forward pass and keeps what the policy allows.
 class ForwardRegion final : public autodiff::detail::RecordHook {
  public:
-  explicit ForwardRegion(const Policy& policy) : policy_(policy) {}
+  ForwardRegion(const Policy& policy, bool verify) : policy_(policy), verify_(verify) {}
   bool is_region() const override { return true; }
   void on_record(const char* op, Array& out, const Node* node) override {
     const std::uint64_t index = next_++;
+    if (verify_) prints_.push_back({op, out.shape(), out.dtype(), fingerprint(out), current_module_path()});
     if (policy_.saves_nothing()) return;
     const std::string path = current_module_path();
     const OpInfo info{op, out.shape(), out.nbytes(), node ? node->label() : std::string_view(), path, out.dtype()};
@@ -46,22 +73,36 @@ class ForwardRegion final : public autodiff::detail::RecordHook {
     }
   }
   std::vector<SavedValue> take_saved() { return std::move(saved_); }
+  std::vector<OpPrint> take_prints() { return std::move(prints_); }
 
  private:
   const Policy& policy_;
+  bool verify_;
   std::vector<SavedValue> saved_;
+  std::vector<OpPrint> prints_;
   std::uint64_t next_ = 0;
 };
+
+// The error verify mode raises, naming the block and the first op that differs.
+[[noreturn]] void throw_differs(const std::string& where, const std::string& what) {
+  throw AutodiffError(linum::detail::cat(
+      "checkpoint '", where, "': the recomputed forward pass differs from the original: ", what,
+      ". The block is not deterministic: make it a pure function of its inputs, variables and rng streams (no global "
+      "state, no unseeded random numbers)"));
+}
 
 // Numbers the ops of the recomputation the same way and hands back the saved values.
 class ReplayRegion final : public autodiff::detail::RecordHook {
  public:
-  explicit ReplayRegion(const std::vector<SavedValue>& saved) : saved_(saved) {}
+  // With `prints` (verify mode), every recomputed op is compared with the forward pass's.
+  ReplayRegion(const std::vector<SavedValue>& saved, const std::vector<OpPrint>* prints, const std::string& where)
+      : saved_(saved), prints_(prints), where_(where) {}
   bool is_region() const override { return true; }
   const Array* peek_replayed_output() const override {
     return cursor_ < saved_.size() && saved_[cursor_].index == next_ ? &saved_[cursor_].value : nullptr;
   }
-  void on_record(const char*, Array& out, const Node*) override {
+  void on_record(const char* op, Array& out, const Node*) override {
+    if (prints_ != nullptr) check_op(op, out);
     if (cursor_ < saved_.size() && saved_[cursor_].index == next_) {
       const Array& keep = saved_[cursor_++].value;
       if (!(keep.shape() == out.shape()))
@@ -78,26 +119,40 @@ class ReplayRegion final : public autodiff::detail::RecordHook {
     ++next_;
   }
 
+  // After the recomputation: it must have recorded as many ops as the forward pass.
+  void check_complete() const {
+    if (prints_ != nullptr && next_ != prints_->size())
+      throw_differs(where_, linum::detail::cat("it recorded ", next_, " ops, the forward pass ", prints_->size()));
+  }
+
  private:
+  void check_op(const char* op, const Array& out) const {
+    const OpPrint now{op, out.shape(), out.dtype(), fingerprint(out), current_module_path()};
+    if (next_ >= prints_->size())
+      throw_differs(where_, linum::detail::cat("op ", next_, " ", describe(now), " has no counterpart (the forward pass recorded ",
+                                               prints_->size(), " ops)"));
+    const OpPrint& then = (*prints_)[next_];
+    if (then.op != now.op || !(then.shape == now.shape) || then.dtype != now.dtype || then.module_path != now.module_path)
+      throw_differs(where_, linum::detail::cat("op ", next_, " is ", describe(now), " where the forward pass had ", describe(then)));
+    if (then.hash != now.hash)
+      throw_differs(where_, linum::detail::cat("op ", next_, " ", describe(now), " computed different values"));
+  }
+
   const std::vector<SavedValue>& saved_;
+  const std::vector<OpPrint>* prints_;
+  const std::string& where_;
   std::size_t cursor_ = 0;
   std::uint64_t next_ = 0;
 };
-
-std::uint64_t fingerprint(const Array& a) {
-  std::uint64_t h = 1469598103934665603ull;
-  const auto* p = static_cast<const unsigned char*>(a.raw());
-  for (std::size_t i = 0; i < a.nbytes(); ++i) h = (h ^ p[i]) * 1099511628211ull;
-  return h;
-}
 
 class CheckpointNode final : public Node {
  public:
   CheckpointNode(std::vector<autodiff::Edge> inputs, std::vector<Shape> shapes, std::vector<SavedValue> saved,
                  detail::Thunk recompute, bool verify, std::string where, std::vector<std::uint64_t> fingerprints,
-                 std::vector<Array> held)
+                 std::vector<Array> held, std::vector<OpPrint> prints)
       : Node("checkpoint", std::move(inputs), std::move(shapes)),
         saved_(std::move(saved)),
+        prints_(std::move(prints)),
         recompute_(std::move(recompute)),
         verify_(verify),
         where_(std::move(where)),
@@ -108,9 +163,10 @@ class CheckpointNode final : public Node {
     g_stats.recomputations.fetch_add(1, std::memory_order_relaxed);
     std::vector<Array> outs;
     {
-      ReplayRegion region(saved_);
+      ReplayRegion region(saved_, verify_ ? &prints_ : nullptr, where_);
       autodiff::EnableGradGuard recording;
       outs = recompute_();
+      region.check_complete();
     }
     if (outs.size() != num_outputs())
       throw AutodiffError(linum::detail::cat("checkpoint '", where_, "': the recomputation returned ", outs.size(),
@@ -118,10 +174,7 @@ class CheckpointNode final : public Node {
     if (verify_)
       for (std::size_t i = 0; i < outs.size(); ++i)
         if (fingerprint(outs[i]) != fingerprints_[i] || !(outs[i].shape() == output_shapes()[i]))
-          throw AutodiffError(linum::detail::cat(
-              "checkpoint '", where_, "': the recomputed forward pass differs from the original (output ", i, " of shape ",
-              outs[i].shape(), "). The block is not deterministic: make it a pure function of its inputs, variables and "
-              "rng streams (no global state, no unseeded random numbers)"));
+          throw_differs(where_, linum::detail::cat("output ", i, " of shape ", outs[i].shape(), " has different values"));
     // Only the recomputed outputs' graph nodes are needed, not their values: dropping the values
     // (and taking the incoming cotangents) frees them before the recomputed block is differentiated.
     std::vector<autodiff::Edge> roots;
@@ -145,6 +198,7 @@ class CheckpointNode final : public Node {
 
   void release() override {
     saved_.clear();
+    prints_.clear();
     recompute_ = nullptr;
     held_.clear();
   }
@@ -156,6 +210,7 @@ class CheckpointNode final : public Node {
 
  private:
   std::vector<SavedValue> saved_;
+  std::vector<OpPrint> prints_;
   detail::Thunk recompute_;
   bool verify_;
   std::string where_;
@@ -200,10 +255,12 @@ std::vector<Array> run_checkpointed(const Thunk& forward, Thunk recompute, const
   const std::uint64_t first = Node::peek_next_id();
   std::vector<Array> outs;
   std::vector<SavedValue> saved;
+  std::vector<OpPrint> op_prints;
   {
-    ForwardRegion region(options.policy);
+    ForwardRegion region(options.policy, options.verify);
     outs = forward();
     saved = region.take_saved();
+    op_prints = region.take_prints();
   }
   if (keep_plain && keep_plain(outs)) return outs;
   g_stats.calls.fetch_add(1, std::memory_order_relaxed);
@@ -226,7 +283,8 @@ std::vector<Array> run_checkpointed(const Thunk& forward, Thunk recompute, const
       unique_held.push_back(h.detached());
   }
   auto node = std::make_shared<CheckpointNode>(std::move(inputs), std::move(shapes), std::move(saved), std::move(recompute),
-                                               options.verify, std::move(where), std::move(prints), std::move(unique_held));
+                                               options.verify, std::move(where), std::move(prints), std::move(unique_held),
+                                               std::move(op_prints));
   for (std::size_t i = 0; i < outs.size(); ++i) {
     outs[i] = outs[i].detached();  // drops the block's own graph: its intermediates are freed here
     if (is_floating(outs[i].dtype())) outs[i].set_node(node, static_cast<std::uint32_t>(i));

@@ -323,3 +323,40 @@ TEST_CASE("a variable created and updated inside a rematted call is recomputed a
   CHECK(bitwise_equal(std::get<0>(plain), std::get<0>(rematted)));
   CHECK(std::get<1>(plain).bitwise_equal(std::get<1>(rematted)));
 }
+
+TEST_CASE("verify mode names the first recomputed op that differs, with its module path") {
+  // tanh and the first mul are deterministic; the mul by a global counter is not.
+  struct Inner {
+    Array operator()(Scope& s, const Array& x) const {
+      static int calls = 0;
+      Array h = tanh(x * s.param("w", initializers::ones(), Shape{x.dim(-1)}));
+      return h * static_cast<float>(++calls) + 1.0f;
+    }
+  };
+  struct Outer {
+    Array operator()(Scope& s, const Array& x) const { return s("inner", Inner{}, x) * 2.0f; }
+  };
+  struct Host {
+    Array operator()(Scope& s, const Array& x) const { return s(lift::remat<Outer, lift::verify>{}, x); }
+  };
+  const Array x = random_array(Shape{4}, 10);
+  Tree vars = init(Host{}, rng::key(0), x);
+  std::string message;
+  try {
+    grad([&](const Tree& p) { return sum(apply(Host{}, Tree{{"params", p}}, x)); })(vars.at("params"));
+  } catch (const AutodiffError& e) {
+    message = e.what();
+  }
+  CAPTURE(message);
+  CHECK(message.find("checkpoint 'Outer_0': the recomputed forward pass differs from the original") != std::string::npos);
+  CHECK(message.find("'mul' (f32[4]) in module 'Outer_0/inner' computed different values") != std::string::npos);
+  // A deterministic block passes verification op by op.
+  struct Steady {
+    Array operator()(Scope& s, const Array& x) const { return tanh(x * s.param("w", initializers::ones(), Shape{x.dim(-1)})) * 3.0f; }
+  };
+  struct SteadyHost {
+    Array operator()(Scope& s, const Array& x) const { return s(lift::remat<Steady, lift::verify>{}, x); }
+  };
+  Tree v2 = init(SteadyHost{}, rng::key(0), x);
+  CHECK_NOTHROW(grad([&](const Tree& p) { return sum(apply(SteadyHost{}, Tree{{"params", p}}, x)); })(v2.at("params")));
+}
