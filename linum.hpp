@@ -7,6 +7,7 @@
 #include <linum/core/engine.hpp>
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/threading.hpp>
+#include <linum/core/debug_nans.hpp>
 #include <linum/core/memory.hpp>
 #include <linum/core/shape.hpp>
 #include <linum/rng/rng.hpp>

@@ -34,6 +34,11 @@ struct AutodiffError : Error {
   using Error::Error;
 };
 
+// A NaN or infinity found by debug_nans / debug_infs (core/debug_nans.hpp).
+struct FloatingPointError : Error {
+  using Error::Error;
+};
+
 namespace detail {
 // Concatenates anything streamable into a message: cat("op ", name, ": got ", shape).
 template <class... Parts>

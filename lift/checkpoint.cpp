@@ -164,6 +164,7 @@ class CheckpointNode final : public Node {
     std::vector<Array> outs;
     {
       ReplayRegion region(saved_, verify_ ? &prints_ : nullptr, where_);
+      linum::detail::PhaseScope phase(linum::detail::Phase::recomputation);
       autodiff::EnableGradGuard recording;
       outs = recompute_();
       region.check_complete();

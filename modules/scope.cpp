@@ -213,6 +213,8 @@ void Scope::rethrow_with_path(const std::string& type_name) const {
       throw IoError(where);
     } catch (const AutodiffError&) {
       throw AutodiffError(where);
+    } catch (const FloatingPointError&) {
+      throw FloatingPointError(where);
     } catch (const Error&) {
       throw Error(where);
     }

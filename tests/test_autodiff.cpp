@@ -143,3 +143,67 @@ TEST_CASE("misuse gives clear errors") {
   CHECK_THROWS_WITH_AS(autodiff::backward(std::span<const Array>(&y, 1), std::span<const Array>(&one, 1)),
                        doctest::Contains("already used by a backward pass"), AutodiffError);
 }
+
+TEST_CASE("debug_nans / debug_infs name the op and the phase where a non-finite value first appears") {
+  const Array x = Array::from(Shape{3}, {1.0f, -2.0f, 4.0f});
+  auto message_of = [](auto&& f) {
+    try {
+      f();
+    } catch (const FloatingPointError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  // Off by default: NaN passes silently.
+  CHECK_NOTHROW(grad([](const Array& v) { return sum(log(v)); })(x));
+  {
+    DebugNansScope on;
+    const std::string m = message_of([&] { grad([](const Array& v) { return sum(log(v) * 2.0f); })(x); });
+    CHECK(m.find("debug_nans: op 'log' produced NaN in the forward pass (f32[3], first at flat index 1; inputs f32[3])") !=
+          std::string::npos);
+    // A NaN born in the backward pass: d/dx sqrt(x) * 0 at x = 0 is 0 * inf.
+    const std::string b = message_of([&] {
+      grad([](const Array& v) { return sum(sqrt(v) * 0.0f); })(Array::from(Shape{2}, {0.0f, 1.0f}));
+    });
+    CHECK(b.find("the backward rule of op 'sqrt' produced, as the gradient of its input 0, NaN in the backward pass") !=
+          std::string::npos);
+    // Infinities only with debug_infs.
+    CHECK(message_of([&] { grad([](const Array& v) { return sum(exp(v * 100.0f)); })(x); }) == "no error");
+  }
+  {
+    DebugNansScope both(true, true);
+    CHECK(message_of([&] { grad([](const Array& v) { return sum(exp(v * 100.0f)); })(x); }).find("debug_infs: op 'exp' produced inf") !=
+          std::string::npos);
+  }
+  CHECK_FALSE(debug_nans());
+  CHECK_FALSE(debug_infs());
+}
+
+TEST_CASE("debug_nans inside a module names the module path; in a checkpointed block, the recomputation") {
+  struct Logger {
+    Array operator()(Scope& s, const Array& x) const { return log(x * s.param("w", initializers::ones(), Shape{x.dim(-1)})); }
+  };
+  struct Host {
+    Array operator()(Scope& s, const Array& x) const { return s(Logger{}, x) * 2.0f; }
+  };
+  const Array x = Array::from(Shape{2}, {1.0f, -1.0f});
+  Tree vars = init(Host{}, rng::key(0), Array::ones(Shape{2}));
+  DebugNansScope on;
+  try {
+    grad([&](const Tree& p) { return sum(apply(Host{}, Tree{{"params", p}}, x)); })(vars.at("params"));
+    CHECK(false);
+  } catch (const FloatingPointError& e) {
+    const std::string what = e.what();
+    CAPTURE(what);
+    CHECK(std::string(e.what()).find("in module 'Logger_0' (Logger): debug_nans: op 'log' produced NaN") != std::string::npos);
+  }
+  // A block that is finite when first run and NaN when recomputed.
+  int calls = 0;
+  auto block = checkpoint([&calls](const Array& v) { return sqrt(v - static_cast<float>(10 * calls++)); });
+  try {
+    grad([&](const Array& v) { return sum(block(v)); })(Array::from(Shape{2}, {1.0f, 2.0f}));
+    CHECK(false);
+  } catch (const FloatingPointError& e) {
+    CHECK(std::string(e.what()).find("op 'sqrt' produced NaN in the recomputation of a checkpointed block") != std::string::npos);
+  }
+}

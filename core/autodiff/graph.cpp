@@ -99,6 +99,7 @@ std::vector<std::shared_ptr<Node>> topological_order(std::span<const Array> root
 template <class Deliver>
 void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, Deliver deliver) {
   NoGradGuard no_grad;  // backward rules compute with constants
+  linum::detail::PhaseScope phase(linum::detail::Phase::backward);
   std::vector<Array> in_grads;
   for (auto it = order.rbegin(); it != order.rend(); ++it) {
     Node* node = it->get();
@@ -111,6 +112,9 @@ void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, Del
       in_grads.assign(inputs.size(), Array());
       Cotangents c(grads, in_grads, inputs);
       node->backward(c);
+      if (linum::detail::debug_checks_on())
+        for (std::size_t k = 0; k < inputs.size(); ++k)
+          if (in_grads[k].defined()) linum::detail::check_finite(in_grads[k], node->op(), static_cast<int>(k), {});
       for (std::size_t k = 0; k < inputs.size(); ++k) {
         const Edge& e = inputs[k];
         if (e.node == nullptr || !in_grads[k].defined()) continue;

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <linum/core/array.hpp>
+#include <linum/core/debug_nans.hpp>
 
 #include <atomic>
 #include <cstdint>
@@ -204,6 +205,7 @@ void record(const char* op, Array& out, std::initializer_list<const Array*> inpu
                                                              detail::detach_all(saved), std::forward<Rule>(rule));
   const Node* raw = node.get();
   out.set_node(std::move(node), 0);
+  if (linum::detail::debug_checks_on()) linum::detail::check_finite(out, op, -1, inputs);
   if (detail::t_record_hook != nullptr) detail::on_record(op, out, raw);
 }
 
@@ -218,6 +220,8 @@ void record_multi(const char* op, std::span<Array> outs, std::vector<Edge> input
   auto node = std::make_shared<RuleNode<std::decay_t<Rule>>>(op, std::move(inputs), std::move(shapes), std::move(saved),
                                                              std::forward<Rule>(rule));
   for (std::size_t i = 0; i < outs.size(); ++i) outs[i].set_node(node, static_cast<std::uint32_t>(i));
+  if (linum::detail::debug_checks_on())
+    for (const Array& o : outs) linum::detail::check_finite(o, op, -1, {});
   if (detail::t_record_hook != nullptr)
     for (Array& o : outs) detail::on_record(op, o, node.get());
 }
