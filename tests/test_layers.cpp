@@ -588,6 +588,30 @@ TEST_CASE("MultiHeadDotProductAttention: Flax's params (query/key/value/out), va
 
 // ---- Sequential, activations --------------------------------------------------------------------------
 
+TEST_CASE("MultiHeadDotProductAttention: is_causal equals the causal mask; a bad mask is named as the layer's argument") {
+  const Array x = random_array(Shape{2, 6, 8}, 85);
+  nn::MultiHeadDotProductAttention mha{.num_heads = 2};
+  Tree v = init(mha, rng::key(0), x);
+  const Array by_flag = apply(mha, v, x, nn::AttentionArgs{.is_causal = true});
+  const Array by_mask = apply(mha, v, x, nn::AttentionArgs{.mask = nn::make_causal_mask(Array::zeros(Shape{2, 6}))});
+  const auto a = by_flag.to_vector(), b = by_mask.to_vector();
+  for (std::size_t i = 0; i < a.size(); ++i) CHECK(a[i] == doctest::Approx(b[i]).epsilon(1e-6));
+  // The composed path (sown weights) with is_causal: the same values again.
+  auto [y, vars] = apply(mha, v, {.mutable_collections = {"intermediates"}}, x, nn::AttentionArgs{.sow_weights = true, .is_causal = true});
+  const auto c = y.to_vector();
+  for (std::size_t i = 0; i < a.size(); ++i) CHECK(a[i] == doctest::Approx(c[i]).epsilon(1e-5));
+  struct Bad {
+    Array operator()(Scope& s, const Array& x) const {
+      return s(nn::MultiHeadDotProductAttention{.num_heads = 2}, x, nn::AttentionArgs{.mask = Array::ones(Shape{3, 6})});
+    }
+  };
+  CHECK_THROWS_WITH_AS(init(Bad{}, rng::key(0), x),
+                       doctest::Contains("in module 'MultiHeadDotProductAttention_0' (MultiHeadDotProductAttention): "
+                                         "dot_product_attention: the mask of shape (3, 6) does not broadcast to the attention "
+                                         "weights [batch..., heads, q_length, kv_length] = (2, 2, 6, 6)"),
+                       ShapeError);
+}
+
 TEST_CASE("Sequential: children layers_<i> as in Flax, plain functions in between") {
   struct Net {
     Array operator()(Scope& s, const Array& x) const {

@@ -34,6 +34,29 @@ Array logical_and_mask(const Array& a, const Array& b) {
   return as01(a) * as01(b);
 }
 
+// The shape of the attention weights: [batch..., heads, q_length, kv_length].
+Shape weights_shape(const Array& query, const Array& key) {
+  Shape w;
+  for (int a = 0; a < query.rank() - 3; ++a) w.push_back(query.dim(a));
+  w.push_back(query.dim(-2));
+  w.push_back(query.dim(-3));
+  w.push_back(key.dim(-3));
+  return w;
+}
+
+// A mask or bias must broadcast to the weights; say which argument does not (before any op would
+// report it under its own name).
+void check_broadcasts(const Array& a, const char* what, const Array& query, const Array& key) {
+  if (!a.defined()) return;
+  const Shape w = weights_shape(query, key);
+  bool ok = a.rank() <= w.rank();
+  for (int i = 1; ok && i <= a.rank(); ++i) ok = a.dim(-i) == 1 || a.dim(-i) == w[w.rank() - i];
+  if (!ok)
+    throw ShapeError(detail::cat("dot_product_attention: the ", what, " of shape ", a.shape(),
+                                 " does not broadcast to the attention weights [batch..., heads, q_length, kv_length] = ", w,
+                                 " (query ", query.shape(), ", key ", key.shape(), "); give it size 1 on the axes it shares"));
+}
+
 std::vector<int> iota(int n, int start = 0) {
   std::vector<int> v(static_cast<std::size_t>(n));
   for (int i = 0; i < n; ++i) v[static_cast<std::size_t>(i)] = start + i;
@@ -44,6 +67,8 @@ std::vector<int> iota(int n, int start = 0) {
 
 Array dot_product_attention_weights(const Array& query, const Array& key, const DotProductAttentionOptions& o) {
   check_qkv(query, key, nullptr);
+  check_broadcasts(o.mask, "mask", query, key);
+  check_broadcasts(o.bias, "bias", query, key);
   const int r = query.rank();
   const int nb = r - 3;  // leading batch axes
   const float depth = static_cast<float>(query.dim(-1));
@@ -87,6 +112,8 @@ Array dot_product_attention_weights(const Array& query, const Array& key, const 
 Array dot_product_attention(const Array& query, const Array& key, const Array& value,
                             const DotProductAttentionOptions& options) {
   check_qkv(query, key, &value);
+  check_broadcasts(options.mask, "mask", query, key);
+  check_broadcasts(options.bias, "bias", query, key);
   const bool dropout = !options.deterministic && options.dropout_rate > 0.0;
   if (!options.bias.defined() && !dropout && options.sow_scope == nullptr)
     return scaled_dot_product_attention(query, key, value, {.mask = options.mask, .is_causal = options.is_causal});
