@@ -68,6 +68,43 @@ void ScopeState::check_collection_visible(std::string_view collection, std::stri
 
 namespace {
 std::string join(const std::vector<std::string>& parts) { return detail::join_module_path(parts); }
+
+// Why `collection/path` is not in `vars`, in terms of what is there instead: the first part of the
+// path that is an array where a dict should be, or the dict that lacks the next key (with its keys).
+std::string what_is_there(const Tree& vars, const std::string& collection, const std::string& path) {
+  if (!vars.contains(collection)) {
+    std::string keys;
+    for (const std::string& k : vars.keys()) keys += (keys.empty() ? "" : ", ") + ("'" + k + "'");
+    return detail::cat(" (the dict has no \"", collection, "\" collection; its top-level entries are ",
+                       keys.empty() ? std::string("none") : keys, ")");
+  }
+  const Tree* node = &vars.at(collection);
+  std::string at = collection;
+  std::size_t start = 0;
+  while (start <= path.size()) {
+    if (node->is_leaf())
+      return detail::cat(" ('", at, "' is an array of shape ", node->array().shape(), " where a dict is expected)");
+    const std::size_t slash = path.find('/', start);
+    const std::string key = path.substr(start, slash == std::string::npos ? std::string::npos : slash - start);
+    if (!node->contains(key)) {
+      std::string keys;
+      int shown = 0;
+      for (const std::string& k : node->keys()) {
+        if (shown++ == 8) {
+          keys += ", ...";
+          break;
+        }
+        keys += (keys.empty() ? "" : ", ") + ("'" + k + "'");
+      }
+      return detail::cat(" ('", at, "' has no entry '", key, "'; its entries are ", keys.empty() ? std::string("none") : keys, ")");
+    }
+    node = &node->at(key);
+    at += "/" + key;
+    if (slash == std::string::npos) break;
+    start = slash + 1;
+  }
+  return "";
+}
 }  // namespace
 
 // ---- Variable -------------------------------------------------------------------------------------
@@ -131,9 +168,9 @@ Array Scope::param(std::string_view name, const Initializer& init, const Shape& 
     return value;
   }
   if (!state_->initializing)
-    throw ValueError(detail::cat("param '", full, "' of shape ", shape,
-                                 " is missing from the variable dict; pass the dict returned by init for this model",
-                                 vars.contains("params") ? "" : " (the dict has no \"params\" collection at all)"));
+    throw ValueError(detail::cat("param '", full, "' of shape ", shape, " is missing from the variable dict",
+                                 what_is_there(vars, "params", path),
+                                 "; pass the dict returned by init for this model"));
   Array value = init(make_rng("params"), shape);
   if (!(value.shape() == shape))
     throw ShapeError(detail::cat("the initializer of param '", full, "' returned shape ", value.shape(), " for shape ", shape));
@@ -152,7 +189,7 @@ Variable Scope::variable(std::string_view collection, std::string_view name, con
   if (!exists) {
     if (!state_->initializing && !state_->is_mutable(coll))
       throw ValueError(detail::cat("variable '", coll, "/", path, "' is missing from the variable dict",
-                                   vars.contains(coll) ? "" : detail::cat(" (the dict has no \"", coll, "\" collection)"),
+                                   what_is_there(vars, coll, path),
                                    "; pass the full dict returned by init (e.g. {\"params\": ..., \"", coll,
                                    "\": ...}), or make the collection mutable to create it"));
     Array value = init();

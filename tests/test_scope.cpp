@@ -130,6 +130,13 @@ TEST_CASE("errors name the module path and the shapes") {
   partial.at("params").erase("Affine_1");
   CHECK_THROWS_WITH_AS(apply(Net{}, partial, x), doctest::Contains("param 'params/Affine_1/w' of shape (3,) is missing"),
                        ValueError);
+  // ... and what is there instead: the dict's entries, or an array where a dict belongs.
+  CHECK_THROWS_WITH_AS(apply(Net{}, partial, x), doctest::Contains("('params' has no entry 'Affine_1'; its entries are 'Affine_0'"),
+                       ValueError);
+  Tree flattened = vars;
+  flattened.at("params").set("Affine_1", Tree(Array::zeros(Shape{3})));
+  CHECK_THROWS_WITH_AS(apply(Net{}, flattened, x),
+                       doctest::Contains("('params/Affine_1' is an array of shape (3,) where a dict is expected)"), ValueError);
   // Missing collection.
   Tree no_stats = vars;
   no_stats.erase("stats");
