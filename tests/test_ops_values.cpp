@@ -150,3 +150,23 @@ TEST_CASE("sizes that overflow are errors naming the shape, not undefined behavi
   CHECK_THROWS_AS((Shape{std::int64_t{1} << 62, std::int64_t{1} << 62, 0}.numel()), ShapeError);
   CHECK(Shape{std::int64_t{1} << 40, 0}.numel() == 0);  // an honest empty shape is fine
 }
+
+TEST_CASE("conv2d and pooling: geometries that overflow 64 bits are errors, not wrapped sizes") {
+  const Array x = Array::ones(Shape{1, 5, 5, 1}), w = Array::ones(Shape{3, 3, 1, 1});
+  CHECK_THROWS_WITH_AS(conv2d(x, w, {.dilation = {std::int64_t{1} << 62, 1}}),
+                       doctest::Contains("conv2d: the effective window (window - 1) * dilation + 1 on spatial axis 0 overflows 64 bits"),
+                       ShapeError);
+  const std::int64_t huge = std::numeric_limits<std::int64_t>::max() - 2;
+  CHECK_THROWS_WITH_AS(conv2d(x, w, {.padding = Padding::explicit_pads(huge, huge, 0, 0)}),
+                       doctest::Contains("the padded size on spatial axis 0 overflows 64 bits"), ShapeError);
+  CHECK_THROWS_AS(max_pool(x, {.window = {2, 2}, .strides = {1, 1}, .padding = Padding::explicit_pads(0, 0, huge, huge)}),
+                  ShapeError);
+  // A legal but extreme stride: computed (Eigen), or a ShapeError naming the geometry when oneDNN
+  // refuses it, never oneDNN's own exception.
+  try {
+    const Array y = conv2d(x, w, {.strides = {std::int64_t{1} << 62, 1}, .padding = Padding::same()});
+    CHECK(y.shape() == Shape{1, 1, 5, 1});
+  } catch (const ShapeError& e) {
+    CHECK(std::string(e.what()).find("conv2d: oneDNN cannot build a convolution of input [1, 5, 5, 1]") != std::string::npos);
+  }
+}

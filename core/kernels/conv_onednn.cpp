@@ -74,16 +74,30 @@ std::map<std::pair<ConvShape, int>, Primitives>& cache() {
   return c;
 }
 
+// oneDNN refuses some legal geometries (e.g. a stride beyond its dimension limits): a Linum error
+// naming the geometry, instead of oneDNN's own exception.
+[[noreturn]] void refused(const ConvShape& s, const dnnl::error& e) {
+  throw ShapeError(linum::detail::cat("conv2d: oneDNN cannot build a convolution of input [", s.n, ", ", s.h, ", ", s.w, ", ",
+                                      s.c, "] with kernel [", s.kh, ", ", s.kw, ", ", s.cg, ", ", s.o, "], strides (", s.sh,
+                                      ", ", s.sw, "), dilation (", s.dh, ", ", s.dw, ") and padding (", s.pad_top, ", ",
+                                      s.pad_bottom, ", ", s.pad_left, ", ", s.pad_right, "): ", e.what(),
+                                      "; the Eigen engine (set_engine(Engine::eigen)) has no such limit"));
+}
+
 Primitives& primitives_for(const ConvShape& s, int threads) {
   auto key = std::make_pair(s, threads);
   auto it = cache().find(key);
   if (it != cache().end()) return it->second;
-  Descs d = descs_of(s);
-  dnnl::convolution_forward::desc fd(dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, d.x,
-                                     any_weights(d), d.y, d.strides, d.dilates, d.pad_l, d.pad_r);
-  dnnl::convolution_forward::primitive_desc fpd(fd, cpu_engine());
-  Primitives p{d, fpd, dnnl::convolution_forward(fpd), {}, {}};
-  return cache().emplace(key, std::move(p)).first->second;
+  try {
+    Descs d = descs_of(s);
+    dnnl::convolution_forward::desc fd(dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, d.x,
+                                       any_weights(d), d.y, d.strides, d.dilates, d.pad_l, d.pad_r);
+    dnnl::convolution_forward::primitive_desc fpd(fd, cpu_engine());
+    Primitives p{d, fpd, dnnl::convolution_forward(fpd), {}, {}};
+    return cache().emplace(key, std::move(p)).first->second;
+  } catch (const dnnl::error& e) {
+    refused(s, e);
+  }
 }
 
 // A backward primitive (data or weights; their descriptors take the same arguments), built once.

@@ -24,14 +24,27 @@ detail::AxisPlan detail::plan_axis(std::int64_t in, std::int64_t window, std::in
   if (window < 1 || stride < 1 || dilation < 1)
     throw ShapeError(detail::cat(op, ": window ", window, ", stride ", stride, " and dilation ", dilation,
                                  " on spatial axis ", axis, " must all be >= 1"));
-  const std::int64_t eff = (window - 1) * dilation + 1;
+  // Sizes from user options may be huge: every step is checked, so a geometry that does not fit in
+  // 64 bits is an error instead of a wrapped (undefined) size.
+  auto overflow = [&](const char* what) {
+    return ShapeError(detail::cat(op, ": the ", what, " on spatial axis ", axis, " overflows 64 bits (input size ", in,
+                                  ", window ", window, ", stride ", stride, ", dilation ", dilation,
+                                  "); use a smaller dilation, padding or window"));
+  };
+  std::int64_t eff = 0;
+  if (__builtin_mul_overflow(window - 1, dilation, &eff) || __builtin_add_overflow(eff, 1, &eff))
+    throw overflow("effective window (window - 1) * dilation + 1");
   AxisPlan p{0, 0, 0};
   switch (padding.kind) {
     case Padding::Kind::valid:
       break;
     case Padding::Kind::same: {
-      const std::int64_t out = (in + stride - 1) / stride;
-      const std::int64_t total = std::max<std::int64_t>((out - 1) * stride + eff - in, 0);
+      const std::int64_t out = in / stride + (in % stride != 0 ? 1 : 0);
+      std::int64_t total = 0;
+      if (__builtin_mul_overflow(std::max<std::int64_t>(out - 1, 0), stride, &total) ||
+          __builtin_add_overflow(total, eff - in, &total))
+        throw overflow("'same' padding");
+      total = std::max<std::int64_t>(total, 0);
       p.pad_lo = total / 2;
       p.pad_hi = total - p.pad_lo;
       break;
@@ -43,7 +56,9 @@ detail::AxisPlan detail::plan_axis(std::int64_t in, std::int64_t window, std::in
         throw ShapeError(detail::cat(op, ": negative padding on spatial axis ", axis));
       break;
   }
-  const std::int64_t padded = in + p.pad_lo + p.pad_hi;
+  std::int64_t padded = 0;
+  if (__builtin_add_overflow(in, p.pad_lo, &padded) || __builtin_add_overflow(padded, p.pad_hi, &padded))
+    throw overflow("padded size");
   if (padded < eff)
     throw ShapeError(detail::cat(op, ": window of effective size ", eff, " does not fit spatial axis ", axis,
                                  " of size ", in, " (padded ", padded, ")"));
