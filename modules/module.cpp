@@ -6,6 +6,7 @@ void prepare_apply(ScopeState& state, const Tree& variables, const ApplyOptions&
   if (!variables.is_dict())
     throw ValueError("apply: the variables must be a dict of collections such as {\"params\": {...}}, got a single array");
   state.initializing = false;
+  state.defer_missing_params = true;
   state.variables = variables;
   state.rngs = options.rngs;
   state.all_mutable = options.all_mutable;
@@ -24,6 +25,28 @@ void check_unused_params(const ScopeState& state, const std::string& module_type
   throw ValueError(detail::cat("apply(", module_type, "): the variable dict has entries the model did not use: ", list,
                                ". Is it the dict of another model? Pass ApplyOptions{.check_unused = false} if the "
                                "model skips them on purpose"));
+}
+
+void throw_missing_params(const ScopeState& state, const std::string& module_type) {
+  const auto& m = state.missing_params;
+  std::string msg = detail::cat("apply(", module_type, "): ", m.front());
+  if (m.size() > 1) {
+    msg += "; also missing: ";
+    for (std::size_t i = 1; i < m.size() && i < 11; ++i) msg += (i > 1 ? ", " : "") + m[i];
+    if (m.size() > 11) msg += detail::cat(", ... (", m.size(), " missing in all)");
+  }
+  if (state.variables.contains("params") && state.variables.at("params").is_dict()) {
+    std::vector<std::string> unused;
+    for (const auto& [path, array] : flatten(state.variables.at("params")))
+      if (!state.touched.count("params/" + path)) unused.push_back("params/" + path + " " + detail::cat(array.shape()));
+    if (!unused.empty()) {
+      msg += "; entries the model did not use: ";
+      for (std::size_t i = 0; i < unused.size() && i < 10; ++i) msg += (i ? ", " : "") + unused[i];
+      if (unused.size() > 10) msg += detail::cat(", ... (", unused.size(), " in all)");
+    }
+  }
+  throw ValueError(msg + ". Pass the dict returned by init for this model (is it the dict of another model, or of "
+                         "this model with other hyperparameters?)");
 }
 
 Tree mutated_collections(const ScopeState& state) {

@@ -38,6 +38,22 @@ auto run_root(const M& module, ScopeState& state, Body&& body, Args&&... args) {
 }
 
 void check_unused_params(const ScopeState& state, const std::string& module_type);
+// Throws the error for the params an apply found missing (state.missing_params, not empty).
+[[noreturn]] void throw_missing_params(const ScopeState& state, const std::string& module_type);
+
+// Runs an apply; if params were missing, that is the error reported (also when a later op failed
+// on the zeros standing in for them), listing every missing param and every unused entry.
+template <class F>
+auto run_apply(ScopeState& state, const std::string& module_type, F&& body) {
+  try {
+    auto out = body();
+    if (!state.missing_params.empty()) throw_missing_params(state, module_type);
+    return out;
+  } catch (const std::exception&) {
+    if (!state.missing_params.empty()) throw_missing_params(state, module_type);
+    throw;
+  }
+}
 // The mutable collections after a call (what apply returns next to the output).
 Tree mutated_collections(const ScopeState& state);
 // The variables that init returns (every collection except "intermediates" unless asked for).
@@ -100,7 +116,8 @@ template <class M, class... Args>
 auto apply(const M& module, const Tree& variables, Args&&... args) {
   detail::ScopeState state;
   detail::prepare_apply(state, variables, {});
-  auto out = detail::run_root(module, state, module, std::forward<Args>(args)...);
+  auto out = detail::run_apply(state, module_type_name<M>(),
+                               [&] { return detail::run_root(module, state, module, std::forward<Args>(args)...); });
   detail::check_unused_params(state, module_type_name<M>());
   return out;
 }
@@ -112,7 +129,8 @@ template <class M, class... Args>
 auto apply(const M& module, const Tree& variables, const ApplyOptions& options, Args&&... args) {
   detail::ScopeState state;
   detail::prepare_apply(state, variables, options);
-  auto out = detail::run_root(module, state, module, std::forward<Args>(args)...);
+  auto out = detail::run_apply(state, module_type_name<M>(),
+                               [&] { return detail::run_root(module, state, module, std::forward<Args>(args)...); });
   if (options.check_unused) detail::check_unused_params(state, module_type_name<M>());
   return std::make_pair(std::move(out), detail::mutated_collections(state));
 }
@@ -124,9 +142,11 @@ auto apply_method(Method method, const M& module, const Tree& variables, const A
   detail::ScopeState state;
   detail::prepare_apply(state, variables, options);
   Scope root(state, {});
-  auto out = root.run(module, [&](Scope& s, auto&&... a) -> decltype(auto) {
-    return Scope::invoke_method(module, method, s, std::forward<decltype(a)>(a)...);
-  }, std::forward<Args>(args)...);
+  auto out = detail::run_apply(state, module_type_name<M>(), [&] {
+    return root.run(module, [&](Scope& s, auto&&... a) -> decltype(auto) {
+      return Scope::invoke_method(module, method, s, std::forward<decltype(a)>(a)...);
+    }, std::forward<Args>(args)...);
+  });
   return std::make_pair(std::move(out), detail::mutated_collections(state));
 }
 

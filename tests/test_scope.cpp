@@ -181,3 +181,23 @@ TEST_CASE("other methods run in the module's scope (init_method / apply_method /
   Tree outer = init(Outer{}, rng::key(0), x);
   CHECK(outer.contains_path("params/enc/Affine_0/w"));
 }
+
+TEST_CASE("a dict from another model: every missing param and every unused entry in one error") {
+  Array x = Array::from(Shape{2, 3}, {1, 2, 3, 4, 5, 6});
+  Tree vars = init(Net{}, rng::key(0), x);
+  Tree other{{"params", Tree{{"Stray_0", Tree{{"w", Array::zeros(Shape{3})}}}, {"Stray_1", Tree{{"w", Array::zeros(Shape{2})}}}}}};
+  for (const auto& [name, collection] : vars)
+    if (name != "params") other.set(name, collection);
+  std::string message;
+  try {
+    apply(Net{}, other, x);
+  } catch (const ValueError& e) {
+    message = e.what();
+  }
+  CAPTURE(message);
+  CHECK(message.find("param 'params/Affine_0/w' of shape (3,) is missing from the variable dict ('params' has no entry "
+                     "'Affine_0'; its entries are 'Stray_0', 'Stray_1')") != std::string::npos);
+  CHECK(message.find("also missing: params/Affine_0/b (3,), params/Affine_1/w (3,), params/Affine_1/b (3,), "
+                     "params/shared/w (3,), params/shared/b (3,);") != std::string::npos);  // shared params once
+  CHECK(message.find("entries the model did not use: params/Stray_0/w (3,), params/Stray_1/w (2,)") != std::string::npos);
+}
