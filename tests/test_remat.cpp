@@ -360,3 +360,28 @@ TEST_CASE("verify mode names the first recomputed op that differs, with its modu
   Tree v2 = init(SteadyHost{}, rng::key(0), x);
   CHECK_NOTHROW(grad([&](const Tree& p) { return sum(apply(SteadyHost{}, Tree{{"params", p}}, x)); })(v2.at("params")));
 }
+
+TEST_CASE("a module called twice inside one rematted call: its shared param gets bitwise the plain gradient") {
+  struct Twice {
+    Array operator()(Scope& s, const Array& x) const {
+      const nn::Dense d{.features = 16};
+      Array h = tanh(s("shared", d, x));
+      return s("shared", d, h) + x;  // the same params again
+    }
+  };
+  struct Net {
+    bool remat = false;
+    Array operator()(Scope& s, Array x) const {
+      for (int i = 0; i < 2; ++i) x = remat ? s(lift::remat<Twice>{}, x) : s(Twice{}, x);
+      return x;
+    }
+  };
+  for (const Shape& shape : {Shape{8, 16}, Shape{4, 8, 16}}) {
+    const Array x = random_array(shape, 30);
+    const Tree v = init(Net{}, rng::key(0), x);
+    auto grads = [&](bool remat) {
+      return grad([&](const Tree& p) { return sum(square(apply(Net{.remat = remat}, Tree{{"params", p}}, x))); })(v.at("params"));
+    };
+    CHECK(bitwise_equal(grads(false), grads(true)));
+  }
+}
