@@ -29,10 +29,10 @@ void check_unused_params(const ScopeState& state, const std::string& module_type
 
 void throw_missing_params(const ScopeState& state, const std::string& module_type) {
   const auto& m = state.missing_params;
-  std::string msg = detail::cat("apply(", module_type, "): ", m.front());
+  std::string msg = detail::cat("apply(", module_type, "): ", m.front().second);
   if (m.size() > 1) {
     msg += "; also missing: ";
-    for (std::size_t i = 1; i < m.size() && i < 11; ++i) msg += (i > 1 ? ", " : "") + m[i];
+    for (std::size_t i = 1; i < m.size() && i < 11; ++i) msg += (i > 1 ? ", " : "") + m[i].second;
     if (m.size() > 11) msg += detail::cat(", ... (", m.size(), " missing in all)");
   }
   if (state.variables.contains("params") && state.variables.at("params").is_dict()) {

@@ -45,14 +45,17 @@ void check_unused_params(const ScopeState& state, const std::string& module_type
 // on the zeros standing in for them), listing every missing param and every unused entry.
 template <class F>
 auto run_apply(ScopeState& state, const std::string& module_type, F&& body) {
-  try {
-    auto out = body();
-    if (!state.missing_params.empty()) throw_missing_params(state, module_type);
-    return out;
-  } catch (const std::exception&) {
-    if (!state.missing_params.empty()) throw_missing_params(state, module_type);
-    throw;
-  }
+  auto run = [&] {
+    try {
+      return body();
+    } catch (const std::exception&) {
+      if (!state.missing_params.empty()) throw_missing_params(state, module_type);
+      throw;
+    }
+  };
+  auto out = run();
+  if (!state.missing_params.empty()) throw_missing_params(state, module_type);
+  return out;
 }
 // The mutable collections after a call (what apply returns next to the output).
 Tree mutated_collections(const ScopeState& state);

@@ -169,23 +169,18 @@ Array Scope::param(std::string_view name, const Initializer& init, const Shape& 
                                    shape, "; the inputs differ from those used at init (or the dict belongs to another model)"));
     return value;
   }
-  if (!state_->initializing && !state_->defer_missing_params)
-    throw ValueError(detail::cat("param '", full, "' of shape ", shape, " is missing from the variable dict",
-                                 what_is_there(vars, "params", path), "; pass the dict returned by init for this model"));
   if (!state_->initializing) {
     auto& missing = state_->missing_params;
-    const bool seen = std::any_of(missing.begin(), missing.end(), [&](const std::string& m) {
-      return m.rfind(full + " ", 0) == 0 || m.rfind("param '" + full + "'", 0) == 0;
-    });
-    if (seen) return Array::zeros(shape);  // a shared module's param, already listed
+    const auto listed = [&](const auto& m) { return m.first == full; };
+    if (std::any_of(missing.begin(), missing.end(), listed)) return Array::zeros(shape);  // a shared module's, listed
+    const std::string why = detail::cat("param '", full, "' of shape ", shape, " is missing from the variable dict",
+                                        what_is_there(vars, "params", path));
+    if (!state_->defer_missing_params) throw ValueError(why + "; pass the dict returned by init for this model");
     // Reported by apply once the model has run, together with every other missing param and every
     // unused entry (a dict from another model shows all its differences at once). Zeros stand in
     // meanwhile.
-    state_->missing_params.push_back(
-        state_->missing_params.empty()
-            ? detail::cat("param '", full, "' of shape ", shape, " is missing from the variable dict",
-                          what_is_there(vars, "params", path), " (in module '", path_str(), "')")
-            : detail::cat(full, " ", shape));
+    missing.emplace_back(full, missing.empty() ? detail::cat(why, " (in module '", path_str(), "')")
+                                               : detail::cat(full, " ", shape));
     return Array::zeros(shape);
   }
   Array value = init(make_rng("params"), shape);

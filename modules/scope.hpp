@@ -59,8 +59,9 @@ struct ScopeState {
   std::map<std::string, std::uint64_t, std::less<>> rng_counters;  // "<stream>\n<path>" -> draws so far
   std::set<std::string, std::less<>> touched;          // full variable paths read or written
   bool defer_missing_params = false;                   // apply's root state: collect missing params, report at the end
-  std::vector<std::string> missing_params;             // those params ("params/a/w (3,)"), in call order; the
-                                                       // first one's full explanation first
+  // Those params in call order: (full path, how the error lists it: the first with the whole
+  // explanation, the others as "params/a/w (3,)").
+  std::vector<std::pair<std::string, std::string>> missing_params;
   Tree created;                                        // variables created here, at their initial values
   // Inside a lifted transform (lift::remat): the collections and streams it lifts (unset: all),
   // and a description of the transform for error messages.

@@ -145,15 +145,23 @@ void for_items(const Geometry& g, F&& f) {
   if (error) std::rethrow_exception(error);
 }
 
+// Item (n, h)'s q, k and v rows as float32 (in place, or widened into scratch 0-2), with row strides.
+struct ItemInputs {
+  std::int64_t ldq = 0, ldk = 0, ldv = 0;  // declared first: the pointers' initializers set them
+  const float *q, *k, *v;
+  ItemInputs(const Geometry& g, const Array& qa, const Array& ka, const Array& va, std::int64_t n, std::int64_t h,
+             Scratch* scratch)
+      : q(f32_rows(qa, g.q_offset(n, h), g.q_len, g.head_dim, g.qk_stride(), scratch[0], ldq)),
+        k(f32_rows(ka, g.k_offset(n, h), g.kv_len, g.head_dim, g.qk_stride(), scratch[1], ldk)),
+        v(f32_rows(va, g.v_offset(n, h), g.kv_len, g.v_dim, g.v_stride(), scratch[2], ldv)) {}
+};
+
 // Forward: out = softmax(logits) v, and per query row (max, 1 / sum of exp) in stats.
 void attention_forward(const Geometry& g, const Array& q, const Array& k, const Array& v, const MaskView* mask,
                        Array& out, Array& stats) {
   float* stats_data = stats.mutable_data();
   for_items(g, [&](std::int64_t n, std::int64_t h, Scratch* scratch) {
-    std::int64_t ldq, ldk, ldv;
-    const float* qf = f32_rows(q, g.q_offset(n, h), g.q_len, g.head_dim, g.qk_stride(), scratch[0], ldq);
-    const float* kf = f32_rows(k, g.k_offset(n, h), g.kv_len, g.head_dim, g.qk_stride(), scratch[1], ldk);
-    const float* vf = f32_rows(v, g.v_offset(n, h), g.kv_len, g.v_dim, g.v_stride(), scratch[2], ldv);
+    const ItemInputs in(g, q, k, v, n, h, scratch);
     const std::int64_t mask_base = mask ? mask->base(g, n, h) : 0;
     float* s = scratch[3].get(kQueryBlock * g.kv_len);
     const bool direct = out.dtype() == DType::f32;
@@ -162,7 +170,7 @@ void attention_forward(const Geometry& g, const Array& q, const Array& k, const 
     for (std::int64_t i0 = 0; i0 < g.q_len; i0 += kQueryBlock) {
       const std::int64_t rows = std::min(kQueryBlock, g.q_len - i0);
       const std::int64_t keys = g.visible_keys(i0 + rows, mask != nullptr);
-      masked_logits(g, mask, mask_base, qf, ldq, kf, ldk, i0, rows, keys, s, g.kv_len);
+      masked_logits(g, mask, mask_base, in.q, in.ldq, in.k, in.ldk, i0, rows, keys, s, g.kv_len);
       for (std::int64_t r = 0; r < rows; ++r) {
         Row p(s + r * g.kv_len, keys);
         const float m = p.maxCoeff();
@@ -174,7 +182,7 @@ void attention_forward(const Geometry& g, const Array& q, const Array& k, const 
       }
       float* o = direct ? static_cast<float*>(out.mutable_raw()) + g.o_offset(n, h) + i0 * g.v_stride() : o_block;
       const std::int64_t ldo = direct ? g.v_stride() : g.v_dim;
-      kernels::gemm_f32_serial(false, false, rows, g.v_dim, keys, 1.0f, s, g.kv_len, vf, ldv, 0.0f, o, ldo);
+      kernels::gemm_f32_serial(false, false, rows, g.v_dim, keys, 1.0f, s, g.kv_len, in.v, in.ldv, 0.0f, o, ldo);
       if (!direct) store_rows(out, g.o_offset(n, h) + i0 * g.v_stride(), rows, g.v_dim, g.v_stride(), o, ldo);
     }
   });
@@ -186,10 +194,8 @@ void attention_backward(const Geometry& g, const Array& q, const Array& k, const
                         const Array& stats, const MaskView* mask, const Array& d_out, Array& dq, Array& dk, Array& dv) {
   const float* stats_data = stats.data();
   for_items(g, [&](std::int64_t n, std::int64_t h, Scratch* scratch) {
-    std::int64_t ldq, ldk, ldv, ldo, lddo;
-    const float* qf = f32_rows(q, g.q_offset(n, h), g.q_len, g.head_dim, g.qk_stride(), scratch[0], ldq);
-    const float* kf = f32_rows(k, g.k_offset(n, h), g.kv_len, g.head_dim, g.qk_stride(), scratch[1], ldk);
-    const float* vf = f32_rows(v, g.v_offset(n, h), g.kv_len, g.v_dim, g.v_stride(), scratch[2], ldv);
+    const ItemInputs in(g, q, k, v, n, h, scratch);
+    std::int64_t ldo, lddo;
     const float* of = f32_rows(out, g.o_offset(n, h), g.q_len, g.v_dim, g.v_stride(), scratch[4], ldo);
     const float* dof = f32_rows(d_out, g.o_offset(n, h), g.q_len, g.v_dim, g.v_stride(), scratch[5], lddo);
     // Scratch 3: the p and dp blocks, then the dk and dv accumulators.
@@ -207,7 +213,7 @@ void attention_backward(const Geometry& g, const Array& q, const Array& k, const
     for (std::int64_t i0 = 0; i0 < g.q_len; i0 += kQueryBlock) {
       const std::int64_t rows = std::min(kQueryBlock, g.q_len - i0);
       const std::int64_t keys = g.visible_keys(i0 + rows, mask != nullptr);
-      masked_logits(g, mask, mask_base, qf, ldq, kf, ldk, i0, rows, keys, p, g.kv_len);
+      masked_logits(g, mask, mask_base, in.q, in.ldq, in.k, in.ldk, i0, rows, keys, p, g.kv_len);
       for (std::int64_t r = 0; r < rows; ++r) {
         Row pr(p + r * g.kv_len, keys);
         pr = (pr - row_stats[2 * (i0 + r)]).exp() * row_stats[2 * (i0 + r) + 1];
@@ -216,7 +222,7 @@ void attention_backward(const Geometry& g, const Array& q, const Array& k, const
       kernels::gemm_f32_serial(true, false, keys, g.v_dim, rows, 1.0f, p, g.kv_len, dof + i0 * lddo, lddo, 1.0f, dv_acc,
                                g.v_dim);
       // dp = do v^T
-      kernels::gemm_f32_serial(false, true, rows, keys, g.v_dim, 1.0f, dof + i0 * lddo, lddo, vf, ldv, 0.0f, dp, g.kv_len);
+      kernels::gemm_f32_serial(false, true, rows, keys, g.v_dim, 1.0f, dof + i0 * lddo, lddo, in.v, in.ldv, 0.0f, dp, g.kv_len);
       for (std::int64_t r = 0; r < rows; ++r) {
         const std::int64_t i = i0 + r;
         Row dsr(dp + r * g.kv_len, keys);
@@ -237,10 +243,10 @@ void attention_backward(const Geometry& g, const Array& q, const Array& k, const
       float* dq_out = dq_direct ? static_cast<float*>(dq.mutable_raw()) + g.q_offset(n, h) + i0 * g.qk_stride()
                                 : dq_rows.data();
       const std::int64_t lddq = dq_direct ? g.qk_stride() : g.head_dim;
-      kernels::gemm_f32_serial(false, false, rows, g.head_dim, keys, g.scale, dp, g.kv_len, kf, ldk, 0.0f, dq_out, lddq);
+      kernels::gemm_f32_serial(false, false, rows, g.head_dim, keys, g.scale, dp, g.kv_len, in.k, in.ldk, 0.0f, dq_out, lddq);
       if (!dq_direct) store_rows(dq, g.q_offset(n, h) + i0 * g.qk_stride(), rows, g.head_dim, g.qk_stride(), dq_out, lddq);
       // dk[0:keys] += scale ds^T q
-      kernels::gemm_f32_serial(true, false, keys, g.head_dim, rows, g.scale, dp, g.kv_len, qf + i0 * ldq, ldq, 1.0f,
+      kernels::gemm_f32_serial(true, false, keys, g.head_dim, rows, g.scale, dp, g.kv_len, in.q + i0 * in.ldq, in.ldq, 1.0f,
                                dk_acc, g.head_dim);
     }
     store_rows(dk, g.k_offset(n, h), g.kv_len, g.head_dim, g.qk_stride(), dk_acc, g.head_dim);
