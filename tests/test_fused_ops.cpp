@@ -4,6 +4,8 @@
 
 #include "testing/gradcheck.hpp"
 
+#include <linum/core/kernels/gemm.hpp>
+
 #include <cmath>
 
 using namespace linum;
@@ -144,6 +146,96 @@ TEST_CASE("fused attention in bf16 follows float32 to bf16 precision; gradients 
   for (const Array& x : g) CHECK(x.dtype() == DType::bf16);
   // Mixed dtypes promote as JAX does.
   CHECK(f({q, b[1], b[2]}).dtype() == DType::f32);
+}
+
+TEST_CASE("bf16 packed products equal the float64 product of the bf16 values (tails, odd depth, transposed B, accumulate)") {
+  struct Case { std::int64_t m, n, k; };
+  for (const Case c : {Case{1, 1, 1}, Case{7, 33, 5}, Case{8, 32, 64}, Case{13, 50, 17}, Case{64, 64, 64}, Case{9, 17, 2},
+                       Case{3, 5, 0}}) {
+    for (bool tb : {false, true}) {
+      for (float beta : {0.0f, 1.0f}) {
+        CAPTURE(c.m); CAPTURE(c.n); CAPTURE(c.k); CAPTURE(tb); CAPTURE(beta);
+        const std::int64_t lda = c.k + 3, ldb = (tb ? c.k : c.n) + 2, ldc = c.n + 1, ldp = c.n + 4;
+        const auto a32 = random_array(Shape{c.m, lda}, 40).to_vector();
+        const auto b32 = random_array(Shape{tb ? c.n : c.k, ldb}, 41).to_vector();
+        std::vector<bfloat16> a(a32.size()), b(b32.size());
+        for (std::size_t i = 0; i < a.size(); ++i) a[i] = bfloat16(a32[i]);
+        for (std::size_t i = 0; i < b.size(); ++i) b[i] = bfloat16(b32[i]);
+        // Whatever lies past column k of A (here NaN) must not reach the result.
+        for (std::int64_t i = 0; i < c.m; ++i) a[static_cast<std::size_t>(i * lda + c.k)] = bfloat16(NAN);
+        std::vector<std::uint32_t> packed(static_cast<std::size_t>((c.k + 1) / 2 * ldp + 1));
+        kernels::pack_bf16_pairs(b.data(), ldb, tb, c.k, c.n, packed.data(), ldp);
+        std::vector<float> out(static_cast<std::size_t>(c.m * ldc), 0.25f);
+        kernels::gemm_bf16_packed_serial(c.m, c.n, c.k, 0.5f, a.data(), lda, packed.data(), ldp, beta, out.data(), ldc);
+        double worst = 0;
+        for (std::int64_t i = 0; i < c.m; ++i)
+          for (std::int64_t j = 0; j < c.n; ++j) {
+            double exact = 0, magnitude = 0;
+            for (std::int64_t kk = 0; kk < c.k; ++kk) {
+              const double x = static_cast<float>(a[static_cast<std::size_t>(i * lda + kk)]);
+              const double y = static_cast<float>(b[static_cast<std::size_t>(tb ? j * ldb + kk : kk * ldb + j)]);
+              exact += x * y;
+              magnitude += std::abs(x * y);
+            }
+            exact = 0.5 * exact + (beta != 0.0f ? 0.25 : 0.0);
+            const double got = out[static_cast<std::size_t>(i * ldc + j)];
+            worst = std::max(worst, std::abs(got - exact) / (magnitude + 1.0));
+          }
+        CHECK(worst < 1e-6);  // float32 accumulation of exact bf16 products
+        for (std::int64_t i = 0; i < c.m; ++i) CHECK(out[static_cast<std::size_t>(i * ldc + c.n)] == 0.25f);  // no write past n
+      }
+    }
+  }
+}
+
+TEST_CASE("fused attention in bf16 against float32 attention of the same bf16 values: long, odd, masked, q shorter than k") {
+  struct Case {
+    const char* name;
+    std::int64_t q_len, kv_len, head_dim, v_dim;
+    bool causal, masked;
+  };
+  for (const Case c : {Case{"two blocks, causal", 130, 130, 16, 16, true, false},
+                       Case{"odd depths", 70, 70, 7, 5, false, false},
+                       Case{"padding mask", 65, 67, 8, 8, false, true},
+                       Case{"causal, fewer queries than keys", 33, 71, 9, 3, true, false}}) {
+    CAPTURE(c.name);
+    auto bf = [](const Array& x) { return astype(x, DType::bf16); };
+    const V b = {bf(random_array(Shape{2, c.q_len, 2, c.head_dim}, 50, -2.0f, 2.0f)),
+                 bf(random_array(Shape{2, c.kv_len, 2, c.head_dim}, 51, -2.0f, 2.0f)),
+                 bf(random_array(Shape{2, c.kv_len, 2, c.v_dim}, 52))};
+    const V f32 = {astype(b[0], DType::f32), astype(b[1], DType::f32), astype(b[2], DType::f32)};
+    Array mask;
+    if (c.masked) {
+      std::vector<float> m(static_cast<std::size_t>(c.q_len * c.kv_len));
+      for (std::size_t i = 0; i < m.size(); ++i) m[i] = (i * 7919) % 5 == 0 ? 0.0f : 1.0f;
+      mask = Array::from(Shape{c.q_len, c.kv_len}, m);
+    }
+    auto f = [&](const V& in) { return scaled_dot_product_attention(in[0], in[1], in[2], {.mask = mask, .is_causal = c.causal}); };
+    const Array r = random_array(Shape{2, c.q_len, 2, c.v_dim}, 53);
+    const Array y16 = astype(f(b), DType::f32), y32 = f(f32);
+    CHECK(max_abs_diff(y16, y32) < 0.008f);  // observed 0.002-0.003: the output rounds to bf16
+    const V g16 = attention_grads(f, b, bf(r)), g32 = attention_grads(f, f32, astype(bf(r), DType::f32));
+    for (int i = 0; i < 3; ++i) {
+      CAPTURE(i);
+      const Array& ref = g32[static_cast<std::size_t>(i)];
+      const float scale = max_abs_diff(ref, Array::zeros(ref.shape()));
+      CHECK(max_abs_diff(astype(g16[static_cast<std::size_t>(i)], DType::f32), ref) < 0.012f * scale);  // observed 0.25-0.5% of the largest
+    }
+  }
+}
+
+TEST_CASE("fused attention in bf16: remat gives bitwise the plain gradients") {
+  auto bf = [](const Array& x) { return astype(x, DType::bf16); };
+  const V in = {bf(random_array(Shape{2, 70, 2, 8}, 54)), bf(random_array(Shape{2, 70, 2, 8}, 55)),
+                bf(random_array(Shape{2, 70, 2, 8}, 56))};
+  auto block = [](const Array& x, const Array& y, const Array& z) {
+    return tanh(scaled_dot_product_attention(x * 1.5f, y, z, {.is_causal = true}));
+  };
+  auto loss = [](const Array& y) { return sum(astype(y, DType::f32)); };
+  auto plain = grad([&](const V& v) { return loss(block(v[0], v[1], v[2])); })(in);
+  auto rematted_block = checkpoint(block);
+  auto remat = grad([&](const V& v) { return loss(rematted_block(v[0], v[1], v[2])); })(in);
+  for (int i = 0; i < 3; ++i) CHECK(plain[static_cast<std::size_t>(i)].bitwise_equal(remat[static_cast<std::size_t>(i)]));
 }
 
 TEST_CASE("fused attention: remat of a block using it gives bitwise the plain gradients") {

@@ -33,6 +33,25 @@ void gemm_f32_serial_onednn(bool ta, bool tb, std::int64_t m, std::int64_t n, st
                             std::int64_t ldc);
 #endif
 
+// bfloat16 products with float32 accumulation, serial, for the same fused kernels: C = alpha * A B
+// + beta * C, where A is bf16 [m, k] row-major (row stride lda) and B was packed once by
+// pack_bf16_pairs (ldp words per pair of B's rows), so a kernel that multiplies many row blocks by
+// one B packs it once. On CPUs with AVX512-BF16 each pair of products is one vdpbf16ps lane
+// operation (which rounds to nearest even and treats subnormals as zero); elsewhere scalar code
+// (fused kernels then widen to float32 instead; see bf16_dot_available). Deterministic: the result
+// depends only on the operands, never on the thread.
+bool bf16_dot_available();
+// Packs B (bf16 [k, n] with row stride ldb, or [n, k] when tb) into (k + 1) / 2 rows of n 32-bit
+// pairs, row stride ldp >= n; an odd k's last pair has a zero high half.
+void pack_bf16_pairs(const bfloat16* b, std::int64_t ldb, bool tb, std::int64_t k, std::int64_t n, std::uint32_t* packed,
+                     std::int64_t ldp);
+void gemm_bf16_packed_serial(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const bfloat16* a,
+                             std::int64_t lda, const std::uint32_t* packed_b, std::int64_t ldp, float beta, float* c,
+                             std::int64_t ldc);
+// out[c, r] = bf16(a[r, c]) for a float32 [rows, cols] (row stride lda); out's row stride is ldo.
+void f32_to_bf16_transposed(const float* a, std::int64_t lda, std::int64_t rows, std::int64_t cols, bfloat16* out,
+                            std::int64_t ldo);
+
 // Products with fewer multiply-adds than this run on the calling thread only (waking the team
 // costs more than it saves, and on a busy machine it stalls the step).
 constexpr double kParallelGemmWork = 4.0 * 1024 * 1024;

@@ -100,12 +100,10 @@ void store_rows(Array& out, std::int64_t offset, std::int64_t rows, std::int64_t
   for (std::int64_t r = 0; r < rows; ++r) f32_to_bf16(src + r * ld, dst + r * stride, cols);
 }
 
-// The logits of query rows [i0, i0 + rows) against keys [0, keys) into s (row stride ld_s):
-// scale * q k^T with masked entries at float32's lowest.
-void masked_logits(const Geometry& g, const MaskView* mask, std::int64_t mask_base, const float* q, std::int64_t ldq,
-                   const float* k, std::int64_t ldk, std::int64_t i0, std::int64_t rows, std::int64_t keys, float* s,
-                   std::int64_t ld_s) {
-  kernels::gemm_f32_serial(false, true, rows, keys, g.head_dim, g.scale, q + i0 * ldq, ldq, k, ldk, 0.0f, s, ld_s);
+// Sets the masked entries of logits rows [i0, i0 + rows) (keys [0, keys), row stride ld_s) to
+// float32's lowest: where the mask is 0, and with is_causal the keys after each query.
+void mask_logits(const Geometry& g, const MaskView* mask, std::int64_t mask_base, std::int64_t i0, std::int64_t rows,
+                 std::int64_t keys, float* s, std::int64_t ld_s) {
   for (std::int64_t r = 0; r < rows; ++r) {
     const std::int64_t i = i0 + r;
     float* row = s + r * ld_s;
@@ -116,6 +114,60 @@ void masked_logits(const Geometry& g, const MaskView* mask, std::int64_t mask_ba
     }
     if (g.causal)
       for (std::int64_t j = i + 1; j < keys; ++j) row[j] = kLowest;
+  }
+}
+
+// The logits of query rows [i0, i0 + rows) against keys [0, keys) into s (row stride ld_s):
+// scale * q k^T with masked entries at float32's lowest.
+void masked_logits(const Geometry& g, const MaskView* mask, std::int64_t mask_base, const float* q, std::int64_t ldq,
+                   const float* k, std::int64_t ldk, std::int64_t i0, std::int64_t rows, std::int64_t keys, float* s,
+                   std::int64_t ld_s) {
+  kernels::gemm_f32_serial(false, true, rows, keys, g.head_dim, g.scale, q + i0 * ldq, ldq, k, ldk, 0.0f, s, ld_s);
+  mask_logits(g, mask, mask_base, i0, rows, keys, s, ld_s);
+}
+
+// Softmax of logits rows in place (keys [0, keys), row stride ld), keeping (max, 1 / sum) per row.
+void softmax_rows(float* s, std::int64_t ld, std::int64_t rows, std::int64_t keys, float* row_stats) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    Row p(s + r * ld, keys);
+    const float m = p.maxCoeff();
+    p = (p - m).exp();
+    const float inv = 1.0f / p.sum();
+    p *= inv;
+    row_stats[2 * r] = m;
+    row_stats[2 * r + 1] = inv;
+  }
+}
+
+// The weights of logits rows from the saved (max, 1 / sum): exp(s - max) / sum, in place.
+void weights_from_stats(float* p, std::int64_t ld, std::int64_t rows, std::int64_t keys, const float* row_stats) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    Row pr(p + r * ld, keys);
+    pr = (pr - row_stats[2 * r]).exp() * row_stats[2 * r + 1];
+  }
+}
+
+// ds = p (dp - rowsum(do * o)) in place of dp, zero where the logits were constants (masked, or
+// a row that attended to nothing). `d_dot_o(r)` gives row r's rowsum(do * o).
+template <class RowDot>
+void weights_grad_rows(const Geometry& g, const MaskView* mask, std::int64_t mask_base, std::int64_t i0,
+                       std::int64_t rows, std::int64_t keys, const float* p, float* dp, const float* row_stats,
+                       RowDot&& d_dot_o) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t i = i0 + r;
+    Row dsr(dp + r * g.kv_len, keys);
+    if (row_stats[2 * r] == kLowest) {  // nothing attended: the logits were constants
+      dsr.setZero();
+      continue;
+    }
+    const float di = d_dot_o(r);
+    dsr = ConstRow(p + r * g.kv_len, keys) * (dsr - di);
+    if (mask != nullptr) {  // masked logits were constants: no gradient through them
+      const float* m = mask->data + mask_base + i * mask->row_stride;
+      float* d = dp + r * g.kv_len;
+      for (std::int64_t j = 0; j < keys; ++j)
+        if (m[j * mask->col_stride] == 0.0f) d[j] = 0.0f;
+    }
   }
 }
 
@@ -171,15 +223,7 @@ void attention_forward(const Geometry& g, const Array& q, const Array& k, const 
       const std::int64_t rows = std::min(kQueryBlock, g.q_len - i0);
       const std::int64_t keys = g.visible_keys(i0 + rows, mask != nullptr);
       masked_logits(g, mask, mask_base, in.q, in.ldq, in.k, in.ldk, i0, rows, keys, s, g.kv_len);
-      for (std::int64_t r = 0; r < rows; ++r) {
-        Row p(s + r * g.kv_len, keys);
-        const float m = p.maxCoeff();
-        p = (p - m).exp();
-        const float inv = 1.0f / p.sum();
-        p *= inv;
-        row_stats[2 * (i0 + r)] = m;
-        row_stats[2 * (i0 + r) + 1] = inv;
-      }
+      softmax_rows(s, g.kv_len, rows, keys, row_stats + 2 * i0);
       float* o = direct ? static_cast<float*>(out.mutable_raw()) + g.o_offset(n, h) + i0 * g.v_stride() : o_block;
       const std::int64_t ldo = direct ? g.v_stride() : g.v_dim;
       kernels::gemm_f32_serial(false, false, rows, g.v_dim, keys, 1.0f, s, g.kv_len, in.v, in.ldv, 0.0f, o, ldo);
@@ -214,31 +258,16 @@ void attention_backward(const Geometry& g, const Array& q, const Array& k, const
       const std::int64_t rows = std::min(kQueryBlock, g.q_len - i0);
       const std::int64_t keys = g.visible_keys(i0 + rows, mask != nullptr);
       masked_logits(g, mask, mask_base, in.q, in.ldq, in.k, in.ldk, i0, rows, keys, p, g.kv_len);
-      for (std::int64_t r = 0; r < rows; ++r) {
-        Row pr(p + r * g.kv_len, keys);
-        pr = (pr - row_stats[2 * (i0 + r)]).exp() * row_stats[2 * (i0 + r) + 1];
-      }
+      weights_from_stats(p, g.kv_len, rows, keys, row_stats + 2 * i0);
       // dv[0:keys] += p^T do
       kernels::gemm_f32_serial(true, false, keys, g.v_dim, rows, 1.0f, p, g.kv_len, dof + i0 * lddo, lddo, 1.0f, dv_acc,
                                g.v_dim);
       // dp = do v^T
       kernels::gemm_f32_serial(false, true, rows, keys, g.v_dim, 1.0f, dof + i0 * lddo, lddo, in.v, in.ldv, 0.0f, dp, g.kv_len);
-      for (std::int64_t r = 0; r < rows; ++r) {
+      weights_grad_rows(g, mask, mask_base, i0, rows, keys, p, dp, row_stats + 2 * i0, [&](std::int64_t r) {
         const std::int64_t i = i0 + r;
-        Row dsr(dp + r * g.kv_len, keys);
-        if (row_stats[2 * i] == kLowest) {  // nothing attended: the logits were constants
-          dsr.setZero();
-          continue;
-        }
-        const float di = (ConstRow(dof + i * lddo, g.v_dim) * ConstRow(of + i * ldo, g.v_dim)).sum();
-        dsr = ConstRow(p + r * g.kv_len, keys) * (dsr - di);
-        if (mask != nullptr) {  // masked logits were constants: no gradient through them
-          const float* m = mask->data + mask_base + i * mask->row_stride;
-          float* d = dp + r * g.kv_len;
-          for (std::int64_t j = 0; j < keys; ++j)
-            if (m[j * mask->col_stride] == 0.0f) d[j] = 0.0f;
-        }
-      }
+        return (ConstRow(dof + i * lddo, g.v_dim) * ConstRow(of + i * ldo, g.v_dim)).sum();
+      });
       // dq = scale ds k
       float* dq_out = dq_direct ? static_cast<float*>(dq.mutable_raw()) + g.q_offset(n, h) + i0 * g.qk_stride()
                                 : dq_rows.data();
@@ -253,6 +282,122 @@ void attention_backward(const Geometry& g, const Array& q, const Array& k, const
     store_rows(dv, g.v_offset(n, h), g.kv_len, g.v_dim, g.v_stride(), dv_acc, g.v_dim);
   });
 }
+
+// The bfloat16 path (bf16 q, k, v on CPUs with AVX512-BF16): the same blocks and float32 softmax,
+// with every product on bf16 operands and float32 accumulation, as flash attention does. The
+// weights p and their gradient ds are rounded to bf16 before the products that read them; the
+// right-hand operands are packed into vdpbf16ps's pair layout once per item (k, v) or block (q, do).
+namespace bf16_path {
+
+const bfloat16* rows_of(const Array& a, std::int64_t offset) { return static_cast<const bfloat16*>(a.raw()) + offset; }
+std::uint32_t* words(Scratch& s, std::int64_t n) { return reinterpret_cast<std::uint32_t*>(s.get(n)); }
+bfloat16* halves(float* f) { return reinterpret_cast<bfloat16*>(f); }
+std::int64_t pairs(std::int64_t k) { return (k + 1) / 2; }
+
+void forward(const Geometry& g, const Array& q, const Array& k, const Array& v, const MaskView* mask, Array& out,
+             Array& stats) {
+  float* stats_data = stats.mutable_data();
+  const std::int64_t ldq = g.qk_stride(), ldv = g.v_stride();
+  for_items(g, [&](std::int64_t n, std::int64_t h, Scratch* scratch) {
+    const bfloat16* qp = rows_of(q, g.q_offset(n, h));
+    // k^T as the right operand of q k^T, v as the right operand of p v
+    std::uint32_t* kt = words(scratch[0], pairs(g.head_dim) * g.kv_len);
+    kernels::pack_bf16_pairs(rows_of(k, g.k_offset(n, h)), ldq, true, g.head_dim, g.kv_len, kt, g.kv_len);
+    std::uint32_t* vb = words(scratch[1], pairs(g.kv_len) * g.v_dim);
+    kernels::pack_bf16_pairs(rows_of(v, g.v_offset(n, h)), ldv, false, g.kv_len, g.v_dim, vb, g.v_dim);
+    float* s = scratch[3].get(kQueryBlock * g.kv_len);
+    bfloat16* p16 = halves(scratch[2].get(pairs(kQueryBlock * g.kv_len)));
+    float* o = scratch[4].get(kQueryBlock * g.v_dim);
+    const std::int64_t mask_base = mask ? mask->base(g, n, h) : 0;
+    float* row_stats = stats_data + (n * g.heads + h) * g.q_len * 2;
+    for (std::int64_t i0 = 0; i0 < g.q_len; i0 += kQueryBlock) {
+      const std::int64_t rows = std::min(kQueryBlock, g.q_len - i0);
+      const std::int64_t keys = g.visible_keys(i0 + rows, mask != nullptr);
+      kernels::gemm_bf16_packed_serial(rows, keys, g.head_dim, g.scale, qp + i0 * ldq, ldq, kt, g.kv_len, 0.0f, s, g.kv_len);
+      mask_logits(g, mask, mask_base, i0, rows, keys, s, g.kv_len);
+      softmax_rows(s, g.kv_len, rows, keys, row_stats + 2 * i0);
+      for (std::int64_t r = 0; r < rows; ++r) f32_to_bf16(s + r * g.kv_len, p16 + r * g.kv_len, keys);
+      kernels::gemm_bf16_packed_serial(rows, g.v_dim, keys, 1.0f, p16, g.kv_len, vb, g.v_dim, 0.0f, o, g.v_dim);
+      store_rows(out, g.o_offset(n, h) + i0 * ldv, rows, g.v_dim, ldv, o, g.v_dim);
+    }
+  });
+}
+
+void backward(const Geometry& g, const Array& q, const Array& k, const Array& v, const Array& out, const Array& stats,
+              const MaskView* mask, const Array& d_out, Array& dq, Array& dk, Array& dv) {
+  const float* stats_data = stats.data();
+  const std::int64_t ldq = g.qk_stride(), ldv = g.v_stride();
+  for_items(g, [&](std::int64_t n, std::int64_t h, Scratch* scratch) {
+    const bfloat16* qp = rows_of(q, g.q_offset(n, h));
+    const bfloat16* kp = rows_of(k, g.k_offset(n, h));
+    const bfloat16* vp = rows_of(v, g.v_offset(n, h));
+    const bfloat16* op = rows_of(out, g.o_offset(n, h));
+    const bfloat16* dop = rows_of(d_out, g.o_offset(n, h));
+    // Right operands for the whole item: k^T (logits), v^T (dp = do v^T), k (dq = ds k).
+    const std::int64_t kt_words = pairs(g.head_dim) * g.kv_len, vt_words = pairs(g.v_dim) * g.kv_len;
+    std::uint32_t* kt = words(scratch[0], kt_words + vt_words);
+    std::uint32_t* vt = kt + kt_words;
+    kernels::pack_bf16_pairs(kp, ldq, true, g.head_dim, g.kv_len, kt, g.kv_len);
+    kernels::pack_bf16_pairs(vp, ldv, true, g.v_dim, g.kv_len, vt, g.kv_len);
+    std::uint32_t* kb = words(scratch[1], pairs(g.kv_len) * g.head_dim);
+    kernels::pack_bf16_pairs(kp, ldq, false, g.kv_len, g.head_dim, kb, g.head_dim);
+    // Float32 blocks p and dp, then the dk and dv accumulators.
+    const std::int64_t block = kQueryBlock * g.kv_len;
+    float* p = scratch[3].get(2 * block + g.kv_len * (g.head_dim + g.v_dim));
+    float* dp = p + block;
+    float* dk_acc = dp + block;
+    float* dv_acc = dk_acc + g.kv_len * g.head_dim;
+    std::fill(dk_acc, dk_acc + g.kv_len * (g.head_dim + g.v_dim), 0.0f);
+    // bf16 blocks: ds [rows, keys], p^T or ds^T [keys, rows]; packed do and q blocks.
+    const std::int64_t block_halves = pairs(block) + 1;
+    const std::int64_t block_pairs = pairs(kQueryBlock);
+    float* b16 = scratch[4].get(2 * block_halves + block_pairs * (g.v_dim + g.head_dim));
+    bfloat16* ds16 = halves(b16);
+    bfloat16* t16 = halves(b16 + block_halves);
+    std::uint32_t* do_b = reinterpret_cast<std::uint32_t*>(b16 + 2 * block_halves);
+    std::uint32_t* q_b = do_b + block_pairs * g.v_dim;
+    float* dq_rows = scratch[5].get(kQueryBlock * g.head_dim);
+    const std::int64_t mask_base = mask ? mask->base(g, n, h) : 0;
+    const float* row_stats = stats_data + (n * g.heads + h) * g.q_len * 2;
+    for (std::int64_t i0 = 0; i0 < g.q_len; i0 += kQueryBlock) {
+      const std::int64_t rows = std::min(kQueryBlock, g.q_len - i0);
+      const std::int64_t keys = g.visible_keys(i0 + rows, mask != nullptr);
+      kernels::gemm_bf16_packed_serial(rows, keys, g.head_dim, g.scale, qp + i0 * ldq, ldq, kt, g.kv_len, 0.0f, p, g.kv_len);
+      mask_logits(g, mask, mask_base, i0, rows, keys, p, g.kv_len);
+      weights_from_stats(p, g.kv_len, rows, keys, row_stats + 2 * i0);
+      // dv[0:keys] += p^T do
+      kernels::f32_to_bf16_transposed(p, g.kv_len, rows, keys, t16, kQueryBlock);
+      kernels::pack_bf16_pairs(dop + i0 * ldv, ldv, false, rows, g.v_dim, do_b, g.v_dim);
+      kernels::gemm_bf16_packed_serial(keys, g.v_dim, rows, 1.0f, t16, kQueryBlock, do_b, g.v_dim, 1.0f, dv_acc, g.v_dim);
+      // dp = do v^T, then ds
+      kernels::gemm_bf16_packed_serial(rows, keys, g.v_dim, 1.0f, dop + i0 * ldv, ldv, vt, g.kv_len, 0.0f, dp, g.kv_len);
+      weights_grad_rows(g, mask, mask_base, i0, rows, keys, p, dp, row_stats + 2 * i0, [&](std::int64_t r) {
+        const bfloat16* dor = dop + (i0 + r) * ldv;
+        const bfloat16* orow = op + (i0 + r) * ldv;
+        float acc = 0.0f;
+        for (std::int64_t j = 0; j < g.v_dim; ++j) acc += static_cast<float>(dor[j]) * static_cast<float>(orow[j]);
+        return acc;
+      });
+      // dq = scale ds k
+      for (std::int64_t r = 0; r < rows; ++r) f32_to_bf16(dp + r * g.kv_len, ds16 + r * g.kv_len, keys);
+      kernels::gemm_bf16_packed_serial(rows, g.head_dim, keys, g.scale, ds16, g.kv_len, kb, g.head_dim, 0.0f, dq_rows,
+                                       g.head_dim);
+      store_rows(dq, g.q_offset(n, h) + i0 * ldq, rows, g.head_dim, ldq, dq_rows, g.head_dim);
+      // dk[0:keys] += scale ds^T q
+      kernels::f32_to_bf16_transposed(dp, g.kv_len, rows, keys, t16, kQueryBlock);
+      kernels::pack_bf16_pairs(qp + i0 * ldq, ldq, false, rows, g.head_dim, q_b, g.head_dim);
+      kernels::gemm_bf16_packed_serial(keys, g.head_dim, rows, g.scale, t16, kQueryBlock, q_b, g.head_dim, 1.0f, dk_acc,
+                                       g.head_dim);
+    }
+    store_rows(dk, g.k_offset(n, h), g.kv_len, g.head_dim, ldq, dk_acc, g.head_dim);
+    store_rows(dv, g.v_offset(n, h), g.kv_len, g.v_dim, ldv, dv_acc, g.v_dim);
+  });
+}
+
+}  // namespace bf16_path
+
+// bf16 inputs take the bf16 path when the CPU has bf16 dot products; everything else widens to float32.
+bool use_bf16_path(const Array& q) { return q.dtype() == DType::bf16 && kernels::bf16_dot_available(); }
 
 [[noreturn]] void shape_error(const char* why, const Array& q, const Array& k, const Array& v) {
   throw ShapeError(linum::detail::cat("scaled_dot_product_attention: ", why, " (query ", q.shape(), ", key ", k.shape(),
@@ -337,7 +482,10 @@ Array scaled_dot_product_attention(const Array& q_in, const Array& k_in, const A
   out_shape[out_shape.rank() - 1] = g.v_dim;
   Array out = Array::empty(out_shape, dt);
   Array stats = Array::empty(Shape{g.batch, g.heads, g.q_len, 2});
-  attention_forward(g, q, k, v, view ? &*view : nullptr, out, stats);
+  if (use_bf16_path(q))
+    bf16_path::forward(g, q, k, v, view ? &*view : nullptr, out, stats);
+  else
+    attention_forward(g, q, k, v, view ? &*view : nullptr, out, stats);
 
   if (autodiff::needs_grad(q, k, v))
     autodiff::record("attention", out, {&q, &k, &v}, {q, k, v, out, stats, mask},
@@ -348,7 +496,11 @@ Array scaled_dot_product_attention(const Array& q_in, const Array& k_in, const A
                        Array dk = Array::empty(s[1].shape(), s[1].dtype());
                        Array dv = Array::empty(s[2].shape(), s[2].dtype());
                        const Array d_out = c.out().dtype() == s[3].dtype() ? c.out() : astype(c.out(), s[3].dtype());
-                       attention_backward(g, s[0], s[1], s[2], s[3], s[4], view ? &*view : nullptr, d_out, dq, dk, dv);
+                       const MaskView* m = view ? &*view : nullptr;
+                       if (use_bf16_path(s[0]))
+                         bf16_path::backward(g, s[0], s[1], s[2], s[3], s[4], m, d_out, dq, dk, dv);
+                       else
+                         attention_backward(g, s[0], s[1], s[2], s[3], s[4], m, d_out, dq, dk, dv);
                        if (c.needs(0)) c.set(0, std::move(dq));
                        if (c.needs(1)) c.set(1, std::move(dk));
                        if (c.needs(2)) c.set(2, std::move(dv));
