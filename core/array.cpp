@@ -15,6 +15,12 @@ namespace linum {
 Buffer::Buffer(std::size_t bytes) : data_(memory::detail::allocate(bytes)), bytes_(bytes) {}
 Buffer::~Buffer() { memory::detail::deallocate(data_, bytes_); }
 
+Array Array::elided_placeholder(const Shape& shape, DType dtype, std::shared_ptr<std::atomic<bool>> read_flag) {
+  Array a = empty(shape, dtype);
+  if (a.buffer_) a.buffer_->mark_elided(std::move(read_flag));
+  return a;
+}
+
 Array Array::empty(const Shape& shape, DType dtype) {
   detail::enter_compute();  // every op allocates its output first: the calling thread's FP mode is set here
   Array a;

@@ -9,6 +9,8 @@
 // computed while differentiating); see core/autodiff/graph.hpp.
 #pragma once
 
+#include <atomic>
+
 #include <linum/core/dtype.hpp>
 #include <linum/core/error.hpp>
 #include <linum/core/shape.hpp>
@@ -37,11 +39,21 @@ class Buffer {
   Buffer& operator=(const Buffer&) = delete;
 
   std::size_t bytes() const { return bytes_; }
-  void* data() const { return data_; }
+  void* data() const {
+    if (read_flag_) [[unlikely]]
+      read_flag_->store(true, std::memory_order_relaxed);
+    return data_;
+  }
+
+  // Internal (checkpoint replay, lift/checkpoint.cpp): a buffer standing for the value of an op a
+  // recomputation skipped because nothing it runs should read it. Any access through data() sets
+  // `read_flag`, so the replay can tell that its analysis missed a reader and run again in full.
+  void mark_elided(std::shared_ptr<std::atomic<bool>> read_flag) { read_flag_ = std::move(read_flag); }
 
  private:
   void* data_;
   std::size_t bytes_;
+  std::shared_ptr<std::atomic<bool>> read_flag_;
 };
 
 class Array {
@@ -57,6 +69,9 @@ class Array {
   // `value` in the given float dtype (rounded to nearest even for bf16).
   static Array full(const Shape& shape, float value, DType dtype = DType::f32);
   static Array full_i32(const Shape& shape, std::int32_t value);
+  // Internal (checkpoint replay): storage for a value that is not computed; any read sets
+  // `read_flag` (see Buffer::mark_elided).
+  static Array elided_placeholder(const Shape& shape, DType dtype, std::shared_ptr<std::atomic<bool>> read_flag);
   // A weakly typed float32 scalar, like a Python scalar in JAX: in a binary op with a bf16 array it
   // takes bf16 instead of widening the result to float32 (x * 0.5f stays bf16).
   static Array scalar(float value) { Array a = full(Shape{}, value); a.weak_ = true; return a; }
@@ -105,6 +120,8 @@ class Array {
   bool bitwise_equal(const Array& other) const;
   // The same buffer (not merely equal contents).
   bool shares_buffer(const Array& other) const { return buffer_ == other.buffer_; }
+  // The buffer's identity (null for an undefined array), for analyses that track values by storage.
+  const Buffer* buffer_identity() const { return buffer_.get(); }
   // No other Array refers to this buffer: an op that consumes this array may write its result
   // into it (backward rules reuse cotangent buffers this way).
   bool owns_buffer_alone() const { return buffer_ != nullptr && buffer_.use_count() == 1; }

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstring>
 #include <sstream>
+#include <unordered_map>
 
 namespace linum::lift {
 namespace {
@@ -17,7 +18,7 @@ namespace {
 using autodiff::Node;
 
 struct Counters {
-  std::atomic<std::int64_t> calls{0}, recomputations{0}, recomputed{0}, replayed{0}, saved{0};
+  std::atomic<std::int64_t> calls{0}, recomputations{0}, recomputed{0}, replayed{0}, eliminated{0}, saved{0}, reruns{0};
 } g_stats;
 
 std::string current_module_path() {
@@ -56,13 +57,38 @@ std::string describe(const OpPrint& p) {
                             p.module_path.empty() ? std::string() : linum::detail::cat(" in module '", p.module_path, "'"));
 }
 
-// Numbers the ops recorded by the block's forward pass and keeps what the policy allows.
+// Numbers the ops recorded by the block's forward pass, keeps what the policy allows, and learns
+// the block's data flow for the replay: which op reads which op's output through the graph, which
+// outputs backward rules keep (residuals), and which ops can skip their computation.
 class ForwardRegion final : public autodiff::detail::RecordHook {
  public:
   ForwardRegion(const Policy& policy, bool verify) : policy_(policy), verify_(verify) {}
   bool is_region() const override { return true; }
+  std::optional<Array> replay_output(const Shape& shape, DType dtype) override {
+    pending_ = Pending{shape, dtype};
+    return std::nullopt;
+  }
   void on_record(const char* op, Array& out, const Node* node) override {
     const std::uint64_t index = next_++;
+    const bool skippable = pending_ && pending_->shape == out.shape() && pending_->dtype == out.dtype();
+    pending_.reset();
+    flow_.skippable.push_back(skippable);
+    flow_.consumers.emplace_back();
+    flow_.needed.push_back(false);
+    const auto me = static_cast<std::uint32_t>(index);
+    writer_[out.buffer_identity()] = me;
+    if (node != nullptr) {
+      for (const autodiff::Edge& e : node->inputs()) {
+        if (!e.node) continue;
+        auto it = producer_.find({e.node->id(), e.index});
+        if (it != producer_.end()) flow_.consumers[it->second].push_back(me);
+      }
+      std::vector<Array> residuals;
+      node->saved_arrays(residuals);
+      for (const Array& r : residuals)
+        if (auto it = writer_.find(r.buffer_identity()); r.defined() && it != writer_.end()) flow_.needed[it->second] = true;
+      producer_[{node->id(), out.output_index()}] = me;
+    }
     if (verify_) prints_.push_back({op, out.shape(), out.dtype(), fingerprint(out), current_module_path()});
     if (policy_.saves_nothing()) return;
     const std::string path = current_module_path();
@@ -75,12 +101,60 @@ class ForwardRegion final : public autodiff::detail::RecordHook {
   std::vector<SavedValue> take_saved() { return std::move(saved_); }
   std::vector<OpPrint> take_prints() { return std::move(prints_); }
 
+  // After the forward pass: which ops the replay may leave out (see DataFlow::dead_ops).
+  std::vector<bool> dead_ops(const std::vector<Array>& outs) {
+    for (const Array& o : outs) {
+      if (o.node() != nullptr)
+        if (auto it = producer_.find({o.node()->id(), o.output_index()}); it != producer_.end()) flow_.needed[it->second] = true;
+      if (auto it = writer_.find(o.buffer_identity()); o.defined() && it != writer_.end()) flow_.needed[it->second] = true;
+    }
+    std::vector<bool> saved(flow_.skippable.size(), false);
+    for (const SavedValue& v : saved_) saved[v.index] = true;
+    return flow_.dead_ops(saved);
+  }
+
  private:
+  struct Pending {
+    Shape shape;
+    DType dtype;
+  };
+  // The block's data flow, one entry per numbered op.
+  struct DataFlow {
+    std::vector<bool> skippable;                      // the op asked replay_output before computing
+    std::vector<std::vector<std::uint32_t>> consumers;  // ops whose graph inputs include its output
+    std::vector<bool> needed;                         // its value is a residual or a block output
+
+    // Dead code: an op whose value nothing in the replay reads. It is skippable, its value is
+    // neither kept by a backward rule nor returned, and every op reading it is itself skipped
+    // (replayed from a saved value, or dead). Decided from the last op back.
+    std::vector<bool> dead_ops(const std::vector<bool>& saved) const {
+      const std::size_t n = skippable.size();
+      std::vector<bool> dead(n, false), skipped(n, false);
+      for (std::size_t i = n; i-- > 0;) {
+        bool d = skippable[i] && !needed[i] && !saved[i];
+        for (std::uint32_t j : consumers[i])
+          if (d && !skipped[j]) d = false;
+        dead[i] = d;
+        skipped[i] = skippable[i] && (saved[i] || d);
+      }
+      return dead;
+    }
+  };
+  struct PairHash {
+    std::size_t operator()(const std::pair<std::uint64_t, std::uint32_t>& k) const {
+      return std::hash<std::uint64_t>()(k.first * 31 + k.second);
+    }
+  };
+
   const Policy& policy_;
   bool verify_;
   std::vector<SavedValue> saved_;
   std::vector<OpPrint> prints_;
   std::uint64_t next_ = 0;
+  std::optional<Pending> pending_;
+  DataFlow flow_;
+  std::unordered_map<std::pair<std::uint64_t, std::uint32_t>, std::uint32_t, PairHash> producer_;  // (node id, output) -> op
+  std::unordered_map<const Buffer*, std::uint32_t> writer_;  // live buffer -> the last op that produced it
 };
 
 // The error verify mode raises, naming the block and the first op that differs.
@@ -91,28 +165,44 @@ class ForwardRegion final : public autodiff::detail::RecordHook {
       "state, no unseeded random numbers)"));
 }
 
-// Numbers the ops of the recomputation the same way and hands back the saved values.
+// Numbers the ops of the recomputation the same way, hands back the saved values and leaves out
+// dead ops (their outputs are placeholders whose reads are detected).
 class ReplayRegion final : public autodiff::detail::RecordHook {
  public:
-  // With `prints` (verify mode), every recomputed op is compared with the forward pass's.
-  ReplayRegion(const std::vector<SavedValue>& saved, const std::vector<OpPrint>* prints, const std::string& where)
-      : saved_(saved), prints_(prints), where_(where) {}
+  // With `prints` (verify mode), every recomputed op is compared with the forward pass's. `dead`
+  // (may be null) marks the ops to leave out.
+  ReplayRegion(const std::vector<SavedValue>& saved, const std::vector<bool>* dead, const std::vector<OpPrint>* prints,
+               const std::string& where)
+      : saved_(saved), dead_(dead), prints_(prints), where_(where) {}
   bool is_region() const override { return true; }
-  const Array* peek_replayed_output() const override {
-    return cursor_ < saved_.size() && saved_[cursor_].index == next_ ? &saved_[cursor_].value : nullptr;
+  std::optional<Array> replay_output(const Shape& shape, DType dtype) override {
+    if (const SavedValue* s = saved_here()) {
+      check_saved_shape(s->value, shape);
+      skipped_ = Skipped::replayed;
+      return s->value.detached();
+    }
+    if (dead_ != nullptr && next_ < dead_->size() && (*dead_)[next_]) {
+      skipped_ = Skipped::eliminated;
+      return Array::elided_placeholder(shape, dtype, read_flag_);
+    }
+    return std::nullopt;
   }
   void on_record(const char* op, Array& out, const Node*) override {
     if (prints_ != nullptr) check_op(op, out);
-    if (cursor_ < saved_.size() && saved_[cursor_].index == next_) {
-      const Array& keep = saved_[cursor_++].value;
-      if (!(keep.shape() == out.shape()))
-        throw AutodiffError(linum::detail::cat("checkpoint: the recomputation recorded a different op sequence than the "
-                                               "forward pass (a saved value of shape ", keep.shape(), " met an op output of shape ",
-                                               out.shape(), "); the block must be deterministic"));
-      Array v = keep.detached();
-      v.set_node(out.node(), out.output_index());
-      out = std::move(v);
-      g_stats.replayed.fetch_add(1, std::memory_order_relaxed);
+    const Skipped skipped = std::exchange(skipped_, Skipped::no);
+    if (const SavedValue* s = saved_here()) {
+      ++cursor_;
+      if (skipped != Skipped::replayed) {  // computed anyway (the op cannot skip): use the saved bits
+        check_saved_shape(s->value, out.shape());
+        Array v = s->value.detached();
+        v.set_node(out.node(), out.output_index());
+        out = std::move(v);
+        g_stats.recomputed.fetch_add(1, std::memory_order_relaxed);
+      } else {
+        g_stats.replayed.fetch_add(1, std::memory_order_relaxed);
+      }
+    } else if (skipped == Skipped::eliminated) {
+      g_stats.eliminated.fetch_add(1, std::memory_order_relaxed);
     } else {
       g_stats.recomputed.fetch_add(1, std::memory_order_relaxed);
     }
@@ -124,8 +214,21 @@ class ReplayRegion final : public autodiff::detail::RecordHook {
     if (prints_ != nullptr && next_ != prints_->size())
       throw_differs(where_, linum::detail::cat("it recorded ", next_, " ops, the forward pass ", prints_->size()));
   }
+  // Whether anything read a value that was left out (the analysis cannot see reads outside the
+  // graph, e.g. a comparison or item() on an intermediate): then the replay must run in full.
+  bool read_a_left_out_value() const { return read_flag_->load(); }
 
  private:
+  enum class Skipped { no, replayed, eliminated };
+  const SavedValue* saved_here() const {
+    return cursor_ < saved_.size() && saved_[cursor_].index == next_ ? &saved_[cursor_] : nullptr;
+  }
+  static void check_saved_shape(const Array& keep, const Shape& shape) {
+    if (!(keep.shape() == shape))
+      throw AutodiffError(linum::detail::cat("checkpoint: the recomputation recorded a different op sequence than the "
+                                             "forward pass (a saved value of shape ", keep.shape(), " met an op output of shape ",
+                                             shape, "); the block must be deterministic"));
+  }
   void check_op(const char* op, const Array& out) const {
     const OpPrint now{op, out.shape(), out.dtype(), fingerprint(out), current_module_path()};
     if (next_ >= prints_->size())
@@ -139,19 +242,23 @@ class ReplayRegion final : public autodiff::detail::RecordHook {
   }
 
   const std::vector<SavedValue>& saved_;
+  const std::vector<bool>* dead_;
   const std::vector<OpPrint>* prints_;
   const std::string& where_;
   std::size_t cursor_ = 0;
   std::uint64_t next_ = 0;
+  Skipped skipped_ = Skipped::no;
+  std::shared_ptr<std::atomic<bool>> read_flag_ = std::make_shared<std::atomic<bool>>(false);
 };
 
 class CheckpointNode final : public Node {
  public:
   CheckpointNode(std::vector<autodiff::Edge> inputs, std::vector<Shape> shapes, std::vector<SavedValue> saved,
-                 detail::Thunk recompute, bool verify, std::string where, std::vector<std::uint64_t> fingerprints,
-                 std::vector<Array> held, std::vector<OpPrint> prints)
+                 std::vector<bool> dead, detail::Thunk recompute, bool verify, std::string where,
+                 std::vector<std::uint64_t> fingerprints, std::vector<Array> held, std::vector<OpPrint> prints)
       : Node("checkpoint", std::move(inputs), std::move(shapes)),
         saved_(std::move(saved)),
+        dead_(std::move(dead)),
         prints_(std::move(prints)),
         recompute_(std::move(recompute)),
         verify_(verify),
@@ -162,12 +269,19 @@ class CheckpointNode final : public Node {
   void backward(autodiff::Cotangents& c) override {
     g_stats.recomputations.fetch_add(1, std::memory_order_relaxed);
     std::vector<Array> outs;
-    {
-      ReplayRegion region(saved_, verify_ ? &prints_ : nullptr, where_);
+    // Dead ops are left out unless verify mode or debug checks want to see every value.
+    bool leave_out = !verify_ && !linum::detail::debug_checks_on() && std::find(dead_.begin(), dead_.end(), true) != dead_.end();
+    for (;;) {
+      ReplayRegion region(saved_, leave_out ? &dead_ : nullptr, verify_ ? &prints_ : nullptr, where_);
       linum::detail::PhaseScope phase(linum::detail::Phase::recomputation);
       autodiff::EnableGradGuard recording;
       outs = recompute_();
       region.check_complete();
+      if (!leave_out || !region.read_a_left_out_value()) break;
+      // Something read a left-out value outside the graph: run the block again, in full.
+      outs.clear();
+      leave_out = false;
+      g_stats.reruns.fetch_add(1, std::memory_order_relaxed);
     }
     if (outs.size() != num_outputs())
       throw AutodiffError(linum::detail::cat("checkpoint '", where_, "': the recomputation returned ", outs.size(),
@@ -199,6 +313,7 @@ class CheckpointNode final : public Node {
 
   void release() override {
     saved_.clear();
+    dead_.clear();
     prints_.clear();
     recompute_ = nullptr;
     held_.clear();
@@ -211,6 +326,7 @@ class CheckpointNode final : public Node {
 
  private:
   std::vector<SavedValue> saved_;
+  std::vector<bool> dead_;
   std::vector<OpPrint> prints_;
   detail::Thunk recompute_;
   bool verify_;
@@ -227,6 +343,8 @@ RecomputeStats recompute_stats() {
   s.recomputations = g_stats.recomputations.load();
   s.ops_recomputed = g_stats.recomputed.load();
   s.ops_replayed = g_stats.replayed.load();
+  s.ops_eliminated = g_stats.eliminated.load();
+  s.full_reruns = g_stats.reruns.load();
   s.values_saved = g_stats.saved.load();
   return s;
 }
@@ -236,6 +354,8 @@ void reset_recompute_stats() {
   g_stats.recomputations = 0;
   g_stats.recomputed = 0;
   g_stats.replayed = 0;
+  g_stats.eliminated = 0;
+  g_stats.reruns = 0;
   g_stats.saved = 0;
 }
 
@@ -257,9 +377,11 @@ std::vector<Array> run_checkpointed(const Thunk& forward, Thunk recompute, const
   std::vector<Array> outs;
   std::vector<SavedValue> saved;
   std::vector<OpPrint> op_prints;
+  std::vector<bool> dead;
   {
     ForwardRegion region(options.policy, options.verify);
     outs = forward();
+    dead = region.dead_ops(outs);
     saved = region.take_saved();
     op_prints = region.take_prints();
   }
@@ -283,7 +405,8 @@ std::vector<Array> run_checkpointed(const Thunk& forward, Thunk recompute, const
     if (std::none_of(unique_held.begin(), unique_held.end(), [&](const Array& u) { return u.shares_buffer(h); }))
       unique_held.push_back(h.detached());
   }
-  auto node = std::make_shared<CheckpointNode>(std::move(inputs), std::move(shapes), std::move(saved), std::move(recompute),
+  auto node = std::make_shared<CheckpointNode>(std::move(inputs), std::move(shapes), std::move(saved), std::move(dead),
+                                               std::move(recompute),
                                                options.verify, std::move(where), std::move(prints), std::move(unique_held),
                                                std::move(op_prints));
   for (std::size_t i = 0; i < outs.size(); ++i) {

@@ -50,9 +50,12 @@ struct CheckpointOptions {
 struct RecomputeStats {
   std::int64_t checkpointed_calls = 0;  // forward passes through a checkpoint
   std::int64_t recomputations = 0;      // backward passes that re-ran a checkpointed block
-  std::int64_t ops_recomputed = 0;      // ops recorded again during recomputations
-  std::int64_t ops_replayed = 0;        // ops whose saved output was reused instead
+  std::int64_t ops_recomputed = 0;      // ops computed again during recomputations
+  std::int64_t ops_replayed = 0;        // ops that reused their saved output instead of computing it
+  std::int64_t ops_eliminated = 0;      // ops left out: only saved values needed them (dead code)
   std::int64_t values_saved = 0;        // values kept by policies in forward passes
+  std::int64_t full_reruns = 0;         // recomputations run again in full because a left-out
+                                        // value was read outside the graph (see below)
 };
 RecomputeStats recompute_stats();
 void reset_recompute_stats();

@@ -1,7 +1,9 @@
 #include <linum/lift/policies.hpp>
 #include <linum/core/autodiff/graph.hpp>
+#include <linum/core/autodiff/hooks.hpp>
 
 #include <algorithm>
+#include <optional>
 
 namespace linum::lift {
 
@@ -82,6 +84,9 @@ Array checkpoint_name(const Array& x, std::string name) {
   if (!x.defined()) throw ValueError("checkpoint_name: got an undefined array");
   Array y = x.detached();
   if (autodiff::needs_grad(x)) {
+    // A replaying checkpoint hands back the value its policy saved here (the name's whole point).
+    if (autodiff::detail::t_record_hook != nullptr)
+      if (std::optional<Array> r = autodiff::detail::replay_output(x.shape(), x.dtype())) y = std::move(*r);
     auto node = std::make_shared<NamedNode>(autodiff::edges_of({&x}), x.shape(), std::move(name));
     const autodiff::Node* raw = node.get();
     y.set_node(std::move(node), 0);

@@ -76,6 +76,51 @@ TEST_CASE("dots_saveable reuses the saved products: the recomputation runs no ma
   CHECK(gw.bitwise_equal(grad([&](const Array& w) { return sum(g(w, x)); })(w)));
 }
 
+TEST_CASE("a saved named value is not recomputed, nor the product that only fed it (dead code); gradients stay bitwise") {
+  // proj = name(x w1); y = tanh(proj) w2. Under save_only_these_names({"proj"}) the replay takes
+  // proj from the forward pass, so x w1 is needed by nothing: JAX leaves it out, so do we.
+  const Array w1 = random_array(Shape{6, 8}, 30), w2 = random_array(Shape{8, 3}, 31), x = random_array(Shape{5, 6}, 32);
+  auto block = [](const Array& a, const Array& b, const Array& in) {
+    return matmul(tanh(checkpoint_name(matmul(in, a), "proj")), b);
+  };
+  auto loss = [&](auto&& f) {
+    return grad([&](const std::vector<Array>& p) { return sum(f(p[0], p[1], x)); })(std::vector<Array>{w1, w2});
+  };
+  const auto plain = loss(block);
+  lift::reset_recompute_stats();
+  const auto named = loss(checkpoint(block, {.policy = policies::save_only_these_names({"proj"})}));
+  const auto stats = lift::recompute_stats();
+  CHECK(stats.values_saved == 1);
+  CHECK(stats.ops_replayed == 1);    // checkpoint_name: the saved value
+  CHECK(stats.ops_eliminated == 1);  // x w1: only the saved value needed it
+  CHECK(stats.ops_recomputed == 2);  // tanh (the next product keeps its output) and the last product
+  CHECK(stats.full_reruns == 0);
+  for (int i = 0; i < 2; ++i) CHECK(named[static_cast<std::size_t>(i)].bitwise_equal(plain[static_cast<std::size_t>(i)]));
+  // Without a saved name, nothing is left out.
+  lift::reset_recompute_stats();
+  (void)loss(checkpoint(block));
+  CHECK(lift::recompute_stats().ops_eliminated == 0);
+  CHECK(lift::recompute_stats().ops_recomputed == 4);
+}
+
+TEST_CASE("a left-out value read outside the graph is detected and the block is replayed in full, still bitwise") {
+  // The block reads x w1 through a detached copy (invisible to the graph) to pick a scale.
+  const Array w1 = random_array(Shape{6, 8}, 33), w2 = random_array(Shape{8, 3}, 34), x = random_array(Shape{5, 6}, 35);
+  auto block = [](const Array& a, const Array& b, const Array& in) {
+    const Array h = matmul(in, a);
+    const float s = max(h.detached()).item() > 0.0f ? 2.0f : 3.0f;
+    return matmul(tanh(checkpoint_name(h, "proj") * s), b);
+  };
+  auto loss = [&](auto&& f) {
+    return grad([&](const std::vector<Array>& p) { return sum(f(p[0], p[1], x)); })(std::vector<Array>{w1, w2});
+  };
+  const auto plain = loss(block);
+  lift::reset_recompute_stats();
+  const auto named = loss(checkpoint(block, {.policy = policies::save_only_these_names({"proj"})}));
+  CHECK(lift::recompute_stats().full_reruns == 1);
+  for (int i = 0; i < 2; ++i) CHECK(named[static_cast<std::size_t>(i)].bitwise_equal(plain[static_cast<std::size_t>(i)]));
+}
+
 TEST_CASE("policies keep exactly the residuals they promise (JAX's notebook example)") {
   // g(W, x) = tanh(W x); f = g(W3, g(W2, g(W1, x))) with W1 (4,5), W2 (5,6), W3 (6,7), x (1,4).
   const Array w1 = random_array(Shape{4, 5}, 1), w2 = random_array(Shape{5, 6}, 2), w3 = random_array(Shape{6, 7}, 3);

@@ -175,10 +175,10 @@ void on_record(const char* op, Array& out, const Node* node) {
   }
 }
 
-const Array* peek_replayed_output() {
+std::optional<Array> replay_output(const Shape& shape, DType dtype) {
   for (RecordHook* h = t_record_hook; h != nullptr; h = h->previous())
-    if (h->is_region()) return h->peek_replayed_output();
-  return nullptr;
+    if (h->is_region()) return h->replay_output(shape, dtype);
+  return std::nullopt;
 }
 
 RecordHook::RecordHook() : previous_(t_record_hook) { t_record_hook = this; }

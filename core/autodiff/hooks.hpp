@@ -7,6 +7,8 @@
 #include <linum/core/array.hpp>
 #include <linum/core/autodiff/graph.hpp>
 
+#include <optional>
+
 namespace linum::autodiff::detail {
 
 class RecordHook {
@@ -18,8 +20,8 @@ class RecordHook {
 
   // Called after an op recorded `node` for `out` (inner to outer; only the innermost region).
   virtual void on_record(const char* op, Array& out, const Node* node) = 0;
-  // Checkpoint regions: the value saved for the op about to be recorded, if replaying.
-  virtual const Array* peek_replayed_output() const { return nullptr; }
+  // Checkpoint regions: see replay_output below.
+  virtual std::optional<Array> replay_output(const Shape& /*shape*/, DType /*dtype*/) { return std::nullopt; }
   virtual bool is_region() const { return false; }
   RecordHook* previous() const { return previous_; }
 
@@ -27,8 +29,11 @@ class RecordHook {
   RecordHook* previous_;
 };
 
-// For expensive ops (matmul, conv2d): the output a replaying checkpoint saved for the op that is
-// about to run, so it need not be computed again; null if none.
-const Array* peek_replayed_output();
+// For ops that can skip their computation when a checkpoint replays its block (matmul, conv2d,
+// checkpoint_name): call right before computing an output of `shape` and `dtype` that the op then
+// records. Returns the value to use instead of computing it (the output the checkpoint's policy
+// saved, or a placeholder for a value nothing in the replay reads), or nullopt: compute as usual.
+// In a checkpoint's forward pass it tells the region that this op can be skipped on replay.
+std::optional<Array> replay_output(const Shape& shape, DType dtype);
 
 }  // namespace linum::autodiff::detail

@@ -184,12 +184,14 @@ Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
   G.pw = detail::plan_axis(G.w, G.kw, G.sw, G.dw, opt.padding, 1, "conv2d");
 
   const bool recording = autodiff::needs_grad(x, w);
-  const Array* saved = recording && autodiff::detail::t_record_hook ? autodiff::detail::peek_replayed_output() : nullptr;
+  std::optional<Array> saved;
+  if (recording && autodiff::detail::t_record_hook)
+    saved = autodiff::detail::replay_output(Shape{G.n, G.ph.out, G.pw.out, G.o}, t);
 #if LINUM_HAVE_ONEDNN
   if (onednn) {
     const kernels::ConvShape S{G.n, G.h, G.w, G.c, G.kh, G.kw, G.cg, G.o, G.groups, G.ph.out, G.pw.out, G.sh, G.sw,
                                G.dh, G.dw, G.ph.pad_lo, G.ph.pad_hi, G.pw.pad_lo, G.pw.pad_hi, t};
-    Array y = saved ? saved->detached() : kernels::conv_forward_onednn(x, w, S);
+    Array y = saved ? std::move(*saved) : kernels::conv_forward_onednn(x, w, S);
     if (recording) {
       Array keep_x = w.node() ? x.detached() : Array();  // for dw
       Array keep_w = x.node() ? w.detached() : Array();  // for dx
@@ -202,9 +204,9 @@ Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
     return y;
   }
 #endif
-  Array y = saved ? saved->detached() : Array::empty(Shape{G.n, G.ph.out, G.pw.out, G.o});
+  Array y = saved ? std::move(*saved) : Array::empty(Shape{G.n, G.ph.out, G.pw.out, G.o});
   const std::int64_t chunk = images_per_chunk(G), R = G.col_width();
-  if (saved == nullptr) {
+  if (!saved) {
     Array cols = scratch(chunk * G.rows_per_image(), R);
     for (std::int64_t n0 = 0; n0 < G.n; n0 += chunk) {
       const std::int64_t count = std::min(chunk, G.n - n0), P = count * G.rows_per_image();

@@ -26,8 +26,9 @@ Array gemm(const Array& a, const Array& b, bool ta, bool tb) { return kernels::b
 Array mm(const Array& a, const Array& b, const Shape& out_shape) {
   const bool recording = needs_grad(a, b);
   // A checkpoint replaying its block may hold this product from the forward pass (dots policies).
-  const Array* saved = recording && autodiff::detail::t_record_hook ? autodiff::detail::peek_replayed_output() : nullptr;
-  Array y = saved ? saved->detached() : gemm(a, b, false, false).with_shape(out_shape);
+  std::optional<Array> replayed;
+  if (recording && autodiff::detail::t_record_hook) replayed = autodiff::detail::replay_output(out_shape, a.dtype());
+  Array y = replayed ? std::move(*replayed) : gemm(a, b, false, false).with_shape(out_shape);
   if (recording) {
     Array keep_a = b.node() ? a.detached() : Array();
     Array keep_b = a.node() ? b.detached() : Array();
