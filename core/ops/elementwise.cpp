@@ -1,6 +1,7 @@
 // Elementwise ops. Each op's backward rule follows its forward and captures only what it needs.
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/threading.hpp>
+#include <linum/core/autodiff/hooks.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/kernel_util.hpp>
 #include <linum/core/ops/reduce.hpp>
@@ -179,6 +180,29 @@ Array unary_kernel(const Array& x, const char* op, F f) {
   return out;
 }
 
+// The kernels above for an op that records a node whenever its inputs need gradients: when a
+// checkpoint replays its block, the op's output may come from the forward pass instead (a saved
+// value, or a placeholder for a value nothing reads; see autodiff::detail::replay_output).
+template <class F>
+Array recorded_binary(const Array& a, const Array& b, const char* op, F f) {
+  if (autodiff::detail::t_record_hook != nullptr && needs_grad(a, b)) {
+    require_float(a, op);
+    require_float(b, op);
+    if (auto r = autodiff::detail::replay_output(broadcast_shapes(a.shape(), b.shape(), op), result_dtype(a, b)))
+      return std::move(*r);
+  }
+  return binary_kernel(a, b, op, f);
+}
+
+template <class F>
+Array recorded_unary(const Array& x, const char* op, F f) {
+  if (autodiff::detail::t_record_hook != nullptr && needs_grad(x)) {
+    require_float(x, op);
+    if (auto r = autodiff::detail::replay_output(x.shape(), x.dtype())) return std::move(*r);
+  }
+  return unary_kernel(x, op, f);
+}
+
 // out = f(a, b) over chunks of same-shaped float arrays, written into `out` (which may be `a`'s
 // buffer). A three-argument f(a, b, out) writes the chunk itself, so it can use `out` as scratch
 // space (an expression returned from f must not refer to f's locals: they are gone when it is
@@ -228,7 +252,7 @@ Array scalar(float v) { return Array::scalar(v); }
 // ---- arithmetic -----------------------------------------------------------------------------
 
 Array add(const Array& a, const Array& b) {
-  Array y = binary_kernel(a, b, "add", [](float x, float z) { return x + z; });
+  Array y = recorded_binary(a, b, "add", [](float x, float z) { return x + z; });
   if (needs_grad(a, b))
     record("add", y, {&a, &b}, {}, [sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved) {
       if (c.needs(0)) c.set(0, sum_to(c.out(), sa));
@@ -238,7 +262,7 @@ Array add(const Array& a, const Array& b) {
 }
 
 Array sub(const Array& a, const Array& b) {
-  Array y = binary_kernel(a, b, "sub", [](float x, float z) { return x - z; });
+  Array y = recorded_binary(a, b, "sub", [](float x, float z) { return x - z; });
   if (needs_grad(a, b))
     record("sub", y, {&a, &b}, {}, [sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved) {
       if (c.needs(0)) c.set(0, sum_to(c.out(), sa));
@@ -248,7 +272,7 @@ Array sub(const Array& a, const Array& b) {
 }
 
 Array mul(const Array& a, const Array& b) {
-  Array y = binary_kernel(a, b, "mul", [](float x, float z) { return x * z; });
+  Array y = recorded_binary(a, b, "mul", [](float x, float z) { return x * z; });
   if (needs_grad(a, b)) {
     // Each operand is kept only if the *other* one needs a gradient.
     Array keep_a = b.node() ? a.detached() : Array();
@@ -262,7 +286,7 @@ Array mul(const Array& a, const Array& b) {
 }
 
 Array div(const Array& a, const Array& b) {
-  Array y = binary_kernel(a, b, "div", [](float x, float z) { return x / z; });
+  Array y = recorded_binary(a, b, "div", [](float x, float z) { return x / z; });
   if (needs_grad(a, b)) {
     Array keep_y = b.node() ? y.detached() : Array();
     record("div", y, {&a, &b}, {b, keep_y}, [sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved s) {
@@ -340,7 +364,7 @@ Array operator/(float a, const Array& b) { return div(scalar(a), b); }
 // ---- math ------------------------------------------------------------------------------------
 
 Array exp(const Array& x) {
-  Array y = unary_kernel(x, "exp", [](const CVec& v) { return v.exp(); });
+  Array y = recorded_unary(x, "exp", [](const CVec& v) { return v.exp(); });
   if (needs_grad(x))  // keeps its output
     record("exp", y, {&x}, {y}, [](Cotangents& c, autodiff::Saved s) { c.set(0, mul(c.out(), s[0])); });
   return y;
@@ -404,7 +428,7 @@ Array sign(const Array& x) {
 }
 
 Array tanh(const Array& x) {
-  Array y = unary_kernel(x, "tanh", [](const CVec& v) { return v.tanh(); });
+  Array y = recorded_unary(x, "tanh", [](const CVec& v) { return v.tanh(); });
   if (needs_grad(x))
     record("tanh", y, {&x}, {y}, [](Cotangents& c, autodiff::Saved s) {
       c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * (1.0f - v.square()); }));
@@ -445,10 +469,10 @@ constexpr float kInvSqrt2Pi = 0.3989422804014327f;
 }  // namespace
 
 Array gelu(const Array& x, bool approximate) {
-  Array y = approximate ? unary_kernel(x, "gelu", [](const CVec& v) {
+  Array y = approximate ? recorded_unary(x, "gelu", [](const CVec& v) {
     return v * (0.5f * (1.0f + (kSqrt2OverPi * (v + kGeluCoeff * v.cube())).tanh()));
   })
-                        : unary_kernel(x, "gelu", [](const CVec& v) {
+                        : recorded_unary(x, "gelu", [](const CVec& v) {
                             return v * ((v * kInvSqrt2).erf() + 1.0f) * 0.5f;
                           });
   if (needs_grad(x))

@@ -5,13 +5,14 @@
 //       The deep-MLP training step: L x (Dense(W) + GELU) on a batch of B, loss mean(h * h),
 //       parameters kept in float32 and cast to --dtype for the computation (Flax's dtype=bf16 with
 //       param_dtype=float32, PyTorch's autocast),
-//       forward + backward, in four variants: plain, remat_every (each layer checkpointed,
-//       nothing_saveable), remat_dots (each layer, dots_saveable), remat_sqrt (sqrt(L) checkpointed
-//       segments). Fields: bench, variant, dtype, engine, step_s_min, step_s_median, model_gflops
+//       forward + backward, in five variants: plain, remat_every (each layer checkpointed,
+//       nothing_saveable), remat_dots (each layer, dots_saveable), remat_names (each layer, its
+//       pre-activation saved by save_only_these_names), remat_sqrt (sqrt(L) checkpointed segments). Fields: bench, variant, dtype, engine, step_s_min, step_s_median, model_gflops
 //       (6 B W^2 L / step_s_min), gemm_gflops (the engine's raw product in --dtype on the
 //       [B, W] x [W, W] shape, same run),
 //       gemm_ratio, peak_activation_bytes (exact accounting: peak live bytes during the step minus live
-//       bytes before it), peak_rss_growth_mib.
+//       bytes before it), peak_rss_growth_mib, ops_recomputed/replayed/eliminated_per_step
+//       (lift::recompute_stats: ops the recomputations ran, took from saved values, left out).
 //   linum-bench load [--layers L] [--width W] [--batch B] [--steps S] [--dtype f32|bf16] [--rounds R]
 //       The plain deep-MLP step on a quiet machine and with one competing CPU-bound process pinned
 //       to the last core, alternating R rounds in one invocation. Fields: bench, wait_policy (how
@@ -87,6 +88,12 @@ int bench_mlp(const Flags& f) {
   };
   const auto every = checkpoint(layer);
   const auto dots = checkpoint(layer, {.policy = policies::dots_saveable{}});
+  // The same layer with its pre-activation named, saved by name: the replay runs only the GELU
+  // (the product and the bias add are dead code once "preact" is saved).
+  auto named_layer = [dtype](const Array& h, const Array& w, const Array& b) {
+    return gelu(checkpoint_name(matmul(h, astype(w, dtype)) + astype(b, dtype), "preact"));
+  };
+  const auto names = checkpoint(named_layer, {.policy = policies::save_only_these_names({"preact"})});
   const std::vector<Variant> variants = {
       {"plain",
        [&](const std::vector<Array>& p, const Array& x) {
@@ -104,6 +111,12 @@ int bench_mlp(const Flags& f) {
        [&](const std::vector<Array>& p, const Array& x) {
          Array h = x;
          for (long l = 0; l < L; ++l) h = dots(h, p[2 * l], p[2 * l + 1]);
+         return h;
+       }},
+      {"remat_names",
+       [&](const std::vector<Array>& p, const Array& x) {
+         Array h = x;
+         for (long l = 0; l < L; ++l) h = names(h, p[2 * l], p[2 * l + 1]);
          return h;
        }},
       {"remat_sqrt",  // sqrt(L) checkpointed segments of consecutive layers
@@ -142,6 +155,7 @@ void run_variant(const std::string& variant, const std::function<Array(const std
   std::int64_t peak_activation = 0;
   const long rss_before = status_kib("VmRSS");
   reset_peak_rss();
+  lift::reset_recompute_stats();
   for (long s = 0; s < steps; ++s) {
     memory::PeakScope scope;
     auto t = Clock::now();
@@ -153,6 +167,7 @@ void run_variant(const std::string& variant, const std::function<Array(const std
     peak_activation = std::max(peak_activation, scope.peak_growth() - grad_bytes);
   }
   const long rss_peak = status_kib("VmHWM");
+  const lift::RecomputeStats rs = lift::recompute_stats();
   std::sort(times.begin(), times.end());
   const double flops = 6.0 * B * W * W * L;
   nlohmann::json out = {
@@ -172,6 +187,10 @@ void run_variant(const std::string& variant, const std::function<Array(const std
       {"gemm_ratio", flops / times.front() / 1e9 / gemm},
       {"peak_activation_bytes", peak_activation},
       {"peak_rss_growth_mib", static_cast<double>(rss_peak - rss_before) / 1024.0},
+      // Per step: ops the recomputations computed, took from saved values, and left out as dead code.
+      {"ops_recomputed_per_step", rs.ops_recomputed / steps},
+      {"ops_replayed_per_step", rs.ops_replayed / steps},
+      {"ops_eliminated_per_step", rs.ops_eliminated / steps},
   };
   std::cout << out.dump() << std::endl;
 }
