@@ -306,9 +306,13 @@ class CheckpointNode final : public Node {
     std::vector<autodiff::Boundary> boundaries;
     boundaries.reserve(inputs().size());
     for (const autodiff::Edge& e : inputs()) boundaries.push_back({e.node.get(), e.index});
-    std::vector<Array> grads = autodiff::backward_to(std::move(roots), std::move(cts), boundaries);
+    // Each contribution the block made to an outer value is passed on separately, so the outer
+    // sweep sums them in the order the plain graph would (bitwise equal gradients for a value
+    // used both inside and outside the block).
+    std::vector<std::vector<Array>> grads = autodiff::backward_to_each(std::move(roots), std::move(cts), boundaries);
     for (std::size_t k = 0; k < grads.size(); ++k)
-      if (c.needs(k) && grads[k].defined()) c.set(k, std::move(grads[k]));
+      if (c.needs(k))
+        for (Array& g : grads[k]) c.add_separately(k, std::move(g));
   }
 
   void release() override {

@@ -385,3 +385,25 @@ TEST_CASE("a module called twice inside one rematted call: its shared param gets
     CHECK(bitwise_equal(grads(false), grads(true)));
   }
 }
+
+TEST_CASE("a param used twice inside a checkpoint and again outside it gets bitwise the plain gradient") {
+  // The block's two contributions reach the outer graph separately, so they are summed with the
+  // outside ones in the plain graph's order (not pre-summed inside the checkpoint).
+  auto block = [](const Array& h, const Array& w) { return matmul(tanh(matmul(h, w)), w) + h; };
+  const Array x = random_array(Shape{8, 16}, 31);
+  const Array w0 = random_array(Shape{16, 16}, 32, -0.3f, 0.3f);
+  for (int arrangement = 0; arrangement < 3; ++arrangement) {
+    CAPTURE(arrangement);
+    auto loss = [&](auto&& f) {
+      return grad([&](const Array& w) {
+        Array h = x;
+        if (arrangement != 1) h = gelu(matmul(h, w));  // used before the block
+        h = f(h, w);
+        if (arrangement != 0) h = gelu(matmul(h, w));  // and after it
+        return sum(square(h));
+      })(w0);
+    };
+    CHECK(loss(block).bitwise_equal(loss(checkpoint(block))));
+    CHECK(loss(block).bitwise_equal(loss(checkpoint(block, {.policy = policies::dots_saveable{}}))));
+  }
+}

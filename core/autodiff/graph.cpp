@@ -101,6 +101,7 @@ void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, Del
   NoGradGuard no_grad;  // backward rules compute with constants
   linum::detail::PhaseScope phase(linum::detail::Phase::backward);
   std::vector<Array> in_grads;
+  std::vector<std::pair<std::size_t, Array>> more;
   for (auto it = order.rbegin(); it != order.rend(); ++it) {
     Node* node = it->get();
     if (node->is_leaf()) continue;
@@ -110,25 +111,31 @@ void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, Del
     auto& inputs = SweepAccess::inputs(node);
     if (any) {
       in_grads.assign(inputs.size(), Array());
-      Cotangents c(grads, in_grads, inputs);
+      more.clear();
+      Cotangents c(grads, in_grads, inputs, &more);
       node->backward(c);
-      if (linum::detail::debug_checks_on())
-        for (std::size_t k = 0; k < inputs.size(); ++k)
-          if (in_grads[k].defined()) linum::detail::check_finite(in_grads[k], node->op(), static_cast<int>(k), {});
-      for (std::size_t k = 0; k < inputs.size(); ++k) {
+      // Each cotangent goes to its input's node (or out through a boundary), the extra ones a rule
+      // gave separately after it, in order.
+      auto pass_on = [&](std::size_t k, Array g) {
         const Edge& e = inputs[k];
-        if (e.node == nullptr || !in_grads[k].defined()) continue;
+        if (e.node == nullptr || !g.defined()) return;
+        if (linum::detail::debug_checks_on()) linum::detail::check_finite(g, node->op(), static_cast<int>(k), {});
         Node* target = e.node.get();
         const Shape& want = target->output_shapes()[e.index];
-        if (!(in_grads[k].shape() == want))
+        if (!(g.shape() == want))
           throw AutodiffError(linum::detail::cat("backward rule of op '", node->op(), "' produced a gradient of shape ",
-                                          in_grads[k].shape(), " for input ", k, " of shape ", want,
+                                          g.shape(), " for input ", k, " of shape ", want,
                                           " (a bug in that op's rule; please report it)"));
-        in_grads[k] = in_dtype(std::move(in_grads[k]), target->output_dtype(e.index));
-        if (deliver(e, in_grads[k])) continue;
+        g = in_dtype(std::move(g), target->output_dtype(e.index));
+        if (deliver(e, g)) return;
         auto& target_grads = SweepAccess::grads(target);
         target_grads.resize(target->num_outputs());
-        add_into(target_grads[e.index], std::move(in_grads[k]));
+        add_into(target_grads[e.index], std::move(g));
+      };
+      for (std::size_t k = 0; k < inputs.size(); ++k) {
+        pass_on(k, std::move(in_grads[k]));
+        for (auto& [i, g] : more)
+          if (i == k) pass_on(k, std::move(g));
       }
       in_grads.clear();
     }
@@ -257,13 +264,13 @@ std::vector<Array> backward_to(std::span<const Array> roots, std::span<const Arr
   return backward_to(std::move(edges), std::vector<Array>(cotangents.begin(), cotangents.end()), boundaries);
 }
 
-std::vector<Array> backward_to(std::vector<Edge> roots, std::vector<Array> cotangents,
-                               std::span<const Boundary> boundaries) {
+std::vector<std::vector<Array>> backward_to_each(std::vector<Edge> roots, std::vector<Array> cotangents,
+                                                 std::span<const Boundary> boundaries) {
   if (roots.size() != cotangents.size())
     throw AutodiffError(linum::detail::cat("backward: ", roots.size(), " roots but ", cotangents.size(), " cotangents"));
   std::unordered_set<const Node*> stop_nodes;
   for (const Boundary& b : boundaries) stop_nodes.insert(b.node);
-  std::vector<Array> out(boundaries.size());
+  std::vector<std::vector<Array>> out(boundaries.size());
   // Roots that are boundaries themselves (an input passed straight through) go straight out; the
   // others are seeded into their nodes.
   std::vector<Array> inner;  // hollow arrays carrying only the root nodes, for the traversal
@@ -272,8 +279,8 @@ std::vector<Array> backward_to(std::vector<Edge> roots, std::vector<Array> cotan
     if (n == nullptr || !cotangents[i].defined()) continue;
     const Boundary here{n, roots[i].index};
     if (auto b = std::find(boundaries.begin(), boundaries.end(), here); b != boundaries.end()) {
-      add_into(out[static_cast<std::size_t>(b - boundaries.begin())],
-               in_dtype(std::move(cotangents[i]), n->output_dtype(roots[i].index)));
+      out[static_cast<std::size_t>(b - boundaries.begin())].push_back(
+          in_dtype(std::move(cotangents[i]), n->output_dtype(roots[i].index)).detached());
       continue;
     }
     if (n->released()) throw_released(n);
@@ -296,9 +303,18 @@ std::vector<Array> backward_to(std::vector<Edge> roots, std::vector<Array> cotan
     if (!stop_nodes.count(e.node.get())) return false;
     const Boundary here{e.node.get(), e.index};
     auto b = std::find(boundaries.begin(), boundaries.end(), here);
-    if (b != boundaries.end()) add_into(out[static_cast<std::size_t>(b - boundaries.begin())], std::move(g));
+    if (b != boundaries.end()) out[static_cast<std::size_t>(b - boundaries.begin())].push_back(std::move(g).detached());
     return true;
   });
+  return out;
+}
+
+std::vector<Array> backward_to(std::vector<Edge> roots, std::vector<Array> cotangents,
+                               std::span<const Boundary> boundaries) {
+  std::vector<std::vector<Array>> each = backward_to_each(std::move(roots), std::move(cotangents), boundaries);
+  std::vector<Array> out(each.size());
+  for (std::size_t b = 0; b < each.size(); ++b)
+    for (Array& g : each[b]) add_into(out[b], std::move(g));
   return out;
 }
 
