@@ -1,0 +1,185 @@
+// Files: reading whole files, writing atomically (temporary file, fsync, rename, fsync of the
+// directory; stale temporaries of killed writers cleaned up), and save/load by extension.
+#include <linum/core/fp_mode.hpp>
+#include <linum/core/serialization.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <atomic>
+#include <bit>
+#include <cerrno>
+#include <charconv>
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <sstream>
+#include <string>
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <linum/core/serialization/detail.hpp>
+
+namespace linum::serialization {
+
+using namespace internal;
+
+namespace {
+
+std::string lower_ext(const std::filesystem::path& p) {
+  std::string e = p.extension().string();
+  std::transform(e.begin(), e.end(), e.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return e;
+}
+
+std::string errno_str(int err) { return std::strerror(err); }
+
+}  // namespace
+
+std::vector<std::uint8_t> read_file(const std::filesystem::path& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw IoError(detail::cat("cannot open '", path.string(), "' for reading: ", errno_str(errno)));
+  std::vector<std::uint8_t> out;
+  struct stat st {};
+  if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0) out.reserve(static_cast<std::size_t>(st.st_size));
+  std::uint8_t buf[1 << 16];
+  while (true) {
+    ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      int err = errno;
+      ::close(fd);
+      throw IoError(detail::cat("cannot read '", path.string(), "': ", errno_str(err)));
+    }
+    if (n == 0) break;
+    out.insert(out.end(), buf, buf + n);
+  }
+  ::close(fd);
+  return out;
+}
+
+// Removes temporary files that earlier writers of `name` in `dir` left behind when they were killed
+// mid-write: ".<name>.tmp-<pid>-<n>" whose process no longer exists and that have not been touched
+// for a minute (so a writer in another PID namespace sharing the directory is left alone).
+// Best effort: errors are ignored.
+void remove_stale_temporaries(const std::filesystem::path& dir, const std::string& name) {
+  const std::string prefix = "." + name + ".tmp-";
+  std::error_code ec;
+  const auto now = std::filesystem::file_time_type::clock::now();
+  for (std::filesystem::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string file = it->path().filename().string();
+    if (file.compare(0, prefix.size(), prefix) != 0) continue;
+    long pid = 0;
+    const auto [p, parse] = std::from_chars(file.data() + prefix.size(), file.data() + file.size(), pid);
+    if (parse != std::errc() || p == file.data() + file.size() || *p != '-' || pid <= 0) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // alive (or not ours to judge)
+    std::error_code time_ec;
+    const auto written = std::filesystem::last_write_time(it->path(), time_ec);
+    if (time_ec || now - written < std::chrono::minutes(1)) continue;
+    std::filesystem::remove(it->path(), time_ec);
+  }
+}
+
+void write_file_atomic(const std::filesystem::path& path, std::span<const std::uint8_t> bytes) {
+  static std::atomic<unsigned> counter{0};
+  std::filesystem::path dir = path.parent_path();
+  if (path.filename().empty())
+    throw IoError(detail::cat("cannot write '", path.string(), "': the path names a directory, not a file"));
+  remove_stale_temporaries(dir.empty() ? std::filesystem::path(".") : dir, path.filename().string());
+  std::filesystem::path tmp =
+      (dir.empty() ? std::filesystem::path(".") : dir) /
+      detail::cat(".", path.filename().string(), ".tmp-", ::getpid(), "-", counter.fetch_add(1));
+  auto failure = [&](const char* step, int err) {
+    return IoError(detail::cat("cannot write '", path.string(), "': ", step, ": ", errno_str(err),
+                               "; the previous file (if any) is unchanged"));
+  };
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+  if (fd < 0) throw failure(detail::cat("creating the temporary file '", tmp.string(), "'").c_str(), errno);
+  auto abandon = [&](const char* step) {
+    int err = errno;
+    if (fd >= 0) ::close(fd);
+    ::unlink(tmp.c_str());
+    throw failure(step, err);
+  };
+  std::size_t done = 0;
+  while (done < bytes.size()) {
+    ssize_t n = ::write(fd, bytes.data() + done, std::min<std::size_t>(bytes.size() - done, std::size_t{1} << 30));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      abandon("writing");
+    }
+    if (n == 0) {
+      errno = EIO;
+      abandon("writing");
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  if (::fsync(fd) != 0) abandon("flushing to disk (fsync)");
+  int rc = ::close(fd);
+  fd = -1;
+  if (rc != 0) abandon("closing");
+  if (::rename(tmp.c_str(), path.c_str()) != 0) abandon("renaming the temporary file over the target");
+  // Make the rename itself durable; failure here leaves a complete file, so it is not an error.
+  int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    (void)::fsync(dfd);
+    ::close(dfd);
+  }
+}
+
+void save_msgpack(const std::filesystem::path& path, const Tree& tree) {
+  auto bytes = to_msgpack(tree);
+  write_file_atomic(path, bytes);
+}
+
+void save_json(const std::filesystem::path& path, const Tree& tree) {
+  std::string text;
+  try {
+    IeeeSubnormalScope exact;  // subnormal floats are written exactly
+    write_json_text(text, tree, 0);
+  } catch (const nlohmann::json::exception& e) {  // keys that are not valid UTF-8
+    throw IoError(detail::cat("cannot write '", path.string(), "' as JSON: ", e.what(),
+                              "; JSON keys must be valid UTF-8"));
+  }
+  text += '\n';
+  write_file_atomic(path, std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(text.data()), text.size()));
+}
+
+Tree load_msgpack(const std::filesystem::path& path) {
+  auto bytes = read_file(path);
+  return from_msgpack(bytes, path.string());
+}
+
+Tree load_json(const std::filesystem::path& path) {
+  auto bytes = read_file(path);
+  nlohmann::ordered_json j;
+  try {
+    j = nlohmann::ordered_json::parse(bytes.begin(), bytes.end());
+  } catch (const nlohmann::json::exception& e) {
+    throw IoError(detail::cat("cannot load '", path.string(), "': not valid JSON: ", e.what()));
+  }
+  return from_json(j, path.string());
+}
+
+void save(const std::filesystem::path& path, const Tree& tree) {
+  std::string ext = lower_ext(path);
+  if (ext == ".msgpack") return save_msgpack(path, tree);
+  if (ext == ".json") return save_json(path, tree);
+  throw IoError(detail::cat("cannot save '", path.string(), "': unknown extension '", ext,
+                            "'; use .msgpack or .json, or call save_msgpack/save_json"));
+}
+
+Tree load(const std::filesystem::path& path) {
+  std::string ext = lower_ext(path);
+  if (ext == ".msgpack") return load_msgpack(path);
+  if (ext == ".json") return load_json(path);
+  throw IoError(detail::cat("cannot load '", path.string(), "': unknown extension '", ext,
+                            "'; use .msgpack or .json, or call load_msgpack/load_json"));
+}
+
+
+}  // namespace linum::serialization
