@@ -31,6 +31,7 @@
 #pragma once
 
 #include <linum/lift/checkpoint.hpp>
+#include <linum/lift/pack.hpp>
 #include <linum/lift/policies.hpp>
 #include <linum/modules/scope.hpp>
 
@@ -133,11 +134,6 @@ template <auto... M> struct methods_list<methods<M...>> {
   static constexpr bool contains(Method m) { return (same_member(M, m) || ...); }
 };
 
-struct LiftFilters {
-  std::optional<std::vector<std::string>> collections;  // nullopt: all
-  std::optional<std::vector<std::string>> streams;      // nullopt: all
-};
-
 template <class... Opts>
 struct RematConfig {
   static_assert((is_known_option<Opts>::value && ...),
@@ -185,20 +181,9 @@ struct RematConfig {
   }
 };
 
-// ---- the lifted state (remat.cpp) -----------------------------------------------------------------
+// ---- the lifted call (remat.cpp) -----------------------------------------------------------------
 
 using linum::detail::ScopeState;
-
-// The state a lifted call runs on: the lifted collections' variables under `path`, the lifted
-// streams and their counters, mutable = mutable outside and lifted.
-std::shared_ptr<ScopeState> make_lifted_state(const ScopeState& outer, const std::vector<std::string>& path,
-                                              const LiftFilters& filters);
-// Writes the lifted call's mutated collections, rng counters and variable accesses back (once).
-void write_back(ScopeState& outer, const ScopeState& lifted, const std::vector<std::string>& path);
-// The state recomputations start from: the state on entry plus the variables the forward pass created
-// (so the recomputation never creates any), not initializing.
-ScopeState recompute_base(const ScopeState& entry, const ScopeState& after_forward);
-std::vector<Array> variable_leaves(const ScopeState& state);
 
 // A checkpointed call's body: runs the module on the given (lifted) scope and returns its output's
 // arrays. It runs once in the forward pass and again for each recomputation.

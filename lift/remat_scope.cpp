@@ -44,7 +44,7 @@ class RematScope::Interceptor final : public linum::detail::CallInterceptor {
       };
     CheckpointOptions checkpoint;
     checkpoint.policy = options_->policy;
-    return detail::lifted_run(scope, replayed, checkpoint, detail::LiftFilters{}, {}, keep_plain);
+    return detail::lifted_run(scope, replayed, checkpoint, LiftFilters{}, {}, keep_plain);
   }
 
   const RematScopeOptions& options() const { return *options_; }

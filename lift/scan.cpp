@@ -13,14 +13,17 @@ std::string join(const std::vector<std::string>& parts) { return linum::detail::
 ScanLayers prepare_scan(Scope& s, int length) {
   ScanLayers layers;
   layers.path = s.path();
+  layers.outer_note = s.state().lift_note;
   const ScopeState& outer = s.state();
+  // The scan's own keys first (drawing advances this scope's counters, which the pack then sees).
   for (const std::string& stream : outer.rngs.names()) {
     if (outer.lifted_streams && !outer.lifted_streams->count(stream)) continue;
     layers.streams.push_back(stream);
     layers.base_keys.push_back(s.make_rng(stream));
   }
+  layers.pack.emplace(s, LiftFilters{}, "lift::scan");
   const std::string prefix = join(layers.path);
-  for (const auto& [collection, tree] : outer.variables) {
+  for (const auto& [collection, tree] : layers.pack->entry().variables) {
     if (!tree.contains_path(prefix)) continue;
     std::vector<std::pair<std::string, std::vector<Array>>> leaves;
     for (const auto& [leaf_path, stacked] : flatten(tree.at_path(prefix))) {
@@ -36,14 +39,12 @@ ScanLayers prepare_scan(Scope& s, int length) {
   return layers;
 }
 
-ScopeState layer_state(const ScopeState& outer, const ScanLayers& layers, int i) {
-  ScopeState st;
-  st.initializing = outer.initializing;
-  st.all_mutable = outer.all_mutable;
-  st.mutable_collections = outer.mutable_collections;
-  st.lifted_collections = outer.lifted_collections;
-  st.lifted_streams = outer.lifted_streams;
-  st.lift_note = outer.lift_note;
+ScopeState layer_state(const ScanLayers& layers, int i) {
+  ScopeState st = layers.pack->fresh();  // mutability and lifted selection of the scan's scope
+  st.variables = Tree();
+  st.rng_counters.clear();
+  st.rngs = rng::Streams();
+  st.lift_note = layers.outer_note;
   for (std::size_t k = 0; k < layers.streams.size(); ++k)
     st.rngs.set(layers.streams[k], rng::fold_in(layers.base_keys[k], static_cast<std::uint32_t>(i)));
   const std::string prefix = join(layers.path);
@@ -55,13 +56,12 @@ ScopeState layer_state(const ScopeState& outer, const ScanLayers& layers, int i)
   return st;
 }
 
-void finish_scan(ScopeState& outer, const ScanLayers& layers, const std::vector<ScopeState>& states) {
+void finish_scan(const ScanLayers& layers, const std::vector<ScopeState>& states) {
   const std::string prefix = join(layers.path);
-  // Collections the layers may have written (or created, at init).
-  std::vector<std::string> collections;
-  for (const auto& [name, _] : states.front().variables)
-    if (outer.is_mutable(name)) collections.push_back(name);
-  for (const std::string& collection : collections) {
+  // What the layers wrote (or created, at init), stacked along a new leading axis.
+  ScopeState stacked_state;
+  for (const auto& [collection, _] : states.front().variables) {
+    if (!layers.pack->entry().is_mutable(collection)) continue;  // read-only here: nothing to give back
     std::vector<std::vector<std::pair<std::string, Array>>> per_layer;
     for (const ScopeState& st : states) {
       const Tree& c = st.variables.at(collection);
@@ -81,11 +81,11 @@ void finish_scan(ScopeState& outer, const ScanLayers& layers, const std::vector<
     }
     if (stacked.empty()) continue;
     Tree t = unflatten(stacked);
-    if (prefix.empty()) outer.variables[collection] = t;
-    else outer.variables[collection].set_path(prefix, t);
+    if (prefix.empty()) stacked_state.variables[collection] = t;
+    else stacked_state.variables[collection].set_path(prefix, t);
   }
-  for (const ScopeState& st : states)
-    for (const std::string& path : st.touched) outer.touched.insert(path);
+  for (const ScopeState& st : states) stacked_state.touched.insert(st.touched.begin(), st.touched.end());
+  layers.pack->publish(stacked_state);
 }
 
 }  // namespace linum::lift::detail

@@ -14,8 +14,10 @@
 #pragma once
 
 #include <linum/core/autodiff/pytree.hpp>
+#include <linum/lift/pack.hpp>
 #include <linum/modules/scope.hpp>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -25,10 +27,13 @@ namespace detail {
 
 using linum::detail::ScopeState;
 
-// Per-layer state for a scan at `path`: layer i's slices of the stacked variables, streams keyed
-// for layer i. `base_keys` are the scan's own keys (one per stream).
+// Per-layer state for a scan: the state lift::Pack selects at the scan's scope, sliced per layer
+// (layer i's slices of the stacked variables, streams keyed for layer i). `base_keys` are the
+// scan's own keys (one per stream).
 struct ScanLayers {
+  std::optional<Pack> pack;
   std::vector<std::string> path;
+  std::string outer_note;  // the enclosing transform's description, for errors inside the layers
   std::vector<std::string> streams;
   std::vector<rng::Key> base_keys;
   // For every (collection, leaf path under the scan), the unstacked layer values.
@@ -36,9 +41,9 @@ struct ScanLayers {
 };
 
 ScanLayers prepare_scan(Scope& s, int length);
-ScopeState layer_state(const ScopeState& outer, const ScanLayers& layers, int i);
-// Stacks the layers' variables (for collections that may be written) into the outer state.
-void finish_scan(ScopeState& outer, const ScanLayers& layers, const std::vector<ScopeState>& states);
+ScopeState layer_state(const ScanLayers& layers, int i);
+// Stacks the layers' variables and publishes them (for collections that may be written).
+void finish_scan(const ScanLayers& layers, const std::vector<ScopeState>& states);
 
 }  // namespace detail
 
@@ -59,7 +64,7 @@ struct scan {
     states.reserve(static_cast<std::size_t>(length));
     Array h = carry;
     for (int i = 0; i < length; ++i) {
-      states.push_back(detail::layer_state(s.state(), layers, i));
+      states.push_back(detail::layer_state(layers, i));
       Scope inner(states.back(), layers.path);
       Array next = inner.run(body, body, h, extra...);
       if (!(next.shape() == h.shape()))
@@ -67,7 +72,7 @@ struct scan {
                                             next.shape(), "; a scanned body must keep the carry's shape"));
       h = std::move(next);
     }
-    detail::finish_scan(s.state(), layers, states);
+    detail::finish_scan(layers, states);
     return h;
   }
 };

@@ -216,10 +216,6 @@ bool Scope::has_variable(std::string_view collection, std::string_view name) con
   return vars.contains(collection) && vars.at(collection).contains_path(full_path(name));
 }
 
-std::string Scope::rng_counter_key(std::string_view stream) const {
-  return std::string(stream) + "\n" + join(path_);
-}
-
 rng::Key Scope::make_rng(std::string_view stream) {
   if (state_->lifted_streams && !state_->lifted_streams->count(stream)) {
     std::string lifted;
@@ -227,7 +223,7 @@ rng::Key Scope::make_rng(std::string_view stream) {
     throw ValueError(detail::cat("module '", path_str(), "' draws from rng stream '", stream, "', which is not lifted into ",
                                  state_->lift_note, " (lifted streams: [", lifted, "]); add it to lift::rngs<...>"));
   }
-  std::uint64_t& count = state_->rng_counters[rng_counter_key(stream)];
+  std::uint64_t& count = state_->rng_counters[detail::RngCounterKey{std::string(stream), join(path_)}];
   ++count;
   return state_->rngs.derive(stream, path_, count);
 }

@@ -49,6 +49,21 @@ class Scope;
 
 namespace detail {
 
+// How many keys a module at `path` drew from `stream` so far (Scope::make_rng's counter).
+struct RngCounterKey {
+  std::string stream;
+  std::string path;  // the module path, joined ("" for the root)
+  auto operator<=>(const RngCounterKey&) const = default;
+};
+
+// What a lifted transform takes from the scope it runs at: the variable collections and PRNG
+// streams it lifts (unset: all visible ones), and its description for error messages.
+struct LiftSelection {
+  std::optional<std::vector<std::string>> collections;
+  std::optional<std::vector<std::string>> streams;
+  std::string note;  // e.g. "lift::remat at 'Encoder_0'"
+};
+
 // State shared by every scope of one init or apply call.
 struct ScopeState {
   bool initializing = false;
@@ -56,7 +71,7 @@ struct ScopeState {
   bool all_mutable = false;                            // init: every collection may be written
   std::set<std::string, std::less<>> mutable_collections;
   rng::Streams rngs;
-  std::map<std::string, std::uint64_t, std::less<>> rng_counters;  // "<stream>\n<path>" -> draws so far
+  std::map<RngCounterKey, std::uint64_t> rng_counters;  // draws so far per (stream, module path)
   std::set<std::string, std::less<>> touched;          // full variable paths read or written
   bool defer_missing_params = false;                   // apply's root state: collect missing params, report at the end
   // Those params in call order: (full path, how the error lists it: the first with the whole
@@ -75,6 +90,19 @@ struct ScopeState {
   bool is_mutable(std::string_view collection) const {
     return all_mutable || mutable_collections.count(collection) > 0;
   }
+
+  // ---- what lifted transforms need (lift/pack.hpp; Flax's core/lift.py) -------------------------
+  // The state a transform at `path` runs on: the selected collections' variables under `path`, the
+  // selected streams with their counters under `path`, mutable where mutable here and selected. An
+  // enclosing transform's selection still applies.
+  ScopeState lifted(const std::vector<std::string>& path, const LiftSelection& selection) const;
+  // Writes a lifted state's results back, once: the subtrees at `path` of collections mutable
+  // here, the rng counters it advanced, the variables it touched.
+  void publish(const std::vector<std::string>& path, const ScopeState& lifted);
+  // The state recomputations of a transform start from, with this state the one on entry: the
+  // variables `after` (the forward pass's final state) created exist, at the values they were
+  // created with, so a recomputation creates none; not initializing.
+  ScopeState replay_base(const ScopeState& after) const;
 };
 
 // "Encoder_0/Dense_1" for {"Encoder_0", "Dense_1"}; "" for the root.
@@ -321,7 +349,6 @@ class Scope {
  private:
   [[noreturn]] void rethrow_with_path(const std::string& type_name) const;
   std::string full_path(std::string_view name) const;  // "Dense_0/kernel"
-  std::string rng_counter_key(std::string_view stream) const;
 
   detail::ScopeState* state_;
   std::vector<std::string> path_;
