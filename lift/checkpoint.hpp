@@ -14,6 +14,7 @@
 #pragma once
 
 #include <linum/core/autodiff/graph.hpp>
+#include <linum/core/autodiff/flat_call.hpp>
 #include <linum/core/autodiff/pytree.hpp>
 #include <linum/lift/policies.hpp>
 
@@ -104,19 +105,11 @@ class Checkpointed {
   auto operator()(const Args&... args) const {
     detail::check_static_argnums(options_.static_argnums, sizeof...(Args));
     using Stored = std::tuple<std::decay_t<Args>...>;
-    auto stored = std::make_shared<const Stored>(
+    using Out = std::decay_t<std::invoke_result_t<const F&, const std::decay_t<Args>&...>>;
+    const pytree::FlatCall<Out, std::decay_t<Args>...> call(
         detail::make_static(Stored(args...), options_.static_argnums, std::index_sequence_for<Args...>{}));
-    using Out = std::decay_t<decltype(std::apply(f_, *stored))>;
-    std::shared_ptr<Out> like;
-    auto forward = [&] {
-      like = std::make_shared<Out>(std::apply(f_, *stored));
-      return pytree::flatten(*like);
-    };
-    auto recompute = [f = f_, stored] { return pytree::flatten(std::apply(f, *stored)); };
-    std::vector<Array> held;
-    std::apply([&](const auto&... a) { (pytree::flatten_into(a, held), ...); }, *stored);
-    auto flat = detail::run_checkpointed(forward, recompute, options_, "checkpoint", std::move(held));
-    return pytree::rebuild(*like, flat);
+    auto run = call.body([f = f_](const auto&... a) { return f(a...); });
+    return call.rebuild(detail::run_checkpointed(run, run, options_, "checkpoint", call.argument_arrays()));
   }
 
  private:

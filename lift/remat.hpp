@@ -204,31 +204,11 @@ auto lifted_invoke(const M& module, Scope& s, Body body, Args&&... args) {
                 "after the Scope");
   const CheckpointOptions options = Config::options();
   using Stored = std::tuple<std::decay_t<Args>...>;
-  auto stored = std::make_shared<const Stored>(linum::lift::detail::make_static(
+  using Out = std::decay_t<std::invoke_result_t<Body&, const M&, Scope&, const std::decay_t<Args>&...>>;
+  const pytree::FlatCall<Out, std::decay_t<Args>...> call(linum::lift::detail::make_static(
       Stored(std::forward<Args>(args)...), options.static_argnums, std::index_sequence_for<Args...>{}));
-  using Out = std::decay_t<decltype(std::apply(
-      [&](const auto&... a) -> decltype(auto) { return body(module, s, a...); }, *stored))>;
-  // The forward pass keeps its output's structure, to rebuild the output around the returned arrays.
-  struct Structure {
-    bool first = true;
-    std::optional<Out> like;
-  };
-  auto structure = std::make_shared<Structure>();
-  ScopedBody scoped = [module, body, stored, structure](Scope& inner) {
-    Out out = std::apply([&](const auto&... a) { return body(module, inner, a...); }, *stored);
-    std::vector<Array> flat = pytree::flatten(out);
-    if (structure->first) {
-      structure->first = false;
-      structure->like.emplace(std::move(out));
-    }
-    return flat;
-  };
-  std::vector<Array> held;
-  std::apply([&](const auto&... a) { (pytree::flatten_into(a, held), ...); }, *stored);
-  std::vector<Array> flat = lifted_run(s, scoped, options, Config::filters(), std::move(held));
-  Out result = pytree::rebuild(*structure->like, std::span<const Array>(flat));
-  structure->like.reset();
-  return result;
+  ScopedBody scoped = call.template body<Scope&>([module, body](Scope& inner, const auto&... a) { return body(module, inner, a...); });
+  return call.rebuild(lifted_run(s, scoped, options, Config::filters(), call.argument_arrays()));
 }
 
 }  // namespace detail

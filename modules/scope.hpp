@@ -20,6 +20,7 @@
 #pragma once
 
 #include <linum/core/array.hpp>
+#include <linum/core/autodiff/flat_call.hpp>
 #include <linum/core/autodiff/pytree.hpp>
 #include <linum/core/error.hpp>
 #include <linum/core/tree.hpp>
@@ -307,25 +308,9 @@ class Scope {
   template <class M, class... Args>
   auto run_intercepted(detail::CallInterceptor& interceptor, const M& module, Args&&... args) {
     using Out = std::decay_t<std::invoke_result_t<const M&, Scope&, Args...>>;
-    struct Structure {
-      bool first = true;
-      std::optional<Out> like;
-    };
-    auto structure = std::make_shared<Structure>();
-    auto stored = std::make_shared<const std::tuple<std::decay_t<Args>...>>(std::forward<Args>(args)...);
-    std::function<std::vector<Array>(Scope&)> body = [module, stored, structure](Scope& s) {
-      Out out = std::apply([&](const auto&... a) { return s.run(module, module, a...); }, *stored);
-      std::vector<Array> flat = pytree::flatten(out);
-      if (structure->first) {
-        structure->first = false;
-        structure->like.emplace(std::move(out));
-      }
-      return flat;
-    };
-    std::vector<Array> flat = interceptor.run(*this, body);
-    Out result = pytree::rebuild(*structure->like, std::span<const Array>(flat));
-    structure->like.reset();
-    return result;
+    const pytree::FlatCall<Out, std::decay_t<Args>...> call(std::tuple<std::decay_t<Args>...>(std::forward<Args>(args)...));
+    return call.rebuild(interceptor.run(
+        *this, call.template body<Scope&>([module](Scope& s, const auto&... a) { return s.run(module, module, a...); })));
   }
 
   // Runs `body(*this, args...)` as the body of `module`, adding this scope's path to Linum errors
