@@ -165,10 +165,6 @@ struct Differentiable<Tree> {
       return a.dtype() == DType::f32 ? Differentiable<Array>::gradient(a) : Array::zeros(a.shape(), a.dtype());
     }, tracked);
   }
-  static Tree detach(const Tree& t) { return tree_map([](const Array& a) { return a.detached(); }, t); }
-  static void outputs(const Tree& t, std::vector<Array>& out) {
-    for (const Array& a : leaves(t)) out.push_back(a);
-  }
 };
 
 }  // namespace linum

@@ -40,6 +40,21 @@ TEST_CASE("has_aux: auxiliary outputs come back detached") {
   CHECK(g.to_vector() == std::vector<float>{6, 8});
 }
 
+TEST_CASE("has_aux: any pytree aux comes back detached (vectors, tuples, nested, with non-array members)") {
+  Array x = Array::from(Shape{2}, {3, 4});
+  auto [v, aux, g] = value_and_grad([](const Array& a) {
+    using Aux = std::tuple<std::vector<Array>, std::pair<Array, int>, Tree>;
+    return std::make_pair(sum(a * a), Aux{{a * 2.0f, a + 1.0f}, {a * a, 7}, Tree{{"h", Tree(a * 3.0f)}}});
+  })(x);
+  const auto& [list, pair, tree] = aux;
+  CHECK(list[0].to_vector() == std::vector<float>{6, 8});
+  CHECK(list[1].to_vector() == std::vector<float>{4, 5});
+  CHECK(pair.first.to_vector() == std::vector<float>{9, 16});
+  CHECK(pair.second == 7);
+  for (const Array& a : {list[0], list[1], pair.first, tree.at("h").array()}) CHECK(a.node() == nullptr);
+  CHECK(g.to_vector() == std::vector<float>{6, 8});
+}
+
 TEST_CASE("unused arguments get zero gradients; a variable used twice accumulates") {
   Array x = Array::from(Shape{2}, {1, 2});
   Array y = Array::from(Shape{2}, {5, 5});

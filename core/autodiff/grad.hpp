@@ -13,6 +13,7 @@
 
 #include <linum/core/array.hpp>
 #include <linum/core/autodiff/graph.hpp>
+#include <linum/core/autodiff/pytree.hpp>
 
 #include <array>
 #include <cstddef>
@@ -24,8 +25,10 @@
 
 namespace linum {
 
-// How to differentiate with respect to a value of type T: attach fresh leaves to its arrays,
-// collect their gradients afterwards, and detach it from the graph (for auxiliary outputs).
+// How to differentiate with respect to a value of type T: attach fresh leaves to its arrays (track)
+// and collect their gradients afterwards. Which arrays a value holds, and how it is rebuilt around
+// others (to detach outputs and aux values, or to read a vjp's outputs), is the one pytree protocol
+// (core/autodiff/pytree.hpp), so any pytree can be an output or an aux value.
 template <class T>
 struct Differentiable;
 
@@ -36,8 +39,6 @@ struct Differentiable<Array> {
     Array g = tracked.node() ? tracked.node()->take_grad(tracked.output_index()) : Array();
     return g.defined() ? g : Array::zeros(tracked.shape());
   }
-  static Array detach(const Array& x) { return x.detached(); }
-  static void outputs(const Array& y, std::vector<Array>& out) { out.push_back(y); }
 };
 
 // A list of arrays (e.g. the layers' parameters) differentiates element by element.
@@ -55,12 +56,6 @@ struct Differentiable<std::vector<Array>> {
     for (const Array& t : tracked) out.push_back(Differentiable<Array>::gradient(t));
     return out;
   }
-  static std::vector<Array> detach(const std::vector<Array>& xs) {
-    std::vector<Array> out;
-    for (const Array& x : xs) out.push_back(x.detached());
-    return out;
-  }
-  static void outputs(const std::vector<Array>& ys, std::vector<Array>& out) { out.insert(out.end(), ys.begin(), ys.end()); }
 };
 
 template <class T>
@@ -122,10 +117,25 @@ auto collect_gradients(const Tuple& tracked) {
   }
 }
 
+}  // namespace detail
+}  // namespace autodiff
+
+namespace pytree {
+// `value` with every array detached from the graph (same structure; other members unchanged).
 template <class T>
-auto detach_value(const T& v) {
-  if constexpr (DifferentiableValue<T>) return Differentiable<T>::detach(v);
-  else return v;
+T detached(const T& value) {
+  std::vector<Array> arrays = pytree::flatten(value);
+  for (Array& a : arrays) a = a.detached();
+  return pytree::rebuild(value, std::span<const Array>(arrays));
+}
+}  // namespace pytree
+
+namespace autodiff {
+namespace detail {
+
+template <class T>
+T detach_value(const T& v) {
+  return pytree::detached(v);
 }
 
 template <class F, std::size_t... Nums>
@@ -190,9 +200,7 @@ class Pullback {
   Pullback(Out out, std::tuple<Args...> tracked) : out_(std::move(out)), tracked_(std::move(tracked)) {}
 
   auto operator()(const Out& cotangent) const {
-    std::vector<Array> roots, cts;
-    Differentiable<Out>::outputs(out_, roots);
-    Differentiable<Out>::outputs(cotangent, cts);
+    std::vector<Array> roots = pytree::flatten(out_), cts = pytree::flatten(cotangent);
     if (roots.size() != cts.size())
       throw AutodiffError(linum::detail::cat("vjp pullback: the cotangent has ", cts.size(), " arrays, the output has ",
                                              roots.size()));
@@ -218,7 +226,7 @@ auto vjp(F&& f, const Args&... args) {
   std::tuple<std::decay_t<Args>...> tracked{Differentiable<std::decay_t<Args>>::track(args)...};
   auto out = std::apply(std::forward<F>(f), tracked);
   using Out = std::decay_t<decltype(out)>;
-  auto detached = Differentiable<Out>::detach(out);
+  auto detached = pytree::detached(out);
   return std::make_pair(std::move(detached), Pullback<Out, std::decay_t<Args>...>(std::move(out), std::move(tracked)));
 }
 
