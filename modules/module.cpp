@@ -56,6 +56,14 @@ Tree mutated_collections(const ScopeState& state) {
   return out;
 }
 
+ScopeState init_state(const rng::Streams& rngs) {
+  ScopeState state;
+  state.initializing = true;
+  state.all_mutable = true;
+  state.rngs = rngs;
+  return state;
+}
+
 Tree initialized_variables(ScopeState& state, bool keep_intermediates) {
   if (!keep_intermediates) state.variables.erase("intermediates");
   return std::move(state.variables);

@@ -31,12 +31,6 @@ struct ApplyOptions {
 
 namespace detail {
 
-template <class M, class Body, class... Args>
-auto run_root(const M& module, ScopeState& state, Body&& body, Args&&... args) {
-  Scope root(state, {});
-  return root.run(module, std::forward<Body>(body), std::forward<Args>(args)...);
-}
-
 void check_unused_params(const ScopeState& state, const std::string& module_type);
 // Throws the error for the params an apply found missing (state.missing_params, not empty).
 [[noreturn]] void throw_missing_params(const ScopeState& state, const std::string& module_type);
@@ -57,18 +51,32 @@ auto run_apply(ScopeState& state, const std::string& module_type, F&& body) {
   if (!state.missing_params.empty()) throw_missing_params(state, module_type);
   return out;
 }
+
+// The one way into a module (init, init_method, apply, apply_method): runs body(root scope,
+// args...) as `module`'s body on `state`, with Linum errors naming the module path and an apply's
+// missing params reported together.
+template <class M, class Body, class... Args>
+auto run_module(const M& module, ScopeState& state, Body&& body, Args&&... args) {
+  Scope root(state, {});
+  return run_apply(state, module_type_name<M>(),
+                   [&] { return root.run(module, std::forward<Body>(body), std::forward<Args>(args)...); });
+}
+
+// The body that calls `method` of the module (through a lifted module's lifted_call when it has one).
+template <class M, class Method>
+auto method_invoker(const M& module, Method method) {
+  return [&module, method](Scope& s, auto&&... a) -> decltype(auto) {
+    return Scope::invoke_method(module, method, s, std::forward<decltype(a)>(a)...);
+  };
+}
+
+// The state of an init call: every collection mutable, creating variables.
+ScopeState init_state(const rng::Streams& rngs);
 // The mutable collections after a call (what apply returns next to the output).
 Tree mutated_collections(const ScopeState& state);
 // The variables that init returns (every collection except "intermediates" unless asked for).
 Tree initialized_variables(ScopeState& state, bool keep_intermediates);
 void prepare_apply(ScopeState& state, const Tree& variables, const ApplyOptions& options);
-
-template <class M, class Method>
-auto method_body(Method method) {
-  return [method](const M& module, Scope& s, auto&&... args) -> decltype(auto) {
-    return (module.*method)(s, std::forward<decltype(args)>(args)...);
-  };
-}
 
 }  // namespace detail
 
@@ -77,11 +85,8 @@ auto method_body(Method method) {
 // Runs `module` in initialisation mode and returns (output, variables).
 template <class M, class... Args>
 auto init_with_output(const M& module, const rng::Streams& rngs, Args&&... args) {
-  detail::ScopeState state;
-  state.initializing = true;
-  state.all_mutable = true;
-  state.rngs = rngs;
-  auto out = detail::run_root(module, state, module, std::forward<Args>(args)...);
+  detail::ScopeState state = detail::init_state(rngs);
+  auto out = detail::run_module(module, state, module, std::forward<Args>(args)...);
   return std::make_pair(std::move(out), detail::initialized_variables(state, false));
 }
 
@@ -100,14 +105,8 @@ Tree init(const M& module, rng::Key params_key, Args&&... args) {
 template <class M, class Method, class... Args>
   requires std::is_member_function_pointer_v<Method>
 Tree init_method(Method method, const M& module, const rng::Streams& rngs, Args&&... args) {
-  detail::ScopeState state;
-  state.initializing = true;
-  state.all_mutable = true;
-  state.rngs = rngs;
-  Scope root(state, {});
-  root.run(module, [&](Scope& s, auto&&... a) -> decltype(auto) {
-    return Scope::invoke_method(module, method, s, std::forward<decltype(a)>(a)...);
-  }, std::forward<Args>(args)...);
+  detail::ScopeState state = detail::init_state(rngs);
+  detail::run_module(module, state, detail::method_invoker(module, method), std::forward<Args>(args)...);
   return detail::initialized_variables(state, false);
 }
 
@@ -119,8 +118,7 @@ template <class M, class... Args>
 auto apply(const M& module, const Tree& variables, Args&&... args) {
   detail::ScopeState state;
   detail::prepare_apply(state, variables, {});
-  auto out = detail::run_apply(state, module_type_name<M>(),
-                               [&] { return detail::run_root(module, state, module, std::forward<Args>(args)...); });
+  auto out = detail::run_module(module, state, module, std::forward<Args>(args)...);
   detail::check_unused_params(state, module_type_name<M>());
   return out;
 }
@@ -132,8 +130,7 @@ template <class M, class... Args>
 auto apply(const M& module, const Tree& variables, const ApplyOptions& options, Args&&... args) {
   detail::ScopeState state;
   detail::prepare_apply(state, variables, options);
-  auto out = detail::run_apply(state, module_type_name<M>(),
-                               [&] { return detail::run_root(module, state, module, std::forward<Args>(args)...); });
+  auto out = detail::run_module(module, state, module, std::forward<Args>(args)...);
   if (options.check_unused) detail::check_unused_params(state, module_type_name<M>());
   return std::make_pair(std::move(out), detail::mutated_collections(state));
 }
@@ -144,12 +141,7 @@ template <class M, class Method, class... Args>
 auto apply_method(Method method, const M& module, const Tree& variables, const ApplyOptions& options, Args&&... args) {
   detail::ScopeState state;
   detail::prepare_apply(state, variables, options);
-  Scope root(state, {});
-  auto out = detail::run_apply(state, module_type_name<M>(), [&] {
-    return root.run(module, [&](Scope& s, auto&&... a) -> decltype(auto) {
-      return Scope::invoke_method(module, method, s, std::forward<decltype(a)>(a)...);
-    }, std::forward<Args>(args)...);
-  });
+  auto out = detail::run_module(module, state, detail::method_invoker(module, method), std::forward<Args>(args)...);
   return std::make_pair(std::move(out), detail::mutated_collections(state));
 }
 
