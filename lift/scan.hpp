@@ -1,79 +1,280 @@
-// lift::scan<Body>: a stack of `length` layers of the same module, with their variables stacked
-// along a new leading axis (Flax's nn.scan over layers with variable_axes={collection: 0} for every
-// collection and split_rngs for every stream).
+// lift::scan<Body>: Flax's nn.scan. The body runs `length` times in one scope; each iteration gets
+// its slice of the scanned inputs, of the variables (stacked along an axis), and its own keys, and
+// passes a carry to the next.
 //
-//   using Layers = lift::scan<lift::remat<Block>>;                  // scan over rematted layers
+//   using Layers = lift::scan<lift::remat<Block>>;                   // scan over rematted layers
 //   x = s(Layers{.body = {.features = 512}, .length = 12}, x, train);
 //   // params/ScanBlock_0/Dense_0/kernel has shape (12, in, 512)
 //
-// The body is called as body(scope, carry, extra...) and returns the next carry (an Array of the
-// same shape); extra arguments are passed unchanged to every layer (Flax's nn.broadcast). Each
-// layer gets its own slice of every variable and its own keys: for each stream, the scan draws one
-// key and layer i uses fold_in(key, i). Gradients reach the stacked variables through one unstack
-// op, so the backward pass writes them once.
+//   // An RNN cell over time: xs [T, batch, in] scanned, ys [T, batch, hidden] stacked.
+//   auto [h, ys] = s(lift::scan<Cell>{.variable_broadcast = {"params"}, .split_rngs = {{"params", false}}},
+//                    h0, lift::scanned(xs));
+//
+// The body is called as body(scope, carry, args...) and returns the next carry, or a
+// std::pair(next carry, y) whose ys the scan stacks along a new leading axis (then the scan returns
+// std::pair(carry, ys)). The carry and ys may be any pytree (Array, Tree, vector, pair, tuple);
+// the carry must keep its structure and shapes. Arguments wrapped in lift::scanned(...) are sliced
+// along their leading axis (Flax's in_axes=0; `length` may then be left 0 and is taken from them);
+// other arguments reach every iteration unchanged (nn.broadcast).
+//
+// Variables, per collection (Flax's arguments of the same names):
+//   variable_axes       collection -> axis: one slice per iteration, stacked along that axis
+//                       (default when no collection is listed anywhere: every collection, axis 0);
+//   variable_broadcast  collections shared by every iteration (created once at init, read-only);
+//   variable_carry      collections carried from one iteration to the next (e.g. a step counter).
+// A collection in none of them is an error naming it.
+//
+// Keys (split_rngs, default: every stream split): for a split stream with key K, iteration i's
+// stream key is jax.random.split(K, length)[i] (in the current rng::Mode; in the default,
+// partitionable mode that is fold_in(K, i)); a stream mapped to false reaches every iteration
+// unchanged; a stream not in a non-empty split_rngs does not reach the body. Inside the body,
+// make_rng hashes the full module path and a per-scope counter into the iteration's stream key,
+// exactly as Flax. Like Flax's default (the body traced twice, with shared counters), the counters
+// the iterations use continue from one full run of the body: when the body draws keys, the first
+// iteration is run once more (so at apply with dropout, one extra iteration's forward pass).
+// `reverse` runs the slices from last to first; slice i keeps its keys, variables, input and
+// output position, as in Flax.
 #pragma once
 
 #include <linum/core/autodiff/pytree.hpp>
+#include <linum/core/ops/shape_ops.hpp>
 #include <linum/lift/pack.hpp>
 #include <linum/modules/scope.hpp>
 
+#include <map>
 #include <optional>
+#include <set>
 #include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace linum::lift {
+
+// An argument of a scan sliced along its leading axis (see lift::scan).
+template <class T>
+struct Scanned {
+  T value;
+};
+template <class T>
+Scanned<std::decay_t<T>> scanned(T&& value) {
+  return {std::forward<T>(value)};
+}
+
+// The options of lift::scan that are not templates (see the header comment).
+struct ScanSettings {
+  int length = 0;
+  bool reverse = false;
+  std::map<std::string, int> variable_axes;
+  std::vector<std::string> variable_broadcast;
+  std::vector<std::string> variable_carry;
+  std::map<std::string, bool> split_rngs;
+};
 
 namespace detail {
 
 using linum::detail::ScopeState;
 
-// Per-layer state for a scan: the state lift::Pack selects at the scan's scope, sliced per layer
-// (layer i's slices of the stacked variables, streams keyed for layer i). `base_keys` are the
-// scan's own keys (one per stream).
-struct ScanLayers {
+// The state a scan's iterations run on (scan.cpp): the pack selected at the scan's scope, each
+// collection's role, the variables' slices, the streams' keys per iteration, the counters.
+struct ScanPlan {
   std::optional<Pack> pack;
   std::vector<std::string> path;
-  std::string outer_note;  // the enclosing transform's description, for errors inside the layers
-  std::vector<std::string> streams;
-  std::vector<rng::Key> base_keys;
-  // For every (collection, leaf path under the scan), the unstacked layer values.
+  std::string outer_note;
+  ScanSettings settings;
+  int length = 0;
+  // Axis collections: for every (collection, leaf path under the scan), the slices by index.
   std::vector<std::pair<std::string, std::vector<std::pair<std::string, std::vector<Array>>>>> slices;
+  ScopeState shared;  // broadcast and carry collections as they stand (carry: updated per iteration)
+  std::vector<std::pair<std::string, std::vector<rng::Key>>> split_keys;  // per split stream, one key per slice
+  std::vector<std::pair<std::string, rng::Key>> broadcast_keys;
+  std::map<linum::detail::RngCounterKey, std::uint64_t> counters;  // what every iteration starts from
 };
 
-ScanLayers prepare_scan(Scope& s, int length);
-ScopeState layer_state(const ScanLayers& layers, int i);
-// Stacks the layers' variables and publishes them (for collections that may be written).
-void finish_scan(const ScanLayers& layers, const std::vector<ScopeState>& states);
+ScanPlan plan_scan(Scope& s, const ScanSettings& settings, int length);
+// The state of the iteration over slice i.
+ScopeState iteration_state(const ScanPlan& plan, int i);
+// After an iteration: its carry collections become the next iteration's; broadcast collections
+// created by it (at init) are kept for the others.
+void after_iteration(ScanPlan& plan, const ScopeState& st);
+// Whether the iteration drew keys (its counters moved); then the iterations must start from its
+// final counters (Flax's second trace), and it is run again.
+bool drew_keys(const ScanPlan& plan, const ScopeState& st);
+void continue_counters(ScanPlan& plan, const ScopeState& st);
+// Stacks the axis collections of the iterations (in slice order) and publishes every mutable
+// collection, the counters and the touched variables.
+void finish_scan(const ScanPlan& plan, const std::vector<ScopeState>& states);
+[[noreturn]] void throw_scan_error(const std::vector<std::string>& path, const std::string& what);
+
+template <class T>
+struct is_scanned : std::false_type {};
+template <class T>
+struct is_scanned<Scanned<T>> : std::true_type {};
+
+// Slices of a scanned argument (per slice index), or the argument itself.
+template <class T>
+struct ArgSlices {
+  const T* value;
+  const T& at(int) const { return *value; }
+};
+template <class T>
+struct ArgSlices<Scanned<T>> {
+  std::vector<T> slices;
+  const T& at(int i) const { return slices[static_cast<std::size_t>(i)]; }
+};
+
+template <class T>
+int scanned_length(const T&, const std::vector<std::string>&) {
+  return -1;
+}
+template <class T>
+int scanned_length(const Scanned<T>& s, const std::vector<std::string>& path) {
+  int n = -1;
+  for (const Array& a : pytree::flatten(s.value)) {
+    if (a.rank() == 0) throw_scan_error(path, "a scanned argument has a scalar leaf; scanned values need a leading axis");
+    const int d = static_cast<int>(a.dim(0));
+    if (n >= 0 && d != n)
+      throw_scan_error(path, linum::detail::cat("scanned arguments disagree on the length: leading axes ", n, " and ", d));
+    n = d;
+  }
+  return n;
+}
+
+template <class T>
+ArgSlices<T> slice_arg(const T& value, int) {
+  return {&value};
+}
+template <class T>
+ArgSlices<Scanned<T>> slice_arg(const Scanned<T>& s, int n) {
+  std::vector<Array> leaves = pytree::flatten(s.value);
+  std::vector<std::vector<Array>> per_leaf;
+  for (const Array& a : leaves) per_leaf.push_back(unstack(a));
+  ArgSlices<Scanned<T>> out;
+  for (int i = 0; i < n; ++i) {
+    std::vector<Array> at;
+    for (const auto& l : per_leaf) at.push_back(l[static_cast<std::size_t>(i)]);
+    out.slices.push_back(pytree::rebuild(s.value, std::span<const Array>(at)));
+  }
+  return out;
+}
+
+template <class T>
+struct is_pair : std::false_type {};
+template <class A, class B>
+struct is_pair<std::pair<A, B>> : std::true_type {};
+
+// The type of a body's y (its result's second member when it returns (carry, y)).
+template <class Result, bool WithYs>
+struct YsOf {
+  using type = int;
+};
+template <class Result>
+struct YsOf<Result, true> {
+  using type = typename Result::second_type;
+};
+
+// The pytree of ys (per slice index) stacked leaf by leaf along a new leading axis.
+template <class Y>
+Y stack_ys(const std::vector<Y>& ys) {
+  std::vector<std::vector<Array>> leaves;
+  for (const Y& y : ys) leaves.push_back(pytree::flatten(y));
+  std::vector<Array> stacked;
+  for (std::size_t k = 0; k < leaves.front().size(); ++k) {
+    std::vector<Array> column;
+    for (const auto& l : leaves) column.push_back(l[k]);
+    stacked.push_back(stack(column));
+  }
+  return pytree::rebuild(ys.front(), std::span<const Array>(stacked));
+}
+
+// What body(scope, carry, slice...) returns (declaration only, for decltype).
+template <class Body, class Carry, class Sliced, std::size_t... Is>
+auto result_of_body(std::index_sequence<Is...>)
+    -> decltype(std::declval<const Body&>()(std::declval<Scope&>(), std::declval<const Carry&>(),
+                                            std::get<Is>(std::declval<const Sliced&>()).at(0)...));
+
+template <class Carry>
+void check_carry(const std::vector<std::string>& path, int i, const Carry& before, const Carry& after) {
+  const std::vector<Array> a = pytree::flatten(before), b = pytree::flatten(after);
+  if (a.size() != b.size())
+    throw_scan_error(path, linum::detail::cat("iteration ", i, " returned a carry with ", b.size(), " arrays instead of ",
+                                              a.size(), "; a scanned body must keep the carry's structure"));
+  for (std::size_t k = 0; k < a.size(); ++k)
+    if (!(a[k].shape() == b[k].shape()))
+      throw_scan_error(path, linum::detail::cat("iteration ", i, " turned carry leaf ", k, " of shape ", a[k].shape(),
+                                                " into ", b[k].shape(), "; a scanned body must keep the carry's shapes"));
+}
 
 }  // namespace detail
 
 template <class Body>
 struct scan {
   Body body{};
-  int length = 1;
+  int length = 0;  // 0: the leading axis of the scanned arguments
+  bool reverse = false;
+  std::map<std::string, int> variable_axes{};
+  std::vector<std::string> variable_broadcast{};
+  std::vector<std::string> variable_carry{};
+  std::map<std::string, bool> split_rngs{};
 
   // Flax names the scanned module after its body: ScanBlock_0.
   static std::string type_name() { return "Scan" + module_type_name<Body>(); }
 
-  template <class... Extra>
-  Array operator()(Scope& s, const Array& carry, const Extra&... extra) const {
-    if (length < 1)
-      throw ValueError(linum::detail::cat("lift::scan: length must be at least 1, got ", length));
-    detail::ScanLayers layers = detail::prepare_scan(s, length);
-    std::vector<detail::ScopeState> states;
-    states.reserve(static_cast<std::size_t>(length));
-    Array h = carry;
-    for (int i = 0; i < length; ++i) {
-      states.push_back(detail::layer_state(layers, i));
-      Scope inner(states.back(), layers.path);
-      Array next = inner.run(body, body, h, extra...);
-      if (!(next.shape() == h.shape()))
-        throw ShapeError(linum::detail::cat("lift::scan: layer ", i, " turned a carry of shape ", h.shape(), " into ",
-                                            next.shape(), "; a scanned body must keep the carry's shape"));
-      h = std::move(next);
+  template <class Carry, class... Args>
+  auto operator()(Scope& s, const Carry& carry, const Args&... args) const {
+    int n = length;
+    for (int m : std::initializer_list<int>{-1, detail::scanned_length(args, s.path())...}) {
+      if (m < 0) continue;
+      if (n > 0 && m != n)
+        detail::throw_scan_error(s.path(), linum::detail::cat("length is ", n, " but a scanned argument has a leading axis of ", m));
+      n = m;
     }
-    detail::finish_scan(layers, states);
-    return h;
+    if (n < 1)
+      detail::throw_scan_error(s.path(), linum::detail::cat("length must be at least 1, got ", n,
+                                                            " (set .length, or pass inputs with lift::scanned)"));
+    detail::ScanPlan plan = detail::plan_scan(
+        s, ScanSettings{n, reverse, variable_axes, variable_broadcast, variable_carry, split_rngs}, n);
+    const auto sliced = std::make_tuple(detail::slice_arg(args, n)...);
+    using Result = std::decay_t<decltype(detail::result_of_body<Body, Carry, std::decay_t<decltype(sliced)>>(
+        std::index_sequence_for<Args...>{}))>;
+    constexpr bool kWithYs = !std::is_same_v<Result, Carry>;
+    static_assert(!kWithYs || detail::is_pair<Result>::value,
+                  "lift::scan: the body must return the next carry (same type as the carry) or std::pair(carry, y)");
+
+    using linum::detail::ScopeState;
+    auto run_at = [&](int i, const Carry& h, ScopeState& st) -> Result {
+      Scope inner(st, plan.path);
+      return std::apply([&](const auto&... a) { return inner.run(body, body, h, a.at(i)...); }, sliced);
+    };
+    std::vector<ScopeState> states(static_cast<std::size_t>(n));
+    using Y = typename detail::YsOf<Result, kWithYs>::type;
+    std::vector<Y> ys(static_cast<std::size_t>(n));
+    Carry h = carry;
+    for (int step = 0; step < n; ++step) {
+      const int i = reverse ? n - 1 - step : step;
+      ScopeState st = detail::iteration_state(plan, i);
+      Result r = run_at(i, h, st);
+      if (step == 0 && detail::drew_keys(plan, st)) {  // Flax's second trace: counters continue
+        detail::continue_counters(plan, st);
+        detail::after_iteration(plan, st);              // broadcast variables it created stay
+        st = detail::iteration_state(plan, i);
+        r = run_at(i, h, st);
+      }
+      detail::after_iteration(plan, st);
+      states[static_cast<std::size_t>(i)] = std::move(st);
+      if constexpr (kWithYs) {
+        detail::check_carry(plan.path, i, h, r.first);
+        h = std::move(r.first);
+        ys[static_cast<std::size_t>(i)] = std::move(r.second);
+      } else {
+        detail::check_carry(plan.path, i, h, r);
+        h = std::move(r);
+      }
+    }
+    detail::finish_scan(plan, states);
+    if constexpr (kWithYs) return std::make_pair(std::move(h), detail::stack_ys(ys));
+    else return h;
   }
 };
 

@@ -1,5 +1,7 @@
-// lift::scan over layers: stacked variables, per-layer keys, the same results as an explicit loop
-// over the layer slices, remat inside the scan, batch statistics stacked and updated once.
+// lift::scan (Flax's nn.scan): stacked variables, per-layer keys derived as Flax derives them, the
+// same results as an explicit loop over the layer slices, remat inside the scan, batch statistics
+// stacked and updated once; scanned inputs and outputs, pytree carries, broadcast and carried
+// collections, split_rngs per stream, reverse.
 #include <doctest/doctest.h>
 #include <linum/linum.hpp>
 
@@ -31,10 +33,11 @@ struct Net {
 
 // The same computation written as a loop over the layer slices of the stacked variables.
 Array manual(const Tree& vars, const Array& x, int depth, rng::Key dropout, bool train) {
-  // Keys: the scan draws one key per stream in its own scope (path ScanLayer_0, count 1).
-  const rng::Streams streams{{"dropout", dropout}};
+  // Keys as Flax derives them: layer i's stream key is split(key, depth)[i], and make_rng inside
+  // hashes the full module path with a counter that continues from one whole run of the body
+  // (Flax traces the body twice with shared counters), so the Dropout's draw is its second.
   const std::vector<std::string> path{"ScanLayer_0"};
-  const rng::Key base = streams.derive("dropout", path, 1);
+  const std::vector<rng::Key> layer_keys = rng::split(dropout, depth);
   Array h = x;
   for (int i = 0; i < depth; ++i) {
     Tree layer = tree_map([i](const Array& a) { return unstack(a)[static_cast<std::size_t>(i)]; },
@@ -42,7 +45,8 @@ Array manual(const Tree& vars, const Array& x, int depth, rng::Key dropout, bool
     // Apply one layer at the root with the layer's variables and key, mirroring the scan's state.
     detail::ScopeState st;
     st.variables = Tree{{"params", Tree{{"ScanLayer_0", layer}}}};
-    st.rngs.set("dropout", rng::fold_in(base, static_cast<std::uint32_t>(i)));
+    st.rngs.set("dropout", layer_keys[static_cast<std::size_t>(i)]);
+    st.rng_counters[detail::RngCounterKey{"dropout", "ScanLayer_0/Dropout_0"}] = 1;
     st.mutable_collections = {"stats"};
     Scope scope(st, path);
     h = Layer{}(scope, h, train);
@@ -107,4 +111,80 @@ TEST_CASE("scan errors: a dict from a scan of another length names the variable"
   Tree vars = init(Net<Layer>{.depth = 4}, rng::key(0), x, false);
   CHECK_THROWS_WITH_AS(apply(Net<Layer>{.depth = 3}, vars, x, false),
                        doctest::Contains("needs a leading axis of 3"), ShapeError);
+}
+
+TEST_CASE("scan init keys as Flax derives them: split per layer, counters continuing from one run of the body") {
+  const Array x = random_array(Shape{3, 6}, 5);
+  Tree vars = init(Net<Layer>{}, rng::key(7), x, false);
+  const std::vector<rng::Key> layer_keys = rng::split(rng::key(7), 4);
+  const std::vector<std::string> dense{"ScanLayer_0", "Dense_0"};
+  const auto kernels = unstack(vars.at_path("params/ScanLayer_0/Dense_0/kernel").array());
+  for (int i = 0; i < 4; ++i) {
+    CAPTURE(i);
+    // Flax: kernel and bias drew counts 1 and 2 in the first trace; the loop's draws are 3 and 4.
+    const rng::Key k = rng::Streams{{"params", layer_keys[static_cast<std::size_t>(i)]}}.derive("params", dense, 3);
+    CHECK(kernels[static_cast<std::size_t>(i)].bitwise_equal(initializers::lecun_normal()(k, Shape{6, 6})));
+  }
+}
+
+namespace {
+
+// An RNN-style cell: carry (h, steps), input x_t, output y_t.
+struct Cell {
+  Array operator()(Scope& s, const Array& h, const Array& x) const { return tanh(s(nn::Dense{.features = 4}, h) + x); }
+  std::pair<std::pair<Array, Array>, Array> operator()(Scope& s, const std::pair<Array, Array>& carry, const Array& x) const {
+    Array h = (*this)(s, carry.first, x);
+    return {{h, carry.second + 1.0f}, h * 2.0f};
+  }
+};
+
+struct ScannedRnn {
+  bool reverse = false;
+  auto operator()(Scope& s, const std::pair<Array, Array>& carry, const Array& xs) const {
+    return s(lift::scan<Cell>{.reverse = reverse, .variable_broadcast = {"params"}, .split_rngs = {{"params", false}}}, carry,
+             lift::scanned(xs));
+  }
+};
+
+// The same cell unrolled by hand, in the same scope (the name shares its params).
+struct UnrolledRnn {
+  bool reverse = false;
+  auto operator()(Scope& s, const std::pair<Array, Array>& carry, const Array& xs) const {
+    const auto steps = unstack(xs);
+    std::vector<Array> ys(steps.size());
+    std::pair<Array, Array> c = carry;
+    for (std::size_t k = 0; k < steps.size(); ++k) {
+      const std::size_t t = reverse ? steps.size() - 1 - k : k;
+      auto [next, y] = s("ScanCell_0", Cell{}, c, steps[t]);
+      c = next;
+      ys[t] = y;
+    }
+    return std::make_pair(c, stack(ys));
+  }
+};
+
+}  // namespace
+
+TEST_CASE("scan with scanned inputs, stacked outputs and a pytree carry equals the unrolled loop, values and gradients bitwise") {
+  const Array xs = random_array(Shape{5, 2, 4}, 6);  // [time, batch, features]
+  const std::pair<Array, Array> h0{random_array(Shape{2, 4}, 7), Array::zeros(Shape{})};
+  for (bool reverse : {false, true}) {
+    CAPTURE(reverse);
+    Tree vars = init(ScannedRnn{reverse}, rng::key(1), h0, xs);
+    CHECK(bitwise_equal(vars, init(UnrolledRnn{reverse}, rng::key(1), h0, xs)));
+    CHECK(vars.at_path("params/ScanCell_0/Dense_0/kernel").array().shape() == Shape{4, 4});  // broadcast: not stacked
+    auto run = [&](auto model) {
+      return value_and_grad<0, 1>([&](const Tree& p, const Array& x) {
+        auto [carry, ys] = apply(model, Tree{{"params", p}}, h0, x);
+        CHECK(ys.shape() == Shape{5, 2, 4});
+        CHECK(carry.second.item() == 5.0f);
+        return sum(square(ys)) + sum(carry.first);
+      })(vars.at("params"), xs);
+    };
+    auto [v1, g1] = run(ScannedRnn{reverse});
+    auto [v2, g2] = run(UnrolledRnn{reverse});
+    CHECK(v1.bitwise_equal(v2));
+    CHECK(bitwise_equal(std::get<0>(g1), std::get<0>(g2)));
+    CHECK(std::get<1>(g1).bitwise_equal(std::get<1>(g2)));
+  }
 }
