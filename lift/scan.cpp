@@ -143,12 +143,12 @@ ScopeState iteration_state(const ScanPlan& plan, int i) {
   return st;
 }
 
-void after_iteration(ScanPlan& plan, const ScopeState& st) {
+void after_iteration(ScanPlan& plan, const ScopeState& st, bool discarded) {
   const std::string prefix = join(plan.path);
   for (const auto& [collection, tree] : st.variables) {
     int axis = 0;
     const Role role = role_of(plan.settings, plan.path, collection, &axis);
-    if (role == Role::axis) continue;
+    if (role == Role::axis || (discarded && role == Role::carry)) continue;
     const Tree* sub = at_prefix(tree, prefix);
     if (sub == nullptr) continue;
     // Carry: the next iteration starts from this one's values. Broadcast: created once, then shared.

@@ -95,9 +95,10 @@ struct ScanPlan {
 ScanPlan plan_scan(Scope& s, const ScanSettings& settings, int length);
 // The state of the iteration over slice i.
 ScopeState iteration_state(const ScanPlan& plan, int i);
-// After an iteration: its carry collections become the next iteration's; broadcast collections
-// created by it (at init) are kept for the others.
-void after_iteration(ScanPlan& plan, const ScopeState& st);
+// After an iteration: its carry collections become the next iteration's (unless the run is
+// discarded, as the first run when it drew keys); broadcast collections created by it (at init)
+// are kept for the others.
+void after_iteration(ScanPlan& plan, const ScopeState& st, bool discarded = false);
 // Whether the iteration drew keys (its counters moved); then the iterations must start from its
 // final counters (Flax's second trace), and it is run again.
 bool drew_keys(const ScanPlan& plan, const ScopeState& st);
@@ -257,7 +258,7 @@ struct scan {
       Result r = run_at(i, h, st);
       if (step == 0 && detail::drew_keys(plan, st)) {  // Flax's second trace: counters continue
         detail::continue_counters(plan, st);
-        detail::after_iteration(plan, st);              // broadcast variables it created stay
+        detail::after_iteration(plan, st, /*discarded=*/true);  // broadcast variables it created stay
         st = detail::iteration_state(plan, i);
         r = run_at(i, h, st);
       }

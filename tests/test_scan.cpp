@@ -188,3 +188,80 @@ TEST_CASE("scan with scanned inputs, stacked outputs and a pytree carry equals t
     CHECK(std::get<1>(g1).bitwise_equal(std::get<1>(g2)));
   }
 }
+
+namespace {
+
+// Draws from the "noise" stream and counts its calls in a carried collection.
+struct Noisy {
+  std::pair<Array, Array> operator()(Scope& s, const Array& h, const Array& x) const {
+    Variable calls = s.variable("counter", "calls", [] { return Array::zeros(Shape{}); });
+    if (!s.is_initializing()) calls.set(calls.value() + 1.0f);
+    const Array noise = rng::uniform(s.make_rng("noise"), Shape{2});
+    return {h + x, noise};
+  }
+};
+
+template <class Body>
+auto noisy_scan(const std::map<std::string, bool>& split, Body body = {}) {
+  return lift::scan<Body>{.body = body, .variable_carry = {"counter"}, .split_rngs = split};
+}
+
+}  // namespace
+
+TEST_CASE("scan split_rngs per stream: split streams differ per iteration, broadcast ones repeat, others are not passed") {
+  const Array h = Array::zeros(Shape{2}), xs = random_array(Shape{3, 2}, 8);
+  auto ys_for = [&](const std::map<std::string, bool>& split) {
+    struct M {
+      std::map<std::string, bool> split;
+      auto operator()(Scope& s, const Array& h0, const Array& x) const { return s(noisy_scan<Noisy>(split), h0, lift::scanned(x)); }
+    };
+    const M m{split};
+    Tree vars = init(m, rng::Streams{{"params", rng::key(0)}, {"noise", rng::key(1)}}, h, xs);
+    auto [out, updates] = apply(m, vars, {.rngs = {{"noise", rng::key(2)}}, .mutable_collections = {"counter"}}, h, xs);
+    CHECK(updates.at_path("counter/ScanNoisy_0/calls").array().item() == 3.0f);  // carried through 3 iterations
+    return unstack(out.second);
+  };
+  const auto split = ys_for({{"noise", true}});
+  CHECK_FALSE(split[0].bitwise_equal(split[1]));
+  CHECK_FALSE(split[1].bitwise_equal(split[2]));
+  const auto shared = ys_for({{"noise", false}});
+  CHECK(shared[0].bitwise_equal(shared[1]));
+  CHECK(shared[1].bitwise_equal(shared[2]));
+  CHECK_THROWS_WITH_AS(ys_for({{"params", true}}), doctest::Contains("rng stream 'noise'"), ValueError);
+}
+
+TEST_CASE("scan errors: lengths that disagree, a collection without a role, a negative axis") {
+  const Array h = Array::zeros(Shape{2});
+  struct Mismatch {
+    Array operator()(Scope& s, const Array& h0, const Array& a) const {
+      auto [c, ys] = s(lift::scan<Noisy>{.length = 4, .variable_carry = {"counter"}}, h0, lift::scanned(a));
+      return c;
+    }
+  };
+  CHECK_THROWS_WITH_AS(init(Mismatch{}, rng::Streams{{"params", rng::key(0)}, {"noise", rng::key(1)}}, h, random_array(Shape{3, 2}, 9)),
+                       doctest::Contains("length is 4 but a scanned argument has a leading axis of 3"), ValueError);
+  struct NoRole {
+    Array operator()(Scope& s, const Array& h0, const Array& a) const {
+      auto [c, ys] = s(lift::scan<Noisy>{.variable_broadcast = {"params"}}, h0, lift::scanned(a));
+      return c;
+    }
+  };
+  CHECK_THROWS_WITH_AS(init(NoRole{}, rng::Streams{{"params", rng::key(0)}, {"noise", rng::key(1)}}, h, random_array(Shape{3, 2}, 9)),
+                       doctest::Contains("collection 'counter' is in none of variable_axes"), ValueError);
+}
+
+TEST_CASE("scan variable_axes along axis 1: stacked on that axis, same values as axis 0 moved") {
+  const Array x = random_array(Shape{3, 6}, 10);
+  struct Axis1 {
+    Array operator()(Scope& s, const Array& h, bool train) const {
+      return s(lift::scan<Layer>{.length = 4, .variable_axes = {{"params", 1}, {"stats", 0}}}, h, train);
+    }
+  };
+  Tree v0 = init(Net<Layer>{}, rng::key(0), x, false);
+  Tree v1 = init(Axis1{}, rng::key(0), x, false);
+  const Array k0 = v0.at_path("params/ScanLayer_0/Dense_0/kernel").array();
+  const Array k1 = v1.at_path("params/ScanLayer_0/Dense_0/kernel").array();
+  CHECK(k1.shape() == Shape{6, 4, 6});
+  CHECK(transpose(k1, {1, 0, 2}).bitwise_equal(k0));
+  CHECK(apply(Axis1{}, v1, x, false).bitwise_equal(apply(Net<Layer>{}, v0, x, false)));
+}
