@@ -26,4 +26,5 @@
 #include <linum/lift/remat.hpp>
 #include <linum/lift/residuals.hpp>
 #include <linum/lift/scan.hpp>
+#include <linum/lift/remat_scan.hpp>
 #include <linum/lift/remat_scope.hpp>

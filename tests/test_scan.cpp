@@ -265,3 +265,49 @@ TEST_CASE("scan variable_axes along axis 1: stacked on that axis, same values as
   CHECK(transpose(k1, {1, 0, 2}).bitwise_equal(k0));
   CHECK(apply(Axis1{}, v1, x, false).bitwise_equal(apply(Net<Layer>{}, v0, x, false)));
 }
+
+namespace {
+
+struct Block {
+  Array operator()(Scope& s, const Array& x) const { return x + tanh(s(nn::Dense{.features = 6}, x)); }
+};
+
+// The nest remat_scan builds, without remat.
+struct PlainLevel {
+  std::vector<int> lengths;
+  std::size_t level = 0;
+  static std::string type_name() { return "Block"; }
+  Array operator()(Scope& s, const Array& x) const {
+    const int n = lengths[level];
+    if (level + 1 == lengths.size()) return lift::scan<Block>{.length = n}(s, x);
+    return lift::scan<PlainLevel>{.body = {lengths, level + 1}, .length = n}(s, x);
+  }
+};
+
+struct Deep {
+  bool remat = true;
+  Array operator()(Scope& s, const Array& x) const {
+    if (remat) return s(lift::remat_scan<Block>{.lengths = {2, 3}}, x);
+    return s("Remat_scanBlock_0", PlainLevel{{2, 3}}, x);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("remat_scan: variables shaped (l1, l2, ...), values and gradients bitwise those of the plain nested scan") {
+  const Array x = random_array(Shape{4, 6}, 11);
+  const Tree vars = init(Deep{}, rng::key(3), x);
+  CHECK(vars.at_path("params/Remat_scanBlock_0/Dense_0/kernel").array().shape() == Shape{2, 3, 6, 6});
+  CHECK(bitwise_equal(vars, init(Deep{.remat = false}, rng::key(3), x)));
+  auto run = [&](bool remat) {
+    return value_and_grad([&](const Tree& p) { return sum(square(apply(Deep{.remat = remat}, Tree{{"params", p}}, x))); })(
+        vars.at("params"));
+  };
+  lift::reset_recompute_stats();
+  auto [v1, g1] = run(true);
+  CHECK(lift::recompute_stats().recomputations == 2 + 2 * 3);  // each outer iteration, each inner one
+  auto [v2, g2] = run(false);
+  CHECK(v1.bitwise_equal(v2));
+  CHECK(bitwise_equal(g1, g2));
+  CHECK_THROWS_AS(init(lift::remat_scan<Block>{.lengths = {2, 0}}, rng::key(0), x), ValueError);
+}
