@@ -27,4 +27,5 @@
 #include <linum/lift/residuals.hpp>
 #include <linum/lift/scan.hpp>
 #include <linum/lift/remat_scan.hpp>
+#include <linum/lift/schedule.hpp>
 #include <linum/lift/remat_scope.hpp>
