@@ -39,6 +39,7 @@
 #include <linum/core/autodiff/pytree.hpp>
 #include <linum/core/ops/shape_ops.hpp>
 #include <linum/lift/pack.hpp>
+#include <linum/lift/schedule.hpp>
 #include <linum/modules/scope.hpp>
 
 #include <map>
@@ -113,11 +114,12 @@ struct is_scanned : std::false_type {};
 template <class T>
 struct is_scanned<Scanned<T>> : std::true_type {};
 
-// Slices of a scanned argument (per slice index), or the argument itself.
+// Slices of a scanned argument (per slice index), or (a copy of) the argument itself: copies, so
+// that a schedule's recomputations, which run after the call returned, still have them.
 template <class T>
 struct ArgSlices {
-  const T* value;
-  const T& at(int) const { return *value; }
+  T value;
+  const T& at(int) const { return value; }
 };
 template <class T>
 struct ArgSlices<Scanned<T>> {
@@ -144,7 +146,7 @@ int scanned_length(const Scanned<T>& s, const std::vector<std::string>& path) {
 
 template <class T>
 ArgSlices<T> slice_arg(const T& value, int) {
-  return {&value};
+  return {value};
 }
 template <class T>
 ArgSlices<Scanned<T>> slice_arg(const Scanned<T>& s, int n) {
@@ -218,6 +220,10 @@ struct scan {
   std::vector<std::string> variable_broadcast{};
   std::vector<std::string> variable_carry{};
   std::map<std::string, bool> split_rngs{};
+  // Checkpointing across iterations (lift/schedule.hpp): none, every, sqrt or binomial(s) with at
+  // most s carries alive. Applies when differentiating a body that returns only its carry and has
+  // no carried collections.
+  ScanSchedule schedule{};
 
   // Flax names the scanned module after its body: ScanBlock_0.
   static std::string type_name() { return "Scan" + module_type_name<Body>(); }
@@ -248,6 +254,13 @@ struct scan {
       Scope inner(st, plan.path);
       return std::apply([&](const auto&... a) { return inner.run(body, body, h, a.at(i)...); }, sliced);
     };
+    if (schedule.kind != ScanSchedule::Kind::none && !s.is_initializing() && autodiff::is_recording()) {
+      if constexpr (kWithYs) {
+        detail::throw_scan_error(plan.path, "a schedule needs a body that returns only its carry (no ys) for now");
+      } else {
+        return scheduled(std::move(plan), sliced, carry, n);
+      }
+    }
     std::vector<ScopeState> states(static_cast<std::size_t>(n));
     using Y = typename detail::YsOf<Result, kWithYs>::type;
     std::vector<Y> ys(static_cast<std::size_t>(n));
@@ -276,6 +289,52 @@ struct scan {
     detail::finish_scan(plan, states);
     if constexpr (kWithYs) return std::make_pair(std::move(h), detail::stack_ys(ys));
     else return h;
+  }
+
+ private:
+  // The iterations under `schedule`: each is a step of lift::run_steps, which decides what is
+  // checkpointed; a step's recomputation rebuilds its iteration state from the plan.
+  template <class Carry, class Sliced>
+  Carry scheduled(detail::ScanPlan plan, const Sliced& sliced, const Carry& carry, int n) const {
+    using linum::detail::ScopeState;
+    if (!variable_carry.empty())
+      detail::throw_scan_error(plan.path, "a schedule cannot be combined with variable_carry collections");
+    struct Context {
+      detail::ScanPlan plan;
+      Sliced sliced;
+      Body body;
+      bool reverse;
+      std::vector<std::optional<ScopeState>> states;  // the forward pass's, for finish_scan
+      bool forward = true;
+    };
+    auto ctx = std::make_shared<Context>(Context{std::move(plan), sliced, body, reverse, {}, true});
+    ctx->states.resize(static_cast<std::size_t>(n));
+    auto run_at = [](Context& c, int i, const Carry& h, ScopeState& st) -> Carry {
+      Scope inner(st, c.plan.path);
+      return std::apply([&](const auto&... a) { return inner.run(c.body, c.body, h, a.at(i)...); }, c.sliced);
+    };
+    {  // Flax's first trace: if the body draws keys, the iterations' counters continue from it
+      autodiff::NoGradGuard probe;
+      const int first = reverse ? n - 1 : 0;
+      ScopeState st = detail::iteration_state(ctx->plan, first);
+      (void)run_at(*ctx, first, carry, st);
+      if (detail::drew_keys(ctx->plan, st)) detail::continue_counters(ctx->plan, st);
+    }
+    auto step = [ctx, run_at, n](std::int64_t k, const Carry& h) {
+      const int i = ctx->reverse ? n - 1 - static_cast<int>(k) : static_cast<int>(k);
+      ScopeState st = detail::iteration_state(ctx->plan, i);
+      Carry next = run_at(*ctx, i, h, st);
+      detail::check_carry(ctx->plan.path, i, h, next);
+      if (ctx->forward) ctx->states[static_cast<std::size_t>(i)].emplace(std::move(st));  // recomputations' writes are dropped
+      return next;
+    };
+    Carry h = run_steps(n, carry, step, schedule);
+    ctx->forward = false;
+    std::vector<ScopeState> states;
+    for (auto& st : ctx->states) states.push_back(std::move(*st));
+    ctx->states.clear();
+    detail::finish_scan(ctx->plan, states);
+    return h;
   }
 };
 

@@ -362,3 +362,31 @@ TEST_CASE("scan schedules: bitwise the plain gradients; binomial does Griewank's
   CHECK_THROWS_AS(lift::run_steps(3, x, [](std::int64_t, const Array& h) { return h; }, lift::ScanSchedule::binomial(0)),
                   ValueError);
 }
+
+TEST_CASE("scan of modules under a schedule: bitwise the plain scan's gradients and updates, dropout keys included") {
+  const Array x = random_array(Shape{3, 6}, 12);
+  struct Scheduled {
+    lift::ScanSchedule schedule;
+    Array operator()(Scope& s, const Array& h, bool train) const {
+      return s(lift::scan<Layer>{.length = 6, .schedule = schedule}, h, train);
+    }
+  };
+  const Tree vars = init(Scheduled{}, rng::key(0), x, false);
+  auto step = [&](const lift::ScanSchedule& schedule) {
+    return value_and_grad([&](const Tree& params) {
+      auto [y, updates] = apply(Scheduled{schedule}, Tree{{"params", params}, {"stats", vars.at("stats")}},
+                                {.rngs = {{"dropout", rng::key(4)}}, .mutable_collections = {"stats"}}, x, true);
+      return std::make_pair(sum(square(y)), updates);
+    })(vars.at("params"));
+  };
+  const auto [v0, u0, g0] = step({});
+  for (const lift::ScanSchedule& schedule :
+       {lift::ScanSchedule::every_step(), lift::ScanSchedule::sqrt_segments(), lift::ScanSchedule::binomial(2)}) {
+    CAPTURE(schedule.name());
+    const auto [v, u, g] = step(schedule);
+    CHECK(v.bitwise_equal(v0));
+    CHECK(bitwise_equal(g, g0));
+    CHECK(bitwise_equal(u, u0));
+  }
+  CHECK(u0.at_path("stats/ScanLayer_0/calls").array().to_vector() == std::vector<float>(6, 1.0f));
+}
