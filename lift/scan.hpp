@@ -313,7 +313,8 @@ struct scan {
       Scope inner(st, c.plan.path);
       return std::apply([&](const auto&... a) { return inner.run(c.body, c.body, h, a.at(i)...); }, c.sliced);
     };
-    {  // Flax's first trace: if the body draws keys, the iterations' counters continue from it
+    if (!ctx->plan.split_keys.empty() || !ctx->plan.broadcast_keys.empty()) {
+      // Flax's first trace: if the body draws keys, the iterations' counters continue from it.
       autodiff::NoGradGuard probe;
       const int first = reverse ? n - 1 : 0;
       ScopeState st = detail::iteration_state(ctx->plan, first);

@@ -114,5 +114,6 @@ inline void apply_engine_flag(const Flags& f) {
 
 // The benchmarks, one per file.
 int bench_gpt(const Flags& f);
+int bench_scan(const Flags& f);
 
 }  // namespace linum_bench

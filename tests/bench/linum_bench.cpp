@@ -20,6 +20,9 @@
 //       per-round median), slowdown = loaded / quiet.
 //   linum-bench gpt [...]
 //       A GPT-style training step with adam (see gpt_bench.cpp).
+//   linum-bench scan [--layers L] [--width W] [--batch B] [--steps S] [--schedule none|every|sqrt|binomial]
+//                    [--snapshots S]
+//       The deep MLP as one lift::scan under a checkpointing schedule (see scan_bench.cpp).
 //   linum-bench ops [--iters N]
 //       Per-op cost on tiny arrays, with and without recording the autodiff graph.
 #include <linum/linum.hpp>
@@ -308,7 +311,7 @@ int bench_load(const Flags& f) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::cerr << "usage: linum-bench mlp|gpt|load|ops [--name value ...]\n";
+    std::cerr << "usage: linum-bench mlp|gpt|scan|load|ops [--name value ...]\n";
     return 2;
   }
   const std::string what = argv[1];
@@ -318,10 +321,11 @@ int main(int argc, char** argv) {
     if (what == "ops") return bench_ops(flags);
     if (what == "load") return bench_load(flags);
     if (what == "gpt") return bench_gpt(flags);
+    if (what == "scan") return bench_scan(flags);
   } catch (const std::exception& e) {
     std::cerr << "linum-bench: " << e.what() << "\n";
     return 1;
   }
-  std::cerr << "linum-bench: unknown benchmark '" << what << "' (choose mlp, gpt, load or ops)\n";
+  std::cerr << "linum-bench: unknown benchmark '" << what << "' (choose mlp, gpt, scan, load or ops)\n";
   return 2;
 }
