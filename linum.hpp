@@ -28,4 +28,5 @@
 #include <linum/lift/scan.hpp>
 #include <linum/lift/remat_scan.hpp>
 #include <linum/lift/schedule.hpp>
+#include <linum/lift/checkpoint_sequential.hpp>
 #include <linum/lift/remat_scope.hpp>

@@ -407,3 +407,23 @@ TEST_CASE("a param used twice inside a checkpoint and again outside it gets bitw
     CHECK(loss(block).bitwise_equal(loss(checkpoint(block, {.policy = policies::dots_saveable{}}))));
   }
 }
+
+TEST_CASE("checkpoint_sequential: nn::Sequential's variables and bitwise gradients, segments checkpointed but the last") {
+  auto act = [](const Array& a) { return tanh(a); };
+  const nn::Sequential plain{nn::Dense{.features = 8}, act, nn::Dense{.features = 8}, act, nn::Dense{.features = 8}, act,
+                             nn::Dense{.features = 4}};
+  const lift::checkpoint_sequential segmented{3, nn::Dense{.features = 8}, act, nn::Dense{.features = 8}, act,
+                                              nn::Dense{.features = 8}, act, nn::Dense{.features = 4}};
+  const Array x = random_array(Shape{5, 8}, 40);
+  const Tree vars = init(plain, rng::key(2), x);
+  CHECK(bitwise_equal(vars, init(segmented, rng::key(2), x)));
+  CHECK(vars.at("params").keys() == std::vector<std::string>{"layers_0", "layers_2", "layers_4", "layers_6"});
+  auto grads = [&](const auto& model) {
+    return grad([&](const Tree& p) { return sum(square(apply(model, Tree{{"params", p}}, x))); })(vars.at("params"));
+  };
+  const Tree g0 = grads(plain);
+  lift::reset_recompute_stats();
+  CHECK(bitwise_equal(grads(segmented), g0));
+  CHECK(lift::recompute_stats().recomputations == 2);  // 7 layers in runs of 3: two checkpointed, the last plain
+  CHECK_THROWS_AS(init(lift::checkpoint_sequential{0, nn::Dense{.features = 2}}, rng::key(0), x), ValueError);
+}

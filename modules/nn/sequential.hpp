@@ -31,10 +31,11 @@ struct Sequential {
   // The layers to run, in order.
   explicit Sequential(Layers... ls) : layers(std::move(ls)...) {}
 
-  // Runs every layer in turn; the arguments go to the first one.
-  template <class... Args>
-  decltype(auto) operator()(Scope& s, Args&&... args) const {
-    return run<0>(s, std::forward<Args>(args)...);
+  // Runs every layer in turn; the arguments (at least one) go to the first one. (Requiring one keeps
+  // overload checks such as std::invocable<Sequential, Scope&> from instantiating the body.)
+  template <class First, class... Args>
+  decltype(auto) operator()(Scope& s, First&& first, Args&&... args) const {
+    return run<0>(s, std::forward<First>(first), std::forward<Args>(args)...);
   }
 
  private:
