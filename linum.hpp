@@ -8,6 +8,7 @@
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/threading.hpp>
 #include <linum/core/debug_nans.hpp>
+#include <linum/core/warnings.hpp>
 #include <linum/core/memory.hpp>
 #include <linum/core/shape.hpp>
 #include <linum/rng/rng.hpp>

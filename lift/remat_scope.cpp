@@ -2,13 +2,27 @@
 
 #include <linum/lift/remat.hpp>
 
+#include <linum/core/warnings.hpp>
+
 #include <algorithm>
+#include <mutex>
+#include <set>
 
 namespace linum::lift {
 
+// What a list_of_layers scope saw: the module calls, and which listed names matched one (shared by
+// the scope's interceptor and those its checkpointed calls install for their bodies).
+struct LayerMatches {
+  std::mutex mutex;
+  std::vector<std::string> called;  // the first few module paths seen, for the warning
+  std::int64_t calls = 0;
+  std::set<std::string> matched;
+};
+
 class RematScope::Interceptor final : public linum::detail::CallInterceptor {
  public:
-  explicit Interceptor(std::shared_ptr<const RematScopeOptions> options) : options_(std::move(options)) {}
+  Interceptor(std::shared_ptr<const RematScopeOptions> options, std::shared_ptr<LayerMatches> matches)
+      : options_(std::move(options)), matches_(std::move(matches)) {}
 
   bool wants(const std::vector<std::string>& path, const std::string& /*type*/) const override {
     switch (options_->mode) {
@@ -20,18 +34,43 @@ class RematScope::Interceptor final : public linum::detail::CallInterceptor {
       case RematMode::list_of_layers: {
         const auto& names = options_->layer_names;
         const std::string joined = linum::detail::join_module_path(path);
-        return std::find(names.begin(), names.end(), path.back()) != names.end() ||
-               std::find(names.begin(), names.end(), joined) != names.end();
+        std::lock_guard<std::mutex> lock(matches_->mutex);
+        ++matches_->calls;
+        if (matches_->called.size() < 8) matches_->called.push_back(joined);
+        bool wanted = false;
+        for (const std::string& name : {path.back(), joined})
+          if (std::find(names.begin(), names.end(), name) != names.end()) {
+            matches_->matched.insert(name);
+            wanted = true;
+          }
+        return wanted;
       }
     }
     return false;
   }
 
+  // Listed names that matched no module call so far.
+  std::vector<std::string> unmatched() const {
+    std::vector<std::string> out;
+    std::lock_guard<std::mutex> lock(matches_->mutex);
+    for (const auto& name : options_->layer_names)
+      if (!matches_->matched.count(name)) out.push_back(name);
+    return out;
+  }
+  std::int64_t calls_seen() const {
+    std::lock_guard<std::mutex> lock(matches_->mutex);
+    return matches_->calls;
+  }
+  std::vector<std::string> called() const {
+    std::lock_guard<std::mutex> lock(matches_->mutex);
+    return matches_->called;
+  }
+
   std::vector<Array> run(Scope& scope, const std::function<std::vector<Array>(Scope&)>& body) override {
     // The call's body installs the same decisions again, so that its recomputation (which runs when
     // this scope may be long gone) checkpoints exactly the calls the forward pass checkpointed.
-    detail::ScopedBody replayed = [options = options_, body](Scope& s) {
-      Interceptor again(options);
+    detail::ScopedBody replayed = [options = options_, matches = matches_, body](Scope& s) {
+      Interceptor again(options, matches);
       linum::detail::CallInterceptorGuard installed(&again);
       return body(s);
     };
@@ -51,6 +90,7 @@ class RematScope::Interceptor final : public linum::detail::CallInterceptor {
 
  private:
   std::shared_ptr<const RematScopeOptions> options_;
+  std::shared_ptr<LayerMatches> matches_;
 };
 
 namespace {
@@ -73,10 +113,30 @@ RematScopeOptions validated(RematScopeOptions o) {
 }  // namespace
 
 RematScope::RematScope(RematScopeOptions options)
-    : interceptor_(std::make_unique<Interceptor>(std::make_shared<const RematScopeOptions>(validated(std::move(options))))),
+    : interceptor_(std::make_unique<Interceptor>(std::make_shared<const RematScopeOptions>(validated(std::move(options))),
+                                                 std::make_shared<LayerMatches>())),
       guard_(std::make_unique<linum::detail::CallInterceptorGuard>(interceptor_.get())) {}
 
-RematScope::~RematScope() = default;
+// A layer list is legal even if a name matches nothing, but that is surely a typo or a renamed
+// layer: say so when the scope ends (only if module calls were seen, so an unused scope is quiet).
+RematScope::~RematScope() {
+  guard_.reset();
+  if (interceptor_->options().mode != RematMode::list_of_layers || interceptor_->calls_seen() == 0) return;
+  const std::vector<std::string> missing = interceptor_->unmatched();
+  if (missing.empty()) return;
+  std::string names, seen;
+  for (const auto& n : missing) names += (names.empty() ? "'" : ", '") + n + "'";
+  for (const auto& c : interceptor_->called()) seen += (seen.empty() ? "" : ", ") + c;
+  try {
+    warn(linum::detail::cat("lift::RematScope (list_of_layers): ", names, " matched none of the ",
+                            interceptor_->calls_seen(), " module calls made while the scope was alive (e.g. ", seen,
+                            "), so nothing was rematerialized for them; use module names such as \"Dense_1\" or paths such "
+                            "as \"Block_0/Dense_1\""));
+  } catch (...) {  // a destructor must not throw; a handler that throws is ignored here
+  }
+}
+
+std::vector<std::string> RematScope::unmatched_layer_names() const { return interceptor_->unmatched(); }
 
 const RematScopeOptions& RematScope::options() const { return interceptor_->options(); }
 

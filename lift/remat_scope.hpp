@@ -47,6 +47,9 @@ class RematScope {
   RematScope& operator=(const RematScope&) = delete;
 
   const RematScopeOptions& options() const;
+  // list_of_layers: the listed names that have matched no module call so far. When the scope ends
+  // after module calls with names still unmatched, a warning (core/warnings.hpp) names them.
+  std::vector<std::string> unmatched_layer_names() const;
 
   class Interceptor;  // (remat_scope.cpp)
 

@@ -102,6 +102,22 @@ TEST_CASE("RematScope modes: which calls are checkpointed; results bitwise those
     CHECK(g_calls["Narrow_0"] == 1);
     CHECK(g_calls["Narrow_1"] == 2);
   }
+  SUBCASE("list_of_layers: names that match no call are reported, and warned about when the scope ends") {
+    std::vector<std::string> warnings;
+    const WarningHandler previous = set_warning_handler([&](const std::string& m) { warnings.push_back(m); });
+    {
+      lift::RematScope remat({.mode = lift::RematMode::list_of_layers, .layer_names = {"Narrow_1", "Narow_0", "Wide_9"}});
+      check_same(step(vars, x));
+      CHECK(remat.unmatched_layer_names() == std::vector<std::string>{"Narow_0", "Wide_9"});
+    }
+    {
+      lift::RematScope unused({.mode = lift::RematMode::list_of_layers, .layer_names = {"Nothing"}});  // no calls: quiet
+    }
+    set_warning_handler(previous);
+    REQUIRE(warnings.size() == 1);
+    CHECK(warnings[0].find("'Narow_0', 'Wide_9' matched none of the") != std::string::npos);
+    CHECK(warnings[0].find("Wide_0") != std::string::npos);  // what was called instead
+  }
   SUBCASE("none shadows an enclosing scope; the scope ends with its block") {
     g_calls.clear();
     {
