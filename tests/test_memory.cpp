@@ -88,3 +88,16 @@ TEST_CASE("the block cache sizes itself to the workload: a step's peak is kept, 
   CHECK(memory::stats().cache_limit_bytes == std::int64_t{32} << 20);
   memory::set_cache_limit(std::int64_t{256} << 20);
 }
+
+TEST_CASE("a checkpoint's recomputation does not keep its outputs alive (FlatCall keeps only the first run's structure)") {
+  const Array x = Array::ones(Shape{256, 256});
+  const pytree::FlatCall<Array, Array> call(std::make_tuple(x));
+  auto run = call.body([](const Array& a) { return a * 2.0f; });
+  const std::int64_t before = memory::stats().live_bytes;
+  Array first = call.rebuild(run());  // the forward pass
+  const std::int64_t after_forward = memory::stats().live_bytes;
+  (void)run();                         // a recomputation, its arrays dropped at once
+  CHECK(memory::stats().live_bytes == after_forward);
+  first = Array();
+  CHECK(memory::stats().live_bytes == before);
+}

@@ -32,7 +32,10 @@ class FlatCall {
     return [f = std::move(f), state = state_](Context... context) {
       Out out = std::apply([&](const auto&... a) -> Out { return f(context..., a...); }, state->args);
       std::vector<Array> flat = pytree::flatten(out);
-      if (!state->like) state->like.emplace(std::move(out));
+      if (state->first_run) {  // only the first run's structure is kept: a recomputation's output
+        state->first_run = false;  // must not stay alive (it holds the recomputed graph)
+        state->like.emplace(std::move(out));
+      }
       return flat;
     };
   }
@@ -56,6 +59,7 @@ class FlatCall {
     explicit State(std::tuple<Args...> a) : args(std::move(a)) {}
     const std::tuple<Args...> args;
     std::optional<Out> like;
+    bool first_run = true;
   };
   std::shared_ptr<State> state_;
 };
