@@ -62,7 +62,10 @@ std::string describe(const OpPrint& p) {
 // outputs backward rules keep (residuals), and which ops can skip their computation.
 class ForwardRegion final : public autodiff::detail::RecordHook {
  public:
-  ForwardRegion(const Policy& policy, bool verify) : policy_(policy), verify_(verify) {}
+  // Dead code exists only where something is skipped, i.e. saved; verify mode replays every op. So
+  // only then does the region pay for learning the data flow.
+  ForwardRegion(const Policy& policy, bool verify)
+      : policy_(policy), verify_(verify), analyze_(!policy.saves_nothing() && !verify) {}
   bool is_region() const override { return true; }
   std::optional<Array> replay_output(const Shape& shape, DType dtype) override {
     pending_ = Pending{shape, dtype};
@@ -72,6 +75,36 @@ class ForwardRegion final : public autodiff::detail::RecordHook {
     const std::uint64_t index = next_++;
     const bool skippable = pending_ && pending_->shape == out.shape() && pending_->dtype == out.dtype();
     pending_.reset();
+    if (analyze_) learn_flow(index, out, node, skippable);
+    if (verify_) prints_.push_back({op, out.shape(), out.dtype(), fingerprint(out), current_module_path()});
+    if (policy_.saves_nothing()) return;
+    const std::string path = current_module_path();
+    const OpInfo info{op, out.shape(), out.nbytes(), node ? node->label() : std::string_view(), path, out.dtype()};
+    if (policy_.saveable(info)) {
+      saved_.push_back({index, out.detached()});
+      g_stats.saved.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+  std::vector<SavedValue> take_saved() { return std::move(saved_); }
+  std::vector<OpPrint> take_prints() { return std::move(prints_); }
+
+  // After the forward pass: which ops the replay may leave out (see DataFlow::dead_ops); empty when
+  // the data flow was not learnt.
+  std::vector<bool> dead_ops(const std::vector<Array>& outs) {
+    if (!analyze_) return {};
+    for (const Array& o : outs) {
+      if (o.node() != nullptr)
+        if (auto it = producer_.find({o.node()->id(), o.output_index()}); it != producer_.end()) flow_.needed[it->second] = true;
+      if (auto it = writer_.find(o.buffer_identity()); o.defined() && it != writer_.end()) flow_.needed[it->second] = true;
+    }
+    std::vector<bool> saved(flow_.skippable.size(), false);
+    for (const SavedValue& v : saved_) saved[v.index] = true;
+    return flow_.dead_ops(saved);
+  }
+
+ private:
+  // Op `index`'s place in the data flow: who reads whose output, which outputs residuals keep.
+  void learn_flow(std::uint64_t index, const Array& out, const Node* node, bool skippable) {
     flow_.skippable.push_back(skippable);
     flow_.consumers.emplace_back();
     flow_.needed.push_back(false);
@@ -89,31 +122,8 @@ class ForwardRegion final : public autodiff::detail::RecordHook {
         if (auto it = writer_.find(r.buffer_identity()); r.defined() && it != writer_.end()) flow_.needed[it->second] = true;
       producer_[{node->id(), out.output_index()}] = me;
     }
-    if (verify_) prints_.push_back({op, out.shape(), out.dtype(), fingerprint(out), current_module_path()});
-    if (policy_.saves_nothing()) return;
-    const std::string path = current_module_path();
-    const OpInfo info{op, out.shape(), out.nbytes(), node ? node->label() : std::string_view(), path, out.dtype()};
-    if (policy_.saveable(info)) {
-      saved_.push_back({index, out.detached()});
-      g_stats.saved.fetch_add(1, std::memory_order_relaxed);
-    }
-  }
-  std::vector<SavedValue> take_saved() { return std::move(saved_); }
-  std::vector<OpPrint> take_prints() { return std::move(prints_); }
-
-  // After the forward pass: which ops the replay may leave out (see DataFlow::dead_ops).
-  std::vector<bool> dead_ops(const std::vector<Array>& outs) {
-    for (const Array& o : outs) {
-      if (o.node() != nullptr)
-        if (auto it = producer_.find({o.node()->id(), o.output_index()}); it != producer_.end()) flow_.needed[it->second] = true;
-      if (auto it = writer_.find(o.buffer_identity()); o.defined() && it != writer_.end()) flow_.needed[it->second] = true;
-    }
-    std::vector<bool> saved(flow_.skippable.size(), false);
-    for (const SavedValue& v : saved_) saved[v.index] = true;
-    return flow_.dead_ops(saved);
   }
 
- private:
   struct Pending {
     Shape shape;
     DType dtype;
@@ -148,6 +158,7 @@ class ForwardRegion final : public autodiff::detail::RecordHook {
 
   const Policy& policy_;
   bool verify_;
+  bool analyze_;
   std::vector<SavedValue> saved_;
   std::vector<OpPrint> prints_;
   std::uint64_t next_ = 0;

@@ -55,10 +55,8 @@ struct checkpoint_sequential {
   // Layers [a, b) of `net` in scope `s`, each module in its child scope "layers_<i>".
   static Array run_range(const checkpoint_sequential& net, Scope& s, int a, int b, Array h) {
     auto one = [&]<std::size_t I>(std::integral_constant<std::size_t, I>) {
-      if (static_cast<int>(I) < a || static_cast<int>(I) >= b) return;
-      const auto& layer = std::get<I>(net.layers);
-      if constexpr (std::invocable<decltype(layer), Scope&, const Array&>) h = s("layers_" + std::to_string(I), layer, h);
-      else h = layer(h);
+      if (static_cast<int>(I) >= a && static_cast<int>(I) < b)
+        h = nn::sequential_detail::call_sequential_layer<I>(std::get<I>(net.layers), s, h);
     };
     [&]<std::size_t... Is>(std::index_sequence<Is...>) { (one(std::integral_constant<std::size_t, Is>{}), ...); }(
         std::index_sequence_for<Layers...>{});

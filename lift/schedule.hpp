@@ -82,21 +82,14 @@ Carry run_range(const std::shared_ptr<const Step>& step, const ScanSchedule& sch
     case Kind::none:
       break;
     case Kind::every:
-      if (snapshots > 0) {  // top level: each step its own checkpoint
-        Carry h = carry;
-        for (std::int64_t i = a; i < b; ++i) h = checkpointed_range(step, schedule, i, i + 1, 0, h);
-        return h;
-      }
-      break;
-    case Kind::sqrt:
-      if (snapshots > 0) {  // top level: ceil(sqrt(n)) steps per checkpointed segment
-        std::int64_t per = 1;
+    case Kind::sqrt: {  // segments of 1 or ceil(sqrt(n)) steps, each checkpointed, plain inside
+      std::int64_t per = 1;
+      if (schedule.kind == Kind::sqrt)
         while (per * per < n) ++per;
-        Carry h = carry;
-        for (std::int64_t i = a; i < b; i += per) h = checkpointed_range(step, schedule, i, std::min(b, i + per), 0, h);
-        return h;
-      }
-      break;
+      Carry h = carry;
+      for (std::int64_t i = a; i < b; i += per) h = checkpointed_range(step, ScanSchedule{}, i, std::min(b, i + per), 0, h);
+      return h;
+    }
     case Kind::binomial: {
       const std::int64_t m = binomial_split(n, snapshots);
       Carry h = checkpointed_range(step, schedule, a, a + m, snapshots, carry);
@@ -119,8 +112,7 @@ template <class Carry, class Step>
 Carry run_steps(std::int64_t steps, const Carry& carry, Step step, const ScanSchedule& schedule) {
   detail::check_schedule(schedule, steps);
   auto shared = std::make_shared<const Step>(std::move(step));
-  const int top = schedule.kind == ScanSchedule::Kind::binomial ? schedule.snapshots : 1;
-  return detail::run_range<Carry, Step>(shared, schedule, 0, steps, top, carry);
+  return detail::run_range<Carry, Step>(shared, schedule, 0, steps, schedule.snapshots, carry);
 }
 
 }  // namespace linum::lift

@@ -294,6 +294,14 @@ std::uint32_t* words(Scratch& s, std::int64_t n) { return reinterpret_cast<std::
 bfloat16* halves(float* f) { return reinterpret_cast<bfloat16*>(f); }
 std::int64_t pairs(std::int64_t k) { return (k + 1) / 2; }
 
+// The masked logits of query rows [i0, i0 + rows) against keys [0, keys) into s (row stride
+// kv_len), from bf16 q rows and the packed k^T.
+void masked_logits(const Geometry& g, const MaskView* mask, std::int64_t mask_base, const bfloat16* q, std::int64_t ldq,
+                   const std::uint32_t* kt, std::int64_t i0, std::int64_t rows, std::int64_t keys, float* s) {
+  kernels::gemm_bf16_packed_serial(rows, keys, g.head_dim, g.scale, q + i0 * ldq, ldq, kt, g.kv_len, 0.0f, s, g.kv_len);
+  mask_logits(g, mask, mask_base, i0, rows, keys, s, g.kv_len);
+}
+
 void forward(const Geometry& g, const Array& q, const Array& k, const Array& v, const MaskView* mask, Array& out,
              Array& stats) {
   float* stats_data = stats.mutable_data();
@@ -313,8 +321,7 @@ void forward(const Geometry& g, const Array& q, const Array& k, const Array& v, 
     for (std::int64_t i0 = 0; i0 < g.q_len; i0 += kQueryBlock) {
       const std::int64_t rows = std::min(kQueryBlock, g.q_len - i0);
       const std::int64_t keys = g.visible_keys(i0 + rows, mask != nullptr);
-      kernels::gemm_bf16_packed_serial(rows, keys, g.head_dim, g.scale, qp + i0 * ldq, ldq, kt, g.kv_len, 0.0f, s, g.kv_len);
-      mask_logits(g, mask, mask_base, i0, rows, keys, s, g.kv_len);
+      masked_logits(g, mask, mask_base, qp, ldq, kt, i0, rows, keys, s);
       softmax_rows(s, g.kv_len, rows, keys, row_stats + 2 * i0);
       for (std::int64_t r = 0; r < rows; ++r) f32_to_bf16(s + r * g.kv_len, p16 + r * g.kv_len, keys);
       kernels::gemm_bf16_packed_serial(rows, g.v_dim, keys, 1.0f, p16, g.kv_len, vb, g.v_dim, 0.0f, o, g.v_dim);
@@ -362,8 +369,7 @@ void backward(const Geometry& g, const Array& q, const Array& k, const Array& v,
     for (std::int64_t i0 = 0; i0 < g.q_len; i0 += kQueryBlock) {
       const std::int64_t rows = std::min(kQueryBlock, g.q_len - i0);
       const std::int64_t keys = g.visible_keys(i0 + rows, mask != nullptr);
-      kernels::gemm_bf16_packed_serial(rows, keys, g.head_dim, g.scale, qp + i0 * ldq, ldq, kt, g.kv_len, 0.0f, p, g.kv_len);
-      mask_logits(g, mask, mask_base, i0, rows, keys, p, g.kv_len);
+      masked_logits(g, mask, mask_base, qp, ldq, kt, i0, rows, keys, p);
       weights_from_stats(p, g.kv_len, rows, keys, row_stats + 2 * i0);
       // dv[0:keys] += p^T do
       kernels::f32_to_bf16_transposed(p, g.kv_len, rows, keys, t16, kQueryBlock);

@@ -21,6 +21,18 @@
 
 namespace linum::nn {
 
+namespace sequential_detail {
+// Calls entry I of a layer list: a module in child scope "layers_<I>", or a plain function. Shared
+// with lift::checkpoint_sequential, whose dicts must match Sequential's.
+template <std::size_t I, class L, class... Args>
+decltype(auto) call_sequential_layer(const L& layer, Scope& s, Args&&... args) {
+  if constexpr (std::invocable<const L&, Scope&, Args...>)
+    return s("layers_" + std::to_string(I), layer, std::forward<Args>(args)...);
+  else
+    return layer(std::forward<Args>(args)...);
+}
+}  // namespace sequential_detail
+
 template <class... Layers>
 struct Sequential {
   static_assert(sizeof...(Layers) > 0, "nn::Sequential needs at least one layer (Flax: 'Empty Sequential module')");
@@ -39,21 +51,12 @@ struct Sequential {
   }
 
  private:
-  // Calls layer I (a module in child scope "layers_<I>", or a plain function) on `args`.
-  template <std::size_t I, class L, class... Args>
-  static decltype(auto) call_layer(const L& layer, Scope& s, Args&&... args) {
-    if constexpr (std::invocable<const L&, Scope&, Args...>)
-      return s("layers_" + std::to_string(I), layer, std::forward<Args>(args)...);
-    else
-      return layer(std::forward<Args>(args)...);
-  }
-
   template <std::size_t I, class... Args>
   decltype(auto) run(Scope& s, Args&&... args) const {
     if constexpr (I + 1 == sizeof...(Layers)) {
-      return call_layer<I>(std::get<I>(layers), s, std::forward<Args>(args)...);
+      return sequential_detail::call_sequential_layer<I>(std::get<I>(layers), s, std::forward<Args>(args)...);
     } else {
-      auto out = call_layer<I>(std::get<I>(layers), s, std::forward<Args>(args)...);
+      auto out = sequential_detail::call_sequential_layer<I>(std::get<I>(layers), s, std::forward<Args>(args)...);
       return run<I + 1>(s, std::move(out));
     }
   }
