@@ -34,9 +34,14 @@ Array Array::empty(const Shape& shape, DType dtype) {
                                  " bytes; that is more memory than any machine has (the op or the shapes are wrong)"));
   try {
     a.buffer_ = std::make_shared<Buffer>(static_cast<std::size_t>(bytes));
+  } catch (const memory::detail::LiveLimitExceeded&) {
+    throw MemoryError(detail::cat("Array: allocating ", bytes, " bytes for an array of shape ", shape, " (",
+                                  dtype_name(dtype), ") would take live array bytes from ", memory::stats().live_bytes,
+                                  " above the limit of ", memory::live_limit(),
+                                  " set with memory::set_live_limit (raise the limit, or remat more)"));
   } catch (const std::bad_alloc&) {
-    throw Error(detail::cat("Array: out of memory allocating ", bytes, " bytes for an array of shape ", shape, " (",
-                            dtype_name(dtype), "); live array bytes: ", memory::stats().live_bytes));
+    throw MemoryError(detail::cat("Array: out of memory allocating ", bytes, " bytes for an array of shape ", shape, " (",
+                                  dtype_name(dtype), "); live array bytes: ", memory::stats().live_bytes));
   }
   return a;
 }

@@ -7,8 +7,9 @@
 // checks the gradients it produces; the first non-finite value raises linum::FloatingPointError
 // naming the op, the phase (forward, backward or the recomputation of a checkpointed block), the
 // shapes and the first bad element. Inside a module the error also names the module path. Ops run
-// outside differentiation (plain inference) are not checked. Off (the default), the cost is one
-// relaxed atomic load per recorded op.
+// outside differentiation (plain inference) are checked per module instead: the innermost module
+// whose output holds the value is named (run the call under value_and_grad to name the op). Off
+// (the default), the cost is one relaxed atomic load per recorded op and per module call.
 #pragma once
 
 #include <linum/core/array.hpp>
@@ -16,6 +17,7 @@
 
 #include <atomic>
 #include <initializer_list>
+#include <span>
 
 namespace linum {
 
@@ -59,6 +61,10 @@ class PhaseScope {
 // Throws FloatingPointError if `out` holds a value the enabled checks forbid: the output of `op`
 // (input_index < 0) or the gradient it produced for input `input_index`.
 void check_finite(const Array& out, const char* op, int input_index, std::initializer_list<const Array*> inputs);
+
+// Throws FloatingPointError if a module's outputs hold a value the enabled checks forbid (Scope
+// calls it when a module returns, so plain inference is checked per module).
+void check_module_outputs(std::span<const Array> outs);
 
 inline bool debug_checks_on() { return g_debug_nonfinite.load(std::memory_order_relaxed) != 0; }
 

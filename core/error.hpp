@@ -34,6 +34,12 @@ struct AutodiffError : Error {
   using Error::Error;
 };
 
+// An allocation the machine cannot satisfy, or one that would take live array bytes above the
+// limit set with memory::set_live_limit. Names the array's shape and dtype.
+struct MemoryError : Error {
+  using Error::Error;
+};
+
 // A NaN or infinity found by debug_nans / debug_infs (core/debug_nans.hpp).
 struct FloatingPointError : Error {
   using Error::Error;

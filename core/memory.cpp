@@ -20,6 +20,7 @@ std::atomic<std::int64_t> g_peak{0};
 std::atomic<std::int64_t> g_buffers{0};
 std::atomic<std::int64_t> g_allocations{0};
 std::atomic<std::int64_t> g_high_water{0};  // the most live bytes ever (never reset)
+std::atomic<std::int64_t> g_live_limit{0};  // set_live_limit; 0: none
 
 // Freed large blocks by (rounded) size, for reuse. Never destroyed: buffers may be freed during
 // static destruction, after any ordinary static object would be gone.
@@ -119,6 +120,9 @@ void release_cached() {
   c.cached = 0;
 }
 
+void set_live_limit(std::int64_t bytes) { g_live_limit.store(std::max<std::int64_t>(bytes, 0)); }
+std::int64_t live_limit() { return g_live_limit.load(std::memory_order_relaxed); }
+
 void reset_peak() { g_peak.store(g_live.load()); }
 
 PeakScope::PeakScope() : start_live_(g_live.load()), outer_peak_(g_peak.load()) {
@@ -134,6 +138,9 @@ namespace detail {
 void* allocate(std::size_t bytes) {
   // aligned_alloc needs a size that is a multiple of the alignment; round up but account the
   // bytes the caller asked for, so that figures match shapes exactly.
+  const std::int64_t limit = g_live_limit.load(std::memory_order_relaxed);
+  if (limit > 0 && g_live.load(std::memory_order_relaxed) + static_cast<std::int64_t>(bytes) > limit)
+    throw LiveLimitExceeded();
   const std::size_t rounded = rounded_size(bytes);
   void* p = rounded >= kCacheMinBytes ? take_cached(rounded) : nullptr;
   if (p == nullptr) p = std::aligned_alloc(kAlignment, rounded);

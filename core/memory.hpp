@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <new>
 
 namespace linum::memory {
 
@@ -34,6 +35,25 @@ struct Stats {
 void set_cache_limit(std::int64_t bytes);
 // Returns every cached block to the system.
 void release_cached();
+
+// A cap on live array bytes; 0 (the default) means none. An allocation that would take live bytes
+// above the cap throws linum::MemoryError naming the array's shape and the cap, as a device with
+// that much memory would fail: a service can bound what untrusted configurations allocate, and a
+// remat plan can be run under its byte budget to prove it fits. Process-wide, like the counters.
+void set_live_limit(std::int64_t bytes);
+std::int64_t live_limit();
+
+// Sets the live-byte cap while alive and restores the previous one.
+class LiveLimitScope {
+ public:
+  explicit LiveLimitScope(std::int64_t bytes) : previous_(live_limit()) { set_live_limit(bytes); }
+  ~LiveLimitScope() { set_live_limit(previous_); }
+  LiveLimitScope(const LiveLimitScope&) = delete;
+  LiveLimitScope& operator=(const LiveLimitScope&) = delete;
+
+ private:
+  std::int64_t previous_;
+};
 
 // A snapshot of the counters (thread-safe; the counters are process-wide).
 Stats stats();
@@ -62,6 +82,10 @@ class PeakScope {
 };
 
 namespace detail {
+// Thrown by allocate when the live-byte cap would be exceeded (Array turns it into MemoryError).
+struct LiveLimitExceeded : std::bad_alloc {
+  const char* what() const noexcept override { return "linum: live-byte limit exceeded"; }
+};
 // The single allocation point: 64-byte aligned, accounted. Throws std::bad_alloc on failure.
 void* allocate(std::size_t bytes);
 void deallocate(void* p, std::size_t bytes) noexcept;

@@ -35,7 +35,9 @@
 //
 // Writing files is atomic: the data goes to a temporary file in the same directory, which is
 // flushed, fsync'ed and renamed over the target. On failure the previous file is untouched and
-// the temporary file is removed.
+// the temporary file is removed. The temporary file is anonymous (O_TMPFILE) until it is complete,
+// so a process killed mid-write leaves nothing behind; on file systems without O_TMPFILE it is a
+// named ".<name>.tmp-<pid>-<n>" file, which the next save removes once its writer is dead.
 #pragma once
 
 #include <linum/core/tree.hpp>

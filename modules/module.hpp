@@ -112,9 +112,19 @@ Tree init_method(Method method, const M& module, const rng::Streams& rngs, Args&
 
 // ---- apply ------------------------------------------------------------------------------------
 
+namespace detail {
+// True when a call's first argument is an ApplyOptions (the overload below that takes options).
+template <class... Args>
+inline constexpr bool options_first = false;
+template <class First, class... Rest>
+inline constexpr bool options_first<First, Rest...> = std::is_same_v<std::remove_cvref_t<First>, ApplyOptions>;
+}  // namespace detail
+
 // Runs `module` on `variables`; returns its output. Writing to any collection is an error.
+// (Options first means the overload below; checked before invocability, so modules with a generic
+// operator(), such as Sequential, are not instantiated with the options as an input.)
 template <class M, class... Args>
-  requires std::invocable<const M&, Scope&, Args...>
+  requires(!detail::options_first<Args...> && std::invocable<const M&, Scope&, Args...>)
 auto apply(const M& module, const Tree& variables, Args&&... args) {
   detail::ScopeState state;
   detail::prepare_apply(state, variables, {});

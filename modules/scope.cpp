@@ -260,6 +260,8 @@ void Scope::rethrow_with_path(const std::string& type_name) const {
       throw AutodiffError(where);
     } catch (const FloatingPointError&) {
       throw FloatingPointError(where);
+    } catch (const MemoryError&) {
+      throw MemoryError(where);
     } catch (const Error&) {
       throw Error(where);
     }

@@ -22,6 +22,7 @@
 #include <linum/core/array.hpp>
 #include <linum/core/autodiff/flat_call.hpp>
 #include <linum/core/autodiff/pytree.hpp>
+#include <linum/core/debug_nans.hpp>
 #include <linum/core/error.hpp>
 #include <linum/core/tree.hpp>
 #include <linum/rng/key.hpp>
@@ -320,11 +321,13 @@ class Scope {
     detail::ModulePathGuard where(&path_);
     try {
       detail::ModuleCallObserver* observer = detail::module_call_observer();
-      if (observer == nullptr) return body(*this, std::forward<Args>(args)...);
+      const bool check_outputs = linum::detail::debug_checks_on();
+      if (observer == nullptr && !check_outputs) return body(*this, std::forward<Args>(args)...);
       const std::string type = module_type_name<M>();
-      observer->on_enter(path_, type);
+      if (observer != nullptr) observer->on_enter(path_, type);
       decltype(auto) out = body(*this, std::forward<Args>(args)...);
-      observer->on_exit(path_, type, pytree::flatten(out));
+      if (check_outputs) linum::detail::check_module_outputs(pytree::flatten(out));
+      if (observer != nullptr) observer->on_exit(path_, type, pytree::flatten(out));
       return out;
     } catch (const Error&) {
       rethrow_with_path(module_type_name<M>());

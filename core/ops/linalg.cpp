@@ -109,7 +109,9 @@ Array matmul(const Array& a_orig, const Array& b_orig) {
 Array dot_general(const Array& lhs_orig, const Array& rhs_orig, const DotDims& dims) {
   ops::detail::require_float(lhs_orig, "dot_general");
   ops::detail::require_float(rhs_orig, "dot_general");
-  const auto [lhs, rhs] = promoted(lhs_orig, rhs_orig);
+  const auto promoted_pair = promoted(lhs_orig, rhs_orig);
+  const Array& lhs = promoted_pair.first;  // references, not a structured binding: the lambdas below capture them (clang 14)
+  const Array& rhs = promoted_pair.second;
   auto bad = [&](const std::string& why) {
     return ShapeError(detail::cat("dot_general: ", why, " (lhs ", lhs.shape(), ", rhs ", rhs.shape(),
                                   ", contracting ", dims_str(dims.lhs_contracting), "/", dims_str(dims.rhs_contracting),

@@ -117,8 +117,9 @@ Array reshape(const Array& x, const std::vector<std::int64_t>& dims) {
       infer = static_cast<int>(i);
     } else if (d[i] < 0) {
       throw ShapeError(detail::cat("reshape: negative dimension in ", vec_str(dims)));
-    } else {
-      known *= d[i];
+    } else if (__builtin_mul_overflow(known, d[i], &known)) {
+      throw ShapeError(detail::cat("reshape: the target shape ", vec_str(dims), " of ", x.shape(),
+                                   " has more than 2^63 elements"));
     }
   }
   if (infer >= 0) {

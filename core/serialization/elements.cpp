@@ -151,14 +151,16 @@ void convert_elements(const DTypeInfo& info, const std::uint8_t* src, std::size_
   }
 }
 
-// Number of elements of `dims`, or nullopt if it overflows int64.
+// Number of elements of `dims`, or nullopt if the product of its nonzero dimensions overflows
+// int64 (as Shape::numel: a zero dimension does not make an impossible shape acceptable).
 std::optional<std::int64_t> checked_numel(std::span<const std::int64_t> dims) {
-  for (auto d : dims)
-    if (d == 0) return 0;
   std::int64_t n = 1;
-  for (auto d : dims)
-    if (__builtin_mul_overflow(n, d, &n)) return std::nullopt;
-  return n;
+  bool empty = false;
+  for (auto d : dims) {
+    if (d == 0) empty = true;
+    else if (__builtin_mul_overflow(n, d, &n)) return std::nullopt;
+  }
+  return empty ? 0 : n;
 }
 
 std::string dims_str(std::span<const std::int64_t> dims) {

@@ -1,5 +1,6 @@
-// Files: reading whole files, writing atomically (temporary file, fsync, rename, fsync of the
-// directory; stale temporaries of killed writers cleaned up), and save/load by extension.
+// Files: reading whole files, writing atomically (an anonymous O_TMPFILE file, or a named temporary
+// where the file system has none; fsync, link, rename, fsync of the directory; stale temporaries of
+// killed writers cleaned up), and save/load by extension.
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/serialization.hpp>
 
@@ -86,23 +87,29 @@ void remove_stale_temporaries(const std::filesystem::path& dir, const std::strin
 
 void write_file_atomic(const std::filesystem::path& path, std::span<const std::uint8_t> bytes) {
   static std::atomic<unsigned> counter{0};
-  std::filesystem::path dir = path.parent_path();
+  const std::filesystem::path dir = path.parent_path().empty() ? std::filesystem::path(".") : path.parent_path();
   if (path.filename().empty())
     throw IoError(detail::cat("cannot write '", path.string(), "': the path names a directory, not a file"));
-  remove_stale_temporaries(dir.empty() ? std::filesystem::path(".") : dir, path.filename().string());
-  std::filesystem::path tmp =
-      (dir.empty() ? std::filesystem::path(".") : dir) /
-      detail::cat(".", path.filename().string(), ".tmp-", ::getpid(), "-", counter.fetch_add(1));
-  auto failure = [&](const char* step, int err) {
+  remove_stale_temporaries(dir, path.filename().string());
+  const std::filesystem::path tmp =
+      dir / detail::cat(".", path.filename().string(), ".tmp-", ::getpid(), "-", counter.fetch_add(1));
+  auto failure = [&](const std::string& step, int err) {
     return IoError(detail::cat("cannot write '", path.string(), "': ", step, ": ", errno_str(err),
                                "; the previous file (if any) is unchanged"));
   };
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-  if (fd < 0) throw failure(detail::cat("creating the temporary file '", tmp.string(), "'").c_str(), errno);
+  // First choice: an anonymous file in the target's directory (O_TMPFILE) that gets a name only
+  // once it is complete and on disk, so a writer killed mid-write leaves nothing behind. File
+  // systems without O_TMPFILE get a named temporary file (cleaned up by later writers if killed).
+  int fd = ::open(dir.c_str(), O_TMPFILE | O_WRONLY | O_CLOEXEC, 0666);
+  bool named = fd < 0;
+  if (named) {
+    fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd < 0) throw failure(detail::cat("creating the temporary file '", tmp.string(), "'"), errno);
+  }
   auto abandon = [&](const char* step) {
     int err = errno;
     if (fd >= 0) ::close(fd);
-    ::unlink(tmp.c_str());
+    if (named) ::unlink(tmp.c_str());
     throw failure(step, err);
   };
   std::size_t done = 0;
@@ -119,12 +126,20 @@ void write_file_atomic(const std::filesystem::path& path, std::span<const std::u
     done += static_cast<std::size_t>(n);
   }
   if (::fsync(fd) != 0) abandon("flushing to disk (fsync)");
+  if (!named) {
+    // Name the finished file: through its descriptor (needs CAP_DAC_READ_SEARCH) or /proc.
+    const std::string self = detail::cat("/proc/self/fd/", fd);
+    if (::linkat(fd, "", AT_FDCWD, tmp.c_str(), AT_EMPTY_PATH) != 0 &&
+        ::linkat(AT_FDCWD, self.c_str(), AT_FDCWD, tmp.c_str(), AT_SYMLINK_FOLLOW) != 0)
+      abandon("naming the finished temporary file (linkat)");
+    named = true;
+  }
   int rc = ::close(fd);
   fd = -1;
   if (rc != 0) abandon("closing");
   if (::rename(tmp.c_str(), path.c_str()) != 0) abandon("renaming the temporary file over the target");
   // Make the rename itself durable; failure here leaves a complete file, so it is not an error.
-  int dfd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dfd >= 0) {
     (void)::fsync(dfd);
     ::close(dfd);

@@ -182,6 +182,11 @@ class JsonReader {
       for (const auto& e : data) {
         const float v = element_f32(e, i);
         p[i] = bfloat16(v);
+        if (std::isnan(v)) {  // keep the NaN's bits (a signalling payload included) where bfloat16 can hold them
+          bfloat16 exact;
+          exact.bits = static_cast<std::uint16_t>(std::bit_cast<std::uint32_t>(v) >> 16);
+          if (std::isnan(static_cast<float>(exact))) p[i] = exact;
+        }
         if (!std::isnan(v) && std::bit_cast<std::uint32_t>(static_cast<float>(p[i])) != std::bit_cast<std::uint32_t>(v))
           fail(detail::cat("\"data\"[", i, "] = ", fmt_double(v), " is not exactly representable as bfloat16"));
         ++i;
