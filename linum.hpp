@@ -10,6 +10,7 @@
 #include <linum/core/debug_nans.hpp>
 #include <linum/core/warnings.hpp>
 #include <linum/core/memory.hpp>
+#include <linum/core/memory_timeline.hpp>
 #include <linum/core/shape.hpp>
 #include <linum/rng/rng.hpp>
 #include <linum/core/autodiff/graph.hpp>
@@ -31,3 +32,4 @@
 #include <linum/lift/schedule.hpp>
 #include <linum/lift/checkpoint_sequential.hpp>
 #include <linum/lift/remat_scope.hpp>
+#include <linum/lift/plan.hpp>

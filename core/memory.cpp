@@ -152,6 +152,7 @@ void* allocate(std::size_t bytes) {
   std::int64_t live = g_live.fetch_add(static_cast<std::int64_t>(bytes)) + static_cast<std::int64_t>(bytes);
   raise_peak_to(live);
   raise_to(g_high_water, live);
+  if (timeline_recording()) timeline_on_allocation(live);
   g_buffers.fetch_add(1, std::memory_order_relaxed);
   g_allocations.fetch_add(1, std::memory_order_relaxed);
   return p;

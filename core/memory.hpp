@@ -12,7 +12,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <atomic>
 #include <new>
+#include <string>
 
 namespace linum::memory {
 
@@ -82,6 +84,21 @@ class PeakScope {
 };
 
 namespace detail {
+// Memory timeline hooks (core/memory_timeline.hpp). g_timeline_recording is set while a
+// TimelineRecorder is alive; allocations and recorded ops read it (one relaxed load each).
+extern std::atomic<bool> g_timeline_recording;
+inline bool timeline_recording() { return g_timeline_recording.load(std::memory_order_relaxed); }
+// Live bytes just after an allocation.
+void timeline_on_allocation(std::int64_t live);
+// `op` finished; `node` identifies its graph node, so a backward point can carry the module path
+// of the forward op.
+void timeline_on_op(const char* op, const void* node);
+// A point for the return of the module call at `path` (modules/ marks calls this way).
+void timeline_mark(const char* op, const std::string& path);
+// Who is running: modules/ registers the current module path (core knows no modules).
+using PathProvider = std::string (*)();
+void set_timeline_path_provider(PathProvider provider);
+
 // Thrown by allocate when the live-byte cap would be exceeded (Array turns it into MemoryError).
 struct LiveLimitExceeded : std::bad_alloc {
   const char* what() const noexcept override { return "linum: live-byte limit exceeded"; }

@@ -1,5 +1,7 @@
 #include <linum/modules/scope.hpp>
 
+#include <linum/core/memory.hpp>
+
 #include <cxxabi.h>
 
 #include <algorithm>
@@ -57,6 +59,13 @@ ModuleCallObserverGuard::~ModuleCallObserverGuard() { t_observer = previous_; }
 const std::vector<std::string>* current_module_path() { return t_module_path; }
 ModulePathGuard::ModulePathGuard(const std::vector<std::string>* path) : previous_(t_module_path) { t_module_path = path; }
 ModulePathGuard::~ModulePathGuard() { t_module_path = previous_; }
+
+// Memory timelines tag each op with the module path running it.
+namespace {
+std::string timeline_module_path() { return t_module_path != nullptr ? join_module_path(*t_module_path) : std::string(); }
+[[maybe_unused]] const bool g_timeline_path_registered =
+    (linum::memory::detail::set_timeline_path_provider(&timeline_module_path), true);
+}  // namespace
 
 void ScopeState::check_collection_visible(std::string_view collection, std::string_view module_path) const {
   if (!lifted_collections || lifted_collections->count(collection)) return;
@@ -239,6 +248,13 @@ bool Scope::sow(std::string_view collection, std::string_view name, const Array&
   while (c.contains_path(base + "/" + std::to_string(i))) ++i;
   c.set_path(base + "/" + std::to_string(i), Tree(value));
   return true;
+}
+
+void Scope::mark_timeline_return() const noexcept {
+  try {
+    memory::detail::timeline_mark("return", detail::join_module_path(path_));
+  } catch (...) {  // a timeline point that cannot be stored is not worth failing the call for
+  }
 }
 
 void Scope::rethrow_with_path(const std::string& type_name) const {

@@ -24,6 +24,7 @@
 #include <linum/core/autodiff/pytree.hpp>
 #include <linum/core/debug_nans.hpp>
 #include <linum/core/error.hpp>
+#include <linum/core/memory.hpp>
 #include <linum/core/tree.hpp>
 #include <linum/rng/key.hpp>
 #include <linum/rng/streams.hpp>
@@ -298,6 +299,13 @@ class Scope {
   // the call (see detail::CallInterceptor).
   template <class M, class... Args>
   decltype(auto) call_module(const M& module, Args&&... args) {
+    // A memory timeline marks the call's return (after a checkpointed call released its insides).
+    struct ReturnMark {
+      Scope* scope;
+      ~ReturnMark() {
+        if (memory::detail::timeline_recording()) scope->mark_timeline_return();
+      }
+    } mark{this};
     if (detail::CallInterceptor* ic = detail::call_interceptor(); ic != nullptr && ic->wants(path_, module_type_name<M>()))
       return run_intercepted(*ic, module, std::forward<Args>(args)...);
     return run(module, module, std::forward<Args>(args)...);
@@ -336,6 +344,7 @@ class Scope {
 
  private:
   [[noreturn]] void rethrow_with_path(const std::string& type_name) const;
+  void mark_timeline_return() const noexcept;
   std::string full_path(std::string_view name) const;  // "Dense_0/kernel"
 
   detail::ScopeState* state_;

@@ -101,3 +101,93 @@ TEST_CASE("a checkpoint's recomputation does not keep its outputs alive (FlatCal
   first = Array();
   CHECK(memory::stats().live_bytes == before);
 }
+
+namespace {
+
+struct Block {
+  Array operator()(Scope& s, const Array& x) const { return gelu(s(nn::Dense{.features = 64}, gelu(s(nn::Dense{.features = 256}, x)))); }
+};
+template <class B>
+struct Deep {
+  Array operator()(Scope& s, Array x) const {
+    for (int i = 0; i < 6; ++i) x = s(B{}, x);
+    return x;
+  }
+};
+
+// A training step recorded as a timeline, with the exact accounting's peak over the same step.
+template <class M>
+std::pair<memory::Timeline, std::int64_t> recorded_step(const std::string& label, const Tree& vars, const Array& x) {
+  memory::TimelineRecorder rec(label);
+  memory::PeakScope peak;
+  (void)value_and_grad([&](const Tree& p) { return sum(apply(M{}, Tree{{"params", p}}, x)); })(vars.at("params"));
+  return {rec.finish(), peak.peak_bytes()};
+}
+
+// A small well-formedness check: every tag closed in order, attribute values quoted.
+bool well_formed_xml(const std::string& s) {
+  std::vector<std::string> open;
+  for (std::size_t i = s.find('<'); i != std::string::npos; i = s.find('<', i + 1)) {
+    const std::size_t end = s.find('>', i);
+    if (end == std::string::npos) return false;
+    std::string tag = s.substr(i + 1, end - i - 1);
+    if (tag.find('<') != std::string::npos) return false;
+    if (std::count(tag.begin(), tag.end(), '"') % 2 != 0) return false;
+    if (tag.starts_with("/")) {
+      if (open.empty() || open.back() != tag.substr(1)) return false;
+      open.pop_back();
+    } else if (!tag.ends_with("/")) {
+      open.push_back(tag.substr(0, tag.find(' ')));
+    }
+  }
+  return open.empty();
+}
+
+}  // namespace
+
+TEST_CASE("memory timeline: the peak of a recorded step is the accounting's peak; phases and module paths are tagged") {
+  const Array x = linum::rng::normal(rng::key(1), Shape{512, 64});  // activations dominate the parameters
+  const Tree vars = init(Deep<Block>{}, rng::key(0), x);
+  const auto [plain, plain_peak] = recorded_step<Deep<Block>>("plain", vars, x);
+  const auto [remat, remat_peak] = recorded_step<Deep<lift::remat<Block>>>("remat", vars, x);
+  CHECK(plain.peak_bytes() == plain_peak);
+  CHECK(remat.peak_bytes() == remat_peak);
+  CHECK(remat.peak_bytes() < plain.peak_bytes());  // remat's saving shows in the timeline
+  auto count = [](const memory::Timeline& t, const std::string& phase) {
+    return std::count_if(t.points.begin(), t.points.end(), [&](const auto& p) { return p.phase == phase; });
+  };
+  CHECK(count(plain, "forward") > 0);
+  CHECK(count(plain, "backward") > 0);
+  CHECK(count(plain, "recomputation") == 0);
+  CHECK(count(remat, "recomputation") > 0);
+  // Forward and backward points carry the module path of their op.
+  auto has = [](const memory::Timeline& t, const std::string& phase, const std::string& path, const std::string& op) {
+    return std::any_of(t.points.begin(), t.points.end(),
+                       [&](const auto& p) { return p.phase == phase && p.path == path && p.op == op; });
+  };
+  CHECK(has(plain, "forward", "Block_3/Dense_1", "matmul"));
+  CHECK(has(plain, "backward", "Block_3/Dense_1", "matmul"));
+  CHECK(has(remat, "recomputation", "Block_2/Dense_0", "matmul"));
+  for (std::size_t i = 1; i < plain.points.size(); ++i) CHECK(plain.points[i].seconds >= plain.points[i - 1].seconds);
+  // JSON round trip and the SVG: well formed, one curve per run carrying its exact peak.
+  const memory::Timeline back = memory::Timeline::from_json(nlohmann::json::parse(remat.to_json().dump()));
+  CHECK(back.points.size() == remat.points.size());
+  CHECK(back.peak_bytes() == remat.peak_bytes());
+  const std::string svg = memory::render_svg({plain, remat});
+  CHECK(svg.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""));
+  CHECK(well_formed_xml(svg));
+  CHECK(svg.find("data-label=\"plain\" data-peak-bytes=\"" + std::to_string(plain_peak) + "\"") != std::string::npos);
+  CHECK(svg.find("data-label=\"remat\" data-peak-bytes=\"" + std::to_string(remat_peak) + "\"") != std::string::npos);
+  CHECK(svg.find("plain: peak ") != std::string::npos);
+  CHECK_FALSE(well_formed_xml("<svg><g></svg></g>"));  // the checker itself can fail
+  CHECK_THROWS_AS(memory::Timeline::from_json(nlohmann::json{{"label", "x"}}), IoError);
+}
+
+TEST_CASE("memory timeline: one recorder at a time; not recording costs no points") {
+  memory::TimelineRecorder rec("a");
+  CHECK_THROWS_WITH_AS(memory::TimelineRecorder("b"), doctest::Contains("another recorder is active"), ValueError);
+  const memory::Timeline t = rec.finish();
+  CHECK(t.points.size() == 1);  // the start point only
+  CHECK_THROWS_AS(rec.finish(), ValueError);
+  memory::TimelineRecorder again("c");  // finished: a new one may start
+}

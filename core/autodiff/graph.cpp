@@ -146,7 +146,9 @@ void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, Del
       inputs.clear();
       inputs.shrink_to_fit();
     }
+    const char* op = node->op();
     it->reset();  // drop our reference: the node dies now unless an array still refers to it
+    if (any && memory::detail::timeline_recording()) memory::detail::timeline_on_op(op, node);  // node: a key only
   }
 }
 

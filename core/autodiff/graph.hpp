@@ -20,6 +20,7 @@
 
 #include <linum/core/array.hpp>
 #include <linum/core/debug_nans.hpp>
+#include <linum/core/memory.hpp>
 
 #include <atomic>
 #include <cstdint>
@@ -222,6 +223,7 @@ void record(const char* op, Array& out, std::initializer_list<const Array*> inpu
   out.set_node(std::move(node), 0);
   if (linum::detail::debug_checks_on()) linum::detail::check_finite(out, op, -1, inputs);
   if (detail::t_record_hook != nullptr) detail::on_record(op, out, raw);
+  if (memory::detail::timeline_recording()) memory::detail::timeline_on_op(op, raw);
 }
 
 // The same for ops with several inputs given as a list, or several outputs (each output gets the
@@ -239,6 +241,7 @@ void record_multi(const char* op, std::span<Array> outs, std::vector<Edge> input
     for (const Array& o : outs) linum::detail::check_finite(o, op, -1, {});
   if (detail::t_record_hook != nullptr)
     for (Array& o : outs) detail::on_record(op, o, node.get());
+  if (memory::detail::timeline_recording()) memory::detail::timeline_on_op(op, node.get());
 }
 
 // ---- the backward sweep -----------------------------------------------------------------------

@@ -103,6 +103,7 @@ struct Options {
   bool eval_only = false;
   std::int64_t limit = 0;  // use only the first N training images (0: all)
   DType dtype = DType::f32;
+  fs::path memory_plot;  // --memory-plot FILE.svg: the memory timeline of one step, with and without remat
 };
 
 const char* remat_name(Remat r) { return r == Remat::none ? "none" : r == Remat::full ? "full" : "dots"; }
@@ -110,6 +111,7 @@ const char* remat_name(Remat r) { return r == Remat::none ? "none" : r == Remat:
 [[noreturn]] void usage_error(const std::string& message) {
   std::cerr << "fashion_mnist: " << message << "\n"
             << "usage: fashion_mnist [--epochs N] [--remat full|dots|none] [--batch N] [--lr X] [--optimizer adam|sgd]\n"
+            << "                     [--memory-plot FILE.svg]\n"
             << "                     [--dropout X] [--batchnorm] [--seed N] [--data DIR] [--checkpoint FILE] [--resume]\n"
             << "                     [--eval] [--limit N] [--dtype f32|bf16]\n";
   std::exit(2);
@@ -142,6 +144,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--eval") o.eval_only = true;
     else if (a == "--data") o.data = value();
     else if (a == "--checkpoint") o.checkpoint = value();
+    else if (a == "--memory-plot") o.memory_plot = value();
     else if (a == "--optimizer") {
       o.optimizer = value();
       if (o.optimizer != "adam" && o.optimizer != "sgd") usage_error("--optimizer must be adam or sgd");
@@ -226,7 +229,7 @@ struct Trainer {
 // Peak activation bytes of one training step of `model` on a batch: the peak of live bytes during
 // the step beyond what was alive before, minus the gradients the step returns.
 std::int64_t step_activation_bytes(const CNN& model, const Tree& params, const Tree& batch_stats, const Array& x,
-                                   const Array& y) {
+                                   const Array& y, memory::Timeline* timeline = nullptr, const std::string& label = "") {
   auto loss_fn = [&](const Tree& p) {
     Tree vars{{"params", p}};
     if (!batch_stats.empty()) vars.set("batch_stats", batch_stats);
@@ -234,8 +237,11 @@ std::int64_t step_activation_bytes(const CNN& model, const Tree& params, const T
         apply(model, vars, {.rngs = {{"dropout", rng::key(0)}}, .mutable_collections = {"batch_stats"}}, x, true);
     return mean(nn::softmax_cross_entropy_with_integer_labels(logits, y));
   };
+  std::optional<memory::TimelineRecorder> recorder;
+  if (timeline != nullptr) recorder.emplace(label);
   memory::PeakScope scope;
   Tree grads = grad(loss_fn)(params);
+  if (timeline != nullptr) *timeline = recorder->finish();
   return scope.peak_growth() - byte_count(grads);
 }
 
@@ -336,6 +342,22 @@ int run(const Options& o) {
   plain_model.remat = Remat::none;
   const std::int64_t peak_plain = step_activation_bytes(plain_model, t.params, t.batch_stats, mx, my);
   const std::int64_t peak = step_activation_bytes(t.model, t.params, t.batch_stats, mx, my);
+  if (!o.memory_plot.empty()) {
+    // The same step recorded op by op, for each remat choice, as one SVG plot.
+    std::vector<memory::Timeline> runs;
+    for (Remat r : {Remat::none, Remat::dots, Remat::full}) {
+      CNN m = t.model;
+      m.remat = r;
+      runs.emplace_back();
+      step_activation_bytes(m, t.params, t.batch_stats, mx, my, &runs.back(),
+                            r == Remat::none ? "no remat" : std::string("remat per block, ") + remat_name(r) +
+                                                                (r == Remat::dots ? " (dots saved)" : " (nothing saved)"));
+    }
+    memory::save_svg(o.memory_plot, runs,
+                     {.title = "Fashion-MNIST CNN: live array memory over one training step (batch " +
+                               std::to_string(mx.dim(0)) + ")"});
+    std::printf("wrote the memory timeline of a training step to '%s'\n", o.memory_plot.c_str());
+  }
 
   double train_seconds = 0;
   int epochs_run = 0;

@@ -115,5 +115,6 @@ inline void apply_engine_flag(const Flags& f) {
 // The benchmarks, one per file.
 int bench_gpt(const Flags& f);
 int bench_scan(const Flags& f);
+int bench_plan(const Flags& f);
 
 }  // namespace linum_bench

@@ -1,7 +1,7 @@
 // linum-bench: measured speed and memory, printed as one JSON line per variant.
 //
 //   linum-bench mlp [--layers L] [--width W] [--batch B] [--steps S] [--threads T] [--variant V]
-//                   [--dtype f32|bf16] [--engine onednn|eigen]
+//                   [--dtype f32|bf16] [--engine onednn|eigen] [--memory-plot FILE.svg]
 //       The deep-MLP training step: L x (Dense(W) + GELU) on a batch of B, loss mean(h * h),
 //       parameters kept in float32 and cast to --dtype for the computation (Flax's dtype=bf16 with
 //       param_dtype=float32, PyTorch's autocast),
@@ -59,7 +59,7 @@ namespace {
 
 void run_variant(const std::string& variant, const std::function<Array(const std::vector<Array>&, const Array&)>& loss,
                  const std::vector<Array>& params, const Array& x, long L, long W, long B, long steps, int threads,
-                 double gemm, DType dtype);
+                 double gemm, DType dtype, std::vector<memory::Timeline>* timelines);
 
 int bench_mlp(const Flags& f) {
   const long L = f.get("layers", 24), W = f.get("width", 512), B = f.get("batch", 2048), steps = f.get("steps", 5);
@@ -139,19 +139,27 @@ int bench_mlp(const Flags& f) {
        }},
   };
   const std::string only = f.text("variant", "");
+  const std::string plot = f.text("memory-plot", "");
+  std::vector<memory::Timeline> timelines;
   for (const Variant& v : variants) {
     if (!only.empty() && v.name != only) continue;
     run_variant(v.name, [&](const std::vector<Array>& p, const Array& in) {
       Array h = v.forward(p, in);
       return mean(h * h);
-    }, params, x, L, W, B, steps, threads, gemm, dtype);
+    }, params, x, L, W, B, steps, threads, gemm, dtype, plot.empty() ? nullptr : &timelines);
+  }
+  if (!plot.empty()) {
+    memory::save_svg(plot, timelines,
+                     {.title = "Deep MLP (" + std::to_string(L) + " x Dense(" + std::to_string(W) + ") + GELU, batch " +
+                               std::to_string(B) + ", " + dtype_short_name(dtype) + "): live memory over one training step"});
+    std::cerr << "wrote the memory timelines to " << plot << "\n";
   }
   return 0;
 }
 
 void run_variant(const std::string& variant, const std::function<Array(const std::vector<Array>&, const Array&)>& loss,
                  const std::vector<Array>& params, const Array& x, long L, long W, long B, long steps, int threads,
-                 double gemm, DType dtype) {
+                 double gemm, DType dtype, std::vector<memory::Timeline>* timelines) {
   auto step = value_and_grad(loss);
   (void)step(params, x);  // warm-up
   std::vector<double> times;
@@ -171,6 +179,11 @@ void run_variant(const std::string& variant, const std::function<Array(const std
   }
   const long rss_peak = status_kib("VmHWM");
   const lift::RecomputeStats rs = lift::recompute_stats();
+  if (timelines != nullptr) {  // one more step, recorded op by op (after the timed ones)
+    memory::TimelineRecorder recorder(variant);
+    (void)step(params, x);
+    timelines->push_back(recorder.finish());
+  }
   std::sort(times.begin(), times.end());
   const double flops = 6.0 * B * W * W * L;
   nlohmann::json out = {
@@ -311,7 +324,7 @@ int bench_load(const Flags& f) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::cerr << "usage: linum-bench mlp|gpt|scan|load|ops [--name value ...]\n";
+    std::cerr << "usage: linum-bench mlp|gpt|scan|plan|load|ops [--name value ...]\n";
     return 2;
   }
   const std::string what = argv[1];
@@ -322,6 +335,7 @@ int main(int argc, char** argv) {
     if (what == "load") return bench_load(flags);
     if (what == "gpt") return bench_gpt(flags);
     if (what == "scan") return bench_scan(flags);
+    if (what == "plan") return bench_plan(flags);
   } catch (const std::exception& e) {
     std::cerr << "linum-bench: " << e.what() << "\n";
     return 1;
