@@ -25,7 +25,7 @@ struct Recording {
   std::mutex mutex;
   std::chrono::steady_clock::time_point start;
   Timeline timeline;
-  std::unordered_map<const void*, std::string> node_paths;  // forward op -> module path, for backward points
+  std::unordered_map<const void*, std::size_t> node_points;  // forward op's node -> its point, for backward points
 };
 Recording& recording() {
   static Recording r;
@@ -75,7 +75,7 @@ nlohmann::json Timeline::to_json() const {
   nlohmann::json pts = nlohmann::json::array();
   for (const auto& p : points)
     pts.push_back({{"op", p.op}, {"path", p.path}, {"phase", p.phase}, {"live_bytes", p.live_bytes}, {"peak_bytes", p.peak_bytes},
-                   {"seconds", p.seconds}});
+                   {"seconds", p.seconds}, {"forward_point", p.forward_point}});
   return {{"label", label}, {"peak_bytes", peak_bytes()}, {"points", pts}};
 }
 
@@ -86,7 +86,7 @@ Timeline Timeline::from_json(const nlohmann::json& j) {
     for (const auto& p : j.at("points"))
       t.points.push_back({p.at("op").get<std::string>(), p.at("path").get<std::string>(), p.at("phase").get<std::string>(),
                           p.at("live_bytes").get<std::int64_t>(), p.at("peak_bytes").get<std::int64_t>(),
-                          p.value("seconds", 0.0)});
+                          p.value("seconds", 0.0), p.value("forward_point", std::int64_t{-1})});
     return t;
   } catch (const nlohmann::json::exception& e) {
     throw IoError(linum::detail::cat("memory::Timeline::from_json: not a timeline (", e.what(),
@@ -109,7 +109,7 @@ TimelineRecorder::TimelineRecorder(std::string label) {
     throw ValueError("memory::TimelineRecorder: another recorder is active; finish() it first (one timeline at a time)");
   r.timeline = Timeline{std::move(label), {}};
   r.start = std::chrono::steady_clock::now();
-  r.node_paths.clear();
+  r.node_points.clear();
   g_max_since_boundary.store(stats().live_bytes);
   add_point(r, "start", "", "forward");
   detail::g_timeline_recording.store(true);
@@ -126,7 +126,7 @@ Timeline TimelineRecorder::finish() {
   active_ = false;
   detail::g_timeline_recording.store(false);
   if (g_max_since_boundary.load() > stats().live_bytes) add_point(r, "", "", "forward");  // work after the last op
-  r.node_paths.clear();
+  r.node_points.clear();
   return std::move(r.timeline);
 }
 
@@ -144,14 +144,19 @@ void timeline_on_op(const char* op, const void* node) {
   if (!g_timeline_recording.load()) return;
   const linum::detail::Phase phase = linum::detail::current_phase();
   std::string path;
+  std::int64_t forward_point = -1;
   if (phase == linum::detail::Phase::backward) {
-    if (auto it = r.node_paths.find(node); it != r.node_paths.end()) path = it->second;
+    if (auto it = r.node_points.find(node); it != r.node_points.end()) {
+      path = r.timeline.points[it->second].path;
+      forward_point = static_cast<std::int64_t>(it->second);
+    }
   } else {
     const PathProvider provider = g_path_provider.load();
     if (provider != nullptr) path = provider();
-    if (node != nullptr) r.node_paths[node] = path;
+    if (node != nullptr) r.node_points[node] = r.timeline.points.size();
   }
   add_point(r, op, std::move(path), phase_str(phase));
+  r.timeline.points.back().forward_point = forward_point;
 }
 
 void timeline_mark(const char* op, const std::string& path) {

@@ -33,6 +33,9 @@ struct TimelinePoint {
   std::int64_t live_bytes = 0;  // live array bytes when the op finished
   std::int64_t peak_bytes = 0;  // highest live array bytes during the op
   double seconds = 0;           // when the op finished, since the recorder started
+  // For a backward point: the index of the point that recorded its op in the forward pass (or the
+  // recomputation), so analyses can charge backward work to the forward op; -1 otherwise.
+  std::int64_t forward_point = -1;
 };
 
 struct Timeline {

@@ -10,6 +10,7 @@
 #include <limits>
 #include <map>
 #include <optional>
+#include <set>
 #include <span>
 #include <sstream>
 
@@ -113,148 +114,220 @@ Rule uniform_rule(int depth, PlanPolicy p) {
   };
 }
 
-// What one profiling run (every candidate under one policy) says about each call.
-struct RunProfile {
-  std::vector<std::string> calls;    // candidate calls in forward order
-  std::vector<std::int64_t> kept;    // per call
-  std::vector<std::int64_t> own;     // per call: highest live bytes inside it minus earlier calls' kept
-  std::vector<double> recompute;     // per call: recomputation time
-  std::vector<std::int64_t> other;   // per j = 0..n: points between calls while calls < j keep their bytes
+// ---- profiling: what one recorded run says about each segment of the step ----------------------
+//
+// The candidate calls form a tree: calls at depth depths[0], inside them calls at depth depths[1],
+// and so on. A run with every call of level l under one policy is cut into segments: the level-l
+// calls ("units") and the ops between them ("gaps", keyed by the enclosing call of the level above,
+// or the top, and by how many of its candidate children ran before). Per segment: kept (live bytes
+// it leaves until its backward), own (its highest live bytes minus what earlier segments keep:
+// forward, recomputation and the backward of its ops) and its recomputation time.
+
+constexpr std::int64_t kNoPoint = std::numeric_limits<std::int64_t>::min();
+
+struct SegmentStats {
+  std::int64_t kept = 0;
+  std::int64_t own = kNoPoint;
+  double recompute = 0;
 };
 
-RunProfile analyse(const memory::Timeline& t, int depth) {
-  RunProfile r;
-  std::map<std::string, int> index;
+std::string unit_key(const std::string& path) { return "U:" + path; }
+std::string gap_key(const std::string& parent, std::size_t index) {
+  return "G:" + parent + "#" + std::to_string(index);
+}
+
+struct LevelRun {
+  std::map<std::string, SegmentStats> segments;
+  std::vector<std::string> units;  // level-l calls in forward order
+  std::map<std::string, std::vector<std::string>> children;  // parent ("" = top) -> its level-l calls in order
+};
+
+LevelRun analyse(const memory::Timeline& t, const std::vector<int>& depths, std::size_t level) {
+  LevelRun r;
   const auto& pts = t.points;
-  std::vector<int> call_of(pts.size(), -1);
+  std::vector<std::string> seg(pts.size());
+  std::map<std::string, std::set<std::string>> started;  // parent -> children (next level) started so far
+  std::vector<std::string> order;                       // segments in order of their first forward point
+  std::set<std::string> seen;
+  auto parent_of = [&](const std::string& path, std::size_t l) { return l == 0 ? std::string() : prefix_at(path, depths[l - 1]); };
+  std::string last_backward;
   for (std::size_t i = 0; i < pts.size(); ++i) {
-    const std::string c = prefix_at(pts[i].path, depth);
-    if (c.empty()) continue;
-    auto it = index.find(c);
-    if (it == index.end()) {
-      if (pts[i].phase != "forward") continue;  // (only calls seen in the forward pass are candidates)
-      it = index.emplace(c, static_cast<int>(r.calls.size())).first;
-      r.calls.push_back(c);
+    const auto& p = pts[i];
+    if (p.phase == "backward") {
+      if (p.forward_point >= 0 && static_cast<std::size_t>(p.forward_point) < i) seg[i] = seg[static_cast<std::size_t>(p.forward_point)];
+      else seg[i] = last_backward.empty() ? (order.empty() ? gap_key("", 0) : order.back()) : last_backward;
+      last_backward = seg[i];
+      continue;
     }
-    call_of[i] = it->second;
+    // Children started so far, at every level down to this one.
+    for (std::size_t l = 0; l <= level; ++l) {
+      const std::string child = prefix_at(p.path, depths[l]);
+      if (child.empty()) break;
+      started[parent_of(p.path, l)].insert(child);
+    }
+    const std::string unit = prefix_at(p.path, depths[level]);
+    if (!unit.empty()) {
+      seg[i] = unit_key(unit);
+    } else {
+      std::size_t l = 0;  // the deepest level whose call encloses this point: the gap's parent is there
+      while (l < level && !prefix_at(p.path, depths[l]).empty()) ++l;
+      const std::string parent = l == 0 ? std::string() : prefix_at(p.path, depths[l - 1]);
+      seg[i] = gap_key(parent, started[parent].size());
+    }
+    if (p.phase == "forward" && seen.insert(seg[i]).second) {
+      order.push_back(seg[i]);
+      if (!unit.empty()) {
+        r.units.push_back(unit);
+        r.children[parent_of(p.path, level)].push_back(unit);
+      }
+    }
   }
-  const std::size_t n = r.calls.size();
-  r.kept.assign(n, 0);
-  r.own.assign(n, std::numeric_limits<std::int64_t>::min());
-  r.recompute.assign(n, 0.0);
-  r.other.assign(n + 1, std::numeric_limits<std::int64_t>::min());
-  // kept: live bytes after the call's last forward point minus before its first.
-  std::vector<std::ptrdiff_t> first(n, -1), last(n, -1);
+  // kept: live bytes after a segment's last forward point minus before its first.
+  std::map<std::string, std::pair<std::size_t, std::size_t>> span;
   for (std::size_t i = 0; i < pts.size(); ++i)
-    if (call_of[i] >= 0 && pts[i].phase == "forward") {
-      const auto c = static_cast<std::size_t>(call_of[i]);
-      if (first[c] < 0) first[c] = static_cast<std::ptrdiff_t>(i);
-      last[c] = static_cast<std::ptrdiff_t>(i);
+    if (pts[i].phase == "forward" && seen.count(seg[i])) {
+      auto [it, fresh] = span.emplace(seg[i], std::make_pair(i, i));
+      if (!fresh) it->second.second = i;
     }
-  for (std::size_t c = 0; c < n; ++c)
-    r.kept[c] = pts[static_cast<std::size_t>(last[c])].live_bytes - pts[static_cast<std::size_t>(first[c] - 1)].live_bytes;
-  std::vector<std::int64_t> prefix(n + 1, 0);
-  for (std::size_t c = 0; c < n; ++c) prefix[c + 1] = prefix[c] + r.kept[c];
-  std::size_t forward_done = 0, backward_from = n;
+  std::map<std::string, std::int64_t> before;
+  std::int64_t prefix = 0;
+  for (const auto& key : order) {
+    const auto [first, last] = span.at(key);
+    SegmentStats& s = r.segments[key];
+    s.kept = pts[last].live_bytes - (first > 0 ? pts[first - 1].live_bytes : 0);
+    before[key] = prefix;
+    prefix += s.kept;
+  }
   for (std::size_t i = 0; i < pts.size(); ++i) {
-    const int c = call_of[i];
-    const bool forward = pts[i].phase == "forward";
-    std::size_t j;
-    if (c >= 0) {
-      j = static_cast<std::size_t>(c);
-      if (forward) forward_done = std::max(forward_done, j + 1);
-      else backward_from = std::min(backward_from, j);
-    } else {
-      j = forward ? forward_done : backward_from;
-    }
-    const std::int64_t own = pts[i].peak_bytes - prefix[j];
-    if (c >= 0) {
-      r.own[j] = std::max(r.own[j], own);
-      if (pts[i].phase == "recomputation" && i > 0) r.recompute[j] += pts[i].seconds - pts[i - 1].seconds;
-    } else {
-      r.other[j] = std::max(r.other[j], own);
-    }
+    auto it = before.find(seg[i]);
+    if (it == before.end()) continue;  // a recomputation outside any forward segment (not expected)
+    SegmentStats& s = r.segments[seg[i]];
+    s.own = std::max(s.own, pts[i].peak_bytes - it->second);
+    if (pts[i].phase == "recomputation" && i > 0) s.recompute += pts[i].seconds - pts[i - 1].seconds;
   }
   return r;
 }
 
 struct Profile {
-  int depth = 1;
-  std::vector<PlanPolicy> policies;
-  std::vector<RunProfile> runs;  // one per policy
-  RunProfile other_source;       // the plain run (between-call points)
+  std::vector<int> depths;
+  std::vector<PlanPolicy> policies;               // policies[0] is none
+  std::vector<std::vector<LevelRun>> runs;        // [level][policy]
 };
 
-struct Solution {
-  bool found = false;
-  std::vector<PlanPolicy> choice;
-  std::int64_t peak = 0;
+// ---- the solver --------------------------------------------------------------------------------
+
+// Which calls a partial solution remats: a join tree, flattened once at the end.
+struct Choice {
+  std::shared_ptr<const Choice> left, right;
+  std::string path;
+  PlanPolicy policy = PlanPolicy::none;
+};
+using ChoicePtr = std::shared_ptr<const Choice>;
+ChoicePtr join(ChoicePtr a, ChoicePtr b) {
+  if (!a) return b;
+  if (!b) return a;
+  auto c = std::make_shared<Choice>();
+  c->left = std::move(a);
+  c->right = std::move(b);
+  return c;
+}
+void flatten(const ChoicePtr& c, std::map<std::string, PlanPolicy>& out) {
+  if (!c) return;
+  if (!c->path.empty()) out[c->path] = c->policy;
+  flatten(c->left, out);
+  flatten(c->right, out);
+}
+
+// A way to run a segment sequence: bytes it keeps, recomputation time, and its highest live bytes
+// relative to what was kept before it began.
+struct Option {
+  std::int64_t kept = 0;
   double time = 0;
+  std::int64_t need = kNoPoint;
+  ChoicePtr choice;
 };
 
-// The DP over calls in order. States: Pareto front of (kept so far, time so far); the peak so far
-// rides along (it only constrains, and later constraints depend on the kept bytes alone).
-// `minimize_peak`: ignore the budget and find the smallest peak instead (for the error message).
-Solution solve(const Profile& pr, std::int64_t budget, bool minimize_peak) {
-  const std::size_t n = pr.other_source.calls.size();
-  struct State {
-    std::int64_t kept;
-    double time;
-    std::int64_t peak;
-    int parent;
-    int policy;
-  };
-  std::vector<std::vector<State>> layers(n + 1);
-  const std::int64_t start_peak = pr.other_source.other[0];
-  if (!minimize_peak && start_peak > budget) return {};
-  layers[0].push_back({0, 0.0, start_peak, -1, -1});
-  for (std::size_t c = 0; c < n; ++c) {
-    std::vector<State> next;
-    for (std::size_t si = 0; si < layers[c].size(); ++si) {
-      const State& s = layers[c][si];
-      for (std::size_t k = 0; k < pr.policies.size(); ++k) {
-        const RunProfile& run = pr.runs[k];
-        const std::int64_t kept = s.kept + run.kept[c];
-        std::int64_t peak = std::max(s.peak, run.own[c] + s.kept);
-        if (pr.other_source.other[c + 1] != std::numeric_limits<std::int64_t>::min())
-          peak = std::max(peak, pr.other_source.other[c + 1] + kept);
-        if (!minimize_peak && peak > budget) continue;
-        next.push_back({kept, run.recompute[c] + s.time, peak, static_cast<int>(si), static_cast<int>(k)});
+// Keeps the options no other option beats in kept, time and need together.
+std::vector<Option> pareto(std::vector<Option> v, std::size_t cap) {
+  std::sort(v.begin(), v.end(), [](const Option& a, const Option& b) {
+    if (a.kept != b.kept) return a.kept < b.kept;
+    if (a.time != b.time) return a.time < b.time;
+    return a.need < b.need;
+  });
+  std::vector<Option> out;
+  for (const Option& o : v) {
+    bool dominated = false;
+    for (const Option& k : out)
+      if (k.time <= o.time && k.need <= o.need) {  // k.kept <= o.kept by the order
+        dominated = true;
+        break;
       }
+    if (!dominated) out.push_back(o);
+  }
+  if (out.size() > cap) {  // keep the fastest (an approximation, only for very large call trees)
+    std::sort(out.begin(), out.end(), [](const Option& a, const Option& b) { return a.time < b.time; });
+    out.resize(cap);
+  }
+  return out;
+}
+
+constexpr std::size_t kFrontCap = 4000;
+
+// The options of the segment sequence inside `parent` at `level` (level 0: the whole step).
+// `budget` prunes only at the top, where what came before is nothing.
+std::vector<Option> sequence_options(const Profile& pr, const std::string& parent, std::size_t level,
+                                     std::int64_t budget);
+
+std::vector<Option> unit_options(const Profile& pr, const std::string& unit, std::size_t level) {
+  std::vector<Option> out;
+  for (std::size_t k = 0; k < pr.policies.size(); ++k) {
+    const auto& segs = pr.runs[level][k].segments;
+    auto it = segs.find(unit_key(unit));
+    if (it == segs.end()) continue;
+    auto c = std::make_shared<Choice>();
+    c->path = unit;
+    c->policy = pr.policies[k];
+    out.push_back({it->second.kept, pr.policies[k] == PlanPolicy::none ? 0.0 : it->second.recompute, it->second.own,
+                   pr.policies[k] == PlanPolicy::none ? nullptr : ChoicePtr(c)});
+  }
+  if (level + 1 < pr.depths.size()) {
+    const auto inner = sequence_options(pr, unit, level + 1, std::numeric_limits<std::int64_t>::max());
+    out.insert(out.end(), inner.begin(), inner.end());
+  }
+  return pareto(std::move(out), kFrontCap);
+}
+
+std::vector<Option> sequence_options(const Profile& pr, const std::string& parent, std::size_t level,
+                                     std::int64_t budget) {
+  const LevelRun& plain = pr.runs[level][0];
+  const auto kids = plain.children.find(parent);
+  const std::vector<std::string> none;
+  const std::vector<std::string>& children = kids == plain.children.end() ? none : kids->second;
+  std::vector<Option> states{Option{}};
+  auto add_gap = [&](std::size_t index) {
+    auto it = plain.segments.find(gap_key(parent, index));
+    if (it == plain.segments.end()) return;
+    for (Option& s : states) {
+      if (it->second.own != kNoPoint) s.need = std::max(s.need, it->second.own + s.kept);
+      s.kept += it->second.kept;
     }
-    // Pareto front: by kept ascending, keep a state only if it beats every state with fewer kept
-    // bytes on the objective (time, or peak when minimizing the peak).
-    auto objective = [&](const State& s) { return minimize_peak ? static_cast<double>(s.peak) : s.time; };
-    std::sort(next.begin(), next.end(), [&](const State& a, const State& b) {
-      if (a.kept != b.kept) return a.kept < b.kept;
-      if (objective(a) != objective(b)) return objective(a) < objective(b);
-      return a.peak < b.peak;
-    });
-    double best = std::numeric_limits<double>::infinity();
-    for (const State& s : next)
-      if (objective(s) < best) {
-        layers[c + 1].push_back(s);
-        best = objective(s);
+    std::erase_if(states, [&](const Option& s) { return s.need > budget; });
+  };
+  add_gap(0);
+  for (std::size_t i = 0; i < children.size(); ++i) {
+    const auto opts = unit_options(pr, children[i], level);
+    std::vector<Option> next;
+    for (const Option& s : states)
+      for (const Option& o : opts) {
+        Option n{s.kept + o.kept, s.time + o.time, std::max(s.need, o.need == kNoPoint ? kNoPoint : o.need + s.kept),
+                 join(s.choice, o.choice)};
+        if (n.need <= budget) next.push_back(std::move(n));
       }
-    if (layers[c + 1].empty()) return {};
+    states = pareto(std::move(next), kFrontCap);
+    add_gap(i + 1);
+    if (states.empty()) return {};
   }
-  const auto& last = layers[n];
-  if (last.empty()) return {};
-  std::size_t best = 0;
-  for (std::size_t i = 1; i < last.size(); ++i) {
-    const bool better = minimize_peak ? last[i].peak < last[best].peak
-                                      : (last[i].time < last[best].time ||
-                                         (last[i].time == last[best].time && last[i].peak < last[best].peak));
-    if (better) best = i;
-  }
-  Solution sol{true, std::vector<PlanPolicy>(n), last[best].peak, last[best].time};
-  int at = static_cast<int>(best);
-  for (std::size_t c = n; c > 0; --c) {
-    const State& s = layers[c][static_cast<std::size_t>(at)];
-    sol.choice[c - 1] = pr.policies[static_cast<std::size_t>(s.policy)];
-    at = s.parent;
-  }
-  return sol;
+  return states;
 }
 
 memory::Timeline record(const std::function<void()>& step, const Rule& rule, const std::string& label) {
@@ -264,41 +337,68 @@ memory::Timeline record(const std::function<void()>& step, const Rule& rule, con
   return recorder.finish();
 }
 
-Profile profile(const std::function<void()>& step, int depth, const PlanOptions& o) {
+Profile profile(const std::function<void()>& step, const PlanOptions& o) {
   Profile pr;
-  pr.depth = depth;
-  pr.policies = o.policies;
-  if (std::find(pr.policies.begin(), pr.policies.end(), PlanPolicy::none) == pr.policies.end())
-    pr.policies.insert(pr.policies.begin(), PlanPolicy::none);
-  for (PlanPolicy p : pr.policies) {
-    RunProfile best;
-    for (int s = 0; s < std::max(1, o.profile_steps); ++s) {
-      RunProfile r = analyse(record(step, uniform_rule(depth, p), plan_policy_name(p)), depth);
-      if (s == 0) best = std::move(r);
-      else
-        for (std::size_t c = 0; c < best.recompute.size() && c < r.recompute.size(); ++c)
-          best.recompute[c] = std::min(best.recompute[c], r.recompute[c]);
+  pr.depths = o.depths;
+  std::sort(pr.depths.begin(), pr.depths.end());
+  pr.depths.erase(std::unique(pr.depths.begin(), pr.depths.end()), pr.depths.end());
+  pr.policies = {PlanPolicy::none};
+  for (PlanPolicy p : o.policies)
+    if (p != PlanPolicy::none && std::find(pr.policies.begin(), pr.policies.end(), p) == pr.policies.end())
+      pr.policies.push_back(p);
+  const memory::Timeline plain = record(step, [](const std::vector<std::string>&) { return std::nullopt; }, "none");
+  for (std::size_t level = 0; level < pr.depths.size(); ++level) {
+    std::vector<LevelRun> runs{analyse(plain, pr.depths, level)};
+    for (std::size_t k = 1; k < pr.policies.size(); ++k) {
+      LevelRun best;
+      for (int s = 0; s < std::max(1, o.profile_steps); ++s) {
+        LevelRun r = analyse(record(step, uniform_rule(pr.depths[level], pr.policies[k]), plan_policy_name(pr.policies[k])),
+                             pr.depths, level);
+        if (r.units != runs[0].units)
+          throw ValueError(linum::detail::cat("lift::plan_remat: the step made different module calls at depth ",
+                                              pr.depths[level], " under policy ", plan_policy_name(pr.policies[k]),
+                                              " than without remat; the step must make the same calls every time"));
+        if (s == 0) best = std::move(r);
+        else
+          for (auto& [key, stats] : best.segments)
+            if (auto it = r.segments.find(key); it != r.segments.end()) stats.recompute = std::min(stats.recompute, it->second.recompute);
+      }
+      runs.push_back(std::move(best));
     }
-    if (p == PlanPolicy::none) pr.other_source = best;
-    else if (best.calls != pr.runs.front().calls)
-      throw ValueError(linum::detail::cat("lift::plan_remat: the step made different module calls under policy ",
-                                          plan_policy_name(p), " than without remat; the step must be deterministic"));
-    pr.runs.push_back(std::move(best));
+    pr.runs.push_back(std::move(runs));
   }
   return pr;
 }
 
-RematPlan make_plan(const Profile& pr, const Solution& sol, std::int64_t budget) {
+RematPlan make_plan(const Profile& pr, const Option& best, std::int64_t budget) {
   RematPlan plan;
   plan.budget_bytes = budget;
-  plan.depth = pr.depth;
-  plan.predicted_peak_bytes = sol.peak;
-  plan.predicted_extra_s = sol.time;
-  for (std::size_t c = 0; c < sol.choice.size(); ++c) {
-    const std::size_t k = static_cast<std::size_t>(
-        std::find(pr.policies.begin(), pr.policies.end(), sol.choice[c]) - pr.policies.begin());
-    plan.calls.push_back({pr.other_source.calls[c], sol.choice[c], pr.runs[k].kept[c], pr.runs[k].recompute[c]});
-  }
+  plan.depths = pr.depths;
+  plan.predicted_peak_bytes = best.need;
+  plan.predicted_extra_s = best.time;
+  std::map<std::string, PlanPolicy> chosen;
+  flatten(best.choice, chosen);
+  // Every candidate call in forward order, with its policy, what it keeps and its predicted time.
+  std::function<void(const std::string&, std::size_t)> walk = [&](const std::string& parent, std::size_t level) {
+    const LevelRun& plain = pr.runs[level][0];
+    auto kids = plain.children.find(parent);
+    if (kids == plain.children.end()) return;
+    for (const auto& unit : kids->second) {
+      auto it = chosen.find(unit);
+      if (it != chosen.end()) {
+        const std::size_t k = static_cast<std::size_t>(
+            std::find(pr.policies.begin(), pr.policies.end(), it->second) - pr.policies.begin());
+        const SegmentStats& s = pr.runs[level][k].segments.at(unit_key(unit));
+        plan.calls.push_back({unit, it->second, s.kept, s.recompute});
+      } else if (level + 1 < pr.depths.size() && pr.runs[level + 1][0].children.count(unit) &&
+                 std::any_of(chosen.begin(), chosen.end(), [&](const auto& c) { return c.first.starts_with(unit + "/"); })) {
+        walk(unit, level + 1);  // planned inside
+      } else {
+        plan.calls.push_back({unit, PlanPolicy::none, pr.runs[level][0].segments.at(unit_key(unit)).kept, 0.0});
+      }
+    }
+  };
+  walk("", 0);
   return plan;
 }
 
@@ -319,39 +419,32 @@ PlanScope::~PlanScope() = default;
 RematPlan plan_remat(const std::function<void()>& step, std::int64_t budget_bytes, const PlanOptions& options) {
   if (budget_bytes <= 0) throw ValueError(linum::detail::cat("lift::plan_remat: budget_bytes must be positive, got ", budget_bytes));
   if (options.depths.empty()) throw ValueError("lift::plan_remat: options.depths is empty; give at least one depth (1: the top module's children)");
-  step();  // warm-up: caches, lazily created state
-  std::int64_t plain_peak = measured_peak(step, [](const std::vector<std::string>&) { return std::nullopt; });
-  std::vector<Profile> profiles;
-  for (int d : options.depths) {
+  for (int d : options.depths)
     if (d < 1) throw ValueError(linum::detail::cat("lift::plan_remat: depth ", d, " is not >= 1"));
-    profiles.push_back(profile(step, d, options));
-    if (profiles.back().other_source.calls.empty()) profiles.pop_back();
-  }
-  if (profiles.empty())
-    throw ValueError("lift::plan_remat: the step made no module calls at the given depths; nothing to remat (is the "
-                     "model a module whose children are modules?)");
+  step();  // warm-up: caches, lazily created state
+  const std::int64_t plain_peak = measured_peak(step, [](const std::vector<std::string>&) { return std::nullopt; });
+  const Profile pr = profile(step, options);
+  if (pr.runs[0][0].units.empty())
+    throw ValueError(linum::detail::cat("lift::plan_remat: the step made no module calls at depth ", pr.depths[0],
+                                        "; nothing to remat (is the model a module whose children are modules?)"));
   std::int64_t target = budget_bytes;
   RematPlan best;
   for (int attempt = 0; attempt < 3; ++attempt) {
-    const Profile* chosen = nullptr;
-    Solution sol;
-    for (const Profile& pr : profiles) {
-      Solution s = solve(pr, target, false);
-      if (s.found && (!sol.found || s.time < sol.time || (s.time == sol.time && s.peak < sol.peak))) {
-        sol = s;
-        chosen = &pr;
-      }
-    }
-    if (!sol.found) {
+    const auto options_found = sequence_options(pr, "", 0, target);
+    if (options_found.empty()) {
       std::int64_t smallest = std::numeric_limits<std::int64_t>::max();
-      for (const Profile& pr : profiles) smallest = std::min(smallest, solve(pr, 0, true).peak);
+      for (const Option& o : sequence_options(pr, "", 0, std::numeric_limits<std::int64_t>::max()))
+        smallest = std::min(smallest, o.need);
       throw ValueError(linum::detail::cat(
           "lift::plan_remat: no plan keeps the step's peak within ", budget_bytes, " bytes (",
           static_cast<double>(budget_bytes) / 1048576.0, " MiB); the smallest peak a plan reaches is ", smallest,
           " bytes (", static_cast<double>(smallest) / 1048576.0, " MiB) against ", plain_peak,
-          " without remat. Raise the budget, or let the planner remat finer or coarser calls (options.depths)"));
+          " without remat. Raise the budget, or give the planner coarser or finer calls (options.depths, e.g. {1, 2})"));
     }
-    best = make_plan(*chosen, sol, budget_bytes);
+    const Option* pick = &options_found.front();
+    for (const Option& o : options_found)
+      if (o.time < pick->time || (o.time == pick->time && o.need < pick->need)) pick = &o;
+    best = make_plan(pr, *pick, budget_bytes);
     best.plain_peak_bytes = plain_peak;
     if (!options.verify) break;
     best.measured_peak_bytes = measured_peak(step, plan_rule(best));
@@ -370,7 +463,9 @@ std::string RematPlan::str() const {
     std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(b) / 1048576.0);
     return std::string(buf);
   };
-  os << "remat plan (depth " << depth << "): budget " << mib(budget_bytes) << ", predicted peak "
+  std::string ds;
+  for (int d : depths) ds += (ds.empty() ? "" : ", ") + std::to_string(d);
+  os << "remat plan (depths " << ds << "): budget " << mib(budget_bytes) << ", predicted peak "
      << mib(predicted_peak_bytes);
   if (measured_peak_bytes > 0) os << ", measured " << mib(measured_peak_bytes);
   os << ", without remat " << mib(plain_peak_bytes) << ", predicted extra time " << predicted_extra_s * 1e3 << " ms\n";
@@ -387,7 +482,7 @@ nlohmann::json RematPlan::to_json() const {
                   {"recompute_s", c.recompute_s}});
   return {{"budget_bytes", budget_bytes},           {"predicted_peak_bytes", predicted_peak_bytes},
           {"measured_peak_bytes", measured_peak_bytes}, {"plain_peak_bytes", plain_peak_bytes},
-          {"predicted_extra_s", predicted_extra_s}, {"depth", depth},
+          {"predicted_extra_s", predicted_extra_s}, {"depths", depths},
           {"calls", cs}};
 }
 
@@ -399,7 +494,7 @@ RematPlan RematPlan::from_json(const nlohmann::json& j) {
     p.measured_peak_bytes = j.value("measured_peak_bytes", std::int64_t{0});
     p.plain_peak_bytes = j.value("plain_peak_bytes", std::int64_t{0});
     p.predicted_extra_s = j.value("predicted_extra_s", 0.0);
-    p.depth = j.value("depth", 1);
+    p.depths = j.value("depths", std::vector<int>{1});
     for (const auto& c : j.at("calls"))
       p.calls.push_back({c.at("path").get<std::string>(), plan_policy_from_name(c.at("policy").get<std::string>()),
                          c.value("kept_bytes", std::int64_t{0}), c.value("recompute_s", 0.0)});

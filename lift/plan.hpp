@@ -10,19 +10,20 @@
 //     auto [loss, grads] = value_and_grad(loss_fn)(params);
 //   }
 //
-// What is solved. The candidates are the module calls at a path depth (1: the top module's
-// children; several depths may be tried, the best plan wins). The planner records one training
-// step per policy with every candidate under that policy (memory::TimelineRecorder), and reads
-// from each, per call c: kept_c(P), the live bytes c leaves behind until its backward; own_c(P),
-// the highest live bytes during c's forward, recomputation or backward minus what earlier calls
-// keep; and recompute_c(P), the time of c's recomputation. The peak of a plan (P_1..P_n) is then
-//   max( max_c own_c(P_c) + sum_{c'<c} kept_c'(P_c'),  max_j other_j + sum_{c'<j} kept_c'(P_c') )
-// where other_j are the points between calls (the loss, the start of the backward pass). A dynamic
-// program over the calls in order, whose states are the Pareto front of (bytes kept so far, time
-// so far), finds the plan of least total recompute time whose peak fits: exact for this model of
-// the peak, not greedy. The plan is then run once under the exact accounting; if it exceeds the
-// budget (the model missed something), the planner re-solves with the overshoot subtracted, at
-// most twice. No plan fitting is a ValueError naming the smallest peak any plan reaches.
+// What is solved. The candidates are module calls: those at path depth depths[0] (1: the top
+// module's children) and, with more depths, the calls inside them (depths[1], ...), so each call is
+// either run plainly, rematted whole with a policy, or planned inside. The planner records a plain
+// step and one step per policy and level with every call of that level under the policy
+// (memory::TimelineRecorder), and cuts each into segments: the calls, and the ops between them.
+// Per segment it reads kept (live bytes left until its backward), own (its highest live bytes,
+// forward, recomputation or backward, minus what earlier segments keep) and its recomputation
+// time. The peak of a plan is then max over segments s of own_s + sum of kept before s, and a
+// dynamic program over the segments in order (at each level a Pareto front of bytes kept, time
+// and peak so far; a call's options are its policies and the fronts of its inside) finds the plan
+// of least recomputation time whose peak fits: exact for this model of the peak, not greedy. The
+// plan is then run once under the exact accounting; if it exceeds the budget (the model missed
+// something), the planner re-solves with the overshoot subtracted, at most twice. No plan
+// fitting is a ValueError naming the smallest peak any plan reaches.
 #pragma once
 
 #include <linum/core/autodiff/grad.hpp>
@@ -48,7 +49,9 @@ PlanPolicy plan_policy_from_name(const std::string& name);
 
 struct PlanOptions {
   std::vector<PlanPolicy> policies = {PlanPolicy::none, PlanPolicy::full, PlanPolicy::dots};
-  std::vector<int> depths = {1};  // candidate calls: module paths with this many components
+  // Candidate calls: module paths with depths[0] components; with more depths, also the calls
+  // inside them at depths[1] (and so on), so a call is either rematted whole or planned inside.
+  std::vector<int> depths = {1};
   int profile_steps = 2;          // recorded steps per profiling run (times: the minimum)
   bool verify = true;             // run the plan once and re-solve if it exceeds the budget
 };
@@ -66,8 +69,8 @@ struct RematPlan {
   std::int64_t measured_peak_bytes = 0;  // the plan run once under the exact accounting (0: not run)
   std::int64_t plain_peak_bytes = 0;     // the step without remat, measured
   double predicted_extra_s = 0;          // recomputation time the plan adds
-  int depth = 1;
-  std::vector<PlannedCall> calls;        // in call order
+  std::vector<int> depths = {1};         // the levels of candidate calls the planner considered
+  std::vector<PlannedCall> calls;        // in call order (a call planned inside lists its children)
 
   std::string str() const;
   nlohmann::json to_json() const;

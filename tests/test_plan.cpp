@@ -97,7 +97,7 @@ TEST_CASE("plan_remat: a generous budget remats nothing; an impossible one names
   CHECK(contains(error_of<ValueError>([&] { lift::plan_remat(m.model, m.vars, 0, {}, m.x); }), "budget_bytes must be positive"));
 }
 
-TEST_CASE("plan_remat over two depths: stages or blocks, whichever fits at less recompute time") {
+TEST_CASE("plan_remat over two levels: each stage rematted whole or planned block by block") {
   const Setup<Staged> m;
   const auto [fixed, plain] = m.fixed_and_plain_peak();
   const auto [loss0, plain_grads] = value_and_grad(m.loss())(m.vars.at("params"));
@@ -105,7 +105,12 @@ TEST_CASE("plan_remat over two depths: stages or blocks, whichever fits at less 
   const lift::RematPlan plan = lift::plan_remat(m.step_fn(), budget, {.depths = {1, 2}});
   CAPTURE(plan.str());
   CHECK(plan.measured_peak_bytes <= budget);
-  CHECK(plan.calls.size() == (plan.depth == 1 ? 3u : 6u));
+  CHECK(std::abs(static_cast<double>(plan.predicted_peak_bytes - plan.measured_peak_bytes)) <=
+        0.05 * static_cast<double>(plan.measured_peak_bytes));
+  // Each stage is either planned whole or through its blocks: every block is covered exactly once.
+  int covered = 0;
+  for (const auto& c : plan.calls) covered += c.path.find('/') == std::string::npos ? 2 : 1;
+  CHECK(covered == 6);
   lift::PlanScope apply_plan(plan);
   CHECK(bitwise_equal(value_and_grad(m.loss())(m.vars.at("params")).second, plain_grads));
 }

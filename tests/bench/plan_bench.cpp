@@ -1,14 +1,19 @@
 // linum-bench plan: lift::plan_remat on the deep MLP (L x (Dense(W) + GELU), loss mean(h * h)),
-// against the uniform schedules a user would otherwise pick. The budget is the memory alive before
-// a step (parameters, input) plus --budget-fraction of what a plain step adds on top (its
-// activations and gradients). One JSON line: budget_bytes, predicted_peak_bytes,
+// against the uniform schedules a user would otherwise pick. The layers are grouped into
+// floor(sqrt(L)) segment modules; the planner may remat a segment whole or plan inside it. The
+// budget is the memory alive before a step (parameters, input), plus the gradients the step
+// returns, plus --budget-fraction of the plain step's activations (its peak beyond those). One JSON line: budget_bytes, predicted_peak_bytes,
 // measured_peak_bytes (the planned step under the exact accounting), step_s_min,
 // plain_step_s_min, plain_peak_bytes, uniform_schedule / uniform_step_s_min / uniform_peak_bytes
 // (the fastest of: every layer rematted saving nothing, every layer saving its products, sqrt(L)
 // rematted segments, that fits the same budget; null when none fits), uniform (all of them), and
 // the plan's policy counts. --memory-plot FILE.svg overlays plain, the uniform schedules and the
 // plan. Same flags as `linum-bench mlp` otherwise (--layers --width --batch --steps --threads).
+// --model gpt plans the transformer stack of `linum-bench gpt` instead (--layers 8 --batch 16
+// --seq 256 --dim 256): each block rematted whole or planned inside (attention, MLP, norms),
+// against every block rematted saving nothing or saving its products.
 #include "bench_util.hpp"
+#include "gpt_model.hpp"
 
 #include <nlohmann/json.hpp>
 
@@ -24,15 +29,8 @@ struct Layer {
   std::int64_t width = 512;
   Array operator()(Scope& s, const Array& h) const { return gelu(s(nn::Dense{.features = width}, h)); }
 };
-struct Mlp {
-  std::int64_t width = 512;
-  int layers = 24;
-  Array operator()(Scope& s, Array h) const {
-    for (int i = 0; i < layers; ++i) h = s(Layer{width}, h);
-    return h;
-  }
-};
-// The same layers grouped into consecutive segments (for the sqrt(L) schedule).
+// The layers grouped into floor(sqrt(L)) consecutive segments: the planner chooses per segment
+// (rematted whole, or planned layer by layer); the uniform schedules are every layer, or every segment.
 struct Segment {
   std::int64_t width = 512;
   int layers = 5;
@@ -88,49 +86,69 @@ lift::RematPlan uniform_plan(const std::vector<std::string>& paths, lift::PlanPo
 }  // namespace
 
 int bench_plan(const Flags& f) {
-  const long L = f.get("layers", 24), W = f.get("width", 512), B = f.get("batch", 2048), steps = f.get("steps", 3);
+  const std::string which = f.text("model", "mlp");
+  const bool gpt = which == "gpt";
+  if (!gpt && which != "mlp") throw ValueError("--model must be mlp or gpt, got '" + which + "'");
+  const long L = f.get("layers", gpt ? 8 : 24), W = f.get("width", 512), B = f.get("batch", gpt ? 16 : 2048);
+  const long steps = f.get("steps", 3), seq = f.get("seq", 256), dim = f.get("dim", 256);
   const double fraction = std::stod(f.text("budget-fraction", "0.5"));
   const int threads = static_cast<int>(f.get("threads", 2));
 #ifdef _OPENMP
   omp_set_num_threads(threads);
 #endif
   apply_engine_flag(f);
-  const Mlp mlp{W, static_cast<int>(L)};
-  const SegmentedMlp segmented{W, static_cast<int>(L)};
-  const Array x = random_normal(Shape{B, W}, 7u, 1.0f);
-  const Tree vars = init(mlp, rng::key(0), x);
-  const Tree seg_vars = init(segmented, rng::key(0), x);
-  auto step_of = [&](const auto& model, const Tree& v) {
-    return std::function<void()>([&model, &v, &x] {
-      (void)value_and_grad([&](const Tree& p) {
-        const Array h = apply(model, Tree{{"params", p}}, x);
-        return mean(h * h);
-      })(v.at("params"));
-    });
+  // The model and its training step, and the paths the uniform schedules remat.
+  const SegmentedMlp mlp{W, static_cast<int>(L)};
+  const Gpt gpt_model{.dim = dim, .layers = L, .seq = seq};
+  const Array x = random_normal(Shape{gpt ? 1 : B, W}, 7u, 1.0f);
+  const auto [tokens, labels] = make_batch(gpt ? B : 1, seq, gpt_model.vocab, 1000);
+  const Tree vars = gpt ? init(gpt_model, rng::key(0), tokens) : init(mlp, rng::key(0), x);
+  const std::function<void()> step = [&] {
+    (void)value_and_grad([&](const Tree& p) {
+      if (gpt)
+        return mean(nn::softmax_cross_entropy_with_integer_labels(apply(gpt_model, Tree{{"params", p}}, tokens), labels));
+      const Array h = apply(mlp, Tree{{"params", p}}, x);
+      return mean(h * h);
+    })(vars.at("params"));
   };
-  const std::function<void()> step = step_of(mlp, vars), seg_step = step_of(segmented, seg_vars);
+  std::vector<std::string> layer_paths, segment_paths;
+  for (const auto& [name, sub] : vars.at("params")) {
+    if (gpt) {
+      if (name.starts_with("GptBlock")) layer_paths.push_back(name);
+      continue;
+    }
+    segment_paths.push_back(name);
+    for (const auto& layer : sub.keys()) layer_paths.push_back(name + "/" + layer);
+  }
+  const std::string unit = gpt ? "block" : "layer";
 
   const Trial plain = run_trial("plain", step, nullptr, steps);
   step();
+  // The budget: what is alive before a step (parameters, input), the gradients the step returns,
+  // and the fraction of the plain step's activations (its peak beyond those two).
   const std::int64_t fixed = memory::stats().live_bytes;
-  const std::int64_t budget = fixed + static_cast<std::int64_t>(fraction * static_cast<double>(plain.peak_bytes - fixed));
+  std::int64_t grad_bytes = 0;
+  for (const Array& p : leaves(vars.at("params"))) grad_bytes += static_cast<std::int64_t>(p.nbytes());
+  const std::int64_t activations = plain.peak_bytes - fixed - grad_bytes;
+  const std::int64_t budget = fixed + grad_bytes + static_cast<std::int64_t>(fraction * static_cast<double>(activations));
 
-  std::vector<std::string> layer_paths, segment_paths;
-  for (long i = 0; i < L; ++i) layer_paths.push_back("Layer_" + std::to_string(i));
-  for (const auto& p : seg_vars.at("params").keys()) segment_paths.push_back(p);
-  const lift::RematPlan every_full = uniform_plan(layer_paths, lift::PlanPolicy::full);
-  const lift::RematPlan every_dots = uniform_plan(layer_paths, lift::PlanPolicy::dots);
-  const lift::RematPlan sqrt_full = uniform_plan(segment_paths, lift::PlanPolicy::full);
-  std::vector<Trial> uniform = {run_trial("every layer, full", step, &every_full, steps),
-                                run_trial("every layer, dots", step, &every_dots, steps),
-                                run_trial("sqrt(L) segments, full", seg_step, &sqrt_full, steps)};
+  std::vector<Trial> uniform;
+  for (lift::PlanPolicy p : {lift::PlanPolicy::full, lift::PlanPolicy::dots}) {
+    const lift::RematPlan every = uniform_plan(layer_paths, p);
+    uniform.push_back(run_trial("every " + unit + ", " + lift::plan_policy_name(p), step, &every, steps));
+  }
+  if (!gpt) {
+    const lift::RematPlan segments = uniform_plan(segment_paths, lift::PlanPolicy::full);
+    uniform.push_back(run_trial("sqrt(L) segments, full", step, &segments, steps));
+  }
   const Trial* best_uniform = nullptr;
   for (const Trial& t : uniform)
     if (t.peak_bytes <= budget && (best_uniform == nullptr || t.step_s_min < best_uniform->step_s_min)) best_uniform = &t;
 
-  nlohmann::json out = {{"bench", "plan"},        {"layers", L},           {"width", W},
+  nlohmann::json out = {{"bench", "plan"},        {"model", which},        {"layers", L},           {"width", gpt ? dim : W},
                         {"batch", B},             {"threads", threads},    {"steps", steps},
-                        {"budget_fraction", fraction}, {"fixed_bytes", fixed}, {"budget_bytes", budget},
+                        {"budget_fraction", fraction}, {"fixed_bytes", fixed}, {"gradient_bytes", grad_bytes},
+                        {"plain_activation_bytes", activations}, {"budget_bytes", budget},
                         {"plain_peak_bytes", plain.peak_bytes}, {"plain_step_s_min", plain.step_s_min}};
   nlohmann::json uniform_json = nlohmann::json::array();
   for (const Trial& t : uniform)
@@ -144,7 +162,7 @@ int bench_plan(const Flags& f) {
   for (const Trial& t : uniform) timelines.push_back(t.timeline);
   try {
     const auto start = Clock::now();
-    const lift::RematPlan plan = lift::plan_remat(step, budget, {});
+    const lift::RematPlan plan = lift::plan_remat(step, budget, {.depths = {1, 2}});
     const double planning_s = seconds_since(start);
     const Trial planned = run_trial("planned", step, &plan, steps);
     std::map<std::string, int> counts;
@@ -166,9 +184,11 @@ int bench_plan(const Flags& f) {
   std::cout << out.dump() << std::endl;
   const std::string plot = f.text("memory-plot", "");
   if (!plot.empty()) {
-    memory::save_svg(plot, timelines,
-                     {.title = "Deep MLP (" + std::to_string(L) + " x Dense(" + std::to_string(W) + ") + GELU, batch " +
-                               std::to_string(B) + "), budget " + std::to_string(budget >> 20) + " MiB: live memory over one step"});
+    const std::string what = gpt ? "GPT (" + std::to_string(L) + " blocks, dim " + std::to_string(dim) + ", batch " +
+                                       std::to_string(B) + " x " + std::to_string(seq) + ")"
+                                 : "Deep MLP (" + std::to_string(L) + " x Dense(" + std::to_string(W) + ") + GELU, batch " +
+                                       std::to_string(B) + ")";
+    memory::save_svg(plot, timelines, {.title = what + ", budget " + std::to_string(budget >> 20) + " MiB: live memory over one step"});
     std::cerr << "wrote the memory timelines to " << plot << "\n";
   }
   return 0;
