@@ -114,6 +114,15 @@ Rule uniform_rule(int depth, PlanPolicy p) {
   };
 }
 
+// Calls at `outer` depth under p, and the calls inside them at `inner` depth under q (nested remat).
+Rule nested_rule(int outer, PlanPolicy p, int inner, PlanPolicy q) {
+  return [outer, p, inner, q](const std::vector<std::string>& path) -> std::optional<PlanPolicy> {
+    if (static_cast<int>(path.size()) == outer) return p;
+    if (static_cast<int>(path.size()) == inner) return q;
+    return std::nullopt;
+  };
+}
+
 // ---- profiling: what one recorded run says about each segment of the step ----------------------
 //
 // The candidate calls form a tree: calls at depth depths[0], inside them calls at depth depths[1],
@@ -212,6 +221,9 @@ struct Profile {
   std::vector<int> depths;
   std::vector<PlanPolicy> policies;               // policies[0] is none
   std::vector<std::vector<LevelRun>> runs;        // [level][policy]
+  // [level][(outer policy, inner policy)]: calls of the level rematted with every call inside them
+  // (next level) rematted too: one of a call's options besides whole or planned inside.
+  std::vector<std::vector<std::pair<std::pair<PlanPolicy, PlanPolicy>, LevelRun>>> nested;
 };
 
 // ---- the solver --------------------------------------------------------------------------------
@@ -293,6 +305,24 @@ std::vector<Option> unit_options(const Profile& pr, const std::string& unit, std
   if (level + 1 < pr.depths.size()) {
     const auto inner = sequence_options(pr, unit, level + 1, std::numeric_limits<std::int64_t>::max());
     out.insert(out.end(), inner.begin(), inner.end());
+    // Nested: the call rematted, and every call inside it rematted too.
+    const auto kids = pr.runs[level + 1][0].children.find(unit);
+    if (kids != pr.runs[level + 1][0].children.end())
+      for (const auto& [policies, run] : pr.nested[level]) {
+        auto it = run.segments.find(unit_key(unit));
+        if (it == run.segments.end()) continue;
+        auto c = std::make_shared<Choice>();
+        c->path = unit;
+        c->policy = policies.first;
+        ChoicePtr all = c;
+        for (const auto& kid : kids->second) {
+          auto k = std::make_shared<Choice>();
+          k->path = kid;
+          k->policy = policies.second;
+          all = join(all, k);
+        }
+        out.push_back({it->second.kept, it->second.recompute, it->second.own, all});
+      }
   }
   return pareto(std::move(out), kFrontCap);
 }
@@ -367,6 +397,23 @@ Profile profile(const std::function<void()>& step, const PlanOptions& o) {
     }
     pr.runs.push_back(std::move(runs));
   }
+  for (std::size_t level = 0; level + 1 < pr.depths.size(); ++level) {
+    pr.nested.emplace_back();
+    for (std::size_t a = 1; a < pr.policies.size(); ++a)
+      for (std::size_t b = 1; b < pr.policies.size(); ++b) {
+        LevelRun best;
+        for (int s = 0; s < std::max(1, o.profile_steps); ++s) {
+          LevelRun r = analyse(record(step, nested_rule(pr.depths[level], pr.policies[a], pr.depths[level + 1], pr.policies[b]),
+                                     "nested"),
+                               pr.depths, level);
+          if (s == 0) best = std::move(r);
+          else
+            for (auto& [key, stats] : best.segments)
+              if (auto it = r.segments.find(key); it != r.segments.end()) stats.recompute = std::min(stats.recompute, it->second.recompute);
+        }
+        pr.nested.back().push_back({{pr.policies[a], pr.policies[b]}, std::move(best)});
+      }
+  }
   return pr;
 }
 
@@ -385,11 +432,13 @@ RematPlan make_plan(const Profile& pr, const Option& best, std::int64_t budget) 
     if (kids == plain.children.end()) return;
     for (const auto& unit : kids->second) {
       auto it = chosen.find(unit);
+      const bool inside = std::any_of(chosen.begin(), chosen.end(), [&](const auto& c) { return c.first.starts_with(unit + "/"); });
       if (it != chosen.end()) {
         const std::size_t k = static_cast<std::size_t>(
             std::find(pr.policies.begin(), pr.policies.end(), it->second) - pr.policies.begin());
         const SegmentStats& s = pr.runs[level][k].segments.at(unit_key(unit));
         plan.calls.push_back({unit, it->second, s.kept, s.recompute});
+        if (inside && level + 1 < pr.depths.size()) walk(unit, level + 1);  // nested: its insides are rematted too
       } else if (level + 1 < pr.depths.size() && pr.runs[level + 1][0].children.count(unit) &&
                  std::any_of(chosen.begin(), chosen.end(), [&](const auto& c) { return c.first.starts_with(unit + "/"); })) {
         walk(unit, level + 1);  // planned inside

@@ -12,7 +12,8 @@
 //
 // What is solved. The candidates are module calls: those at path depth depths[0] (1: the top
 // module's children) and, with more depths, the calls inside them (depths[1], ...), so each call is
-// either run plainly, rematted whole with a policy, or planned inside. The planner records a plain
+// either run plainly, rematted whole with a policy, planned inside, or rematted with every call
+// inside it rematted too (nested, which lowers the transient of its recomputation). The planner records a plain
 // step and one step per policy and level with every call of that level under the policy
 // (memory::TimelineRecorder), and cuts each into segments: the calls, and the ops between them.
 // Per segment it reads kept (live bytes left until its backward), own (its highest live bytes,
@@ -60,7 +61,8 @@ struct PlannedCall {
   std::string path;                    // "Block_3"
   PlanPolicy policy = PlanPolicy::none;
   std::int64_t kept_bytes = 0;         // live bytes the call leaves until its backward, under `policy`
-  double recompute_s = 0;              // predicted recomputation time under `policy`
+  double recompute_s = 0;              // its recomputation time under `policy` (profiled alone, without
+                                       // remat inside it; a nested plan's totals are in RematPlan)
 };
 
 struct RematPlan {

@@ -136,3 +136,31 @@ TEST_CASE("a plan prints, survives JSON, and a file that is not a plan is refuse
                  }),
                  "unknown policy 'sometimes'"));
 }
+
+TEST_CASE("plan_remat reaches the smallest peak it reports, nesting remat inside a rematted stage when needed") {
+  const Setup<Staged> m;
+  const auto [fixed, plain] = m.fixed_and_plain_peak();
+  const std::string msg = error_of<ValueError>([&] { lift::plan_remat(m.step_fn(), fixed + 1, {.depths = {1, 2}}); });
+  const std::string marker = "the smallest peak a plan reaches is ";
+  REQUIRE(contains(msg, marker));
+  const std::int64_t smallest = std::stoll(msg.substr(msg.find(marker) + marker.size()));
+  CHECK(smallest < plain);
+  // Stages alone (depth 1) cannot get as low as stages with their blocks.
+  const std::string flat = error_of<ValueError>([&] { lift::plan_remat(m.step_fn(), fixed + 1, {.depths = {1}}); });
+  CHECK(std::stoll(flat.substr(flat.find(marker) + marker.size())) >= smallest);
+  const lift::RematPlan plan = lift::plan_remat(m.step_fn(), smallest, {.depths = {1, 2}});
+  CAPTURE(plan.str());
+  CHECK(plan.measured_peak_bytes <= smallest);
+  CHECK(plan.predicted_peak_bytes == smallest);
+  const bool nested = std::any_of(plan.calls.begin(), plan.calls.end(), [&](const auto& inner) {
+    const auto slash = inner.path.find('/');
+    return slash != std::string::npos && inner.policy != lift::PlanPolicy::none &&
+           std::any_of(plan.calls.begin(), plan.calls.end(), [&](const auto& outer) {
+             return outer.path == inner.path.substr(0, slash) && outer.policy != lift::PlanPolicy::none;
+           });
+  });
+  CHECK(nested);
+  const auto plain_grads = value_and_grad(m.loss())(m.vars.at("params")).second;
+  lift::PlanScope apply_plan(plan);
+  CHECK(bitwise_equal(value_and_grad(m.loss())(m.vars.at("params")).second, plain_grads));
+}
