@@ -22,22 +22,24 @@ const char* plan_policy_name(PlanPolicy p) {
     case PlanPolicy::full: return "full";
     case PlanPolicy::dots: return "dots";
     case PlanPolicy::dots_no_batch: return "dots_no_batch";
+    case PlanPolicy::names: return "names";
   }
   return "none";
 }
 
 PlanPolicy plan_policy_from_name(const std::string& name) {
-  for (PlanPolicy p : {PlanPolicy::none, PlanPolicy::full, PlanPolicy::dots, PlanPolicy::dots_no_batch})
+  for (PlanPolicy p : {PlanPolicy::none, PlanPolicy::full, PlanPolicy::dots, PlanPolicy::dots_no_batch, PlanPolicy::names})
     if (name == plan_policy_name(p)) return p;
-  throw ValueError(linum::detail::cat("lift::RematPlan: unknown policy '", name, "' (none, full, dots, dots_no_batch)"));
+  throw ValueError(linum::detail::cat("lift::RematPlan: unknown policy '", name, "' (none, full, dots, dots_no_batch, names)"));
 }
 
 namespace {
 
-Policy to_policy(PlanPolicy p) {
+Policy to_policy(PlanPolicy p, const std::vector<std::string>& names) {
   switch (p) {
     case PlanPolicy::dots: return policies::dots_saveable{};
     case PlanPolicy::dots_no_batch: return policies::dots_with_no_batch_dims_saveable{};
+    case PlanPolicy::names: return policies::save_only_these_names(names);
     default: return Policy{};  // nothing saveable
   }
 }
@@ -61,7 +63,8 @@ std::string prefix_at(const std::string& path, int depth) {
 
 class PlanScope::Interceptor final : public linum::detail::CallInterceptor {
  public:
-  explicit Interceptor(std::shared_ptr<const Rule> rule) : rule_(std::move(rule)) {}
+  Interceptor(std::shared_ptr<const Rule> rule, std::shared_ptr<const std::vector<std::string>> names)
+      : rule_(std::move(rule)), names_(std::move(names)) {}
   bool wants(const std::vector<std::string>& path, const std::string& /*type*/) const override {
     const auto p = (*rule_)(path);
     return p.has_value() && *p != PlanPolicy::none;
@@ -70,18 +73,19 @@ class PlanScope::Interceptor final : public linum::detail::CallInterceptor {
     const PlanPolicy p = *(*rule_)(scope.path());
     // The body installs the same rule again, so its recomputation (which runs after this scope may
     // be gone) makes the same decisions for nested calls.
-    detail::ScopedBody replayed = [rule = rule_, body](Scope& s) {
-      Interceptor again(rule);
+    detail::ScopedBody replayed = [rule = rule_, names = names_, body](Scope& s) {
+      Interceptor again(rule, names);
       linum::detail::CallInterceptorGuard installed(&again);
       return body(s);
     };
     CheckpointOptions options;
-    options.policy = to_policy(p);
+    options.policy = to_policy(p, *names_);
     return detail::lifted_run(scope, replayed, options, LiftFilters{}, {});
   }
 
  private:
   std::shared_ptr<const Rule> rule_;
+  std::shared_ptr<const std::vector<std::string>> names_;
 };
 
 namespace {
@@ -89,8 +93,9 @@ namespace {
 // A scope applying `rule` (the plan's, or a profiling run's uniform one).
 class RuleScope {
  public:
-  explicit RuleScope(Rule rule)
-      : interceptor_(std::make_shared<const Rule>(std::move(rule))), guard_(&interceptor_) {}
+  RuleScope(Rule rule, const std::vector<std::string>& names)
+      : interceptor_(std::make_shared<const Rule>(std::move(rule)), std::make_shared<const std::vector<std::string>>(names)),
+        guard_(&interceptor_) {}
 
  private:
   PlanScope::Interceptor interceptor_;
@@ -360,8 +365,9 @@ std::vector<Option> sequence_options(const Profile& pr, const std::string& paren
   return states;
 }
 
-memory::Timeline record(const std::function<void()>& step, const Rule& rule, const std::string& label) {
-  RuleScope scope(rule);
+memory::Timeline record(const std::function<void()>& step, const Rule& rule, const std::vector<std::string>& names,
+                        const std::string& label) {
+  RuleScope scope(rule, names);
   memory::TimelineRecorder recorder(label);
   step();
   return recorder.finish();
@@ -376,13 +382,14 @@ Profile profile(const std::function<void()>& step, const PlanOptions& o) {
   for (PlanPolicy p : o.policies)
     if (p != PlanPolicy::none && std::find(pr.policies.begin(), pr.policies.end(), p) == pr.policies.end())
       pr.policies.push_back(p);
-  const memory::Timeline plain = record(step, [](const std::vector<std::string>&) { return std::nullopt; }, "none");
+  const memory::Timeline plain = record(step, [](const std::vector<std::string>&) { return std::nullopt; }, {}, "none");
   for (std::size_t level = 0; level < pr.depths.size(); ++level) {
     std::vector<LevelRun> runs{analyse(plain, pr.depths, level)};
     for (std::size_t k = 1; k < pr.policies.size(); ++k) {
       LevelRun best;
       for (int s = 0; s < std::max(1, o.profile_steps); ++s) {
-        LevelRun r = analyse(record(step, uniform_rule(pr.depths[level], pr.policies[k]), plan_policy_name(pr.policies[k])),
+        LevelRun r = analyse(record(step, uniform_rule(pr.depths[level], pr.policies[k]), o.saved_names,
+                                    plan_policy_name(pr.policies[k])),
                              pr.depths, level);
         if (r.units != runs[0].units)
           throw ValueError(linum::detail::cat("lift::plan_remat: the step made different module calls at depth ",
@@ -404,7 +411,7 @@ Profile profile(const std::function<void()>& step, const PlanOptions& o) {
         LevelRun best;
         for (int s = 0; s < std::max(1, o.profile_steps); ++s) {
           LevelRun r = analyse(record(step, nested_rule(pr.depths[level], pr.policies[a], pr.depths[level + 1], pr.policies[b]),
-                                     "nested"),
+                                     o.saved_names, "nested"),
                                pr.depths, level);
           if (s == 0) best = std::move(r);
           else
@@ -451,8 +458,8 @@ RematPlan make_plan(const Profile& pr, const Option& best, std::int64_t budget) 
   return plan;
 }
 
-std::int64_t measured_peak(const std::function<void()>& step, const Rule& rule) {
-  RuleScope scope(rule);
+std::int64_t measured_peak(const std::function<void()>& step, const Rule& rule, const std::vector<std::string>& names) {
+  RuleScope scope(rule, names);
   memory::PeakScope peak;
   step();
   return peak.peak_bytes();
@@ -461,7 +468,8 @@ std::int64_t measured_peak(const std::function<void()>& step, const Rule& rule) 
 }  // namespace
 
 PlanScope::PlanScope(const RematPlan& plan)
-    : interceptor_(std::make_unique<Interceptor>(std::make_shared<const Rule>(plan_rule(plan)))),
+    : interceptor_(std::make_unique<Interceptor>(std::make_shared<const Rule>(plan_rule(plan)),
+                                                 std::make_shared<const std::vector<std::string>>(plan.saved_names))),
       guard_(std::make_unique<linum::detail::CallInterceptorGuard>(interceptor_.get())) {}
 PlanScope::~PlanScope() = default;
 
@@ -471,7 +479,10 @@ RematPlan plan_remat(const std::function<void()>& step, std::int64_t budget_byte
   for (int d : options.depths)
     if (d < 1) throw ValueError(linum::detail::cat("lift::plan_remat: depth ", d, " is not >= 1"));
   step();  // warm-up: caches, lazily created state
-  const std::int64_t plain_peak = measured_peak(step, [](const std::vector<std::string>&) { return std::nullopt; });
+  const bool wants_names = std::find(options.policies.begin(), options.policies.end(), PlanPolicy::names) != options.policies.end();
+  if (wants_names && options.saved_names.empty())
+    throw ValueError("lift::plan_remat: PlanPolicy::names needs options.saved_names (the names given to checkpoint_name)");
+  const std::int64_t plain_peak = measured_peak(step, [](const std::vector<std::string>&) { return std::nullopt; }, {});
   const Profile pr = profile(step, options);
   if (pr.runs[0][0].units.empty())
     throw ValueError(linum::detail::cat("lift::plan_remat: the step made no module calls at depth ", pr.depths[0],
@@ -495,8 +506,9 @@ RematPlan plan_remat(const std::function<void()>& step, std::int64_t budget_byte
       if (o.time < pick->time || (o.time == pick->time && o.need < pick->need)) pick = &o;
     best = make_plan(pr, *pick, budget_bytes);
     best.plain_peak_bytes = plain_peak;
+    if (wants_names) best.saved_names = options.saved_names;
     if (!options.verify) break;
-    best.measured_peak_bytes = measured_peak(step, plan_rule(best));
+    best.measured_peak_bytes = measured_peak(step, plan_rule(best), best.saved_names);
     if (best.measured_peak_bytes <= budget_bytes) break;
     target -= best.measured_peak_bytes - budget_bytes;  // the model missed this much: plan with less
   }
@@ -518,6 +530,11 @@ std::string RematPlan::str() const {
      << mib(predicted_peak_bytes);
   if (measured_peak_bytes > 0) os << ", measured " << mib(measured_peak_bytes);
   os << ", without remat " << mib(plain_peak_bytes) << ", predicted extra time " << predicted_extra_s * 1e3 << " ms\n";
+  if (!saved_names.empty()) {
+    os << "  names saved by the names policy:";
+    for (const auto& n : saved_names) os << " " << n;
+    os << "\n";
+  }
   for (const auto& c : calls)
     os << "  " << c.path << ": " << plan_policy_name(c.policy) << " (keeps " << mib(c.kept_bytes)
        << (c.policy == PlanPolicy::none ? "" : ", recompute " + std::to_string(c.recompute_s * 1e3) + " ms") << ")\n";
@@ -531,7 +548,7 @@ nlohmann::json RematPlan::to_json() const {
                   {"recompute_s", c.recompute_s}});
   return {{"budget_bytes", budget_bytes},           {"predicted_peak_bytes", predicted_peak_bytes},
           {"measured_peak_bytes", measured_peak_bytes}, {"plain_peak_bytes", plain_peak_bytes},
-          {"predicted_extra_s", predicted_extra_s}, {"depths", depths},
+          {"predicted_extra_s", predicted_extra_s}, {"depths", depths}, {"saved_names", saved_names},
           {"calls", cs}};
 }
 
@@ -544,6 +561,7 @@ RematPlan RematPlan::from_json(const nlohmann::json& j) {
     p.plain_peak_bytes = j.value("plain_peak_bytes", std::int64_t{0});
     p.predicted_extra_s = j.value("predicted_extra_s", 0.0);
     p.depths = j.value("depths", std::vector<int>{1});
+    p.saved_names = j.value("saved_names", std::vector<std::string>{});
     for (const auto& c : j.at("calls"))
       p.calls.push_back({c.at("path").get<std::string>(), plan_policy_from_name(c.at("policy").get<std::string>()),
                          c.value("kept_bytes", std::int64_t{0}), c.value("recompute_s", 0.0)});

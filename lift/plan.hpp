@@ -43,8 +43,9 @@
 namespace linum::lift {
 
 // What a planned call does: nothing (keeps its activations), or remat saving nothing (full),
-// saving matrix products (dots), or saving products without batch dimensions (dots_no_batch).
-enum class PlanPolicy { none, full, dots, dots_no_batch };
+// saving matrix products (dots), saving products without batch dimensions (dots_no_batch), or
+// saving the values named with checkpoint_name in PlanOptions::saved_names (names).
+enum class PlanPolicy { none, full, dots, dots_no_batch, names };
 const char* plan_policy_name(PlanPolicy p);
 PlanPolicy plan_policy_from_name(const std::string& name);
 
@@ -53,6 +54,7 @@ struct PlanOptions {
   // Candidate calls: module paths with depths[0] components; with more depths, also the calls
   // inside them at depths[1] (and so on), so a call is either rematted whole or planned inside.
   std::vector<int> depths = {1};
+  std::vector<std::string> saved_names;  // for PlanPolicy::names (checkpoint_name's names)
   int profile_steps = 2;          // recorded steps per profiling run (times: the minimum)
   bool verify = true;             // run the plan once and re-solve if it exceeds the budget
 };
@@ -73,6 +75,7 @@ struct RematPlan {
   double predicted_extra_s = 0;          // recomputation time the plan adds
   std::vector<int> depths = {1};         // the levels of candidate calls the planner considered
   std::vector<PlannedCall> calls;        // in call order (a call planned inside lists its children)
+  std::vector<std::string> saved_names;  // what PlanPolicy::names saves
 
   std::string str() const;
   nlohmann::json to_json() const;

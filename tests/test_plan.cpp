@@ -164,3 +164,36 @@ TEST_CASE("plan_remat reaches the smallest peak it reports, nesting remat inside
   lift::PlanScope apply_plan(plan);
   CHECK(bitwise_equal(value_and_grad(m.loss())(m.vars.at("params")).second, plain_grads));
 }
+
+namespace {
+// A block whose pre-activations are named, so a plan may save exactly those.
+struct NamedBlock {
+  Array operator()(Scope& s, const Array& x) const {
+    const Array pre = checkpoint_name(s(nn::Dense{.features = 256}, x), "pre");
+    return gelu(s(nn::Dense{.features = x.dim(-1)}, gelu(pre)));
+  }
+};
+struct NamedDeep {
+  Array operator()(Scope& s, Array x) const {
+    for (int i = 0; i < 4; ++i) x = s(NamedBlock{}, x);
+    return x;
+  }
+};
+}  // namespace
+
+TEST_CASE("plan_remat with a name policy: saves what checkpoint_name marked; the plan carries the names") {
+  const Setup<NamedDeep> m;
+  const auto [loss0, plain_grads] = value_and_grad(m.loss())(m.vars.at("params"));
+  const auto [fixed, plain] = m.fixed_and_plain_peak();
+  const lift::PlanOptions options{.policies = {lift::PlanPolicy::full, lift::PlanPolicy::names}, .saved_names = {"pre"}};
+  const lift::RematPlan plan = lift::plan_remat(m.step_fn(), fixed + (plain - fixed) * 6 / 10, options);
+  CAPTURE(plan.str());
+  CHECK(plan.measured_peak_bytes <= plan.budget_bytes);
+  CHECK(plan.predicted_peak_bytes == plan.measured_peak_bytes);
+  CHECK(plan.saved_names == std::vector<std::string>{"pre"});
+  CHECK(lift::RematPlan::from_json(plan.to_json()).saved_names == plan.saved_names);
+  lift::PlanScope apply_plan(plan);
+  CHECK(bitwise_equal(value_and_grad(m.loss())(m.vars.at("params")).second, plain_grads));
+  CHECK(contains(error_of<ValueError>([&] { lift::plan_remat(m.step_fn(), plain, {.policies = {lift::PlanPolicy::names}}); }),
+                 "needs options.saved_names"));
+}

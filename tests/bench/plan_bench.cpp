@@ -8,7 +8,8 @@
 // (the fastest of: every layer rematted saving nothing, every layer saving its products, sqrt(L)
 // rematted segments, that fits the same budget; null when none fits), uniform (all of them), and
 // the plan's policy counts. --memory-plot FILE.svg overlays plain, the uniform schedules and the
-// plan. Same flags as `linum-bench mlp` otherwise (--layers --width --batch --steps --threads).
+// plan. Same flags as `linum-bench mlp` otherwise (--layers --width --batch --steps --threads
+// --dtype f32|bf16 --engine onednn|eigen).
 // --model gpt plans the transformer stack of `linum-bench gpt` instead (--layers 8 --batch 16
 // --seq 256 --dim 256): each block rematted whole or planned inside (attention, MLP, norms),
 // against every block rematted saving nothing or saving its products.
@@ -27,24 +28,27 @@ namespace {
 
 struct Layer {
   std::int64_t width = 512;
-  Array operator()(Scope& s, const Array& h) const { return gelu(s(nn::Dense{.features = width}, h)); }
+  std::optional<DType> dtype;  // --dtype bf16: float32 parameters, bf16 computation (Flax's dtype)
+  Array operator()(Scope& s, const Array& h) const { return gelu(s(nn::Dense{.features = width, .dtype = dtype}, h)); }
 };
 // The layers grouped into floor(sqrt(L)) consecutive segments: the planner chooses per segment
 // (rematted whole, or planned layer by layer); the uniform schedules are every layer, or every segment.
 struct Segment {
   std::int64_t width = 512;
   int layers = 5;
+  std::optional<DType> dtype;
   Array operator()(Scope& s, Array h) const {
-    for (int i = 0; i < layers; ++i) h = s(Layer{width}, h);
+    for (int i = 0; i < layers; ++i) h = s(Layer{width, dtype}, h);
     return h;
   }
 };
 struct SegmentedMlp {
   std::int64_t width = 512;
   int layers = 24;
+  std::optional<DType> dtype;
   Array operator()(Scope& s, Array h) const {
     const int per = static_cast<int>(std::ceil(static_cast<double>(layers) / std::floor(std::sqrt(static_cast<double>(layers)))));
-    for (int first = 0; first < layers; first += per) h = s(Segment{width, std::min(per, layers - first)}, h);
+    for (int first = 0; first < layers; first += per) h = s(Segment{width, std::min(per, layers - first), dtype}, h);
     return h;
   }
 };
@@ -97,9 +101,11 @@ int bench_plan(const Flags& f) {
   omp_set_num_threads(threads);
 #endif
   apply_engine_flag(f);
+  const DType dtype = parse_dtype(f.text("dtype", "f32"));
+  const std::optional<DType> compute = dtype == DType::f32 ? std::nullopt : std::optional<DType>(dtype);
   // The model and its training step, and the paths the uniform schedules remat.
-  const SegmentedMlp mlp{W, static_cast<int>(L)};
-  const Gpt gpt_model{.dim = dim, .layers = L, .seq = seq};
+  const SegmentedMlp mlp{W, static_cast<int>(L), compute};
+  const Gpt gpt_model{.dim = dim, .layers = L, .seq = seq, .dtype = compute};
   const Array x = random_normal(Shape{gpt ? 1 : B, W}, 7u, 1.0f);
   const auto [tokens, labels] = make_batch(gpt ? B : 1, seq, gpt_model.vocab, 1000);
   const Tree vars = gpt ? init(gpt_model, rng::key(0), tokens) : init(mlp, rng::key(0), x);
@@ -145,7 +151,7 @@ int bench_plan(const Flags& f) {
   for (const Trial& t : uniform)
     if (t.peak_bytes <= budget && (best_uniform == nullptr || t.step_s_min < best_uniform->step_s_min)) best_uniform = &t;
 
-  nlohmann::json out = {{"bench", "plan"},        {"model", which},        {"layers", L},           {"width", gpt ? dim : W},
+  nlohmann::json out = {{"bench", "plan"},        {"model", which},        {"dtype", dtype_short_name(dtype)},        {"layers", L},           {"width", gpt ? dim : W},
                         {"batch", B},             {"threads", threads},    {"steps", steps},
                         {"budget_fraction", fraction}, {"fixed_bytes", fixed}, {"gradient_bytes", grad_bytes},
                         {"plain_activation_bytes", activations}, {"budget_bytes", budget},
