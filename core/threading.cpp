@@ -67,7 +67,7 @@ int own_runnable_threads() {
   DIR* dir = opendir("/proc/self/task");
   if (dir == nullptr) return 1;
   int count = 0;
-  char path[64], buf[256];
+  char path[288], buf[256];  // path: "/proc/self/task/" + a name of up to 255 bytes + "/stat"
   while (const dirent* e = readdir(dir)) {
     if (e->d_name[0] < '0' || e->d_name[0] > '9') continue;
     std::snprintf(path, sizeof(path), "/proc/self/task/%s/stat", e->d_name);

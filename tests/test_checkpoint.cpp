@@ -20,13 +20,6 @@ Array g(const Array& w, const Array& x) {
   return tanh(matmul(x, w));
 }
 
-bool all_bitwise_equal(const std::vector<Array>& a, const std::vector<Array>& b) {
-  if (a.size() != b.size()) return false;
-  for (std::size_t i = 0; i < a.size(); ++i)
-    if (!a[i].bitwise_equal(b[i])) return false;
-  return true;
-}
-
 }  // namespace
 
 TEST_CASE("checkpointed values and gradients equal the plain function's, bit for bit") {
