@@ -10,8 +10,10 @@
 // with one of 2 cores taken, the step runs on the free core instead of waiting on the busy one
 // (linum-bench load: about 2x instead of 3x). Results do not depend on it: Linum's kernels split
 // work into pieces fixed by the shapes (not by the thread count), and oneDNN's matrix products give
-// the same bits on 1 and 2 threads (tests/test_threading.cpp checks both). Convolutions keep the
-// full team (oneDNN's weight gradient sums per thread). Turn adaptation off with
+// the same bits on 1 and 2 threads (tests/test_threading.cpp checks both). Large convolutions' weight
+// gradients, which oneDNN would sum per thread, are cut into batch pieces fixed by the shape and
+// summed in order, so they too give the same bits on any team (what data-parallel ranks with
+// different thread counts rely on). Turn adaptation off with
 // set_adaptive_threads(false) or LINUM_ADAPTIVE_THREADS=0 (dedicated machines).
 //
 // How idle OpenMP threads wait is libgomp's business, set by OMP_WAIT_POLICY / GOMP_SPINCOUNT when

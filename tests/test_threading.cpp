@@ -117,3 +117,38 @@ TEST_CASE("results do not depend on how many threads run them (what adaptive tea
   }
 #endif
 }
+
+TEST_CASE("convolution gradients do not depend on how many threads run them (data parallelism relies on it)") {
+#ifdef _OPENMP
+  // The Fashion-MNIST CNN's two convolutions at batch 64: oneDNN's weight gradient sums per thread,
+  // so Linum splits the batch into pieces fixed by the shape and sums them in a fixed order.
+  auto compute = [] {
+    std::vector<Array> out;
+    for (DType dt : {DType::f32, DType::bf16}) {
+      for (auto [c, o, hw] : {std::tuple{1, 32, 28}, std::tuple{32, 64, 14}}) {
+        const Array x = astype(rng::normal(rng::key(3), Shape{64, hw, hw, c}), dt);
+        const Array w = astype(rng::normal(rng::key(4), Shape{3, 3, c, o}), dt);
+        auto f = [](const Array& x, const Array& w) { return sum(square(astype(conv2d(x, w), DType::f32))); };
+        auto [value, grads] = value_and_grad<0, 1>(f)(x, w);
+        out.push_back(conv2d(x, w));
+        out.push_back(std::get<0>(grads));
+        out.push_back(std::get<1>(grads));
+      }
+    }
+    return out;
+  };
+  const int max = omp_get_max_threads();
+  const auto many = compute();
+  std::vector<std::vector<Array>> runs;
+  for (int threads : {1, 3}) {
+    omp_set_num_threads(threads);
+    runs.push_back(compute());
+  }
+  omp_set_num_threads(max);
+  for (const auto& run : runs)
+    for (std::size_t i = 0; i < many.size(); ++i) {
+      CAPTURE(i);
+      CHECK(many[i].bitwise_equal(run[i]));
+    }
+#endif
+}

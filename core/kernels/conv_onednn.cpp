@@ -12,6 +12,9 @@
 #include <mutex>
 #include <optional>
 #include <utility>
+#include <vector>
+#include <exception>
+#include <linum/core/threading.hpp>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -180,7 +183,108 @@ Array conv_backward_data_onednn(const Array& gy, const Array& w, const ConvShape
   });
 }
 
+namespace {
+
+// One single-threaded weight gradient of images [n0, n0 + count), in Linum's kernel layout: a
+// primitive with a user scratchpad, so pieces of the same shape can run on several threads at once.
+struct WeightPiece {
+  ConvShape shape;
+  dnnl::convolution_backward_weights::primitive_desc pd;
+  dnnl::convolution_backward_weights prim;
+  memory::desc x, y, w_user;
+};
+
+WeightPiece& weight_piece_for(const ConvShape& s) {
+  static std::map<ConvShape, WeightPiece> pieces;  // under g_mutex
+  auto it = pieces.find(s);
+  if (it != pieces.end()) return it->second;
+  return *with_threads(1, [&]() -> WeightPiece* {
+    try {
+      Primitives& p = primitives_for(s, 1);
+      dnnl::primitive_attr attr;
+      attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+      dnnl::convolution_backward_weights::desc desc(dnnl::algorithm::convolution_direct, p.d.x, any_weights(p.d), p.d.y,
+                                                    p.d.strides, p.d.dilates, p.d.pad_l, p.d.pad_r);
+      dnnl::convolution_backward_weights::primitive_desc pd(desc, attr, cpu_engine(), p.fwd_pd);
+      WeightPiece piece{s, pd, dnnl::convolution_backward_weights(pd), p.d.x, p.d.y, p.d.w_user};
+      return &pieces.emplace(s, std::move(piece)).first->second;
+    } catch (const dnnl::error& e) {
+      refused(s, e);
+    }
+  });
+}
+
+// Runs a piece (on the calling thread: oneDNN runs single-threaded inside a parallel region) into
+// `dw` (Linum's layout).
+void run_piece(const WeightPiece& piece, const void* x, const void* gy, void* dw) {
+  dnnl::stream stream(cpu_engine());
+  memory mx(piece.x, cpu_engine(), const_cast<void*>(x)), mgy(piece.y, cpu_engine(), const_cast<void*>(gy));
+  memory user_dw(piece.w_user, cpu_engine(), dw);
+  const bool direct = piece.pd.diff_weights_desc() == piece.w_user;
+  memory mdw = direct ? user_dw : memory(piece.pd.diff_weights_desc(), cpu_engine());
+  memory scratch(piece.pd.scratchpad_desc(), cpu_engine());
+  piece.prim.execute(stream, {{DNNL_ARG_SRC, mx}, {DNNL_ARG_DIFF_DST, mgy}, {DNNL_ARG_DIFF_WEIGHTS, mdw},
+                              {DNNL_ARG_SCRATCHPAD, scratch}});
+  if (!direct) dnnl::reorder(mdw, user_dw).execute(stream, mdw, user_dw);
+  stream.wait();
+}
+
+}  // namespace
+
+// The weight gradient sums over the batch. oneDNN's float32 kernel sums per thread, so its bits would depend on the
+// thread count (the team adapts to a busy machine; ranks of a data-parallel job run different
+// counts). Large convolutions are therefore cut into pieces of the batch fixed by the shape, each
+// computed on one thread, and the pieces summed in index order: the same bits on any team.
 Array conv_backward_weights_onednn(const Array& x, const Array& gy, const ConvShape& s) {
+  const double macs = static_cast<double>(s.n) * s.oh * s.ow * s.o * s.kh * s.kw * s.cg;
+  constexpr std::int64_t kPieces = 8;
+  const std::int64_t pieces = std::min<std::int64_t>(s.n, kPieces);
+#ifdef _OPENMP
+  // (bfloat16 weight gradients already come out the same on any team: tests/test_threading.cpp.)
+  const bool split = s.dtype == DType::f32 && pieces > 1 && macs >= kParallelGemmWork && !omp_in_parallel();
+#else
+  const bool split = false;
+#endif
+  if (split) {
+    // Piece i holds images [i * n / pieces, (i + 1) * n / pieces): at most two distinct shapes.
+    std::vector<std::int64_t> first(pieces + 1);
+    for (std::int64_t i = 0; i <= pieces; ++i) first[i] = i * s.n / pieces;
+    std::vector<const WeightPiece*> plan(pieces);
+    {
+      std::lock_guard<std::mutex> lock(g_mutex);
+      for (std::int64_t i = 0; i < pieces; ++i) {
+        ConvShape ps = s;
+        ps.n = first[i + 1] - first[i];
+        plan[i] = &weight_piece_for(ps);
+      }
+    }
+    const std::int64_t w_elems = s.kh * s.kw * s.cg * s.o;
+    constexpr std::size_t item = sizeof(float);
+    const std::int64_t x_image = s.h * s.w * s.c, y_image = s.oh * s.ow * s.o;
+    Array piece_out = Array::empty(Shape{pieces, w_elems});
+    const auto* xb = static_cast<const char*>(x.raw());
+    const auto* gb = static_cast<const char*>(gy.raw());
+    auto* ob = static_cast<char*>(piece_out.mutable_raw());
+    std::exception_ptr failure;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(linum::team_size())
+    for (std::int64_t i = 0; i < pieces; ++i) {
+      try {
+        run_piece(*plan[i], xb + first[i] * x_image * item, gb + first[i] * y_image * item, ob + i * w_elems * item);
+      } catch (...) {
+#pragma omp critical(linum_conv_piece_failure)
+        failure = std::current_exception();
+      }
+    }
+    if (failure) std::rethrow_exception(failure);
+    // The sum over pieces, in index order.
+    const float* in = piece_out.data();
+    Array total = Array::empty(Shape{s.kh, s.kw, s.cg, s.o});
+    float* out = total.mutable_data();
+    for (std::int64_t e = 0; e < w_elems; ++e) out[e] = in[e];
+    for (std::int64_t i = 1; i < pieces; ++i)
+      for (std::int64_t e = 0; e < w_elems; ++e) out[e] += in[i * w_elems + e];
+    return total;
+  }
   const int threads = threads_for(s);
   return with_threads(threads, [&] {
     std::unique_lock<std::mutex> lock(g_mutex);
