@@ -96,8 +96,8 @@ std::vector<std::shared_ptr<Node>> topological_order(std::span<const Array> root
 
 // Runs the sweep over `order` (reverse). `deliver(edge, grad)` returns true when it consumed a
 // cotangent for an edge (a boundary); otherwise the cotangent accumulates in the target node.
-template <class Deliver>
-void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, Deliver deliver) {
+template <class Deliver, class AfterNode>
+void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, Deliver deliver, AfterNode after_node) {
   NoGradGuard no_grad;  // backward rules compute with constants
   linum::detail::PhaseScope phase(linum::detail::Phase::backward);
   std::vector<Array> in_grads;
@@ -147,10 +147,18 @@ void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, Del
       inputs.shrink_to_fit();
     }
     const char* op = node->op();
+    after_node(static_cast<std::size_t>(order.rend() - it) - 1);
     it->reset();  // drop our reference: the node dies now unless an array still refers to it
     if (any && memory::detail::timeline_recording()) memory::detail::timeline_on_op(op, node);  // node: a key only
   }
 }
+
+template <class Deliver>
+void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, Deliver deliver) {
+  run_sweep(order, retain_graph, deliver, [](std::size_t) {});
+}
+
+thread_local LeafGradientListener* t_leaf_listener = nullptr;
 
 void seed(std::span<const Array> roots, std::span<const Array> cotangents) {
   if (roots.size() != cotangents.size())
@@ -246,11 +254,34 @@ Array make_leaf(const Array& x) {
   return leaf;
 }
 
+LeafGradientListener::LeafGradientListener() : previous_(t_leaf_listener) { t_leaf_listener = this; }
+LeafGradientListener::~LeafGradientListener() { t_leaf_listener = previous_; }
+
 void backward(std::span<const Array> roots, std::span<const Array> cotangents, bool retain_graph) {
   const std::uint64_t mark = ++g_sweep_counter;
   auto order = topological_order(roots, mark, [](Node*) { return false; });
   seed(roots, cotangents);
-  run_sweep(order, retain_graph, [](const Edge&, Array&) { return false; });
+  LeafGradientListener* listener = t_leaf_listener;
+  if (listener == nullptr) {
+    run_sweep(order, retain_graph, [](const Edge&, Array&) { return false; });
+    return;
+  }
+  // A leaf's gradient is final once its last consumer in the sweep (the one with the lowest
+  // position in `order`: the sweep runs it backwards) has run.
+  std::unordered_map<const Node*, std::size_t> last_consumer;
+  for (std::size_t i = 0; i < order.size(); ++i)
+    for (const Edge& e : SweepAccess::inputs(order[i].get()))
+      if (e.node != nullptr && e.node->is_leaf()) last_consumer.try_emplace(e.node.get(), i);
+  std::vector<std::vector<const Node*>> final_after(order.size());
+  for (const auto& [leaf, i] : last_consumer) final_after[i].push_back(leaf);
+  for (auto& leaves : final_after)  // a fixed order for leaves made final by the same node
+    std::sort(leaves.begin(), leaves.end(), [](const Node* a, const Node* b) { return a->id() < b->id(); });
+  run_sweep(order, retain_graph, [](const Edge&, Array&) { return false; }, [&](std::size_t i) {
+    for (const Node* leaf : final_after[i]) {
+      auto& grads = SweepAccess::grads(const_cast<Node*>(leaf));
+      if (!grads.empty() && grads[0].defined()) listener->on_leaf_gradient(leaf, grads[0]);
+    }
+  });
 }
 
 std::vector<Array> backward_to(std::span<const Array> roots, std::span<const Array> cotangents,

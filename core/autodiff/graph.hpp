@@ -252,6 +252,23 @@ void record_multi(const char* op, std::span<Array> outs, std::vector<Edge> input
 // cannot be swept again.
 void backward(std::span<const Array> roots, std::span<const Array> cotangents, bool retain_graph = false);
 
+// Observes the backward sweeps of this thread: told as soon as a leaf's gradient is final (no node
+// left in the sweep adds to it), while the rest of the sweep still runs. Data parallelism uses it to
+// send gradients during the backward pass. Installed for its lifetime (constructor pushes,
+// destructor pops; one per thread at a time).
+class LeafGradientListener {
+ public:
+  LeafGradientListener();
+  virtual ~LeafGradientListener();
+  LeafGradientListener(const LeafGradientListener&) = delete;
+  LeafGradientListener& operator=(const LeafGradientListener&) = delete;
+  // `grad` is the leaf's accumulated gradient (the one Node::take_grad will return).
+  virtual void on_leaf_gradient(const Node* leaf, const Array& grad) = 0;
+
+ private:
+  LeafGradientListener* previous_;
+};
+
 // One input of a local backward sweep that must not be crossed: a node of an enclosing graph.
 struct Boundary {
   Node* node;

@@ -1,0 +1,24 @@
+// A job whose rank 1 throws in its second step while the others wait in a collective call: the
+// job must end (within seconds, with an error naming the rank), not hang.
+#include <linum/linum.hpp>
+
+#include <cstdio>
+
+using namespace linum;
+
+int main(int argc, char** argv) {
+  dist::Session mpi(argc, argv);
+  return dist::run_or_abort([] {
+    const Tree params{{"w", rng::normal(rng::key(0), Shape{256, 256})}};
+    dist::DataParallel dp({.micro_batches = dist::size()});
+    const Tree batch{{"x", rng::normal(rng::key(1), Shape{64, 256})}};
+    for (int step = 0; step < 3; ++step) {
+      dp.value_and_grad(dist::Loss([&](const Tree& p, const Tree& b, rng::Key) {
+        if (step == 1 && dist::rank() == 1) throw ValueError("injected failure in the loss (step 2)");
+        return mean(square(matmul(b.at("x").array(), p.at("w").array())));
+      }), params, batch, rng::key(2));
+    }
+    std::printf("rank %d finished (should not happen on rank 0 with 2+ ranks)\n", dist::rank());
+    return 0;
+  });
+}
