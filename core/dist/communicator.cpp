@@ -8,6 +8,7 @@
 #include <iostream>
 #include <limits>
 #include <sstream>
+#include <utility>
 #include <vector>
 
 #if LINUM_HAVE_MPI
@@ -87,9 +88,22 @@ namespace {
 int g_thread_level = 0;
 }
 
+namespace {
+
+// Whether a launcher (mpirun / mpiexec / srun) started this process: a program run on its own is a
+// job of one and needs no MPI at all.
+bool launched_by_mpi() {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALNRANKS"})
+    if (std::getenv(name) != nullptr) return true;
+  return false;
+}
+
+}  // namespace
+
 Session::Session(int& argc, char**& argv) {
 #if LINUM_HAVE_MPI
   if (!mpi_running()) {
+    if (!launched_by_mpi()) return;
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (finalized) throw DistError("linum::dist::Session: MPI was already finalized in this process; it cannot restart");
@@ -106,17 +120,10 @@ Session::Session(int& argc, char**& argv) {
 }
 
 Session::Session() {
-#if LINUM_HAVE_MPI
   int argc = 0;
   char** argv = nullptr;
-  if (!mpi_running()) {
-    check(MPI_Init_thread(&argc, &argv, MPI_THREAD_SERIALIZED, &g_thread_level), "MPI_Init_thread");
-    finalize_ = true;
-  } else {
-    MPI_Query_thread(&g_thread_level);
-  }
-  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
-#endif
+  Session other(argc, argv);
+  finalize_ = std::exchange(other.finalize_, false);
 }
 
 Session::~Session() {

@@ -54,9 +54,11 @@ class Communicator {
   bool world_ = true;
 };
 
-// MPI for this process's lifetime: initializes MPI (asking for MPI_THREAD_SERIALIZED, so Linum's
-// communication thread may call MPI while the main thread waits) unless the application already
-// did, and finalizes it on destruction if it initialized it. Without MPI it does nothing.
+// MPI for this process's lifetime: when a launcher (mpirun, mpiexec, srun) started the process,
+// initializes MPI (asking for MPI_THREAD_SERIALIZED, so Linum's communication thread may call MPI
+// while the main thread waits) unless the application already did, and finalizes it on
+// destruction if it initialized it. A program started on its own is a job of one and does not
+// touch MPI; without MPI built in, Session does nothing.
 class Session {
  public:
   Session(int& argc, char**& argv);

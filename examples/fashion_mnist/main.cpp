@@ -3,6 +3,13 @@
 //   fashion_mnist [--epochs 3] [--remat full|dots|none] [--batch 128] [--lr 0.001] [--optimizer adam|sgd]
 //                 [--dropout 0.0] [--batchnorm] [--seed 0] [--data DIR] [--checkpoint FILE] [--resume]
 //                 [--eval] [--limit N] [--dtype f32|bf16]
+//                 [--micro-batches 4] [--reduction reproducible|fast] [--batch-stats average|per-rank]
+//
+// Data parallel on several processes or machines: `mpirun -np N fashion_mnist ...` splits each global
+// batch across the N ranks (linum::dist::DataParallel). In the default reproducible mode the batch is
+// cut into --micro-batches pieces summed in a fixed order, so any N trains bitwise the same model (the
+// result line's params_checksum); --reduction fast sums whole shards with a bucketed allreduce that
+// overlaps the backward pass. Rank 0 prints and writes the checkpoint; any N can resume from it.
 //
 // --dtype bf16 trains with mixed precision as Flax does (dtype=bf16, param_dtype=float32): float32
 // parameters and optimizer, convolutions and matrix products in bfloat16, the loss in float32.
@@ -103,6 +110,9 @@ struct Options {
   bool eval_only = false;
   std::int64_t limit = 0;  // use only the first N training images (0: all)
   DType dtype = DType::f32;
+  int micro_batches = 4;
+  dist::Reduction reduction = dist::Reduction::reproducible;
+  dist::Sync batch_stats_sync = dist::Sync::average;
   fs::path memory_plot;  // --memory-plot FILE.svg: the memory timeline of one step, with and without remat
 };
 
@@ -113,7 +123,8 @@ const char* remat_name(Remat r) { return r == Remat::none ? "none" : r == Remat:
             << "usage: fashion_mnist [--epochs N] [--remat full|dots|none] [--batch N] [--lr X] [--optimizer adam|sgd]\n"
             << "                     [--memory-plot FILE.svg]\n"
             << "                     [--dropout X] [--batchnorm] [--seed N] [--data DIR] [--checkpoint FILE] [--resume]\n"
-            << "                     [--eval] [--limit N] [--dtype f32|bf16]\n";
+            << "                     [--eval] [--limit N] [--dtype f32|bf16]\n"
+            << "                     [--micro-batches N] [--reduction reproducible|fast] [--batch-stats average|per-rank]\n";
   std::exit(2);
 }
 
@@ -139,6 +150,18 @@ Options parse(int argc, char** argv) {
     else if (a == "--dropout") o.dropout = number(0, 0.99);
     else if (a == "--seed") o.seed = static_cast<int>(number(0, 1 << 30));
     else if (a == "--limit") o.limit = static_cast<std::int64_t>(number(0, 1e9));
+    else if (a == "--micro-batches") o.micro_batches = static_cast<int>(number(1, 1 << 16));
+    else if (a == "--reduction") {
+      const std::string r = value();
+      if (r == "reproducible") o.reduction = dist::Reduction::reproducible;
+      else if (r == "fast") o.reduction = dist::Reduction::fast;
+      else usage_error("--reduction must be reproducible or fast, got '" + r + "'");
+    } else if (a == "--batch-stats") {
+      const std::string r = value();
+      if (r == "average") o.batch_stats_sync = dist::Sync::average;
+      else if (r == "per-rank") o.batch_stats_sync = dist::Sync::per_rank;
+      else usage_error("--batch-stats must be average or per-rank, got '" + r + "'");
+    }
     else if (a == "--batchnorm") o.batch_norm = true;
     else if (a == "--resume") o.resume = true;
     else if (a == "--eval") o.eval_only = true;
@@ -195,34 +218,41 @@ struct Trainer {
     return v;
   }
 
-  // One optimisation step; returns (loss, number of correct predictions).
-  std::pair<float, std::int64_t> step(const Array& x, const Array& y, rng::Key dropout_key) {
-    auto loss_fn = [&](const Tree& p) {
+  // One optimisation step on the global batch (x, y), split across the job's ranks; returns (loss,
+  // accuracy), both over the global batch.
+  std::pair<float, double> step(dist::DataParallel& dp, const Array& x, const Array& y, rng::Key dropout_key) {
+    auto loss_fn = [&](const Tree& p, const Tree& batch, rng::Key key) {
       Tree vars{{"params", p}};
       if (!batch_stats.empty()) vars.set("batch_stats", batch_stats);
-      auto [logits, updates] =
-          apply(model, vars, {.rngs = {{"dropout", dropout_key}}, .mutable_collections = {"batch_stats"}}, x, true);
-      Tree aux = updates;
-      aux.set("logits", Tree(logits));
-      return std::make_pair(mean(nn::softmax_cross_entropy_with_integer_labels(logits, y)), aux);
+      const Array& labels = batch.at("y").array();
+      auto [logits, updates] = apply(model, vars, {.rngs = {{"dropout", key}}, .mutable_collections = {"batch_stats"}},
+                                     batch.at("x").array(), true);
+      const float hits = static_cast<float>(correct(logits, labels));
+      Tree aux{{"accuracy", Array::full(Shape{}, hits / static_cast<float>(labels.numel()))}};
+      if (updates.contains("batch_stats")) aux.set("batch_stats", updates.at("batch_stats"));
+      return std::make_pair(mean(nn::softmax_cross_entropy_with_integer_labels(logits, labels)), aux);
     };
-    auto [loss, aux, grads] = value_and_grad(loss_fn)(params);
-    auto [updates, state] = optimizer.update(grads, opt_state, params);
+    auto r = dp.value_and_grad(dist::LossWithAux(loss_fn), params, Tree{{"x", x}, {"y", y}}, dropout_key);
+    auto [updates, state] = optimizer.update(r.grads, opt_state, params);
     params = optim::apply_updates(params, updates);
     opt_state = state;
-    if (aux.contains("batch_stats")) batch_stats = aux.at("batch_stats");
-    return {loss.item(), correct(aux.at("logits").array(), y)};
+    if (r.aux.contains("batch_stats")) batch_stats = r.aux.at("batch_stats");
+    return {r.loss.item(), r.aux.at("accuracy").array().item()};
   }
 
+  // Test accuracy; the ranks share the test batches and add up their hits.
   double evaluate(const fashion::Dataset& test, std::int64_t batch) const {
     autodiff::NoGradGuard no_grad;
-    std::int64_t hits = 0;
-    for (std::int64_t start = 0; start < test.labels.numel(); start += batch) {
+    const int rank = dist::rank(), ranks = dist::size();
+    std::int64_t hits = 0, index = 0;
+    for (std::int64_t start = 0; start < test.labels.numel(); start += batch, ++index) {
+      if (index % ranks != rank) continue;
       const std::int64_t n = std::min(batch, test.labels.numel() - start);
       Array logits = apply(model, variables(), slice_axis(test.images, 0, start, start + n), false);
       hits += correct(logits, slice_axis(test.labels, 0, start, start + n));
     }
-    return static_cast<double>(hits) / static_cast<double>(test.labels.numel());
+    const Tree total = dist::allreduce_sum(Tree{{"hits", Array::full(Shape{}, static_cast<float>(hits))}});
+    return static_cast<double>(total.at("hits").array().item()) / static_cast<double>(test.labels.numel());
   }
 };
 
@@ -247,8 +277,10 @@ std::int64_t step_activation_bytes(const CNN& model, const Tree& params, const T
 
 class Progress {
  public:
-  Progress(int epoch, int epochs, std::int64_t total) : epoch_(epoch), epochs_(epochs), total_(total), tty_(isatty(1)) {}
+  Progress(int epoch, int epochs, std::int64_t total, bool shown)
+      : epoch_(epoch), epochs_(epochs), total_(total), tty_(isatty(1)), shown_(shown) {}
   void update(std::int64_t done, double loss, double accuracy, double seconds, bool final) {
+    if (!shown_) return;
     const double rate = seconds > 0 ? static_cast<double>(done) / seconds : 0.0;
     if (tty_) {
       const int width = 30, filled = static_cast<int>(width * done / std::max<std::int64_t>(total_, 1));
@@ -268,7 +300,7 @@ class Progress {
  private:
   int epoch_, epochs_;
   std::int64_t total_, next_ = 0;
-  bool tty_;
+  bool tty_, shown_;
 };
 
 Tree checkpoint_tree(const Trainer& t, int epochs_done, const Options& o) {
@@ -282,67 +314,82 @@ Tree checkpoint_tree(const Trainer& t, int epochs_done, const Options& o) {
 }
 
 int run(const Options& o) {
+  const int rank = dist::rank(), ranks = dist::size();
+  const bool lead = rank == 0;  // rank 0 prints, plots and writes the checkpoint
   fashion::Dataset train, test;
   try {
     train = fashion::load_split(o.data, "train");
     test = fashion::load_split(o.data, "t10k");
   } catch (const IoError& e) {
-    std::cerr << "fashion_mnist: cannot read the dataset: " << e.what() << "\n"
-              << "Install it with `apt-get install dataset-fashion-mnist` (files in /usr/share/datasets/fashion-mnist),\n"
-              << "or pass --data DIR with train-/t10k-images-idx3-ubyte.gz and -labels-idx1-ubyte.gz (e.g. MNIST).\n";
-    return 1;
+    throw IoError(std::string("cannot read the dataset: ") + e.what() +
+                  "\nInstall it with `apt-get install dataset-fashion-mnist` (files in /usr/share/datasets/fashion-mnist),\n"
+                  "or pass --data DIR with train-/t10k-images-idx3-ubyte.gz and -labels-idx1-ubyte.gz (e.g. MNIST).");
   }
   if (o.limit > 0 && o.limit < train.labels.numel()) {
     train.images = slice_axis(train.images, 0, 0, o.limit);
     train.labels = slice_axis(train.labels, 0, 0, o.limit);
   }
   const std::int64_t n = train.labels.numel();
-  std::printf("Fashion-MNIST: %lld training and %lld test images from %s\n", static_cast<long long>(n),
-              static_cast<long long>(test.labels.numel()), o.data.c_str());
+  if (lead) {
+    std::printf("Fashion-MNIST: %lld training and %lld test images from %s\n", static_cast<long long>(n),
+                static_cast<long long>(test.labels.numel()), o.data.c_str());
+    if (ranks > 1)
+      std::printf("data parallel on %d ranks: %s reduction%s\n", ranks,
+                  o.reduction == dist::Reduction::reproducible ? "reproducible" : "fast",
+                  o.reduction == dist::Reduction::reproducible
+                      ? (" over " + std::to_string(o.micro_batches) + " micro-batches per batch").c_str()
+                      : ", bucketed allreduce overlapping the backward pass");
+  }
+  dist::DataParallel dp({.reduction = o.reduction, .micro_batches = o.micro_batches, .aux = o.batch_stats_sync});
 
   Trainer t{CNN{.remat = o.remat, .batch_norm = o.batch_norm, .dropout = o.dropout,
                 .dtype = o.dtype == DType::f32 ? std::nullopt : std::optional<DType>(o.dtype)},
             o.optimizer == "adam" ? optim::adam(o.lr) : optim::sgd(o.lr, 0.9), {}, {}, {}};
   const Array sample = slice_axis(train.images, 0, 0, std::min<std::int64_t>(o.batch, n));
-  Tree vars = init(t.model, rng::Streams{{"params", rng::key(o.seed)}, {"dropout", rng::key(o.seed + 1)}}, sample, false);
+  // Every rank starts from rank 0's variables.
+  Tree vars = dist::broadcast(
+      init(t.model, rng::Streams{{"params", rng::key(o.seed)}, {"dropout", rng::key(o.seed + 1)}}, sample, false));
   t.params = vars.at("params");
   if (vars.contains("batch_stats")) t.batch_stats = vars.at("batch_stats");
   t.opt_state = t.optimizer.init(t.params);
   int first_epoch = 0;
 
   if (o.resume || o.eval_only) {
-    if (!fs::exists(o.checkpoint)) {
-      std::cerr << "fashion_mnist: no checkpoint at '" << o.checkpoint.string() << "' to "
-                << (o.eval_only ? "evaluate" : "resume from") << "; train first (without --resume/--eval)\n";
-      return 1;
+    // Rank 0 reads the checkpoint and sends it to the others (they need no shared file system).
+    Tree c;
+    if (lead) {
+      if (!fs::exists(o.checkpoint))
+        throw ValueError("no checkpoint at '" + o.checkpoint.string() + "' to " + (o.eval_only ? "evaluate" : "resume from") +
+                         "; train first (without --resume/--eval)");
+      c = serialization::load(o.checkpoint);
+      const Tree& progress = c.at("progress");
+      if (progress.at("seed").array().item() != o.seed ||
+          static_cast<bool>(progress.at("batch_norm").array().item()) != o.batch_norm ||
+          progress.at("dropout").array().item() != static_cast<float>(o.dropout))
+        throw ValueError("the checkpoint was trained with other --seed/--batchnorm/--dropout; pass the same flags");
+      if (!same_structure(c.at("params"), t.params)) throw ValueError("the checkpoint's parameters do not fit this model");
     }
-    Tree c = serialization::load(o.checkpoint);
-    const Tree& progress = c.at("progress");
-    if (progress.at("seed").array().item() != o.seed ||
-        static_cast<bool>(progress.at("batch_norm").array().item()) != o.batch_norm ||
-        progress.at("dropout").array().item() != static_cast<float>(o.dropout)) {
-      std::cerr << "fashion_mnist: the checkpoint was trained with other --seed/--batchnorm/--dropout; pass the same flags\n";
-      return 1;
-    }
-    if (!same_structure(c.at("params"), t.params)) {
-      std::cerr << "fashion_mnist: the checkpoint's parameters do not fit this model\n";
-      return 1;
-    }
+    c = dist::broadcast(c);
     t.params = c.at("params");
     t.opt_state = c.at("opt_state");
     if (c.contains("batch_stats")) t.batch_stats = c.at("batch_stats");
-    first_epoch = static_cast<int>(progress.at("epochs_done").array().item());
-    std::printf("loaded '%s' (%d epoch(s) done)\n", o.checkpoint.c_str(), first_epoch);
+    first_epoch = static_cast<int>(c.at("progress").at("epochs_done").array().item());
+    if (lead) std::printf("loaded '%s' (%d epoch(s) done)\n", o.checkpoint.c_str(), first_epoch);
   }
+  dist::check_replicated(t.params, "the parameters at the start");
 
-  // Activation memory of one training step, with the chosen remat and without.
+  // Activation memory of one training step (one process, the whole batch), with the chosen remat and
+  // without.
   const Array mx = slice_axis(train.images, 0, 0, std::min<std::int64_t>(o.batch, n));
   const Array my = slice_axis(train.labels, 0, 0, std::min<std::int64_t>(o.batch, n));
-  CNN plain_model = t.model;
-  plain_model.remat = Remat::none;
-  const std::int64_t peak_plain = step_activation_bytes(plain_model, t.params, t.batch_stats, mx, my);
-  const std::int64_t peak = step_activation_bytes(t.model, t.params, t.batch_stats, mx, my);
-  if (!o.memory_plot.empty()) {
+  std::int64_t peak_plain = 0, peak = 0;
+  if (lead) {
+    CNN plain_model = t.model;
+    plain_model.remat = Remat::none;
+    peak_plain = step_activation_bytes(plain_model, t.params, t.batch_stats, mx, my);
+    peak = step_activation_bytes(t.model, t.params, t.batch_stats, mx, my);
+  }
+  if (lead && !o.memory_plot.empty()) {
     // The same step recorded op by op, for each remat choice, as one SVG plot.
     std::vector<memory::Timeline> runs;
     for (Remat r : {Remat::none, Remat::dots, Remat::full}) {
@@ -365,32 +412,33 @@ int run(const Options& o) {
     for (int epoch = first_epoch; epoch < o.epochs; ++epoch) {
       const Array order = rng::permutation(rng::fold_in(rng::key(o.seed), static_cast<std::uint32_t>(epoch)), n);
       const rng::Key epoch_key = rng::fold_in(rng::key(o.seed + 1), static_cast<std::uint32_t>(epoch));
-      Progress bar(epoch + 1, o.epochs, n);
+      Progress bar(epoch + 1, o.epochs, n, lead);
       const auto start = Clock::now();
-      double loss_sum = 0;
-      std::int64_t hits = 0, seen = 0, steps = 0;
+      double loss_sum = 0, accuracy_sum = 0;
+      std::int64_t seen = 0, steps = 0;
       for (std::int64_t b = 0; b + o.batch <= n || (b < n && b == 0); b += o.batch) {
         const std::int64_t count = std::min(o.batch, n - b);
         const Array x = batch_of(train.images, order, b, count);
         const Array y = batch_of(train.labels, order, b, count);
-        auto [loss, ok] = t.step(x, y, rng::fold_in(epoch_key, static_cast<std::uint32_t>(steps)));
+        auto [loss, accuracy] = t.step(dp, x, y, rng::fold_in(epoch_key, static_cast<std::uint32_t>(steps)));
         loss_sum += loss;
-        hits += ok;
+        accuracy_sum += accuracy * static_cast<double>(count);
         seen += count;
         ++steps;
-        bar.update(seen, loss_sum / static_cast<double>(steps), static_cast<double>(hits) / static_cast<double>(seen),
-                   since(start), false);
+        bar.update(seen, loss_sum / static_cast<double>(steps), accuracy_sum / static_cast<double>(seen), since(start), false);
       }
       const double seconds = since(start);
       bar.update(seen, loss_sum / static_cast<double>(std::max<std::int64_t>(steps, 1)),
-                 static_cast<double>(hits) / static_cast<double>(std::max<std::int64_t>(seen, 1)), seconds, true);
+                 accuracy_sum / static_cast<double>(std::max<std::int64_t>(seen, 1)), seconds, true);
       train_seconds += seconds;
       ++epochs_run;
-      serialization::save(o.checkpoint, checkpoint_tree(t, epoch + 1, o));  // atomic: temp file + rename
+      if (lead) serialization::save(o.checkpoint, checkpoint_tree(t, epoch + 1, o));  // atomic: temp file + rename
     }
   }
+  dist::check_replicated(t.params, "the parameters after training");
 
   const double accuracy = t.evaluate(test, 500);
+  if (!lead) return 0;
   const double per_epoch = epochs_run ? train_seconds / epochs_run : 0.0;
   std::printf("test accuracy %.4f", accuracy);
   if (epochs_run) std::printf(", %.1f s per epoch", per_epoch);
@@ -403,6 +451,10 @@ int run(const Options& o) {
                                  {"seconds_per_epoch", per_epoch},
                                  {"remat", remat_name(o.remat)},
                                  {"dtype", dtype_short_name(o.dtype)},
+                                 {"ranks", ranks},
+                                 {"reduction", o.reduction == dist::Reduction::reproducible ? "reproducible" : "fast"},
+                                 {"micro_batches", o.micro_batches},
+                                 {"params_checksum", dist::checksum_hex(t.params)},
                                  {"peak_activation_bytes", peak},
                                  {"peak_activation_bytes_plain", peak_plain}};
   std::printf("%s\n", result.dump().c_str());
@@ -410,11 +462,17 @@ int run(const Options& o) {
 }
 
 int main(int argc, char** argv) {
+  dist::Session mpi(argc, argv);  // MPI when started by mpirun; a job of one otherwise
   const Options options = parse(argc, argv);
-  try {
-    return run(options);
-  } catch (const linum::Error& e) {
-    std::cerr << "fashion_mnist: " << e.what() << "\n";
-    return 1;
-  }
+  if (options.reduction == dist::Reduction::reproducible && options.micro_batches < dist::size())
+    usage_error("--micro-batches " + std::to_string(options.micro_batches) + " is fewer than the " +
+                std::to_string(dist::size()) + " ranks; pass at least --micro-batches " + std::to_string(dist::size()));
+  // An error on any rank ends the whole job with its message (a single process prints it and exits 1).
+  return dist::run_or_abort([&] {
+    try {
+      return run(options);
+    } catch (const linum::Error& e) {
+      throw linum::Error(std::string("fashion_mnist: ") + e.what());
+    }
+  });
 }
