@@ -1,6 +1,7 @@
 #include <linum/core/dist/data_parallel.hpp>
 #include <linum/core/autodiff/grad.hpp>
 #include <linum/core/ops.hpp>
+#include <linum/core/threading.hpp>
 
 #include <chrono>
 #include <condition_variable>
@@ -68,12 +69,20 @@ void append_scaled(std::vector<float>& out, const Array& a, float weight) {
   const float* p = a.data();
   const std::size_t at = out.size();
   out.resize(at + static_cast<std::size_t>(a.numel()));
-  for (std::int64_t i = 0; i < a.numel(); ++i) out[at + static_cast<std::size_t>(i)] = p[i] * weight;
+  float* dst = out.data() + at;
+  const std::int64_t n = a.numel();
+#pragma omp parallel for schedule(static) num_threads(linum::team_size()) if (n > (1 << 16))
+  for (std::int64_t i = 0; i < n; ++i) dst[i] = p[i] * weight;
 }
 
-void add_into(std::vector<float>& a, const std::vector<float>& b) {
-  for (std::size_t i = 0; i < a.size(); ++i) a[i] += b[i];
+// out[i] = a[i] + b[i], elementwise (so the bits do not depend on the thread count).
+void add(const float* a, const float* b, float* out, std::size_t n) {
+  const auto count = static_cast<std::int64_t>(n);
+#pragma omp parallel for schedule(static) num_threads(linum::team_size()) if (count > (1 << 16))
+  for (std::int64_t i = 0; i < count; ++i) out[i] = a[i] + b[i];
 }
+
+void add_into(std::vector<float>& a, const std::vector<float>& b) { add(a.data(), b.data(), a.data(), a.size()); }
 
 // Leaves of `structure` read from flat[offset...] in order.
 Tree unflat(const Tree& structure, const float* flat, std::size_t& offset) {
@@ -305,8 +314,12 @@ StepResult DataParallel::reproducible(const LossWithAux& loss, const Tree& param
   const std::size_t L = my_sums.front().size();
 
   std::vector<float> total;
+  std::vector<float> gathered;
+  std::deque<std::vector<float>> sums;  // the tree's nodes summed here
+  const float* total_values = nullptr;
   if (ranks == 1) {
     total = std::move(my_sums.front());
+    total_values = total.data();
   } else {
 #if LINUM_HAVE_MPI
     check_same_layout(layout_of(params) + "|" + layout_of(*aux_structure), comm, "parameters and aux tree");
@@ -327,10 +340,14 @@ StepResult DataParallel::reproducible(const LossWithAux& loss, const Tree& param
       at += count;
     }
     std::vector<float> send;
-    send.reserve(mine.size() * L);
-    for (const auto& s : my_sums) send.insert(send.end(), s.begin(), s.end());
+    if (my_sums.size() == 1) {
+      send = std::move(my_sums.front());
+    } else {
+      send.reserve(mine.size() * L);
+      for (const auto& s : my_sums) send.insert(send.end(), s.begin(), s.end());
+    }
     my_sums.clear();
-    std::vector<float> gathered(static_cast<std::size_t>(at));
+    gathered.resize(static_cast<std::size_t>(at));
     const auto comm_start = Clock::now();
     check_mpi(MPI_Allgatherv(send.data(), static_cast<int>(send.size()), MPI_FLOAT, gathered.data(), counts.data(),
                              displs.data(), MPI_FLOAT, to_mpi(comm)),
@@ -340,25 +357,26 @@ StepResult DataParallel::reproducible(const LossWithAux& loss, const Tree& param
     // A ring allgather passes on every block but the next rank's own: (P - 1) / P of the total.
     result.stats.wire_bytes = at * static_cast<std::int64_t>(sizeof(float)) * (ranks - 1) / ranks;
     result.stats.messages = 3;  // two layout checks + the gather
-    std::function<std::vector<float>(int, int)> full_sum = [&](int lo, int hi) {
-      if (auto it = where.find({lo, hi}); it != where.end())
-        return std::vector<float>(gathered.begin() + static_cast<std::ptrdiff_t>(it->second),
-                                  gathered.begin() + static_cast<std::ptrdiff_t>(it->second + L));
+    // The rest of the tree, from the gathered subtrees (read in place).
+    std::function<const float*(int, int)> full_sum = [&](int lo, int hi) -> const float* {
+      if (auto it = where.find({lo, hi}); it != where.end()) return gathered.data() + it->second;
       const int mid = lo + (hi - lo) / 2;
-      std::vector<float> left = full_sum(lo, mid);
-      add_into(left, full_sum(mid, hi));
-      return left;
+      const float* left = full_sum(lo, mid);
+      const float* right = full_sum(mid, hi);
+      sums.emplace_back(L);
+      add(left, right, sums.back().data(), L);
+      return sums.back().data();
     };
-    total = full_sum(0, M);
+    total_values = full_sum(0, M);
 #else
     throw DistError("linum::dist: built without MPI");
 #endif
   }
   std::size_t offset = 1;
-  result.loss = Array::full(Shape{}, total[0]);
-  result.grads = unflat(params, total.data(), offset);
+  result.loss = Array::full(Shape{}, total_values[0]);
+  result.grads = unflat(params, total_values, offset);
   if (options_.aux == Sync::average) {
-    result.aux = unflat(*aux_structure, total.data(), offset);
+    result.aux = unflat(*aux_structure, total_values, offset);
   } else {
     std::size_t local = 0;
     result.aux = unflat(*aux_structure, local_aux.data(), local);
@@ -392,6 +410,17 @@ StepResult DataParallel::fast(const LossWithAux& loss, const Tree& params, const
   result.stats.local_pieces = 1;
   result.stats.local_rows = hi - lo;
 
+  if (ranks == 1) {  // a job of one: the shard is the batch
+    auto [value, aux, grads] = linum::value_and_grad([&](const std::vector<Array>& p) {
+      return loss(with_leaves(params, p), part, rank_key);
+    })(leaves(params));
+    require_f32(aux, "aux");
+    result.stats.compute_s = 0;
+    result.loss = astype(value, DType::f32);
+    result.grads = with_leaves(params, grads);
+    result.aux = aux;
+    return result;
+  }
   const std::vector<Array> param_leaves = leaves(params);
   const std::size_t n = param_leaves.size();
   // Buckets over the parameters in reverse order (the backward pass finishes the last layers first).
