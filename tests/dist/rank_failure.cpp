@@ -3,14 +3,17 @@
 #include <linum/linum.hpp>
 
 #include <cstdio>
+#include <string>
 
 using namespace linum;
 
 int main(int argc, char** argv) {
   dist::Session mpi(argc, argv);
-  return dist::run_or_abort([] {
+  return dist::run_or_abort([&] {
     const Tree params{{"w", rng::normal(rng::key(0), Shape{256, 256})}};
-    dist::DataParallel dp({.micro_batches = dist::size()});
+    const bool fast = argc > 1 && std::string(argv[1]) == "fast";
+    dist::DataParallel dp({.reduction = fast ? dist::Reduction::fast : dist::Reduction::reproducible,
+                           .micro_batches = dist::size()});
     const Tree batch{{"x", rng::normal(rng::key(1), Shape{64, 256})}};
     for (int step = 0; step < 3; ++step) {
       dp.value_and_grad(dist::Loss([&](const Tree& p, const Tree& b, rng::Key) {

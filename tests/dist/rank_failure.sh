@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # A rank that throws ends the whole job within seconds with an error naming the rank.
-#   rank_failure.sh MPIRUN DIST_RANK_FAILURE
+#   rank_failure.sh MPIRUN DIST_RANK_FAILURE [fast]
 set -uo pipefail
 start=$(date +%s)
-out=$(timeout 60 "$1" --allow-run-as-root --oversubscribe -np 3 "$2" 2>&1)
+out=$(timeout 60 "$1" --allow-run-as-root --oversubscribe -np 3 "$2" ${3:-} 2>&1)
 status=$?
 elapsed=$(( $(date +%s) - start ))
 echo "$out" | tail -20
