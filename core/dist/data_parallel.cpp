@@ -442,15 +442,30 @@ StepResult DataParallel::fast(const LossWithAux& loss, const Tree& params, const
 
   const bool communicate = ranks > 1;
   double inline_comm_s = 0;
-  auto reduce_bucket = [&, communicate](Bucket& b) {
+  const bool polite = overlap_ != nullptr;
+  auto reduce_bucket = [&, communicate, polite](Bucket& b) {
 #if LINUM_HAVE_MPI
     if (!communicate) return;
     for (std::size_t at = 0; at < b.values.size();) {
       const int count = static_cast<int>(std::min<std::size_t>(b.values.size() - at, 1u << 28));
-      check_mpi(MPI_Allreduce(MPI_IN_PLACE, b.values.data() + at, count, MPI_FLOAT, MPI_SUM, to_mpi(comm)), "MPI_Allreduce");
+      if (polite) {
+        // On the communication thread: a blocking MPI call would spin on a core the backward pass
+        // needs (Open MPI polls), so start the reduction and look in on it between short sleeps.
+        MPI_Request request;
+        check_mpi(MPI_Iallreduce(MPI_IN_PLACE, b.values.data() + at, count, MPI_FLOAT, MPI_SUM, to_mpi(comm), &request),
+                  "MPI_Iallreduce");
+        for (int done = 0;;) {
+          check_mpi(MPI_Test(&request, &done, MPI_STATUS_IGNORE), "MPI_Test");
+          if (done) break;
+          std::this_thread::sleep_for(std::chrono::microseconds(50));
+        }
+      } else {
+        check_mpi(MPI_Allreduce(MPI_IN_PLACE, b.values.data() + at, count, MPI_FLOAT, MPI_SUM, to_mpi(comm)), "MPI_Allreduce");
+      }
       at += static_cast<std::size_t>(count);
     }
 #else
+    (void)polite;
     (void)b;
     (void)communicate;
 #endif
