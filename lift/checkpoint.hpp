@@ -11,6 +11,10 @@
 // recomputation. Arrays the function captures (e.g. weights in a lambda) are found automatically
 // and receive gradients too. Arguments may be Arrays, Trees, vectors/pairs/tuples of them, or any
 // other value (passed through unchanged: non-array arguments are static by type).
+//
+// The recomputation runs during the backward pass, usually after the function that made the
+// checkpointed call has returned: a lambda must capture the arrays it reads by value ([=], or
+// [w] for a weight), never by reference to a local that is gone by then.
 #pragma once
 
 #include <linum/core/autodiff/graph.hpp>

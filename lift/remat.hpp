@@ -4,6 +4,8 @@
 //   using DotsBlock  = lift::remat<Block, lift::policy<policies::dots_saveable>>;
 //   using Enc        = lift::remat<Encoder, lift::methods<&Encoder::encode, &Encoder::operator()>>;
 //   x = s(RematBlock{{.features = 512}}, x, train);                          // same fields as Block
+//   x = s(RematBlock{Block{.features = 512}}, x, train);                     // or from a Block value
+//   x = s(lift::remat<Block>{{.features = 512}, policies::save_only_these_names({"h"})}, x, train);
 //
 // The wrapper has the fields of the module it wraps and keeps its name (remat<Dense> is still
 // auto-named Dense_0), so variable dicts of remat and plain models are interchangeable.
@@ -19,7 +21,8 @@
 // Options (any order, each at most once):
 //   lift::methods<&M::f, ...>    methods to checkpoint (default: operator()); others run plainly.
 //                                Methods reach the wrapper through Scope::call / apply_method.
-//   lift::policy<P>              what may be saved instead of recomputed (policies.hpp).
+//   lift::policy<P>              what may be saved instead of recomputed (policies.hpp). A policy
+//                                value goes in the wrapper's `remat_policy` field instead.
 //   lift::static_argnums<i, ...> array arguments that are not differentiated; 0 is the first
 //                                argument after the Scope. Negative or out-of-range indices do not
 //                                compile. (Non-array arguments are always static.)
@@ -198,11 +201,12 @@ std::vector<Array> lifted_run(Scope& s, const ScopedBody& body, const Checkpoint
                               const std::function<bool(const std::vector<Array>&)>& keep_plain = nullptr);
 
 template <class Config, class M, class Body, class... Args>
-auto lifted_invoke(const M& module, Scope& s, Body body, Args&&... args) {
+auto lifted_invoke(const M& module, const std::optional<Policy>& policy, Scope& s, Body body, Args&&... args) {
   static_assert(is_static<typename Config::Static>::template in_range<sizeof...(Args)>(),
                 "lift::static_argnums: an index is out of range for this call; count from 0 = the first argument "
                 "after the Scope");
-  const CheckpointOptions options = Config::options();
+  CheckpointOptions options = Config::options();
+  if (policy) options.policy = *policy;
   using Stored = std::tuple<std::decay_t<Args>...>;
   using Out = std::decay_t<std::invoke_result_t<Body&, const M&, Scope&, const std::decay_t<Args>&...>>;
   const pytree::FlatCall<Out, std::decay_t<Args>...> call(linum::lift::detail::make_static(
@@ -219,11 +223,16 @@ struct remat : M {
   using lifted_module = M;
   using config = detail::RematConfig<Options...>;
 
+  // A policy given as a value (it overrides lift::policy<P>): policies that carry data, such as
+  // save_only_these_names, need no wrapper type:
+  //   s(lift::remat<Block>{{.features = 64}, policies::save_only_these_names({"x"})}, h)
+  std::optional<Policy> remat_policy;
+
   template <class... Args>
     requires std::invocable<const M&, Scope&, Args...>
   auto operator()(Scope& s, Args&&... args) const {
     if constexpr (config::template lifts_call<M>())
-      return detail::lifted_invoke<config>(static_cast<const M&>(*this), s,
+      return detail::lifted_invoke<config>(static_cast<const M&>(*this), remat_policy, s,
                                            [](const M& m, Scope& inner, const auto&... a) { return m(inner, a...); },
                                            std::forward<Args>(args)...);
     else
@@ -243,7 +252,7 @@ struct remat : M {
     const M& self = static_cast<const M&>(*this);
     using Out = std::decay_t<decltype((self.*method)(s, std::forward<Args>(args)...))>;
     if (config::lifts(method))
-      return Out(detail::lifted_invoke<config>(self, s, [method](const M& m, Scope& inner, const auto&... a) {
+      return Out(detail::lifted_invoke<config>(self, remat_policy, s, [method](const M& m, Scope& inner, const auto&... a) {
         return (m.*method)(inner, a...);
       }, std::forward<Args>(args)...));
     return Out((self.*method)(s, std::forward<Args>(args)...));
@@ -252,6 +261,14 @@ struct remat : M {
 #pragma GCC diagnostic pop
 #endif
 };
+
+// remat<M, Options...> when `enabled`, M itself otherwise, for code that switches remat on and off
+// with a template parameter. Both initialize from a module value, so one initializer serves both:
+//   template <bool R> Array run(Scope& s, Array x) {
+//     return s(lift::remat_if<R, Block>{Block{.features = 64}}, x);
+//   }
+template <bool enabled, class M, class... Options>
+using remat_if = std::conditional_t<enabled, remat<M, Options...>, M>;
 
 // Flax's other name for remat.
 template <class M, class... Options>

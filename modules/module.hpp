@@ -14,6 +14,8 @@
 #include <linum/rng/streams.hpp>
 
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -133,8 +135,38 @@ auto apply(const M& module, const Tree& variables, Args&&... args) {
   return out;
 }
 
+// What apply with options returns: (output, updated mutable collections), a std::pair. When the
+// call asked for no mutable collection it also converts to the output alone, as Flax's apply then
+// returns just the output:
+//   Array y = apply(model, vars, {.rngs = {{"dropout", key}}}, x);             // output only
+//   auto [y, updates] = apply(model, vars, {.mutable_collections = {"batch_stats"}}, x);
+// Taking the output alone from a call that asked for mutable collections throws ValueError (the
+// updates would be lost).
+template <class Out>
+struct Applied : std::pair<Out, Tree> {
+  Applied(Out output, Tree updates, bool mutable_requested)
+      : std::pair<Out, Tree>(std::move(output), std::move(updates)), mutable_requested_(mutable_requested) {}
+  operator Out() const& {  // NOLINT(google-explicit-constructor)
+    check_output_only();
+    return this->first;
+  }
+  operator Out() && {  // NOLINT(google-explicit-constructor)
+    check_output_only();
+    return std::move(this->first);
+  }
+
+ private:
+  void check_output_only() const {
+    if (mutable_requested_)
+      throw ValueError("apply: this call asked for mutable collections, so it returns (output, updated collections); "
+                       "take both, e.g. auto [y, updates] = apply(module, vars, options, x), or drop "
+                       "mutable_collections/all_mutable from the options");
+  }
+  bool mutable_requested_;
+};
+
 // Runs `module` on `variables` with streams and mutable collections; returns (output, updated
-// mutable collections), e.g. (logits, {"batch_stats": ...}).
+// mutable collections), e.g. (logits, {"batch_stats": ...}); see Applied.
 template <class M, class... Args>
   requires std::invocable<const M&, Scope&, Args...>
 auto apply(const M& module, const Tree& variables, const ApplyOptions& options, Args&&... args) {
@@ -142,7 +174,9 @@ auto apply(const M& module, const Tree& variables, const ApplyOptions& options, 
   detail::prepare_apply(state, variables, options);
   auto out = detail::run_module(module, state, module, std::forward<Args>(args)...);
   if (options.check_unused) detail::check_unused_params(state, module_type_name<M>());
-  return std::make_pair(std::move(out), detail::mutated_collections(state));
+  using Out = decltype(out);
+  return Applied<Out>(std::move(out), detail::mutated_collections(state),
+                      options.all_mutable || !options.mutable_collections.empty());
 }
 
 // Runs another method of the module: apply_method(&Encoder::encode, enc, vars, options, x).
@@ -152,7 +186,9 @@ auto apply_method(Method method, const M& module, const Tree& variables, const A
   detail::ScopeState state;
   detail::prepare_apply(state, variables, options);
   auto out = detail::run_module(module, state, detail::method_invoker(module, method), std::forward<Args>(args)...);
-  return std::make_pair(std::move(out), detail::mutated_collections(state));
+  using Out = decltype(out);
+  return Applied<Out>(std::move(out), detail::mutated_collections(state),
+                      options.all_mutable || !options.mutable_collections.empty());
 }
 
 // ---- differentiating with respect to variable dicts ----------------------------------------------
@@ -170,3 +206,9 @@ struct Differentiable<Tree> {
 };
 
 }  // namespace linum
+
+// Applied is a pair for structured bindings: auto [y, updates] = apply(...).
+template <class Out>
+struct std::tuple_size<linum::Applied<Out>> : std::integral_constant<std::size_t, 2> {};
+template <std::size_t I, class Out>
+struct std::tuple_element<I, linum::Applied<Out>> : std::tuple_element<I, std::pair<Out, linum::Tree>> {};

@@ -427,3 +427,65 @@ TEST_CASE("checkpoint_sequential: nn::Sequential's variables and bitwise gradien
   CHECK(lift::recompute_stats().recomputations == 2);  // 7 layers in runs of 3: two checkpointed, the last plain
   CHECK_THROWS_AS(init(lift::checkpoint_sequential{0, nn::Dense{.features = 2}}, rng::key(0), x), ValueError);
 }
+
+namespace ergonomics {
+
+// A block whose product is named, so a name policy (a value: it carries the names) can save it.
+struct NamedBlock {
+  int features = 8;
+  Array operator()(Scope& s, const Array& x) const {
+    Array w = s.param("w", initializers::lecun_normal(), Shape{x.dim(-1), features});
+    return gelu(checkpoint_name(matmul(x, w), "h"));
+  }
+};
+
+template <class B>
+struct Stack {
+  Array operator()(Scope& s, Array x) const {
+    for (int i = 0; i < 3; ++i) x = s(B{NamedBlock{.features = 8}}, x);  // one initializer for both
+    return x;
+  }
+};
+
+struct ValuePolicyStack {
+  Array operator()(Scope& s, Array x) const {
+    for (int i = 0; i < 3; ++i)
+      x = s(lift::remat<NamedBlock>{{.features = 8}, policies::save_only_these_names({"h"})}, x);
+    return x;
+  }
+};
+
+template <class M>
+Tree grads_of(const M& model, const Tree& vars, const Array& x) {
+  return grad([&](const Tree& p) { return mean(square(apply(model, Tree{{"params", p}}, x))); })(vars.at("params"));
+}
+
+}  // namespace ergonomics
+
+TEST_CASE("a policy given as a value (save_only_these_names) is a remat option; remat_if switches remat with one initializer") {
+  using namespace ergonomics;
+  const Array x = random_array(Shape{4, 8}, 5);
+  const Tree vars = init(Stack<NamedBlock>{}, rng::key(0), x);
+  const Tree plain = grads_of(Stack<lift::remat_if<false, NamedBlock>>{}, vars, x);
+  lift::reset_recompute_stats();
+  const Tree full = grads_of(Stack<lift::remat_if<true, NamedBlock>>{}, vars, x);
+  CHECK(bitwise_equal(full, plain));
+  CHECK(lift::recompute_stats().ops_replayed == 0);  // nothing saved: every product recomputed
+  lift::reset_recompute_stats();
+  const Tree named = grads_of(ValuePolicyStack{}, vars, x);
+  CHECK(bitwise_equal(named, plain));
+  CHECK(lift::recompute_stats().ops_replayed == 3);  // the named product of each block was saved
+  static_assert(std::is_same_v<lift::remat_if<false, NamedBlock>, NamedBlock>);
+}
+
+TEST_CASE("apply with options and nothing mutable gives the output alone, as Flax; with mutable collections, both") {
+  const Array x = random_array(Shape{4, 6}, 3);
+  const Tree vars = init(Net<Block>{}, rng::Streams{{"params", rng::key(0)}, {"dropout", rng::key(1)}}, x, false);
+  const Array y = apply(Net<Block>{}, vars, {.rngs = {{"dropout", rng::key(7)}}}, x, false);
+  auto [y2, updates] = apply(Net<Block>{}, vars, {.rngs = {{"dropout", rng::key(7)}}}, x, false);
+  CHECK(y.bitwise_equal(y2));
+  CHECK(updates.empty());
+  auto with_stats = apply(Net<Block>{}, vars, {.rngs = {{"dropout", rng::key(7)}}, .mutable_collections = {"batch_stats"}}, x, true);
+  CHECK(with_stats.second.contains("batch_stats"));
+  CHECK_THROWS_WITH_AS(static_cast<Array>(with_stats), doctest::Contains("take both"), ValueError);
+}

@@ -61,7 +61,10 @@ void add_into(Array& slot, Array g) {
   throw AutodiffError(linum::detail::cat(
       "backward: the graph through op '", n->op(),
       "' was already used by a backward pass and freed; compute the forward pass again, or use vjp "
-      "(which keeps its graph) to pull back several cotangents"));
+      "(which keeps its graph) to pull back several cotangents. If a checkpointed function (checkpoint, "
+      "lift::remat) reads an array it captured by reference ([&]), note that its recomputation runs in the "
+      "backward pass, after the enclosing function has returned: capture arrays by value ([=]) or pass them as "
+      "arguments"));
 }
 
 // Post-order DFS from the roots; nodes for which `stop(node)` is true are neither entered nor emitted.
