@@ -19,6 +19,7 @@
 #include <linum/core/tree.hpp>
 #include <linum/core/serialization.hpp>
 #include <linum/core/optim.hpp>
+#include <linum/core/metrics.hpp>
 #include <linum/core/dist/communicator.hpp>
 #include <linum/core/dist/data_parallel.hpp>
 #include <linum/modules/initializers.hpp>

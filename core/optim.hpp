@@ -39,6 +39,7 @@
 #include <concepts>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -70,6 +71,32 @@ Schedule cosine_decay_schedule(float init_value, std::int64_t decay_steps, float
 // warmup, as in optax). Throws ValueError unless decay_steps > warmup_steps >= 0.
 Schedule warmup_cosine_decay_schedule(float init_value, float peak_value, std::int64_t warmup_steps,
                                       std::int64_t decay_steps, float end_value = 0.0f);
+
+// optax.exponential_decay: init_value * decay_rate^((step - transition_begin) / transition_steps)
+// (the exponent floored with staircase), init_value up to transition_begin, clipped at end_value
+// when given (a floor when decaying, a ceiling when growing). transition_steps <= 0 gives the
+// constant init_value. Throws ValueError for a zero decay_rate.
+Schedule exponential_decay(float init_value, std::int64_t transition_steps, float decay_rate,
+                           std::int64_t transition_begin = 0, bool staircase = false,
+                           std::optional<float> end_value = std::nullopt);
+
+// optax.piecewise_constant_schedule: init_value, multiplied by each scale from its boundary step on
+// ({{1000, 0.1}, {2000, 0.1}}: x0.1 from step 1000, x0.01 from step 2000).
+Schedule piecewise_constant_schedule(float init_value, std::vector<std::pair<std::int64_t, float>> boundaries_and_scales);
+
+// optax.polynomial_schedule: (init - end) * (1 - t / transition_steps)^power + end with
+// t = clip(step - transition_begin, 0, transition_steps). transition_steps <= 0: constant init_value.
+Schedule polynomial_schedule(float init_value, float end_value, double power, std::int64_t transition_steps,
+                             std::int64_t transition_begin = 0);
+
+// optax.join_schedules: schedules[0] until boundaries[0], then schedules[1] counted from that
+// boundary, and so on. Throws ValueError unless there is one boundary fewer than schedules.
+Schedule join_schedules(std::vector<Schedule> schedules, std::vector<std::int64_t> boundaries);
+
+// optax.cosine_onecycle_schedule: cosine from peak/div_factor up to peak_value over the first
+// pct_start of transition_steps, then cosine down to peak/(div_factor*final_div_factor).
+Schedule cosine_onecycle_schedule(std::int64_t transition_steps, float peak_value, double pct_start = 0.3,
+                                  double div_factor = 25.0, double final_div_factor = 1e4);
 
 // A learning rate: a constant (a number) or a Schedule (any callable from the step to a float).
 //   optim::adam(1e-3);   optim::adam(optim::cosine_decay_schedule(1e-3, 10000));
@@ -228,5 +255,89 @@ GradientTransformation adam(LearningRate learning_rate, double b1 = 0.9, double 
 // update() needs the params.
 GradientTransformation adamw(LearningRate learning_rate, double b1 = 0.9, double b2 = 0.999, double eps = 1e-8,
                              double weight_decay = 1e-4, double eps_root = 0.0);
+
+// ---- the optax toolbox -------------------------------------------------------------------------
+
+// Which leaves a masked transformation touches: called with each leaf's path and value.
+using Mask = std::function<bool(const std::string& path, const Array& leaf)>;
+
+// RMSProp's rescaling (optax.scale_by_rms): nu = (1 - decay) g^2 + decay nu (nu starts at
+// initial_scale), update = g / sqrt(nu + eps) (eps_in_sqrt) or g / (sqrt(nu) + eps). State {"nu"}.
+GradientTransformation scale_by_rms(double decay = 0.9, double eps = 1e-8, double initial_scale = 0.0,
+                                    bool eps_in_sqrt = true);
+// Centered RMSProp (optax.scale_by_stddev): also mu = (1 - decay) g + decay mu, update =
+// g / sqrt(nu - mu^2 + eps). State {"mu", "nu"}.
+GradientTransformation scale_by_stddev(double decay = 0.9, double eps = 1e-8, double initial_scale = 0.0,
+                                       bool eps_in_sqrt = true);
+// Adagrad's rescaling (optax.scale_by_rss): s = g^2 + s (s starts at initial_accumulator_value),
+// update = g / sqrt(s + eps) where s > 0, else 0. State {"sum_of_squares"}.
+GradientTransformation scale_by_rss(double initial_accumulator_value = 0.1, double eps = 1e-7);
+// Lion's rescaling (optax.scale_by_lion): update = sign((1 - b1) g + b1 mu), then
+// mu = (1 - b2) g + b2 mu. State {"count", "mu"}.
+GradientTransformation scale_by_lion(double b1 = 0.9, double b2 = 0.99);
+// AdaBelief's rescaling (optax.scale_by_belief): mu as Adam's; s = (1 - b2) (g - mu)^2 + b2 s + eps_root,
+// update = mu_hat / (sqrt(s_hat) + eps) with Adam's bias corrections. State {"count", "mu", "nu"}.
+GradientTransformation scale_by_belief(double b1 = 0.9, double b2 = 0.999, double eps = 1e-16, double eps_root = 1e-16);
+// LAMB's layer-wise trust ratio (optax.scale_by_trust_ratio): each leaf's update times
+// trust_coefficient * |param| / (|update| + eps), or times 1 when either norm is 0 (norms at least
+// min_norm). Needs the params. State {}.
+GradientTransformation scale_by_trust_ratio(double min_norm = 0.0, double trust_coefficient = 1.0, double eps = 0.0);
+// Adafactor's factored second moments (optax.scale_by_factored_rms): leaves of rank >= 2 whose
+// second-largest dimension is at least min_dim_size_to_factor keep row and column statistics of
+// g^2 + eps instead of a full second moment; decay 1 - (step + 1)^-decay_rate. Needs the params.
+// State {"count", "v_row", "v_col", "v"} (unused parts are [1] zeros, as optax).
+GradientTransformation scale_by_factored_rms(bool factored = true, double decay_rate = 0.8, std::int64_t step_offset = 0,
+                                             std::int64_t min_dim_size_to_factor = 128, double eps = 1e-30);
+// Each leaf divided by max(1, rms(leaf) / threshold) (optax.clip_by_block_rms). State {}.
+GradientTransformation clip_by_block_rms(double threshold);
+// Each leaf times max(rms(param), min_scale) (optax.scale_by_param_block_rms). Needs the params.
+GradientTransformation scale_by_param_block_rms(double min_scale = 1e-3);
+// Exponential moving average of the updates (optax.ema): ema = (1 - decay) g + decay ema; the
+// update is ema, divided by 1 - decay^t with debias. State {"count", "ema"}.
+GradientTransformation ema(double decay, bool debias = true);
+// add_decayed_weights on the leaves `mask` selects (optax.add_decayed_weights with mask, e.g. no
+// decay for biases and norms).
+GradientTransformation add_decayed_weights(double weight_decay, Mask mask);
+
+// `inner` on the leaves `mask` selects; the others pass unchanged (optax.masked). The inner state
+// is built from the selected leaves only. State {"inner_state": ...}.
+GradientTransformation masked(GradientTransformation inner, Mask mask);
+// `inner` while the updates are finite; a step with a NaN or infinity gives zero updates and keeps
+// the inner state, unless more than max_consecutive_errors such steps came in a row
+// (optax.apply_if_finite). State {"notfinite_count", "last_finite" (int32 0/1: Linum has no bool
+// arrays), "total_notfinite", "inner_state"}.
+GradientTransformation apply_if_finite(GradientTransformation inner, std::int64_t max_consecutive_errors);
+// Gradient accumulation (optax.MultiSteps): the gradients of every_k_steps calls are averaged and
+// `inner` runs on the average at every k-th call; the other calls return zero updates. State
+// {"mini_step", "gradient_step", "inner_opt_state", "acc_grads", "skip_state": {}}.
+GradientTransformation multi_steps(GradientTransformation inner, std::int64_t every_k_steps);
+
+// step_size * new + (1 - step_size) * old, leaf by leaf (optax.incremental_update): an EMA of the
+// parameters, e.g. ema_params = incremental_update(params, ema_params, 1e-3) after each step.
+Tree incremental_update(const Tree& new_tree, const Tree& old_tree, double step_size);
+
+// RMSProp (optax.rmsprop): chain(scale_by_rms or, centered, scale_by_stddev; scale_by_learning_rate;
+// trace(momentum, nesterov) when momentum > 0, identity otherwise).
+GradientTransformation rmsprop(LearningRate learning_rate, double decay = 0.9, double eps = 1e-8,
+                               double initial_scale = 0.0, bool centered = false, double momentum = 0.0,
+                               bool nesterov = false);
+// Adagrad (optax.adagrad): chain(scale_by_rss(initial_accumulator_value, eps), scale_by_learning_rate).
+GradientTransformation adagrad(LearningRate learning_rate, double initial_accumulator_value = 0.1, double eps = 1e-7);
+// Lion (optax.lion): chain(scale_by_lion(b1, b2), add_decayed_weights(weight_decay), scale_by_learning_rate).
+GradientTransformation lion(LearningRate learning_rate, double b1 = 0.9, double b2 = 0.99, double weight_decay = 1e-3);
+// LAMB (optax.lamb): chain(scale_by_adam(b1, b2, eps, eps_root), add_decayed_weights(weight_decay),
+// scale_by_trust_ratio(), scale_by_learning_rate). Needs the params.
+GradientTransformation lamb(LearningRate learning_rate, double b1 = 0.9, double b2 = 0.999, double eps = 1e-6,
+                            double eps_root = 0.0, double weight_decay = 0.0);
+// AdaBelief (optax.adabelief): chain(scale_by_belief(b1, b2, eps, eps_root), scale_by_learning_rate).
+GradientTransformation adabelief(LearningRate learning_rate, double b1 = 0.9, double b2 = 0.999, double eps = 1e-16,
+                                 double eps_root = 1e-16);
+// Adafactor (optax.adafactor, its defaults): chain(scale_by_factored_rms, clip_by_block_rms(
+// clipping_threshold) when > 0, the learning rate without sign flip, scale_by_param_block_rms when
+// multiply_by_parameter_scale, ema(momentum, debias = false) when momentum > 0, scale(-1)).
+GradientTransformation adafactor(LearningRate learning_rate, std::int64_t min_dim_size_to_factor = 128,
+                                 double decay_rate = 0.8, std::int64_t decay_offset = 0,
+                                 bool multiply_by_parameter_scale = true, double clipping_threshold = 1.0,
+                                 double momentum = 0.0, double eps = 1e-30, bool factored = true);
 
 }  // namespace linum::optim

@@ -78,4 +78,49 @@ Array mse(const Array& predictions, const Array& targets) {
   return mean(square(f32(predictions) - f32(targets)));
 }
 
+Array huber_loss(const Array& predictions, const Array& targets, float delta) {
+  require_same_shape(predictions, targets, "huber_loss", "predictions", "targets");
+  if (!(delta > 0)) throw ValueError(detail::cat("huber_loss: delta must be positive, got ", delta));
+  const Array errors = abs(f32(predictions) - f32(targets));
+  const Array quadratic = minimum(errors, Array::scalar(delta));
+  const Array linear = errors - quadratic;  // |e| - min(|e|, delta)
+  return 0.5f * square(quadratic) + delta * linear;
+}
+
+namespace {
+// x / max(|x|, epsilon) along the last axis.
+Array unit(const Array& x, float epsilon) {
+  const Array norm = sqrt(sum(square(x), {-1}, /*keepdims=*/true));
+  return x / (epsilon > 0 ? maximum(norm, Array::scalar(epsilon)) : norm);
+}
+}  // namespace
+
+Array cosine_similarity(const Array& predictions, const Array& targets, float epsilon) {
+  require_same_shape(predictions, targets, "cosine_similarity", "predictions", "targets");
+  if (predictions.rank() < 1) throw ShapeError("cosine_similarity: needs vectors along the last axis, got scalars");
+  return sum(unit(f32(predictions), epsilon) * unit(f32(targets), epsilon), {-1});
+}
+
+Array cosine_distance(const Array& predictions, const Array& targets, float epsilon) {
+  return 1.0f - cosine_similarity(predictions, targets, epsilon);
+}
+
+Array kl_divergence(const Array& log_predictions, const Array& targets) {
+  require_same_shape(log_predictions, targets, "kl_divergence", "log_predictions", "targets");
+  if (targets.rank() < 1) throw ShapeError("kl_divergence: needs a class axis, got scalars");
+  const Array t = f32(targets);
+  const Array positive = greater(t, Array::scalar(0.0f));
+  // log(targets) where targets > 0, else 0 (its gradient stays finite: the log sees 1 there).
+  const Array log_t = where(positive, log(where(positive, t, Array::full(t.shape(), 1.0f))), Array::zeros(t.shape()));
+  return sum(t * (log_t - f32(log_predictions)), {-1});
+}
+
+Array smooth_labels(const Array& labels, float alpha) {
+  if (labels.rank() < 1 || !is_floating(labels.dtype()))
+    throw ShapeError(detail::cat("smooth_labels: needs float labels [..., classes], got ", labels.type_str()));
+  if (!(alpha >= 0 && alpha <= 1)) throw ValueError(detail::cat("smooth_labels: alpha must be in [0, 1], got ", alpha));
+  const float classes = static_cast<float>(labels.dim(-1));
+  return (1.0f - alpha) * f32(labels) + alpha / classes;
+}
+
 }  // namespace linum::nn

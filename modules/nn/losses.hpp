@@ -32,4 +32,22 @@ Array l2_loss(const Array& predictions, const Array& targets);
 // (optax has no such function; written out here because "MSE" always means this mean).
 Array mse(const Array& predictions, const Array& targets);
 
+// 0.5 * e^2 where |e| <= delta, else delta * (|e| - 0.5 * delta), with e = predictions - targets,
+// elementwise (optax.huber_loss).
+Array huber_loss(const Array& predictions, const Array& targets, float delta = 1.0f);
+
+// The cosine of the angle between predictions and targets along the last axis: [..., d] -> [...]
+// (optax.cosine_similarity); each vector's norm is taken as at least `epsilon`.
+Array cosine_similarity(const Array& predictions, const Array& targets, float epsilon = 0.0f);
+// 1 - cosine_similarity (optax.cosine_distance).
+Array cosine_distance(const Array& predictions, const Array& targets, float epsilon = 0.0f);
+
+// sum(targets * (log(targets) - log_predictions), -1), with 0 * log 0 = 0: log_predictions and
+// targets (probabilities) [..., classes] -> [...] (optax.kl_divergence).
+Array kl_divergence(const Array& log_predictions, const Array& targets);
+
+// (1 - alpha) * labels + alpha / classes: one-hot labels [..., classes] smoothed toward the uniform
+// distribution (optax.smooth_labels), for softmax_cross_entropy with label smoothing.
+Array smooth_labels(const Array& labels, float alpha);
+
 }  // namespace linum::nn

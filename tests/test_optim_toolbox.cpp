@@ -1,0 +1,349 @@
+// The optax toolbox: each optimizer's first steps against the update rules optax publishes
+// (written out here per element, in float), each schedule at known steps, the wrappers (masked,
+// apply_if_finite, multi_steps), optax's state layouts, losses and running metrics.
+#include <doctest/doctest.h>
+
+#include "testing/gradcheck.hpp"
+
+#include <linum/linum.hpp>
+
+#include <cmath>
+#include <functional>
+#include <vector>
+
+using namespace linum;
+
+namespace {
+
+const std::vector<float> kParams = {0.5f, -1.0f, 2.0f};
+const std::vector<std::vector<float>> kGrads = {{0.1f, -0.2f, 0.3f}, {-0.4f, 0.5f, 0.25f}, {0.2f, 0.2f, -0.1f}};
+
+Tree tree_of(const std::vector<float>& v) { return Tree{{"w", Array::from({static_cast<std::int64_t>(v.size())}, v)}}; }
+
+// Runs `opt` for the three gradient steps above and returns the parameters after each step.
+std::vector<std::vector<float>> run(const optim::GradientTransformation& opt) {
+  Tree params = tree_of(kParams);
+  Tree state = opt.init(params);
+  std::vector<std::vector<float>> out;
+  for (const auto& g : kGrads) {
+    auto [updates, next] = opt.update(tree_of(g), state, params);
+    params = optim::apply_updates(params, updates);
+    state = next;
+    out.push_back(params.at("w").array().to_vector());
+  }
+  return out;
+}
+
+// The same three steps by a reference rule: rule(step t from 1, grads, params) -> updates.
+using Rule = std::function<std::vector<float>(int t, const std::vector<float>& g, const std::vector<float>& p)>;
+std::vector<std::vector<float>> reference(const Rule& rule) {
+  std::vector<float> p = kParams;
+  std::vector<std::vector<float>> out;
+  for (int t = 1; t <= 3; ++t) {
+    const auto u = rule(t, kGrads[t - 1], p);
+    for (std::size_t i = 0; i < p.size(); ++i) p[i] += u[i];
+    out.push_back(p);
+  }
+  return out;
+}
+
+void check_same(const std::vector<std::vector<float>>& got, const std::vector<std::vector<float>>& want, double rel = 1e-5) {
+  for (std::size_t s = 0; s < want.size(); ++s)
+    for (std::size_t i = 0; i < want[s].size(); ++i) {
+      CAPTURE(s);
+      CAPTURE(i);
+      CHECK(got[s][i] == doctest::Approx(want[s][i]).epsilon(rel));
+    }
+}
+
+float norm(const std::vector<float>& v) {
+  double s = 0;
+  for (float x : v) s += static_cast<double>(x) * x;
+  return static_cast<float>(std::sqrt(s));
+}
+
+}  // namespace
+
+TEST_CASE("rmsprop, centered rmsprop with momentum, adagrad: optax's rules") {
+  const float lr = 0.1f;
+  {
+    std::vector<float> nu(3, 0.0f);
+    check_same(run(optim::rmsprop(lr)), reference([&](int, const auto& g, const auto&) {
+      std::vector<float> u(3);
+      for (int i = 0; i < 3; ++i) {
+        nu[i] = 0.1f * g[i] * g[i] + 0.9f * nu[i];
+        u[i] = -lr * (g[i] / std::sqrt(nu[i] + 1e-8f));
+      }
+      return u;
+    }));
+  }
+  {
+    std::vector<float> mu(3, 0.0f), nu(3, 0.0f), tr(3, 0.0f);
+    check_same(run(optim::rmsprop(lr, 0.9, 1e-8, 0.0, /*centered=*/true, /*momentum=*/0.5)),
+               reference([&](int, const auto& g, const auto&) {
+                 std::vector<float> u(3);
+                 for (int i = 0; i < 3; ++i) {
+                   mu[i] = 0.1f * g[i] + 0.9f * mu[i];
+                   nu[i] = 0.1f * g[i] * g[i] + 0.9f * nu[i];
+                   const float scaled = -lr * (g[i] / std::sqrt(nu[i] - mu[i] * mu[i] + 1e-8f));
+                   tr[i] = scaled + 0.5f * tr[i];  // trace comes after the learning rate
+                   u[i] = tr[i];
+                 }
+                 return u;
+               }));
+  }
+  {
+    std::vector<float> s(3, 0.1f);
+    check_same(run(optim::adagrad(lr)), reference([&](int, const auto& g, const auto&) {
+      std::vector<float> u(3);
+      for (int i = 0; i < 3; ++i) {
+        s[i] += g[i] * g[i];
+        u[i] = -lr * g[i] / std::sqrt(s[i] + 1e-7f);
+      }
+      return u;
+    }));
+  }
+  // State layouts as optax's to_state_dict.
+  const Tree st = optim::rmsprop(lr).init(tree_of(kParams));
+  CHECK(st.keys() == std::vector<std::string>{"0", "1", "2"});
+  CHECK(st.at("0").keys() == std::vector<std::string>{"nu"});
+  CHECK(optim::adagrad(lr).init(tree_of(kParams)).at("0").at("sum_of_squares").at("w").array().to_vector()[0] == 0.1f);
+}
+
+TEST_CASE("lion, lamb, adabelief: optax's rules") {
+  const float lr = 0.05f;
+  {
+    std::vector<float> mu(3, 0.0f);
+    check_same(run(optim::lion(lr, 0.9, 0.99, /*weight_decay=*/0.01)), reference([&](int, const auto& g, const auto& p) {
+      std::vector<float> u(3);
+      for (int i = 0; i < 3; ++i) {
+        const float x = 0.1f * g[i] + 0.9f * mu[i];
+        const float sign = x > 0 ? 1.0f : x < 0 ? -1.0f : 0.0f;
+        u[i] = -lr * (sign + 0.01f * p[i]);
+        mu[i] = 0.01f * g[i] + 0.99f * mu[i];
+      }
+      return u;
+    }));
+  }
+  {
+    std::vector<float> m(3, 0.0f), v(3, 0.0f);
+    check_same(run(optim::lamb(lr, 0.9, 0.999, 1e-6, 0.0, /*weight_decay=*/0.01)), reference([&](int t, const auto& g, const auto& p) {
+      std::vector<float> a(3);
+      for (int i = 0; i < 3; ++i) {
+        m[i] = 0.1f * g[i] + 0.9f * m[i];
+        v[i] = 0.001f * g[i] * g[i] + 0.999f * v[i];
+        const float mh = m[i] / (1.0f - std::pow(0.9f, static_cast<float>(t)));
+        const float vh = v[i] / (1.0f - std::pow(0.999f, static_cast<float>(t)));
+        a[i] = mh / (std::sqrt(vh) + 1e-6f) + 0.01f * p[i];
+      }
+      const float ratio = norm(p) / norm(a);  // one leaf: its trust ratio
+      std::vector<float> u(3);
+      for (int i = 0; i < 3; ++i) u[i] = -lr * a[i] * ratio;
+      return u;
+    }), 2e-5);
+  }
+  {
+    std::vector<float> m(3, 0.0f), s(3, 0.0f);
+    check_same(run(optim::adabelief(lr)), reference([&](int t, const auto& g, const auto&) {
+      std::vector<float> u(3);
+      for (int i = 0; i < 3; ++i) {
+        m[i] = 0.1f * g[i] + 0.9f * m[i];
+        const float e = g[i] - m[i];  // optax: the error against the new first moment
+        s[i] = 0.001f * e * e + 0.999f * s[i] + 1e-16f;
+        const float mh = m[i] / (1.0f - std::pow(0.9f, static_cast<float>(t)));
+        const float sh = s[i] / (1.0f - std::pow(0.999f, static_cast<float>(t)));
+        u[i] = -lr * mh / (std::sqrt(sh) + 1e-16f);
+      }
+      return u;
+    }), 2e-5);
+  }
+  CHECK(optim::lion(lr).init(tree_of(kParams)).at("0").keys() == std::vector<std::string>{"count", "mu"});
+  CHECK_THROWS_WITH_AS(optim::lamb(lr).update(tree_of(kGrads[0]), optim::lamb(lr).init(tree_of(kParams))),
+                       doctest::Contains("parameters"), ValueError);
+}
+
+TEST_CASE("adafactor: factored second moments on a matrix, a full one on a vector, optax's rules") {
+  // A [2, 3] kernel (factored with min_dim_size_to_factor = 2) and a [3] bias (not factored).
+  const Array k = Array::from({2, 3}, {0.5f, -1.0f, 2.0f, 1.5f, 0.25f, -0.75f});
+  const Array b = Array::from({3}, {0.1f, 0.2f, -0.3f});
+  const Array gk = Array::from({2, 3}, {0.1f, -0.2f, 0.3f, -0.4f, 0.5f, 0.25f});
+  const Array gb = Array::from({3}, {0.2f, -0.1f, 0.05f});
+  const float lr = 0.01f;
+  auto opt = optim::adafactor(lr, /*min_dim_size_to_factor=*/2);
+  Tree params{{"kernel", k}, {"bias", b}};
+  Tree state = opt.init(params);
+  CHECK(state.at("0").keys() == std::vector<std::string>{"count", "v_row", "v_col", "v"});
+  CHECK(state.at("0").at("v_row").at("kernel").array().shape() == Shape{2});
+  CHECK(state.at("0").at("v_col").at("kernel").array().shape() == Shape{3});
+  CHECK(state.at("0").at("v").at("bias").array().shape() == Shape{3});
+  auto [updates, next] = opt.update(Tree{{"kernel", gk}, {"bias", gb}}, state, params);
+
+  // Reference, step 0: decay_t = 1 - 1^-0.8 = 0, so the statistics are those of this gradient.
+  const float eps = 1e-30f;
+  auto rms_scale = [](const std::vector<float>& p) {
+    double s = 0;
+    for (float x : p) s += static_cast<double>(x) * x;
+    return std::max(static_cast<float>(std::sqrt(s / static_cast<double>(p.size()))), 1e-3f);
+  };
+  auto clip = [](std::vector<float> u) {
+    double s = 0;
+    for (float x : u) s += static_cast<double>(x) * x;
+    const float denom = std::max(1.0f, static_cast<float>(std::sqrt(s / static_cast<double>(u.size()))) / 1.0f);
+    for (float& x : u) x /= denom;
+    return u;
+  };
+  // Kernel: rows (axis 1 reduced) and columns (axis 0 reduced) of g^2 + eps.
+  const auto g = gk.to_vector();
+  float row[2], col[3];
+  for (int r = 0; r < 2; ++r) row[r] = ((g[r * 3] * g[r * 3] + eps) + (g[r * 3 + 1] * g[r * 3 + 1] + eps) + (g[r * 3 + 2] * g[r * 3 + 2] + eps)) / 3.0f;
+  for (int c = 0; c < 3; ++c) col[c] = ((g[c] * g[c] + eps) + (g[3 + c] * g[3 + c] + eps)) / 2.0f;
+  const float row_mean = (row[0] + row[1]) / 2.0f;
+  std::vector<float> uk(6);
+  for (int r = 0; r < 2; ++r)
+    for (int c = 0; c < 3; ++c) uk[r * 3 + c] = g[r * 3 + c] / std::sqrt(row[r] / row_mean) / std::sqrt(col[c]);
+  uk = clip(uk);
+  const float sk = rms_scale(k.to_vector());
+  std::vector<float> ub(3);
+  const auto gbv = gb.to_vector();
+  for (int i = 0; i < 3; ++i) ub[i] = gbv[i] / std::sqrt(gbv[i] * gbv[i] + eps);
+  ub = clip(ub);
+  const float sb = rms_scale(b.to_vector());
+  const auto got_k = updates.at("kernel").array().to_vector(), got_b = updates.at("bias").array().to_vector();
+  for (int i = 0; i < 6; ++i) CHECK(got_k[i] == doctest::Approx(-lr * uk[i] * sk).epsilon(1e-5));
+  for (int i = 0; i < 3; ++i) CHECK(got_b[i] == doctest::Approx(-lr * ub[i] * sb).epsilon(1e-5));
+  // A second step runs (decay 1 - 2^-0.8) and stays finite.
+  auto second = opt.update(Tree{{"kernel", gk}, {"bias", gb}}, next, optim::apply_updates(params, updates));
+  for (float x : second.updates.at("kernel").array().to_vector()) CHECK(std::isfinite(x));
+}
+
+TEST_CASE("schedules: exponential, piecewise constant, polynomial, joined, one-cycle cosine") {
+  auto e = optim::exponential_decay(1.0f, 10, 0.5f);
+  CHECK(e(0) == 1.0f);
+  CHECK(e(10) == doctest::Approx(0.5));
+  CHECK(e(5) == doctest::Approx(std::sqrt(0.5)));
+  CHECK(optim::exponential_decay(1.0f, 10, 0.5f, 0, /*staircase=*/true)(15) == doctest::Approx(0.5));
+  CHECK(optim::exponential_decay(1.0f, 10, 0.5f, /*transition_begin=*/5)(15) == doctest::Approx(0.5));
+  CHECK(optim::exponential_decay(1.0f, 10, 0.5f, 0, false, /*end_value=*/0.3f)(100) == doctest::Approx(0.3));
+  auto pc = optim::piecewise_constant_schedule(1.0f, {{20, 0.5f}, {10, 0.1f}});
+  CHECK(pc(9) == 1.0f);
+  CHECK(pc(10) == doctest::Approx(0.1));
+  CHECK(pc(20) == doctest::Approx(0.05));
+  auto poly = optim::polynomial_schedule(1.0f, 0.1f, 2.0, 10);
+  CHECK(poly(5) == doctest::Approx(0.325));
+  CHECK(poly(20) == doctest::Approx(0.1));
+  auto joined = optim::join_schedules({optim::constant_schedule(1.0f), optim::linear_schedule(1.0f, 0.0f, 10)}, {5});
+  CHECK(joined(4) == 1.0f);
+  CHECK(joined(10) == doctest::Approx(0.5));
+  CHECK_THROWS_AS(optim::join_schedules({optim::constant_schedule(1.0f)}, {5}), ValueError);
+  auto one = optim::cosine_onecycle_schedule(100, 1.0f);
+  CHECK(one(0) == doctest::Approx(0.04));
+  CHECK(one(30) == doctest::Approx(1.0));
+  CHECK(one(65) == doctest::Approx((1.0 + 4e-6) / 2));
+  CHECK(one(100) == doctest::Approx(4e-6));
+  // A schedule drives an optimizer: adagrad with a decaying rate.
+  CHECK_NOTHROW(run(optim::adagrad(optim::exponential_decay(0.1f, 1, 0.5f))));
+}
+
+TEST_CASE("masked, apply_if_finite, multi_steps, ema, incremental_update") {
+  const Tree params{{"kernel", Array::from({2}, {1.0f, 2.0f})}, {"bias", Array::from({1}, {3.0f})}};
+  const Tree grads{{"kernel", Array::from({2}, {0.0f, 0.0f})}, {"bias", Array::from({1}, {0.0f})}};
+  // Weight decay on kernels only.
+  auto decay = optim::add_decayed_weights(0.1, [](const std::string& path, const Array&) { return path != "bias"; });
+  auto [u, s] = decay.update(grads, decay.init(params), params);
+  CHECK(u.at("kernel").array().to_vector() == std::vector<float>{0.1f, 0.2f});
+  CHECK(u.at("bias").array().to_vector() == std::vector<float>{0.0f});
+  // masked adam: the bias gets no state and passes unchanged.
+  auto madam = optim::masked(optim::adam(0.1), [](const std::string& path, const Array&) { return path == "kernel"; });
+  const Tree ms = madam.init(params);
+  CHECK_FALSE(ms.at("inner_state").at("0").at("mu").contains("bias"));
+  const Tree g2{{"kernel", Array::from({2}, {1.0f, -1.0f})}, {"bias", Array::from({1}, {5.0f})}};
+  auto mr = madam.update(g2, ms, params);
+  CHECK(mr.updates.at("bias").array().to_vector() == std::vector<float>{5.0f});
+  CHECK(mr.updates.at("kernel").array().to_vector()[0] == doctest::Approx(-0.1));
+
+  // apply_if_finite: a NaN step gives zeros and keeps the inner state, until too many in a row.
+  auto safe = optim::apply_if_finite(optim::sgd(1.0, 0.9), /*max_consecutive_errors=*/1);
+  Tree st = safe.init(params);
+  const Tree bad{{"kernel", Array::from({2}, {NAN, 1.0f})}, {"bias", Array::from({1}, {1.0f})}};
+  auto r1 = safe.update(bad, st, params);
+  CHECK(r1.updates.at("bias").array().to_vector()[0] == 0.0f);
+  CHECK(r1.state.at("notfinite_count").array().data_i32()[0] == 1);
+  CHECK(r1.state.at("last_finite").array().data_i32()[0] == 0);
+  CHECK(bitwise_equal(r1.state.at("inner_state"), st.at("inner_state")));
+  auto r2 = safe.update(bad, r1.state, params);  // the second in a row: more than 1, so it passes
+  CHECK(std::isnan(r2.updates.at("kernel").array().to_vector()[0]));
+  CHECK(r2.state.at("total_notfinite").array().data_i32()[0] == 2);
+  auto r3 = safe.update(g2, r2.state, params);
+  CHECK(r3.state.at("notfinite_count").array().data_i32()[0] == 0);
+
+  // multi_steps: the mean of three gradients applied every third call.
+  auto acc = optim::multi_steps(optim::sgd(1.0), 3);
+  Tree as = acc.init(params);
+  const std::vector<float> gs = {1.0f, 2.0f, 6.0f};
+  Tree last;
+  for (int k = 0; k < 3; ++k) {
+    const Tree g{{"kernel", Array::from({2}, {gs[k], 0.0f})}, {"bias", Array::from({1}, {0.0f})}};
+    auto r = acc.update(g, as, params);
+    as = r.state;
+    last = r.updates;
+    if (k < 2) CHECK(r.updates.at("kernel").array().to_vector()[0] == 0.0f);
+  }
+  CHECK(last.at("kernel").array().to_vector()[0] == doctest::Approx(-3.0));
+  CHECK(as.at("gradient_step").array().data_i32()[0] == 1);
+  CHECK(as.at("mini_step").array().data_i32()[0] == 0);
+
+  // ema with debiasing: the first update is the gradient itself.
+  auto avg = optim::ema(0.9);
+  auto er = avg.update(g2, avg.init(params));
+  CHECK(er.updates.at("bias").array().to_vector()[0] == doctest::Approx(5.0));
+  const Tree p_ema = optim::incremental_update(g2, params, 0.25);
+  CHECK(p_ema.at("bias").array().to_vector()[0] == doctest::Approx(0.25 * 5 + 0.75 * 3));
+}
+
+TEST_CASE("losses: huber, cosine similarity and distance, KL divergence, label smoothing; gradients by finite differences") {
+  const Array p = Array::from({4}, {0.0f, 0.5f, 2.0f, -3.0f});
+  const Array t = Array::zeros(Shape{4});
+  CHECK(nn::huber_loss(p, t).to_vector() == std::vector<float>{0.0f, 0.125f, 1.5f, 2.5f});
+  const Array a = Array::from({2, 2}, {1.0f, 0.0f, 1.0f, 1.0f});
+  const Array b = Array::from({2, 2}, {2.0f, 0.0f, -1.0f, 1.0f});
+  const auto cs = nn::cosine_similarity(a, b).to_vector();
+  CHECK(cs[0] == doctest::Approx(1.0));
+  CHECK(cs[1] == doctest::Approx(0.0).epsilon(1e-6));
+  CHECK(nn::cosine_distance(a, b).to_vector()[0] == doctest::Approx(0.0));
+  const Array targets = Array::from({1, 3}, {0.5f, 0.5f, 0.0f});
+  const Array logp = log_softmax(Array::from({1, 3}, {1.0f, 2.0f, 3.0f}), {-1});
+  const auto lp = logp.to_vector();
+  CHECK(nn::kl_divergence(logp, targets).to_vector()[0] ==
+        doctest::Approx(0.5 * (std::log(0.5) - lp[0]) + 0.5 * (std::log(0.5) - lp[1])));
+  const auto smooth = nn::smooth_labels(Array::from({1, 4}, {0.0f, 1.0f, 0.0f, 0.0f}), 0.2f).to_vector();
+  CHECK(smooth[1] == doctest::Approx(0.85));
+  CHECK(smooth[0] == doctest::Approx(0.05));
+  // Gradients agree with finite differences (away from the kinks).
+  const Array x = Array::from({2, 3}, {0.3f, -1.7f, 2.2f, 0.9f, 0.4f, -0.6f});
+  const Array y = Array::from({2, 3}, {0.1f, 0.2f, -0.5f, -0.4f, 1.1f, 0.3f});
+  CHECK(linum::testing::check_gradients("huber_loss", [&](const std::vector<Array>& in) { return sum(nn::huber_loss(in[0], y)); }, {x}));
+  CHECK(linum::testing::check_gradients("cosine_similarity",
+                                        [&](const std::vector<Array>& in) { return sum(nn::cosine_similarity(in[0], y)); }, {x}));
+  CHECK(linum::testing::check_gradients("kl_divergence", [&](const std::vector<Array>& in) {
+    return sum(nn::kl_divergence(log_softmax(in[0], {-1}), softmax(y, {-1})));
+  }, {x}));
+  CHECK_THROWS_AS(nn::huber_loss(p, Array::zeros(Shape{3})), ShapeError);
+}
+
+TEST_CASE("running metrics merge across batches and through a state tree") {
+  metrics::Average loss;
+  CHECK(std::isnan(loss.compute()));
+  loss.update(2.0, 10);
+  metrics::Average other;
+  other.update(Array::from({2}, {4.0f, 6.0f}));
+  const auto merged = loss.merge(other);
+  CHECK(merged.compute() == doctest::Approx((20.0 + 10.0) / 12.0));
+  CHECK(metrics::Average::from_state(merged.state()).compute() == doctest::Approx(merged.compute()));
+  metrics::Accuracy acc;
+  acc.update(Array::from({3, 2}, {0.1f, 0.9f, 0.8f, 0.2f, 0.3f, 0.7f}), Array::from_i32(Shape{3}, {1, 0, 0}));
+  CHECK(acc.compute() == doctest::Approx(2.0 / 3.0));
+  metrics::Accuracy more;
+  more.update(Array::from({1, 2}, {0.0f, 1.0f}), Array::from_i32(Shape{1}, {1}));
+  CHECK(acc.merge(more).compute() == doctest::Approx(0.75));
+  CHECK_THROWS_AS(acc.update(Array::from({3, 2}, {0, 0, 0, 0, 0, 0}), Array::from_i32(Shape{2}, {0, 0})), ShapeError);
+}
