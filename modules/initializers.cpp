@@ -1,7 +1,9 @@
+#include <Eigen/QR>
 #include <linum/modules/initializers.hpp>
 
 #include <linum/core/error.hpp>
 #include <linum/rng/random.hpp>
+#include <linum/core/ops/shape_ops.hpp>
 
 #include <cmath>
 #include <cstdint>
@@ -160,6 +162,43 @@ Initializer glorot_normal(int in_axis, int out_axis) {
 }
 Initializer glorot_uniform(int in_axis, int out_axis) {
   return make_variance_scaling("initializers::glorot_uniform", 1.0, FanMode::fan_avg, Distribution::uniform, in_axis, out_axis);
+}
+
+Initializer orthogonal(float scale, int column_axis) {
+  return [scale, column_axis](rng::Key key, const Shape& shape) {
+    if (shape.rank() < 2)
+      throw ShapeError(detail::cat("initializers::orthogonal: needs at least 2 dimensions, got ", shape));
+    const int axis = column_axis < 0 ? column_axis + shape.rank() : column_axis;
+    if (axis < 0 || axis >= shape.rank())
+      throw ValueError(detail::cat("initializers::orthogonal: column_axis ", column_axis, " is out of range for ", shape));
+    const std::int64_t cols = shape[axis];
+    const std::int64_t rows = shape.numel() / std::max<std::int64_t>(cols, 1);
+    // As JAX: a normal matrix of shape (max, min), its QR, Q's columns times sign(diag(R)).
+    const std::int64_t big = std::max(rows, cols), small = std::min(rows, cols);
+    const Array a = rng::normal(key, Shape{big, small});
+    Eigen::MatrixXd m(big, small);
+    for (std::int64_t r = 0; r < big; ++r)
+      for (std::int64_t c = 0; c < small; ++c) m(r, c) = a.data()[r * small + c];
+    Eigen::HouseholderQR<Eigen::MatrixXd> qr(m);
+    Eigen::MatrixXd q = qr.householderQ() * Eigen::MatrixXd::Identity(big, small);
+    const Eigen::MatrixXd rmat = qr.matrixQR().topRows(small).triangularView<Eigen::Upper>();
+    for (std::int64_t c = 0; c < small; ++c)
+      if (rmat(c, c) < 0) q.col(c) = -q.col(c);
+    // (rows, cols) in row-major order, then the column axis moved into place.
+    std::vector<float> flat(static_cast<std::size_t>(rows * cols));
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t c = 0; c < cols; ++c)
+        flat[static_cast<std::size_t>(r * cols + c)] = scale * static_cast<float>(rows >= cols ? q(r, c) : q(c, r));
+    std::vector<std::int64_t> other;
+    for (int d = 0; d < shape.rank(); ++d)
+      if (d != axis) other.push_back(shape[d]);
+    other.push_back(cols);
+    Array out = Array::from(Shape(other), flat);
+    if (axis == shape.rank() - 1) return out;
+    std::vector<int> perm;
+    for (int d = 0; d < shape.rank(); ++d) perm.push_back(d < axis ? d : d == axis ? shape.rank() - 1 : d - 1);
+    return transpose(out, perm);
+  };
 }
 
 }  // namespace linum::initializers

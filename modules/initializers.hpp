@@ -98,6 +98,12 @@ Initializer he_uniform(int in_axis = -2, int out_axis = -1);
 Initializer glorot_normal(int in_axis = -2, int out_axis = -1);
 // variance_scaling(1, fan_avg, uniform), also called Xavier uniform.
 Initializer glorot_uniform(int in_axis = -2, int out_axis = -1);
+// jax.nn.initializers.orthogonal(scale, column_axis=-1): the shape flattened to (rows = product of
+// the other axes, cols = shape[column_axis]) filled with a random matrix with orthonormal rows or
+// columns (whichever are fewer): the Q of a normal matrix's QR decomposition, its columns' signs
+// fixed by R's diagonal, times `scale`. (Same distribution as JAX; other bits, as the QR differs.)
+// Flax's recurrent cells use it for their recurrent kernels.
+Initializer orthogonal(float scale = 1.0f, int column_axis = -1);
 
 // Same as he_normal (JAX's `kaiming_normal` alias).
 inline Initializer kaiming_normal(int in_axis = -2, int out_axis = -1) { return he_normal(in_axis, out_axis); }

@@ -12,5 +12,6 @@
 #include <linum/modules/nn/embed.hpp>
 #include <linum/modules/nn/losses.hpp>
 #include <linum/modules/nn/normalization.hpp>
+#include <linum/modules/nn/recurrent.hpp>
 #include <linum/modules/nn/sequential.hpp>
 #include <linum/modules/nn/tabulate.hpp>
