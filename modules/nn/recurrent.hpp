@@ -42,7 +42,9 @@ struct LSTMCell {
 
 // The same LSTM with the four input products and the four recurrent ones each done as one product
 // on concatenated kernels (flax.linen.OptimizedLSTMCell): the same parameters, names and results
-// within float rounding; faster for small hidden sizes.
+// within float rounding; faster for small hidden sizes. The concatenated kernels are built on every
+// call and kept for its backward pass (5 x features^2 floats per time step in an RNN), so over long
+// sequences prefer LSTMCell, or remat.
 struct OptimizedLSTMCell {
   std::int64_t features = 0;
   Initializer kernel_init = initializers::lecun_normal();

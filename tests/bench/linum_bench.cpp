@@ -23,6 +23,8 @@
 //   linum-bench scan [--layers L] [--width W] [--batch B] [--steps S] [--schedule none|every|sqrt|binomial]
 //                    [--snapshots S]
 //       The deep MLP as one lift::scan under a checkpointing schedule (see scan_bench.cpp).
+//   linum-bench rnn [...]
+//       An LSTM over growing sequence lengths, with and without remat per time step (rnn_bench.cpp).
 //   linum-bench dp [...]
 //       The deep-MLP step data-parallel over an MPI job's ranks (see dp_bench.cpp).
 //   linum-bench ops [--iters N]
@@ -325,11 +327,12 @@ int bench_load(const Flags& f) {
 }
 
 int bench_dp(const Flags& f);
+int bench_rnn(const Flags& f);
 
 int main(int argc, char** argv) {
   linum::dist::Session mpi(argc, argv);  // `mpirun -np N linum-bench dp` (MPI only under a launcher)
   if (argc < 2) {
-    std::cerr << "usage: linum-bench mlp|gpt|scan|plan|dp|load|ops [--name value ...]\n";
+    std::cerr << "usage: linum-bench mlp|gpt|scan|plan|dp|rnn|load|ops [--name value ...]\n";
     return 2;
   }
   const std::string what = argv[1];
@@ -342,10 +345,11 @@ int main(int argc, char** argv) {
     if (what == "scan") return bench_scan(flags);
     if (what == "plan") return bench_plan(flags);
     if (what == "dp") return bench_dp(flags);
+    if (what == "rnn") return bench_rnn(flags);
   } catch (const std::exception& e) {
     std::cerr << "linum-bench: " << e.what() << "\n";
     return 1;
   }
-  std::cerr << "linum-bench: unknown benchmark '" << what << "' (choose mlp, gpt, scan, plan, dp, load or ops)\n";
+  std::cerr << "linum-bench: unknown benchmark '" << what << "' (choose mlp, gpt, scan, plan, dp, rnn, load or ops)\n";
   return 2;
 }

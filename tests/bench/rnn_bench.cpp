@@ -1,0 +1,52 @@
+// linum-bench rnn: an LSTM over sequences of growing length, trained with and without remat per
+// time step (nn::RNN{.remat = true}).
+//
+//   linum-bench rnn [--lengths 64,256,1024] [--batch 32] [--features 256] [--inputs 64] [--steps 3]
+//
+// One JSON line per (length, remat): peak_activation_bytes (the exact accounting's peak of a
+// training step above what was alive before it, minus the gradients) and step_s_min.
+#include <linum/linum.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench_util.hpp"
+
+using namespace linum_bench;
+
+int bench_rnn(const Flags& f) {
+  std::vector<long> lengths;
+  {
+    std::stringstream in(f.text("lengths", "64,256,1024"));
+    for (std::string item; std::getline(in, item, ',');) lengths.push_back(std::stol(item));
+  }
+  const long B = f.get("batch", 32), H = f.get("features", 256), I = f.get("inputs", 64), steps = f.get("steps", 3);
+  for (long T : lengths) {
+    const Array xs = random_normal(Shape{B, T, I}, 3u, 1.0f);
+    for (bool remat : {false, true}) {
+      const nn::RNN<nn::LSTMCell> rnn{.cell = {.features = H}, .remat = remat};
+      const Tree params = init(rnn, rng::key(0), xs).at("params");
+      auto loss = [&](const Tree& p) { return mean(square(apply(rnn, Tree{{"params", p}}, xs))); };
+      double best = 1e30;
+      std::int64_t peak = 0;
+      for (long s = 0; s < steps; ++s) {
+        memory::PeakScope scope;
+        const auto start = std::chrono::steady_clock::now();
+        Tree g = grad(loss)(params);
+        best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+        peak = scope.peak_growth() - byte_count(g);
+      }
+      const nlohmann::json out = {{"bench", "rnn"}, {"cell", "LSTMCell"}, {"length", T}, {"batch", B},
+                                  {"features", H}, {"inputs", I}, {"remat", remat ? "per_step" : "none"},
+                                  {"peak_activation_bytes", peak}, {"step_s_min", best}};
+      std::cout << out.dump() << std::endl;
+    }
+  }
+  return 0;
+}
