@@ -874,3 +874,14 @@ TEST_CASE("BatchNorm refuses an empty batch and a momentum outside [0, 1]") {
   CHECK_THROWS_WITH_AS(init(nn::BatchNorm{.use_running_average = false, .momentum = 2.0}, rng::key(0), x),
                        doctest::Contains("momentum must be in [0, 1]"), ValueError);
 }
+
+TEST_CASE("pooling modules are the pooling ops as layers, usable in Sequential") {
+  const Array x = linum::testing::random_array(Shape{2, 6, 6, 3}, 9);
+  const nn::MaxPool mp{.window = {2, 2}, .strides = {2, 2}};
+  const nn::AvgPool ap{.window = {3, 3}, .padding = Padding::same()};
+  CHECK(apply(mp, Tree(), x).bitwise_equal(max_pool(x, {.window = {2, 2}, .strides = {2, 2}})));
+  CHECK(apply(ap, Tree(), x).bitwise_equal(avg_pool(x, {.window = {3, 3}, .padding = Padding::same()})));
+  const auto net = nn::Sequential{nn::Conv{.features = 4, .kernel_size = {3, 3}}, nn::MaxPool{.window = {2, 2}, .strides = {2, 2}}};
+  const Tree vars = init(net, rng::key(0), x);
+  CHECK(apply(net, vars, x).shape() == Shape{2, 3, 3, 4});
+}

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <linum/core/array.hpp>
+#include <linum/core/ops/conv.hpp>
 #include <linum/modules/initializers.hpp>
 #include <linum/modules/nn/dtypes.hpp>
 #include <linum/modules/scope.hpp>
@@ -64,6 +65,27 @@ struct Conv {
 
   // The convolution of `x` ([N, H, W, C] or [N, L, C]; see the file comment for other ranks).
   Array operator()(Scope& s, const Array& x) const;
+};
+
+// Pooling as parameterless modules (Flax has the functions nn.avg_pool / nn.max_pool; these are
+// them as layers, e.g. inside nn::Sequential). Inputs [N, H, W, C]; defaults as Flax's functions
+// (strides 1: pass the window for non-overlapping pools).
+struct AvgPool {
+  std::array<std::int64_t, 2> window{2, 2};
+  std::array<std::int64_t, 2> strides{1, 1};
+  linum::Padding padding = linum::Padding::valid();
+  bool count_include_pad = true;
+  Array operator()(Scope&, const Array& x) const {
+    return avg_pool(x, {.window = window, .strides = strides, .padding = padding, .count_include_pad = count_include_pad});
+  }
+};
+struct MaxPool {
+  std::array<std::int64_t, 2> window{2, 2};
+  std::array<std::int64_t, 2> strides{1, 1};
+  linum::Padding padding = linum::Padding::valid();
+  Array operator()(Scope&, const Array& x) const {
+    return max_pool(x, {.window = window, .strides = strides, .padding = padding});
+  }
 };
 
 }  // namespace linum::nn

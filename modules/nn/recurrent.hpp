@@ -95,7 +95,7 @@ struct RNNOptions {
   std::optional<Array> seq_lengths;    // int32 [batch]: steps at or past a row's length leave its carry alone
 };
 
-namespace detail {
+namespace recurrent_detail {
 
 // One time step inside the scan: the cell on (carry, x), the carry kept where t >= length.
 template <class Cell>
@@ -118,7 +118,7 @@ struct RNNStep {
   }
 };
 
-}  // namespace detail
+}  // namespace recurrent_detail
 
 // Runs `cell` over the time axis (flax.linen.RNN): inputs [batch, time, features] (or [time,
 // batch, features] with time_major), outputs the same with the cell's features; `reverse` runs from
@@ -164,7 +164,7 @@ struct RNN {
     const Array lengths = masked ? *options.seq_lengths : Array::full_i32(Shape{batch}, static_cast<std::int32_t>(steps));
     if (masked && !(lengths.shape() == Shape{batch}))
       throw ShapeError(detail_cat_shape("nn::RNN: seq_lengths must be int32 [batch], got ", lengths));
-    using Step = detail::RNNStep<Cell>;
+    using Step = recurrent_detail::RNNStep<Cell>;
     auto scan_with = [&](auto body_type) {
       using Body = decltype(body_type);
       using Scan = lift::scan<Body>;
