@@ -18,6 +18,7 @@
 #include <linum/core/ops.hpp>
 #include <linum/core/tree.hpp>
 #include <linum/core/serialization.hpp>
+#include <linum/core/checkpoint_manager.hpp>
 #include <linum/core/optim.hpp>
 #include <linum/core/metrics.hpp>
 #include <linum/core/dist/communicator.hpp>
