@@ -105,6 +105,17 @@ TEST_CASE("fashion_mnist trains, resumes to the same result, evaluates, and repo
   CHECK(last_line(resumed.output)["test_accuracy"] == result["test_accuracy"]);
   CHECK(bitwise_equal(serialization::load(ck), serialization::load(tmp.path / "full.msgpack")));
 
+  // The same through a CheckpointManager directory: one step per epoch, resumed from the latest.
+  const std::string dir = (tmp.path / "managed").string();
+  REQUIRE(run(common + "--epochs 1 --checkpoint-dir " + dir).status == 0);
+  CHECK(CheckpointManager(dir).all_steps() == std::vector<std::int64_t>{1});
+  Run managed = run(common + "--epochs 2 --resume --checkpoint-dir " + dir);
+  INFO(managed.output);
+  REQUIRE(managed.status == 0);
+  CHECK(last_line(managed.output)["test_accuracy"] == result["test_accuracy"]);
+  CHECK(CheckpointManager(dir).all_steps() == std::vector<std::int64_t>{1, 2});
+  CHECK(bitwise_equal(CheckpointManager(dir).restore(2), serialization::load(tmp.path / "full.msgpack")));
+
   // --eval only evaluates the saved model.
   Run eval = run(common + "--eval --checkpoint " + ck);
   REQUIRE(eval.status == 0);

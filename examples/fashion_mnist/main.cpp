@@ -2,6 +2,7 @@
 //
 //   fashion_mnist [--epochs 3] [--remat full|dots|none] [--batch 128] [--lr 0.001] [--optimizer adam|sgd]
 //                 [--dropout 0.0] [--batchnorm] [--seed 0] [--data DIR] [--checkpoint FILE] [--resume]
+//                 [--checkpoint-dir DIR]
 //                 [--eval] [--limit N] [--dtype f32|bf16]
 //                 [--micro-batches 4] [--reduction reproducible|fast] [--batch-stats average|per-rank]
 //
@@ -106,6 +107,7 @@ struct Options {
   int seed = 0;
   fs::path data = "/usr/share/datasets/fashion-mnist";
   fs::path checkpoint = "fashion_mnist.msgpack";
+  fs::path checkpoint_dir;  // --checkpoint-dir DIR: a CheckpointManager (one step per epoch, last 3 kept)
   bool resume = false;
   bool eval_only = false;
   std::int64_t limit = 0;  // use only the first N training images (0: all)
@@ -123,6 +125,7 @@ const char* remat_name(Remat r) { return r == Remat::none ? "none" : r == Remat:
             << "usage: fashion_mnist [--epochs N] [--remat full|dots|none] [--batch N] [--lr X] [--optimizer adam|sgd]\n"
             << "                     [--memory-plot FILE.svg]\n"
             << "                     [--dropout X] [--batchnorm] [--seed N] [--data DIR] [--checkpoint FILE] [--resume]\n"
+            << "                     [--checkpoint-dir DIR]\n"
             << "                     [--eval] [--limit N] [--dtype f32|bf16]\n"
             << "                     [--micro-batches N] [--reduction reproducible|fast] [--batch-stats average|per-rank]\n";
   std::exit(2);
@@ -167,6 +170,7 @@ Options parse(int argc, char** argv) {
     else if (a == "--eval") o.eval_only = true;
     else if (a == "--data") o.data = value();
     else if (a == "--checkpoint") o.checkpoint = value();
+    else if (a == "--checkpoint-dir") o.checkpoint_dir = value();
     else if (a == "--memory-plot") o.memory_plot = value();
     else if (a == "--optimizer") {
       o.optimizer = value();
@@ -354,14 +358,20 @@ int run(const Options& o) {
   t.opt_state = t.optimizer.init(t.params);
   int first_epoch = 0;
 
+  // With --checkpoint-dir, checkpoints go through a CheckpointManager: one directory per epoch, the
+  // last 3 kept, --resume from the latest.
+  std::optional<CheckpointManager> manager;
+  if (lead && !o.checkpoint_dir.empty()) manager.emplace(o.checkpoint_dir, CheckpointManagerOptions{.max_to_keep = 3});
+  const std::string source = o.checkpoint_dir.empty() ? o.checkpoint.string() : o.checkpoint_dir.string();
   if (o.resume || o.eval_only) {
     // Rank 0 reads the checkpoint and sends it to the others (they need no shared file system).
     Tree c;
     if (lead) {
-      if (!fs::exists(o.checkpoint))
-        throw ValueError("no checkpoint at '" + o.checkpoint.string() + "' to " + (o.eval_only ? "evaluate" : "resume from") +
+      const bool found = manager ? manager->latest_step().has_value() : fs::exists(o.checkpoint);
+      if (!found)
+        throw ValueError("no checkpoint at '" + source + "' to " + (o.eval_only ? "evaluate" : "resume from") +
                          "; train first (without --resume/--eval)");
-      c = serialization::load(o.checkpoint);
+      c = manager ? manager->restore(*manager->latest_step(), checkpoint_tree(t, 0, o)) : serialization::load(o.checkpoint);
       const Tree& progress = c.at("progress");
       if (progress.at("seed").array().item() != o.seed ||
           static_cast<bool>(progress.at("batch_norm").array().item()) != o.batch_norm ||
@@ -374,7 +384,7 @@ int run(const Options& o) {
     t.opt_state = c.at("opt_state");
     if (c.contains("batch_stats")) t.batch_stats = c.at("batch_stats");
     first_epoch = static_cast<int>(c.at("progress").at("epochs_done").array().item());
-    if (lead) std::printf("loaded '%s' (%d epoch(s) done)\n", o.checkpoint.c_str(), first_epoch);
+    if (lead) std::printf("loaded '%s' (%d epoch(s) done)\n", source.c_str(), first_epoch);
   }
   dist::check_replicated(t.params, "the parameters at the start");
 
@@ -432,7 +442,10 @@ int run(const Options& o) {
                  accuracy_sum / static_cast<double>(std::max<std::int64_t>(seen, 1)), seconds, true);
       train_seconds += seconds;
       ++epochs_run;
-      if (lead) serialization::save(o.checkpoint, checkpoint_tree(t, epoch + 1, o));  // atomic: temp file + rename
+      if (manager)  // a directory per epoch, atomic (temporary directory + rename)
+        manager->save(epoch + 1, checkpoint_tree(t, epoch + 1, o), {{"train_loss", loss_sum / static_cast<double>(std::max<std::int64_t>(steps, 1))}});
+      else if (lead)
+        serialization::save(o.checkpoint, checkpoint_tree(t, epoch + 1, o));  // atomic: temp file + rename
     }
   }
   dist::check_replicated(t.params, "the parameters after training");
