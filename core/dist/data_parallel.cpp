@@ -256,7 +256,8 @@ StepResult DataParallel::reproducible(const LossWithAux& loss, const Tree& param
                                       std::int64_t rows) {
   const Communicator& comm = options_.comm;
   const int ranks = comm.size(), me = comm.rank(), M = options_.micro_batches;
-  const auto [first_piece, last_piece] = pieces_of_rank(me, ranks, M);
+  const std::pair<int, int> my_pieces = pieces_of_rank(me, ranks, M);
+  const int first_piece = my_pieces.first, last_piece = my_pieces.second;
   StepResult result;
   result.stats.ranks = ranks;
   result.stats.local_pieces = last_piece - first_piece;
@@ -264,7 +265,9 @@ StepResult DataParallel::reproducible(const LossWithAux& loss, const Tree& param
 
   std::optional<Tree> aux_structure;
   std::vector<float> local_aux;  // Sync::per_rank: the aux mean over this rank's rows
-  const auto [row_lo, row_hi] = local_rows(rows);
+  // (Plain variables, not a structured binding: clang 14 cannot capture those in a lambda.)
+  const std::pair<std::int64_t, std::int64_t> local = local_rows(rows);
+  const std::int64_t row_lo = local.first, row_hi = local.second;
   result.stats.local_rows = row_hi - row_lo;
   const std::vector<Array> param_leaves = leaves(params);
 
@@ -401,7 +404,8 @@ StepResult DataParallel::fast(const LossWithAux& loss, const Tree& params, const
                               std::int64_t rows) {
   const Communicator& comm = options_.comm;
   const int ranks = comm.size(), me = comm.rank();
-  const auto [lo, hi] = local_rows(rows);
+  const std::pair<std::int64_t, std::int64_t> my_rows = local_rows(rows);
+  const std::int64_t lo = my_rows.first, hi = my_rows.second;
   const float w = weight_of(lo, hi, rows);
   const Tree part = rows_of(batch, lo, hi);
   const rng::Key rank_key = rng::fold_in(key, static_cast<std::uint32_t>(me));

@@ -236,10 +236,10 @@ void run_piece(const WeightPiece& piece, const void* x, const void* gy, void* dw
 // counts). Large convolutions are therefore cut into pieces of the batch fixed by the shape, each
 // computed on one thread, and the pieces summed in index order: the same bits on any team.
 Array conv_backward_weights_onednn(const Array& x, const Array& gy, const ConvShape& s) {
-  const double macs = static_cast<double>(s.n) * s.oh * s.ow * s.o * s.kh * s.kw * s.cg;
   constexpr std::int64_t kPieces = 8;
   const std::int64_t pieces = std::min<std::int64_t>(s.n, kPieces);
 #ifdef _OPENMP
+  const double macs = static_cast<double>(s.n) * s.oh * s.ow * s.o * s.kh * s.kw * s.cg;
   // (bfloat16 weight gradients already come out the same on any team: tests/test_threading.cpp.)
   const bool split = s.dtype == DType::f32 && pieces > 1 && macs >= kParallelGemmWork && !omp_in_parallel();
 #else
