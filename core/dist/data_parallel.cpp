@@ -508,6 +508,9 @@ StepResult DataParallel::fast(const LossWithAux& loss, const Tree& params, const
     listener.emplace();
     listener->deliver = deliver;
   }
+  // Every rank must hold the same parameter layout before buckets go out (a mismatch would make
+  // the allreduces disagree, not fail).
+  if (communicate) check_same_layout(layout_of(params), comm, "parameters");
   const auto compute_start = Clock::now();
   auto run = [&] {
     return linum::value_and_grad([&](const std::vector<Array>& tracked) {
@@ -550,7 +553,7 @@ StepResult DataParallel::fast(const LossWithAux& loss, const Tree& params, const
     for (const Array& a : leaves(aux)) append_scaled(small, a, w);
 #if LINUM_HAVE_MPI
   if (communicate) {
-    check_same_layout(layout_of(params) + "|" + layout_of(aux), comm, "parameters and aux tree");
+    check_same_layout(layout_of(aux), comm, "aux tree");
     const auto small_start = Clock::now();
     check_mpi(MPI_Allreduce(MPI_IN_PLACE, small.data(), static_cast<int>(small.size()), MPI_FLOAT, MPI_SUM, to_mpi(comm)),
               "MPI_Allreduce");
@@ -563,7 +566,7 @@ StepResult DataParallel::fast(const LossWithAux& loss, const Tree& params, const
     for (const Bucket& b : buckets) floats += static_cast<std::int64_t>(b.values.size());
     result.stats.bytes_sent = floats * 4;
     result.stats.wire_bytes = 2 * floats * 4 * (ranks - 1) / ranks;  // a ring allreduce's share per rank
-    result.stats.messages = static_cast<int>(buckets.size()) + 2;
+    result.stats.messages = static_cast<int>(buckets.size()) + 3;  // + two layout checks and the loss/aux sum
   }
 
   result.loss = Array::full(Shape{}, small[0]);
