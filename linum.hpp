@@ -19,6 +19,9 @@
 #include <linum/core/tree.hpp>
 #include <linum/core/serialization.hpp>
 #include <linum/core/checkpoint_manager.hpp>
+#include <linum/core/data/array_dataset.hpp>
+#include <linum/core/data/idx.hpp>
+#include <linum/core/data/loader.hpp>
 #include <linum/core/optim.hpp>
 #include <linum/core/metrics.hpp>
 #include <linum/core/dist/communicator.hpp>

@@ -8,7 +8,6 @@
 #include <unistd.h>
 #include <linum/linum.hpp>
 
-#include "../examples/fashion_mnist/idx.hpp"
 
 #include <nlohmann/json.hpp>
 
@@ -61,9 +60,9 @@ void make_split(const fs::path& dir, const std::string& prefix, std::int64_t n, 
       for (int c = 0; c < 28; ++c) {
         const int k = labels.data_i32()[i];
         const float band = (r >= 2 * k + 2 && r < 2 * k + 6) ? 180.0f : 0.0f;
-        images.mutable_data()[(i * 28 + r) * 28 + c] = band + noise.data()[(i * 28 + r) * 28 + c];
+        images.mutable_data()[(i * 28 + r) * 28 + c] = std::floor(band + noise.data()[(i * 28 + r) * 28 + c]);
       }
-  fashion::write_split(dir, prefix, images, labels);
+  data::write_mnist(dir, prefix, images, labels);
 }
 
 struct TempDir {

@@ -17,11 +17,11 @@
 //
 // It shows what Linum is for: a compact model (modules in a Scope), remat on its blocks
 // (lift::remat, which keeps parameter names, so checkpoints load into either model), init/apply
-// with variable dicts, training with value_and_grad and an optax-style optimizer, checkpoints
-// written atomically after each epoch, and the activation memory remat saved, measured with the
+// with variable dicts, data from linum::data (the IDX files read into an ArrayDataset, a DataLoader
+// shuffling per epoch with an explicit key and preparing the next batches on a background thread),
+// training with value_and_grad and an optax-style optimizer, checkpoints written atomically after
+// each epoch (with the loader's position), and the activation memory remat saved, measured with the
 // exact accounting. The last line of output is one JSON object for scripts.
-#include "idx.hpp"
-
 #include <linum/linum.hpp>
 
 #include <nlohmann/json.hpp>
@@ -200,10 +200,6 @@ Options parse(int argc, char** argv) {
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
-Array batch_of(const Array& data, const Array& order, std::int64_t start, std::int64_t count) {
-  return take(data, slice_axis(order, 0, start, start + count), 0);
-}
-
 std::int64_t correct(const Array& logits, const Array& labels) {
   const Array predicted = argmax(logits, -1);
   std::int64_t n = 0;
@@ -244,19 +240,18 @@ struct Trainer {
     return {r.loss.item(), r.aux.at("accuracy").array().item()};
   }
 
-  // Test accuracy; the ranks share the test batches and add up their hits.
-  double evaluate(const fashion::Dataset& test, std::int64_t batch) const {
+  // Test accuracy; each rank takes its shard of every test batch and the ranks add up their hits.
+  double evaluate(const data::ArrayDataset& test, std::int64_t batch) const {
     autodiff::NoGradGuard no_grad;
-    const int rank = dist::rank(), ranks = dist::size();
-    std::int64_t hits = 0, index = 0;
-    for (std::int64_t start = 0; start < test.labels.numel(); start += batch, ++index) {
-      if (index % ranks != rank) continue;
-      const std::int64_t n = std::min(batch, test.labels.numel() - start);
-      Array logits = apply(model, variables(), slice_axis(test.images, 0, start, start + n), false);
-      hits += correct(logits, slice_axis(test.labels, 0, start, start + n));
+    data::DataLoader batches(test, {.batch_size = batch, .shuffle = false, .shard = data::ShardOptions::by_process()});
+    std::int64_t hits = 0;
+    for (const data::Batch& b : batches) {
+      const Array& labels = b.data.at("label").array();
+      if (labels.numel() == 0) continue;
+      hits += correct(apply(model, variables(), b.data.at("image").array(), false), labels);
     }
     const Tree total = dist::allreduce_sum(Tree{{"hits", Array::full(Shape{}, static_cast<float>(hits))}});
-    return static_cast<double>(total.at("hits").array().item()) / static_cast<double>(test.labels.numel());
+    return static_cast<double>(total.at("hits").array().item()) / static_cast<double>(test.size());
   }
 };
 
@@ -307,8 +302,8 @@ class Progress {
   bool tty_, shown_;
 };
 
-Tree checkpoint_tree(const Trainer& t, int epochs_done, const Options& o) {
-  Tree c{{"params", t.params}, {"opt_state", t.opt_state}};
+Tree checkpoint_tree(const Trainer& t, int epochs_done, const Options& o, const data::DataLoader& loader) {
+  Tree c{{"params", t.params}, {"opt_state", t.opt_state}, {"data", loader.state_tree()}};
   if (!t.batch_stats.empty()) c.set("batch_stats", t.batch_stats);
   c.set("progress", Tree{{"epochs_done", Array::full_i32(Shape{}, epochs_done)},
                          {"seed", Array::full_i32(Shape{}, o.seed)},
@@ -320,23 +315,20 @@ Tree checkpoint_tree(const Trainer& t, int epochs_done, const Options& o) {
 int run(const Options& o) {
   const int rank = dist::rank(), ranks = dist::size();
   const bool lead = rank == 0;  // rank 0 prints, plots and writes the checkpoint
-  fashion::Dataset train, test;
+  data::ArrayDataset train, test;  // columns "image" f32[N, 28, 28, 1] in [0, 1], "label" i32[N]
   try {
-    train = fashion::load_split(o.data, "train");
-    test = fashion::load_split(o.data, "t10k");
+    train = data::load_mnist(o.data, "train");
+    test = data::load_mnist(o.data, "t10k");
   } catch (const IoError& e) {
     throw IoError(std::string("cannot read the dataset: ") + e.what() +
                   "\nInstall it with `apt-get install dataset-fashion-mnist` (files in /usr/share/datasets/fashion-mnist),\n"
                   "or pass --data DIR with train-/t10k-images-idx3-ubyte.gz and -labels-idx1-ubyte.gz (e.g. MNIST).");
   }
-  if (o.limit > 0 && o.limit < train.labels.numel()) {
-    train.images = slice_axis(train.images, 0, 0, o.limit);
-    train.labels = slice_axis(train.labels, 0, 0, o.limit);
-  }
-  const std::int64_t n = train.labels.numel();
+  if (o.limit > 0 && o.limit < train.size()) train = train.slice(0, o.limit);
+  const std::int64_t n = train.size();
   if (lead) {
     std::printf("Fashion-MNIST: %lld training and %lld test images from %s\n", static_cast<long long>(n),
-                static_cast<long long>(test.labels.numel()), o.data.c_str());
+                static_cast<long long>(test.size()), o.data.c_str());
     if (ranks > 1)
       std::printf("data parallel on %d ranks: %s reduction%s\n", ranks,
                   o.reduction == dist::Reduction::reproducible ? "reproducible" : "fast",
@@ -349,7 +341,10 @@ int run(const Options& o) {
   Trainer t{CNN{.remat = o.remat, .batch_norm = o.batch_norm, .dropout = o.dropout,
                 .dtype = o.dtype == DType::f32 ? std::nullopt : std::optional<DType>(o.dtype)},
             o.optimizer == "adam" ? optim::adam(o.lr) : optim::sgd(o.lr, 0.9), {}, {}, {}};
-  const Array sample = slice_axis(train.images, 0, 0, std::min<std::int64_t>(o.batch, n));
+  const std::int64_t batch = std::min<std::int64_t>(o.batch, n);
+  const Array& train_images = train.columns().at("image").array();
+  const Array& train_labels = train.columns().at("label").array();
+  const Array sample = slice_axis(train_images, 0, 0, batch);
   // Every rank starts from rank 0's variables.
   Tree vars = dist::broadcast(
       init(t.model, rng::Streams{{"params", rng::key(o.seed)}, {"dropout", rng::key(o.seed + 1)}}, sample, false));
@@ -357,6 +352,10 @@ int run(const Options& o) {
   if (vars.contains("batch_stats")) t.batch_stats = vars.at("batch_stats");
   t.opt_state = t.optimizer.init(t.params);
   int first_epoch = 0;
+  // Every rank reads the same global batches (dist::DataParallel takes its rows of each): epoch e in
+  // the order permutation(fold_in(key(seed), e)), the next batches gathered on the loader's thread.
+  data::DataLoader loader(train, {.batch_size = batch, .seed = rng::key(o.seed), .drop_remainder = true,
+                                  .num_epochs = o.epochs});
 
   // With --checkpoint-dir, checkpoints go through a CheckpointManager: one directory per epoch, the
   // last 3 kept, --resume from the latest.
@@ -371,7 +370,7 @@ int run(const Options& o) {
       if (!found)
         throw ValueError("no checkpoint at '" + source + "' to " + (o.eval_only ? "evaluate" : "resume from") +
                          "; train first (without --resume/--eval)");
-      c = manager ? manager->restore(*manager->latest_step(), checkpoint_tree(t, 0, o)) : serialization::load(o.checkpoint);
+      c = manager ? manager->restore(*manager->latest_step(), checkpoint_tree(t, 0, o, loader)) : serialization::load(o.checkpoint);
       const Tree& progress = c.at("progress");
       if (progress.at("seed").array().item() != o.seed ||
           static_cast<bool>(progress.at("batch_norm").array().item()) != o.batch_norm ||
@@ -384,14 +383,18 @@ int run(const Options& o) {
     t.opt_state = c.at("opt_state");
     if (c.contains("batch_stats")) t.batch_stats = c.at("batch_stats");
     first_epoch = static_cast<int>(c.at("progress").at("epochs_done").array().item());
+    if (first_epoch < o.epochs) {
+      if (c.contains("data")) loader.restore(c.at("data"));  // ValueError if --batch or --limit changed
+      else loader.seek({first_epoch, 0});                     // a checkpoint from before the loader
+    }
     if (lead) std::printf("loaded '%s' (%d epoch(s) done)\n", source.c_str(), first_epoch);
   }
   dist::check_replicated(t.params, "the parameters at the start");
 
   // Activation memory of one training step (one process, the whole batch), with the chosen remat and
   // without.
-  const Array mx = slice_axis(train.images, 0, 0, std::min<std::int64_t>(o.batch, n));
-  const Array my = slice_axis(train.labels, 0, 0, std::min<std::int64_t>(o.batch, n));
+  const Array mx = slice_axis(train_images, 0, 0, batch);
+  const Array my = slice_axis(train_labels, 0, 0, batch);
   std::int64_t peak_plain = 0, peak = 0;
   if (lead) {
     CNN plain_model = t.model;
@@ -420,17 +423,16 @@ int run(const Options& o) {
   int epochs_run = 0;
   if (!o.eval_only) {
     for (int epoch = first_epoch; epoch < o.epochs; ++epoch) {
-      const Array order = rng::permutation(rng::fold_in(rng::key(o.seed), static_cast<std::uint32_t>(epoch)), n);
       const rng::Key epoch_key = rng::fold_in(rng::key(o.seed + 1), static_cast<std::uint32_t>(epoch));
-      Progress bar(epoch + 1, o.epochs, n, lead);
+      Progress bar(epoch + 1, o.epochs, loader.batches_per_epoch() * batch, lead);
       const auto start = Clock::now();
       double loss_sum = 0, accuracy_sum = 0;
       std::int64_t seen = 0, steps = 0;
-      for (std::int64_t b = 0; b + o.batch <= n || (b < n && b == 0); b += o.batch) {
-        const std::int64_t count = std::min(o.batch, n - b);
-        const Array x = batch_of(train.images, order, b, count);
-        const Array y = batch_of(train.labels, order, b, count);
-        auto [loss, accuracy] = t.step(dp, x, y, rng::fold_in(epoch_key, static_cast<std::uint32_t>(steps)));
+      for (std::int64_t k = 0; k < loader.batches_per_epoch(); ++k) {
+        const data::Batch b = *loader.next();
+        const std::int64_t count = b.global_rows;
+        auto [loss, accuracy] = t.step(dp, b.data.at("image").array(), b.data.at("label").array(),
+                                       rng::fold_in(epoch_key, static_cast<std::uint32_t>(b.index)));
         loss_sum += loss;
         accuracy_sum += accuracy * static_cast<double>(count);
         seen += count;
@@ -443,9 +445,9 @@ int run(const Options& o) {
       train_seconds += seconds;
       ++epochs_run;
       if (manager)  // a directory per epoch, atomic (temporary directory + rename)
-        manager->save(epoch + 1, checkpoint_tree(t, epoch + 1, o), {{"train_loss", loss_sum / static_cast<double>(std::max<std::int64_t>(steps, 1))}});
+        manager->save(epoch + 1, checkpoint_tree(t, epoch + 1, o, loader), {{"train_loss", loss_sum / static_cast<double>(std::max<std::int64_t>(steps, 1))}});
       else if (lead)
-        serialization::save(o.checkpoint, checkpoint_tree(t, epoch + 1, o));  // atomic: temp file + rename
+        serialization::save(o.checkpoint, checkpoint_tree(t, epoch + 1, o, loader));  // atomic: temp file + rename
     }
   }
   dist::check_replicated(t.params, "the parameters after training");

@@ -1,7 +1,6 @@
 // Writes the fuzz targets' seed corpus: small valid inputs of every kind each loader reads, so
 // fuzzing starts from the formats' real structure. Usage: make_fuzz_corpus tests/fuzz/corpus
 // (files are named seed-*; what fuzzing adds is kept beside them, minimized with -merge=1).
-#include "../../examples/fashion_mnist/idx.hpp"
 
 #include <linum/linum.hpp>
 #include <linum/modules/nn/config.hpp>
