@@ -424,7 +424,24 @@ std::vector<Array> run_checkpointed(const Thunk& forward, Thunk recompute, const
                                                std::move(recompute),
                                                options.verify, std::move(where), std::move(prints), std::move(unique_held),
                                                std::move(op_prints));
+  // An array returned twice (an RNN step's new carry that is also its output) stays one value: both
+  // places get the first output, so its consumers' cotangents add up at one output in the order the
+  // plain graph adds them (two outputs would be summed separately and then together: other bits).
+  std::vector<std::size_t> first_of(outs.size());
   for (std::size_t i = 0; i < outs.size(); ++i) {
+    first_of[i] = i;
+    if (outs[i].node() == nullptr) continue;
+    for (std::size_t j = 0; j < i; ++j)
+      if (outs[j].node() == outs[i].node() && outs[j].output_index() == outs[i].output_index()) {
+        first_of[i] = j;
+        break;
+      }
+  }
+  for (std::size_t i = 0; i < outs.size(); ++i) {
+    if (first_of[i] != i) {
+      outs[i] = outs[first_of[i]];
+      continue;
+    }
     outs[i] = outs[i].detached();  // drops the block's own graph: its intermediates are freed here
     if (is_floating(outs[i].dtype())) outs[i].set_node(node, static_cast<std::uint32_t>(i));
   }

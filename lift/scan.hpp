@@ -42,6 +42,7 @@
 #include <linum/lift/schedule.hpp>
 #include <linum/modules/scope.hpp>
 
+#include <algorithm>
 #include <map>
 #include <optional>
 #include <set>
@@ -221,8 +222,8 @@ struct scan {
   std::vector<std::string> variable_carry{};
   std::map<std::string, bool> split_rngs{};
   // Checkpointing across iterations (lift/schedule.hpp): none, every, sqrt or binomial(s) with at
-  // most s carries alive. Applies when differentiating a body that returns only its carry and has
-  // no carried collections.
+  // most s carries alive. Applies when differentiating (not at init), to bodies with or without ys
+  // (a checkpointed range of iterations outputs its ys), without carried collections.
   ScanSchedule schedule{};
 
   // Flax names the scanned module after its body: ScanBlock_0.
@@ -254,13 +255,8 @@ struct scan {
       Scope inner(st, plan.path);
       return std::apply([&](const auto&... a) { return inner.run(body, body, h, a.at(i)...); }, sliced);
     };
-    if (schedule.kind != ScanSchedule::Kind::none && !s.is_initializing() && autodiff::is_recording()) {
-      if constexpr (kWithYs) {
-        detail::throw_scan_error(plan.path, "a schedule needs a body that returns only its carry (no ys) for now");
-      } else {
-        return scheduled(std::move(plan), sliced, carry, n);
-      }
-    }
+    if (schedule.kind != ScanSchedule::Kind::none && !s.is_initializing() && autodiff::is_recording())
+      return scheduled<Result>(std::move(plan), sliced, carry, n);
     std::vector<ScopeState> states(static_cast<std::size_t>(n));
     using Y = typename detail::YsOf<Result, kWithYs>::type;
     std::vector<Y> ys(static_cast<std::size_t>(n));
@@ -294,8 +290,9 @@ struct scan {
  private:
   // The iterations under `schedule`: each is a step of lift::run_steps, which decides what is
   // checkpointed; a step's recomputation rebuilds its iteration state from the plan.
-  template <class Carry, class Sliced>
-  Carry scheduled(detail::ScanPlan plan, const Sliced& sliced, const Carry& carry, int n) const {
+  template <class Result, class Carry, class Sliced>
+  Result scheduled(detail::ScanPlan plan, const Sliced& sliced, const Carry& carry, int n) const {
+    constexpr bool kWithYs = !std::is_same_v<Result, Carry>;
     using linum::detail::ScopeState;
     if (!variable_carry.empty())
       detail::throw_scan_error(plan.path, "a schedule cannot be combined with variable_carry collections");
@@ -309,7 +306,7 @@ struct scan {
     };
     auto ctx = std::make_shared<Context>(Context{std::move(plan), sliced, body, reverse, {}, true});
     ctx->states.resize(static_cast<std::size_t>(n));
-    auto run_at = [](Context& c, int i, const Carry& h, ScopeState& st) -> Carry {
+    auto run_at = [](Context& c, int i, const Carry& h, ScopeState& st) -> Result {
       Scope inner(st, c.plan.path);
       return std::apply([&](const auto&... a) { return inner.run(c.body, c.body, h, a.at(i)...); }, c.sliced);
     };
@@ -324,18 +321,33 @@ struct scan {
     auto step = [ctx, run_at, n](std::int64_t k, const Carry& h) {
       const int i = ctx->reverse ? n - 1 - static_cast<int>(k) : static_cast<int>(k);
       ScopeState st = detail::iteration_state(ctx->plan, i);
-      Carry next = run_at(*ctx, i, h, st);
-      detail::check_carry(ctx->plan.path, i, h, next);
+      Result r = run_at(*ctx, i, h, st);
       if (ctx->forward) ctx->states[static_cast<std::size_t>(i)].emplace(std::move(st));  // recomputations' writes are dropped
-      return next;
+      if constexpr (kWithYs) {
+        detail::check_carry(ctx->plan.path, i, h, r.first);
+        return r;
+      } else {
+        detail::check_carry(ctx->plan.path, i, h, r);
+        return r;
+      }
     };
-    Carry h = run_steps(n, carry, step, schedule);
-    ctx->forward = false;
-    std::vector<ScopeState> states;
-    for (auto& st : ctx->states) states.push_back(std::move(*st));
-    ctx->states.clear();
-    detail::finish_scan(ctx->plan, states);
-    return h;
+    auto finish = [&] {
+      ctx->forward = false;
+      std::vector<ScopeState> states;
+      for (auto& st : ctx->states) states.push_back(std::move(*st));
+      ctx->states.clear();
+      detail::finish_scan(ctx->plan, states);
+    };
+    if constexpr (kWithYs) {
+      auto [h, ys] = run_steps_with_ys(n, carry, step, schedule);
+      finish();
+      if (reverse) std::reverse(ys.begin(), ys.end());  // step k ran slice n - 1 - k; ys go by slice
+      return std::make_pair(std::move(h), detail::stack_ys(ys));
+    } else {
+      Carry h = run_steps(n, carry, step, schedule);
+      finish();
+      return h;
+    }
   }
 };
 

@@ -21,6 +21,9 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace linum::lift {
@@ -51,32 +54,74 @@ std::int64_t binomial_split(std::int64_t steps, int snapshots);
 void count_step_evaluation();
 void check_schedule(const ScanSchedule& schedule, std::int64_t steps);
 
-// Runs steps [a, b) of `step` (carry = step(i, carry)) under `schedule` with `snapshots` carries.
-template <class Carry, class Step>
-Carry run_range(const std::shared_ptr<const Step>& step, const ScanSchedule& schedule, std::int64_t a, std::int64_t b,
-                int snapshots, const Carry& carry);
+// What steps [a, b) produce: the carry after them and each step's output y (in step order). Steps
+// that return only a carry have Y = std::tuple<> (no arrays).
+template <class Carry, class Y>
+struct RangeResult {
+  Carry carry;
+  std::vector<Y> ys;
+};
 
-// Runs [a, b) as one checkpointed block whose body is run_range(a, b, snapshots).
-template <class Carry, class Step>
-Carry checkpointed_range(const std::shared_ptr<const Step>& step, const ScanSchedule& schedule, std::int64_t a,
-                         std::int64_t b, int snapshots, const Carry& carry) {
-  auto body = [step, schedule, a, b, snapshots, carry] {
-    return pytree::flatten(run_range<Carry, Step>(step, schedule, a, b, snapshots, carry));
+// Runs steps [a, b) of `step` ((carry, y) = step(i, carry)) under `schedule` with `snapshots`
+// carries.
+template <class Carry, class Y, class Step>
+RangeResult<Carry, Y> run_range(const std::shared_ptr<const Step>& step, const ScanSchedule& schedule, std::int64_t a,
+                                std::int64_t b, int snapshots, const Carry& carry);
+
+// Runs [a, b) as one checkpointed block whose body is run_range(a, b, snapshots): its outputs are
+// the final carry and every step's y, its only saved input the carry it starts from.
+template <class Carry, class Y, class Step>
+RangeResult<Carry, Y> checkpointed_range(const std::shared_ptr<const Step>& step, const ScanSchedule& schedule,
+                                         std::int64_t a, std::int64_t b, int snapshots, const Carry& carry) {
+  // The ys' structure, taken from the forward run (the recomputations leave it alone, so no array
+  // of theirs stays referenced here).
+  struct Structure {
+    bool taken = false;
+    std::vector<Y> ys;
+  };
+  auto structure = std::make_shared<Structure>();
+  auto body = [step, schedule, a, b, snapshots, carry, structure] {
+    RangeResult<Carry, Y> r = run_range<Carry, Y, Step>(step, schedule, a, b, snapshots, carry);
+    std::vector<Array> flat = pytree::flatten(r.carry);
+    for (const Y& y : r.ys)
+      for (Array& leaf : pytree::flatten(y)) flat.push_back(std::move(leaf));
+    if (!structure->taken) {
+      structure->taken = true;
+      structure->ys = std::move(r.ys);
+    }
+    return flat;
   };
   std::vector<Array> flat = run_checkpointed(body, body, CheckpointOptions{}, linum::detail::cat("scan steps [", a, ", ", b, ")"),
                                              pytree::flatten(carry));
-  return pytree::rebuild(carry, std::span<const Array>(flat));
+  const std::size_t carry_leaves = pytree::flatten(carry).size();
+  RangeResult<Carry, Y> out{pytree::rebuild(carry, std::span<const Array>(flat.data(), carry_leaves)), {}};
+  std::size_t at = carry_leaves;
+  for (const Y& like : structure->ys) {
+    const std::size_t leaves = pytree::flatten(like).size();
+    out.ys.push_back(pytree::rebuild(like, std::span<const Array>(flat.data() + at, leaves)));
+    at += leaves;
+  }
+  structure->ys.clear();
+  return out;
 }
 
-template <class Carry, class Step>
-Carry run_range(const std::shared_ptr<const Step>& step, const ScanSchedule& schedule, std::int64_t a, std::int64_t b,
-                int snapshots, const Carry& carry) {
+template <class Carry, class Y, class Step>
+RangeResult<Carry, Y> run_range(const std::shared_ptr<const Step>& step, const ScanSchedule& schedule, std::int64_t a,
+                                std::int64_t b, int snapshots, const Carry& carry) {
   using Kind = ScanSchedule::Kind;
   const std::int64_t n = b - a;
-  if (n <= 0) return carry;
+  RangeResult<Carry, Y> out{carry, {}};
+  auto append = [&out](RangeResult<Carry, Y>&& part) {
+    out.carry = std::move(part.carry);
+    for (Y& y : part.ys) out.ys.push_back(std::move(y));
+  };
+  if (n <= 0) return out;
   if (n == 1) {
     count_step_evaluation();
-    return (*step)(a, carry);
+    auto [h, y] = (*step)(a, carry);
+    out.carry = std::move(h);
+    out.ys.push_back(std::move(y));
+    return out;
   }
   switch (schedule.kind) {
     case Kind::none:
@@ -86,22 +131,24 @@ Carry run_range(const std::shared_ptr<const Step>& step, const ScanSchedule& sch
       std::int64_t per = 1;
       if (schedule.kind == Kind::sqrt)
         while (per * per < n) ++per;
-      Carry h = carry;
-      for (std::int64_t i = a; i < b; i += per) h = checkpointed_range(step, ScanSchedule{}, i, std::min(b, i + per), 0, h);
-      return h;
+      for (std::int64_t i = a; i < b; i += per)
+        append(checkpointed_range<Carry, Y, Step>(step, ScanSchedule{}, i, std::min(b, i + per), 0, out.carry));
+      return out;
     }
     case Kind::binomial: {
       const std::int64_t m = binomial_split(n, snapshots);
-      Carry h = checkpointed_range(step, schedule, a, a + m, snapshots, carry);
-      return run_range(step, schedule, a + m, b, snapshots - 1, h);
+      append(checkpointed_range<Carry, Y, Step>(step, schedule, a, a + m, snapshots, carry));
+      append(run_range<Carry, Y, Step>(step, schedule, a + m, b, snapshots - 1, out.carry));
+      return out;
     }
   }
-  Carry h = carry;  // plain: every step's activations kept
-  for (std::int64_t i = a; i < b; ++i) {
+  for (std::int64_t i = a; i < b; ++i) {  // plain: every step's activations kept
     count_step_evaluation();
-    h = (*step)(i, h);
+    auto [h, y] = (*step)(i, out.carry);
+    out.carry = std::move(h);
+    out.ys.push_back(std::move(y));
   }
-  return h;
+  return out;
 }
 
 }  // namespace detail
@@ -111,8 +158,22 @@ Carry run_range(const std::shared_ptr<const Step>& step, const ScanSchedule& sch
 template <class Carry, class Step>
 Carry run_steps(std::int64_t steps, const Carry& carry, Step step, const ScanSchedule& schedule) {
   detail::check_schedule(schedule, steps);
+  auto with_no_y = [step = std::move(step)](std::int64_t i, const Carry& h) { return std::make_pair(step(i, h), std::tuple<>{}); };
+  using Wrapped = decltype(with_no_y);
+  auto shared = std::make_shared<const Wrapped>(std::move(with_no_y));
+  return detail::run_range<Carry, std::tuple<>, Wrapped>(shared, schedule, 0, steps, schedule.snapshots, carry).carry;
+}
+
+// (carry, y_i) = step(i, carry) for i = 0 .. steps - 1, checkpointed by `schedule`: the final carry
+// and the ys in step order. A checkpointed range of steps outputs its ys with its carry (they are
+// the scan's results, kept anyway) and saves only the carry it starts from.
+template <class Carry, class Step>
+auto run_steps_with_ys(std::int64_t steps, const Carry& carry, Step step, const ScanSchedule& schedule) {
+  using Y = typename std::decay_t<decltype(step(std::int64_t{0}, carry))>::second_type;
+  detail::check_schedule(schedule, steps);
   auto shared = std::make_shared<const Step>(std::move(step));
-  return detail::run_range<Carry, Step>(shared, schedule, 0, steps, schedule.snapshots, carry);
+  detail::RangeResult<Carry, Y> r = detail::run_range<Carry, Y, Step>(shared, schedule, 0, steps, schedule.snapshots, carry);
+  return std::make_pair(std::move(r.carry), std::move(r.ys));
 }
 
 }  // namespace linum::lift

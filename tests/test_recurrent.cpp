@@ -154,4 +154,31 @@ TEST_CASE("remat over time: gradients bitwise those of the plain RNN, with less 
   CHECK(bitwise_equal(g_plain, g_remat));
   MESSAGE("peak bytes of a training step over 64 steps: plain ", plain_peak, ", remat per step ", remat_peak);
   CHECK(remat_peak < plain_peak * 3 / 4);
+
+  // Schedules over time (sqrt(T) segments, or at most s carries with Revolve's fewest
+  // recomputations) give the plain gradients bitwise, reverse and seq_lengths included. (Their
+  // memory is measured by linum-bench rnn and, on a scan, by test_scan.)
+  for (bool reverse : {false, true}) {
+    const nn::RNN<nn::GRUCell> base{.cell = {.features = 64}, .reverse = reverse};
+    const Tree g_base = step(base, plain_peak);
+    for (const lift::ScanSchedule& schedule : {lift::ScanSchedule::sqrt_segments(), lift::ScanSchedule::binomial(4)}) {
+      CAPTURE(schedule.name());
+      CAPTURE(reverse);
+      nn::RNN<nn::GRUCell> scheduled = base;
+      scheduled.schedule = schedule;
+      std::int64_t peak = 0;
+      CHECK(bitwise_equal(step(scheduled, peak), g_base));
+      MESSAGE("schedule ", schedule.name(), ": peak bytes ", peak);
+    }
+  }
+  const Array lengths = Array::from_i32(Shape{16}, {64, 3, 17, 64, 1, 40, 8, 9, 10, 11, 12, 13, 14, 15, 16, 60});
+  auto with_lengths = [&](const nn::RNN<nn::GRUCell>& model) {
+    return grad([&](const Tree& p) {
+      const std::pair<Array, Array> out = apply(model, Tree{{"params", p}}, xs, nn::RNNOptions{.seq_lengths = lengths});
+      return mean(square(out.second)) + mean(out.first);
+    })(vars.at("params"));
+  };
+  nn::RNN<nn::GRUCell> binomial = plain;
+  binomial.schedule = lift::ScanSchedule::binomial(3);
+  CHECK(bitwise_equal(with_lengths(binomial), with_lengths(plain)));
 }

@@ -67,7 +67,14 @@ void add_into(Array& slot, Array g) {
       "arguments"));
 }
 
-// Post-order DFS from the roots; nodes for which `stop(node)` is true are neither entered nor emitted.
+// The nodes reachable from the roots in creation order (the sweep runs it backwards: the reverse of
+// the forward pass, as PyTorch's engine orders ready nodes by sequence number). Nodes for which
+// `stop(node)` is true are neither entered nor emitted. A node's inputs exist before it, so creation
+// order is topological; and it does not depend on which roots the sweep starts from, so a
+// recomputed block (a checkpoint's sub-sweep from its outputs) visits its nodes, and adds up each
+// gradient's contributions, in the same order as the plain graph's sweep -- what makes remat'd
+// gradients bitwise those of the plain model even when independent branches could run either way
+// (e.g. an RNN cell's input projection and its recurrent one).
 template <class Stop>
 std::vector<std::shared_ptr<Node>> topological_order(std::span<const Array> roots, std::uint64_t mark, Stop stop) {
   std::vector<std::shared_ptr<Node>> order;
@@ -94,6 +101,7 @@ std::vector<std::shared_ptr<Node>> topological_order(std::span<const Array> root
       }
     }
   }
+  std::sort(order.begin(), order.end(), [](const std::shared_ptr<Node>& a, const std::shared_ptr<Node>& b) { return a->id() < b->id(); });
   return order;
 }
 

@@ -126,7 +126,10 @@ struct RNNStep {
 // The cell's parameters are shared by every step and live under "cell" (RNN_0/cell/hi/kernel, as
 // Flax). `remat` checkpoints every time step (only the carries are kept; each step is recomputed in
 // the backward pass): the memory of a long sequence becomes one carry per step instead of every
-// gate's activations.
+// gate's activations. `schedule` checkpoints segments of time steps instead (lift/schedule.hpp):
+// sqrt_segments() keeps about 2 sqrt(T) carries (Chen et al.), binomial(s) at most s with the fewest
+// recomputations (Griewank's Revolve); the outputs ys are kept either way (they are the result).
+// Gradients are bitwise those without checkpointing.
 template <class Cell>
 struct RNN {
   Cell cell{};
@@ -134,6 +137,7 @@ struct RNN {
   bool reverse = false;
   bool keep_order = false;
   bool remat = false;
+  lift::ScanSchedule schedule{};
 
   Array operator()(Scope& s, const Array& inputs) const { return std::get<1>(run(s, inputs, {}, std::nullopt)); }
   Array operator()(Scope& s, const Array& inputs, const typename Cell::Carry& initial_carry) const {
@@ -173,6 +177,7 @@ struct RNN {
       scan.variable_broadcast = {"params"};
       scan.split_rngs = {{"params", false}};
       scan.reverse = reverse;
+      scan.schedule = schedule;
       return s("cell", scan, carry, lift::scanned(xs), lift::scanned(t), lengths);
     };
     std::pair<typename Cell::Carry, Array> out =

@@ -24,7 +24,7 @@
 //                    [--snapshots S]
 //       The deep MLP as one lift::scan under a checkpointing schedule (see scan_bench.cpp).
 //   linum-bench rnn [...]
-//       An LSTM over growing sequence lengths, with and without remat per time step (rnn_bench.cpp).
+//       An LSTM over growing sequence lengths: no remat, remat per time step, sqrt and binomial schedules (rnn_bench.cpp).
 //   linum-bench dp [...]
 //       The deep-MLP step data-parallel over an MPI job's ranks (see dp_bench.cpp).
 //   linum-bench ops [--iters N]

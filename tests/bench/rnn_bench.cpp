@@ -1,10 +1,13 @@
-// linum-bench rnn: an LSTM over sequences of growing length, trained with and without remat per
-// time step (nn::RNN{.remat = true}).
+// linum-bench rnn: an LSTM over sequences of growing length, trained without remat, with remat per
+// time step (nn::RNN{.remat = true}) and with checkpointing schedules over time
+// (nn::RNN{.schedule = sqrt_segments() / binomial(s)}).
 //
 //   linum-bench rnn [--lengths 64,256,1024] [--batch 32] [--features 256] [--inputs 64] [--steps 3]
+//                   [--snapshots 8]
 //
 // One JSON line per (length, remat): peak_activation_bytes (the exact accounting's peak of a
-// training step above what was alive before it, minus the gradients) and step_s_min.
+// training step above what was alive before it, minus the gradients), step_s_min and the step
+// evaluations the schedule made (forward + recomputations; the plain scan makes `length`).
 #include <linum/linum.hpp>
 
 #include <nlohmann/json.hpp>
@@ -27,23 +30,36 @@ int bench_rnn(const Flags& f) {
     for (std::string item; std::getline(in, item, ',');) lengths.push_back(std::stol(item));
   }
   const long B = f.get("batch", 32), H = f.get("features", 256), I = f.get("inputs", 64), steps = f.get("steps", 3);
+  const int snapshots = static_cast<int>(f.get("snapshots", 8));
+  struct Variant {
+    std::string name;
+    bool remat;
+    lift::ScanSchedule schedule;
+  };
+  const std::vector<Variant> variants{{"none", false, {}},
+                                      {"per_step", true, {}},
+                                      {"sqrt", false, lift::ScanSchedule::sqrt_segments()},
+                                      {"binomial_" + std::to_string(snapshots), false, lift::ScanSchedule::binomial(snapshots)}};
   for (long T : lengths) {
     const Array xs = random_normal(Shape{B, T, I}, 3u, 1.0f);
-    for (bool remat : {false, true}) {
-      const nn::RNN<nn::LSTMCell> rnn{.cell = {.features = H}, .remat = remat};
+    for (const Variant& v : variants) {
+      const nn::RNN<nn::LSTMCell> rnn{.cell = {.features = H}, .remat = v.remat, .schedule = v.schedule};
       const Tree params = init(rnn, rng::key(0), xs).at("params");
       auto loss = [&](const Tree& p) { return mean(square(apply(rnn, Tree{{"params", p}}, xs))); };
       double best = 1e30;
-      std::int64_t peak = 0;
+      std::int64_t peak = 0, evaluations = 0;
       for (long s = 0; s < steps; ++s) {
+        lift::reset_step_evaluations();
         memory::PeakScope scope;
         const auto start = std::chrono::steady_clock::now();
         Tree g = grad(loss)(params);
         best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
         peak = scope.peak_growth() - byte_count(g);
+        evaluations = lift::step_evaluations();
       }
       const nlohmann::json out = {{"bench", "rnn"}, {"cell", "LSTMCell"}, {"length", T}, {"batch", B},
-                                  {"features", H}, {"inputs", I}, {"remat", remat ? "per_step" : "none"},
+                                  {"features", H}, {"inputs", I}, {"remat", v.name},
+                                  {"step_evaluations", v.schedule.kind == lift::ScanSchedule::Kind::none ? T : evaluations},
                                   {"peak_activation_bytes", peak}, {"step_s_min", best}};
       std::cout << out.dump() << std::endl;
     }
