@@ -317,13 +317,25 @@ class CheckpointNode final : public Node {
     std::vector<autodiff::Boundary> boundaries;
     boundaries.reserve(inputs().size());
     for (const autodiff::Edge& e : inputs()) boundaries.push_back({e.node.get(), e.index});
-    // Each contribution the block made to an outer value is passed on separately, so the outer
-    // sweep sums them in the order the plain graph would (bitwise equal gradients for a value
-    // used both inside and outside the block).
-    std::vector<std::vector<Array>> grads = autodiff::backward_to_each(std::move(roots), std::move(cts), boundaries);
-    for (std::size_t k = 0; k < grads.size(); ++k)
-      if (c.needs(k))
-        for (Array& g : grads[k]) c.add_separately(k, std::move(g));
+    // The block's contributions to an outer value continue the enclosing sweep's running sum of
+    // its gradient, in the block's own order: the sum the plain graph computes, bit for bit (for a
+    // value used both inside and outside the block too), holding one array per input however many
+    // steps the block spans. (An input listed twice shares its running sum: boundary lookups find
+    // its first position.)
+    std::vector<Array*> sums(inputs().size(), nullptr);
+    std::vector<Array> running(inputs().size());
+    for (std::size_t k = 0; k < inputs().size(); ++k) {
+      if (std::find(boundaries.begin(), boundaries.begin() + static_cast<std::ptrdiff_t>(k), boundaries[k]) !=
+          boundaries.begin() + static_cast<std::ptrdiff_t>(k))
+        continue;  // a repeated input: its first position holds the sum
+      sums[k] = c.accumulator(k);
+      if (sums[k] != nullptr) running[k] = std::exchange(*sums[k], Array());
+    }
+    running = autodiff::backward_into(std::move(roots), std::move(cts), boundaries, std::move(running));
+    for (std::size_t k = 0; k < running.size(); ++k) {
+      if (sums[k] != nullptr) *sums[k] = std::move(running[k]);
+      else if (c.needs(k) && running[k].defined()) c.set(k, std::move(running[k]));
+    }
   }
 
   void release() override {

@@ -105,14 +105,14 @@ std::vector<std::shared_ptr<Node>> topological_order(std::span<const Array> root
   return order;
 }
 
-// Runs the sweep over `order` (reverse). `deliver(edge, grad)` returns true when it consumed a
-// cotangent for an edge (a boundary); otherwise the cotangent accumulates in the target node.
-template <class Deliver, class AfterNode>
-void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, Deliver deliver, AfterNode after_node) {
+// Runs the sweep over `order` (reverse). `slot(edge)` is where a cotangent for that edge
+// accumulates: the target node's gradient, a boundary's running sum, or null (dropped).
+template <class AfterNode>
+void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, const Cotangents::Accumulators& slot,
+               AfterNode after_node) {
   NoGradGuard no_grad;  // backward rules compute with constants
   linum::detail::PhaseScope phase(linum::detail::Phase::backward);
   std::vector<Array> in_grads;
-  std::vector<std::pair<std::size_t, Array>> more;
   for (auto it = order.rbegin(); it != order.rend(); ++it) {
     Node* node = it->get();
     if (node->is_leaf()) continue;
@@ -122,14 +122,13 @@ void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, Del
     auto& inputs = SweepAccess::inputs(node);
     if (any) {
       in_grads.assign(inputs.size(), Array());
-      more.clear();
-      Cotangents c(grads, in_grads, inputs, &more);
+      Cotangents c(grads, in_grads, inputs, &slot);
       node->backward(c);
-      // Each cotangent goes to its input's node (or out through a boundary), the extra ones a rule
-      // gave separately after it, in order.
-      auto pass_on = [&](std::size_t k, Array g) {
+      // Each cotangent goes to its input's node (or out through a boundary).
+      for (std::size_t k = 0; k < inputs.size(); ++k) {
+        Array g = std::move(in_grads[k]);
         const Edge& e = inputs[k];
-        if (e.node == nullptr || !g.defined()) return;
+        if (e.node == nullptr || !g.defined()) continue;
         if (linum::detail::debug_checks_on()) linum::detail::check_finite(g, node->op(), static_cast<int>(k), {});
         Node* target = e.node.get();
         const Shape& want = target->output_shapes()[e.index];
@@ -137,16 +136,7 @@ void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, Del
           throw AutodiffError(linum::detail::cat("backward rule of op '", node->op(), "' produced a gradient of shape ",
                                           g.shape(), " for input ", k, " of shape ", want,
                                           " (a bug in that op's rule; please report it)"));
-        g = in_dtype(std::move(g), target->output_dtype(e.index));
-        if (deliver(e, g)) return;
-        auto& target_grads = SweepAccess::grads(target);
-        target_grads.resize(target->num_outputs());
-        add_into(target_grads[e.index], std::move(g));
-      };
-      for (std::size_t k = 0; k < inputs.size(); ++k) {
-        pass_on(k, std::move(in_grads[k]));
-        for (auto& [i, g] : more)
-          if (i == k) pass_on(k, std::move(g));
+        if (Array* sum = slot(e)) add_into(*sum, in_dtype(std::move(g), target->output_dtype(e.index)));
       }
       in_grads.clear();
     }
@@ -164,9 +154,15 @@ void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, Del
   }
 }
 
-template <class Deliver>
-void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, Deliver deliver) {
-  run_sweep(order, retain_graph, deliver, [](std::size_t) {});
+// The gradient slot of an edge in a sweep of the whole graph: its target node's.
+Array* node_slot(const Edge& e) {
+  auto& grads = SweepAccess::grads(e.node.get());
+  grads.resize(e.node->num_outputs());
+  return &grads[e.index];
+}
+
+void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, const Cotangents::Accumulators& slot) {
+  run_sweep(order, retain_graph, slot, [](std::size_t) {});
 }
 
 thread_local LeafGradientListener* t_leaf_listener = nullptr;
@@ -274,7 +270,7 @@ void backward(std::span<const Array> roots, std::span<const Array> cotangents, b
   seed(roots, cotangents);
   LeafGradientListener* listener = t_leaf_listener;
   if (listener == nullptr) {
-    run_sweep(order, retain_graph, [](const Edge&, Array&) { return false; });
+    run_sweep(order, retain_graph, node_slot);
     return;
   }
   // A leaf's gradient is final once its last consumer in the sweep (the one with the lowest
@@ -287,7 +283,7 @@ void backward(std::span<const Array> roots, std::span<const Array> cotangents, b
   for (const auto& [leaf, i] : last_consumer) final_after[i].push_back(leaf);
   for (auto& leaves : final_after)  // a fixed order for leaves made final by the same node
     std::sort(leaves.begin(), leaves.end(), [](const Node* a, const Node* b) { return a->id() < b->id(); });
-  run_sweep(order, retain_graph, [](const Edge&, Array&) { return false; }, [&](std::size_t i) {
+  run_sweep(order, retain_graph, node_slot, [&](std::size_t i) {
     for (const Node* leaf : final_after[i]) {
       auto& grads = SweepAccess::grads(const_cast<Node*>(leaf));
       if (!grads.empty() && grads[0].defined()) listener->on_leaf_gradient(leaf, grads[0]);
@@ -308,23 +304,26 @@ std::vector<Array> backward_to(std::span<const Array> roots, std::span<const Arr
   return backward_to(std::move(edges), std::vector<Array>(cotangents.begin(), cotangents.end()), boundaries);
 }
 
-std::vector<std::vector<Array>> backward_to_each(std::vector<Edge> roots, std::vector<Array> cotangents,
-                                                 std::span<const Boundary> boundaries) {
+std::vector<Array> backward_into(std::vector<Edge> roots, std::vector<Array> cotangents, std::span<const Boundary> boundaries,
+                                 std::vector<Array> sums) {
   if (roots.size() != cotangents.size())
     throw AutodiffError(linum::detail::cat("backward: ", roots.size(), " roots but ", cotangents.size(), " cotangents"));
   std::unordered_set<const Node*> stop_nodes;
   for (const Boundary& b : boundaries) stop_nodes.insert(b.node);
-  std::vector<std::vector<Array>> out(boundaries.size());
+  sums.resize(boundaries.size());
+  auto boundary_sum = [&](Node* node, std::uint32_t index) -> Array* {
+    const Boundary here{node, index};
+    auto b = std::find(boundaries.begin(), boundaries.end(), here);
+    return b == boundaries.end() ? nullptr : &sums[static_cast<std::size_t>(b - boundaries.begin())];
+  };
   // Roots that are boundaries themselves (an input passed straight through) go straight out; the
   // others are seeded into their nodes.
   std::vector<Array> inner;  // hollow arrays carrying only the root nodes, for the traversal
   for (std::size_t i = 0; i < roots.size(); ++i) {
     Node* n = roots[i].node.get();
     if (n == nullptr || !cotangents[i].defined()) continue;
-    const Boundary here{n, roots[i].index};
-    if (auto b = std::find(boundaries.begin(), boundaries.end(), here); b != boundaries.end()) {
-      out[static_cast<std::size_t>(b - boundaries.begin())].push_back(
-          in_dtype(std::move(cotangents[i]), n->output_dtype(roots[i].index)).detached());
+    if (Array* sum = boundary_sum(n, roots[i].index)) {
+      add_into(*sum, in_dtype(std::move(cotangents[i]), n->output_dtype(roots[i].index)).detached());
       continue;
     }
     if (n->released()) throw_released(n);
@@ -343,23 +342,18 @@ std::vector<std::vector<Array>> backward_to_each(std::vector<Edge> roots, std::v
   const std::uint64_t mark = ++g_sweep_counter;
   auto order = topological_order(inner, mark, [&](Node* n) { return stop_nodes.count(n) > 0; });
   inner.clear();
-  run_sweep(order, /*retain_graph=*/false, [&](const Edge& e, Array& g) {
-    if (!stop_nodes.count(e.node.get())) return false;
-    const Boundary here{e.node.get(), e.index};
-    auto b = std::find(boundaries.begin(), boundaries.end(), here);
-    if (b != boundaries.end()) out[static_cast<std::size_t>(b - boundaries.begin())].push_back(std::move(g).detached());
-    return true;
+  run_sweep(order, /*retain_graph=*/false, [&](const Edge& e) -> Array* {
+    if (!stop_nodes.count(e.node.get())) return node_slot(e);
+    return boundary_sum(e.node.get(), e.index);
   });
-  return out;
+  for (Array& sum : sums)
+    if (sum.defined()) sum = std::move(sum).detached();
+  return sums;
 }
 
 std::vector<Array> backward_to(std::vector<Edge> roots, std::vector<Array> cotangents,
                                std::span<const Boundary> boundaries) {
-  std::vector<std::vector<Array>> each = backward_to_each(std::move(roots), std::move(cotangents), boundaries);
-  std::vector<Array> out(each.size());
-  for (std::size_t b = 0; b < each.size(); ++b)
-    for (Array& g : each[b]) add_into(out[b], std::move(g));
-  return out;
+  return backward_into(std::move(roots), std::move(cotangents), boundaries, {});
 }
 
 std::vector<Edge> external_inputs(std::span<const Array> roots, std::uint64_t first_id) {

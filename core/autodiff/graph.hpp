@@ -25,6 +25,7 @@
 #include <atomic>
 #include <cstdint>
 #include <initializer_list>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <utility>
@@ -66,9 +67,11 @@ struct Edge {
 // What a backward rule sees: the cotangents of the node's outputs, and slots for its inputs.
 class Cotangents {
  public:
+  // Where the gradient of an edge accumulates in the running sweep (null: nowhere, it is dropped).
+  using Accumulators = std::function<Array*(const Edge&)>;
   Cotangents(std::span<Array> outs, std::span<Array> ins, std::span<const Edge> edges,
-             std::vector<std::pair<std::size_t, Array>>* more = nullptr)
-      : outs_(outs), ins_(ins), edges_(edges), more_(more) {}
+             const Accumulators* accumulators = nullptr)
+      : outs_(outs), ins_(ins), edges_(edges), accumulators_(accumulators) {}
   // Cotangent of output i. For single-output nodes it is always defined; for multi-output nodes an
   // output that received no gradient is undefined (check `.defined()`).
   const Array& out(std::size_t i = 0) const { return outs_[i]; }
@@ -76,17 +79,12 @@ class Cotangents {
   // Whether input i needs a gradient (its producer is recorded). Rules skip the others.
   bool needs(std::size_t i) const { return edges_[i].node != nullptr; }
   void set(std::size_t i, Array g) { ins_[i] = std::move(g); }
-  // Gives input i one more cotangent, accumulated after the ones given before, in order (a
-  // checkpoint passes on each contribution its block made to an outer value separately, so they
-  // are summed in the order the plain graph sums them).
-  void add_separately(std::size_t i, Array g) {
-    if (!ins_[i].defined()) {
-      ins_[i] = std::move(g);
-      return;
-    }
-    if (more_ == nullptr)
-      throw std::logic_error("Cotangents::add_separately: this sweep does not take several cotangents per input");
-    more_->emplace_back(i, std::move(g));
+  // The running sum of input i's gradient in the enclosing sweep (what the consumers processed so
+  // far gave it), or null. A checkpoint continues that sum inside its recomputed block, adding each
+  // contribution where the plain graph adds it: bitwise the plain gradient, and one array per input
+  // instead of one per contribution.
+  Array* accumulator(std::size_t i) const {
+    return accumulators_ != nullptr && needs(i) ? (*accumulators_)(edges_[i]) : nullptr;
   }
   // Moves the cotangent of output i out (for rules that want to free it as early as possible).
   Array take_out(std::size_t i) { return std::exchange(outs_[i], Array()); }
@@ -95,7 +93,7 @@ class Cotangents {
   std::span<Array> outs_;
   std::span<Array> ins_;
   std::span<const Edge> edges_;
-  std::vector<std::pair<std::size_t, Array>>* more_;
+  const Accumulators* accumulators_;
 };
 
 class Node {
@@ -286,10 +284,11 @@ std::vector<Array> backward_to(std::span<const Array> roots, std::span<const Arr
 // alive during the sweep. The cotangents are consumed (freed as soon as the sweep has used them).
 std::vector<Array> backward_to(std::vector<Edge> roots, std::vector<Array> cotangents,
                                std::span<const Boundary> boundaries);
-// The same, returning every cotangent that reached each boundary separately, in the order the
-// sweep produced them (unsummed), so a caller can pass them on to be summed in the plain order.
-std::vector<std::vector<Array>> backward_to_each(std::vector<Edge> roots, std::vector<Array> cotangents,
-                                                 std::span<const Boundary> boundaries);
+// The same, continuing given running sums: the cotangents reaching boundary b are added, in sweep
+// order, to sums[b] (undefined: none yet), which is returned. A checkpoint passes the enclosing
+// sweep's running sums of its inputs' gradients, so they are summed in the plain graph's order.
+std::vector<Array> backward_into(std::vector<Edge> roots, std::vector<Array> cotangents, std::span<const Boundary> boundaries,
+                                 std::vector<Array> sums);
 
 // The edges from the graph reachable from `roots` (nodes with id >= first_id) into older nodes:
 // the values a block of ops computed after `first_id` read from outside, deduplicated, in first-seen
