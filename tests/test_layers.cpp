@@ -885,3 +885,126 @@ TEST_CASE("pooling modules are the pooling ops as layers, usable in Sequential")
   const Tree vars = init(net, rng::key(0), x);
   CHECK(apply(net, vars, x).shape() == Shape{2, 3, 3, 4});
 }
+
+namespace {
+
+// lax.conv_transpose written as a scatter in double precision: input element (i, j) lands on the
+// stride-dilated, padded grid at (i * s + pad_lo), and output (p, q) correlates the kernel there.
+std::vector<double> conv_transpose_ref(const Array& x, const Array& k, std::array<int, 2> s, std::array<int, 4> pad,
+                                       std::array<int, 2> d, Shape* out_shape) {
+  const int N = int(x.dim(0)), H = int(x.dim(1)), W = int(x.dim(2)), C = int(x.dim(3));
+  const int KH = int(k.dim(0)), KW = int(k.dim(1)), O = int(k.dim(3));
+  const int OH = (H - 1) * s[0] + 1 + pad[0] + pad[1] - ((KH - 1) * d[0] + 1) + 1;
+  const int OW = (W - 1) * s[1] + 1 + pad[2] + pad[3] - ((KW - 1) * d[1] + 1) + 1;
+  *out_shape = Shape{N, OH, OW, O};
+  std::vector<double> y(static_cast<std::size_t>(N) * OH * OW * O, 0.0);
+  const std::vector<float> xv = x.to_vector(), kv = k.to_vector();
+  for (int n = 0; n < N; ++n)
+    for (int i = 0; i < H; ++i)
+      for (int j = 0; j < W; ++j)
+        for (int kh = 0; kh < KH; ++kh)
+          for (int kw = 0; kw < KW; ++kw) {
+            const int p = i * s[0] + pad[0] - kh * d[0], q = j * s[1] + pad[2] - kw * d[1];
+            if (p < 0 || p >= OH || q < 0 || q >= OW) continue;
+            for (int c = 0; c < C; ++c)
+              for (int o = 0; o < O; ++o)
+                y[((static_cast<std::size_t>(n) * OH + p) * OW + q) * O + o] +=
+                    double(xv[((static_cast<std::size_t>(n) * H + i) * W + j) * C + c]) *
+                    double(kv[((static_cast<std::size_t>(kh) * KW + kw) * C + c) * O + o]);
+          }
+  return y;
+}
+
+}  // namespace
+
+TEST_CASE("ConvTranspose: lax.conv_transpose's shapes and values for SAME/VALID/explicit padding, strides, dilation") {
+  const Array x = random_array(Shape{2, 4, 5, 3}, 41);
+  struct Case {
+    nn::ConvTranspose layer;
+    std::array<int, 4> pad;  // lax's padding of the dilated input for this case
+    Shape out;
+  };
+  const std::vector<Case> cases{
+      // SAME: in * stride. k = 3, s = 2: pad_len 3, low ceil(3 / 2) = 2.
+      {nn::ConvTranspose{.features = 6, .kernel_size = {3, 3}, .strides = {2, 2}}, {2, 1, 2, 1}, Shape{2, 8, 10, 6}},
+      // VALID: in * stride + max(k - s, 0); low k - 1.
+      {nn::ConvTranspose{.features = 6, .kernel_size = {3, 3}, .strides = {2, 2}, .padding = "VALID"}, {2, 2, 2, 2}, Shape{2, 9, 11, 6}},
+      // SAME with s > k - 1: low k - 1 = 1, high s - 1 = 2.
+      {nn::ConvTranspose{.features = 6, .kernel_size = {2, 2}, .strides = {3, 3}}, {1, 2, 1, 2}, Shape{2, 12, 15, 6}},
+      // stride 1 SAME is a SAME convolution.
+      {nn::ConvTranspose{.features = 6, .kernel_size = {3, 3}}, {1, 1, 1, 1}, Shape{2, 4, 5, 6}},
+      // explicit pairs pad the dilated input as given.
+      {nn::ConvTranspose{.features = 6, .kernel_size = {3, 2}, .strides = {2, 1}, .padding = {{1, 2}, {0, 1}}}, {1, 2, 0, 1}, Shape{2, 8, 5, 6}},
+      // kernel dilation 2: k = 5 effective, s = 2: pad_len 5, low 3.
+      {nn::ConvTranspose{.features = 6, .kernel_size = {3, 3}, .strides = {2, 2}, .kernel_dilation = {2}}, {3, 2, 3, 2}, Shape{2, 8, 10, 6}},
+  };
+  for (const auto& c : cases) {
+    const Shape ks{c.layer.kernel_size[0], c.layer.kernel_size[1], 3, 6};
+    Tree p = init(c.layer, rng::key(0), x);
+    CHECK(shape_at(p, "params/kernel") == ks);
+    CHECK(shape_at(p, "params/bias") == Shape{6});
+    const Array k = random_array(ks, 42), b = random_array(Shape{6}, 43);
+    const Array y = apply(c.layer, params({{"kernel", k}, {"bias", b}}), x);
+    const std::array<int, 2> s = c.layer.strides.empty() ? std::array<int, 2>{1, 1}
+                                                         : std::array<int, 2>{int(c.layer.strides[0]), int(c.layer.strides[1])};
+    const int d = c.layer.kernel_dilation.empty() ? 1 : int(c.layer.kernel_dilation[0]);
+    Shape want_shape;
+    std::vector<double> want = conv_transpose_ref(x, k, s, c.pad, {d, d}, &want_shape);
+    for (std::size_t i = 0; i < want.size(); ++i) want[i] += b.data()[i % 6];
+    CHECK(want_shape == c.out);
+    CHECK(y.shape() == c.out);
+    check_close(y, want, 1e-4);
+  }
+}
+
+TEST_CASE("ConvTranspose with transpose_kernel is the gradient of the strided convolution; gradients; 1-D; errors") {
+  // transpose_kernel: the kernel is the forward convolution's HWIO kernel (here 5 -> 4 channels),
+  // and the layer computes that convolution's input gradient (VALID, stride 2: 7x7 <-> 3x3).
+  const Array w = random_array(Shape{3, 3, 5, 4}, 44);
+  const Array x = random_array(Shape{2, 3, 3, 4}, 45);
+  const nn::ConvTranspose up{.features = 5, .kernel_size = {3, 3}, .strides = {2, 2}, .padding = "VALID", .use_bias = false,
+                             .transpose_kernel = true};
+  CHECK(shape_at(init(up, rng::key(0), x), "params/kernel") == Shape{3, 3, 5, 4});
+  const Array y = apply(up, params({{"kernel", w}}), x);
+  auto [z_out, pullback] = vjp([&](const Array& z) { return conv2d(z, w, {.strides = {2, 2}, .padding = Padding::valid()}); },
+                               Array::zeros(Shape{2, 7, 7, 5}));
+  CHECK(z_out.shape() == x.shape());
+  const Array dz = pullback(x);
+  CHECK(y.shape() == dz.shape());
+  check_close(y, as_double(dz), 1e-5);
+
+  check_gradients("conv_transpose2d", [](const std::vector<Array>& in) {
+    return conv_transpose2d(in[0], in[1], {.strides = {2, 2}, .padding = Padding::same(), .dilation = {1, 2}});
+  }, {random_array(Shape{1, 3, 2, 2}, 46), random_array(Shape{2, 3, 2, 3}, 47)});
+  check_gradients("conv_transpose2d(transpose_kernel)", [](const std::vector<Array>& in) {
+    return conv_transpose2d(in[0], in[1], {.strides = {2, 1}, .padding = Padding::valid(), .transpose_kernel = true});
+  }, {random_array(Shape{1, 2, 3, 2}, 48), random_array(Shape{2, 2, 3, 2}, 49)});
+
+  // 1-D sequences [N, L, C] and an unbatched image.
+  const nn::ConvTranspose seq{.features = 2, .kernel_size = {4}, .strides = {2}};
+  const Array xs = random_array(Shape{3, 6, 2}, 50);
+  const Tree sv = init(seq, rng::key(1), xs);
+  CHECK(shape_at(sv, "params/kernel") == Shape{4, 2, 2});
+  const Array ys = apply(seq, sv, xs);
+  CHECK(ys.shape() == Shape{3, 12, 2});
+  const Array as_image = apply(nn::ConvTranspose{.features = 2, .kernel_size = {1, 4}, .strides = {1, 2}},
+                               params({{"kernel", reshape(sv.at_path("params/kernel").array(), {1, 4, 2, 2})},
+                                       {"bias", sv.at_path("params/bias").array()}}),
+                               reshape(xs, {3, 1, 6, 2}));
+  CHECK(ys.bitwise_equal(reshape(as_image, {3, 12, 2})));
+  CHECK(apply(up, params({{"kernel", w}}), random_array(Shape{3, 3, 4}, 51)).shape() == Shape{7, 7, 5});
+
+  auto error = [](auto f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  CHECK(error([&] { init(nn::ConvTranspose{.features = 2, .kernel_size = {3, 3}, .padding = "CIRCULAR"}, rng::key(0), x); })
+            .find("CIRCULAR is not supported") != std::string::npos);
+  CHECK(error([&] { init(nn::ConvTranspose{.features = 0, .kernel_size = {3, 3}}, rng::key(0), x); }).find("features must be positive") !=
+        std::string::npos);
+  CHECK(error([&] { conv_transpose2d(x, random_array(Shape{3, 3, 5, 4}, 1)); }).find("takes 5 input channels") != std::string::npos);
+}

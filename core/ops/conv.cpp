@@ -5,6 +5,7 @@
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/threading.hpp>
 #include <linum/core/ops/conv.hpp>
+#include <linum/core/ops/shape_ops.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/autodiff/hooks.hpp>
 #include <linum/core/ops/gemm.hpp>
@@ -253,6 +254,49 @@ Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
     });
   }
   return y;
+}
+
+Array conv_transpose2d(const Array& x, const Array& w, const ConvTransposeOptions& o) {
+  if (x.rank() != 4 || w.rank() != 4)
+    throw ShapeError(detail::cat("conv_transpose2d: needs x [N, H, W, C] and w [KH, KW, C, O], got x ", x.shape(), " and w ",
+                                 w.shape()));
+  for (int a = 0; a < 2; ++a)
+    if (o.strides[static_cast<std::size_t>(a)] < 1 || o.dilation[static_cast<std::size_t>(a)] < 1)
+      throw ShapeError(detail::cat("conv_transpose2d: strides and dilation must be >= 1, got strides (", o.strides[0], ", ",
+                                   o.strides[1], ") and dilation (", o.dilation[0], ", ", o.dilation[1], ")"));
+  Array kernel = w;
+  if (o.transpose_kernel) kernel = transpose(flip(w, {0, 1}), {0, 1, 3, 2});
+  if (kernel.dim(2) != x.dim(3))
+    throw ShapeError(detail::cat("conv_transpose2d: the kernel ", w.shape(), o.transpose_kernel ? " (transposed)" : "",
+                                 " takes ", kernel.dim(2), " input channels but x ", x.shape(), " has ", x.dim(3)));
+  // lax's padding of the dilated input, per spatial axis, for the dilated kernel size k.
+  std::array<std::pair<std::int64_t, std::int64_t>, 2> pads{};
+  for (int a = 0; a < 2; ++a) {
+    const auto i = static_cast<std::size_t>(a);
+    const std::int64_t k = (kernel.dim(a) - 1) * o.dilation[i] + 1, s = o.strides[i];
+    switch (o.padding.kind) {
+      case Padding::Kind::same: {
+        const std::int64_t len = k + s - 2;
+        const std::int64_t lo = s > k - 1 ? k - 1 : (len + 1) / 2;
+        pads[i] = {lo, len - lo};
+        break;
+      }
+      case Padding::Kind::valid: {
+        const std::int64_t len = k + s - 2 + std::max<std::int64_t>(k - s, 0);
+        pads[i] = {k - 1, len - (k - 1)};
+        break;
+      }
+      case Padding::Kind::explicit_pairs:
+        pads[i] = o.padding.pairs[i];
+        break;
+    }
+  }
+  const Array dilated = o.strides[0] == 1 && o.strides[1] == 1 ? x : dilate(x, {1, o.strides[0], o.strides[1], 1});
+  ConvOptions conv;
+  conv.strides = {1, 1};
+  conv.padding = Padding::explicit_pads(pads[0].first, pads[0].second, pads[1].first, pads[1].second);
+  conv.dilation = o.dilation;
+  return conv2d(dilated, kernel, conv);
 }
 
 }  // namespace linum

@@ -33,6 +33,22 @@ struct ConvOptions {
 // y[n, oh, ow, o] = sum over the window and the group's input channels of x * w.
 Array conv2d(const Array& x, const Array& w, const ConvOptions& options = {});
 
+struct ConvTransposeOptions {
+  std::array<std::int64_t, 2> strides{1, 1};  // the upsampling factor
+  // SAME (output size in * stride), VALID (in * stride + max(k - stride, 0)), or explicit (low,
+  // high) padding of the stride-dilated input, as lax.conv_transpose.
+  Padding padding = Padding::same();
+  std::array<std::int64_t, 2> dilation{1, 1};  // kernel dilation
+  // Flip the kernel spatially and swap its I/O axes: the kernel [KH, KW, O, I] of the forward
+  // convolution this one is the gradient of (lax.conv_transpose's transpose_kernel).
+  bool transpose_kernel = false;
+};
+
+// lax.conv_transpose with NHWC/HWIO layouts: the input dilated by the strides (stride - 1 zeros
+// between neighbours), padded, and convolved with stride 1. Kernel [KH, KW, C, O] ([KH, KW, O, C]
+// with transpose_kernel). Differentiable in both arguments (it is made of differentiable ops).
+Array conv_transpose2d(const Array& x, const Array& w, const ConvTransposeOptions& options = {});
+
 struct PoolOptions {
   std::array<std::int64_t, 2> window{2, 2};
   std::array<std::int64_t, 2> strides{1, 1};  // Flax's default; pass the window for non-overlapping pools

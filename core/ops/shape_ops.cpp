@@ -414,4 +414,47 @@ Array squeeze(const Array& x, const std::vector<int>& axes_in) {
   return reshape(x, d);
 }
 
+Array flip(const Array& x, const std::vector<int>& axes_in) {
+  ops::detail::require_defined(x, "flip");
+  const std::vector<int> axes = ops::detail::normalize_axes(axes_in, x.rank(), "flip");
+  Strides s{};
+  std::int64_t base = 0;
+  const auto xs = x.shape().strides();
+  for (int i = 0; i < x.rank(); ++i) {
+    const bool flipped = std::find(axes.begin(), axes.end(), i) != axes.end();
+    s[i] = flipped ? -xs[i] : xs[i];
+    if (flipped && x.shape()[i] > 0) base += (x.shape()[i] - 1) * xs[i];
+  }
+  Array y = gather(x, x.shape(), s, base);
+  if (needs_grad(x))
+    record("flip", y, {&x}, {}, [axes](Cotangents& c, autodiff::Saved) {
+      c.set(0, flip(c.out(), std::vector<int>(axes.begin(), axes.end())));  // its own inverse
+    });
+  return y;
+}
+
+Array dilate(const Array& x, const std::vector<std::int64_t>& factors) {
+  ops::detail::require_defined(x, "dilate");
+  if (static_cast<int>(factors.size()) != x.rank())
+    throw ShapeError(detail::cat("dilate: ", factors.size(), " factors for an array of shape ", x.shape(),
+                                 "; give one factor per axis (1 leaves an axis alone)"));
+  Shape out;
+  for (int i = 0; i < x.rank(); ++i) {
+    if (factors[static_cast<std::size_t>(i)] < 1)
+      throw ShapeError(detail::cat("dilate: factor ", factors[static_cast<std::size_t>(i)], " for axis ", i, " must be >= 1"));
+    const std::int64_t d = x.shape()[i];
+    out.push_back(d == 0 ? 0 : (d - 1) * factors[static_cast<std::size_t>(i)] + 1);
+  }
+  Strides s{};
+  const auto ys = out.strides();
+  for (int i = 0; i < x.rank(); ++i) s[i] = ys[i] * factors[static_cast<std::size_t>(i)];
+  Array y = Array::zeros(out, x.dtype());
+  if (x.numel() > 0) strided_scatter(y, x, s, 0);
+  if (needs_grad(x))
+    record("dilate", y, {&x}, {}, [xshape = x.shape(), s](Cotangents& c, autodiff::Saved) {
+      c.set(0, gather(c.out(), xshape, s, 0));  // the cotangent at the elements x was placed on
+    });
+  return y;
+}
+
 }  // namespace linum

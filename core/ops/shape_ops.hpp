@@ -36,5 +36,11 @@ Array broadcast_to(const Array& x, const Shape& shape);
 Array expand_dims(const Array& x, int axis);
 // Removes the given size-1 axes (all size-1 axes when `axes` is empty).
 Array squeeze(const Array& x, const std::vector<int>& axes = {});
+// Reverses the order of elements along the given axes (jnp.flip).
+Array flip(const Array& x, const std::vector<int>& axes);
+// Inserts factor - 1 zeros between neighbouring elements along each axis (one factor per axis,
+// each >= 1): an axis of size d becomes (d - 1) * factor + 1. lax.pad's interior padding, the
+// input dilation of a transposed convolution.
+Array dilate(const Array& x, const std::vector<std::int64_t>& factors);
 
 }  // namespace linum

@@ -7,15 +7,48 @@ namespace linum::nn {
 namespace {
 
 // Flax's maybe_broadcast: empty -> 1 on every axis, one value -> that value on every axis.
-std::vector<std::int64_t> per_axis(const std::vector<std::int64_t>& v, std::size_t n, const char* field) {
+std::vector<std::int64_t> per_axis(const std::vector<std::int64_t>& v, std::size_t n, const char* field,
+                                   const char* layer = "Conv") {
   if (v.empty()) return std::vector<std::int64_t>(n, 1);
-  if (v.size() == 1) return std::vector<std::int64_t>(n, v[0]);
-  if (v.size() != n)
-    throw ValueError(detail::cat("Conv: ", field, " has ", v.size(), " values but the kernel has ", n,
+  std::vector<std::int64_t> out = v.size() == 1 ? std::vector<std::int64_t>(n, v[0]) : v;
+  if (out.size() != n)
+    throw ValueError(detail::cat(layer, ": ", field, " has ", v.size(), " values but the kernel has ", n,
                                  " spatial axes; give one value per axis or a single value"));
-  for (std::int64_t x : v)
-    if (x <= 0) throw ValueError(detail::cat("Conv: ", field, " values must be positive"));
-  return v;
+  for (std::int64_t x : out)
+    if (x <= 0) throw ValueError(detail::cat(layer, ": ", field, " values must be positive, got ", x));
+  return out;
+}
+
+// Reshapes x to exactly one batch axis before `spatial` spatial axes and the channels (Flax adds
+// one for an unbatched input and flattens several); returns the number of batch axes it had.
+int flatten_batch_axes(const Array& x_in, std::size_t spatial, const char* layer, Array& x) {
+  const int want = static_cast<int>(spatial) + 2;  // [N, spatial..., C]
+  const char* layout = spatial == 2 ? "NHWC [N, H, W, C]" : "NWC [N, L, C]";
+  if (x_in.rank() < want - 1)
+    throw ShapeError(detail::cat(layer, ": input of shape ", x_in.shape(), " has rank ", x_in.rank(), "; a ", spatial,
+                                 "-D convolution needs ", layout, " (or one example without the batch axis); "
+                                 "add the missing axes with reshape, e.g. reshape(x, {N, H, W, 1}) for a batch of "
+                                 "single-channel images"));
+  if (!is_floating(x_in.dtype()))
+    throw ShapeError(detail::cat(layer, ": input must be float32 or bfloat16, got ", dtype_name(x_in.dtype()),
+                                 "; convert with astype(x, DType::f32)"));
+  const int batch_axes = x_in.rank() - (want - 1);
+  x = x_in;
+  if (batch_axes != 1) {
+    std::vector<std::int64_t> flat{-1};
+    for (int a = batch_axes; a < x_in.rank(); ++a) flat.push_back(x_in.dim(a));
+    x = reshape(x_in, flat);
+  }
+  return batch_axes;
+}
+
+// The output with the input's batch axes back.
+Array restore_batch_axes(const Array& y, const Array& x_in, int batch_axes) {
+  if (batch_axes == 1) return y;
+  std::vector<std::int64_t> out;
+  for (int a = 0; a < batch_axes; ++a) out.push_back(x_in.dim(a));
+  for (int a = 1; a < y.rank(); ++a) out.push_back(y.dim(a));
+  return reshape(y, out);
 }
 
 }  // namespace
@@ -30,26 +63,9 @@ Array Conv::operator()(Scope& s, const Array& x_in) const {
                                  "; e.g. .kernel_size = {3, 3}"));
   for (std::int64_t k : kernel_size)
     if (k <= 0) throw ValueError("Conv: kernel_size values must be positive");
-  const int want = static_cast<int>(nsp) + 2;  // [N, spatial..., C]
-  const char* layout = nsp == 2 ? "NHWC [N, H, W, C]" : "NWC [N, L, C]";
-  if (x_in.rank() < want - 1)
-    throw ShapeError(detail::cat("Conv: input of shape ", x_in.shape(), " has rank ", x_in.rank(), "; a ", nsp,
-                                 "-D convolution needs ", layout, " (or one example without the batch axis); "
-                                 "add the missing axes with reshape, e.g. reshape(x, {N, H, W, 1}) for a batch of "
-                                 "single-channel images"));
-  if (!is_floating(x_in.dtype()))
-    throw ShapeError(detail::cat("Conv: input must be float32 or bfloat16, got ", dtype_name(x_in.dtype()),
-                                 "; convert with astype(x, DType::f32)"));
   require_float_dtype(param_dtype, "Conv", "param_dtype");
-
-  // Bring the input to exactly one batch axis, as Flax does.
-  const int batch_axes = x_in.rank() - (want - 1);
-  Array x = x_in;
-  if (batch_axes != 1) {
-    std::vector<std::int64_t> flat{-1};
-    for (int a = batch_axes; a < x_in.rank(); ++a) flat.push_back(x_in.dim(a));
-    x = reshape(x_in, flat);
-  }
+  Array x;
+  const int batch_axes = flatten_batch_axes(x_in, nsp, "Conv", x);
   const std::int64_t in_features = x.dim(-1);
   if (feature_group_count <= 0 || in_features % feature_group_count != 0 || features % feature_group_count != 0)
     throw ValueError(detail::cat("Conv: feature_group_count ", feature_group_count, " must divide the input channels (",
@@ -112,13 +128,72 @@ Array Conv::operator()(Scope& s, const Array& x_in) const {
   }
   if (use_bias) y = y + bias;
 
-  if (batch_axes != 1) {
-    std::vector<std::int64_t> out;
-    for (int a = 0; a < batch_axes; ++a) out.push_back(x_in.dim(a));
-    for (int a = 1; a < y.rank(); ++a) out.push_back(y.dim(a));
-    y = reshape(y, out);
+  return restore_batch_axes(y, x_in, batch_axes);
+}
+
+Array ConvTranspose::operator()(Scope& s, const Array& x_in) const {
+  if (features <= 0)
+    throw ValueError(detail::cat("ConvTranspose: features must be positive (got ", features,
+                                 "); construct it as nn::ConvTranspose{.features = N, .kernel_size = {3, 3}}"));
+  const std::size_t nsp = kernel_size.size();
+  if (nsp != 1 && nsp != 2)
+    throw ValueError(detail::cat("ConvTranspose: kernel_size must have 1 (sequences) or 2 (images) entries, got ", nsp,
+                                 "; e.g. .kernel_size = {3, 3}"));
+  for (std::int64_t k : kernel_size)
+    if (k <= 0) throw ValueError("ConvTranspose: kernel_size values must be positive");
+  require_float_dtype(param_dtype, "ConvTranspose", "param_dtype");
+  Array x;
+  const int batch_axes = flatten_batch_axes(x_in, nsp, "ConvTranspose", x);
+  const std::int64_t in_features = x.dim(-1);
+  const auto strides_v = per_axis(strides, nsp, "strides", "ConvTranspose");
+  const auto dilation_v = per_axis(kernel_dilation, nsp, "kernel_dilation", "ConvTranspose");
+
+  ConvTransposeOptions opt;
+  opt.transpose_kernel = transpose_kernel;
+  if (padding.mode == "SAME") {
+    opt.padding = Padding::same();
+  } else if (padding.mode == "VALID") {
+    opt.padding = Padding::valid();
+  } else if (padding.mode.empty()) {
+    auto pairs = padding.pairs;
+    if (pairs.size() == 1) pairs.assign(nsp, pairs[0]);
+    if (pairs.size() != nsp)
+      throw ValueError(detail::cat("ConvTranspose: padding has ", padding.pairs.size(),
+                                   " (low, high) pairs but the kernel has ", nsp, " spatial axes"));
+    opt.padding = nsp == 2 ? Padding::explicit_pads(pairs[0].first, pairs[0].second, pairs[1].first, pairs[1].second)
+                           : Padding::explicit_pads(0, 0, pairs[0].first, pairs[0].second);
+  } else {
+    throw ValueError(detail::cat("ConvTranspose: unknown padding '", padding.mode,
+                                 "'; use \"SAME\", \"VALID\", an int or (low, high) pairs (CIRCULAR is not supported)"));
   }
-  return y;
+
+  Shape kernel_shape;
+  for (std::int64_t k : kernel_size) kernel_shape.push_back(k);
+  kernel_shape.push_back(transpose_kernel ? features : in_features);
+  kernel_shape.push_back(transpose_kernel ? in_features : features);
+  Array kernel = s.param("kernel", initializer_in(kernel_init, param_dtype), kernel_shape);
+  Array bias = use_bias ? s.param("bias", initializer_in(bias_init, param_dtype), Shape{features}) : Array();
+  {
+    auto p = promote_dtype({x, kernel, bias}, dtype);
+    x = p[0];
+    kernel = p[1];
+    bias = p[2];
+  }
+  Array y;
+  if (nsp == 2) {
+    opt.strides = {strides_v[0], strides_v[1]};
+    opt.dilation = {dilation_v[0], dilation_v[1]};
+    y = conv_transpose2d(x, kernel, opt);
+  } else {  // over an image of height 1 (a 1-high kernel at stride 1 pads it by nothing, SAME or VALID)
+    opt.strides = {1, strides_v[0]};
+    opt.dilation = {1, dilation_v[0]};
+    Array x4 = reshape(x, {x.dim(0), 1, x.dim(1), x.dim(2)});
+    Array k4 = reshape(kernel, {1, kernel.dim(0), kernel.dim(1), kernel.dim(2)});
+    Array y4 = conv_transpose2d(x4, k4, opt);
+    y = reshape(y4, {y4.dim(0), y4.dim(2), y4.dim(3)});
+  }
+  if (use_bias) y = y + bias;
+  return restore_batch_axes(y, x_in, batch_axes);
 }
 
 }  // namespace linum::nn

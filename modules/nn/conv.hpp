@@ -67,6 +67,31 @@ struct Conv {
   Array operator()(Scope& s, const Array& x) const;
 };
 
+// A transposed convolution (Flax's nn.ConvTranspose, lax.conv_transpose with NHWC/HWIO layouts):
+// upsamples by `strides`. SAME padding gives spatial size in * stride; VALID in * stride +
+// max(k - stride, 0); explicit (low, high) pairs pad the stride-dilated input.
+//
+//   Array up = s(nn::ConvTranspose{.features = 16, .kernel_size = {3, 3}, .strides = {2, 2}}, x);  // [N, 2H, 2W, 16]
+//
+// Params: "kernel" (kernel_size..., C, features), or (kernel_size..., features, C) with
+// transpose_kernel (the kernel of the convolution this one is the gradient of), and "bias"
+// (features,). Unbatched and multi-batch-axis inputs as Conv.
+struct ConvTranspose {
+  std::int64_t features = 0;                                  // output channels (required, > 0)
+  std::vector<std::int64_t> kernel_size;                      // {kh, kw} for images, {k} for sequences (required)
+  std::vector<std::int64_t> strides;                          // per spatial axis; empty = 1, one value = all axes
+  ConvPadding padding;                                        // "SAME", "VALID" or explicit pairs
+  std::vector<std::int64_t> kernel_dilation;                  // per spatial axis; empty = 1
+  bool use_bias = true;
+  Initializer kernel_init = initializers::lecun_normal();
+  Initializer bias_init = initializers::zeros();
+  std::optional<DType> dtype;
+  DType param_dtype = DType::f32;
+  bool transpose_kernel = false;
+
+  Array operator()(Scope& s, const Array& x) const;
+};
+
 // Pooling as parameterless modules (Flax has the functions nn.avg_pool / nn.max_pool; these are
 // them as layers, e.g. inside nn::Sequential). Inputs [N, H, W, C]; defaults as Flax's functions
 // (strides 1: pass the window for non-overlapping pools).
