@@ -1008,3 +1008,53 @@ TEST_CASE("ConvTranspose with transpose_kernel is the gradient of the strided co
         std::string::npos);
   CHECK(error([&] { conv_transpose2d(x, random_array(Shape{3, 3, 5, 4}, 1)); }).find("takes 5 input channels") != std::string::npos);
 }
+
+TEST_CASE("MultiHeadDotProductAttention decode: the cache collection, one position per call, equal to causal attention") {
+  // Flax's test_decoding: decoding position by position with the cache gives the outputs of causal
+  // self-attention over the whole sequence.
+  struct Decoder {
+    bool decode = false;
+    Array operator()(Scope& s, const Array& x, const Array& mask) const {
+      return s(nn::MultiHeadDotProductAttention{.num_heads = 2, .qkv_features = 8, .decode = decode}, x,
+               nn::AttentionArgs{.mask = mask});
+    }
+  };
+  const std::int64_t B = 2, T = 5, F = 6;
+  const Array x = random_array(Shape{B, T, F}, 60);
+  const Tree vars = init(Decoder{.decode = true}, rng::key(3), x, Array());
+  const Tree& cache = vars.at("cache").at("MultiHeadDotProductAttention_0");
+  CHECK(cache.at("cached_key").array().shape() == Shape{B, T, 2, 4});
+  CHECK(cache.at("cached_value").array().shape() == Shape{B, T, 2, 4});
+  CHECK(cache.at("cache_index").array().dtype() == DType::i32);
+  CHECK(cache.at("cache_index").array().data_i32()[0] == 0);
+  CHECK(cache.at("cached_key").array().to_vector() == std::vector<float>(static_cast<std::size_t>(B * T * 8), 0.0f));
+
+  const Array full = apply(Decoder{}, Tree{{"params", vars.at("params")}}, x, nn::make_causal_mask(Array::zeros(Shape{B, T})));
+  Tree state = vars.at("cache");
+  for (std::int64_t t = 0; t < T; ++t) {
+    auto [y, updates] = apply(Decoder{.decode = true}, Tree{{"params", vars.at("params")}, {"cache", state}},
+                              {.mutable_collections = {"cache"}}, slice_axis(x, 1, t, t + 1), Array());
+    state = updates.at("cache");
+    CHECK(state.at_path("MultiHeadDotProductAttention_0/cache_index").array().data_i32()[0] == t + 1);
+    CHECK(y.shape() == Shape{B, 1, F});
+    const std::vector<float> got = y.to_vector(), want = slice_axis(full, 1, t, t + 1).to_vector();
+    for (std::size_t i = 0; i < got.size(); ++i) CHECK(got[i] == doctest::Approx(want[i]).epsilon(1e-5).scale(1.0));
+  }
+
+  auto error = [&](auto f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const Tree cached{{"params", vars.at("params")}, {"cache", vars.at("cache")}};
+  CHECK(error([&] { apply(Decoder{.decode = true}, cached, {.mutable_collections = {"cache"}}, slice_axis(x, 1, 0, 2), Array()); })
+            .find("autoregressive cache shape error") != std::string::npos);
+  CHECK(error([&] { apply(Decoder{.decode = true}, cached, slice_axis(x, 1, 0, 1), Array()); })
+            .find("collection 'cache' is not mutable") != std::string::npos);
+  CHECK(error([&] { apply(Decoder{.decode = true}, Tree{{"params", vars.at("params")}, {"cache", state}},
+                          {.mutable_collections = {"cache"}}, slice_axis(x, 1, 0, 1), Array()); })
+            .find("all are written") != std::string::npos);
+}

@@ -206,8 +206,57 @@ Array MultiHeadDotProductAttention::operator()(Scope& s, const Array& inputs_q, 
     query = s("query_ln", LayerNorm{.use_bias = false, .dtype = dtype, .param_dtype = param_dtype}, query);
     key = s("key_ln", LayerNorm{.use_bias = false, .dtype = dtype, .param_dtype = param_dtype}, key);
   }
+  Array mask = args.mask;
+  if (decode) {
+    // Flax: the cache exists from init on; at init it is made (zeros, the init input's length) and
+    // attention runs as usual.
+    const bool initialized = s.has_variable("cache", "cached_key");
+    Variable cached_key = s.variable("cache", "cached_key", [&] { return Array::zeros(key.shape(), key.dtype()); });
+    Variable cached_value = s.variable("cache", "cached_value", [&] { return Array::zeros(value.shape(), value.dtype()); });
+    Variable cache_index = s.variable("cache", "cache_index", [] { return Array::full_i32(Shape{}, 0); });
+    if (initialized) {
+      const Shape& cached = cached_key.value().shape();  // [batch..., max_length, heads, head_dim]
+      Shape expected = cached;
+      expected[cached.rank() - 3] = 1;
+      if (!(query.shape() == expected))
+        throw ValueError(detail::cat("MultiHeadDotProductAttention at '", s.path_str(), "': autoregressive cache shape error: ",
+                                     "decoding takes one position at a time, the query ", expected, ", but got ",
+                                     query.shape(), " (inputs ", inputs_q.shape(), "); pass [batch..., 1, features]"));
+      if (args.is_causal)
+        throw ValueError(detail::cat("MultiHeadDotProductAttention at '", s.path_str(),
+                                     "': decode masks the positions not yet written itself; leave is_causal false"));
+      const std::int64_t max_length = cached[cached.rank() - 3];
+      const std::int32_t cur = cache_index.value().data_i32()[0];
+      if (cur < 0 || cur >= max_length)
+        throw ValueError(detail::cat("MultiHeadDotProductAttention at '", s.path_str(), "': the cache holds ", max_length,
+                                     " positions and all are written (cache_index ", cur,
+                                     "); init with a longer input to decode further"));
+      // lax.dynamic_update_slice along the length axis.
+      auto write_at = [&](const Array& cache, const Array& row) {
+        const int axis = cache.rank() - 3;
+        std::vector<Array> parts;
+        if (cur > 0) parts.push_back(slice_axis(cache, axis, 0, cur));
+        parts.push_back(astype(row, cache.dtype()));
+        if (cur + 1 < max_length) parts.push_back(slice_axis(cache, axis, cur + 1, max_length));
+        return concatenate(parts, axis);
+      };
+      key = write_at(cached_key.value(), key);
+      value = write_at(cached_value.value(), value);
+      cached_key.set(key);
+      cached_value.set(value);
+      cache_index.set(Array::full_i32(Shape{}, cur + 1));
+      // The single query attends to the positions written so far: [batch..., 1, 1, max_length].
+      Shape mask_shape;
+      for (int a = 0; a < cached.rank() - 3; ++a) mask_shape.push_back(cached[a]);
+      mask_shape.push_back(1);
+      mask_shape.push_back(1);
+      mask_shape.push_back(max_length);
+      const Array written = broadcast_to(less_equal(Array::arange(max_length), Array::scalar(static_cast<float>(cur))), mask_shape);
+      mask = combine_masks({mask, written});
+    }
+  }
   DotProductAttentionOptions o;
-  o.mask = args.mask;
+  o.mask = mask;
   o.is_causal = args.is_causal;
   o.broadcast_dropout = broadcast_dropout;
   o.dropout_rate = dropout_rate;

@@ -91,6 +91,15 @@ struct MultiHeadDotProductAttention {
   bool normalize_qk = false;
   std::optional<DType> dtype;                                 // computation dtype; nullopt: promote inputs and params
   DType param_dtype = DType::f32;                             // dtype the params are created in
+  // Autoregressive decoding (Flax's decode=True): init with a full-length input creates the "cache"
+  // collection -- cached_key and cached_value [batch..., max_length, heads, head_dim] (zeros) and
+  // cache_index (int32 0); each later call takes one position ([batch..., 1, features]), writes its
+  // key and value at cache_index, attends to the positions written so far, and advances the index.
+  // Apply with mutable_collections = {"cache"}:
+  //   Tree cache = init(model, key, tokens).at("cache");                     // tokens [B, max_len]
+  //   auto [y, upd] = apply(model, {{"params", p}, {"cache", cache}}, {.mutable_collections = {"cache"}}, tok_t);
+  //   cache = upd.at("cache");
+  bool decode = false;
 
   // Self-attention over inputs_q [batch..., length, features].
   Array operator()(Scope& s, const Array& inputs_q, const AttentionArgs& args = {}) const;
