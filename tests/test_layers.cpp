@@ -794,6 +794,12 @@ TEST_CASE("module_config / module_from_config round trips") {
   CHECK(conv2.feature_group_count == 2);
   CHECK(nn::module_config(nn::Conv{.features = 1, .kernel_size = {3}, .padding = "CAUSAL"}).at("padding") == "CAUSAL");
   CHECK(nn::module_from_config<nn::Conv>(nlohmann::json{{"padding", 2}}).padding == nn::ConvPadding(2));
+  const nn::ConvTranspose up = nn::module_from_config<nn::ConvTranspose>(
+      nn::module_config(nn::ConvTranspose{.features = 3, .kernel_size = {4, 4}, .strides = {2, 2}, .padding = "VALID",
+                                          .transpose_kernel = true}));
+  CHECK(up.strides == std::vector<std::int64_t>{2, 2});
+  CHECK(up.padding == nn::ConvPadding("VALID"));
+  CHECK(up.transpose_kernel);
 
   nlohmann::json ln = nn::module_config(nn::LayerNorm{});
   CHECK(ln.at("epsilon").get<double>() == 1e-6);

@@ -90,6 +90,37 @@ TEST_CASE("GRUCell and SimpleCell: Flax's names and equations") {
   CHECK_THROWS_AS(apply(gru, Tree{{"params", p}}, random_array(Shape{2, 4}, 6), x), ShapeError);
 }
 
+TEST_CASE("cells take Flax's gate_fn and activation_fn") {
+  const Array x = random_array(Shape{2, 3}, 7);
+  const Array h = random_array(Shape{2, 4}, 8), c = random_array(Shape{2, 4}, 9);
+  const auto hard_sigmoid = [](const Array& v) { return minimum(maximum(v * 0.25f + 0.5f, Array::scalar(0.0f)), Array::scalar(1.0f)); };
+  const auto relu_fn = [](const Array& v) { return relu(v); };
+
+  const nn::LSTMCell lstm{.features = 4, .gate_fn = hard_sigmoid, .activation_fn = relu_fn};
+  const Tree lp = init(lstm, rng::key(0), nn::LSTMCell::Carry{c, h}, x).at("params");
+  auto [next, y] = apply(lstm, Tree{{"params", lp}}, nn::LSTMCell::Carry{c, h}, x);
+  auto both = [&](const char* a, const char* b) { return dense(lp.at(a), x) + dense(lp.at(b), h); };
+  const Array want_c = hard_sigmoid(both("if", "hf")) * c + hard_sigmoid(both("ii", "hi")) * relu(both("ig", "hg"));
+  CHECK(max_diff(next.first, want_c) < 1e-6f);
+  CHECK(max_diff(y, hard_sigmoid(both("io", "ho")) * relu(want_c)) < 1e-6f);
+  const nn::OptimizedLSTMCell fast{.features = 4, .gate_fn = hard_sigmoid, .activation_fn = relu_fn};
+  auto [fast_next, fast_y] = apply(fast, Tree{{"params", lp}}, nn::LSTMCell::Carry{c, h}, x);
+  CHECK(max_diff(fast_y, y) < 1e-5f);
+
+  const nn::GRUCell gru{.features = 4, .gate_fn = hard_sigmoid, .activation_fn = relu_fn};
+  const Tree gp = init(gru, rng::key(1), h, x).at("params");
+  auto [g_next, g_y] = apply(gru, Tree{{"params", gp}}, h, x);
+  const Array r = hard_sigmoid(dense(gp.at("ir"), x) + dense(gp.at("hr"), h));
+  const Array z = hard_sigmoid(dense(gp.at("iz"), x) + dense(gp.at("hz"), h));
+  const Array n = relu(dense(gp.at("in"), x) + r * dense(gp.at("hn"), h));
+  CHECK(max_diff(g_next, (1.0f - z) * n + z * h) < 1e-6f);
+
+  const nn::SimpleCell simple{.features = 4, .activation_fn = relu_fn};
+  const Tree sp = init(simple, rng::key(2), h, x).at("params");
+  auto [s_next, s_y] = apply(simple, Tree{{"params", sp}}, h, x);
+  CHECK(max_diff(s_next, relu(dense(sp.at("i"), x) + dense(sp.at("h"), h))) < 1e-6f);
+}
+
 TEST_CASE("nn::RNN is the cell looped over time: names under cell, reverse, seq_lengths, return_carry") {
   const Array xs = random_array(Shape{3, 6, 2}, 7);  // [batch, time, in]
   const nn::RNN<nn::LSTMCell> rnn{.cell = {.features = 4}};

@@ -43,6 +43,8 @@ BOOST_HANA_ADAPT_STRUCT(linum::nn::Dense, features, use_bias, dtype, param_dtype
 BOOST_HANA_ADAPT_STRUCT(linum::nn::DenseGeneral, features, axis, use_bias, dtype, param_dtype);
 BOOST_HANA_ADAPT_STRUCT(linum::nn::Conv, features, kernel_size, strides, padding, kernel_dilation, feature_group_count,
                         use_bias, dtype, param_dtype);
+BOOST_HANA_ADAPT_STRUCT(linum::nn::ConvTranspose, features, kernel_size, strides, padding, kernel_dilation, use_bias, dtype,
+                        param_dtype, transpose_kernel);
 BOOST_HANA_ADAPT_STRUCT(linum::nn::Embed, num_embeddings, features, dtype, param_dtype);
 BOOST_HANA_ADAPT_STRUCT(linum::nn::LayerNorm, epsilon, use_bias, use_scale, reduction_axes, feature_axes,
                         use_fast_variance, dtype, param_dtype);

@@ -57,12 +57,12 @@ std::pair<LSTMCell::Carry, Array> LSTMCell::operator()(Scope& s, const Carry& ca
     Array b = s(recurrent_name, rec, h);
     return a + b;
   };
-  const Array i = sigmoid(both("ii", "hi"));
-  const Array f = sigmoid(both("if", "hf"));
-  const Array g = tanh(both("ig", "hg"));
-  const Array o = sigmoid(both("io", "ho"));
+  const Array i = gate_fn(both("ii", "hi"));
+  const Array f = gate_fn(both("if", "hf"));
+  const Array g = activation_fn(both("ig", "hg"));
+  const Array o = gate_fn(both("io", "ho"));
   const Array new_c = f * c + i * g;
-  const Array new_h = o * tanh(new_c);
+  const Array new_h = o * activation_fn(new_c);
   return {{new_c, new_h}, new_h};
 }
 
@@ -87,9 +87,9 @@ std::pair<OptimizedLSTMCell::Carry, Array> OptimizedLSTMCell::operator()(Scope& 
   const Array yh = matmul(cast(h, dtype), cast(concatenate(rec_kernels, -1), dtype)) + cast(concatenate(rec_biases, -1), dtype);
   const Array z = yh + yi;
   auto gate = [&](int k) { return slice_axis(z, -1, k * features, (k + 1) * features); };
-  const Array i = sigmoid(gate(0)), f = sigmoid(gate(1)), g = tanh(gate(2)), o = sigmoid(gate(3));
+  const Array i = gate_fn(gate(0)), f = gate_fn(gate(1)), g = activation_fn(gate(2)), o = gate_fn(gate(3));
   const Array new_c = f * c + i * g;
-  const Array new_h = o * tanh(new_c);
+  const Array new_h = o * activation_fn(new_c);
   return {{new_c, new_h}, new_h};
 }
 
@@ -107,11 +107,11 @@ std::pair<GRUCell::Carry, Array> GRUCell::operator()(Scope& s, const Carry& h, c
   Dense rec_n = rec;
   rec_n.use_bias = true;
   Array ir = s("ir", in, x);
-  const Array r = sigmoid(ir + s("hr", rec, h));
+  const Array r = gate_fn(ir + s("hr", rec, h));
   Array iz = s("iz", in, x);
-  const Array z = sigmoid(iz + s("hz", rec, h));
+  const Array z = gate_fn(iz + s("hz", rec, h));
   Array in_n = s("in", in, x);
-  const Array n = tanh(in_n + r * s("hn", rec_n, h));
+  const Array n = activation_fn(in_n + r * s("hn", rec_n, h));
   const Array new_h = (1.0f - z) * n + z * h;
   return {new_h, new_h};
 }
@@ -129,7 +129,7 @@ std::pair<SimpleCell::Carry, Array> SimpleCell::operator()(Scope& s, const Carry
   Array next = s("i", in, x);
   next = next + s("h", rec, h);
   if (residual) next = next + h;
-  next = tanh(next);
+  next = activation_fn(next);
   return {next, next};
 }
 

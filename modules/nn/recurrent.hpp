@@ -19,16 +19,22 @@
 #include <linum/modules/scope.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <utility>
 
 namespace linum::nn {
 
+// A cell's gate or activation function (Flax's gate_fn / activation_fn), e.g. nn::relu.
+using CellFunction = std::function<Array(const Array&)>;
+
 // Long short-term memory (flax.linen.LSTMCell): i = sigmoid(ii(x) + hi(h)), f, g = tanh(...), o
-// likewise, c' = f c + i g, h' = o tanh(c'). Input kernels ii, if, ig, io have no bias; the
+// likewise, c' = f c + i g, h' = o tanh(c') (sigmoid is gate_fn, tanh activation_fn). Input kernels ii, if, ig, io have no bias; the
 // recurrent ones hi, hf, hg, ho have one. Carry (c, h).
 struct LSTMCell {
   std::int64_t features = 0;
+  CellFunction gate_fn = [](const Array& x) { return sigmoid(x); };
+  CellFunction activation_fn = [](const Array& x) { return tanh(x); };
   Initializer kernel_init = initializers::lecun_normal();
   Initializer recurrent_kernel_init = initializers::orthogonal();
   Initializer bias_init = initializers::zeros();
@@ -47,6 +53,8 @@ struct LSTMCell {
 // sequences prefer LSTMCell, or remat.
 struct OptimizedLSTMCell {
   std::int64_t features = 0;
+  CellFunction gate_fn = [](const Array& x) { return sigmoid(x); };
+  CellFunction activation_fn = [](const Array& x) { return tanh(x); };
   Initializer kernel_init = initializers::lecun_normal();
   Initializer recurrent_kernel_init = initializers::orthogonal();
   Initializer bias_init = initializers::zeros();
@@ -59,10 +67,12 @@ struct OptimizedLSTMCell {
 };
 
 // Gated recurrent unit (flax.linen.GRUCell): r = sigmoid(ir(x) + hr(h)), z = sigmoid(iz(x) +
-// hz(h)), n = tanh(in(x) + r * hn(h)), h' = (1 - z) n + z h. Input kernels have biases; of the
+// hz(h)), n = tanh(in(x) + r * hn(h)), h' = (1 - z) n + z h (sigmoid is gate_fn, tanh activation_fn). Input kernels have biases; of the
 // recurrent ones only hn. Carry h.
 struct GRUCell {
   std::int64_t features = 0;
+  CellFunction gate_fn = [](const Array& x) { return sigmoid(x); };
+  CellFunction activation_fn = [](const Array& x) { return tanh(x); };
   Initializer kernel_init = initializers::lecun_normal();
   Initializer recurrent_kernel_init = initializers::orthogonal();
   Initializer bias_init = initializers::zeros();
@@ -74,9 +84,11 @@ struct GRUCell {
   Carry initialize_carry(const Shape& input_shape) const;
 };
 
-// Elman cell (flax.linen.SimpleCell): h' = tanh(i(x) + h(h) [+ h if residual]); i has a bias.
+// Elman cell (flax.linen.SimpleCell): h' = tanh(i(x) + h(h) [+ h if residual]) (tanh is
+// activation_fn); i has a bias.
 struct SimpleCell {
   std::int64_t features = 0;
+  CellFunction activation_fn = [](const Array& x) { return tanh(x); };
   Initializer kernel_init = initializers::lecun_normal();
   Initializer recurrent_kernel_init = initializers::orthogonal();
   Initializer bias_init = initializers::zeros();
