@@ -2,12 +2,15 @@
 // system has (the GNU GPL, /usr/share/common-licenses/GPL-3).
 //
 //   char_lstm [--text FILE] [--steps 300] [--seq 128] [--batch 32] [--hidden 256] [--lr 0.003]
-//             [--remat per-step|none] [--sample 200] [--seed 0]
+//             [--remat sqrt|binomial|per-step|none] [--snapshots 8] [--sample 200] [--seed 0]
 //
-// Embed -> nn::RNN<LSTMCell> (each time step checkpointed: only the carries are kept, the gates
-// are recomputed in the backward pass) -> Dense over the byte vocabulary; adam with global-norm
-// clipping. It prints a progress bar, the activation memory of a training step with and without
-// remat, a sample of generated text, and a last line of JSON (loss in bits per character).
+// Embed -> nn::RNN<LSTMCell> checkpointed over time -> Dense over the byte vocabulary; adam with
+// global-norm clipping. --remat sqrt (the default) checkpoints sqrt(T) segments of time steps (about
+// 2 sqrt(T) carries kept, each step computed twice); binomial keeps at most --snapshots carries with
+// the fewest recomputations (Griewank's Revolve); per-step checkpoints every step (T carries kept).
+// Gradients are bitwise those without remat. It prints a progress bar, the activation memory of a
+// training step with the chosen remat and without, a sample of generated text, and a last line of
+// JSON (loss in bits per character).
 #include <linum/linum.hpp>
 
 #include <nlohmann/json.hpp>
@@ -28,11 +31,12 @@ using namespace linum;
 struct CharModel {
   std::int64_t vocab = 256;
   std::int64_t hidden = 256;
-  bool remat = true;
+  bool remat_per_step = false;
+  lift::ScanSchedule schedule = lift::ScanSchedule::sqrt_segments();
   // tokens [batch, time] (int32) -> logits [batch, time, vocab]
   Array operator()(Scope& s, const Array& tokens) const {
     Array x = s(nn::Embed{.num_embeddings = vocab, .features = 64}, tokens);
-    x = s(nn::RNN<nn::LSTMCell>{.cell = {.features = hidden}, .remat = remat}, x);
+    x = s(nn::RNN<nn::LSTMCell>{.cell = {.features = hidden}, .remat = remat_per_step, .schedule = schedule}, x);
     return s(nn::Dense{.features = vocab}, x);
   }
 };
@@ -41,14 +45,15 @@ struct Options {
   std::string text = "/usr/share/common-licenses/GPL-3";
   long steps = 300, seq = 128, batch = 32, hidden = 256, sample = 200;
   double lr = 3e-3;
-  bool remat = true;
+  std::string remat = "sqrt";
+  int snapshots = 8;
   int seed = 0;
 };
 
 [[noreturn]] void usage(const std::string& message) {
   std::cerr << "char_lstm: " << message << "\n"
             << "usage: char_lstm [--text FILE] [--steps N] [--seq N] [--batch N] [--hidden N] [--lr X]\n"
-            << "                 [--remat per-step|none] [--sample N] [--seed N]\n";
+            << "                 [--remat sqrt|binomial|per-step|none] [--snapshots N] [--sample N] [--seed N]\n";
   std::exit(2);
 }
 
@@ -72,9 +77,11 @@ Options parse(int argc, char** argv) {
     else if (a == "--sample") o.sample = static_cast<long>(number(0, 1 << 20));
     else if (a == "--lr") o.lr = number(1e-8, 10);
     else if (a == "--seed") o.seed = static_cast<int>(number(0, 1 << 30));
+    else if (a == "--snapshots") o.snapshots = static_cast<int>(number(1, 1 << 16));
     else if (a == "--remat") {
-      if (v != "per-step" && v != "none") usage("--remat must be per-step or none");
-      o.remat = v == "per-step";
+      if (v != "sqrt" && v != "binomial" && v != "per-step" && v != "none")
+        usage("--remat must be sqrt, binomial, per-step or none, got '" + v + "'");
+      o.remat = v;
     } else usage("unknown flag '" + a + "'");
   }
   return o;
@@ -88,7 +95,10 @@ int run(const Options& o) {
     throw ValueError("the text has " + std::to_string(text.size()) + " bytes; --seq " + std::to_string(o.seq) + " needs more");
   std::printf("%s: %zu characters\n", o.text.c_str(), text.size());
 
-  const CharModel model{.hidden = o.hidden, .remat = o.remat};
+  CharModel model{.hidden = o.hidden, .remat_per_step = o.remat == "per-step"};
+  model.schedule = o.remat == "sqrt"       ? lift::ScanSchedule::sqrt_segments()
+                   : o.remat == "binomial" ? lift::ScanSchedule::binomial(o.snapshots)
+                                           : lift::ScanSchedule{};
   // A batch: `batch` windows of seq + 1 characters at offsets drawn from the key.
   auto batch_at = [&](rng::Key key) {
     const Array starts = rng::randint(key, Shape{o.batch}, 0, static_cast<std::int64_t>(text.size()) - o.seq - 1);
@@ -110,15 +120,16 @@ int run(const Options& o) {
       return mean(nn::softmax_cross_entropy_with_integer_labels(apply(m, Tree{{"params", p}}, x), y));
     };
   };
-  // The activation memory of one training step, with remat per time step and without.
-  auto step_bytes = [&](bool remat) {
-    CharModel m = model;
-    m.remat = remat;
+  // The activation memory of one training step, with the chosen remat and without.
+  auto step_bytes = [&](const CharModel& m) {
     memory::PeakScope scope;
     Tree g = grad(loss_of(m, x0, y0))(params);
     return scope.peak_growth() - byte_count(g);
   };
-  const std::int64_t bytes_remat = step_bytes(true), bytes_plain = step_bytes(false);
+  CharModel plain = model;
+  plain.remat_per_step = false;
+  plain.schedule = {};
+  const std::int64_t bytes_remat = step_bytes(model), bytes_plain = step_bytes(plain);
 
   const bool tty = isatty(1);
   const auto start = std::chrono::steady_clock::now();
@@ -159,14 +170,14 @@ int run(const Options& o) {
     }
     std::printf("sample: %s\n", sample.c_str());
   }
-  std::printf("activation memory of a training step (batch %ld x %ld characters): %.1f MiB with remat per step, %.1f MiB without\n",
-              o.batch, o.seq, bytes_remat / 1048576.0, bytes_plain / 1048576.0);
+  std::printf("activation memory of a training step (batch %ld x %ld characters): %.1f MiB with remat %s, %.1f MiB without\n",
+              o.batch, o.seq, bytes_remat / 1048576.0, o.remat.c_str(), bytes_plain / 1048576.0);
   const nlohmann::json result = {{"steps", o.steps},
                                  {"first_loss", first_loss},
                                  {"final_loss", last_loss},
                                  {"final_bits_per_char", last_loss / std::log(2.0)},
                                  {"seconds", seconds},
-                                 {"remat", o.remat ? "per-step" : "none"},
+                                 {"remat", o.remat},
                                  {"peak_activation_bytes_remat", bytes_remat},
                                  {"peak_activation_bytes_plain", bytes_plain}};
   std::printf("%s\n", result.dump().c_str());
