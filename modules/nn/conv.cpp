@@ -19,6 +19,20 @@ std::vector<std::int64_t> per_axis(const std::vector<std::int64_t>& v, std::size
   return out;
 }
 
+// The checks both layers make of their configuration before anything runs.
+void check_layer(const char* layer, std::int64_t features, const std::vector<std::int64_t>& kernel_size, DType param_dtype) {
+  if (features <= 0)
+    throw ValueError(detail::cat(layer, ": features must be positive (got ", features, "); construct it as nn::", layer,
+                                 "{.features = N, .kernel_size = {3, 3}}"));
+  const std::size_t nsp = kernel_size.size();
+  if (nsp != 1 && nsp != 2)
+    throw ValueError(detail::cat(layer, ": kernel_size must have 1 (sequences) or 2 (images) entries, got ", nsp,
+                                 "; e.g. .kernel_size = {3, 3}"));
+  for (std::int64_t k : kernel_size)
+    if (k <= 0) throw ValueError(detail::cat(layer, ": kernel_size values must be positive"));
+  require_float_dtype(param_dtype, layer, "param_dtype");
+}
+
 // Reshapes x to exactly one batch axis before `spatial` spatial axes and the channels (Flax adds
 // one for an unbatched input and flattens several); returns the number of batch axes it had.
 int flatten_batch_axes(const Array& x_in, std::size_t spatial, const char* layer, Array& x) {
@@ -54,16 +68,8 @@ Array restore_batch_axes(const Array& y, const Array& x_in, int batch_axes) {
 }  // namespace
 
 Array Conv::operator()(Scope& s, const Array& x_in) const {
-  if (features <= 0)
-    throw ValueError(detail::cat("Conv: features must be positive (got ", features,
-                                 "); construct it as nn::Conv{.features = N, .kernel_size = {3, 3}}"));
+  check_layer("Conv", features, kernel_size, param_dtype);
   const std::size_t nsp = kernel_size.size();
-  if (nsp != 1 && nsp != 2)
-    throw ValueError(detail::cat("Conv: kernel_size must have 1 (sequences) or 2 (images) entries, got ", nsp,
-                                 "; e.g. .kernel_size = {3, 3}"));
-  for (std::int64_t k : kernel_size)
-    if (k <= 0) throw ValueError("Conv: kernel_size values must be positive");
-  require_float_dtype(param_dtype, "Conv", "param_dtype");
   Array x;
   const int batch_axes = flatten_batch_axes(x_in, nsp, "Conv", x);
   const std::int64_t in_features = x.dim(-1);
@@ -132,16 +138,8 @@ Array Conv::operator()(Scope& s, const Array& x_in) const {
 }
 
 Array ConvTranspose::operator()(Scope& s, const Array& x_in) const {
-  if (features <= 0)
-    throw ValueError(detail::cat("ConvTranspose: features must be positive (got ", features,
-                                 "); construct it as nn::ConvTranspose{.features = N, .kernel_size = {3, 3}}"));
+  check_layer("ConvTranspose", features, kernel_size, param_dtype);
   const std::size_t nsp = kernel_size.size();
-  if (nsp != 1 && nsp != 2)
-    throw ValueError(detail::cat("ConvTranspose: kernel_size must have 1 (sequences) or 2 (images) entries, got ", nsp,
-                                 "; e.g. .kernel_size = {3, 3}"));
-  for (std::int64_t k : kernel_size)
-    if (k <= 0) throw ValueError("ConvTranspose: kernel_size values must be positive");
-  require_float_dtype(param_dtype, "ConvTranspose", "param_dtype");
   Array x;
   const int batch_axes = flatten_batch_axes(x_in, nsp, "ConvTranspose", x);
   const std::int64_t in_features = x.dim(-1);
