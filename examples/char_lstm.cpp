@@ -11,6 +11,8 @@
 // Gradients are bitwise those without remat. It prints a progress bar, the activation memory of a
 // training step with the chosen remat and without, a sample of generated text, and a last line of
 // JSON (loss in bits per character).
+#include "flags.hpp"
+
 #include <linum/linum.hpp>
 
 #include <nlohmann/json.hpp>
@@ -50,25 +52,14 @@ struct Options {
   int seed = 0;
 };
 
-[[noreturn]] void usage(const std::string& message) {
-  std::cerr << "char_lstm: " << message << "\n"
-            << "usage: char_lstm [--text FILE] [--steps N] [--seq N] [--batch N] [--hidden N] [--lr X]\n"
-            << "                 [--remat sqrt|binomial|per-step|none] [--snapshots N] [--sample N] [--seed N]\n";
-  std::exit(2);
-}
+const examples::Flags flags("char_lstm",
+                            "usage: char_lstm [--text FILE] [--steps N] [--seq N] [--batch N] [--hidden N] [--lr X]\n"
+                            "                 [--remat sqrt|binomial|per-step|none] [--snapshots N] [--sample N] [--seed N]");
 
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (i + 1 >= argc) usage(a + " needs a value");
-    const std::string v = argv[++i];
-    auto number = [&](double lo, double hi) {
-      char* end = nullptr;
-      const double x = std::strtod(v.c_str(), &end);
-      if (end == v.c_str() || *end != '\0' || !(x >= lo && x <= hi)) usage(a + " needs a number in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
-      return x;
-    };
+  flags.parse(argc, argv, [&](const std::string& a, const std::string& v) {
+    auto number = [&](double lo, double hi) { return flags.number(a, v, lo, hi); };
     if (a == "--text") o.text = v;
     else if (a == "--steps") o.steps = static_cast<long>(number(0, 1e7));
     else if (a == "--seq") o.seq = static_cast<long>(number(2, 1 << 16));
@@ -80,10 +71,11 @@ Options parse(int argc, char** argv) {
     else if (a == "--snapshots") o.snapshots = static_cast<int>(number(1, 1 << 16));
     else if (a == "--remat") {
       if (v != "sqrt" && v != "binomial" && v != "per-step" && v != "none")
-        usage("--remat must be sqrt, binomial, per-step or none, got '" + v + "'");
+        flags.fail("--remat must be sqrt, binomial, per-step or none, got '" + v + "'");
       o.remat = v;
-    } else usage("unknown flag '" + a + "'");
-  }
+    } else return false;
+    return true;
+  });
   return o;
 }
 

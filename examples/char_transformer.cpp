@@ -8,6 +8,8 @@
 //                    [--layers 2] [--lr 0.003] [--seed 0]
 //
 // The last line of output is JSON: losses, both samples, whether they agree, and their times.
+#include "flags.hpp"
+
 #include <linum/linum.hpp>
 
 #include <nlohmann/json.hpp>
@@ -62,26 +64,14 @@ struct Options {
   int seed = 0;
 };
 
-[[noreturn]] void usage(const std::string& message) {
-  std::cerr << "char_transformer: " << message << "\n"
-            << "usage: char_transformer [--text FILE] [--steps N] [--seq N] [--batch N] [--dim N] [--heads N]\n"
-            << "                        [--layers N] [--lr X] [--seed N]\n";
-  std::exit(2);
-}
+const examples::Flags flags("char_transformer",
+                            "usage: char_transformer [--text FILE] [--steps N] [--seq N] [--batch N] [--dim N] [--heads N]\n"
+                            "                        [--layers N] [--lr X] [--seed N]");
 
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (i + 1 >= argc) usage(a + " needs a value");
-    const std::string v = argv[++i];
-    auto number = [&](double lo, double hi) {
-      char* end = nullptr;
-      const double x = std::strtod(v.c_str(), &end);
-      if (end == v.c_str() || *end != '\0' || !(x >= lo && x <= hi))
-        usage(a + " needs a number in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got '" + v + "'");
-      return x;
-    };
+  flags.parse(argc, argv, [&](const std::string& a, const std::string& v) {
+    auto number = [&](double lo, double hi) { return flags.number(a, v, lo, hi); };
     if (a == "--text") o.text = v;
     else if (a == "--steps") o.steps = static_cast<long>(number(0, 1e7));
     else if (a == "--seq") o.seq = static_cast<long>(number(8, 4096));
@@ -91,9 +81,10 @@ Options parse(int argc, char** argv) {
     else if (a == "--layers") o.layers = static_cast<long>(number(1, 1024));
     else if (a == "--lr") o.lr = number(1e-8, 10);
     else if (a == "--seed") o.seed = static_cast<int>(number(0, 1 << 30));
-    else usage("unknown flag '" + a + "'");
-  }
-  if (o.dim % o.heads != 0) usage("--dim must be a multiple of --heads");
+    else return false;
+    return true;
+  });
+  if (o.dim % o.heads != 0) flags.fail("--dim must be a multiple of --heads");
   return o;
 }
 

@@ -8,6 +8,8 @@
 //
 // --synthetic N trains on N generated images (a bright band whose row depends on the class) instead
 // of the dataset, for machines without dataset-fashion-mnist.
+#include "flags.hpp"
+
 #include <linum/linum.hpp>
 
 #include <nlohmann/json.hpp>
@@ -38,26 +40,14 @@ struct Options {
   std::string image = "fashion_autoencoder.pgm";
 };
 
-[[noreturn]] void usage(const std::string& message) {
-  std::cerr << "fashion_autoencoder: " << message << "\n"
-            << "usage: fashion_autoencoder [--data DIR] [--steps N] [--batch N] [--lr X] [--seed N] [--image FILE.pgm]\n"
-            << "                           [--synthetic N]\n";
-  std::exit(2);
-}
+const examples::Flags flags("fashion_autoencoder",
+                            "usage: fashion_autoencoder [--data DIR] [--steps N] [--batch N] [--lr X] [--seed N] [--image FILE.pgm]\n"
+                            "                           [--synthetic N]");
 
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (i + 1 >= argc) usage(a + " needs a value");
-    const std::string v = argv[++i];
-    auto number = [&](double lo, double hi) {
-      char* end = nullptr;
-      const double x = std::strtod(v.c_str(), &end);
-      if (end == v.c_str() || *end != '\0' || !(x >= lo && x <= hi))
-        usage(a + " needs a number in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got '" + v + "'");
-      return x;
-    };
+  flags.parse(argc, argv, [&](const std::string& a, const std::string& v) {
+    auto number = [&](double lo, double hi) { return flags.number(a, v, lo, hi); };
     if (a == "--data") o.data = v;
     else if (a == "--steps") o.steps = static_cast<long>(number(0, 1e7));
     else if (a == "--batch") o.batch = static_cast<long>(number(1, 1 << 16));
@@ -65,8 +55,9 @@ Options parse(int argc, char** argv) {
     else if (a == "--seed") o.seed = static_cast<int>(number(0, 1 << 30));
     else if (a == "--image") o.image = v;
     else if (a == "--synthetic") o.synthetic = static_cast<long>(number(16, 1 << 20));
-    else usage("unknown flag '" + a + "'");
-  }
+    else return false;
+    return true;
+  });
   return o;
 }
 
