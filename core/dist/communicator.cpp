@@ -21,7 +21,7 @@ bool mpi_available() { return LINUM_HAVE_MPI != 0; }
 
 namespace {
 
-bool mpi_running() {
+[[maybe_unused]] bool mpi_running() {
 #if LINUM_HAVE_MPI
   int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);
@@ -85,14 +85,14 @@ int Communicator::size() const {
 
 
 namespace {
-int g_thread_level = 0;
+[[maybe_unused]] int g_thread_level = 0;
 }
 
 namespace {
 
 // Whether a launcher (mpirun / mpiexec / srun) started this process: a program run on its own is a
 // job of one and needs no MPI at all.
-bool launched_by_mpi() {
+[[maybe_unused]] bool launched_by_mpi() {
   for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", "PMI_SIZE", "MPI_LOCALNRANKS"})
     if (std::getenv(name) != nullptr) return true;
   return false;

@@ -314,7 +314,7 @@ StepResult DataParallel::reproducible(const LossWithAux& loss, const Tree& param
   std::vector<std::vector<float>> my_sums;
   for (const auto& [lo, hi] : mine) my_sums.push_back(local_sum(lo, hi));
   result.stats.compute_s = seconds_since(compute_start);
-  const std::size_t L = my_sums.front().size();
+  [[maybe_unused]] const std::size_t L = my_sums.front().size();  // used with MPI only
 
   std::vector<float> total;
   std::vector<float> gathered;
