@@ -26,10 +26,10 @@ namespace {
 namespace {
 
 std::atomic<int> g_adaptive{-1};  // -1: not yet read from LINUM_ADAPTIVE_THREADS
-std::atomic<std::int64_t> g_last_check_ns{std::numeric_limits<std::int64_t>::min() / 2};
-std::atomic<int> g_free_cores{1 << 20};
-std::atomic<int> g_previous_reading{1 << 20};
-constexpr std::int64_t kCheckIntervalNs = 25'000'000;
+[[maybe_unused]] std::atomic<std::int64_t> g_last_check_ns{std::numeric_limits<std::int64_t>::min() / 2};
+[[maybe_unused]] std::atomic<int> g_free_cores{1 << 20};
+[[maybe_unused]] std::atomic<int> g_previous_reading{1 << 20};
+[[maybe_unused]] constexpr std::int64_t kCheckIntervalNs = 25'000'000;
 
 // Threads runnable on the whole machine right now (the 4th field of /proc/loadavg, "3/456"),
 // including the caller; -1 if it cannot be read.
@@ -85,7 +85,7 @@ int own_runnable_threads() {
 
 // Cores of ours not taken by other processes: our cores, less the runnable threads that are not
 // ours and do not fit on the cores outside our affinity mask.
-int free_cores() {
+[[maybe_unused]] int free_cores() {
   // Our threads are counted before and after the machine-wide count, so that one of ours going
   // to sleep (or waking) in between is not mistaken for another process.
   const int own_before = own_runnable_threads();

@@ -118,7 +118,7 @@ const std::pair<typename Prim::primitive_desc, Prim>& backward(Built<Prim>& slot
 // Runs `body` with OpenMP limited to the thread count chosen for this convolution (one thread for
 // small ones, as matrix products), restoring the caller's setting.
 template <class F>
-auto with_threads(int threads, F&& body) {
+auto with_threads([[maybe_unused]] int threads, F&& body) {
 #ifdef _OPENMP
   const int previous = omp_get_max_threads();
   if (threads != previous) omp_set_num_threads(threads);
@@ -130,7 +130,7 @@ auto with_threads(int threads, F&& body) {
   return body();
 }
 
-int threads_for(const ConvShape& s) {
+int threads_for([[maybe_unused]] const ConvShape& s) {
 #ifdef _OPENMP
   const double macs = static_cast<double>(s.n) * s.oh * s.ow * s.o * s.kh * s.kw * s.cg;
   if (!omp_in_parallel() && macs >= kParallelGemmWork) return omp_get_max_threads();

@@ -176,7 +176,7 @@ void weights_grad_rows(const Geometry& g, const MaskView* mask, std::int64_t mas
 template <class F>
 void for_items(const Geometry& g, F&& f) {
   const std::int64_t items = g.batch * g.heads;
-  const double work = static_cast<double>(items) * static_cast<double>(g.q_len) * static_cast<double>(g.kv_len) *
+  [[maybe_unused]] const double work = static_cast<double>(items) * static_cast<double>(g.q_len) * static_cast<double>(g.kv_len) *
                       static_cast<double>(g.head_dim + g.v_dim);
   std::exception_ptr error;
   std::mutex error_mutex;

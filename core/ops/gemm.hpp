@@ -28,7 +28,8 @@ template <class Dst, class Lhs, class Rhs>
 void gemm_into(Dst&& c, const Lhs& a, const Rhs& b, bool accumulate = false) {
   static std::once_flag eigen_single_threaded;  // Eigen itself stays single-threaded; the panels are the threads
   std::call_once(eigen_single_threaded, [] { Eigen::setNbThreads(1); });
-  const Eigen::Index m = c.rows(), n = c.cols(), k = a.cols();
+  const Eigen::Index m = c.rows(), n = c.cols();
+  [[maybe_unused]] const Eigen::Index k = a.cols();  // the work estimate needs it with OpenMP only
   int threads = 1;
 #ifdef _OPENMP
   if (static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) >= kParallelGemmWork && !omp_in_parallel())

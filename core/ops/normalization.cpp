@@ -29,7 +29,7 @@ struct NormShape {
 template <class F>
 void for_row_blocks(const NormShape& s, F&& f) {
   const std::int64_t blocks = (s.rows + kRowsPerBlock - 1) / kRowsPerBlock;
-  const bool parallel = s.rows * s.features >= ops::detail::kParallelMin && blocks > 1;
+  [[maybe_unused]] const bool parallel = s.rows * s.features >= ops::detail::kParallelMin && blocks > 1;
 #pragma omp parallel if (parallel) num_threads(linum::team_size())
   {
     linum::detail::enter_compute();

@@ -55,7 +55,7 @@ std::int64_t for_window(const PoolGeometry& G, std::int64_t p, Visit visit) {
 template <class F>
 void for_pixels(const PoolGeometry& G, F f) {
   const std::int64_t pixels = G.out_pixels();
-  const bool parallel = pixels * G.c * G.kh * G.kw > ops::detail::kParallelMin;
+  [[maybe_unused]] const bool parallel = pixels * G.c * G.kh * G.kw > ops::detail::kParallelMin;
 #pragma omp parallel for schedule(static) num_threads(linum::team_size()) if (parallel)
   for (std::int64_t p = 0; p < pixels; ++p) {
     linum::detail::enter_compute();
