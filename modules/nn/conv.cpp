@@ -19,6 +19,24 @@ std::vector<std::int64_t> per_axis(const std::vector<std::int64_t>& v, std::size
   return out;
 }
 
+// The layer's "kernel" (kernel_size..., kernel_in, kernel_out) and "bias" (features,) params, and
+// the input, all promoted to the computation dtype (Flax's promote_dtype).
+struct Operands {
+  Array x, kernel, bias;
+};
+Operands conv_operands(Scope& s, const Array& x, const std::vector<std::int64_t>& kernel_size, std::int64_t kernel_in,
+                       std::int64_t kernel_out, std::int64_t features, bool use_bias, const Initializer& kernel_init,
+                       const Initializer& bias_init, std::optional<DType> dtype, DType param_dtype) {
+  Shape kernel_shape;
+  for (std::int64_t k : kernel_size) kernel_shape.push_back(k);
+  kernel_shape.push_back(kernel_in);
+  kernel_shape.push_back(kernel_out);
+  const Array kernel = s.param("kernel", initializer_in(kernel_init, param_dtype), kernel_shape);
+  const Array bias = use_bias ? s.param("bias", initializer_in(bias_init, param_dtype), Shape{features}) : Array();
+  auto p = promote_dtype({x, kernel, bias}, dtype);
+  return {p[0], p[1], p[2]};
+}
+
 // The checks both layers make of their configuration before anything runs.
 void check_layer(const char* layer, std::int64_t features, const std::vector<std::int64_t>& kernel_size, DType param_dtype) {
   if (features <= 0)
@@ -102,18 +120,10 @@ Array Conv::operator()(Scope& s, const Array& x_in) const {
                                  "(CIRCULAR and REFLECT are not supported)"));
   }
 
-  Shape kernel_shape;
-  for (std::int64_t k : kernel_size) kernel_shape.push_back(k);
-  kernel_shape.push_back(in_features / feature_group_count);
-  kernel_shape.push_back(features);
-  Array kernel = s.param("kernel", initializer_in(kernel_init, param_dtype), kernel_shape);
-  Array bias = use_bias ? s.param("bias", initializer_in(bias_init, param_dtype), Shape{features}) : Array();
-  {
-    auto p = promote_dtype({x, kernel, bias}, dtype);
-    x = p[0];
-    kernel = p[1];
-    bias = p[2];
-  }
+  Operands p = conv_operands(s, x, kernel_size, in_features / feature_group_count, features, features, use_bias,
+                             kernel_init, bias_init, dtype, param_dtype);
+  x = p.x;
+  const Array kernel = p.kernel, bias = p.bias;
 
   ConvOptions opt;
   opt.padding = pad;
@@ -165,18 +175,11 @@ Array ConvTranspose::operator()(Scope& s, const Array& x_in) const {
                                  "'; use \"SAME\", \"VALID\", an int or (low, high) pairs (CIRCULAR is not supported)"));
   }
 
-  Shape kernel_shape;
-  for (std::int64_t k : kernel_size) kernel_shape.push_back(k);
-  kernel_shape.push_back(transpose_kernel ? features : in_features);
-  kernel_shape.push_back(transpose_kernel ? in_features : features);
-  Array kernel = s.param("kernel", initializer_in(kernel_init, param_dtype), kernel_shape);
-  Array bias = use_bias ? s.param("bias", initializer_in(bias_init, param_dtype), Shape{features}) : Array();
-  {
-    auto p = promote_dtype({x, kernel, bias}, dtype);
-    x = p[0];
-    kernel = p[1];
-    bias = p[2];
-  }
+  Operands p = conv_operands(s, x, kernel_size, transpose_kernel ? features : in_features,
+                             transpose_kernel ? in_features : features, features, use_bias, kernel_init, bias_init,
+                             dtype, param_dtype);
+  x = p.x;
+  const Array kernel = p.kernel, bias = p.bias;
   Array y;
   if (nsp == 2) {
     opt.strides = {strides_v[0], strides_v[1]};
