@@ -26,11 +26,65 @@ std::string current_module_path() {
   return p ? linum::detail::join_module_path(*p) : std::string();
 }
 
-// One value a policy kept: the index of the op in the block's record order, and its output.
+// One value a policy kept: the index of the op in the block's record order, its output, and the
+// residuals of its primitive that are neither inputs nor outputs (layer_norm's statistics, the
+// fused attention's log-sum-exp), so the replay can skip the primitive and still differentiate it.
 struct SavedValue {
   std::uint64_t index;
   Array value;
+  std::vector<Array> internals;
 };
+
+// Where each residual of a primitive comes from, so a replay that skips its forward can rebuild
+// them: one of its inputs, one of its outputs, or an array only its forward made (kept with the
+// output when the policy saves it).
+struct ResidualSource {
+  enum Kind : std::uint8_t { none, input, output, internal } kind;
+  std::uint32_t index;
+};
+
+// What the forward pass learnt of a primitive (shared by its outputs' entries).
+struct PrimitiveRecipe {
+  std::uint64_t first;  // the op index of output 0
+  std::size_t num_outputs;
+  std::vector<ResidualSource> sources;
+  std::size_t num_internal = 0;
+  std::shared_ptr<const void> structure;
+};
+
+// One numbered op of the forward pass: its output type, and its primitive (null for an op that
+// computed before recording, or a checkpoint: those cannot be skipped).
+struct OpRecipe {
+  Shape shape;
+  DType dtype;
+  std::shared_ptr<const PrimitiveRecipe> primitive;
+};
+
+std::shared_ptr<const PrimitiveRecipe> recipe_of(std::uint64_t first, const autodiff::detail::PrimitiveCall& call,
+                                                 std::vector<Array>* internals) {
+  auto r = std::make_shared<PrimitiveRecipe>();
+  r->first = first;
+  r->num_outputs = call.num_outputs;
+  r->structure = call.structure;
+  auto same = [](const Array& a, const Array& b) {
+    return a.defined() && a.buffer_identity() == b.buffer_identity() && a.shape() == b.shape() && a.dtype() == b.dtype();
+  };
+  for (const Array& res : call.residuals) {
+    ResidualSource src{ResidualSource::none, 0};
+    if (res.defined()) {
+      for (std::size_t k = 0; k < call.inputs.size() && src.kind == ResidualSource::none; ++k)
+        if (same(*call.inputs[k], res)) src = {ResidualSource::input, static_cast<std::uint32_t>(k)};
+      for (std::size_t j = 0; j < call.outputs.size() && src.kind == ResidualSource::none; ++j)
+        if (same(call.outputs[j], res)) src = {ResidualSource::output, static_cast<std::uint32_t>(j)};
+      if (src.kind == ResidualSource::none) {
+        src = {ResidualSource::internal, static_cast<std::uint32_t>(r->num_internal++)};
+        if (internals != nullptr) internals->push_back(res.detached());
+      }
+    }
+    r->sources.push_back(src);
+  }
+  return r;
+}
 
 std::uint64_t fingerprint(const Array& a) {
   std::uint64_t h = 1469598103934665603ull;
@@ -67,26 +121,36 @@ class ForwardRegion final : public autodiff::detail::RecordHook {
   ForwardRegion(const Policy& policy, bool verify)
       : policy_(policy), verify_(verify), analyze_(!policy.saves_nothing() && !verify) {}
   bool is_region() const override { return true; }
-  std::optional<Array> replay_output(const Shape& shape, DType dtype) override {
-    pending_ = Pending{shape, dtype};
-    return std::nullopt;
-  }
-  void on_record(const char* op, Array& out, const Node* node) override {
+  void on_record(const char* op, Array& out, const Node* node, const autodiff::detail::PrimitiveCall* call) override {
     const std::uint64_t index = next_++;
-    const bool skippable = pending_ && pending_->shape == out.shape() && pending_->dtype == out.dtype();
-    pending_.reset();
+    // A primitive's entry is made at its first output and shared by the others.
+    std::shared_ptr<const PrimitiveRecipe> recipe;
+    std::vector<Array> internals;
+    if (call != nullptr && !policy_.saves_nothing()) {
+      if (out.output_index() == 0 || recipes_.empty() || !recipes_.back().primitive)
+        recipe = recipe_of(index - out.output_index(), *call, &internals);
+      else
+        recipe = recipes_.back().primitive;
+    }
+    // Dead code needs the primitive's residuals to be inputs or outputs (the replay has those).
+    const bool skippable = recipe != nullptr && recipe->num_internal == 0;
     if (analyze_) learn_flow(index, out, node, skippable);
     if (verify_) prints_.push_back({op, out.shape(), out.dtype(), fingerprint(out), current_module_path()});
     if (policy_.saves_nothing()) return;
+    recipes_.push_back({out.shape(), out.dtype(), recipe});
     const std::string path = current_module_path();
     const OpInfo info{op, out.shape(), out.nbytes(), node ? node->label() : std::string_view(), path, out.dtype()};
     if (policy_.saveable(info)) {
-      saved_.push_back({index, out.detached()});
+      // The internal residuals go with the first saved output of the primitive.
+      if (recipe != nullptr && recipe->num_internal > 0 && internals.empty() && !internals_kept_for(recipe->first))
+        recipe_of(recipe->first, *call, &internals);
+      saved_.push_back({index, out.detached(), std::move(internals)});
       g_stats.saved.fetch_add(1, std::memory_order_relaxed);
     }
   }
   std::vector<SavedValue> take_saved() { return std::move(saved_); }
   std::vector<OpPrint> take_prints() { return std::move(prints_); }
+  std::vector<OpRecipe> take_recipes() { return std::move(recipes_); }
 
   // After the forward pass: which ops the replay may leave out (see DataFlow::dead_ops); empty when
   // the data flow was not learnt.
@@ -124,13 +188,15 @@ class ForwardRegion final : public autodiff::detail::RecordHook {
     }
   }
 
-  struct Pending {
-    Shape shape;
-    DType dtype;
-  };
+  // Whether a saved value of the primitive starting at op `first` already holds its internals.
+  bool internals_kept_for(std::uint64_t first) const {
+    for (auto it = saved_.rbegin(); it != saved_.rend() && it->index >= first; ++it)
+      if (!it->internals.empty()) return true;
+    return false;
+  }
   // The block's data flow, one entry per numbered op.
   struct DataFlow {
-    std::vector<bool> skippable;                      // the op asked replay_output before computing
+    std::vector<bool> skippable;                      // a primitive the replay can skip
     std::vector<std::vector<std::uint32_t>> consumers;  // ops whose graph inputs include its output
     std::vector<bool> needed;                         // its value is a residual or a block output
 
@@ -162,7 +228,7 @@ class ForwardRegion final : public autodiff::detail::RecordHook {
   std::vector<SavedValue> saved_;
   std::vector<OpPrint> prints_;
   std::uint64_t next_ = 0;
-  std::optional<Pending> pending_;
+  std::vector<OpRecipe> recipes_;
   DataFlow flow_;
   std::unordered_map<std::pair<std::uint64_t, std::uint32_t>, std::uint32_t, PairHash> producer_;  // (node id, output) -> op
   std::unordered_map<const Buffer*, std::uint32_t> writer_;  // live buffer -> the last op that produced it
@@ -179,28 +245,65 @@ class ForwardRegion final : public autodiff::detail::RecordHook {
 // Numbers the ops of the recomputation the same way, hands back the saved values and leaves out
 // dead ops (their outputs are placeholders whose reads are detected).
 class ReplayRegion final : public autodiff::detail::RecordHook {
+  enum class Skipped { no, replayed, eliminated };
+
  public:
   // With `prints` (verify mode), every recomputed op is compared with the forward pass's. `dead`
   // (may be null) marks the ops to leave out.
   ReplayRegion(const std::vector<SavedValue>& saved, const std::vector<bool>* dead, const std::vector<OpPrint>* prints,
-               const std::string& where)
-      : saved_(saved), dead_(dead), prints_(prints), where_(where) {}
+               const std::vector<OpRecipe>& recipes, const std::string& where)
+      : saved_(saved), dead_(dead), prints_(prints), recipes_(recipes), where_(where) {}
   bool is_region() const override { return true; }
-  std::optional<Array> replay_output(const Shape& shape, DType dtype) override {
-    if (const SavedValue* s = saved_here()) {
-      check_saved_shape(s->value, shape);
-      skipped_ = Skipped::replayed;
-      return s->value.detached();
+  // The next primitive's forward is skipped when each of its outputs was saved by the policy or is
+  // read by nothing in the replay: the outputs come from the saved values (or are placeholders),
+  // the residuals from the replay's inputs, those outputs and the internals saved with them.
+  std::optional<autodiff::detail::Replayed> replay_primitive(std::span<const Array* const> inputs) override {
+    if (next_ >= recipes_.size() || !recipes_[next_].primitive || recipes_[next_].primitive->first != next_) return std::nullopt;
+    const PrimitiveRecipe& p = *recipes_[next_].primitive;
+    if (p.sources.size() > 0 && inputs.size() == 0) return std::nullopt;
+    autodiff::detail::Replayed r;
+    r.outs.resize(p.num_outputs);
+    pending_.assign(p.num_outputs, Skipped::no);
+    const std::vector<Array>* internals = nullptr;
+    std::size_t cursor = cursor_;
+    for (std::size_t j = 0; j < p.num_outputs; ++j) {
+      const std::uint64_t op = next_ + j;
+      if (op >= recipes_.size()) return fail();
+      while (cursor < saved_.size() && saved_[cursor].index < op) ++cursor;
+      if (cursor < saved_.size() && saved_[cursor].index == op) {
+        r.outs[j] = saved_[cursor].value.detached();
+        if (!saved_[cursor].internals.empty()) internals = &saved_[cursor].internals;
+        pending_[j] = Skipped::replayed;
+      } else if (dead_ != nullptr && op < dead_->size() && (*dead_)[op]) {
+        r.outs[j] = Array::elided_placeholder(recipes_[op].shape, recipes_[op].dtype, read_flag_);
+        pending_[j] = Skipped::eliminated;
+      } else {
+        return fail();
+      }
     }
-    if (dead_ != nullptr && next_ < dead_->size() && (*dead_)[next_]) {
-      skipped_ = Skipped::eliminated;
-      return Array::elided_placeholder(shape, dtype, read_flag_);
+    if (p.num_internal > 0 && (internals == nullptr || internals->size() != p.num_internal)) return fail();
+    r.residuals.reserve(p.sources.size());
+    for (const ResidualSource& src : p.sources) {
+      switch (src.kind) {
+        case ResidualSource::none: r.residuals.emplace_back(); break;
+        case ResidualSource::input:
+          if (src.index >= inputs.size()) return fail();
+          r.residuals.push_back(inputs[src.index]->detached());
+          break;
+        case ResidualSource::output: r.residuals.push_back(r.outs[src.index]); break;
+        case ResidualSource::internal: r.residuals.push_back((*internals)[src.index]); break;
+      }
     }
-    return std::nullopt;
+    r.structure = p.structure;
+    return r;
   }
-  void on_record(const char* op, Array& out, const Node*) override {
+  void on_record(const char* op, Array& out, const Node*, const autodiff::detail::PrimitiveCall*) override {
     if (prints_ != nullptr) check_op(op, out);
-    const Skipped skipped = std::exchange(skipped_, Skipped::no);
+    Skipped skipped = Skipped::no;
+    if (!pending_.empty()) {
+      skipped = pending_.front();
+      pending_.erase(pending_.begin());
+    }
     if (const SavedValue* s = saved_here()) {
       ++cursor_;
       if (skipped != Skipped::replayed) {  // computed anyway (the op cannot skip): use the saved bits
@@ -230,7 +333,10 @@ class ReplayRegion final : public autodiff::detail::RecordHook {
   bool read_a_left_out_value() const { return read_flag_->load(); }
 
  private:
-  enum class Skipped { no, replayed, eliminated };
+  std::optional<autodiff::detail::Replayed> fail() {
+    pending_.clear();
+    return std::nullopt;
+  }
   const SavedValue* saved_here() const {
     return cursor_ < saved_.size() && saved_[cursor_].index == next_ ? &saved_[cursor_] : nullptr;
   }
@@ -255,10 +361,11 @@ class ReplayRegion final : public autodiff::detail::RecordHook {
   const std::vector<SavedValue>& saved_;
   const std::vector<bool>* dead_;
   const std::vector<OpPrint>* prints_;
+  const std::vector<OpRecipe>& recipes_;
   const std::string& where_;
   std::size_t cursor_ = 0;
   std::uint64_t next_ = 0;
-  Skipped skipped_ = Skipped::no;
+  std::vector<Skipped> pending_;  // how the outputs of the primitive being replayed were obtained
   std::shared_ptr<std::atomic<bool>> read_flag_ = std::make_shared<std::atomic<bool>>(false);
 };
 
@@ -266,11 +373,13 @@ class CheckpointNode final : public Node {
  public:
   CheckpointNode(std::vector<autodiff::Edge> inputs, std::vector<Shape> shapes, std::vector<SavedValue> saved,
                  std::vector<bool> dead, detail::Thunk recompute, bool verify, std::string where,
-                 std::vector<std::uint64_t> fingerprints, std::vector<Array> held, std::vector<OpPrint> prints)
+                 std::vector<std::uint64_t> fingerprints, std::vector<Array> held, std::vector<OpPrint> prints,
+                 std::vector<OpRecipe> recipes)
       : Node("checkpoint", std::move(inputs), std::move(shapes)),
         saved_(std::move(saved)),
         dead_(std::move(dead)),
         prints_(std::move(prints)),
+        recipes_(std::move(recipes)),
         recompute_(std::move(recompute)),
         verify_(verify),
         where_(std::move(where)),
@@ -283,7 +392,7 @@ class CheckpointNode final : public Node {
     // Dead ops are left out unless verify mode or debug checks want to see every value.
     bool leave_out = !verify_ && !linum::detail::debug_checks_on() && std::find(dead_.begin(), dead_.end(), true) != dead_.end();
     for (;;) {
-      ReplayRegion region(saved_, leave_out ? &dead_ : nullptr, verify_ ? &prints_ : nullptr, where_);
+      ReplayRegion region(saved_, leave_out ? &dead_ : nullptr, verify_ ? &prints_ : nullptr, recipes_, where_);
       linum::detail::PhaseScope phase(linum::detail::Phase::recomputation);
       autodiff::EnableGradGuard recording;
       outs = recompute_();
@@ -342,6 +451,7 @@ class CheckpointNode final : public Node {
     saved_.clear();
     dead_.clear();
     prints_.clear();
+    recipes_.clear();
     recompute_ = nullptr;
     held_.clear();
   }
@@ -355,6 +465,7 @@ class CheckpointNode final : public Node {
   std::vector<SavedValue> saved_;
   std::vector<bool> dead_;
   std::vector<OpPrint> prints_;
+  std::vector<OpRecipe> recipes_;
   detail::Thunk recompute_;
   bool verify_;
   std::string where_;
@@ -404,6 +515,7 @@ std::vector<Array> run_checkpointed(const Thunk& forward, Thunk recompute, const
   std::vector<Array> outs;
   std::vector<SavedValue> saved;
   std::vector<OpPrint> op_prints;
+  std::vector<OpRecipe> recipes;
   std::vector<bool> dead;
   {
     ForwardRegion region(options.policy, options.verify);
@@ -411,6 +523,7 @@ std::vector<Array> run_checkpointed(const Thunk& forward, Thunk recompute, const
     dead = region.dead_ops(outs);
     saved = region.take_saved();
     op_prints = region.take_prints();
+    recipes = region.take_recipes();
   }
   if (keep_plain && keep_plain(outs)) return outs;
   g_stats.calls.fetch_add(1, std::memory_order_relaxed);
@@ -435,7 +548,7 @@ std::vector<Array> run_checkpointed(const Thunk& forward, Thunk recompute, const
   auto node = std::make_shared<CheckpointNode>(std::move(inputs), std::move(shapes), std::move(saved), std::move(dead),
                                                std::move(recompute),
                                                options.verify, std::move(where), std::move(prints), std::move(unique_held),
-                                               std::move(op_prints));
+                                               std::move(op_prints), std::move(recipes));
   // An array returned twice (an RNN step's new carry that is also its output) stays one value: both
   // places get the first output, so its consumers' cotangents add up at one output in the order the
   // plain graph adds them (two outputs would be summed separately and then together: other bits).
@@ -459,7 +572,7 @@ std::vector<Array> run_checkpointed(const Thunk& forward, Thunk recompute, const
   }
   if (autodiff::detail::t_record_hook != nullptr)
     for (Array& o : outs)
-      if (o.node()) autodiff::detail::on_record("checkpoint", o, node.get());
+      if (o.node()) autodiff::detail::notify_record_hooks("checkpoint", std::span<Array>(&o, 1), node.get(), nullptr);
   return outs;
 }
 

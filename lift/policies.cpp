@@ -1,6 +1,7 @@
 #include <linum/lift/policies.hpp>
 #include <linum/core/autodiff/graph.hpp>
 #include <linum/core/autodiff/hooks.hpp>
+#include <linum/core/autodiff/primitive.hpp>
 
 #include <algorithm>
 #include <optional>
@@ -83,14 +84,18 @@ class NamedNode final : public autodiff::Node {
 Array checkpoint_name(const Array& x, std::string name) {
   if (!x.defined()) throw ValueError("checkpoint_name: got an undefined array");
   Array y = x.detached();
-  if (autodiff::needs_grad(x)) {
-    // A replaying checkpoint hands back the value its policy saved here (the name's whole point).
+  const Array* in[] = {&x};
+  const std::span<const Array* const> ins(in, 1);
+  if (autodiff::detail::any_needs_grad(ins)) {
+    // The identity as a primitive: a replaying checkpoint hands back the value its policy saved
+    // here (the name's whole point).
     if (autodiff::detail::t_record_hook != nullptr)
-      if (std::optional<Array> r = autodiff::detail::replay_output(x.shape(), x.dtype())) y = std::move(*r);
-    auto node = std::make_shared<NamedNode>(autodiff::edges_of({&x}), x.shape(), std::move(name));
-    const autodiff::Node* raw = node.get();
+      if (std::optional<autodiff::detail::Replayed> r = autodiff::detail::replay_primitive(ins)) y = std::move(r->outs.at(0));
+    auto node = std::make_shared<NamedNode>(autodiff::detail::edges_of(ins), x.shape(), std::move(name));
+    autodiff::Node* raw = node.get();
     y.set_node(std::move(node), 0);
-    if (autodiff::detail::t_record_hook != nullptr) autodiff::detail::on_record("checkpoint_name", y, raw);
+    const autodiff::detail::PrimitiveCall call{ins, std::span<const Array>(&y, 1), {}, 1, {}};
+    autodiff::detail::after_record("checkpoint_name", std::span<Array>(&y, 1), raw, &call);
   }
   return y;
 }

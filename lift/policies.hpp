@@ -33,10 +33,13 @@ struct OpInfo {
   std::string_view module_path;  // "Encoder_0/Block_1", or empty outside modules
   DType dtype = DType::f32;      // output dtype (bytes count 2 per bf16 element)
 
-  // A matrix product or convolution (JAX's dot_general and conv_general_dilated).
-  bool is_dot() const { return op == "matmul" || op == "batched_matmul" || op == "conv2d"; }
-  // A product with batch dimensions (batched_matmul, i.e. a dot_general with batch axes).
-  bool has_batch_dims() const { return op == "batched_matmul"; }
+  // A matrix product or convolution (JAX's dot_general and conv_general_dilated). The fused
+  // attention counts as the products it contains (JAX's attention is dot_generals around a
+  // softmax): a dots policy saves its output.
+  bool is_dot() const { return op == "matmul" || op == "batched_matmul" || op == "conv2d" || op == "attention"; }
+  // A product with batch dimensions (batched_matmul, i.e. a dot_general with batch axes; the
+  // attention's products have the batch and head axes).
+  bool has_batch_dims() const { return op == "batched_matmul" || op == "attention"; }
 };
 
 // A policy: a predicate over OpInfo plus a description. Default: nothing_saveable.

@@ -30,7 +30,7 @@ struct Producer {
 // Remembers which op produced each buffer recorded while tracing.
 class ProducerTrace final : public autodiff::detail::RecordHook {
  public:
-  void on_record(const char* op, Array& out, const autodiff::Node* node) override {
+  void on_record(const char* op, Array& out, const autodiff::Node* node, const autodiff::detail::PrimitiveCall*) override {
     const auto* where = linum::detail::current_module_path();
     std::string path = where ? linum::detail::join_module_path(*where) : std::string();
     // A view (reshape, a same-shape broadcast_to) only looks at the value its input's producer made,

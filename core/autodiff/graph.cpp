@@ -4,6 +4,10 @@
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/autodiff/grad.hpp>
 #include <linum/core/autodiff/hooks.hpp>
+#include <linum/core/autodiff/primitive.hpp>
+#include <linum/core/autodiff/saved_hooks.hpp>
+
+#include <any>
 
 #include <algorithm>
 #include <unordered_map>
@@ -188,21 +192,55 @@ void seed(std::span<const Array> roots, std::span<const Array> cotangents) {
 namespace detail {
 thread_local RecordHook* t_record_hook = nullptr;
 
-void on_record(const char* op, Array& out, const Node* node) {
-  bool region_seen = false;
-  for (RecordHook* h = t_record_hook; h != nullptr; h = h->previous()) {
-    if (h->is_region()) {
-      if (region_seen) continue;  // only the innermost checkpoint region numbers and saves ops
-      region_seen = true;
+namespace {
+thread_local std::shared_ptr<const SavedValueHooks> t_saved_hooks;
+}  // namespace
+
+const std::shared_ptr<const SavedValueHooks>& active_saved_value_hooks() { return t_saved_hooks; }
+
+void notify_record_hooks(const char* op, std::span<Array> outs, const Node* node, const PrimitiveCall* call) {
+  for (Array& out : outs) {
+    bool region_seen = false;
+    for (RecordHook* h = t_record_hook; h != nullptr; h = h->previous()) {
+      if (h->is_region()) {
+        if (region_seen) continue;  // only the innermost checkpoint region numbers and saves ops
+        region_seen = true;
+      }
+      h->on_record(op, out, node, call);
     }
-    h->on_record(op, out, node);
   }
 }
 
-std::optional<Array> replay_output(const Shape& shape, DType dtype) {
+void after_record(const char* op, std::span<Array> outs, Node* node, const PrimitiveCall* call) {
+  if (t_record_hook != nullptr) notify_record_hooks(op, outs, node, call);
+  if (t_saved_hooks != nullptr) [[unlikely]]
+    node->pack_residuals();
+  if (linum::detail::debug_checks_on()) [[unlikely]] {
+    const std::initializer_list<const Array*> none{};
+    for (const Array& o : outs) linum::detail::check_finite(o, op, -1, none);
+  }
+  if (memory::detail::timeline_recording()) [[unlikely]]
+    memory::detail::timeline_on_op(op, node);
+}
+
+std::optional<Replayed> replay_primitive(std::span<const Array* const> inputs) {
   for (RecordHook* h = t_record_hook; h != nullptr; h = h->previous())
-    if (h->is_region()) return h->replay_output(shape, dtype);
+    if (h->is_region()) return h->replay_primitive(inputs);
   return std::nullopt;
+}
+
+bool any_needs_grad(std::span<const Array* const> inputs) {
+  if (!t_recording) return false;
+  for (const Array* a : inputs)
+    if (a->node() != nullptr) return true;
+  return false;
+}
+
+std::vector<Edge> edges_of(std::span<const Array* const> inputs) {
+  std::vector<Edge> edges;
+  edges.reserve(inputs.size());
+  for (const Array* a : inputs) edges.push_back(Edge{a->node(), a->output_index()});
+  return edges;
 }
 
 RecordHook::RecordHook() : previous_(t_record_hook) { t_record_hook = this; }
@@ -245,6 +283,49 @@ std::vector<Edge> edges_of(std::span<const Array> inputs) {
   for (const Array& a : inputs) edges.push_back(Edge{a.node(), a.output_index()});
   return edges;
 }
+
+struct PackedResiduals {
+  std::shared_ptr<const SavedValueHooks> hooks;
+  std::vector<std::any> packed;
+  std::vector<Shape> shapes;
+  std::vector<DType> dtypes;
+  std::vector<bool> defined;
+};
+
+std::shared_ptr<PackedResiduals> Node::pack(std::vector<Array>& saved) {
+  auto p = std::make_shared<PackedResiduals>();
+  p->hooks = detail::active_saved_value_hooks();
+  for (Array& a : saved) {
+    p->defined.push_back(a.defined());
+    p->shapes.push_back(a.shape());
+    p->dtypes.push_back(a.dtype());
+    p->packed.push_back(a.defined() ? p->hooks->pack(a) : std::any());
+  }
+  saved.clear();
+  saved.shrink_to_fit();
+  return p;
+}
+
+std::vector<Array> Node::unpack_residuals(const PackedResiduals& p, const char* op) {
+  std::vector<Array> out(p.packed.size());
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    if (!p.defined[i]) continue;
+    out[i] = p.hooks->unpack(p.packed[i]).detached();
+    if (!out[i].defined() || !(out[i].shape() == p.shapes[i]) || out[i].dtype() != p.dtypes[i])
+      throw AutodiffError(linum::detail::cat("saved-value hooks: unpack returned ", out[i].defined() ? out[i].type_str() : "an undefined array",
+                                             " for residual ", i, " of op '", op, "', which was saved as ",
+                                             dtype_short_name(p.dtypes[i]), p.shapes[i].str(),
+                                             "; unpack must give back the array pack was given (same shape and dtype)"));
+  }
+  return out;
+}
+
+SavedValueHooksGuard::SavedValueHooksGuard(SavedValueHooks hooks) : previous_(detail::t_saved_hooks) {
+  if (!hooks.pack || !hooks.unpack)
+    throw ValueError("SavedValueHooksGuard: both pack and unpack must be set");
+  detail::t_saved_hooks = std::make_shared<const SavedValueHooks>(std::move(hooks));
+}
+SavedValueHooksGuard::~SavedValueHooksGuard() { detail::t_saved_hooks = std::move(previous_); }
 
 Array Node::take_grad(std::size_t i) {
   if (i >= grads_.size()) return Array();

@@ -6,16 +6,9 @@
 // (iteratively: deep models cannot overflow the stack), runs each node's rule in reverse order and,
 // unless asked to retain the graph, frees each node's saved arrays as soon as it has run.
 //
-// An op is written as forward kernel, then `record` with a lambda for its backward rule, so the
-// two sit next to each other and the lambda's captures say what is saved:
-//
-//   Array exp(const Array& x) {
-//     Array y = exp_kernel(x);
-//     if (autodiff::needs_grad(x))
-//       autodiff::record("exp", y, {&x}, {y},    // inputs, then what the rule keeps: its output
-//                        [](autodiff::Cotangents& c, autodiff::Saved s) { c.set(0, c.out() * s[0]); });
-//     return y;
-//   }
+// Ops are primitives declared through one dispatcher (core/autodiff/primitive.hpp), which records
+// the node, asks checkpoint regions whether the forward can be skipped, and runs every check and
+// observer; user-defined ops use linum::custom_vjp (core/autodiff/custom_vjp.hpp).
 #pragma once
 
 #include <linum/core/array.hpp>
@@ -56,6 +49,9 @@ class NoGradGuard {
 // ---- nodes ----------------------------------------------------------------------------------
 
 class Node;
+// Residuals handed to saved-value hooks (core/autodiff/saved_hooks.hpp): what pack returned, per
+// residual, and the hooks that unpack them.
+struct PackedResiduals;
 
 // An input of a node: the node that produced it and which of its outputs. A null node means the
 // input is a constant and needs no gradient.
@@ -123,6 +119,9 @@ class Node {
   virtual void release() {}
   // Appends the arrays this node keeps for its backward pass (for memory reports).
   virtual void saved_arrays(std::vector<Array>& /*out*/) const {}
+  // Hands the arrays kept for the backward pass to the active saved-value hooks (recording calls
+  // it when hooks are in force; core/autodiff/saved_hooks.hpp).
+  virtual void pack_residuals() {}
   // True once release() ran: a second backward through it is an error.
   bool released() const { return released_; }
   // A label that policies can match (the name given by checkpoint_name), or empty.
@@ -147,6 +146,11 @@ class Node {
  public:
   // Accumulated cotangent of output i after a sweep (leaves keep theirs until taken).
   Array take_grad(std::size_t i = 0);
+
+ protected:
+  // Packs `saved` (cleared) through the active hooks; unpacks for a backward rule of `op`.
+  static std::shared_ptr<PackedResiduals> pack(std::vector<Array>& saved);
+  static std::vector<Array> unpack_residuals(const PackedResiduals& packed, const char* op);
 };
 
 // A differentiation variable: the node attached to the arrays grad/vjp differentiate against.
@@ -161,26 +165,41 @@ class LeafNode final : public Node {
 using Saved = std::span<const Array>;
 
 // A node whose backward rule is a lambda `rule(Cotangents&, Saved)`. The arrays it keeps for the
-// backward pass are declared explicitly (not hidden in captures), so memory reports and remat
-// policies can see them; the lambda captures only small non-array data (shapes, axes).
+// backward pass are declared explicitly (not hidden in captures), so memory reports, remat
+// policies and saved-value hooks see them; the lambda captures only small non-array data (shapes,
+// axes). Every primitive's node (core/autodiff/primitive.hpp) is one.
 template <class Rule>
 class RuleNode final : public Node {
  public:
   RuleNode(const char* op, std::vector<Edge> inputs, std::vector<Shape> shapes, std::vector<Array> saved, Rule rule)
       : Node(op, std::move(inputs), std::move(shapes)), saved_(std::move(saved)), rule_(std::move(rule)) {}
-  void backward(Cotangents& c) override { (*rule_)(c, Saved(saved_)); }
+  void backward(Cotangents& c) override {
+    if (packed_ != nullptr) {
+      const std::vector<Array> unpacked = unpack_residuals(*packed_, op());
+      (*rule_)(c, Saved(unpacked));
+    } else {
+      (*rule_)(c, Saved(saved_));
+    }
+  }
   void release() override {
     saved_.clear();
     saved_.shrink_to_fit();
+    packed_.reset();
     rule_.reset();
   }
   void saved_arrays(std::vector<Array>& out) const override {
     for (const Array& a : saved_)
       if (a.defined()) out.push_back(a);
   }
+  void pack_residuals() override {
+    if (!saved_.empty()) packed_ = pack(saved_);
+  }
+  // The arrays the rule reads, positionally (undefined entries included); empty once packed.
+  std::span<const Array> residuals() const { return saved_; }
 
  private:
   std::vector<Array> saved_;
+  std::shared_ptr<PackedResiduals> packed_;
   std::optional<Rule> rule_;
 };
 
@@ -205,23 +224,29 @@ class RecordHook;
 // The innermost hook observing recorded ops on this thread (checkpoint regions, residual traces;
 // see core/autodiff/hooks.hpp), or null. Ops pay one thread-local load when none is active.
 extern thread_local RecordHook* t_record_hook;
-// Shows a freshly recorded op to the active hooks; a checkpoint replaying its forward pass may
-// replace `out`'s value by the one it saved.
-void on_record(const char* op, Array& out, const Node* node);
+struct PrimitiveCall;
+// Runs the hooks, saved-value packing, debug checks and timeline for a freshly recorded node whose
+// outputs are `outs` (the same steps for every primitive, core/autodiff/primitive.hpp, and for
+// `record` below). A checkpoint replaying its block may replace outputs by the values it saved.
+void after_record(const char* op, std::span<Array> outs, Node* node, const PrimitiveCall* call);
+// The record hooks' part of after_record alone (checkpoints show their outputs to enclosing regions).
+void notify_record_hooks(const char* op, std::span<Array> outs, const Node* node, const PrimitiveCall* call);
 }  // namespace detail
 
-// Attaches a node to `out`: `inputs` are the op's inputs in the order the rule's Cotangents::set
-// uses, `saved` the arrays its backward rule reads (undefined entries allowed for "not needed").
+// The low-level way to record an op that has already computed `out`: attaches a node to it.
+// `inputs` are the op's inputs in the order the rule's Cotangents::set uses, `saved` the arrays
+// its backward rule reads (undefined entries allowed for "not needed"). Prefer autodiff::primitive
+// (core/autodiff/primitive.hpp) or linum::custom_vjp: an op recorded after computing cannot be
+// skipped when a checkpoint replays its block (its value is computed again, then replaced by the
+// saved one when the policy saved it).
 template <class Rule>
 void record(const char* op, Array& out, std::initializer_list<const Array*> inputs, std::initializer_list<Array> saved,
             Rule&& rule) {
   auto node = std::make_shared<RuleNode<std::decay_t<Rule>>>(op, edges_of(inputs), std::vector<Shape>{out.shape()},
                                                              detail::detach_all(saved), std::forward<Rule>(rule));
-  const Node* raw = node.get();
+  Node* raw = node.get();
   out.set_node(std::move(node), 0);
-  if (linum::detail::debug_checks_on()) linum::detail::check_finite(out, op, -1, inputs);
-  if (detail::t_record_hook != nullptr) detail::on_record(op, out, raw);
-  if (memory::detail::timeline_recording()) memory::detail::timeline_on_op(op, raw);
+  detail::after_record(op, std::span<Array>(&out, 1), raw, nullptr);
 }
 
 // The same for ops with several inputs given as a list, or several outputs (each output gets the
@@ -235,11 +260,7 @@ void record_multi(const char* op, std::span<Array> outs, std::vector<Edge> input
   auto node = std::make_shared<RuleNode<std::decay_t<Rule>>>(op, std::move(inputs), std::move(shapes), std::move(saved),
                                                              std::forward<Rule>(rule));
   for (std::size_t i = 0; i < outs.size(); ++i) outs[i].set_node(node, static_cast<std::uint32_t>(i));
-  if (linum::detail::debug_checks_on())
-    for (const Array& o : outs) linum::detail::check_finite(o, op, -1, {});
-  if (detail::t_record_hook != nullptr)
-    for (Array& o : outs) detail::on_record(op, o, node.get());
-  if (memory::detail::timeline_recording()) memory::detail::timeline_on_op(op, node.get());
+  detail::after_record(op, outs, node.get(), nullptr);
 }
 
 // ---- the backward sweep -----------------------------------------------------------------------

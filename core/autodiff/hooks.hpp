@@ -6,6 +6,7 @@
 
 #include <linum/core/array.hpp>
 #include <linum/core/autodiff/graph.hpp>
+#include <linum/core/autodiff/primitive.hpp>
 
 #include <optional>
 
@@ -18,22 +19,19 @@ class RecordHook {
   RecordHook(const RecordHook&) = delete;
   RecordHook& operator=(const RecordHook&) = delete;
 
-  // Called after an op recorded `node` for `out` (inner to outer; only the innermost region).
-  virtual void on_record(const char* op, Array& out, const Node* node) = 0;
-  // Checkpoint regions: see replay_output below.
-  virtual std::optional<Array> replay_output(const Shape& /*shape*/, DType /*dtype*/) { return std::nullopt; }
+  // Called after an op recorded `node` for `out` (once per output; inner to outer; only the
+  // innermost region). `call` describes a primitive that went through the dispatcher (its
+  // inputs and residuals); it is null for an op recorded after computing (autodiff::record) and
+  // for checkpoints, which a replay cannot skip.
+  virtual void on_record(const char* op, Array& out, const Node* node, const PrimitiveCall* call) = 0;
+  // Checkpoint regions: the outputs and residuals of the next primitive when the replay of a block
+  // can skip its forward (its outputs were saved by the policy, or nothing reads them), else nullopt.
+  virtual std::optional<Replayed> replay_primitive(std::span<const Array* const> /*inputs*/) { return std::nullopt; }
   virtual bool is_region() const { return false; }
   RecordHook* previous() const { return previous_; }
 
  private:
   RecordHook* previous_;
 };
-
-// For ops that can skip their computation when a checkpoint replays its block (matmul, conv2d,
-// checkpoint_name): call right before computing an output of `shape` and `dtype` that the op then
-// records. Returns the value to use instead of computing it (the output the checkpoint's policy
-// saved, or a placeholder for a value nothing in the replay reads), or nullopt: compute as usual.
-// In a checkpoint's forward pass it tells the region that this op can be skipped on replay.
-std::optional<Array> replay_output(const Shape& shape, DType dtype);
 
 }  // namespace linum::autodiff::detail

@@ -1,7 +1,7 @@
 #include <linum/core/ops/attention.hpp>
 #include <linum/core/threading.hpp>
 
-#include <linum/core/autodiff/graph.hpp>
+#include <linum/core/autodiff/primitive.hpp>
 #include <linum/core/kernels/gemm.hpp>
 #include <linum/core/ops/kernel_util.hpp>
 
@@ -486,15 +486,20 @@ Array scaled_dot_product_attention(const Array& q_in, const Array& k_in, const A
 
   Shape out_shape = q.shape();
   out_shape[out_shape.rank() - 1] = g.v_dim;
-  Array out = Array::empty(out_shape, dt);
-  Array stats = Array::empty(Shape{g.batch, g.heads, g.q_len, 2});
-  if (use_bf16_path(q))
-    bf16_path::forward(g, q, k, v, view ? &*view : nullptr, out, stats);
-  else
-    attention_forward(g, q, k, v, view ? &*view : nullptr, out, stats);
-
-  if (autodiff::needs_grad(q, k, v))
-    autodiff::record("attention", out, {&q, &k, &v}, {q, k, v, out, stats, mask},
+  // One primitive (the mask is an input that gets no gradient); the rule reads the inputs, the
+  // output and the per-row softmax statistics (an internal residual, kept with the output when a
+  // remat policy saves it: dots_saveable does, the attention being the products it contains).
+  return autodiff::primitive("attention", {&q, &k, &v, &mask},
+                             [&](autodiff::Residuals& r) {
+                               Array out = Array::empty(out_shape, dt);
+                               Array stats = Array::empty(Shape{g.batch, g.heads, g.q_len, 2});
+                               if (use_bf16_path(q))
+                                 bf16_path::forward(g, q, k, v, view ? &*view : nullptr, out, stats);
+                               else
+                                 attention_forward(g, q, k, v, view ? &*view : nullptr, out, stats);
+                               r.keep(q, k, v, out, stats, mask);
+                               return out;
+                             },
                      [g](Cotangents& c, autodiff::Saved s) {
                        std::optional<MaskView> view;
                        if (s[5].defined()) view = mask_view(s[5], g, s[0], s[1], s[2]);
@@ -511,7 +516,6 @@ Array scaled_dot_product_attention(const Array& q_in, const Array& k_in, const A
                        if (c.needs(1)) c.set(1, std::move(dk));
                        if (c.needs(2)) c.set(2, std::move(dv));
                      });
-  return out;
 }
 
 }  // namespace linum

@@ -7,7 +7,7 @@
 #include <linum/core/ops/conv.hpp>
 #include <linum/core/ops/shape_ops.hpp>
 #include <linum/core/ops/elementwise.hpp>
-#include <linum/core/autodiff/hooks.hpp>
+#include <linum/core/autodiff/primitive.hpp>
 #include <linum/core/ops/gemm.hpp>
 #include <linum/core/engine.hpp>
 #include <linum/core/kernels/conv.hpp>
@@ -184,30 +184,28 @@ Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
   G.ph = detail::plan_axis(G.h, G.kh, G.sh, G.dh, opt.padding, 0, "conv2d");
   G.pw = detail::plan_axis(G.w, G.kw, G.sw, G.dw, opt.padding, 1, "conv2d");
 
-  const bool recording = autodiff::needs_grad(x, w);
-  std::optional<Array> saved;
-  if (recording && autodiff::detail::t_record_hook)
-    saved = autodiff::detail::replay_output(Shape{G.n, G.ph.out, G.pw.out, G.o}, t);
 #if LINUM_HAVE_ONEDNN
   if (onednn) {
     const kernels::ConvShape S{G.n, G.h, G.w, G.c, G.kh, G.kw, G.cg, G.o, G.groups, G.ph.out, G.pw.out, G.sh, G.sw,
                                G.dh, G.dw, G.ph.pad_lo, G.ph.pad_hi, G.pw.pad_lo, G.pw.pad_hi, t};
-    Array y = saved ? std::move(*saved) : kernels::conv_forward_onednn(x, w, S);
-    if (recording) {
-      Array keep_x = w.node() ? x.detached() : Array();  // for dw
-      Array keep_w = x.node() ? w.detached() : Array();  // for dx
-      autodiff::record("conv2d", y, {&x, &w}, {keep_x, keep_w}, [S](Cotangents& c, autodiff::Saved s) {
-        const Array gy = c.take_out(0);
-        if (c.needs(1)) c.set(1, kernels::conv_backward_weights_onednn(s[0], gy, S));
-        if (c.needs(0)) c.set(0, kernels::conv_backward_data_onednn(gy, s[1], S));
-      });
-    }
-    return y;
+    return autodiff::primitive("conv2d", {&x, &w},
+                               [&](autodiff::Residuals& r) {
+                                 r.keep(w.node() ? x : Array(),   // for dw
+                                        x.node() ? w : Array());  // for dx
+                                 return kernels::conv_forward_onednn(x, w, S);
+                               },
+                               [S](Cotangents& c, autodiff::Saved s) {
+                                 const Array gy = c.take_out(0);
+                                 if (c.needs(1)) c.set(1, kernels::conv_backward_weights_onednn(s[0], gy, S));
+                                 if (c.needs(0)) c.set(0, kernels::conv_backward_data_onednn(gy, s[1], S));
+                               });
   }
 #endif
-  Array y = saved ? std::move(*saved) : Array::empty(Shape{G.n, G.ph.out, G.pw.out, G.o});
-  const std::int64_t chunk = images_per_chunk(G), R = G.col_width();
-  if (!saved) {
+  return autodiff::primitive("conv2d", {&x, &w}, [&](autodiff::Residuals& r) {
+    r.keep(x,                       // needed for dw (columns) -- and cheap compared to the columns
+           x.node() ? w : Array());
+    Array y = Array::empty(Shape{G.n, G.ph.out, G.pw.out, G.o});
+    const std::int64_t chunk = images_per_chunk(G), R = G.col_width();
     Array cols = scratch(chunk * G.rows_per_image(), R);
     for (std::int64_t n0 = 0; n0 < G.n; n0 += chunk) {
       const std::int64_t count = std::min(chunk, G.n - n0), P = count * G.rows_per_image();
@@ -220,11 +218,8 @@ Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
         ops::detail::gemm_into(Y, C, W);
       }
     }
-  }
-  if (recording) {
-    Array keep_x = x.detached();  // needed for dw (columns) — and cheap compared to the columns
-    Array keep_w = x.node() ? w.detached() : Array();
-    autodiff::record("conv2d", y, {&x, &w}, {keep_x, keep_w}, [G](Cotangents& c, autodiff::Saved s) {
+    return y;
+  }, [G](Cotangents& c, autodiff::Saved s) {
       const Array& gy = c.out();
       const std::int64_t chunk = images_per_chunk(G), R = G.col_width();
       Array dx = c.needs(0) ? Array::zeros(s[0].shape()) : Array();
@@ -251,9 +246,7 @@ Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
       }
       if (c.needs(0)) c.set(0, dx);
       if (c.needs(1)) c.set(1, dw);
-    });
-  }
-  return y;
+  });
 }
 
 Array conv_transpose2d(const Array& x, const Array& w, const ConvTransposeOptions& o) {

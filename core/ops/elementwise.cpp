@@ -1,7 +1,7 @@
 // Elementwise ops. Each op's backward rule follows its forward and captures only what it needs.
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/threading.hpp>
-#include <linum/core/autodiff/hooks.hpp>
+#include <linum/core/autodiff/primitive.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/kernel_util.hpp>
 #include <linum/core/ops/reduce.hpp>
@@ -19,7 +19,6 @@ namespace {
 
 using autodiff::Cotangents;
 using autodiff::needs_grad;
-using autodiff::record;
 using ops::detail::broadcast_shapes;
 using ops::detail::for_blocks;
 using ops::detail::sum_to;
@@ -180,29 +179,6 @@ Array unary_kernel(const Array& x, const char* op, F f) {
   return out;
 }
 
-// The kernels above for an op that records a node whenever its inputs need gradients: when a
-// checkpoint replays its block, the op's output may come from the forward pass instead (a saved
-// value, or a placeholder for a value nothing reads; see autodiff::detail::replay_output).
-template <class F>
-Array recorded_binary(const Array& a, const Array& b, const char* op, F f) {
-  if (autodiff::detail::t_record_hook != nullptr && needs_grad(a, b)) {
-    require_float(a, op);
-    require_float(b, op);
-    if (auto r = autodiff::detail::replay_output(broadcast_shapes(a.shape(), b.shape(), op), result_dtype(a, b)))
-      return std::move(*r);
-  }
-  return binary_kernel(a, b, op, f);
-}
-
-template <class F>
-Array recorded_unary(const Array& x, const char* op, F f) {
-  if (autodiff::detail::t_record_hook != nullptr && needs_grad(x)) {
-    require_float(x, op);
-    if (auto r = autodiff::detail::replay_output(x.shape(), x.dtype())) return std::move(*r);
-  }
-  return unary_kernel(x, op, f);
-}
-
 // out = f(a, b) over chunks of same-shaped float arrays, written into `out` (which may be `a`'s
 // buffer). A three-argument f(a, b, out) writes the chunk itself, so it can use `out` as scratch
 // space (an expression returned from f must not refer to f's locals: they are gone when it is
@@ -247,76 +223,92 @@ Array pointwise_grad(Cotangents& c, const Array& saved, F f) {
 
 Array scalar(float v) { return Array::scalar(v); }
 
+// Every op below is a primitive (core/autodiff/primitive.hpp): its forward kernel and what it keeps
+// for the backward rule, then the rule.
+using autodiff::Residuals;
+using autodiff::primitive;
+
+// What an elementwise op keeps for its rule: nothing, its input, or its output.
+enum class Keep { nothing, input, output };
+
+template <class F, class Rule>
+Array unary_op(const char* op, const Array& x, Keep keep, F f, Rule&& rule) {
+  return primitive(op, {&x}, [&](Residuals& r) {
+    Array y = unary_kernel(x, op, f);
+    if (keep == Keep::input) r.keep(x);
+    else if (keep == Keep::output) r.keep(y);
+    return y;
+  }, std::forward<Rule>(rule));
+}
+
 }  // namespace
 
 // ---- arithmetic -----------------------------------------------------------------------------
 
 Array add(const Array& a, const Array& b) {
-  Array y = recorded_binary(a, b, "add", [](float x, float z) { return x + z; });
-  if (needs_grad(a, b))
-    record("add", y, {&a, &b}, {}, [sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved) {
-      if (c.needs(0)) c.set(0, sum_to(c.out(), sa));
-      if (c.needs(1)) c.set(1, sum_to(c.out(), sb));
-    });
-  return y;
+  return primitive("add", {&a, &b}, [&](Residuals&) { return binary_kernel(a, b, "add", [](float x, float z) { return x + z; }); },
+                   [sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved) {
+                     if (c.needs(0)) c.set(0, sum_to(c.out(), sa));
+                     if (c.needs(1)) c.set(1, sum_to(c.out(), sb));
+                   });
 }
 
 Array sub(const Array& a, const Array& b) {
-  Array y = recorded_binary(a, b, "sub", [](float x, float z) { return x - z; });
-  if (needs_grad(a, b))
-    record("sub", y, {&a, &b}, {}, [sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved) {
-      if (c.needs(0)) c.set(0, sum_to(c.out(), sa));
-      if (c.needs(1)) c.set(1, neg(sum_to(c.out(), sb)));
-    });
-  return y;
+  return primitive("sub", {&a, &b}, [&](Residuals&) { return binary_kernel(a, b, "sub", [](float x, float z) { return x - z; }); },
+                   [sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved) {
+                     if (c.needs(0)) c.set(0, sum_to(c.out(), sa));
+                     if (c.needs(1)) c.set(1, neg(sum_to(c.out(), sb)));
+                   });
 }
 
 Array mul(const Array& a, const Array& b) {
-  Array y = recorded_binary(a, b, "mul", [](float x, float z) { return x * z; });
-  if (needs_grad(a, b)) {
-    // Each operand is kept only if the *other* one needs a gradient.
-    Array keep_a = b.node() ? a.detached() : Array();
-    Array keep_b = a.node() ? b.detached() : Array();
-    record("mul", y, {&a, &b}, {keep_a, keep_b}, [sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved s) {
-      if (c.needs(0)) c.set(0, sum_to(mul(c.out(), s[1]), sa));
-      if (c.needs(1)) c.set(1, sum_to(mul(c.out(), s[0]), sb));
-    });
-  }
-  return y;
+  return primitive("mul", {&a, &b},
+                   [&](Residuals& r) {
+                     // Each operand is kept only if the *other* one needs a gradient.
+                     r.keep(b.node() ? a : Array(), a.node() ? b : Array());
+                     return binary_kernel(a, b, "mul", [](float x, float z) { return x * z; });
+                   },
+                   [sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved s) {
+                     if (c.needs(0)) c.set(0, sum_to(mul(c.out(), s[1]), sa));
+                     if (c.needs(1)) c.set(1, sum_to(mul(c.out(), s[0]), sb));
+                   });
 }
 
 Array div(const Array& a, const Array& b) {
-  Array y = recorded_binary(a, b, "div", [](float x, float z) { return x / z; });
-  if (needs_grad(a, b)) {
-    Array keep_y = b.node() ? y.detached() : Array();
-    record("div", y, {&a, &b}, {b, keep_y}, [sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved s) {
-      Array g_over_b = div(c.out(), s[0]);
-      if (c.needs(0)) c.set(0, sum_to(g_over_b, sa));
-      if (c.needs(1)) c.set(1, sum_to(neg(mul(g_over_b, s[1])), sb));  // -g a / b^2 = -(g/b) y
-    });
-  }
-  return y;
+  return primitive("div", {&a, &b},
+                   [&](Residuals& r) {
+                     Array y = binary_kernel(a, b, "div", [](float x, float z) { return x / z; });
+                     r.keep(b, b.node() ? y : Array());
+                     return y;
+                   },
+                   [sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved s) {
+                     Array g_over_b = div(c.out(), s[0]);
+                     if (c.needs(0)) c.set(0, sum_to(g_over_b, sa));
+                     if (c.needs(1)) c.set(1, sum_to(neg(mul(g_over_b, s[1])), sb));  // -g a / b^2 = -(g/b) y
+                   });
 }
 
 Array pow(const Array& a, const Array& b) {
-  Array y = binary_kernel(a, b, "pow", [](float x, float z) { return std::pow(x, z); });
-  if (needs_grad(a, b)) {
-    record("pow", y, {&a, &b}, {a, b, y}, [](Cotangents& c, autodiff::Saved s) {
-      if (c.needs(0)) {
-        // d/da a^b = b a^(b-1); b == 0 gives 0 (as JAX).
-        Array d = binary_kernel(s[0], s[1], "pow", [](float x, float z) {
-          return z == 0.0f ? 0.0f : z * std::pow(x, z - 1.0f);
-        });
-        c.set(0, sum_to(mul(c.out(), d), s[0].shape()));
-      }
-      if (c.needs(1)) {
-        // d/db a^b = log(a) a^b, with log(0) replaced by 0 (as JAX).
-        Array loga = unary_kernel(s[0], "pow", [](const CVec& v) { return (v == 0.0f).select(0.0f, v.log()); });
-        c.set(1, sum_to(mul(c.out(), mul(loga, s[2])), s[1].shape()));
-      }
-    });
-  }
-  return y;
+  return primitive("pow", {&a, &b},
+                   [&](Residuals& r) {
+                     Array y = binary_kernel(a, b, "pow", [](float x, float z) { return std::pow(x, z); });
+                     r.keep(a, b, y);
+                     return y;
+                   },
+                   [](Cotangents& c, autodiff::Saved s) {
+                     if (c.needs(0)) {
+                       // d/da a^b = b a^(b-1); b == 0 gives 0 (as JAX).
+                       Array d = binary_kernel(s[0], s[1], "pow", [](float x, float z) {
+                         return z == 0.0f ? 0.0f : z * std::pow(x, z - 1.0f);
+                       });
+                       c.set(0, sum_to(mul(c.out(), d), s[0].shape()));
+                     }
+                     if (c.needs(1)) {
+                       // d/db a^b = log(a) a^b, with log(0) replaced by 0 (as JAX).
+                       Array loga = unary_kernel(s[0], "pow", [](const CVec& v) { return (v == 0.0f).select(0.0f, v.log()); });
+                       c.set(1, sum_to(mul(c.out(), mul(loga, s[2])), s[1].shape()));
+                     }
+                   });
 }
 
 Array pow(const Array& a, float exponent) { return pow(a, scalar(exponent)); }
@@ -325,16 +317,18 @@ namespace {
 // Gradient share of `a` in max(a, b): 1 where a wins, 1/2 at ties, 0 where b wins.
 template <bool kMax>
 Array extremum(const Array& a, const Array& b, const char* op) {
-  Array y = binary_kernel(a, b, op, [](float x, float z) { return kMax ? (x > z ? x : z) : (x < z ? x : z); });
-  if (needs_grad(a, b))
-    record(op, y, {&a, &b}, {a, b}, [op](Cotangents& c, autodiff::Saved s) {
-      Array share_a = binary_kernel(s[0], s[1], op, [](float x, float z) {
-        return x == z ? 0.5f : ((kMax ? x > z : x < z) ? 1.0f : 0.0f);
-      });
-      if (c.needs(0)) c.set(0, sum_to(mul(c.out(), share_a), s[0].shape()));
-      if (c.needs(1)) c.set(1, sum_to(mul(c.out(), sub(scalar(1.0f), share_a)), s[1].shape()));
-    });
-  return y;
+  return primitive(op, {&a, &b},
+                   [&](Residuals& r) {
+                     r.keep(a, b);
+                     return binary_kernel(a, b, op, [](float x, float z) { return kMax ? (x > z ? x : z) : (x < z ? x : z); });
+                   },
+                   [op](Cotangents& c, autodiff::Saved s) {
+                     Array share_a = binary_kernel(s[0], s[1], op, [](float x, float z) {
+                       return x == z ? 0.5f : ((kMax ? x > z : x < z) ? 1.0f : 0.0f);
+                     });
+                     if (c.needs(0)) c.set(0, sum_to(mul(c.out(), share_a), s[0].shape()));
+                     if (c.needs(1)) c.set(1, sum_to(mul(c.out(), sub(scalar(1.0f), share_a)), s[1].shape()));
+                   });
 }
 }  // namespace
 
@@ -342,9 +336,8 @@ Array maximum(const Array& a, const Array& b) { return extremum<true>(a, b, "max
 Array minimum(const Array& a, const Array& b) { return extremum<false>(a, b, "minimum"); }
 
 Array neg(const Array& x) {
-  Array y = unary_kernel(x, "neg", [](const CVec& v) { return -v; });
-  if (needs_grad(x)) record("neg", y, {&x}, {}, [](Cotangents& c, autodiff::Saved) { c.set(0, neg(c.out())); });
-  return y;
+  return unary_op("neg", x, Keep::nothing, [](const CVec& v) { return -v; },
+                  [](Cotangents& c, autodiff::Saved) { c.set(0, neg(c.out())); });
 }
 
 Array operator+(const Array& a, const Array& b) { return add(a, b); }
@@ -364,63 +357,45 @@ Array operator/(float a, const Array& b) { return div(scalar(a), b); }
 // ---- math ------------------------------------------------------------------------------------
 
 Array exp(const Array& x) {
-  Array y = recorded_unary(x, "exp", [](const CVec& v) { return v.exp(); });
-  if (needs_grad(x))  // keeps its output
-    record("exp", y, {&x}, {y}, [](Cotangents& c, autodiff::Saved s) { c.set(0, mul(c.out(), s[0])); });
-  return y;
+  return unary_op("exp", x, Keep::output, [](const CVec& v) { return v.exp(); },
+                  [](Cotangents& c, autodiff::Saved s) { c.set(0, mul(c.out(), s[0])); });
 }
 
 Array log(const Array& x) {
-  Array y = unary_kernel(x, "log", [](const CVec& v) { return v.log(); });
-  if (needs_grad(x)) record("log", y, {&x}, {x}, [](Cotangents& c, autodiff::Saved s) { c.set(0, div(c.out(), s[0])); });
-  return y;
+  return unary_op("log", x, Keep::input, [](const CVec& v) { return v.log(); },
+                  [](Cotangents& c, autodiff::Saved s) { c.set(0, div(c.out(), s[0])); });
 }
 
 Array log1p(const Array& x) {
-  Array y = unary_kernel(x, "log1p", [](const CVec& v) { return v.log1p(); });
-  if (needs_grad(x))
-    record("log1p", y, {&x}, {x}, [](Cotangents& c, autodiff::Saved s) {
-      c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g / (1.0f + v); }));
-    });
-  return y;
+  return unary_op("log1p", x, Keep::input, [](const CVec& v) { return v.log1p(); }, [](Cotangents& c, autodiff::Saved s) {
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g / (1.0f + v); }));
+  });
 }
 
 Array sqrt(const Array& x) {
-  Array y = unary_kernel(x, "sqrt", [](const CVec& v) { return v.sqrt(); });
-  if (needs_grad(x))
-    record("sqrt", y, {&x}, {y}, [](Cotangents& c, autodiff::Saved s) {
-      c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * 0.5f / v; }));
-    });
-  return y;
+  return unary_op("sqrt", x, Keep::output, [](const CVec& v) { return v.sqrt(); }, [](Cotangents& c, autodiff::Saved s) {
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * 0.5f / v; }));
+  });
 }
 
-Array rsqrt(const Array& x) {
-  Array y = unary_kernel(x, "rsqrt", [](const CVec& v) { return v.rsqrt(); });
-  if (needs_grad(x))  // d/dx x^-1/2 = -1/2 y^3
-    record("rsqrt", y, {&x}, {y}, [](Cotangents& c, autodiff::Saved s) {
-      c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * (-0.5f) * v * v * v; }));
-    });
-  return y;
+Array rsqrt(const Array& x) {  // d/dx x^-1/2 = -1/2 y^3
+  return unary_op("rsqrt", x, Keep::output, [](const CVec& v) { return v.rsqrt(); }, [](Cotangents& c, autodiff::Saved s) {
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * (-0.5f) * v * v * v; }));
+  });
 }
 
 Array square(const Array& x) {
-  Array y = unary_kernel(x, "square", [](const CVec& v) { return v.square(); });
-  if (needs_grad(x))
-    record("square", y, {&x}, {x}, [](Cotangents& c, autodiff::Saved s) {
-      c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * 2.0f * v; }));
-    });
-  return y;
+  return unary_op("square", x, Keep::input, [](const CVec& v) { return v.square(); }, [](Cotangents& c, autodiff::Saved s) {
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * 2.0f * v; }));
+  });
 }
 
 Array abs(const Array& x) {
-  Array y = unary_kernel(x, "abs", [](const CVec& v) { return v.abs(); });
-  if (needs_grad(x))
-    record("abs", y, {&x}, {x}, [](Cotangents& c, autodiff::Saved s) {
-      c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) {
-              return g * ((v > 0.0f).cast<float>() - (v < 0.0f).cast<float>());
-            }));
-    });
-  return y;
+  return unary_op("abs", x, Keep::input, [](const CVec& v) { return v.abs(); }, [](Cotangents& c, autodiff::Saved s) {
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) {
+            return g * ((v > 0.0f).cast<float>() - (v < 0.0f).cast<float>());
+          }));
+  });
 }
 
 Array sign(const Array& x) {
@@ -428,21 +403,15 @@ Array sign(const Array& x) {
 }
 
 Array tanh(const Array& x) {
-  Array y = recorded_unary(x, "tanh", [](const CVec& v) { return v.tanh(); });
-  if (needs_grad(x))
-    record("tanh", y, {&x}, {y}, [](Cotangents& c, autodiff::Saved s) {
-      c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * (1.0f - v.square()); }));
-    });
-  return y;
+  return unary_op("tanh", x, Keep::output, [](const CVec& v) { return v.tanh(); }, [](Cotangents& c, autodiff::Saved s) {
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * (1.0f - v.square()); }));
+  });
 }
 
 Array sigmoid(const Array& x) {
-  Array y = unary_kernel(x, "sigmoid", [](const CVec& v) { return v.logistic(); });
-  if (needs_grad(x))
-    record("sigmoid", y, {&x}, {y}, [](Cotangents& c, autodiff::Saved s) {
-      c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * v * (1.0f - v); }));
-    });
-  return y;
+  return unary_op("sigmoid", x, Keep::output, [](const CVec& v) { return v.logistic(); }, [](Cotangents& c, autodiff::Saved s) {
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * v * (1.0f - v); }));
+  });
 }
 
 Array clip(const Array& x, float lo, float hi) {
@@ -452,13 +421,10 @@ Array clip(const Array& x, float lo, float hi) {
 
 // ---- activations -------------------------------------------------------------------------------
 
-Array relu(const Array& x) {
-  Array y = unary_kernel(x, "relu", [](const CVec& v) { return v.max(0.0f); });
-  if (needs_grad(x))  // keeps its output: y > 0 exactly where x > 0
-    record("relu", y, {&x}, {y}, [](Cotangents& c, autodiff::Saved s) {
-      c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return (v > 0.0f).select(g, 0.0f); }));
-    });
-  return y;
+Array relu(const Array& x) {  // keeps its output: y > 0 exactly where x > 0
+  return unary_op("relu", x, Keep::output, [](const CVec& v) { return v.max(0.0f); }, [](Cotangents& c, autodiff::Saved s) {
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return (v > 0.0f).select(g, 0.0f); }));
+  });
 }
 
 namespace {
@@ -469,48 +435,39 @@ constexpr float kInvSqrt2Pi = 0.3989422804014327f;
 }  // namespace
 
 Array gelu(const Array& x, bool approximate) {
-  Array y = approximate ? recorded_unary(x, "gelu", [](const CVec& v) {
-    return v * (0.5f * (1.0f + (kSqrt2OverPi * (v + kGeluCoeff * v.cube())).tanh()));
-  })
-                        : recorded_unary(x, "gelu", [](const CVec& v) {
-                            return v * ((v * kInvSqrt2).erf() + 1.0f) * 0.5f;
-                          });
-  if (needs_grad(x))
-    record("gelu", y, {&x}, {x}, [approximate](Cotangents& c, autodiff::Saved s) {
-      if (approximate)
-        c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v, OVec& out) {
-                out = (kSqrt2OverPi * (v + kGeluCoeff * v.cube())).tanh();  // t, then the gradient in place
-                out = g * (0.5f * (1.0f + out) +
-                           0.5f * v * (1.0f - out.square()) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCoeff * v.square()));
-              }));
-      else
-        c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) {
-                return g * (0.5f * ((v * kInvSqrt2).erf() + 1.0f) + v * kInvSqrt2Pi * (-0.5f * v.square()).exp());
-              }));
-    });
-  return y;
+  if (approximate)
+    return unary_op("gelu", x, Keep::input,
+                    [](const CVec& v) { return v * (0.5f * (1.0f + (kSqrt2OverPi * (v + kGeluCoeff * v.cube())).tanh())); },
+                    [](Cotangents& c, autodiff::Saved s) {
+                      c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v, OVec& out) {
+                              out = (kSqrt2OverPi * (v + kGeluCoeff * v.cube())).tanh();  // t, then the gradient in place
+                              out = g * (0.5f * (1.0f + out) +
+                                         0.5f * v * (1.0f - out.square()) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCoeff * v.square()));
+                            }));
+                    });
+  return unary_op("gelu", x, Keep::input, [](const CVec& v) { return v * ((v * kInvSqrt2).erf() + 1.0f) * 0.5f; },
+                  [](Cotangents& c, autodiff::Saved s) {
+                    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) {
+                            return g * (0.5f * ((v * kInvSqrt2).erf() + 1.0f) + v * kInvSqrt2Pi * (-0.5f * v.square()).exp());
+                          }));
+                  });
 }
 
 Array silu(const Array& x) {
-  Array y = unary_kernel(x, "silu", [](const CVec& v) { return v * v.logistic(); });
-  if (needs_grad(x))
-    record("silu", y, {&x}, {x}, [](Cotangents& c, autodiff::Saved s) {
-      c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v, OVec& out) {
-              out = v.logistic();  // sigmoid(x), then the gradient in place
-              out = g * out * (1.0f + v * (1.0f - out));
-            }));
-    });
-  return y;
+  return unary_op("silu", x, Keep::input, [](const CVec& v) { return v * v.logistic(); }, [](Cotangents& c, autodiff::Saved s) {
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v, OVec& out) {
+            out = v.logistic();  // sigmoid(x), then the gradient in place
+            out = g * out * (1.0f + v * (1.0f - out));
+          }));
+  });
 }
 
 Array softplus(const Array& x) {
   // log(1 + e^x) computed stably as max(x, 0) + log1p(e^-|x|).
-  Array y = unary_kernel(x, "softplus", [](const CVec& v) { return v.max(0.0f) + (-v.abs()).exp().log1p(); });
-  if (needs_grad(x))
-    record("softplus", y, {&x}, {x}, [](Cotangents& c, autodiff::Saved s) {
-      c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * v.logistic(); }));
-    });
-  return y;
+  return unary_op("softplus", x, Keep::input, [](const CVec& v) { return v.max(0.0f) + (-v.abs()).exp().log1p(); },
+                  [](Cotangents& c, autodiff::Saved s) {
+                    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * v.logistic(); }));
+                  });
 }
 
 // ---- selection and comparison ------------------------------------------------------------------
@@ -526,28 +483,31 @@ Array where(const Array& cond, const Array& a, const Array& b) {
     return astype(where(cond, astype(a, DType::f32), astype(b, DType::f32)), out);
   }
   const Shape out_shape = broadcast_shapes(c.shape(), broadcast_shapes(a.shape(), b.shape(), "where"), "where");
-  const Array cb = ops::detail::broadcast_raw(c, out_shape);
-  const Array ab = ops::detail::broadcast_raw(a, out_shape);
-  const Array bb = ops::detail::broadcast_raw(b, out_shape);
-  Array y = Array::empty(out_shape);
-  {
-    float* py = y.mutable_data();
-    const float* pc = cb.data();
-    const float* pa = ab.data();
-    const float* pb = bb.data();
-    for_blocks(y.numel(), [&](std::int64_t s, std::int64_t n) {
-      for (std::int64_t i = s; i < s + n; ++i) py[i] = pc[i] != 0.0f ? pa[i] : pb[i];
-    });
-  }
-  if (needs_grad(a, b))
-    record("where", y, {&a, &b}, {c}, [sa = a.shape(), sb = b.shape()](Cotangents& ct, autodiff::Saved s) {
-      const Array& g = ct.out();
-      if (ct.needs(0))
-        ct.set(0, sum_to(binary_kernel(g, s[0], "where", [](float v, float m) { return m != 0.0f ? v : 0.0f; }, g.dtype()), sa));
-      if (ct.needs(1))
-        ct.set(1, sum_to(binary_kernel(g, s[0], "where", [](float v, float m) { return m != 0.0f ? 0.0f : v; }, g.dtype()), sb));
-    });
-  return y;
+  // The condition is an input too (never given a gradient), so a replay can rebuild the mask the
+  // rule keeps from it.
+  return primitive("where", {&a, &b, &c},
+                   [&](Residuals& r) {
+                     r.keep(c);
+                     const Array cb = ops::detail::broadcast_raw(c, out_shape);
+                     const Array ab = ops::detail::broadcast_raw(a, out_shape);
+                     const Array bb = ops::detail::broadcast_raw(b, out_shape);
+                     Array y = Array::empty(out_shape);
+                     float* py = y.mutable_data();
+                     const float* pc = cb.data();
+                     const float* pa = ab.data();
+                     const float* pb = bb.data();
+                     for_blocks(y.numel(), [&](std::int64_t s, std::int64_t n) {
+                       for (std::int64_t i = s; i < s + n; ++i) py[i] = pc[i] != 0.0f ? pa[i] : pb[i];
+                     });
+                     return y;
+                   },
+                   [sa = a.shape(), sb = b.shape()](Cotangents& ct, autodiff::Saved s) {
+                     const Array& g = ct.out();
+                     if (ct.needs(0))
+                       ct.set(0, sum_to(binary_kernel(g, s[0], "where", [](float v, float m) { return m != 0.0f ? v : 0.0f; }, g.dtype()), sa));
+                     if (ct.needs(1))
+                       ct.set(1, sum_to(binary_kernel(g, s[0], "where", [](float v, float m) { return m != 0.0f ? 0.0f : v; }, g.dtype()), sb));
+                   });
 }
 
 #define LINUM_COMPARISON(name, expr)                                                          \
@@ -565,18 +525,21 @@ LINUM_COMPARISON(not_equal, x != z)
 Array astype(const Array& x, DType dtype) {
   ops::detail::require_defined(x, "astype");
   if (x.dtype() == dtype) return x.weak_type() ? x.strongly_typed() : x;
-  Array out = Array::empty(x.shape(), dtype);
   const std::int64_t n = x.numel();
-  if (is_floating(x.dtype()) && is_floating(dtype)) {
-    if (dtype == DType::bf16)
-      for_blocks(n, [&](std::int64_t s, std::int64_t c) { f32_to_bf16(x.data() + s, out.mutable_data_bf16() + s, c); });
-    else
-      for_blocks(n, [&](std::int64_t s, std::int64_t c) { bf16_to_f32(x.data_bf16() + s, out.mutable_data() + s, c); });
-    if (needs_grad(x))  // the cotangent goes back to the input's dtype
-      record("astype", out, {&x}, {}, [from = x.dtype()](Cotangents& c, autodiff::Saved) { c.set(0, astype(c.out(), from)); });
-    return out;
-  }
+  if (is_floating(x.dtype()) && is_floating(dtype))
+    return primitive("astype", {&x},
+                     [&](Residuals&) {
+                       Array out = Array::empty(x.shape(), dtype);
+                       if (dtype == DType::bf16)
+                         for_blocks(n, [&](std::int64_t s, std::int64_t c) { f32_to_bf16(x.data() + s, out.mutable_data_bf16() + s, c); });
+                       else
+                         for_blocks(n, [&](std::int64_t s, std::int64_t c) { bf16_to_f32(x.data_bf16() + s, out.mutable_data() + s, c); });
+                       return out;
+                     },
+                     // the cotangent goes back to the input's dtype
+                     [from = x.dtype()](Cotangents& c, autodiff::Saved) { c.set(0, astype(c.out(), from)); });
   // int32 <-> float: not differentiable.
+  Array out = Array::empty(x.shape(), dtype);
   if (x.dtype() == DType::i32) {
     const std::int32_t* p = x.data_i32();
     for (std::int64_t i = 0; i < n; ++i) {

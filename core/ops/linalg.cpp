@@ -3,7 +3,7 @@
 // (promotion of 1-D operands, batch broadcasting, dot_general's axis bookkeeping) is composed from
 // reshape/transpose/broadcast_to, whose gradients are their own.
 #include <linum/core/ops/linalg.hpp>
-#include <linum/core/autodiff/hooks.hpp>
+#include <linum/core/autodiff/primitive.hpp>
 #include <linum/core/kernels/gemm.hpp>
 #include <linum/core/ops/kernel_util.hpp>
 #include <linum/core/ops/shape_ops.hpp>
@@ -15,7 +15,6 @@ namespace {
 
 using autodiff::Cotangents;
 using autodiff::needs_grad;
-using autodiff::record;
 
 Array gemm(const Array& a, const Array& b, bool ta, bool tb) { return kernels::batched_gemm(a, b, ta, tb); }
 
@@ -24,23 +23,17 @@ Array gemm(const Array& a, const Array& b, bool ta, bool tb) { return kernels::b
 // shape (e.g. [batch, tokens, features] for a Dense on a sequence), which is what remat policies and
 // residual reports see.
 Array mm(const Array& a, const Array& b, const Shape& out_shape) {
-  const bool recording = needs_grad(a, b);
-  // A checkpoint replaying its block may hold this product from the forward pass (dots policies).
-  std::optional<Array> replayed;
-  if (recording && autodiff::detail::t_record_hook) replayed = autodiff::detail::replay_output(out_shape, a.dtype());
-  Array y = replayed ? std::move(*replayed) : gemm(a, b, false, false).with_shape(out_shape);
-  if (recording) {
-    Array keep_a = b.node() ? a.detached() : Array();
-    Array keep_b = a.node() ? b.detached() : Array();
-    const Shape product = a.rank() == 3 ? Shape{a.dim(0), a.dim(1), b.dim(2)} : Shape{a.dim(0), b.dim(1)};
-    record(a.rank() == 3 ? "batched_matmul" : "matmul", y, {&a, &b}, {keep_a, keep_b},
-           [product](Cotangents& c, autodiff::Saved s) {
-             const Array g = c.out().with_shape(product);
-             if (c.needs(0)) c.set(0, gemm(g, s[1], false, true));  // dA = G B^T
-             if (c.needs(1)) c.set(1, gemm(s[0], g, true, false));  // dB = A^T G
-           });
-  }
-  return y;
+  const Shape product = a.rank() == 3 ? Shape{a.dim(0), a.dim(1), b.dim(2)} : Shape{a.dim(0), b.dim(1)};
+  return autodiff::primitive(a.rank() == 3 ? "batched_matmul" : "matmul", {&a, &b},
+                             [&](autodiff::Residuals& r) {
+                               r.keep(b.node() ? a : Array(), a.node() ? b : Array());
+                               return gemm(a, b, false, false).with_shape(out_shape);
+                             },
+                             [product](Cotangents& c, autodiff::Saved s) {
+                               const Array g = c.out().with_shape(product);
+                               if (c.needs(0)) c.set(0, gemm(g, s[1], false, true));  // dA = G B^T
+                               if (c.needs(1)) c.set(1, gemm(s[0], g, true, false));  // dB = A^T G
+                             });
 }
 
 std::string dims_str(const std::vector<int>& v) {

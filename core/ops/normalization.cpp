@@ -1,7 +1,7 @@
 #include <linum/core/ops/normalization.hpp>
 #include <linum/core/threading.hpp>
 
-#include <linum/core/autodiff/graph.hpp>
+#include <linum/core/autodiff/primitive.hpp>
 #include <linum/core/ops/kernel_util.hpp>
 
 #include <Eigen/Core>
@@ -78,39 +78,43 @@ Array norm_impl(const char* op, const Array& x, const Array& scale, const Array&
   if (!is_floating(out_dtype))
     throw ValueError(detail::cat(op, ": dtype must be float32 or bfloat16, got ", dtype_name(out_dtype)));
 
-  const std::vector<float> sc = param_f32(scale), bi = param_f32(bias);
-  Array y = Array::empty(x.shape(), out_dtype);
-  Array stats = Array::empty(Shape{s.rows, 2});  // per row: mean (0 without centring), 1 / sqrt(var + eps)
-  float* st = stats.mutable_data();
-  const float n = static_cast<float>(s.features);
-  const float eps = static_cast<float>(o.epsilon);
-  for_row_blocks(s, [&](std::int64_t first, std::int64_t count, std::int64_t, float* scratch) {
-    for (std::int64_t r = first; r < first + count; ++r) {
-      ConstRow xr(row_f32(x, r, s.features, scratch), s.features);
-      float mu = 0.0f, var;
-      if (!center) {
-        var = xr.square().sum() / n;
-      } else if (o.fast_variance) {
-        mu = xr.sum() / n;
-        var = std::max(0.0f, xr.square().sum() / n - mu * mu);
-      } else {
-        mu = xr.sum() / n;
-        var = (xr - mu).square().sum() / n;
+  // One primitive: the kernel computes each row's statistics once; the rule reads them (an internal
+  // residual, kept with the output when a remat policy saves it).
+  return autodiff::primitive(op, {&x, &scale, &bias},
+                             [&](autodiff::Residuals& keep) {
+    const std::vector<float> sc = param_f32(scale), bi = param_f32(bias);
+    Array y = Array::empty(x.shape(), out_dtype);
+    Array stats = Array::empty(Shape{s.rows, 2});  // per row: mean (0 without centring), 1 / sqrt(var + eps)
+    float* st = stats.mutable_data();
+    const float n = static_cast<float>(s.features);
+    const float eps = static_cast<float>(o.epsilon);
+    for_row_blocks(s, [&](std::int64_t first, std::int64_t count, std::int64_t, float* scratch) {
+      for (std::int64_t r = first; r < first + count; ++r) {
+        ConstRow xr(row_f32(x, r, s.features, scratch), s.features);
+        float mu = 0.0f, var;
+        if (!center) {
+          var = xr.square().sum() / n;
+        } else if (o.fast_variance) {
+          mu = xr.sum() / n;
+          var = std::max(0.0f, xr.square().sum() / n - mu * mu);
+        } else {
+          mu = xr.sum() / n;
+          var = (xr - mu).square().sum() / n;
+        }
+        const float rstd = 1.0f / std::sqrt(var + eps);
+        st[2 * r] = mu;
+        st[2 * r + 1] = rstd;
+        float* yr = ops::detail::f32_target(y, r * s.features, scratch + s.features);
+        Row out(yr, s.features);
+        if (sc.empty()) out = (xr - mu) * rstd;
+        else out = (xr - mu) * (rstd * ConstRow(sc.data(), s.features));
+        if (!bi.empty()) out += ConstRow(bi.data(), s.features);
+        ops::detail::f32_commit(y, r * s.features, s.features, yr);
       }
-      const float rstd = 1.0f / std::sqrt(var + eps);
-      st[2 * r] = mu;
-      st[2 * r + 1] = rstd;
-      float* yr = ops::detail::f32_target(y, r * s.features, scratch + s.features);
-      Row out(yr, s.features);
-      if (sc.empty()) out = (xr - mu) * rstd;
-      else out = (xr - mu) * (rstd * ConstRow(sc.data(), s.features));
-      if (!bi.empty()) out += ConstRow(bi.data(), s.features);
-      ops::detail::f32_commit(y, r * s.features, s.features, yr);
-    }
-  });
-
-  if (autodiff::needs_grad(x, scale, bias)) {
-    autodiff::record(op, y, {&x, &scale, &bias}, {x, scale, stats},
+    });
+                               keep.keep(x, scale, stats);
+                               return y;
+                             },
                      [s, center, has_bias = bias.defined()](Cotangents& c, autodiff::Saved saved) {
       const Array& xs = saved[0];
       const Array& scale_s = saved[1];
@@ -156,8 +160,6 @@ Array norm_impl(const char* op, const Array& x, const Array& scale, const Array&
       if (c.needs(1)) c.set(1, Array::from(pshape, dscale));
       if (c.needs(2) && has_bias) c.set(2, Array::from(pshape, dbias));
     });
-  }
-  return y;
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 // broadcasts.
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/threading.hpp>
+#include <linum/core/autodiff/primitive.hpp>
 #include <linum/core/ops/shape_ops.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/kernel_util.hpp>
@@ -14,8 +15,8 @@ namespace linum {
 namespace {
 
 using autodiff::Cotangents;
-using autodiff::needs_grad;
-using autodiff::record;
+using autodiff::Residuals;
+using autodiff::primitive;
 using Strides = std::array<std::int64_t, Shape::kMaxRank>;
 
 // Visits every output row (all axes but the last) and calls f(out_offset, in_offset).
@@ -132,10 +133,8 @@ Array reshape(const Array& x, const std::vector<std::int64_t>& dims) {
   if (target.numel() != x.numel())
     throw ShapeError(detail::cat("reshape: cannot reshape ", x.shape(), " (", x.numel(), " elements) to ", target,
                                  " (", target.numel(), " elements)"));
-  Array y = x.with_shape(target);
-  if (needs_grad(x))
-    record("reshape", y, {&x}, {}, [xs = x.shape()](Cotangents& c, autodiff::Saved) { c.set(0, c.out().with_shape(xs)); });
-  return y;
+  return primitive("reshape", {&x}, [&](Residuals&) { return x.with_shape(target); },
+                   [xs = x.shape()](Cotangents& c, autodiff::Saved) { c.set(0, c.out().with_shape(xs)); });
 }
 
 Array transpose(const Array& x, const std::vector<int>& perm_in) {
@@ -161,13 +160,10 @@ Array transpose(const Array& x, const std::vector<int>& perm_in) {
     out.push_back(x.shape()[perm[i]]);
     s[i] = xs[static_cast<std::size_t>(perm[i])];
   }
-  Array y = gather(x, out, s, 0);
-  if (needs_grad(x)) {
-    std::vector<int> inverse(perm.size());
-    for (std::size_t i = 0; i < perm.size(); ++i) inverse[static_cast<std::size_t>(perm[i])] = static_cast<int>(i);
-    record("transpose", y, {&x}, {}, [inverse](Cotangents& c, autodiff::Saved) { c.set(0, transpose(c.out(), inverse)); });
-  }
-  return y;
+  std::vector<int> inverse(perm.size());
+  for (std::size_t i = 0; i < perm.size(); ++i) inverse[static_cast<std::size_t>(perm[i])] = static_cast<int>(i);
+  return primitive("transpose", {&x}, [&](Residuals&) { return gather(x, out, s, 0); },
+                   [inverse = std::move(inverse)](Cotangents& c, autodiff::Saved) { c.set(0, transpose(c.out(), inverse)); });
 }
 
 Array slice(const Array& x, const std::vector<std::int64_t>& starts, const std::vector<std::int64_t>& limits,
@@ -194,14 +190,12 @@ Array slice(const Array& x, const std::vector<std::int64_t>& starts, const std::
     s[i] = xs[i] * sp;
     base += st * xs[i];
   }
-  Array y = gather(x, out, s, base);
-  if (needs_grad(x))
-    record("slice", y, {&x}, {}, [xshape = x.shape(), s, base](Cotangents& c, autodiff::Saved) {
-      Array g = Array::zeros(xshape, c.out().dtype());
-      strided_scatter(g, c.out(), s, base);
-      c.set(0, g);
-    });
-  return y;
+  return primitive("slice", {&x}, [&](Residuals&) { return gather(x, out, s, base); },
+                   [xshape = x.shape(), s, base](Cotangents& c, autodiff::Saved) {
+                     Array g = Array::zeros(xshape, c.out().dtype());
+                     strided_scatter(g, c.out(), s, base);
+                     c.set(0, g);
+                   });
 }
 
 Array slice_axis(const Array& x, int axis_in, std::int64_t start, std::int64_t limit) {
@@ -230,35 +224,42 @@ Array concatenate(const std::vector<Array>& xs, int axis_in) {
     total += a.shape()[axis];
   }
   out[axis] = total;
-  Array y = Array::empty(out, xs[0].dtype());
-  std::int64_t outer = 1, inner = 1;
-  for (int i = 0; i < axis; ++i) outer *= out[i];
-  for (int i = axis + 1; i < out.rank(); ++i) inner *= out[i];
-  auto* py = static_cast<char*>(const_cast<void*>(y.raw()));
-  std::int64_t offset = 0;
+  std::vector<const Array*> ins;
+  ins.reserve(xs.size());
+  std::vector<std::int64_t> sizes;
+  sizes.reserve(xs.size());
   for (const Array& a : xs) {
-    const std::int64_t esize = static_cast<std::int64_t>(dtype_size(a.dtype()));
-    const std::int64_t chunk = a.shape()[axis] * inner * esize;
-    const auto* pa = static_cast<const char*>(a.raw());
-    for (std::int64_t o = 0; o < outer; ++o)
-      std::memcpy(py + (o * total * inner) * esize + offset, pa + o * chunk, static_cast<std::size_t>(chunk));
-    offset += chunk;
+    ins.push_back(&a);
+    sizes.push_back(a.shape()[axis]);
   }
-  if (autodiff::needs_grad(std::span<const Array>(xs))) {
-    std::vector<std::int64_t> sizes;
-    for (const Array& a : xs) sizes.push_back(a.shape()[axis]);
-    std::vector<Array> outs{y};
-    autodiff::record_multi("concatenate", std::span<Array>(outs), autodiff::edges_of(std::span<const Array>(xs)), {},
-                           [sizes, axis](Cotangents& c, autodiff::Saved) {
-                             std::int64_t start = 0;
-                             for (std::size_t i = 0; i < sizes.size(); ++i) {
-                               if (c.needs(i)) c.set(i, slice_axis(c.out(), axis, start, start + sizes[i]));
-                               start += sizes[i];
-                             }
-                           });
-    y = outs[0];
-  }
-  return y;
+  // One output; primitive_multi because the inputs are a list.
+  std::vector<Array> ys = autodiff::primitive_multi(
+      "concatenate", std::span<const Array* const>(ins),
+      [&](Residuals&) {
+        Array y = Array::empty(out, xs[0].dtype());
+        std::int64_t outer = 1, inner = 1;
+        for (int i = 0; i < axis; ++i) outer *= out[i];
+        for (int i = axis + 1; i < out.rank(); ++i) inner *= out[i];
+        auto* py = static_cast<char*>(const_cast<void*>(y.raw()));
+        std::int64_t offset = 0;
+        for (const Array& a : xs) {
+          const std::int64_t esize = static_cast<std::int64_t>(dtype_size(a.dtype()));
+          const std::int64_t chunk = a.shape()[axis] * inner * esize;
+          const auto* pa = static_cast<const char*>(a.raw());
+          for (std::int64_t o = 0; o < outer; ++o)
+            std::memcpy(py + (o * total * inner) * esize + offset, pa + o * chunk, static_cast<std::size_t>(chunk));
+          offset += chunk;
+        }
+        return std::vector<Array>{std::move(y)};
+      },
+      [sizes = std::move(sizes), axis](Cotangents& c, autodiff::Saved) {
+        std::int64_t start = 0;
+        for (std::size_t i = 0; i < sizes.size(); ++i) {
+          if (c.needs(i)) c.set(i, slice_axis(c.out(), axis, start, start + sizes[i]));
+          start += sizes[i];
+        }
+      });
+  return std::move(ys[0]);
 }
 
 std::vector<Array> split(const Array& x, const std::vector<std::int64_t>& indices, int axis_in) {
@@ -294,25 +295,29 @@ std::vector<Array> unstack(const Array& x) {
   Shape part;
   for (int i = 1; i < x.rank(); ++i) part.push_back(x.shape()[i]);
   const std::size_t bytes = static_cast<std::size_t>(part.numel()) * dtype_size(x.dtype());
-  std::vector<Array> parts;
-  parts.reserve(static_cast<std::size_t>(n));
-  for (std::int64_t i = 0; i < n; ++i) {
-    Array p = Array::empty(part, x.dtype());
-    std::memcpy(const_cast<void*>(p.raw()), static_cast<const char*>(x.raw()) + static_cast<std::size_t>(i) * bytes, bytes);
-    parts.push_back(std::move(p));
-  }
-  if (autodiff::needs_grad(x))
-    autodiff::record_multi("unstack", std::span<Array>(parts), autodiff::edges_of({&x}), {},
-                           [xs = x.shape(), bytes](Cotangents& c, autodiff::Saved) {
-                             Array g = Array::zeros(xs, c.out(0).defined() ? c.out(0).dtype() : DType::f32);
-                             for (std::size_t i = 0; i < c.num_outputs(); ++i)
-                               if (c.out(i).defined()) {
-                                 const Array gi = astype(c.out(i), g.dtype());
-                                 std::memcpy(static_cast<char*>(g.mutable_raw()) + i * bytes, gi.raw(), bytes);
-                               }
-                             c.set(0, g);
-                           });
-  return parts;
+  const Array* const ins[] = {&x};
+  return autodiff::primitive_multi(
+      "unstack", std::span<const Array* const>(ins),
+      [&](Residuals&) {
+        std::vector<Array> parts;
+        parts.reserve(static_cast<std::size_t>(n));
+        for (std::int64_t i = 0; i < n; ++i) {
+          Array p = Array::empty(part, x.dtype());
+          std::memcpy(const_cast<void*>(p.raw()), static_cast<const char*>(x.raw()) + static_cast<std::size_t>(i) * bytes,
+                      bytes);
+          parts.push_back(std::move(p));
+        }
+        return parts;
+      },
+      [xs = x.shape(), bytes](Cotangents& c, autodiff::Saved) {
+        Array g = Array::zeros(xs, c.out(0).defined() ? c.out(0).dtype() : DType::f32);
+        for (std::size_t i = 0; i < c.num_outputs(); ++i)
+          if (c.out(i).defined()) {
+            const Array gi = astype(c.out(i), g.dtype());
+            std::memcpy(static_cast<char*>(g.mutable_raw()) + i * bytes, gi.raw(), bytes);
+          }
+        c.set(0, g);
+      });
 }
 
 Array stack(const std::vector<Array>& xs) {
@@ -340,31 +345,35 @@ Array take(const Array& x, const Array& indices, int axis_in) {
   for (int i = 0; i < axis; ++i) { out.push_back(x.shape()[i]); outer *= x.shape()[i]; }
   for (std::int64_t d : indices.shape()) out.push_back(d);
   for (int i = axis + 1; i < x.rank(); ++i) { out.push_back(x.shape()[i]); inner *= x.shape()[i]; }
-  Array y = Array::empty(out, x.dtype());
-  const auto* px = static_cast<const char*>(x.raw());
-  auto* py = static_cast<char*>(const_cast<void*>(y.raw()));
-  const std::int64_t m = indices.numel();
-  const std::size_t row = static_cast<std::size_t>(inner) * dtype_size(x.dtype());
-  for (std::int64_t o = 0; o < outer; ++o)
-    for (std::int64_t k = 0; k < m; ++k)
-      std::memcpy(py + (o * m + k) * static_cast<std::int64_t>(row), px + (o * n + pi[k]) * static_cast<std::int64_t>(row), row);
-  if (needs_grad(x))
-    record("take", y, {&x}, {indices}, [xshape = x.shape(), outer, inner, n](Cotangents& c, autodiff::Saved s) {
-      Array g = Array::zeros(xshape);  // accumulated in float32; the sweep rounds it to x's dtype
-      float* pg = g.mutable_data();
-      const Array co = astype(c.out(), DType::f32);
-      const float* pc = co.data();
-      const std::int32_t* ix = s[0].data_i32();
-      const std::int64_t m = s[0].numel();
-      for (std::int64_t o = 0; o < outer; ++o)
-        for (std::int64_t k = 0; k < m; ++k) {
-          float* dst = pg + (o * n + ix[k]) * inner;
-          const float* src = pc + (o * m + k) * inner;
-          for (std::int64_t j = 0; j < inner; ++j) dst[j] += src[j];
-        }
-      c.set(0, g);
-    });
-  return y;
+  return primitive("take", {&x},
+                   [&](Residuals& r) {
+                     r.keep(indices);
+                     Array y = Array::empty(out, x.dtype());
+                     const auto* px = static_cast<const char*>(x.raw());
+                     auto* py = static_cast<char*>(const_cast<void*>(y.raw()));
+                     const std::int64_t m = indices.numel();
+                     const std::size_t row = static_cast<std::size_t>(inner) * dtype_size(x.dtype());
+                     for (std::int64_t o = 0; o < outer; ++o)
+                       for (std::int64_t k = 0; k < m; ++k)
+                         std::memcpy(py + (o * m + k) * static_cast<std::int64_t>(row),
+                                     px + (o * n + pi[k]) * static_cast<std::int64_t>(row), row);
+                     return y;
+                   },
+                   [xshape = x.shape(), outer, inner, n](Cotangents& c, autodiff::Saved s) {
+                     Array g = Array::zeros(xshape);  // accumulated in float32; the sweep rounds it to x's dtype
+                     float* pg = g.mutable_data();
+                     const Array co = astype(c.out(), DType::f32);
+                     const float* pc = co.data();
+                     const std::int32_t* ix = s[0].data_i32();
+                     const std::int64_t m = s[0].numel();
+                     for (std::int64_t o = 0; o < outer; ++o)
+                       for (std::int64_t k = 0; k < m; ++k) {
+                         float* dst = pg + (o * n + ix[k]) * inner;
+                         const float* src = pc + (o * m + k) * inner;
+                         for (std::int64_t j = 0; j < inner; ++j) dst[j] += src[j];
+                       }
+                     c.set(0, g);
+                   });
 }
 
 Array one_hot(const Array& indices, std::int64_t num_classes) {
@@ -385,10 +394,8 @@ Array one_hot(const Array& indices, std::int64_t num_classes) {
 
 Array broadcast_to(const Array& x, const Shape& shape) {
   ops::detail::require_defined(x, "broadcast_to");
-  Array y = ops::detail::broadcast_raw(x, shape);
-  if (needs_grad(x))
-    record("broadcast_to", y, {&x}, {}, [xs = x.shape()](Cotangents& c, autodiff::Saved) { c.set(0, ops::detail::sum_to(c.out(), xs)); });
-  return y;
+  return primitive("broadcast_to", {&x}, [&](Residuals&) { return ops::detail::broadcast_raw(x, shape); },
+                   [xs = x.shape()](Cotangents& c, autodiff::Saved) { c.set(0, ops::detail::sum_to(c.out(), xs)); });
 }
 
 Array expand_dims(const Array& x, int axis) {
@@ -425,12 +432,10 @@ Array flip(const Array& x, const std::vector<int>& axes_in) {
     s[i] = flipped ? -xs[i] : xs[i];
     if (flipped && x.shape()[i] > 0) base += (x.shape()[i] - 1) * xs[i];
   }
-  Array y = gather(x, x.shape(), s, base);
-  if (needs_grad(x))
-    record("flip", y, {&x}, {}, [axes](Cotangents& c, autodiff::Saved) {
-      c.set(0, flip(c.out(), std::vector<int>(axes.begin(), axes.end())));  // its own inverse
-    });
-  return y;
+  return primitive("flip", {&x}, [&](Residuals&) { return gather(x, x.shape(), s, base); },
+                   [axes](Cotangents& c, autodiff::Saved) {
+                     c.set(0, flip(c.out(), std::vector<int>(axes.begin(), axes.end())));  // its own inverse
+                   });
 }
 
 Array dilate(const Array& x, const std::vector<std::int64_t>& factors) {
@@ -448,13 +453,15 @@ Array dilate(const Array& x, const std::vector<std::int64_t>& factors) {
   Strides s{};
   const auto ys = out.strides();
   for (int i = 0; i < x.rank(); ++i) s[i] = ys[i] * factors[static_cast<std::size_t>(i)];
-  Array y = Array::zeros(out, x.dtype());
-  if (x.numel() > 0) strided_scatter(y, x, s, 0);
-  if (needs_grad(x))
-    record("dilate", y, {&x}, {}, [xshape = x.shape(), s](Cotangents& c, autodiff::Saved) {
-      c.set(0, gather(c.out(), xshape, s, 0));  // the cotangent at the elements x was placed on
-    });
-  return y;
+  return primitive("dilate", {&x},
+                   [&](Residuals&) {
+                     Array y = Array::zeros(out, x.dtype());
+                     if (x.numel() > 0) strided_scatter(y, x, s, 0);
+                     return y;
+                   },
+                   [xshape = x.shape(), s](Cotangents& c, autodiff::Saved) {
+                     c.set(0, gather(c.out(), xshape, s, 0));  // the cotangent at the elements x was placed on
+                   });
 }
 
 }  // namespace linum

@@ -1,4 +1,5 @@
 #include <linum/core/ops/softmax.hpp>
+#include <linum/core/autodiff/primitive.hpp>
 #include <linum/core/threading.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/kernel_util.hpp>
@@ -85,53 +86,53 @@ Array last_axis_backward(const Array& y, const Array& g_in, bool log) {
 
 Array softmax(const Array& x, const std::vector<int>& axes) {
   ops::detail::require_float(x, "softmax");
-  if (last_axis_only(axes, x, "softmax")) {
-    Array y = last_axis_forward(x, false);
-    if (autodiff::needs_grad(x))
-      autodiff::record("softmax", y, {&x}, {y}, [](Cotangents& c, autodiff::Saved s) {
-        c.set(0, last_axis_backward(s[0], c.out(), false));
-      });
-    return y;
-  }
-  Array y;
-  {
-    autodiff::NoGradGuard no_grad;  // computed in float32, rounded once to x's dtype; only y is kept
-    const Array xf = astype(x.detached(), DType::f32);
-    Array e = exp(xf - max(xf, axes, true));
-    y = astype(e / sum(e, axes, true), x.dtype());
-  }
-  if (autodiff::needs_grad(x))
-    autodiff::record("softmax", y, {&x}, {y}, [axes](Cotangents& c, autodiff::Saved s) {
-      // dx = y * (g - sum(g * y))
-      Array gy = mul(c.out(), s[0]);
-      c.set(0, sub(gy, mul(s[0], sum(gy, axes, true))));
-    });
-  return y;
+  if (last_axis_only(axes, x, "softmax"))
+    return autodiff::primitive("softmax", {&x},
+                               [&](autodiff::Residuals& r) {
+                                 Array y = last_axis_forward(x, false);
+                                 r.keep(y);
+                                 return y;
+                               },
+                               [](Cotangents& c, autodiff::Saved s) { c.set(0, last_axis_backward(s[0], c.out(), false)); });
+  return autodiff::primitive("softmax", {&x},
+                             [&](autodiff::Residuals& r) {
+                               autodiff::NoGradGuard no_grad;  // computed in float32, rounded once to x's dtype; only y is kept
+                               const Array xf = astype(x.detached(), DType::f32);
+                               Array e = exp(xf - max(xf, axes, true));
+                               Array y = astype(e / sum(e, axes, true), x.dtype());
+                               r.keep(y);
+                               return y;
+                             },
+                             [axes](Cotangents& c, autodiff::Saved s) {
+                               // dx = y * (g - sum(g * y))
+                               Array gy = mul(c.out(), s[0]);
+                               c.set(0, sub(gy, mul(s[0], sum(gy, axes, true))));
+                             });
 }
 
 Array log_softmax(const Array& x, const std::vector<int>& axes) {
   ops::detail::require_float(x, "log_softmax");
-  if (last_axis_only(axes, x, "log_softmax")) {
-    Array y = last_axis_forward(x, true);
-    if (autodiff::needs_grad(x))
-      autodiff::record("log_softmax", y, {&x}, {y}, [](Cotangents& c, autodiff::Saved s) {
-        c.set(0, last_axis_backward(s[0], c.out(), true));
-      });
-    return y;
-  }
-  Array y;
-  {
-    autodiff::NoGradGuard no_grad;  // computed in float32, rounded once to x's dtype
-    const Array xf = astype(x.detached(), DType::f32);
-    Array shifted = xf - max(xf, axes, true);
-    y = astype(shifted - log(sum(exp(shifted), axes, true)), x.dtype());
-  }
-  if (autodiff::needs_grad(x))
-    autodiff::record("log_softmax", y, {&x}, {y}, [axes](Cotangents& c, autodiff::Saved s) {
-      // dx = g - exp(y) * sum(g)
-      c.set(0, sub(c.out(), mul(exp(s[0]), sum(c.out(), axes, true))));
-    });
-  return y;
+  if (last_axis_only(axes, x, "log_softmax"))
+    return autodiff::primitive("log_softmax", {&x},
+                               [&](autodiff::Residuals& r) {
+                                 Array y = last_axis_forward(x, true);
+                                 r.keep(y);
+                                 return y;
+                               },
+                               [](Cotangents& c, autodiff::Saved s) { c.set(0, last_axis_backward(s[0], c.out(), true)); });
+  return autodiff::primitive("log_softmax", {&x},
+                             [&](autodiff::Residuals& r) {
+                               autodiff::NoGradGuard no_grad;  // computed in float32, rounded once to x's dtype
+                               const Array xf = astype(x.detached(), DType::f32);
+                               Array shifted = xf - max(xf, axes, true);
+                               Array y = astype(shifted - log(sum(exp(shifted), axes, true)), x.dtype());
+                               r.keep(y);
+                               return y;
+                             },
+                             [axes](Cotangents& c, autodiff::Saved s) {
+                               // dx = g - exp(y) * sum(g)
+                               c.set(0, sub(c.out(), mul(exp(s[0]), sum(c.out(), axes, true))));
+                             });
 }
 
 }  // namespace linum
