@@ -52,7 +52,7 @@ const char* check_name(const Array& out, std::int64_t i) {
 }
 }  // namespace
 
-void check_finite(const Array& out, const char* op, int input_index, std::initializer_list<const Array*> inputs) {
+void check_finite(const Array& out, const char* op, int input_index, std::span<const Array* const> inputs) {
   const std::int64_t i = first_forbidden(out, g_debug_nonfinite.load(std::memory_order_relaxed));
   if (i < 0) return;
   std::string ins;

@@ -60,7 +60,10 @@ class PhaseScope {
 
 // Throws FloatingPointError if `out` holds a value the enabled checks forbid: the output of `op`
 // (input_index < 0) or the gradient it produced for input `input_index`.
-void check_finite(const Array& out, const char* op, int input_index, std::initializer_list<const Array*> inputs);
+void check_finite(const Array& out, const char* op, int input_index, std::span<const Array* const> inputs);
+inline void check_finite(const Array& out, const char* op, int input_index, std::initializer_list<const Array*> inputs) {
+  check_finite(out, op, input_index, std::span<const Array* const>(inputs.begin(), inputs.size()));
+}
 
 // Throws FloatingPointError if a module's outputs hold a value the enabled checks forbid (Scope
 // calls it when a module returns, so plain inference is checked per module).

@@ -191,20 +191,6 @@ auto apply_method(Method method, const M& module, const Tree& variables, const A
                       options.all_mutable || !options.mutable_collections.empty());
 }
 
-// ---- differentiating with respect to variable dicts ----------------------------------------------
-
-template <>
-struct Differentiable<Tree> {
-  static Tree track(const Tree& t) {
-    return tree_map([](const Array& a) { return a.dtype() == DType::f32 ? autodiff::make_leaf(a) : a; }, t);
-  }
-  static Tree gradient(const Tree& tracked) {
-    return tree_map([](const Array& a) {
-      return a.dtype() == DType::f32 ? Differentiable<Array>::gradient(a) : Array::zeros(a.shape(), a.dtype());
-    }, tracked);
-  }
-};
-
 }  // namespace linum
 
 // Applied is a pair for structured bindings: auto [y, updates] = apply(...).

@@ -26,40 +26,45 @@
 namespace linum {
 
 // How to differentiate with respect to a value of type T: attach fresh leaves to its arrays (track)
-// and collect their gradients afterwards. Which arrays a value holds, and how it is rebuilt around
-// others (to detach outputs and aux values, or to read a vjp's outputs), is the one pytree protocol
-// (core/autodiff/pytree.hpp), so any pytree can be an output or an aux value.
+// and collect their gradients afterwards. One protocol for every container: any pytree
+// (core/autodiff/pytree.hpp: Array, Tree, std::vector, std::pair, std::tuple, and user structs
+// registered once with pytree::Fields) is differentiable, with these dtype rules:
+//   - every floating leaf (float32, bfloat16, and any float dtype to come) is differentiated, and
+//     its gradient has the leaf's dtype (zeros of that dtype when nothing reached it);
+//   - an integer leaf inside a container is a constant: its "gradient" is an int32 array of zeros
+//     of its shape (JAX's float0 zeros under allow_int=True), never a float that silently stays 0;
+//   - an integer Array passed as the whole differentiated argument is an error, as in JAX (its
+//     gradient would carry nothing): pass it as a non-differentiated argument.
 template <class T>
-struct Differentiable;
+struct Differentiable {
+  static T track(const T& value) {
+    std::vector<Array> arrays = pytree::flatten(value);
+    for (Array& a : arrays)
+      if (a.defined() && is_floating(a.dtype())) a = autodiff::make_leaf(a);
+    return pytree::rebuild(value, std::span<const Array>(arrays));
+  }
+  static T gradient(const T& tracked) {
+    std::vector<Array> arrays = pytree::flatten(tracked);
+    for (Array& a : arrays) a = leaf_gradient(a);
+    return pytree::rebuild(tracked, std::span<const Array>(arrays));
+  }
+  // The gradient of one tracked leaf, in its dtype.
+  static Array leaf_gradient(const Array& tracked) {
+    if (!tracked.defined()) return tracked;
+    if (!is_floating(tracked.dtype())) return Array::zeros(tracked.shape(), tracked.dtype());
+    Array g = tracked.node() ? tracked.node()->take_grad(tracked.output_index()) : Array();
+    return g.defined() ? g : Array::zeros(tracked.shape(), tracked.dtype());
+  }
+};
 
 template <>
 struct Differentiable<Array> {
-  static Array track(const Array& x) { return autodiff::make_leaf(x); }
-  static Array gradient(const Array& tracked) {
-    Array g = tracked.node() ? tracked.node()->take_grad(tracked.output_index()) : Array();
-    return g.defined() ? g : Array::zeros(tracked.shape());
-  }
-};
-
-// A list of arrays (e.g. the layers' parameters) differentiates element by element.
-template <>
-struct Differentiable<std::vector<Array>> {
-  static std::vector<Array> track(const std::vector<Array>& xs) {
-    std::vector<Array> out;
-    out.reserve(xs.size());
-    for (const Array& x : xs) out.push_back(autodiff::make_leaf(x));
-    return out;
-  }
-  static std::vector<Array> gradient(const std::vector<Array>& tracked) {
-    std::vector<Array> out;
-    out.reserve(tracked.size());
-    for (const Array& t : tracked) out.push_back(Differentiable<Array>::gradient(t));
-    return out;
-  }
+  static Array track(const Array& x) { return autodiff::make_leaf(x); }  // refuses integer arrays
+  static Array gradient(const Array& tracked) { return Differentiable<std::vector<Array>>::leaf_gradient(tracked); }
 };
 
 template <class T>
-concept DifferentiableValue = requires { sizeof(Differentiable<std::decay_t<T>>); };
+concept DifferentiableValue = pytree::is_pytree_v<std::decay_t<T>>;
 
 namespace autodiff {
 
@@ -89,7 +94,8 @@ auto track_selected(std::index_sequence<Is...>, const Args&... args) {
         if constexpr (contains<Is, Nums...>()) {
           static_assert(DifferentiableValue<Args>,
                         "value_and_grad/grad: the selected argument's type cannot be differentiated; select "
-                        "Array or Tree arguments with the template argnums, e.g. value_and_grad<0, 2>(f)");
+                        "pytree arguments (Array, Tree, containers of them, structs registered with "
+                        "pytree::Fields) with the template argnums, e.g. value_and_grad<0, 2>(f)");
           return Differentiable<std::decay_t<Args>>::track(args);
         } else {
           return args;
@@ -221,7 +227,7 @@ class Pullback {
 // vjp(f, args...) -> (f(args...), pullback). Every argument is differentiated.
 template <class F, class... Args>
 auto vjp(F&& f, const Args&... args) {
-  static_assert((DifferentiableValue<Args> && ...), "vjp: every argument must be an Array or a Tree");
+  static_assert((DifferentiableValue<Args> && ...), "vjp: every argument must be a pytree (Array, Tree, containers of them, structs registered with pytree::Fields)");
   autodiff::EnableGradGuard recording;
   std::tuple<std::decay_t<Args>...> tracked{Differentiable<std::decay_t<Args>>::track(args)...};
   auto out = std::apply(std::forward<F>(f), tracked);

@@ -216,8 +216,8 @@ void after_record(const char* op, std::span<Array> outs, Node* node, const Primi
   if (t_saved_hooks != nullptr) [[unlikely]]
     node->pack_residuals();
   if (linum::detail::debug_checks_on()) [[unlikely]] {
-    const std::initializer_list<const Array*> none{};
-    for (const Array& o : outs) linum::detail::check_finite(o, op, -1, none);
+    const std::span<const Array* const> inputs = call != nullptr ? call->inputs : std::span<const Array* const>();
+    for (const Array& o : outs) linum::detail::check_finite(o, op, -1, inputs);
   }
   if (memory::detail::timeline_recording()) [[unlikely]]
     memory::detail::timeline_on_op(op, node);

@@ -1,7 +1,16 @@
 // Pytrees: the arrays inside a value, in a fixed order, and the same value rebuilt around other
-// arrays. Arrays, Trees, std::vector<Array>, std::pair and std::tuple of these nest; any other
-// type (bool, int, options structs) is a leafless constant that passes through unchanged.
-// Function transformations (checkpoint) use this to treat "whatever f returns" uniformly.
+// arrays. Arrays, Trees, std::vector, std::pair and std::tuple of these nest, and so do user
+// structs registered once (below); any other type (bool, int, options structs) is a leafless
+// constant that passes through unchanged. Function transformations (grad, vjp, checkpoint,
+// custom_vjp) use this to treat "whatever f takes or returns" uniformly.
+//
+// Registering a struct (JAX's register_pytree_node / a registered dataclass): list its members,
+// arrays and nested pytrees, in a fixed order; other members are carried along unchanged.
+//
+//   struct State { Array w; Tree extra; int step; };
+//   template <> struct linum::pytree::Fields<State> {
+//     static auto of(State& s) { return std::tie(s.w, s.extra); }
+//   };
 #pragma once
 
 #include <linum/core/array.hpp>
@@ -10,10 +19,18 @@
 #include <cstddef>
 #include <span>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 namespace linum::pytree {
+
+// Specialize with `static auto of(T&)` returning std::tie of the members that hold arrays.
+template <class T>
+struct Fields;
+
+template <class T>
+concept RegisteredStruct = requires(T& t) { Fields<T>::of(t); };
 
 template <class T>
 void flatten_into(const T& value, std::vector<Array>& out);
@@ -55,6 +72,18 @@ struct Impl<std::vector<E>> {
     return v;
   }
 };
+template <RegisteredStruct T>
+struct Impl<T> {
+  static void flatten(const T& value, std::vector<Array>& out) {
+    T copy = value;  // Fields::of takes a mutable reference; copies of arrays share their buffers
+    std::apply([&](auto&... member) { (flatten_into(member, out), ...); }, Fields<T>::of(copy));
+  }
+  static T rebuild(const T& like, std::span<const Array> arrays, std::size_t& pos) {
+    T out = like;
+    std::apply([&](auto&... member) { ((member = rebuild_from(member, arrays, pos)), ...); }, Fields<T>::of(out));
+    return out;
+  }
+};
 template <class A, class B>
 struct Impl<std::pair<A, B>> {
   static void flatten(const std::pair<A, B>& p, std::vector<Array>& out) {
@@ -77,6 +106,19 @@ struct Impl<std::tuple<Ts...>> {
   }
 };
 }  // namespace detail
+
+// Whether T holds arrays as a pytree (Array, Tree, a registered struct, or a std container of
+// pytrees); other types are constants to pytree functions and cannot be differentiated.
+template <class T>
+struct is_pytree : std::bool_constant<std::is_same_v<T, Array> || std::is_same_v<T, Tree> || RegisteredStruct<T>> {};
+template <class E>
+struct is_pytree<std::vector<E>> : is_pytree<E> {};
+template <class A, class B>
+struct is_pytree<std::pair<A, B>> : std::bool_constant<is_pytree<A>::value || is_pytree<B>::value> {};
+template <class... Ts>
+struct is_pytree<std::tuple<Ts...>> : std::bool_constant<(is_pytree<Ts>::value || ...)> {};
+template <class T>
+inline constexpr bool is_pytree_v = is_pytree<T>::value;
 
 // Appends the arrays inside `value` to `out` (depth first, in order).
 template <class T>

@@ -4,6 +4,7 @@
 // window's maximum (one per output, not the whole input).
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/threading.hpp>
+#include <linum/core/autodiff/primitive.hpp>
 #include <linum/core/ops/conv.hpp>
 #include <linum/core/ops/kernel_util.hpp>
 
@@ -14,6 +15,8 @@ namespace linum {
 namespace {
 
 using autodiff::Cotangents;
+using autodiff::Residuals;
+using autodiff::primitive;
 
 struct PoolGeometry {
   std::int64_t n, h, w, c, kh, kw, sh, sw;
@@ -69,27 +72,31 @@ Array avg_pool(const Array& x, const PoolOptions& o) {
   ops::detail::require_float(x, "avg_pool");
   if (x.dtype() == DType::bf16) return ops::detail::via_f32(x, [&](const Array& w) { return avg_pool(w, o); });
   const PoolGeometry G = plan(x, o, "avg_pool");
-  Array y = Array::empty(Shape{G.n, G.ph.out, G.pw.out, G.c});
-  // Without count_include_pad, windows at the border divide by their in-bounds size.
-  Array divisors = o.count_include_pad ? Array() : Array::empty(Shape{G.n, G.ph.out, G.pw.out});
-  const float* px = x.data();
-  float* py = y.mutable_data();
-  float* pdiv = divisors.defined() ? divisors.mutable_data() : nullptr;
   const float full = static_cast<float>(G.kh * G.kw);
-  const std::int64_t C = G.c;
-  for_pixels(G, [&](std::int64_t p) {
-    float* out = py + p * C;
-    std::fill_n(out, C, 0.0f);
-    const std::int64_t valid = for_window(G, p, [&](std::int64_t in_pixel) {
-      const float* in = px + in_pixel * C;
-      for (std::int64_t ch = 0; ch < C; ++ch) out[ch] += in[ch];
-    });
-    const float divisor = pdiv ? static_cast<float>(valid) : full;
-    if (pdiv) pdiv[p] = divisor;
-    for (std::int64_t ch = 0; ch < C; ++ch) out[ch] /= divisor;
-  });
-  if (autodiff::needs_grad(x))
-    autodiff::record("avg_pool", y, {&x}, {divisors}, [G, full, xs = x.shape()](Cotangents& c, autodiff::Saved s) {
+  return primitive("avg_pool", {&x},
+    [&](Residuals& r) {
+      Array y = Array::empty(Shape{G.n, G.ph.out, G.pw.out, G.c});
+      // Without count_include_pad, windows at the border divide by their in-bounds size.
+      Array divisors = o.count_include_pad ? Array() : Array::empty(Shape{G.n, G.ph.out, G.pw.out});
+      const float* px = x.data();
+      float* py = y.mutable_data();
+      float* pdiv = divisors.defined() ? divisors.mutable_data() : nullptr;
+      const std::int64_t C = G.c;
+      for_pixels(G, [&](std::int64_t p) {
+        float* out = py + p * C;
+        std::fill_n(out, C, 0.0f);
+        const std::int64_t valid = for_window(G, p, [&](std::int64_t in_pixel) {
+          const float* in = px + in_pixel * C;
+          for (std::int64_t ch = 0; ch < C; ++ch) out[ch] += in[ch];
+        });
+        const float divisor = pdiv ? static_cast<float>(valid) : full;
+        if (pdiv) pdiv[p] = divisor;
+        for (std::int64_t ch = 0; ch < C; ++ch) out[ch] /= divisor;
+      });
+      r.keep(divisors);  // undefined with count_include_pad (the rule divides by `full`)
+      return y;
+    },
+    [G, full, xs = x.shape()](Cotangents& c, autodiff::Saved s) {
       Array dx = Array::zeros(xs);
       float* pd = dx.mutable_data();
       const float* pg = c.out().data();
@@ -110,7 +117,6 @@ Array avg_pool(const Array& x, const PoolOptions& o) {
       }
       c.set(0, dx);
     });
-  return y;
 }
 
 Array max_pool(const Array& x, const PoolOptions& o) {
@@ -119,28 +125,32 @@ Array max_pool(const Array& x, const PoolOptions& o) {
   const PoolGeometry G = plan(x, o, "max_pool");
   if (x.numel() > std::numeric_limits<std::int32_t>::max())
     throw ShapeError(detail::cat("max_pool: input of shape ", x.shape(), " is too large (more than 2^31 elements)"));
-  Array y = Array::empty(Shape{G.n, G.ph.out, G.pw.out, G.c});
-  Array where = Array::empty(y.shape(), DType::i32);  // flat input index of each maximum
-  const float* px = x.data();
-  float* py = y.mutable_data();
-  std::int32_t* pw = where.mutable_data_i32();
-  const std::int64_t C = G.c;
-  for_pixels(G, [&](std::int64_t p) {
-    float* out = py + p * C;
-    std::int32_t* arg = pw + p * C;
-    std::fill_n(out, C, -std::numeric_limits<float>::infinity());
-    std::fill_n(arg, C, -1);
-    for_window(G, p, [&](std::int64_t in_pixel) {
-      const float* in = px + in_pixel * C;
-      for (std::int64_t ch = 0; ch < C; ++ch)
-        if (in[ch] > out[ch] || arg[ch] < 0) {  // the first maximum wins ties
-          out[ch] = in[ch];
-          arg[ch] = static_cast<std::int32_t>(in_pixel * C + ch);
-        }
-    });
-  });
-  if (autodiff::needs_grad(x))
-    autodiff::record("max_pool", y, {&x}, {where}, [xs = x.shape()](Cotangents& c, autodiff::Saved s) {
+  return primitive("max_pool", {&x},
+    [&](Residuals& r) {
+      Array y = Array::empty(Shape{G.n, G.ph.out, G.pw.out, G.c});
+      Array where = Array::empty(y.shape(), DType::i32);  // flat input index of each maximum
+      const float* px = x.data();
+      float* py = y.mutable_data();
+      std::int32_t* pw = where.mutable_data_i32();
+      const std::int64_t C = G.c;
+      for_pixels(G, [&](std::int64_t p) {
+        float* out = py + p * C;
+        std::int32_t* arg = pw + p * C;
+        std::fill_n(out, C, -std::numeric_limits<float>::infinity());
+        std::fill_n(arg, C, -1);
+        for_window(G, p, [&](std::int64_t in_pixel) {
+          const float* in = px + in_pixel * C;
+          for (std::int64_t ch = 0; ch < C; ++ch)
+            if (in[ch] > out[ch] || arg[ch] < 0) {  // the first maximum wins ties
+              out[ch] = in[ch];
+              arg[ch] = static_cast<std::int32_t>(in_pixel * C + ch);
+            }
+        });
+      });
+      r.keep(where);
+      return y;
+    },
+    [xs = x.shape()](Cotangents& c, autodiff::Saved s) {
       Array dx = Array::zeros(xs);
       float* pd = dx.mutable_data();
       const float* pg = c.out().data();
@@ -149,7 +159,6 @@ Array max_pool(const Array& x, const PoolOptions& o) {
         if (pi[k] >= 0) pd[pi[k]] += pg[k];
       c.set(0, dx);
     });
-  return y;
 }
 
 }  // namespace linum

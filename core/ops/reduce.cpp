@@ -2,6 +2,7 @@
 // logsumexp are compositions whose gradients follow from their parts.
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/threading.hpp>
+#include <linum/core/autodiff/primitive.hpp>
 #include <linum/core/ops/reduce.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/kernel_util.hpp>
@@ -17,8 +18,8 @@ namespace linum {
 namespace {
 
 using autodiff::Cotangents;
-using autodiff::needs_grad;
-using autodiff::record;
+using autodiff::Residuals;
+using autodiff::primitive;
 
 enum class Reduction { sum, max };
 
@@ -167,12 +168,11 @@ namespace {
 Array sum_as(const Array& x, const std::vector<int>& axes_in, bool keepdims, DType out_dtype) {
   ops::detail::require_float(x, "sum");
   const std::vector<int> axes = ops::detail::normalize_axes(axes_in, x.rank(), "sum");
-  Array y = finish(reduce_kernel(x, axes, Reduction::sum, "sum", out_dtype), x.shape(), axes, keepdims);
-  if (needs_grad(x))
-    record("sum", y, {&x}, {}, [xs = x.shape(), keep = reduced_shape(x.shape(), axes, true)](Cotangents& c, autodiff::Saved) {
-      c.set(0, ops::detail::broadcast_raw(c.out().with_shape(keep), xs));  // the sweep casts it to x's dtype
-    });
-  return y;
+  return primitive("sum", {&x},
+                   [&](Residuals&) { return finish(reduce_kernel(x, axes, Reduction::sum, "sum", out_dtype), x.shape(), axes, keepdims); },
+                   [xs = x.shape(), keep = reduced_shape(x.shape(), axes, true)](Cotangents& c, autodiff::Saved) {
+                     c.set(0, ops::detail::broadcast_raw(c.out().with_shape(keep), xs));  // the sweep casts it to x's dtype
+                   });
 }
 }  // namespace
 
@@ -196,17 +196,19 @@ Array mean(const Array& x) { return mean(x, all_axes(x.rank()), false); }
 Array max(const Array& x, const std::vector<int>& axes_in, bool keepdims) {
   ops::detail::require_float(x, "max");
   const std::vector<int> axes = ops::detail::normalize_axes(axes_in, x.rank(), "max");
-  Array keep = reduce_kernel(x, axes, Reduction::max, "max");
-  Array y = finish(keep, x.shape(), axes, keepdims);
-  if (needs_grad(x))
-    record("max", y, {&x}, {x, keep}, [axes](Cotangents& c, autodiff::Saved s) {
-      // Share the cotangent equally among the elements equal to the maximum.
-      Array hit = equal(s[0], s[1]);
-      Array count = reduce_kernel(hit, axes, Reduction::sum, "max");
-      Array share = div(c.out().with_shape(s[1].shape()), count);
-      c.set(0, mul(hit, share));
-    });
-  return y;
+  return primitive("max", {&x},
+                   [&](Residuals& r) {
+                     Array keep = reduce_kernel(x, axes, Reduction::max, "max");
+                     r.keep(x, keep);  // keep: the keepdims-shaped maximum (an internal residual unless keepdims)
+                     return finish(keep, x.shape(), axes, keepdims);
+                   },
+                   [axes](Cotangents& c, autodiff::Saved s) {
+                     // Share the cotangent equally among the elements equal to the maximum.
+                     Array hit = equal(s[0], s[1]);
+                     Array count = reduce_kernel(hit, axes, Reduction::sum, "max");
+                     Array share = div(c.out().with_shape(s[1].shape()), count);
+                     c.set(0, mul(hit, share));
+                   });
 }
 Array max(const Array& x) { return max(x, all_axes(x.rank()), false); }
 

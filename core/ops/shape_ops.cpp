@@ -345,7 +345,8 @@ Array take(const Array& x, const Array& indices, int axis_in) {
   for (int i = 0; i < axis; ++i) { out.push_back(x.shape()[i]); outer *= x.shape()[i]; }
   for (std::int64_t d : indices.shape()) out.push_back(d);
   for (int i = axis + 1; i < x.rank(); ++i) { out.push_back(x.shape()[i]); inner *= x.shape()[i]; }
-  return primitive("take", {&x},
+  // The indices are an input that gets no gradient, so a replay can rebuild what the rule keeps.
+  return primitive("take", {&x, &indices},
                    [&](Residuals& r) {
                      r.keep(indices);
                      Array y = Array::empty(out, x.dtype());
