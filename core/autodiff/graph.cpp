@@ -8,6 +8,9 @@
 #include <linum/core/autodiff/saved_hooks.hpp>
 
 #include <any>
+#include <mutex>
+#include <set>
+#include <string>
 
 #include <algorithm>
 #include <unordered_map>
@@ -227,6 +230,17 @@ std::optional<Replayed> replay_primitive(std::span<const Array* const> inputs) {
   for (RecordHook* h = t_record_hook; h != nullptr; h = h->previous())
     if (h->is_region()) return h->replay_primitive(inputs);
   return std::nullopt;
+}
+
+const char* intern_op_name(const std::string& name) {
+  static std::mutex mutex;
+  static std::set<std::string, std::less<>> names;  // never shrinks: nodes keep the pointers
+  std::lock_guard<std::mutex> lock(mutex);
+  return names.insert(name).first->c_str();
+}
+
+void throw_custom_vjp_error(const char* op, const std::string& what) {
+  throw AutodiffError(linum::detail::cat("custom_vjp '", op, "': ", what));
 }
 
 bool any_needs_grad(std::span<const Array* const> inputs) {

@@ -72,6 +72,7 @@ class Cotangents {
   // output that received no gradient is undefined (check `.defined()`).
   const Array& out(std::size_t i = 0) const { return outs_[i]; }
   std::size_t num_outputs() const { return outs_.size(); }
+  std::size_t num_inputs() const { return ins_.size(); }
   // Whether input i needs a gradient (its producer is recorded). Rules skip the others.
   bool needs(std::size_t i) const { return edges_[i].node != nullptr; }
   void set(std::size_t i, Array g) { ins_[i] = std::move(g); }
