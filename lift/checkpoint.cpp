@@ -132,9 +132,10 @@ class ForwardRegion final : public autodiff::detail::RecordHook {
       else
         recipe = recipes_.back().primitive;
     }
-    // Dead code needs the primitive's residuals to be inputs or outputs (the replay has those).
-    const bool skippable = recipe != nullptr && recipe->num_internal == 0;
-    if (analyze_) learn_flow(index, out, node, skippable);
+    // Any primitive can be skipped when its output is saved (its internal residuals are saved with
+    // it); leaving it out as dead code needs its residuals to be inputs or outputs (the replay has
+    // those).
+    if (analyze_) learn_flow(index, out, node, recipe != nullptr, recipe != nullptr && recipe->num_internal == 0);
     if (verify_) prints_.push_back({op, out.shape(), out.dtype(), fingerprint(out), current_module_path()});
     if (policy_.saves_nothing()) return;
     recipes_.push_back({out.shape(), out.dtype(), recipe});
@@ -168,8 +169,9 @@ class ForwardRegion final : public autodiff::detail::RecordHook {
 
  private:
   // Op `index`'s place in the data flow: who reads whose output, which outputs residuals keep.
-  void learn_flow(std::uint64_t index, const Array& out, const Node* node, bool skippable) {
+  void learn_flow(std::uint64_t index, const Array& out, const Node* node, bool skippable, bool may_be_dead) {
     flow_.skippable.push_back(skippable);
+    flow_.may_be_dead.push_back(may_be_dead);
     flow_.consumers.emplace_back();
     flow_.needed.push_back(false);
     const auto me = static_cast<std::uint32_t>(index);
@@ -196,7 +198,8 @@ class ForwardRegion final : public autodiff::detail::RecordHook {
   }
   // The block's data flow, one entry per numbered op.
   struct DataFlow {
-    std::vector<bool> skippable;                      // a primitive the replay can skip
+    std::vector<bool> skippable;                      // a primitive the replay can skip when its output is saved
+    std::vector<bool> may_be_dead;                    // ... or when nothing reads it (no internal residuals)
     std::vector<std::vector<std::uint32_t>> consumers;  // ops whose graph inputs include its output
     std::vector<bool> needed;                         // its value is a residual or a block output
 
@@ -207,7 +210,7 @@ class ForwardRegion final : public autodiff::detail::RecordHook {
       const std::size_t n = skippable.size();
       std::vector<bool> dead(n, false), skipped(n, false);
       for (std::size_t i = n; i-- > 0;) {
-        bool d = skippable[i] && !needed[i] && !saved[i];
+        bool d = may_be_dead[i] && !needed[i] && !saved[i];
         for (std::uint32_t j : consumers[i])
           if (d && !skipped[j]) d = false;
         dead[i] = d;

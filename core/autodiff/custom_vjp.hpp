@@ -139,10 +139,13 @@ class CustomVjp {
   }
 
  private:
+  // `value` with every array replaced by one shared scalar: its structure without its data (a Tree
+  // cannot hold undefined leaves).
   template <class T>
   static T hollow(const T& value) {
-    std::vector<Array> none(pytree::flatten(value).size());
-    return pytree::rebuild(value, std::span<const Array>(none));
+    static const Array hole = Array::zeros(Shape{});
+    std::vector<Array> holes(pytree::flatten(value).size(), hole);
+    return pytree::rebuild(value, std::span<const Array>(holes));
   }
   static std::size_t c_inputs(const autodiff::Cotangents& c) { return c.num_inputs(); }
   template <class... Args, class Tuple, std::size_t... Is>
