@@ -136,6 +136,17 @@ TEST_CASE("fashion_mnist trains, resumes to the same result, evaluates, and repo
   const Tree bf16_model = serialization::load(tmp.path / "bf16.msgpack");
   CHECK(bitwise_equal(serialization::load(tmp.path / "bf16p.msgpack"), bf16_model));
   CHECK(bf16_model.at_path("params/Head_0/Dense_0/kernel").array().dtype() == DType::f32);  // float32 masters
+
+  // Pure bf16 (param_dtype=bf16, as Flax allows): bf16 parameters get their gradients and the model
+  // learns as the float32 one does (before the one primitive path they got zeros and it did not).
+  Run pure = run(common + "--epochs 2 --dtype bf16 --param-dtype bf16 --checkpoint " + (tmp.path / "pure.msgpack").string());
+  INFO(pure.output);
+  REQUIRE(pure.status == 0);
+  const auto pure_result = last_line(pure.output);
+  CHECK(pure_result["param_dtype"] == "bf16");
+  CHECK(pure_result["test_accuracy"].get<double>() > 0.9);
+  CHECK(pure_result["final_train_loss"].get<double>() < 1.5 * result["final_train_loss"].get<double>() + 0.05);
+  CHECK(serialization::load(tmp.path / "pure.msgpack").at_path("params/Head_0/Dense_0/kernel").array().dtype() == DType::bf16);
   CHECK(run("--dtype f16").status == 2);
 
   // Missing data: a message saying how to get it, exit code 1.

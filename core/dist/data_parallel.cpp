@@ -56,6 +56,14 @@ Tree rows_of(const Tree& batch, std::int64_t lo, std::int64_t hi) {
   return tree_map([&](const Array& a) { return slice_axis(a, 0, lo, hi); }, batch);
 }
 
+void require_float(const Tree& tree, const char* what) {
+  for (const auto& [path, a] : flatten(tree))
+    if (!is_floating(a.dtype()))
+      throw ShapeError(detail::cat("linum::dist::DataParallel: ", what, " leaf '", path, "' is ", a.type_str(),
+                                   "; only float parameters are differentiated and summed (pass integer state in the "
+                                   "batch or the aux tree's structure, not among the parameters)"));
+}
+
 void require_f32(const Tree& tree, const char* what) {
   for (const auto& [path, a] : flatten(tree))
     if (a.dtype() != DType::f32)
@@ -84,14 +92,15 @@ void add(const float* a, const float* b, float* out, std::size_t n) {
 
 void add_into(std::vector<float>& a, const std::vector<float>& b) { add(a.data(), b.data(), a.data(), a.size()); }
 
-// Leaves of `structure` read from flat[offset...] in order.
+// Leaves of `structure` read from flat[offset...] in order, each in its leaf's dtype (sums are
+// float32; a bf16 parameter's gradient is rounded once, after the sum).
 Tree unflat(const Tree& structure, const float* flat, std::size_t& offset) {
   std::vector<Array> out;
   for (const Array& leaf : leaves(structure)) {
     Array a = Array::empty(leaf.shape());
     std::memcpy(a.mutable_data(), flat + offset, static_cast<std::size_t>(a.numel()) * sizeof(float));
     offset += static_cast<std::size_t>(a.numel());
-    out.push_back(std::move(a));
+    out.push_back(leaf.dtype() == DType::f32 ? std::move(a) : astype(a, leaf.dtype()));
   }
   return with_leaves(structure, out);
 }
@@ -236,7 +245,7 @@ StepResult DataParallel::value_and_grad(const Loss& loss, const Tree& params, co
 }
 
 StepResult DataParallel::value_and_grad(const LossWithAux& loss, const Tree& params, const Tree& batch, rng::Key key) {
-  require_f32(params, "parameter");
+  require_float(params, "parameter");  // float32 or bf16; gradients are summed in float32
   const std::int64_t rows = batch_rows(batch);
   if (options_.reduction == Reduction::reproducible) {
     if (rows < options_.micro_batches)
@@ -289,7 +298,7 @@ StepResult DataParallel::reproducible(const LossWithAux& loss, const Tree& param
     const float w = weight_of(lo, hi, rows);
     std::vector<float> flat;
     append_scaled(flat, astype(value, DType::f32), w);
-    for (const Array& g : grads) append_scaled(flat, g, w);
+    for (const Array& g : grads) append_scaled(flat, g.dtype() == DType::f32 ? g : astype(g, DType::f32), w);
     for (const Array& a : leaves(aux)) append_scaled(flat, a, w);
     if (options_.aux == Sync::per_rank) {
       std::vector<float> mine;
@@ -576,7 +585,7 @@ StepResult DataParallel::fast(const LossWithAux& loss, const Tree& params, const
     Array a = Array::empty(param_leaves[k].shape());
     std::memcpy(a.mutable_data(), buckets[bi].values.data() + buckets[bi].offset[j],
                 static_cast<std::size_t>(a.numel()) * sizeof(float));
-    out[k] = std::move(a);
+    out[k] = param_leaves[k].dtype() == DType::f32 ? std::move(a) : astype(a, param_leaves[k].dtype());
   }
   result.grads = with_leaves(params, out);
   if (options_.aux == Sync::average) {

@@ -3,7 +3,7 @@
 //   fashion_mnist [--epochs 3] [--remat full|dots|none] [--batch 128] [--lr 0.001] [--optimizer adam|sgd]
 //                 [--dropout 0.0] [--batchnorm] [--seed 0] [--data DIR] [--checkpoint FILE] [--resume]
 //                 [--checkpoint-dir DIR]
-//                 [--eval] [--limit N] [--dtype f32|bf16]
+//                 [--eval] [--limit N] [--dtype f32|bf16] [--param-dtype f32|bf16]
 //                 [--micro-batches 4] [--reduction reproducible|fast] [--batch-stats average|per-rank]
 //
 // Data parallel on several processes or machines: `mpirun -np N fashion_mnist ...` splits each global
@@ -14,6 +14,8 @@
 //
 // --dtype bf16 trains with mixed precision as Flax does (dtype=bf16, param_dtype=float32): float32
 // parameters and optimizer, convolutions and matrix products in bfloat16, the loss in float32.
+// Adding --param-dtype bf16 trains in pure bfloat16 (Flax's param_dtype=bf16): bf16 parameters,
+// gradients and adam moments, gradients summed across ranks in float32.
 //
 // It shows what Linum is for: a compact model (modules in a Scope), remat on its blocks
 // (lift::remat, which keeps parameter names, so checkpoints load into either model), init/apply
@@ -46,10 +48,11 @@ namespace fs = std::filesystem;
 struct ConvBlock {
   std::int64_t features = 32;
   bool batch_norm = false;
-  std::optional<DType> dtype;  // the computation dtype (Flax's dtype); parameters stay float32
+  std::optional<DType> dtype;  // the computation dtype (Flax's dtype)
+  DType param_dtype = DType::f32;  // the parameters' dtype (Flax's param_dtype)
   Array operator()(Scope& s, const Array& x, bool train) const {
-    Array h = s(nn::Conv{.features = features, .kernel_size = {3, 3}, .dtype = dtype}, x);
-    if (batch_norm) h = s(nn::BatchNorm{.dtype = dtype}, h, /*use_running_average=*/!train);
+    Array h = s(nn::Conv{.features = features, .kernel_size = {3, 3}, .dtype = dtype, .param_dtype = param_dtype}, x);
+    if (batch_norm) h = s(nn::BatchNorm{.dtype = dtype, .param_dtype = param_dtype}, h, /*use_running_average=*/!train);
     h = relu(h);  // reassigning frees the conv output now: relu keeps only its own output
     return avg_pool(h, {.window = {2, 2}, .strides = {2, 2}});
   }
@@ -59,11 +62,12 @@ struct ConvBlock {
 struct Head {
   double dropout = 0.0;
   std::optional<DType> dtype;
+  DType param_dtype = DType::f32;
   Array operator()(Scope& s, const Array& x, bool train) const {
     Array h = reshape(x, {x.dim(0), -1});
-    h = relu(s(nn::Dense{.features = 256, .dtype = dtype}, h));
+    h = relu(s(nn::Dense{.features = 256, .dtype = dtype, .param_dtype = param_dtype}, h));
     if (dropout > 0) h = s(nn::Dropout{.rate = dropout}, h, /*deterministic=*/!train);
-    return s(nn::Dense{.features = 10, .dtype = dtype}, h);
+    return s(nn::Dense{.features = 10, .dtype = dtype, .param_dtype = param_dtype}, h);
   }
 };
 
@@ -76,11 +80,12 @@ struct CNN {
   bool batch_norm = false;
   double dropout = 0.0;
   std::optional<DType> dtype;
+  DType param_dtype = DType::f32;
 
   template <class Block>
   Array run(Scope& s, Array x, bool train) const {
-    x = s(Block{{.features = 32, .batch_norm = batch_norm, .dtype = dtype}}, x, train);
-    x = s(Block{{.features = 64, .batch_norm = batch_norm, .dtype = dtype}}, x, train);
+    x = s(Block{{.features = 32, .batch_norm = batch_norm, .dtype = dtype, .param_dtype = param_dtype}}, x, train);
+    x = s(Block{{.features = 64, .batch_norm = batch_norm, .dtype = dtype, .param_dtype = param_dtype}}, x, train);
     return x;
   }
   Array operator()(Scope& s, const Array& images, bool train) const {
@@ -90,7 +95,7 @@ struct CNN {
       case Remat::full: x = run<lift::remat<ConvBlock>>(s, images, train); break;
       case Remat::dots: x = run<lift::remat<ConvBlock, lift::policy<policies::dots_saveable>>>(s, images, train); break;
     }
-    return s(Head{.dropout = dropout, .dtype = dtype}, x, train);
+    return s(Head{.dropout = dropout, .dtype = dtype, .param_dtype = param_dtype}, x, train);
   }
 };
 
@@ -112,6 +117,7 @@ struct Options {
   bool eval_only = false;
   std::int64_t limit = 0;  // use only the first N training images (0: all)
   DType dtype = DType::f32;
+  DType param_dtype = DType::f32;
   int micro_batches = 4;
   dist::Reduction reduction = dist::Reduction::reproducible;
   dist::Sync batch_stats_sync = dist::Sync::average;
@@ -126,7 +132,7 @@ const char* remat_name(Remat r) { return r == Remat::none ? "none" : r == Remat:
             << "                     [--memory-plot FILE.svg]\n"
             << "                     [--dropout X] [--batchnorm] [--seed N] [--data DIR] [--checkpoint FILE] [--resume]\n"
             << "                     [--checkpoint-dir DIR]\n"
-            << "                     [--eval] [--limit N] [--dtype f32|bf16]\n"
+            << "                     [--eval] [--limit N] [--dtype f32|bf16] [--param-dtype f32|bf16]\n"
             << "                     [--micro-batches N] [--reduction reproducible|fast] [--batch-stats average|per-rank]\n";
   std::exit(2);
 }
@@ -186,6 +192,11 @@ Options parse(int argc, char** argv) {
       if (d == "f32") o.dtype = DType::f32;
       else if (d == "bf16") o.dtype = DType::bf16;
       else usage_error("--dtype must be f32 or bf16, got '" + d + "'");
+    } else if (a == "--param-dtype") {
+      const std::string d = value();
+      if (d == "f32") o.param_dtype = DType::f32;
+      else if (d == "bf16") o.param_dtype = DType::bf16;
+      else usage_error("--param-dtype must be f32 or bf16, got '" + d + "'");
     } else if (a == "--help" || a == "-h") {
       usage_error("help");
     } else {
@@ -339,7 +350,7 @@ int run(const Options& o) {
   dist::DataParallel dp({.reduction = o.reduction, .micro_batches = o.micro_batches, .aux = o.batch_stats_sync});
 
   Trainer t{CNN{.remat = o.remat, .batch_norm = o.batch_norm, .dropout = o.dropout,
-                .dtype = o.dtype == DType::f32 ? std::nullopt : std::optional<DType>(o.dtype)},
+                .dtype = o.dtype == DType::f32 ? std::nullopt : std::optional<DType>(o.dtype), .param_dtype = o.param_dtype},
             o.optimizer == "adam" ? optim::adam(o.lr) : optim::sgd(o.lr, 0.9), {}, {}, {}};
   const std::int64_t batch = std::min<std::int64_t>(o.batch, n);
   const Array& train_images = train.columns().at("image").array();
@@ -419,7 +430,7 @@ int run(const Options& o) {
     std::printf("wrote the memory timeline of a training step to '%s'\n", o.memory_plot.c_str());
   }
 
-  double train_seconds = 0;
+  double train_seconds = 0, final_train_loss = 0;
   int epochs_run = 0;
   if (!o.eval_only) {
     for (int epoch = first_epoch; epoch < o.epochs; ++epoch) {
@@ -443,6 +454,7 @@ int run(const Options& o) {
       bar.update(seen, loss_sum / static_cast<double>(std::max<std::int64_t>(steps, 1)),
                  accuracy_sum / static_cast<double>(std::max<std::int64_t>(seen, 1)), seconds, true);
       train_seconds += seconds;
+      final_train_loss = loss_sum / static_cast<double>(std::max<std::int64_t>(steps, 1));
       ++epochs_run;
       if (manager)  // a directory per epoch, atomic (temporary directory + rename)
         manager->save(epoch + 1, checkpoint_tree(t, epoch + 1, o, loader), {{"train_loss", loss_sum / static_cast<double>(std::max<std::int64_t>(steps, 1))}});
@@ -466,6 +478,8 @@ int run(const Options& o) {
                                  {"seconds_per_epoch", per_epoch},
                                  {"remat", remat_name(o.remat)},
                                  {"dtype", dtype_short_name(o.dtype)},
+                                 {"param_dtype", dtype_short_name(o.param_dtype)},
+                                 {"final_train_loss", final_train_loss},
                                  {"ranks", ranks},
                                  {"reduction", o.reduction == dist::Reduction::reproducible ? "reproducible" : "fast"},
                                  {"micro_batches", o.micro_batches},
