@@ -80,8 +80,7 @@ Array norm_impl(const char* op, const Array& x, const Array& scale, const Array&
 
   // One primitive: the kernel computes each row's statistics once; the rule reads them (an internal
   // residual, kept with the output when a remat policy saves it).
-  return autodiff::primitive(op, {&x, &scale, &bias},
-                             [&](autodiff::Residuals& keep) {
+  auto forward = [&](autodiff::Residuals& keep) {
     const std::vector<float> sc = param_f32(scale), bi = param_f32(bias);
     Array y = Array::empty(x.shape(), out_dtype);
     Array stats = Array::empty(Shape{s.rows, 2});  // per row: mean (0 without centring), 1 / sqrt(var + eps)
@@ -112,10 +111,11 @@ Array norm_impl(const char* op, const Array& x, const Array& scale, const Array&
         ops::detail::f32_commit(y, r * s.features, s.features, yr);
       }
     });
-                               keep.keep(x, scale, stats);
-                               return y;
-                             },
-                     [s, center, has_bias = bias.defined()](Cotangents& c, autodiff::Saved saved) {
+    keep.keep(x, scale, stats);
+    return y;
+  };
+  return autodiff::primitive(op, {&x, &scale, &bias}, forward,
+                             [s, center, has_bias = bias.defined()](Cotangents& c, autodiff::Saved saved) {
       const Array& xs = saved[0];
       const Array& scale_s = saved[1];
       const float* st = saved[2].data();
