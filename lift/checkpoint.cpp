@@ -411,7 +411,7 @@ class CheckpointNode final : public Node {
                                              " arrays, the forward pass ", num_outputs()));
     if (verify_)
       for (std::size_t i = 0; i < outs.size(); ++i)
-        if (fingerprint(outs[i]) != fingerprints_[i] || !(outs[i].shape() == output_shapes()[i]))
+        if (fingerprint(outs[i]) != fingerprints_[i] || !(outs[i].shape() == output_shape(i)))
           throw_differs(where_, linum::detail::cat("output ", i, " of shape ", outs[i].shape(), " has different values"));
     // Only the recomputed outputs' graph nodes are needed, not their values: dropping the values
     // (and taking the incoming cotangents) frees them before the recomputed block is differentiated.

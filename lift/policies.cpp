@@ -72,7 +72,7 @@ namespace {
 class NamedNode final : public autodiff::Node {
  public:
   NamedNode(std::vector<autodiff::Edge> in, Shape shape, std::string name)
-      : Node("checkpoint_name", std::move(in), {std::move(shape)}), name_(std::move(name)) {}
+      : Node("checkpoint_name", std::move(in), std::move(shape)), name_(std::move(name)) {}
   void backward(autodiff::Cotangents& c) override { c.set(0, c.out()); }
   std::string_view label() const override { return name_; }
 

@@ -29,7 +29,6 @@ struct SweepAccess {
 
 namespace {
 
-thread_local bool t_recording = true;
 std::atomic<std::uint64_t> g_sweep_counter{0};
 std::atomic<std::uint64_t> g_node_counter{1};
 
@@ -138,7 +137,7 @@ void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, con
         if (e.node == nullptr || !g.defined()) continue;
         if (linum::detail::debug_checks_on()) linum::detail::check_finite(g, node->op(), static_cast<int>(k), {});
         Node* target = e.node.get();
-        const Shape& want = target->output_shapes()[e.index];
+        const Shape& want = target->output_shape(e.index);
         if (!(g.shape() == want))
           throw AutodiffError(linum::detail::cat("backward rule of op '", node->op(), "' produced a gradient of shape ",
                                           g.shape(), " for input ", k, " of shape ", want,
@@ -193,13 +192,18 @@ void seed(std::span<const Array> roots, std::span<const Array> cotangents) {
 }  // namespace
 
 namespace detail {
+thread_local bool t_recording = true;
 thread_local RecordHook* t_record_hook = nullptr;
 
+// The innermost guard's hooks (a plain pointer: trivial thread-local, one load per recorded op).
+thread_local const std::shared_ptr<const SavedValueHooks>* t_saved_hooks = nullptr;
 namespace {
-thread_local std::shared_ptr<const SavedValueHooks> t_saved_hooks;
+const std::shared_ptr<const SavedValueHooks> kNoHooks;
 }  // namespace
 
-const std::shared_ptr<const SavedValueHooks>& active_saved_value_hooks() { return t_saved_hooks; }
+const std::shared_ptr<const SavedValueHooks>& active_saved_value_hooks() {
+  return t_saved_hooks != nullptr ? *t_saved_hooks : kNoHooks;
+}
 
 void notify_record_hooks(const char* op, std::span<Array> outs, const Node* node, const PrimitiveCall* call) {
   for (Array& out : outs) {
@@ -214,7 +218,7 @@ void notify_record_hooks(const char* op, std::span<Array> outs, const Node* node
   }
 }
 
-void after_record(const char* op, std::span<Array> outs, Node* node, const PrimitiveCall* call) {
+void after_record_observed(const char* op, std::span<Array> outs, Node* node, const PrimitiveCall* call) {
   if (t_record_hook != nullptr) notify_record_hooks(op, outs, node, call);
   if (t_saved_hooks != nullptr) [[unlikely]]
     node->pack_residuals();
@@ -243,13 +247,6 @@ void throw_custom_vjp_error(const char* op, const std::string& what) {
   throw AutodiffError(linum::detail::cat("custom_vjp '", op, "': ", what));
 }
 
-bool any_needs_grad(std::span<const Array* const> inputs) {
-  if (!t_recording) return false;
-  for (const Array* a : inputs)
-    if (a->node() != nullptr) return true;
-  return false;
-}
-
 std::vector<Edge> edges_of(std::span<const Array* const> inputs) {
   std::vector<Edge> edges;
   edges.reserve(inputs.size());
@@ -271,16 +268,11 @@ std::vector<Array> detach_all(std::initializer_list<Array> saved) {
 std::uint64_t Node::next_id() { return g_node_counter.fetch_add(1, std::memory_order_relaxed); }
 std::uint64_t Node::peek_next_id() { return g_node_counter.load(std::memory_order_relaxed); }
 
-bool is_recording() { return t_recording; }
-
-NoGradGuard::NoGradGuard() : previous_(t_recording) { t_recording = false; }
-NoGradGuard::~NoGradGuard() { t_recording = previous_; }
-
-EnableGradGuard::EnableGradGuard() : previous_(t_recording) { t_recording = true; }
-EnableGradGuard::~EnableGradGuard() { t_recording = previous_; }
+EnableGradGuard::EnableGradGuard() : previous_(detail::t_recording) { detail::t_recording = true; }
+EnableGradGuard::~EnableGradGuard() { detail::t_recording = previous_; }
 
 bool needs_grad(std::span<const Array> inputs) {
-  if (!is_recording()) return false;
+  if (!detail::t_recording) return false;
   return std::any_of(inputs.begin(), inputs.end(), [](const Array& a) { return a.node() != nullptr; });
 }
 
@@ -337,9 +329,10 @@ std::vector<Array> Node::unpack_residuals(const PackedResiduals& p, const char* 
 SavedValueHooksGuard::SavedValueHooksGuard(SavedValueHooks hooks) : previous_(detail::t_saved_hooks) {
   if (!hooks.pack || !hooks.unpack)
     throw ValueError("SavedValueHooksGuard: both pack and unpack must be set");
-  detail::t_saved_hooks = std::make_shared<const SavedValueHooks>(std::move(hooks));
+  hooks_ = std::make_shared<const SavedValueHooks>(std::move(hooks));
+  detail::t_saved_hooks = &hooks_;
 }
-SavedValueHooksGuard::~SavedValueHooksGuard() { detail::t_saved_hooks = std::move(previous_); }
+SavedValueHooksGuard::~SavedValueHooksGuard() { detail::t_saved_hooks = previous_; }
 
 Array Node::take_grad(std::size_t i) {
   if (i >= grads_.size()) return Array();
@@ -422,9 +415,9 @@ std::vector<Array> backward_into(std::vector<Edge> roots, std::vector<Array> cot
       continue;
     }
     if (n->released()) throw_released(n);
-    if (!(cotangents[i].shape() == n->output_shapes()[roots[i].index]))
+    if (!(cotangents[i].shape() == n->output_shape(roots[i].index)))
       throw AutodiffError(linum::detail::cat("backward: cotangent of shape ", cotangents[i].shape(),
-                                             " for an output of shape ", n->output_shapes()[roots[i].index]));
+                                             " for an output of shape ", n->output_shape(roots[i].index)));
     auto& grads = SweepAccess::grads(n);
     grads.resize(n->num_outputs());
     add_into(grads[roots[i].index], in_dtype(std::move(cotangents[i]), n->output_dtype(roots[i].index)));

@@ -31,14 +31,18 @@ namespace linum::autodiff {
 
 // ---- per-thread recording state -------------------------------------------------------------
 
+namespace detail {
+extern thread_local bool t_recording;
+}  // namespace detail
+
 // True when ops on this thread may record graph nodes (the default). NoGradGuard turns it off.
-bool is_recording();
+inline bool is_recording() { return detail::t_recording; }
 
 // Within its lifetime no op on this thread records graph nodes: results are constants.
 class NoGradGuard {
  public:
-  NoGradGuard();
-  ~NoGradGuard();
+  NoGradGuard() : previous_(detail::t_recording) { detail::t_recording = false; }
+  ~NoGradGuard() { detail::t_recording = previous_; }
   NoGradGuard(const NoGradGuard&) = delete;
   NoGradGuard& operator=(const NoGradGuard&) = delete;
 
@@ -52,6 +56,7 @@ class Node;
 // Residuals handed to saved-value hooks (core/autodiff/saved_hooks.hpp): what pack returned, per
 // residual, and the hooks that unpack them.
 struct PackedResiduals;
+struct SavedValueHooks;
 
 // An input of a node: the node that produced it and which of its outputs. A null node means the
 // input is a constant and needs no gradient.
@@ -95,23 +100,29 @@ class Cotangents {
 
 class Node {
  public:
+  // A node with several outputs, or (the common case, no allocation for its type) one.
   Node(const char* op, std::vector<Edge> inputs, std::vector<Shape> output_shapes)
-      : inputs_(std::move(inputs)), output_shapes_(std::move(output_shapes)), id_(next_id()), op_(op) {}
+      : inputs_(std::move(inputs)), num_outputs_(static_cast<std::uint32_t>(output_shapes.size())), id_(next_id()), op_(op) {
+    if (!output_shapes.empty()) shape0_ = std::move(output_shapes[0]);
+    for (std::size_t i = 1; i < output_shapes.size(); ++i) more_.push_back({std::move(output_shapes[i]), DType::f32});
+  }
+  Node(const char* op, std::vector<Edge> inputs, Shape output_shape)
+      : inputs_(std::move(inputs)), shape0_(std::move(output_shape)), num_outputs_(1), id_(next_id()), op_(op) {}
   virtual ~Node() = default;
   Node(const Node&) = delete;
   Node& operator=(const Node&) = delete;
 
   const char* op() const { return op_; }
   const std::vector<Edge>& inputs() const { return inputs_; }
-  const std::vector<Shape>& output_shapes() const { return output_shapes_; }
+  const Shape& output_shape(std::size_t i) const { return i == 0 ? shape0_ : more_[i - 1].first; }
   // The dtype of output i (set when an array is attached to it; float32 until then). Cotangents
   // reaching this output are converted to it, so every gradient has its value's dtype.
-  DType output_dtype(std::size_t i) const { return i < output_dtypes_.size() ? output_dtypes_[i] : DType::f32; }
+  DType output_dtype(std::size_t i) const { return i == 0 ? dtype0_ : more_[i - 1].second; }
   void set_output_dtype(std::size_t i, DType t) {
-    if (output_dtypes_.size() < output_shapes_.size()) output_dtypes_.resize(output_shapes_.size(), DType::f32);
-    if (i < output_dtypes_.size()) output_dtypes_[i] = t;
+    if (i == 0) dtype0_ = t;
+    else if (i - 1 < more_.size()) more_[i - 1].second = t;
   }
-  std::size_t num_outputs() const { return output_shapes_.size(); }
+  std::size_t num_outputs() const { return num_outputs_; }
   virtual bool is_leaf() const { return false; }
 
   // Computes input cotangents from output cotangents.
@@ -136,8 +147,10 @@ class Node {
  private:
   friend struct SweepAccess;
   std::vector<Edge> inputs_;
-  std::vector<Shape> output_shapes_;
-  std::vector<DType> output_dtypes_;
+  Shape shape0_;
+  DType dtype0_ = DType::f32;
+  std::uint32_t num_outputs_;
+  std::vector<std::pair<Shape, DType>> more_;  // outputs 1, 2, ... of a multi-output node
   std::vector<Array> grads_;      // accumulated output cotangents during a sweep
   std::uint64_t mark_ = 0;        // visit mark of the current sweep
   std::uint64_t id_;
@@ -157,7 +170,7 @@ class Node {
 // A differentiation variable: the node attached to the arrays grad/vjp differentiate against.
 class LeafNode final : public Node {
  public:
-  explicit LeafNode(Shape shape) : Node("leaf", {}, {std::move(shape)}) {}
+  explicit LeafNode(Shape shape) : Node("leaf", {}, std::move(shape)) {}
   bool is_leaf() const override { return true; }
   void backward(Cotangents&) override {}
 };
@@ -172,7 +185,8 @@ using Saved = std::span<const Array>;
 template <class Rule>
 class RuleNode final : public Node {
  public:
-  RuleNode(const char* op, std::vector<Edge> inputs, std::vector<Shape> shapes, std::vector<Array> saved, Rule rule)
+  template <class Shapes>  // std::vector<Shape>, or one Shape
+  RuleNode(const char* op, std::vector<Edge> inputs, Shapes shapes, std::vector<Array> saved, Rule rule)
       : Node(op, std::move(inputs), std::move(shapes)), saved_(std::move(saved)), rule_(std::move(rule)) {}
   void backward(Cotangents& c) override {
     if (packed_ != nullptr) {
@@ -229,7 +243,19 @@ struct PrimitiveCall;
 // Runs the hooks, saved-value packing, debug checks and timeline for a freshly recorded node whose
 // outputs are `outs` (the same steps for every primitive, core/autodiff/primitive.hpp, and for
 // `record` below). A checkpoint replaying its block may replace outputs by the values it saved.
-void after_record(const char* op, std::span<Array> outs, Node* node, const PrimitiveCall* call);
+void after_record_observed(const char* op, std::span<Array> outs, Node* node, const PrimitiveCall* call);
+// The innermost SavedValueHooksGuard's hooks, or null (core/autodiff/saved_hooks.hpp).
+extern thread_local const std::shared_ptr<const SavedValueHooks>* t_saved_hooks;
+// Whether anything observes recorded ops (hooks, saved-value hooks, debug checks, the timeline):
+// one branch per op when nothing does, the common case in training.
+inline bool observed() {
+  return t_record_hook != nullptr || t_saved_hooks != nullptr || linum::detail::debug_checks_on() ||
+         memory::detail::timeline_recording();
+}
+inline void after_record(const char* op, std::span<Array> outs, Node* node, const PrimitiveCall* call) {
+  if (observed()) [[unlikely]]
+    after_record_observed(op, outs, node, call);
+}
 // The record hooks' part of after_record alone (checkpoints show their outputs to enclosing regions).
 void notify_record_hooks(const char* op, std::span<Array> outs, const Node* node, const PrimitiveCall* call);
 }  // namespace detail
@@ -243,8 +269,8 @@ void notify_record_hooks(const char* op, std::span<Array> outs, const Node* node
 template <class Rule>
 void record(const char* op, Array& out, std::initializer_list<const Array*> inputs, std::initializer_list<Array> saved,
             Rule&& rule) {
-  auto node = std::make_shared<RuleNode<std::decay_t<Rule>>>(op, edges_of(inputs), std::vector<Shape>{out.shape()},
-                                                             detail::detach_all(saved), std::forward<Rule>(rule));
+  auto node = std::make_shared<RuleNode<std::decay_t<Rule>>>(op, edges_of(inputs), out.shape(), detail::detach_all(saved),
+                                                             std::forward<Rule>(rule));
   Node* raw = node.get();
   out.set_node(std::move(node), 0);
   detail::after_record(op, std::span<Array>(&out, 1), raw, nullptr);

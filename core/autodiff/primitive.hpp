@@ -24,7 +24,8 @@
 // So remat policies, dead-code elimination, verify mode, debug checks and timelines see every op,
 // built-in or user-defined (linum::custom_vjp, core/autodiff/custom_vjp.hpp, builds on this).
 //
-// The backward rule runs with recording off; it may call ops (they are constants then).
+// The forward and the backward rule run with recording off; both may call ops (they are constants
+// then: the primitive is one node).
 #pragma once
 
 #include <linum/core/array.hpp>
@@ -87,9 +88,46 @@ struct Replayed {
 // (compute as usual). Only called when a record hook is active.
 std::optional<Replayed> replay_primitive(std::span<const Array* const> inputs);
 
-bool any_needs_grad(std::span<const Array* const> inputs);
+// Whether a primitive on these inputs is recorded: one of them has a graph node and recording is
+// on (inputs first: constants cost no thread-local read).
+inline bool any_needs_grad(std::span<const Array* const> inputs) {
+  for (const Array* a : inputs)
+    if (a->node() != nullptr) return t_recording;
+  return false;
+}
 
 std::vector<Edge> edges_of(std::span<const Array* const> inputs);
+
+}  // namespace detail
+
+namespace detail {
+
+// Records the node of a single-output primitive whose output `y` and residuals are known.
+template <class Rule>
+Array finish_primitive(const char* name, std::span<const Array* const> ins, Array y, std::vector<Array> residuals, Rule&& rule) {
+  auto node = std::make_shared<RuleNode<std::decay_t<Rule>>>(name, edges_of(ins), y.shape(), std::move(residuals),
+                                                             std::forward<Rule>(rule));
+  auto* raw = node.get();
+  y.set_node(std::move(node), 0);
+  if (observed()) [[unlikely]] {
+    const PrimitiveCall call{ins, std::span<const Array>(&y, 1), raw->residuals(), 1, {}};
+    after_record_observed(name, std::span<Array>(&y, 1), raw, &call);
+  }
+  return y;
+}
+
+// Inside a checkpoint region: the region may supply the output and residuals instead.
+template <class Forward, class Rule>
+[[gnu::noinline]] Array primitive_in_region(const char* name, std::span<const Array* const> ins, Forward& forward, Rule&& rule) {
+  if (std::optional<Replayed> r = replay_primitive(ins))
+    return finish_primitive(name, ins, std::move(r->outs.at(0)), std::move(r->residuals), std::forward<Rule>(rule));
+  Residuals kept(true);
+  Array y = [&] {
+    NoGradGuard inner;
+    return forward(kept);
+  }();
+  return finish_primitive(name, ins, std::move(y), std::move(kept.arrays()), std::forward<Rule>(rule));
+}
 
 }  // namespace detail
 
@@ -104,21 +142,14 @@ Array primitive(const char* name, std::initializer_list<const Array*> inputs, Fo
     Residuals none(false);
     return forward(none);
   }
+  if (detail::t_record_hook != nullptr) [[unlikely]]
+    return detail::primitive_in_region(name, ins, forward, std::forward<Rule>(rule));
   Residuals kept(true);
-  Array y;
-  if (detail::t_record_hook != nullptr)
-    if (std::optional<detail::Replayed> r = detail::replay_primitive(ins)) {
-      y = std::move(r->outs.at(0));
-      kept.arrays() = std::move(r->residuals);
-    }
-  if (!y.defined()) y = forward(kept);
-  auto node = std::make_shared<RuleNode<std::decay_t<Rule>>>(
-      name, detail::edges_of(ins), std::vector<Shape>{y.shape()}, std::move(kept.arrays()), std::forward<Rule>(rule));
-  auto* raw = node.get();
-  y.set_node(std::move(node), 0);
-  const detail::PrimitiveCall call{ins, std::span<const Array>(&y, 1), raw->residuals(), 1, {}};
-  detail::after_record(name, std::span<Array>(&y, 1), raw, &call);
-  return y;
+  Array y = [&] {
+    NoGradGuard inner;  // ops the forward calls are part of this primitive, not nodes of their own
+    return forward(kept);
+  }();
+  return detail::finish_primitive(name, ins, std::move(y), std::move(kept.arrays()), std::forward<Rule>(rule));
 }
 
 // Runs a primitive with several outputs (and inputs given as a list). `forward(Residuals&)`
@@ -142,7 +173,10 @@ std::vector<Array> primitive_multi(const char* name, std::span<const Array* cons
       if (structure != nullptr) *structure = std::move(r->structure);
       replayed = true;
     }
-  if (!replayed) ys = forward(kept);
+  if (!replayed) {
+    NoGradGuard inner;
+    ys = forward(kept);
+  }
   std::vector<Shape> shapes;
   shapes.reserve(ys.size());
   for (const Array& o : ys) shapes.push_back(o.shape());
@@ -150,8 +184,10 @@ std::vector<Array> primitive_multi(const char* name, std::span<const Array* cons
                                                                           std::move(kept.arrays()), std::forward<Rule>(rule));
   auto* raw = node.get();
   for (std::size_t i = 0; i < ys.size(); ++i) ys[i].set_node(node, static_cast<std::uint32_t>(i));
-  const detail::PrimitiveCall call{ins, ys, raw->residuals(), ys.size(), structure != nullptr ? *structure : nullptr};
-  detail::after_record(name, ys, raw, &call);
+  if (detail::observed()) {
+    const detail::PrimitiveCall call{ins, ys, raw->residuals(), ys.size(), structure != nullptr ? *structure : nullptr};
+    detail::after_record_observed(name, ys, raw, &call);
+  }
   return ys;
 }
 

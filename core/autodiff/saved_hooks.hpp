@@ -35,7 +35,8 @@ class SavedValueHooksGuard {
   SavedValueHooksGuard& operator=(const SavedValueHooksGuard&) = delete;
 
  private:
-  std::shared_ptr<const SavedValueHooks> previous_;
+  std::shared_ptr<const SavedValueHooks> hooks_;
+  const std::shared_ptr<const SavedValueHooks>* previous_;
 };
 
 namespace detail {

@@ -190,7 +190,7 @@ Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
                                G.dh, G.dw, G.ph.pad_lo, G.ph.pad_hi, G.pw.pad_lo, G.pw.pad_hi, t};
     return autodiff::primitive("conv2d", {&x, &w},
                                [&](autodiff::Residuals& r) {
-                                 r.keep(w.node() ? x : Array(),   // for dw
+                                 if (r.recording()) r.keep(w.node() ? x : Array(),   // for dw
                                         x.node() ? w : Array());  // for dx
                                  return kernels::conv_forward_onednn(x, w, S);
                                },
@@ -202,7 +202,7 @@ Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
   }
 #endif
   return autodiff::primitive("conv2d", {&x, &w}, [&](autodiff::Residuals& r) {
-    r.keep(x,                       // needed for dw (columns) -- and cheap compared to the columns
+    if (r.recording()) r.keep(x,                     // needed for dw (columns) -- and cheap compared to the columns
            x.node() ? w : Array());
     Array y = Array::empty(Shape{G.n, G.ph.out, G.pw.out, G.o});
     const std::int64_t chunk = images_per_chunk(G), R = G.col_width();

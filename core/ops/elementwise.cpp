@@ -265,7 +265,7 @@ Array mul(const Array& a, const Array& b) {
   return primitive("mul", {&a, &b},
                    [&](Residuals& r) {
                      // Each operand is kept only if the *other* one needs a gradient.
-                     r.keep(b.node() ? a : Array(), a.node() ? b : Array());
+                     if (r.recording()) r.keep(b.node() ? a : Array(), a.node() ? b : Array());
                      return binary_kernel(a, b, "mul", [](float x, float z) { return x * z; });
                    },
                    [sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved s) {
@@ -278,7 +278,7 @@ Array div(const Array& a, const Array& b) {
   return primitive("div", {&a, &b},
                    [&](Residuals& r) {
                      Array y = binary_kernel(a, b, "div", [](float x, float z) { return x / z; });
-                     r.keep(b, b.node() ? y : Array());
+                     if (r.recording()) r.keep(b, b.node() ? y : Array());
                      return y;
                    },
                    [sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved s) {

@@ -26,7 +26,7 @@ Array mm(const Array& a, const Array& b, const Shape& out_shape) {
   const Shape product = a.rank() == 3 ? Shape{a.dim(0), a.dim(1), b.dim(2)} : Shape{a.dim(0), b.dim(1)};
   return autodiff::primitive(a.rank() == 3 ? "batched_matmul" : "matmul", {&a, &b},
                              [&](autodiff::Residuals& r) {
-                               r.keep(b.node() ? a : Array(), a.node() ? b : Array());
+                               if (r.recording()) r.keep(b.node() ? a : Array(), a.node() ? b : Array());
                                return gemm(a, b, false, false).with_shape(out_shape);
                              },
                              [product](Cotangents& c, autodiff::Saved s) {
