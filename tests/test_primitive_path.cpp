@@ -250,17 +250,40 @@ TEST_CASE("custom_vjp under remat, scan and debug_nans") {
     CHECK(std::get<0>(g).bitwise_equal(std::get<0>(plain)));
     CHECK(std::get<1>(g).bitwise_equal(std::get<1>(plain)));
   }
-  // Inside a scan with checkpointed steps: bitwise the plain loop.
-  auto step = [](const Array& carry, const Array& w) { return swish(matmul(carry, w)) * 0.5f; };
-  auto loop = [&](const Array& c0, const Array& w, bool remat) {
-    Array c = c0;
-    for (int t = 0; t < 5; ++t) c = remat ? checkpoint(step)(c, w) : step(c, w);
-    return sum(c);
+  // A direct witness: the forward of a saved custom op runs once (the replay takes its output);
+  // under nothing_saveable it runs again in the backward pass.
+  int forward_runs = 0;
+  auto counted = custom_vjp(
+      "counted",
+      [&forward_runs](const Array& a) {
+        ++forward_runs;
+        Array y = tanh(a);
+        return std::make_pair(y, y);
+      },
+      [](const Array& y, const Array& g) { return g * (1.0f - y * y); });
+  auto counted_block = [&counted](const Array& x, const Array& w) { return counted(matmul(x, w)) * 2.0f; };
+  for (auto [policy, runs] : {std::pair{saving_op("counted"), 1}, std::pair{lift::Policy(policies::nothing_saveable{}), 2}}) {
+    CAPTURE(policy.description());
+    forward_runs = 0;
+    (void)grad<0, 1>([&](const Array& x, const Array& w) { return sum(checkpoint(counted_block, {.policy = policy})(x, w)); })(x, w);
+    CHECK(forward_runs == runs);
+  }
+  // In the steps of a scan under every checkpointing schedule: bitwise the plain loop.
+  auto scanned = [&](const Array& c0, const Array& w, const lift::ScanSchedule& schedule) {
+    auto step = [w](std::int64_t, const Array& carry) { return swish(matmul(carry, w)) * 0.5f; };
+    return sum(lift::run_steps(6, c0, step, schedule));
   };
-  auto g1 = grad<0, 1>([&](const Array& c, const Array& w) { return loop(c, w, false); })(x, w);
-  auto g2 = grad<0, 1>([&](const Array& c, const Array& w) { return loop(c, w, true); })(x, w);
-  CHECK(std::get<0>(g1).bitwise_equal(std::get<0>(g2)));
-  CHECK(std::get<1>(g1).bitwise_equal(std::get<1>(g2)));
+  auto g_plain = grad<0, 1>([&](const Array& c, const Array& w) {
+    Array h = c;
+    for (int t = 0; t < 6; ++t) h = swish(matmul(h, w)) * 0.5f;
+    return sum(h);
+  })(x, w);
+  for (const lift::ScanSchedule& schedule : {lift::ScanSchedule::every_step(), lift::ScanSchedule::sqrt_segments(),
+                                             lift::ScanSchedule::binomial(2)}) {
+    auto g = grad<0, 1>([&](const Array& c, const Array& w) { return scanned(c, w, schedule); })(x, w);
+    CHECK(std::get<0>(g).bitwise_equal(std::get<0>(g_plain)));
+    CHECK(std::get<1>(g).bitwise_equal(std::get<1>(g_plain)));
+  }
   // debug_nans names the custom op, forward and backward.
   auto bad_forward = custom_vjp("bad_forward", [](const Array& a) { return std::make_pair(log(a - 10.0f), 0); },
                                 [](int, const Array& g) { return g; });
