@@ -15,6 +15,8 @@
 #include <linum/rng/rng.hpp>
 #include <linum/core/autodiff/graph.hpp>
 #include <linum/core/autodiff/grad.hpp>
+#include <linum/core/autodiff/custom_vjp.hpp>
+#include <linum/core/autodiff/saved_hooks.hpp>
 #include <linum/core/ops.hpp>
 #include <linum/core/tree.hpp>
 #include <linum/core/serialization.hpp>
