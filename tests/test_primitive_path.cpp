@@ -262,7 +262,9 @@ TEST_CASE("custom_vjp under remat, scan and debug_nans") {
       },
       [](const Array& y, const Array& g) { return g * (1.0f - y * y); });
   auto counted_block = [&counted](const Array& x, const Array& w) { return counted(matmul(x, w)) * 2.0f; };
-  for (auto [policy, runs] : {std::pair{saving_op("counted"), 1}, std::pair{lift::Policy(policies::nothing_saveable{}), 2}}) {
+  for (const auto& policy_runs : {std::pair{saving_op("counted"), 1}, std::pair{lift::Policy(policies::nothing_saveable{}), 2}}) {
+    const lift::Policy& policy = policy_runs.first;  // (not a structured binding: clang 14 cannot capture those)
+    const int runs = policy_runs.second;
     CAPTURE(policy.description());
     forward_runs = 0;
     (void)grad<0, 1>([&](const Array& x, const Array& w) { return sum(checkpoint(counted_block, {.policy = policy})(x, w)); })(x, w);
