@@ -98,10 +98,6 @@ inline bool any_needs_grad(std::span<const Array* const> inputs) {
 
 std::vector<Edge> edges_of(std::span<const Array* const> inputs);
 
-}  // namespace detail
-
-namespace detail {
-
 // Records the node of a single-output primitive whose output `y` and residuals are known.
 template <class Rule>
 Array finish_primitive(const char* name, std::span<const Array* const> ins, Array y, std::vector<Array> residuals, Rule&& rule) {
