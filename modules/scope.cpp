@@ -260,27 +260,9 @@ void Scope::mark_timeline_return() const noexcept {
 void Scope::rethrow_with_path(const std::string& type_name) const {
   try {
     throw;
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    if (msg.rfind("in module '", 0) == 0) throw;
-    const std::string where = detail::cat("in module '", path_str(), "' (", type_name, "): ", msg);
-    try {
-      throw;
-    } catch (const ShapeError&) {
-      throw ShapeError(where);
-    } catch (const ValueError&) {
-      throw ValueError(where);
-    } catch (const IoError&) {
-      throw IoError(where);
-    } catch (const AutodiffError&) {
-      throw AutodiffError(where);
-    } catch (const FloatingPointError&) {
-      throw FloatingPointError(where);
-    } catch (const MemoryError&) {
-      throw MemoryError(where);
-    } catch (const Error&) {
-      throw Error(where);
-    }
+  } catch (Error& e) {
+    e.set_module(path_str(), type_name);  // the innermost module names itself; the type is kept
+    throw;
   }
 }
 

@@ -201,3 +201,47 @@ TEST_CASE("a dict from another model: every missing param and every unused entry
                      "params/shared/w (3,), params/shared/b (3,);") != std::string::npos);  // shared params once
   CHECK(message.find("entries the model did not use: params/Stray_0/w (3,), params/Stray_1/w (2,)") != std::string::npos);
 }
+
+namespace {
+template <class E>
+struct Raise {
+  Array operator()(Scope&, const Array& x) const { throw E("something failed"); return x; }
+};
+template <class E>
+struct Outer {
+  Array operator()(Scope& s, const Array& x) const { return s(Raise<E>{}, x); }
+};
+template <class E>
+void check_error_kept(const std::string& type) {
+  CAPTURE(type);
+  const Array x = Array::zeros(Shape{2});
+  try {
+    (void)init(Outer<E>{}, rng::key(0), x);
+    FAIL("no exception");
+  } catch (const E& e) {  // the same type as thrown, not a plain Error
+    CHECK(std::string(e.what()).rfind("in module 'Raise_0' (Raise", 0) == 0);  // the innermost module, once
+    CHECK(std::string(e.what()).find("in module", 5) == std::string::npos);
+    CHECK(e.in_module());
+    CHECK(e.module_path() == "Raise_0");
+  }
+}
+}  // namespace
+
+TEST_CASE("an error raised inside a module keeps its type and names the innermost module once") {
+  check_error_kept<ShapeError>("ShapeError");
+  check_error_kept<ValueError>("ValueError");
+  check_error_kept<IoError>("IoError");
+  check_error_kept<AutodiffError>("AutodiffError");
+  check_error_kept<MemoryError>("MemoryError");
+  check_error_kept<FloatingPointError>("FloatingPointError");
+  check_error_kept<dist::DistError>("DistError");  // was re-thrown as a plain Error
+  check_error_kept<Error>("Error");
+  // Outside modules nothing is added.
+  try {
+    throw ValueError("plain");
+  } catch (const Error& e) {
+    CHECK(!e.in_module());
+    CHECK(e.module_path().empty());
+    CHECK(std::string(e.what()) == "plain");
+  }
+}
