@@ -387,10 +387,14 @@ TEST_CASE("BatchNorm: batch_stats, train vs eval, running-average updates as Fla
   check_close(updates.at_path("batch_stats/BatchNorm_0/mean").array(), new_m, 1e-5);
   check_close(updates.at_path("batch_stats/BatchNorm_0/var").array(), new_v, 1e-5);
 
-  // Training without a mutable batch_stats: same output, statistics untouched.
-  auto [y2, none] = apply(Net{}, vars, ApplyOptions{}, x, true);
-  CHECK(y2.bitwise_equal(y));
-  CHECK_FALSE(none.contains("batch_stats"));
+  // Training without a mutable batch_stats is an error, as Flax's ModifyScopeVariableError (it used
+  // to skip the update silently), naming the module and the collection to make mutable.
+  CHECK_THROWS_WITH_AS(apply(Net{}, vars, ApplyOptions{}, x, true),
+                       doctest::Contains("in module 'BatchNorm_0' (BatchNorm): BatchNorm in training mode "
+                                         "(use_running_average = false) updates its running statistics in collection "
+                                         "'batch_stats', which this call cannot write: apply with .mutable_collections = "
+                                         "{\"batch_stats\"}"),
+                       ValueError);
 
   // Eval: the stored statistics.
   Array ye = apply(Net{}, vars, x, false);

@@ -219,7 +219,15 @@ Array BatchNorm::operator()(Scope& s, const Array& x, std::optional<bool> use_ru
     auto stats = compute_stats(widened(x), red, true, use_fast_variance);
     mu = stats.first;
     var = stats.second;
-    if (!s.is_initializing() && s.is_mutable_collection("batch_stats")) {
+    if (!s.is_initializing() && !s.is_mutable_collection("batch_stats"))
+      // Flax raises here too (ModifyScopeVariableError): a training step that cannot store its
+      // statistics would silently train with running averages that never move.
+      throw ValueError(
+          "BatchNorm in training mode (use_running_average = false) updates its running statistics in collection "
+          "'batch_stats', which this call cannot write: apply with .mutable_collections = {\"batch_stats\"} (Flax's "
+          "mutable=['batch_stats']) and keep the updated collection, or pass use_running_average = true to normalize "
+          "with the stored statistics");
+    if (!s.is_initializing()) {
       const float m = static_cast<float>(momentum);
       const float one_minus = static_cast<float>(1.0 - momentum);  // computed in double, as Python does
       // The running statistics are state, not part of the differentiated computation.
