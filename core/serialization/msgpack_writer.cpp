@@ -153,6 +153,12 @@ class MsgpackWriter {
     if (t.is_dict()) {
       map_header(t.size());
       for (const auto& [k, v] : t) {
+        // Readers (Flax's and Linum's) take a dict holding this key for a chunked array: a tree that
+        // uses it could be written but never read back.
+        if (k == "__msgpack_chunked_array__")
+          throw ValueError(detail::cat("to_msgpack: the key '", k, "' at '", join_path(path, k),
+                                       "' is reserved by the MessagePack variable format (it marks Flax's chunked "
+                                       "arrays); rename it, or save this tree as JSON"));
         str(k);
         tree(v, join_path(path, k), max_chunk_bytes);
       }
