@@ -87,6 +87,14 @@ TEST_CASE("row 2: size arithmetic that overflows is a ShapeError naming the op a
   });
   CHECK(contains(conv, "conv2d"));
   CHECK(contains(conv, "overflows 64 bits"));
+  // A geometry that fits 64 bits but spans more than 2^31 positions is refused before any engine
+  // plans it (fuzzing found oneDNN spending 20+ s and gigabytes on this config, then crashing).
+  const std::string wide = error_of<ShapeError>([] {
+    init(nn::Conv{.features = 1, .kernel_size = {3, 3}, .kernel_dilation = {3, 608256388001312281}}, rng::key(0),
+         Array::ones(Shape{1, 5, 5, 1}));
+  });
+  CHECK(contains(wide, "in module '<root>' (Conv): conv2d: on spatial axis 1 the effective window (1216512776002624563)"));
+  CHECK(contains(wide, "exceeds 2^31 - 1"));
 }
 
 TEST_CASE("row 3: configurations and hyperparameters a layer cannot hold are refused, not narrowed") {

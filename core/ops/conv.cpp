@@ -16,6 +16,7 @@
 #include <Eigen/Core>
 
 #include <algorithm>
+#include <limits>
 #include <cstring>
 
 namespace linum {
@@ -63,6 +64,14 @@ detail::AxisPlan detail::plan_axis(std::int64_t in, std::int64_t window, std::in
   if (padded < eff)
     throw ShapeError(detail::cat(op, ": window of effective size ", eff, " does not fit spatial axis ", axis,
                                  " of size ", in, " (padded ", padded, ")"));
+  // Checked before any engine sees the geometry: a dilation that makes the window span more than
+  // 2^31 positions reads almost nothing but padding, and oneDNN spends minutes and gigabytes
+  // planning such a primitive (found by fuzzing module configs).
+  constexpr std::int64_t kMaxExtent = std::numeric_limits<std::int32_t>::max();
+  if (eff > kMaxExtent || padded > kMaxExtent)
+    throw ShapeError(detail::cat(op, ": on spatial axis ", axis, " the effective window (", eff, ") or the padded size (",
+                                 padded, ") exceeds 2^31 - 1 (input size ", in, ", window ", window, ", dilation ", dilation,
+                                 "); use a smaller dilation or padding"));
   p.out = (padded - eff) / stride + 1;
   return p;
 }
