@@ -27,6 +27,28 @@ TEST_CASE("broadcasting arithmetic") {
   check_close(maximum(a, Array::scalar(3.5f)), {3.5f, 3.5f, 3.5f, 4, 5, 6});
 }
 
+TEST_CASE("sin, cos, erf, expm1, log2 and rounding against the C library") {
+  const std::vector<float> xs{-2.5f, -1.5f, -0.5f, -1e-4f, 0.0f, 0.5f, 1.5f, 2.5f, 3.7f};
+  const Array x = Array::from(Shape{static_cast<std::int64_t>(xs.size())}, xs);
+  auto each = [&](float (*f)(float)) {
+    std::vector<float> out;
+    for (float v : xs) out.push_back(f(v));
+    return out;
+  };
+  check_close(sin(x), each([](float v) { return std::sin(v); }), 1e-5f);
+  check_close(cos(x), each([](float v) { return std::cos(v); }), 1e-5f);
+  check_close(erf(x), each([](float v) { return std::erf(v); }), 1e-5f);
+  check_close(expm1(x), each([](float v) { return std::expm1(v); }), 1e-5f);  // accurate at -1e-4, unlike exp - 1
+  const Array pos = Array::from(Shape{4}, {0.125f, 1, 3, 1024});
+  check_close(log2(pos), {-3, 0, std::log2(3.0f), 10}, 1e-6f);
+  check_close(floor(x), each([](float v) { return std::floor(v); }));
+  check_close(ceil(x), each([](float v) { return std::ceil(v); }));
+  // Ties to even, as jnp.round: -2.5 -> -2, -1.5 -> -2, -0.5 -> -0, 0.5 -> 0, 1.5 -> 2, 2.5 -> 2.
+  check_close(round(x), {-2, -2, -0.0f, 0, 0, 0, 2, 2, 4});
+  // bf16 in, bf16 out, computed in float32 and rounded once.
+  CHECK(sin(astype(x, DType::bf16)).dtype() == DType::bf16);
+}
+
 TEST_CASE("math and activations") {
   Array x = Array::from(Shape{4}, {-2, -0.5f, 0, 1.5f});
   check_close(relu(x), {0, 0, 0, 1.5f});

@@ -414,6 +414,59 @@ Array sigmoid(const Array& x) {
   });
 }
 
+namespace {
+constexpr float kInvSqrtPi = 0.5641895835477563f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kInvLn2 = 1.4426950408889634f;
+}  // namespace
+
+Array sin(const Array& x) {
+  return unary_op("sin", x, Keep::input, [](const CVec& v) { return v.sin(); }, [](Cotangents& c, autodiff::Saved s) {
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * v.cos(); }));
+  });
+}
+
+Array cos(const Array& x) {
+  return unary_op("cos", x, Keep::input, [](const CVec& v) { return v.cos(); }, [](Cotangents& c, autodiff::Saved s) {
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return -g * v.sin(); }));
+  });
+}
+
+Array erf(const Array& x) {  // d/dx erf(x) = 2/sqrt(pi) e^(-x^2)
+  return unary_op("erf", x, Keep::input, [](const CVec& v) { return v.erf(); }, [](Cotangents& c, autodiff::Saved s) {
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * (2.0f * kInvSqrtPi) * (-v.square()).exp(); }));
+  });
+}
+
+Array expm1(const Array& x) {  // d/dx (e^x - 1) = y + 1
+  return unary_op("expm1", x, Keep::output, [](const CVec& v) { return v.expm1(); }, [](Cotangents& c, autodiff::Saved s) {
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * (v + 1.0f); }));
+  });
+}
+
+Array log2(const Array& x) {
+  return unary_op("log2", x, Keep::input, [](const CVec& v) { return v.log() * kInvLn2; }, [](Cotangents& c, autodiff::Saved s) {
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g / (v * kLn2); }));
+  });
+}
+
+// Rounding: piecewise constant, so the gradient is zero (JAX's rule); a primitive all the same, so
+// policies see it and gradients reaching it stop there with the right shape.
+Array floor(const Array& x) {
+  return unary_op("floor", x, Keep::nothing, [](const CVec& v) { return v.floor(); },
+                  [](Cotangents& c, autodiff::Saved) { c.set(0, Array::zeros(c.out().shape(), c.out().dtype())); });
+}
+
+Array ceil(const Array& x) {
+  return unary_op("ceil", x, Keep::nothing, [](const CVec& v) { return v.ceil(); },
+                  [](Cotangents& c, autodiff::Saved) { c.set(0, Array::zeros(c.out().shape(), c.out().dtype())); });
+}
+
+Array round(const Array& x) {  // nearest, ties to even (the default rounding mode), as jnp.round
+  return unary_op("round", x, Keep::nothing, [](const CVec& v) { return v.rint(); },
+                  [](Cotangents& c, autodiff::Saved) { c.set(0, Array::zeros(c.out().shape(), c.out().dtype())); });
+}
+
 Array clip(const Array& x, float lo, float hi) {
   if (lo > hi) throw ValueError(detail::cat("clip: lower bound ", lo, " is above upper bound ", hi));
   return minimum(maximum(x, scalar(lo)), scalar(hi));

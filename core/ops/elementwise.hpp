@@ -45,6 +45,16 @@ Array abs(const Array& x);
 Array sign(const Array& x);  // no gradient (zero almost everywhere)
 Array tanh(const Array& x);
 Array sigmoid(const Array& x);
+Array sin(const Array& x);
+Array cos(const Array& x);
+Array erf(const Array& x);
+Array expm1(const Array& x);  // e^x - 1, accurate near 0
+Array log2(const Array& x);
+// Rounding (no gradient: zero almost everywhere, as JAX). round is to nearest, ties to even
+// (jnp.round).
+Array floor(const Array& x);
+Array ceil(const Array& x);
+Array round(const Array& x);
 // min(max(x, lo), hi), with the gradients of maximum/minimum (as jnp.clip).
 Array clip(const Array& x, float lo, float hi);
 
