@@ -60,8 +60,7 @@ struct OpRecipe {
   std::shared_ptr<const PrimitiveRecipe> primitive;
 };
 
-std::shared_ptr<const PrimitiveRecipe> recipe_of(std::uint64_t first, const autodiff::detail::PrimitiveCall& call,
-                                                 std::vector<Array>* internals) {
+std::shared_ptr<const PrimitiveRecipe> recipe_of(std::uint64_t first, const autodiff::detail::PrimitiveCall& call) {
   auto r = std::make_shared<PrimitiveRecipe>();
   r->first = first;
   r->num_outputs = call.num_outputs;
@@ -78,12 +77,19 @@ std::shared_ptr<const PrimitiveRecipe> recipe_of(std::uint64_t first, const auto
         if (same(call.outputs[j], res)) src = {ResidualSource::output, static_cast<std::uint32_t>(j)};
       if (src.kind == ResidualSource::none) {
         src = {ResidualSource::internal, static_cast<std::uint32_t>(r->num_internal++)};
-        if (internals != nullptr) internals->push_back(res.detached());
       }
     }
     r->sources.push_back(src);
   }
   return r;
+}
+
+// The residuals of `call` that only its forward made, in the recipe's internal order.
+std::vector<Array> internals_of(const PrimitiveRecipe& recipe, const autodiff::detail::PrimitiveCall& call) {
+  std::vector<Array> out;
+  for (std::size_t k = 0; k < recipe.sources.size(); ++k)
+    if (recipe.sources[k].kind == ResidualSource::internal) out.push_back(call.residuals[k].detached());
+  return out;
 }
 
 std::uint64_t fingerprint(const Array& a) {
@@ -125,10 +131,9 @@ class ForwardRegion final : public autodiff::detail::RecordHook {
     const std::uint64_t index = next_++;
     // A primitive's entry is made at its first output and shared by the others.
     std::shared_ptr<const PrimitiveRecipe> recipe;
-    std::vector<Array> internals;
     if (call != nullptr && !policy_.saves_nothing()) {
       if (out.output_index() == 0 || recipes_.empty() || !recipes_.back().primitive)
-        recipe = recipe_of(index - out.output_index(), *call, &internals);
+        recipe = recipe_of(index - out.output_index(), *call);
       else
         recipe = recipes_.back().primitive;
     }
@@ -143,8 +148,9 @@ class ForwardRegion final : public autodiff::detail::RecordHook {
     const OpInfo info{op, out.shape(), out.nbytes(), node ? node->label() : std::string_view(), path, out.dtype()};
     if (policy_.saveable(info)) {
       // The internal residuals go with the first saved output of the primitive.
-      if (recipe != nullptr && recipe->num_internal > 0 && internals.empty() && !internals_kept_for(recipe->first))
-        recipe_of(recipe->first, *call, &internals);
+      std::vector<Array> internals;
+      if (recipe != nullptr && recipe->num_internal > 0 && !internals_kept_for(recipe->first))
+        internals = internals_of(*recipe, *call);
       saved_.push_back({index, out.detached(), std::move(internals)});
       g_stats.saved.fetch_add(1, std::memory_order_relaxed);
     }
@@ -263,7 +269,6 @@ class ReplayRegion final : public autodiff::detail::RecordHook {
   std::optional<autodiff::detail::Replayed> replay_primitive(std::span<const Array* const> inputs) override {
     if (next_ >= recipes_.size() || !recipes_[next_].primitive || recipes_[next_].primitive->first != next_) return std::nullopt;
     const PrimitiveRecipe& p = *recipes_[next_].primitive;
-    if (p.sources.size() > 0 && inputs.size() == 0) return std::nullopt;
     autodiff::detail::Replayed r;
     r.outs.resize(p.num_outputs);
     pending_.assign(p.num_outputs, Skipped::no);

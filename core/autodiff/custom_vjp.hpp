@@ -119,9 +119,9 @@ class CustomVjp {
                           "custom_vjp: backward must return a std::tuple with one cotangent per argument");
             flatten_cotangents<Args...>(in_cts, flat, std::index_sequence_for<Args...>{});
           }
-          if (flat.size() != c_inputs(c))
+          if (flat.size() != c.num_inputs())
             autodiff::detail::throw_custom_vjp_error(
-                name, linum::detail::cat("its backward returned ", flat.size(), " arrays, but the arguments hold ", c_inputs(c),
+                name, linum::detail::cat("its backward returned ", flat.size(), " arrays, but the arguments hold ", c.num_inputs(),
                                          " (one cotangent per argument array, in the arguments' order)"));
           for (std::size_t i = 0; i < flat.size(); ++i)
             if (c.needs(i)) {
@@ -147,7 +147,6 @@ class CustomVjp {
     std::vector<Array> holes(pytree::flatten(value).size(), hole);
     return pytree::rebuild(value, std::span<const Array>(holes));
   }
-  static std::size_t c_inputs(const autodiff::Cotangents& c) { return c.num_inputs(); }
   template <class... Args, class Tuple, std::size_t... Is>
   static void flatten_cotangents(const Tuple& cts, std::vector<Array>& flat, std::index_sequence<Is...>) {
     // Only pytree arguments have cotangents; other entries are ignored.

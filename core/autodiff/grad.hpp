@@ -25,6 +25,17 @@
 
 namespace linum {
 
+namespace autodiff {
+// The gradient a sweep left on one tracked leaf, in the leaf's dtype (zeros of that dtype if
+// nothing reached it; int zeros for an integer leaf, which is never tracked).
+inline Array leaf_gradient(const Array& tracked) {
+  if (!tracked.defined()) return tracked;
+  if (!is_floating(tracked.dtype())) return Array::zeros(tracked.shape(), tracked.dtype());
+  Array g = tracked.node() ? tracked.node()->take_grad(tracked.output_index()) : Array();
+  return g.defined() ? g : Array::zeros(tracked.shape(), tracked.dtype());
+}
+}  // namespace autodiff
+
 // How to differentiate with respect to a value of type T: attach fresh leaves to its arrays (track)
 // and collect their gradients afterwards. One protocol for every container: any pytree
 // (core/autodiff/pytree.hpp: Array, Tree, std::vector, std::pair, std::tuple, and user structs
@@ -45,22 +56,15 @@ struct Differentiable {
   }
   static T gradient(const T& tracked) {
     std::vector<Array> arrays = pytree::flatten(tracked);
-    for (Array& a : arrays) a = leaf_gradient(a);
+    for (Array& a : arrays) a = autodiff::leaf_gradient(a);
     return pytree::rebuild(tracked, std::span<const Array>(arrays));
-  }
-  // The gradient of one tracked leaf, in its dtype.
-  static Array leaf_gradient(const Array& tracked) {
-    if (!tracked.defined()) return tracked;
-    if (!is_floating(tracked.dtype())) return Array::zeros(tracked.shape(), tracked.dtype());
-    Array g = tracked.node() ? tracked.node()->take_grad(tracked.output_index()) : Array();
-    return g.defined() ? g : Array::zeros(tracked.shape(), tracked.dtype());
   }
 };
 
 template <>
 struct Differentiable<Array> {
   static Array track(const Array& x) { return autodiff::make_leaf(x); }  // refuses integer arrays
-  static Array gradient(const Array& tracked) { return Differentiable<std::vector<Array>>::leaf_gradient(tracked); }
+  static Array gradient(const Array& tracked) { return autodiff::leaf_gradient(tracked); }
 };
 
 template <class T>

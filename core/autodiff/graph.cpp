@@ -277,10 +277,7 @@ bool needs_grad(std::span<const Array> inputs) {
 }
 
 std::vector<Edge> edges_of(std::initializer_list<const Array*> inputs) {
-  std::vector<Edge> edges;
-  edges.reserve(inputs.size());
-  for (const Array* a : inputs) edges.push_back(Edge{a->node(), a->output_index()});
-  return edges;
+  return detail::edges_of(std::span<const Array* const>(inputs.begin(), inputs.size()));
 }
 
 std::vector<Edge> edges_of(std::span<const Array> inputs) {

@@ -211,8 +211,8 @@ Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
   }
 #endif
   return autodiff::primitive("conv2d", {&x, &w}, [&](autodiff::Residuals& r) {
-    if (r.recording()) r.keep(x,                     // needed for dw (columns) -- and cheap compared to the columns
-           x.node() ? w : Array());
+    // x is needed for dw (columns) -- and cheap compared to the columns.
+    if (r.recording()) r.keep(x, x.node() ? w : Array());
     Array y = Array::empty(Shape{G.n, G.ph.out, G.pw.out, G.o});
     const std::int64_t chunk = images_per_chunk(G), R = G.col_width();
     Array cols = scratch(chunk * G.rows_per_image(), R);
