@@ -64,6 +64,23 @@ std::vector<Case> cases() {
       {"elementwise", "where", {4, 6}, {6}, [](const Array& z, const Array& w) {
          return where(greater(w, Array::scalar(0.0f)), z, w);
        }, true},
+      {"elementwise", "sub", {4, 6}, {6}, [](const Array& z, const Array& w) { return sub(z, w); }, true},
+      {"elementwise", "neg", {4, 6}, {6}, [](const Array& z, const Array& w) { return neg(z) * w; }, true},
+      {"elementwise", "minimum", {4, 6}, {6}, [](const Array& z, const Array& w) { return minimum(z, w); }, false},
+      {"elementwise", "pow", {4, 6}, {6}, [](const Array& z, const Array& w) { return pow(square(z) + 1.0f, w); }, false},
+      {"math", "exp", {4, 6}, {6}, [](const Array& z, const Array& w) { return exp(z) * w; }, true},
+      {"math", "log", {4, 6}, {6}, [](const Array& z, const Array& w) { return log(square(z) + 1.0f) * w; }, false},
+      {"math", "log1p", {4, 6}, {6}, [](const Array& z, const Array& w) { return log1p(square(z)) * w; }, false},
+      {"math", "sqrt", {4, 6}, {6}, [](const Array& z, const Array& w) { return sqrt(square(z) + 1.0f) * w; }, true},
+      {"math", "rsqrt", {4, 6}, {6}, [](const Array& z, const Array& w) { return rsqrt(square(z) + 1.0f) * w; }, true},
+      {"math", "square", {4, 6}, {6}, [](const Array& z, const Array& w) { return square(z) * w; }, false},
+      {"math", "abs", {4, 6}, {6}, [](const Array& z, const Array& w) { return abs(z) * w; }, false},
+      {"math", "cos", {4, 6}, {6}, [](const Array& z, const Array& w) { return cos(z) * w; }, false},
+      {"rounding", "ceil", {4, 6}, {6}, [](const Array& z, const Array& w) { return ceil(z * 3.0f) * w; }, true},
+      {"activation", "silu", {4, 6}, {6}, [](const Array& z, const Array& w) { return silu(z) * w; }, false},
+      {"activation", "softplus", {4, 6}, {6}, [](const Array& z, const Array& w) { return softplus(z) * w; }, false},
+      {"activation", "gelu", {4, 6}, {6}, [](const Array& z, const Array& w) { return gelu(z, /*approximate=*/false) * w; }, false},
+      {"data movement", "dilate", {4, 6}, {4, 11}, [](const Array& z, const Array& w) { return dilate(z, {1, 2}) * w; }, true},
       {"activation", "relu", {4, 6}, {6}, [](const Array& z, const Array& w) { return relu(z - 1.5f) * w; }, true},
       {"activation", "tanh", {4, 6}, {6}, [](const Array& z, const Array& w) { return tanh(z) * w; }, true},
       {"math", "sin", {4, 6}, {6}, [](const Array& z, const Array& w) { return sin(z) * w; }, false},
@@ -357,22 +374,35 @@ TEST_CASE("one differentiation protocol: every float leaf of any pytree, gradien
   CHECK(ct.w.to_vector() == std::vector<float>{3, 3, 3});
 }
 
+namespace {
+// BatchNorm normalizing with its stored statistics (training mode needs a mutable batch_stats).
+struct StoredStatsBatchNorm {
+  DType t = DType::f32;
+  Array operator()(Scope& s, const Array& x) const {
+    return s(nn::BatchNorm{.use_running_average = true, .dtype = t, .param_dtype = t}, x);
+  }
+};
+}  // namespace
+
 TEST_CASE("param_dtype=bf16: every layer's parameters get non-zero bf16 gradients close to the float32 ones") {
   const Array x = random_array(Shape{2, 4, 4, 3}, 3);
-  auto check_layer = [&](const char* name, auto make, const Array& input) {
+  auto check_layer = [&](const std::string& name, auto make, const Array& input) {
     CAPTURE(name);
     auto m16 = make(DType::bf16);
     auto m32 = make(DType::f32);
     Tree v16 = init(m16, rng::key(0), input);
     Tree v32 = tree_map([](const Array& a) { return is_floating(a.dtype()) ? astype(a, DType::f32) : a; }, v16);
-    auto loss = [&](const auto& m) {
-      return [&m, &input](const Tree& p) {
-        Array y = apply(m, Tree{{"params", p}}, input);
+    // Differentiated with respect to the params; other collections (batch_stats) ride along.
+    auto loss = [&](const auto& m, const Tree& vars) {
+      return [&m, &vars, &input](const Tree& p) {
+        Tree with_params = vars;
+        with_params.set("params", p);
+        Array y = apply(m, with_params, input);
         return mean(square(astype(y, DType::f32)));
       };
     };
-    Tree g16 = grad(loss(m16))(v16.at("params"));
-    Tree g32 = grad(loss(m32))(v32.at("params"));
+    Tree g16 = grad(loss(m16, v16))(v16.at("params"));
+    Tree g32 = grad(loss(m32, v32))(v32.at("params"));
     const auto l16 = leaves(g16), l32 = leaves(g32);
     REQUIRE(l16.size() == l32.size());
     for (std::size_t i = 0; i < l16.size(); ++i) {
@@ -392,6 +422,21 @@ TEST_CASE("param_dtype=bf16: every layer's parameters get non-zero bf16 gradient
   check_layer("MultiHeadDotProductAttention", [](DType t) {
     return nn::MultiHeadDotProductAttention{.num_heads = 2, .dtype = t, .param_dtype = t};
   }, seq);
+  check_layer("DenseGeneral", [](DType t) { return nn::DenseGeneral{.features = {2, 3}, .dtype = t, .param_dtype = t}; }, x);
+  check_layer("ConvTranspose", [](DType t) {
+    return nn::ConvTranspose{.features = 2, .kernel_size = {3, 3}, .strides = {2, 2}, .dtype = t, .param_dtype = t};
+  }, x);
+  check_layer("GroupNorm", [](DType t) { return nn::GroupNorm{.num_groups = 3, .dtype = t, .param_dtype = t}; },
+              random_array(Shape{2, 4, 4, 6}, 5));
+  check_layer("BatchNorm", [](DType t) { return StoredStatsBatchNorm{t}; }, x);
+  check_layer("Embed", [](DType t) { return nn::Embed{.num_embeddings = 7, .features = 4, .dtype = t, .param_dtype = t}; },
+              Array::from_i32(Shape{2, 3}, {0, 3, 6, 1, 1, 5}));
+  check_layer("RNN<LSTMCell>", [](DType t) { return nn::RNN<nn::LSTMCell>{.cell = {.features = 4, .dtype = t, .param_dtype = t}}; }, seq);
+  check_layer("RNN<OptimizedLSTMCell>", [](DType t) {
+    return nn::RNN<nn::OptimizedLSTMCell>{.cell = {.features = 4, .dtype = t, .param_dtype = t}};
+  }, seq);
+  check_layer("RNN<GRUCell>", [](DType t) { return nn::RNN<nn::GRUCell>{.cell = {.features = 4, .dtype = t, .param_dtype = t}}; }, seq);
+  check_layer("RNN<SimpleCell>", [](DType t) { return nn::RNN<nn::SimpleCell>{.cell = {.features = 4, .dtype = t, .param_dtype = t}}; }, seq);
 }
 
 TEST_CASE("saved-value hooks see every residual; gradients through them are bitwise") {

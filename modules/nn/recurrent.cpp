@@ -33,8 +33,10 @@ struct DenseParams {
   Initializer bias_init;
   DType param_dtype = DType::f32;
   std::vector<Array> operator()(Scope& s, const Array& inputs) const {
-    std::vector<Array> out{astype(s.param("kernel", kernel_init, Shape{inputs.dim(-1), features}), param_dtype)};
-    if (use_bias) out.push_back(astype(s.param("bias", bias_init, Shape{features}), param_dtype));
+    // Created in param_dtype, as Flax's DenseParams (they were float32 in the dict, cast on use).
+    std::vector<Array> out{
+        astype(s.param("kernel", initializer_in(kernel_init, param_dtype), Shape{inputs.dim(-1), features}), param_dtype)};
+    if (use_bias) out.push_back(astype(s.param("bias", initializer_in(bias_init, param_dtype), Shape{features}), param_dtype));
     return out;
   }
 };
