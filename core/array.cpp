@@ -1,7 +1,6 @@
 #include <linum/core/array.hpp>
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/memory.hpp>
-#include <linum/core/autodiff/graph.hpp>
 
 #include <algorithm>
 #include <new>
@@ -114,13 +113,6 @@ void* Array::mutable_raw() {
   return buffer_->data();
 }
 
-void Array::set_node(std::shared_ptr<autodiff::Node> node, std::uint32_t index) {
-  if (node && defined()) node->set_output_dtype(index, dtype_);
-  node_ = std::move(node);
-  output_index_ = index;
-  weak_ = false;
-}
-
 std::vector<float> Array::to_vector() const {
   if (defined() && dtype_ == DType::bf16) {
     std::vector<float> out(static_cast<std::size_t>(numel()));
@@ -198,6 +190,16 @@ std::ostream& operator<<(std::ostream& os, const Array& a) {
     os << "]";
   }
   return os << ")";
+}
+
+Array detail::convert_float(const Array& x, DType dtype) {
+  if (!x.defined() || !is_floating(x.dtype()) || !is_floating(dtype))
+    throw ValueError(cat("convert_float: needs a float array and a float dtype, got ", x.type_str(), " to ", dtype_name(dtype)));
+  if (x.dtype() == dtype) return x.detached();
+  Array out = Array::empty(x.shape(), dtype);
+  if (dtype == DType::bf16) f32_to_bf16(x.data(), out.mutable_data_bf16(), x.numel());
+  else bf16_to_f32(x.data_bf16(), out.mutable_data(), x.numel());
+  return out;
 }
 
 }  // namespace linum

@@ -156,4 +156,11 @@ class Array {
 
 std::ostream& operator<<(std::ostream& os, const Array& a);
 
+namespace detail {
+// A float array (f32 or bf16) in the other float dtype, rounded to nearest even, without a graph
+// node: the conversion the kernels and the tape use inside their own computations. The
+// differentiable conversion is ops::astype.
+Array convert_float(const Array& x, DType dtype);
+}  // namespace detail
+
 }  // namespace linum

@@ -3,7 +3,7 @@
 #include <linum/core/debug_nans.hpp>
 #include <linum/core/error.hpp>
 #include <linum/core/memory.hpp>
-#include <linum/core/serialization.hpp>
+#include <linum/core/files.hpp>
 
 #include <algorithm>
 #include <atomic>
@@ -97,7 +97,7 @@ Timeline Timeline::from_json(const nlohmann::json& j) {
 
 void Timeline::save_json(const std::filesystem::path& path) const {
   const std::string text = to_json().dump(1) + "\n";
-  serialization::write_file_atomic(path, std::span(reinterpret_cast<const std::uint8_t*>(text.data()), text.size()));
+  files::write_file_atomic(path, std::span(reinterpret_cast<const std::uint8_t*>(text.data()), text.size()));
 }
 
 // ---- recording ----------------------------------------------------------------------------------
@@ -313,7 +313,7 @@ std::string render_svg(const std::vector<Timeline>& runs, const SvgOptions& o) {
 
 void save_svg(const std::filesystem::path& path, const std::vector<Timeline>& runs, const SvgOptions& options) {
   const std::string text = render_svg(runs, options);
-  serialization::write_file_atomic(path, std::span(reinterpret_cast<const std::uint8_t*>(text.data()), text.size()));
+  files::write_file_atomic(path, std::span(reinterpret_cast<const std::uint8_t*>(text.data()), text.size()));
 }
 
 }  // namespace linum::memory

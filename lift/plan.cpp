@@ -2,7 +2,7 @@
 
 #include <linum/core/memory.hpp>
 #include <linum/core/memory_timeline.hpp>
-#include <linum/core/serialization.hpp>
+#include <linum/core/files.hpp>
 #include <linum/lift/remat.hpp>
 
 #include <algorithm>
@@ -575,11 +575,11 @@ RematPlan RematPlan::from_json(const nlohmann::json& j) {
 
 void RematPlan::save_json(const std::filesystem::path& path) const {
   const std::string text = to_json().dump(1) + "\n";
-  serialization::write_file_atomic(path, std::span(reinterpret_cast<const std::uint8_t*>(text.data()), text.size()));
+  files::write_file_atomic(path, std::span(reinterpret_cast<const std::uint8_t*>(text.data()), text.size()));
 }
 
 RematPlan RematPlan::load_json(const std::filesystem::path& path) {
-  const auto bytes = serialization::read_file(path);
+  const auto bytes = files::read_file(path);
   const auto j = nlohmann::json::parse(bytes.begin(), bytes.end(), nullptr, false);
   if (j.is_discarded()) throw IoError(linum::detail::cat("lift::RematPlan::load_json: '", path.string(), "' is not JSON"));
   return from_json(j);

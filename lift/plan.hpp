@@ -28,7 +28,7 @@
 #pragma once
 
 #include <linum/core/autodiff/grad.hpp>
-#include <linum/core/ops.hpp>
+#include <linum/core/ops/all.hpp>
 #include <linum/modules/module.hpp>
 
 #include <nlohmann/json.hpp>

@@ -5,7 +5,7 @@
 // throw random input at the same loaders.
 #include <doctest/doctest.h>
 #include <linum/linum.hpp>
-#include <linum/modules/nn/config.hpp>
+#include <linum/nn/config.hpp>
 
 #include "testing/errors.hpp"
 #include "testing/gradcheck.hpp"

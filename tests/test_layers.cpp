@@ -4,7 +4,7 @@
 // differences, module configurations as JSON, and tabulate.
 #include <doctest/doctest.h>
 #include <linum/linum.hpp>
-#include <linum/modules/nn/config.hpp>
+#include <linum/nn/config.hpp>
 
 #include "testing/gradcheck.hpp"
 

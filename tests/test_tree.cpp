@@ -1,7 +1,7 @@
 // Trees of variables (core/tree.hpp) and their MessagePack / JSON serialization
-// (core/serialization.hpp).
+// (train/io/serialization.hpp).
 #include <doctest/doctest.h>
-#include <linum/core/serialization.hpp>
+#include <linum/train/io/serialization.hpp>
 #include <linum/core/tree.hpp>
 
 #include <nlohmann/json.hpp>

@@ -1,7 +1,6 @@
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/threading.hpp>
 #include <linum/core/autodiff/graph.hpp>
-#include <linum/core/ops/elementwise.hpp>
 #include <linum/core/autodiff/grad.hpp>
 #include <linum/core/autodiff/hooks.hpp>
 #include <linum/core/autodiff/primitive.hpp>
@@ -16,6 +15,16 @@
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
+
+namespace linum {
+// Array's link to the graph lives with the graph: the node learns its output's dtype.
+void Array::set_node(std::shared_ptr<autodiff::Node> node, std::uint32_t index) {
+  if (node && defined()) node->set_output_dtype(index, dtype_);
+  node_ = std::move(node);
+  output_index_ = index;
+  weak_ = false;
+}
+}  // namespace linum
 
 namespace linum::autodiff {
 
@@ -32,12 +41,12 @@ namespace {
 std::atomic<std::uint64_t> g_sweep_counter{0};
 std::atomic<std::uint64_t> g_node_counter{1};
 
-// a + b for same-shaped float arrays, into a fresh buffer.
-Array accumulate(const Array& a, const Array& b) {
-  if (a.dtype() != DType::f32 || b.dtype() != DType::f32) {
-    NoGradGuard no_grad;
-    return add(a.detached(), b.detached());  // computes in float32, rounds once to the common dtype
-  }
+// a + b for same-shaped float arrays, into a fresh buffer: summed in float32 and rounded once to
+// the common dtype (bf16 only when both are bf16), as ops::add computes.
+Array accumulate(const Array& a_in, const Array& b_in) {
+  const DType common = a_in.dtype() == DType::bf16 && b_in.dtype() == DType::bf16 ? DType::bf16 : DType::f32;
+  const Array a = linum::detail::convert_float(a_in, DType::f32);
+  const Array b = linum::detail::convert_float(b_in, DType::f32);
   Array out = Array::empty(a.shape());
   const float* pa = a.data();
   const float* pb = b.data();
@@ -48,15 +57,14 @@ Array accumulate(const Array& a, const Array& b) {
     if ((i & 16383) == 0) linum::detail::enter_compute();
     po[i] = pa[i] + pb[i];
   }
-  return out;
+  return common == DType::f32 ? out : linum::detail::convert_float(out, common);
 }
 
 // A cotangent in the dtype of the value it belongs to (a float32 parameter cast to bf16 for the
 // forward pass gets a float32 gradient).
 Array in_dtype(Array g, DType want) {
   if (!g.defined() || g.dtype() == want) return g;
-  NoGradGuard no_grad;
-  return astype(g.detached(), want);
+  return linum::detail::convert_float(g, want);
 }
 
 void add_into(Array& slot, Array g) {

@@ -1,9 +1,7 @@
-// Matrix products on Eigen, with Linum's own threading (core/ops/gemm.hpp). bf16 operands are
+// Matrix products on Eigen, with Linum's own threading (core/kernels/internal/eigen_gemm.hpp). bf16 operands are
 // widened to float32 and the product rounded back.
 #include <linum/core/kernels/gemm.hpp>
-#include <linum/core/autodiff/graph.hpp>
-#include <linum/core/ops/elementwise.hpp>
-#include <linum/core/ops/gemm.hpp>
+#include <linum/core/kernels/internal/eigen_gemm.hpp>
 
 #include <Eigen/Core>
 
@@ -16,8 +14,9 @@ using MMap = Eigen::Map<RowMat>;
 
 Array batched_gemm_eigen(const Array& a_in, const Array& b_in, bool ta, bool tb) {
   if (a_in.dtype() != DType::f32) {
-    autodiff::NoGradGuard constants;
-    return astype(batched_gemm_eigen(astype(a_in, DType::f32), astype(b_in, DType::f32), ta, tb), a_in.dtype());
+    return linum::detail::convert_float(batched_gemm_eigen(linum::detail::convert_float(a_in, DType::f32),
+                                                           linum::detail::convert_float(b_in, DType::f32), ta, tb),
+                                        a_in.dtype());
   }
   const Array& a = a_in;
   const Array& b = b_in;
@@ -33,10 +32,10 @@ Array batched_gemm_eigen(const Array& a_in, const Array& b_in, bool ta, bool tb)
     CMap B(b.data() + i * b0 * b1, b0, b1);
     MMap C(y.mutable_data() + i * m * n, m, n);
     if (k == 0) { C.setZero(); continue; }
-    if (!ta && !tb) ops::detail::gemm_into(C, A, B);
-    else if (ta && !tb) ops::detail::gemm_into(C, A.transpose(), B);
-    else if (!ta && tb) ops::detail::gemm_into(C, A, B.transpose());
-    else ops::detail::gemm_into(C, A.transpose(), B.transpose());
+    if (!ta && !tb) kernels::detail::gemm_into(C, A, B);
+    else if (ta && !tb) kernels::detail::gemm_into(C, A.transpose(), B);
+    else if (!ta && tb) kernels::detail::gemm_into(C, A, B.transpose());
+    else kernels::detail::gemm_into(C, A.transpose(), B.transpose());
   }
   return y;
 }

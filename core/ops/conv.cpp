@@ -8,8 +8,8 @@
 #include <linum/core/ops/shape_ops.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/autodiff/primitive.hpp>
-#include <linum/core/ops/gemm.hpp>
-#include <linum/core/engine.hpp>
+#include <linum/core/kernels/internal/eigen_gemm.hpp>
+#include <linum/core/kernels/engine.hpp>
 #include <linum/core/kernels/conv.hpp>
 #include <linum/core/ops/kernel_util.hpp>
 
@@ -224,7 +224,7 @@ Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
         Eigen::Map<const RowMat, 0, Strided> W(w.data() + g * G.og, R, G.og, Strided(G.o));
         Eigen::Map<RowMat, 0, Strided> Y(y.mutable_data() + n0 * G.rows_per_image() * G.o + g * G.og, P, G.og,
                                          Strided(G.o));
-        ops::detail::gemm_into(Y, C, W);
+        kernels::detail::gemm_into(Y, C, W);
       }
     }
     return y;
@@ -243,12 +243,12 @@ Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
             im2col(s[0].data(), G, n0, count, g, cols.mutable_data());
             Eigen::Map<const RowMat> C(cols.data(), P, R);
             Eigen::Map<RowMat, 0, Strided> DW(dw.mutable_data() + g * G.og, R, G.og, Strided(G.o));
-            ops::detail::gemm_into(DW, C.transpose(), GY, /*accumulate=*/true);
+            kernels::detail::gemm_into(DW, C.transpose(), GY, /*accumulate=*/true);
           }
           if (c.needs(0)) {
             Eigen::Map<const RowMat, 0, Strided> W(s[1].data() + g * G.og, R, G.og, Strided(G.o));
             Eigen::Map<RowMat> DC(cols.mutable_data(), P, R);
-            ops::detail::gemm_into(DC, GY, W.transpose());
+            kernels::detail::gemm_into(DC, GY, W.transpose());
             col2im(cols.data(), G, n0, count, g, dx.mutable_data());
           }
         }

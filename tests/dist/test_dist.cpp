@@ -5,7 +5,7 @@
 
 #include "dist_model.hpp"
 
-#include <linum/core/dist/mpi.hpp>
+#include <linum/train/distributed/mpi.hpp>
 
 #include <cmath>
 

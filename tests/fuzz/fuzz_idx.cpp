@@ -5,7 +5,7 @@
 // labels in 0..9 and one label per image.
 #include "fuzz_common.hpp"
 
-#include <linum/core/data/idx.hpp>
+#include <linum/train/data/idx.hpp>
 
 #include <linum/core/memory.hpp>
 

@@ -6,7 +6,7 @@
 #include "fuzz_common.hpp"
 
 #include <linum/core/memory.hpp>
-#include <linum/core/serialization.hpp>
+#include <linum/train/io/serialization.hpp>
 
 #include <nlohmann/json.hpp>
 

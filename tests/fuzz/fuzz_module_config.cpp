@@ -7,7 +7,7 @@
 #include "fuzz_common.hpp"
 
 #include <linum/linum.hpp>
-#include <linum/modules/nn/config.hpp>
+#include <linum/nn/config.hpp>
 
 #include <nlohmann/json.hpp>
 

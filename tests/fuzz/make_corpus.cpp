@@ -3,7 +3,7 @@
 // (files are named seed-*; what fuzzing adds is kept beside them, minimized with -merge=1).
 
 #include <linum/linum.hpp>
-#include <linum/modules/nn/config.hpp>
+#include <linum/nn/config.hpp>
 
 #include <zlib.h>
 

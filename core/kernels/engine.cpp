@@ -1,0 +1,64 @@
+#include <linum/core/kernels/engine.hpp>
+#include <linum/core/error.hpp>
+#include <linum/core/kernels/gemm.hpp>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+namespace linum {
+namespace {
+
+std::atomic<Engine> g_engine{LINUM_HAVE_ONEDNN ? Engine::onednn : Engine::eigen};
+
+void read_environment_once() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const char* v = std::getenv("LINUM_ENGINE");
+    if (v == nullptr || *v == 0) return;
+    if (std::strcmp(v, "eigen") == 0) g_engine = Engine::eigen;
+    else if (std::strcmp(v, "onednn") == 0 && engine_available(Engine::onednn)) g_engine = Engine::onednn;
+    else
+      throw ValueError(detail::cat("LINUM_ENGINE=", v, ": unknown or unavailable engine; use eigen",
+                                   engine_available(Engine::onednn) ? " or onednn" : " (this build has no oneDNN)"));
+  });
+}
+
+}  // namespace
+
+bool engine_available(Engine e) { return e == Engine::eigen || LINUM_HAVE_ONEDNN; }
+
+const char* engine_name(Engine e) { return e == Engine::onednn ? "onednn" : "eigen"; }
+
+Engine engine() {
+  read_environment_once();
+  return g_engine.load(std::memory_order_relaxed);
+}
+
+void set_engine(Engine e) {
+  read_environment_once();
+  if (!engine_available(e))
+    throw ValueError(detail::cat("set_engine: this build of Linum has no ", engine_name(e),
+                                 "; install libdnnl-dev and reconfigure with -Donednn=enabled"));
+  g_engine = e;
+}
+
+namespace kernels {
+Array batched_gemm(const Array& a, const Array& b, bool ta, bool tb) {
+#if LINUM_HAVE_ONEDNN
+  if (engine() == Engine::onednn) return batched_gemm_onednn(a, b, ta, tb);
+#endif
+  return batched_gemm_eigen(a, b, ta, tb);
+}
+
+void gemm_f32_serial(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
+                     std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
+#if LINUM_HAVE_ONEDNN
+  if (engine() == Engine::onednn) return gemm_f32_serial_onednn(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+#endif
+  gemm_f32_serial_eigen(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+}  // namespace kernels
+
+}  // namespace linum

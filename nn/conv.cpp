@@ -1,0 +1,200 @@
+#include <linum/nn/conv.hpp>
+
+#include <linum/core/ops/all.hpp>
+
+namespace linum::nn {
+
+namespace {
+
+// Flax's maybe_broadcast: empty -> 1 on every axis, one value -> that value on every axis.
+std::vector<std::int64_t> per_axis(const std::vector<std::int64_t>& v, std::size_t n, const char* field,
+                                   const char* layer = "Conv") {
+  if (v.empty()) return std::vector<std::int64_t>(n, 1);
+  std::vector<std::int64_t> out = v.size() == 1 ? std::vector<std::int64_t>(n, v[0]) : v;
+  if (out.size() != n)
+    throw ValueError(detail::cat(layer, ": ", field, " has ", v.size(), " values but the kernel has ", n,
+                                 " spatial axes; give one value per axis or a single value"));
+  for (std::int64_t x : out)
+    if (x <= 0) throw ValueError(detail::cat(layer, ": ", field, " values must be positive, got ", x));
+  return out;
+}
+
+// The layer's "kernel" (kernel_size..., kernel_in, kernel_out) and "bias" (features,) params, and
+// the input, all promoted to the computation dtype (Flax's promote_dtype).
+struct Operands {
+  Array x, kernel, bias;
+};
+Operands conv_operands(Scope& s, const Array& x, const std::vector<std::int64_t>& kernel_size, std::int64_t kernel_in,
+                       std::int64_t kernel_out, std::int64_t features, bool use_bias, const Initializer& kernel_init,
+                       const Initializer& bias_init, std::optional<DType> dtype, DType param_dtype) {
+  Shape kernel_shape;
+  for (std::int64_t k : kernel_size) kernel_shape.push_back(k);
+  kernel_shape.push_back(kernel_in);
+  kernel_shape.push_back(kernel_out);
+  const Array kernel = s.param("kernel", initializer_in(kernel_init, param_dtype), kernel_shape);
+  const Array bias = use_bias ? s.param("bias", initializer_in(bias_init, param_dtype), Shape{features}) : Array();
+  auto p = promote_dtype({x, kernel, bias}, dtype);
+  return {p[0], p[1], p[2]};
+}
+
+// The checks both layers make of their configuration before anything runs.
+void check_layer(const char* layer, std::int64_t features, const std::vector<std::int64_t>& kernel_size, DType param_dtype) {
+  if (features <= 0)
+    throw ValueError(detail::cat(layer, ": features must be positive (got ", features, "); construct it as nn::", layer,
+                                 "{.features = N, .kernel_size = {3, 3}}"));
+  const std::size_t nsp = kernel_size.size();
+  if (nsp != 1 && nsp != 2)
+    throw ValueError(detail::cat(layer, ": kernel_size must have 1 (sequences) or 2 (images) entries, got ", nsp,
+                                 "; e.g. .kernel_size = {3, 3}"));
+  for (std::int64_t k : kernel_size)
+    if (k <= 0) throw ValueError(detail::cat(layer, ": kernel_size values must be positive"));
+  require_float_dtype(param_dtype, layer, "param_dtype");
+}
+
+// Reshapes x to exactly one batch axis before `spatial` spatial axes and the channels (Flax adds
+// one for an unbatched input and flattens several); returns the number of batch axes it had.
+int flatten_batch_axes(const Array& x_in, std::size_t spatial, const char* layer, Array& x) {
+  const int want = static_cast<int>(spatial) + 2;  // [N, spatial..., C]
+  const char* layout = spatial == 2 ? "NHWC [N, H, W, C]" : "NWC [N, L, C]";
+  if (x_in.rank() < want - 1)
+    throw ShapeError(detail::cat(layer, ": input of shape ", x_in.shape(), " has rank ", x_in.rank(), "; a ", spatial,
+                                 "-D convolution needs ", layout, " (or one example without the batch axis); "
+                                 "add the missing axes with reshape, e.g. reshape(x, {N, H, W, 1}) for a batch of "
+                                 "single-channel images"));
+  if (!is_floating(x_in.dtype()))
+    throw ShapeError(detail::cat(layer, ": input must be float32 or bfloat16, got ", dtype_name(x_in.dtype()),
+                                 "; convert with astype(x, DType::f32)"));
+  const int batch_axes = x_in.rank() - (want - 1);
+  x = x_in;
+  if (batch_axes != 1) {
+    std::vector<std::int64_t> flat{-1};
+    for (int a = batch_axes; a < x_in.rank(); ++a) flat.push_back(x_in.dim(a));
+    x = reshape(x_in, flat);
+  }
+  return batch_axes;
+}
+
+// The output with the input's batch axes back.
+Array restore_batch_axes(const Array& y, const Array& x_in, int batch_axes) {
+  if (batch_axes == 1) return y;
+  std::vector<std::int64_t> out;
+  for (int a = 0; a < batch_axes; ++a) out.push_back(x_in.dim(a));
+  for (int a = 1; a < y.rank(); ++a) out.push_back(y.dim(a));
+  return reshape(y, out);
+}
+
+}  // namespace
+
+Array Conv::operator()(Scope& s, const Array& x_in) const {
+  check_layer("Conv", features, kernel_size, param_dtype);
+  const std::size_t nsp = kernel_size.size();
+  Array x;
+  const int batch_axes = flatten_batch_axes(x_in, nsp, "Conv", x);
+  const std::int64_t in_features = x.dim(-1);
+  if (feature_group_count <= 0 || in_features % feature_group_count != 0 || features % feature_group_count != 0)
+    throw ValueError(detail::cat("Conv: feature_group_count ", feature_group_count, " must divide the input channels (",
+                                 in_features, ") and features (", features, ")"));
+
+  const auto strides_v = per_axis(strides, nsp, "strides");
+  const auto dilation_v = per_axis(kernel_dilation, nsp, "kernel_dilation");
+
+  Padding pad = Padding::same();
+  if (padding.mode == "SAME") {
+    pad = Padding::same();
+  } else if (padding.mode == "VALID") {
+    pad = Padding::valid();
+  } else if (padding.mode == "CAUSAL") {
+    if (nsp != 1) throw ValueError("Conv: CAUSAL padding is only implemented for 1-D convolutions (as in Flax)");
+    pad = Padding::explicit_pads(0, 0, dilation_v[0] * (kernel_size[0] - 1), 0);
+  } else if (padding.mode.empty()) {
+    auto pairs = padding.pairs;
+    if (pairs.size() == 1) pairs.assign(nsp, pairs[0]);
+    if (pairs.size() != nsp)
+      throw ValueError(detail::cat("Conv: padding has ", padding.pairs.size(), " (low, high) pairs but the kernel has ",
+                                   nsp, " spatial axes"));
+    pad = nsp == 2 ? Padding::explicit_pads(pairs[0].first, pairs[0].second, pairs[1].first, pairs[1].second)
+                   : Padding::explicit_pads(0, 0, pairs[0].first, pairs[0].second);
+  } else {
+    throw ValueError(detail::cat("Conv: unknown padding '", padding.mode,
+                                 "'; use \"SAME\", \"VALID\", \"CAUSAL\", an int or (low, high) pairs "
+                                 "(CIRCULAR and REFLECT are not supported)"));
+  }
+
+  Operands p = conv_operands(s, x, kernel_size, in_features / feature_group_count, features, features, use_bias,
+                             kernel_init, bias_init, dtype, param_dtype);
+  x = p.x;
+  const Array kernel = p.kernel, bias = p.bias;
+
+  ConvOptions opt;
+  opt.padding = pad;
+  opt.feature_group_count = feature_group_count;
+  Array y;
+  if (nsp == 2) {
+    opt.strides = {strides_v[0], strides_v[1]};
+    opt.dilation = {dilation_v[0], dilation_v[1]};
+    y = conv2d(x, kernel, opt);
+  } else {
+    // A 1-D convolution is a 2-D one over an image of height 1.
+    opt.strides = {1, strides_v[0]};
+    opt.dilation = {1, dilation_v[0]};
+    Array x4 = reshape(x, {x.dim(0), 1, x.dim(1), x.dim(2)});
+    Array k4 = reshape(kernel, {1, kernel.dim(0), kernel.dim(1), kernel.dim(2)});
+    Array y4 = conv2d(x4, k4, opt);
+    y = reshape(y4, {y4.dim(0), y4.dim(2), y4.dim(3)});
+  }
+  if (use_bias) y = y + bias;
+
+  return restore_batch_axes(y, x_in, batch_axes);
+}
+
+Array ConvTranspose::operator()(Scope& s, const Array& x_in) const {
+  check_layer("ConvTranspose", features, kernel_size, param_dtype);
+  const std::size_t nsp = kernel_size.size();
+  Array x;
+  const int batch_axes = flatten_batch_axes(x_in, nsp, "ConvTranspose", x);
+  const std::int64_t in_features = x.dim(-1);
+  const auto strides_v = per_axis(strides, nsp, "strides", "ConvTranspose");
+  const auto dilation_v = per_axis(kernel_dilation, nsp, "kernel_dilation", "ConvTranspose");
+
+  ConvTransposeOptions opt;
+  opt.transpose_kernel = transpose_kernel;
+  if (padding.mode == "SAME") {
+    opt.padding = Padding::same();
+  } else if (padding.mode == "VALID") {
+    opt.padding = Padding::valid();
+  } else if (padding.mode.empty()) {
+    auto pairs = padding.pairs;
+    if (pairs.size() == 1) pairs.assign(nsp, pairs[0]);
+    if (pairs.size() != nsp)
+      throw ValueError(detail::cat("ConvTranspose: padding has ", padding.pairs.size(),
+                                   " (low, high) pairs but the kernel has ", nsp, " spatial axes"));
+    opt.padding = nsp == 2 ? Padding::explicit_pads(pairs[0].first, pairs[0].second, pairs[1].first, pairs[1].second)
+                           : Padding::explicit_pads(0, 0, pairs[0].first, pairs[0].second);
+  } else {
+    throw ValueError(detail::cat("ConvTranspose: unknown padding '", padding.mode,
+                                 "'; use \"SAME\", \"VALID\", an int or (low, high) pairs (CIRCULAR is not supported)"));
+  }
+
+  Operands p = conv_operands(s, x, kernel_size, transpose_kernel ? features : in_features,
+                             transpose_kernel ? in_features : features, features, use_bias, kernel_init, bias_init,
+                             dtype, param_dtype);
+  x = p.x;
+  const Array kernel = p.kernel, bias = p.bias;
+  Array y;
+  if (nsp == 2) {
+    opt.strides = {strides_v[0], strides_v[1]};
+    opt.dilation = {dilation_v[0], dilation_v[1]};
+    y = conv_transpose2d(x, kernel, opt);
+  } else {  // over an image of height 1 (a 1-high kernel at stride 1 pads it by nothing, SAME or VALID)
+    opt.strides = {1, strides_v[0]};
+    opt.dilation = {1, dilation_v[0]};
+    Array x4 = reshape(x, {x.dim(0), 1, x.dim(1), x.dim(2)});
+    Array k4 = reshape(kernel, {1, kernel.dim(0), kernel.dim(1), kernel.dim(2)});
+    Array y4 = conv_transpose2d(x4, k4, opt);
+    y = reshape(y4, {y4.dim(0), y4.dim(2), y4.dim(3)});
+  }
+  if (use_bias) y = y + bias;
+  return restore_batch_axes(y, x_in, batch_axes);
+}
+
+}  // namespace linum::nn

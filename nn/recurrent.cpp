@@ -1,0 +1,142 @@
+#include <linum/nn/recurrent.hpp>
+#include <linum/nn/dense.hpp>
+#include <linum/core/ops/all.hpp>
+
+#include <string>
+#include <vector>
+
+namespace linum::nn {
+
+namespace {
+
+Shape carry_shape(const Shape& input_shape, std::int64_t features, const char* cell) {
+  if (features <= 0) throw ValueError(std::string(cell) + ": features must be positive");
+  if (input_shape.rank() < 1)
+    throw ShapeError(std::string(cell) + ".initialize_carry: the input shape needs a feature axis, got " + input_shape.str());
+  std::vector<std::int64_t> dims = input_shape.vec();
+  dims.back() = features;
+  return Shape(dims);
+}
+
+void check_carry(const Array& h, const Array& x, std::int64_t features, const char* cell) {
+  if (h.rank() < 1 || h.dim(-1) != features || x.rank() != h.rank())
+    throw ShapeError(std::string(cell) + ": carry " + h.type_str() + " does not fit " + std::to_string(features) +
+                     " features and input " + x.type_str() + " ([..., features] with the input's batch axes)");
+}
+
+// The kernel (and bias) of a Dense layer, made in the child scope `name`, not applied
+// (flax.linen.recurrent.DenseParams).
+struct DenseParams {
+  std::int64_t features = 0;
+  bool use_bias = true;
+  Initializer kernel_init;
+  Initializer bias_init;
+  DType param_dtype = DType::f32;
+  std::vector<Array> operator()(Scope& s, const Array& inputs) const {
+    // Created in param_dtype, as Flax's DenseParams (they were float32 in the dict, cast on use).
+    std::vector<Array> out{
+        astype(s.param("kernel", initializer_in(kernel_init, param_dtype), Shape{inputs.dim(-1), features}), param_dtype)};
+    if (use_bias) out.push_back(astype(s.param("bias", initializer_in(bias_init, param_dtype), Shape{features}), param_dtype));
+    return out;
+  }
+};
+
+Array cast(const Array& a, const std::optional<DType>& dtype) { return dtype ? astype(a, *dtype) : a; }
+
+}  // namespace
+
+std::pair<LSTMCell::Carry, Array> LSTMCell::operator()(Scope& s, const Carry& carry, const Array& x) const {
+  const Array& c = carry.first;  // (not a structured binding: the lambda below captures h, which clang 14 refuses)
+  const Array& h = carry.second;
+  check_carry(h, x, features, "nn::LSTMCell");
+  const Dense in{.features = features, .use_bias = false, .kernel_init = kernel_init, .dtype = dtype, .param_dtype = param_dtype};
+  const Dense rec{.features = features, .use_bias = true, .kernel_init = recurrent_kernel_init, .bias_init = bias_init,
+                  .dtype = dtype, .param_dtype = param_dtype};
+  // One statement per product: the parameters are created in Flax's order (ii, hi, if, hf, ...),
+  // which C++'s unsequenced operands of + would not guarantee.
+  auto both = [&](const char* input_name, const char* recurrent_name) {
+    Array a = s(input_name, in, x);
+    Array b = s(recurrent_name, rec, h);
+    return a + b;
+  };
+  const Array i = gate_fn(both("ii", "hi"));
+  const Array f = gate_fn(both("if", "hf"));
+  const Array g = activation_fn(both("ig", "hg"));
+  const Array o = gate_fn(both("io", "ho"));
+  const Array new_c = f * c + i * g;
+  const Array new_h = o * activation_fn(new_c);
+  return {{new_c, new_h}, new_h};
+}
+
+LSTMCell::Carry LSTMCell::initialize_carry(const Shape& input_shape) const {
+  const Shape shape = carry_shape(input_shape, features, "nn::LSTMCell");
+  return {Array::zeros(shape, param_dtype), Array::zeros(shape, param_dtype)};
+}
+
+std::pair<OptimizedLSTMCell::Carry, Array> OptimizedLSTMCell::operator()(Scope& s, const Carry& carry, const Array& x) const {
+  const auto& [c, h] = carry;
+  check_carry(h, x, features, "nn::OptimizedLSTMCell");
+  std::vector<Array> in_kernels, rec_kernels, rec_biases;
+  for (const char* gate : {"i", "f", "g", "o"}) {
+    in_kernels.push_back(s(std::string("i") + gate,
+                           DenseParams{features, false, kernel_init, bias_init, param_dtype}, x)[0]);
+    auto hp = s(std::string("h") + gate, DenseParams{features, true, recurrent_kernel_init, bias_init, param_dtype}, h);
+    rec_kernels.push_back(hp[0]);
+    rec_biases.push_back(hp[1]);
+  }
+  // Two products instead of eight: [x] x [ii | if | ig | io] and [h] x [hi | hf | hg | ho] + biases.
+  const Array yi = matmul(cast(x, dtype), cast(concatenate(in_kernels, -1), dtype));
+  const Array yh = matmul(cast(h, dtype), cast(concatenate(rec_kernels, -1), dtype)) + cast(concatenate(rec_biases, -1), dtype);
+  const Array z = yh + yi;
+  auto gate = [&](int k) { return slice_axis(z, -1, k * features, (k + 1) * features); };
+  const Array i = gate_fn(gate(0)), f = gate_fn(gate(1)), g = activation_fn(gate(2)), o = gate_fn(gate(3));
+  const Array new_c = f * c + i * g;
+  const Array new_h = o * activation_fn(new_c);
+  return {{new_c, new_h}, new_h};
+}
+
+OptimizedLSTMCell::Carry OptimizedLSTMCell::initialize_carry(const Shape& input_shape) const {
+  const Shape shape = carry_shape(input_shape, features, "nn::OptimizedLSTMCell");
+  return {Array::zeros(shape, param_dtype), Array::zeros(shape, param_dtype)};
+}
+
+std::pair<GRUCell::Carry, Array> GRUCell::operator()(Scope& s, const Carry& h, const Array& x) const {
+  check_carry(h, x, features, "nn::GRUCell");
+  const Dense in{.features = features, .use_bias = true, .kernel_init = kernel_init, .bias_init = bias_init, .dtype = dtype,
+                 .param_dtype = param_dtype};
+  const Dense rec{.features = features, .use_bias = false, .kernel_init = recurrent_kernel_init, .bias_init = bias_init,
+                  .dtype = dtype, .param_dtype = param_dtype};
+  Dense rec_n = rec;
+  rec_n.use_bias = true;
+  Array ir = s("ir", in, x);
+  const Array r = gate_fn(ir + s("hr", rec, h));
+  Array iz = s("iz", in, x);
+  const Array z = gate_fn(iz + s("hz", rec, h));
+  Array in_n = s("in", in, x);
+  const Array n = activation_fn(in_n + r * s("hn", rec_n, h));
+  const Array new_h = (1.0f - z) * n + z * h;
+  return {new_h, new_h};
+}
+
+GRUCell::Carry GRUCell::initialize_carry(const Shape& input_shape) const {
+  return Array::zeros(carry_shape(input_shape, features, "nn::GRUCell"), param_dtype);
+}
+
+std::pair<SimpleCell::Carry, Array> SimpleCell::operator()(Scope& s, const Carry& h, const Array& x) const {
+  check_carry(h, x, features, "nn::SimpleCell");
+  const Dense in{.features = features, .use_bias = true, .kernel_init = kernel_init, .bias_init = bias_init, .dtype = dtype,
+                 .param_dtype = param_dtype};
+  const Dense rec{.features = features, .use_bias = false, .kernel_init = recurrent_kernel_init, .dtype = dtype,
+                  .param_dtype = param_dtype};
+  Array next = s("i", in, x);
+  next = next + s("h", rec, h);
+  if (residual) next = next + h;
+  next = activation_fn(next);
+  return {next, next};
+}
+
+SimpleCell::Carry SimpleCell::initialize_carry(const Shape& input_shape) const {
+  return Array::zeros(carry_shape(input_shape, features, "nn::SimpleCell"), param_dtype);
+}
+
+}  // namespace linum::nn

@@ -1,0 +1,216 @@
+// Recurrent layers, as flax.linen's: the cells LSTMCell, OptimizedLSTMCell, GRUCell and SimpleCell
+// (parameter names, shapes, gate layout and initializers as Flax's, so variable dicts move between
+// the two) and nn::RNN, which scans a cell over the time axis.
+//
+//   nn::RNN<nn::LSTMCell> lstm{.cell = {.features = 128}};
+//   Array ys = s(lstm, xs);                                       // xs [batch, time, in] -> [batch, time, 128]
+//   auto [carry, ys2] = s(lstm, xs, nn::RNNOptions{.return_carry = true, .seq_lengths = lengths});
+//
+// A cell is called as cell(scope, carry, x) -> (new carry, y) on one time step; initialize_carry
+// gives the zero carry for inputs of a given shape. Gates are Flax's: sigmoid gates, tanh
+// activations.
+#pragma once
+
+#include <linum/core/array.hpp>
+#include <linum/core/ops/all.hpp>
+#include <linum/lift/remat.hpp>
+#include <linum/lift/scan.hpp>
+#include <linum/modules/initializers.hpp>
+#include <linum/modules/scope.hpp>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <utility>
+
+namespace linum::nn {
+
+// A cell's gate or activation function (Flax's gate_fn / activation_fn), e.g. nn::relu.
+using CellFunction = std::function<Array(const Array&)>;
+
+// Long short-term memory (flax.linen.LSTMCell): i = sigmoid(ii(x) + hi(h)), f, g = tanh(...), o
+// likewise, c' = f c + i g, h' = o tanh(c') (sigmoid is gate_fn, tanh activation_fn). Input kernels ii, if, ig, io have no bias; the
+// recurrent ones hi, hf, hg, ho have one. Carry (c, h).
+struct LSTMCell {
+  std::int64_t features = 0;
+  CellFunction gate_fn = [](const Array& x) { return sigmoid(x); };
+  CellFunction activation_fn = [](const Array& x) { return tanh(x); };
+  Initializer kernel_init = initializers::lecun_normal();
+  Initializer recurrent_kernel_init = initializers::orthogonal();
+  Initializer bias_init = initializers::zeros();
+  std::optional<DType> dtype;
+  DType param_dtype = DType::f32;
+
+  using Carry = std::pair<Array, Array>;  // (c, h)
+  std::pair<Carry, Array> operator()(Scope& s, const Carry& carry, const Array& x) const;
+  Carry initialize_carry(const Shape& input_shape) const;
+};
+
+// The same LSTM with the four input products and the four recurrent ones each done as one product
+// on concatenated kernels (flax.linen.OptimizedLSTMCell): the same parameters, names and results
+// within float rounding; faster for small hidden sizes. The concatenated kernels are built on every
+// call and kept for its backward pass (5 x features^2 floats per time step in an RNN), so over long
+// sequences prefer LSTMCell, or remat.
+struct OptimizedLSTMCell {
+  std::int64_t features = 0;
+  CellFunction gate_fn = [](const Array& x) { return sigmoid(x); };
+  CellFunction activation_fn = [](const Array& x) { return tanh(x); };
+  Initializer kernel_init = initializers::lecun_normal();
+  Initializer recurrent_kernel_init = initializers::orthogonal();
+  Initializer bias_init = initializers::zeros();
+  std::optional<DType> dtype;
+  DType param_dtype = DType::f32;
+
+  using Carry = std::pair<Array, Array>;
+  std::pair<Carry, Array> operator()(Scope& s, const Carry& carry, const Array& x) const;
+  Carry initialize_carry(const Shape& input_shape) const;
+};
+
+// Gated recurrent unit (flax.linen.GRUCell): r = sigmoid(ir(x) + hr(h)), z = sigmoid(iz(x) +
+// hz(h)), n = tanh(in(x) + r * hn(h)), h' = (1 - z) n + z h (sigmoid is gate_fn, tanh activation_fn). Input kernels have biases; of the
+// recurrent ones only hn. Carry h.
+struct GRUCell {
+  std::int64_t features = 0;
+  CellFunction gate_fn = [](const Array& x) { return sigmoid(x); };
+  CellFunction activation_fn = [](const Array& x) { return tanh(x); };
+  Initializer kernel_init = initializers::lecun_normal();
+  Initializer recurrent_kernel_init = initializers::orthogonal();
+  Initializer bias_init = initializers::zeros();
+  std::optional<DType> dtype;
+  DType param_dtype = DType::f32;
+
+  using Carry = Array;
+  std::pair<Carry, Array> operator()(Scope& s, const Carry& carry, const Array& x) const;
+  Carry initialize_carry(const Shape& input_shape) const;
+};
+
+// Elman cell (flax.linen.SimpleCell): h' = tanh(i(x) + h(h) [+ h if residual]) (tanh is
+// activation_fn); i has a bias.
+struct SimpleCell {
+  std::int64_t features = 0;
+  CellFunction activation_fn = [](const Array& x) { return tanh(x); };
+  Initializer kernel_init = initializers::lecun_normal();
+  Initializer recurrent_kernel_init = initializers::orthogonal();
+  Initializer bias_init = initializers::zeros();
+  std::optional<DType> dtype;
+  DType param_dtype = DType::f32;
+  bool residual = false;
+
+  using Carry = Array;
+  std::pair<Carry, Array> operator()(Scope& s, const Carry& carry, const Array& x) const;
+  Carry initialize_carry(const Shape& input_shape) const;
+};
+
+// Per-call settings of nn::RNN (Flax's call arguments).
+struct RNNOptions {
+  bool return_carry = false;           // return (final carry, outputs) instead of the outputs
+  std::optional<Array> seq_lengths;    // int32 [batch]: steps at or past a row's length leave its carry alone
+};
+
+namespace recurrent_detail {
+
+// One time step inside the scan: the cell on (carry, x), the carry kept where t >= length.
+template <class Cell>
+struct RNNStep {
+  Cell cell;
+  bool masked = false;
+  std::pair<typename Cell::Carry, Array> operator()(Scope& s, const typename Cell::Carry& carry, const Array& x,
+                                                    const Array& t, const Array& lengths) const {
+    auto [next, y] = cell(s, carry, x);  // the cell's params live in this (the "cell") scope
+    if (!masked) return {next, y};
+    // active[b] = t < lengths[b], as a float column broadcast over the features.
+    const Array active = reshape(astype(less(astype(t, DType::f32), astype(lengths, DType::f32)), DType::f32),
+                                 {lengths.dim(0), 1});
+    auto keep = [&](const Array& n, const Array& o) { return where(active, n, o); };
+    if constexpr (std::is_same_v<typename Cell::Carry, Array>) {
+      return {keep(next, carry), y};
+    } else {
+      return {typename Cell::Carry{keep(next.first, carry.first), keep(next.second, carry.second)}, y};
+    }
+  }
+};
+
+}  // namespace recurrent_detail
+
+// Runs `cell` over the time axis (flax.linen.RNN): inputs [batch, time, features] (or [time,
+// batch, features] with time_major), outputs the same with the cell's features; `reverse` runs from
+// the last step to the first (keep_order: outputs in input order, else in the order computed).
+// The cell's parameters are shared by every step and live under "cell" (RNN_0/cell/hi/kernel, as
+// Flax). `remat` checkpoints every time step (only the carries are kept; each step is recomputed in
+// the backward pass): the memory of a long sequence becomes one carry per step instead of every
+// gate's activations. `schedule` checkpoints segments of time steps instead (lift/schedule.hpp):
+// sqrt_segments() keeps about 2 sqrt(T) carries (Chen et al.), binomial(s) at most s with the fewest
+// recomputations (Griewank's Revolve); the outputs ys are kept either way (they are the result).
+// Gradients are bitwise those without checkpointing.
+template <class Cell>
+struct RNN {
+  Cell cell{};
+  bool time_major = false;
+  bool reverse = false;
+  bool keep_order = false;
+  bool remat = false;
+  lift::ScanSchedule schedule{};
+
+  Array operator()(Scope& s, const Array& inputs) const { return std::get<1>(run(s, inputs, {}, std::nullopt)); }
+  Array operator()(Scope& s, const Array& inputs, const typename Cell::Carry& initial_carry) const {
+    return std::get<1>(run(s, inputs, {}, initial_carry));
+  }
+  std::pair<typename Cell::Carry, Array> operator()(Scope& s, const Array& inputs, const RNNOptions& options) const {
+    return run(s, inputs, options, std::nullopt);
+  }
+  std::pair<typename Cell::Carry, Array> operator()(Scope& s, const Array& inputs, const RNNOptions& options,
+                                                    const typename Cell::Carry& initial_carry) const {
+    return run(s, inputs, options, initial_carry);
+  }
+
+ private:
+  std::pair<typename Cell::Carry, Array> run(Scope& s, const Array& inputs, const RNNOptions& options,
+                                             const std::optional<typename Cell::Carry>& initial_carry) const {
+    if (inputs.rank() < 3)
+      throw ShapeError(detail_cat_shape("nn::RNN: inputs must be [batch, time, features] (or time-major), got ", inputs));
+    const Array xs = time_major ? inputs : swapaxes(inputs, 0, 1);  // [time, batch, ...]
+    const std::int64_t steps = xs.dim(0), batch = xs.dim(1);
+    const std::vector<std::int64_t> dims = xs.shape().vec();
+    const Shape step_shape(std::vector<std::int64_t>(dims.begin() + 1, dims.end()));
+    typename Cell::Carry carry = initial_carry ? *initial_carry : cell.initialize_carry(step_shape);
+    std::vector<std::int32_t> t_values(static_cast<std::size_t>(steps));
+    for (std::int64_t i = 0; i < steps; ++i) t_values[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(i);
+    const Array t = Array::from_i32(Shape{steps}, t_values);
+    const bool masked = options.seq_lengths.has_value();
+    const Array lengths = masked ? *options.seq_lengths : Array::full_i32(Shape{batch}, static_cast<std::int32_t>(steps));
+    if (masked && !(lengths.shape() == Shape{batch}))
+      throw ShapeError(detail_cat_shape("nn::RNN: seq_lengths must be int32 [batch], got ", lengths));
+    using Step = recurrent_detail::RNNStep<Cell>;
+    auto scan_with = [&](auto body_type) {
+      using Body = decltype(body_type);
+      using Scan = lift::scan<Body>;
+      Scan scan{};
+      scan.body = Body{Step{cell, masked}};
+      scan.variable_broadcast = {"params"};
+      scan.split_rngs = {{"params", false}};
+      scan.reverse = reverse;
+      scan.schedule = schedule;
+      return s("cell", scan, carry, lift::scanned(xs), lift::scanned(t), lengths);
+    };
+    std::pair<typename Cell::Carry, Array> out =
+        remat ? scan_with(lift::remat<Step>{}) : scan_with(Step{});
+    Array ys = out.second;  // [time, batch, ...], in input order
+    if (reverse && !keep_order) ys = flip_time(ys);
+    if (!time_major) ys = swapaxes(ys, 0, 1);
+    return {out.first, ys};
+  }
+  static std::string detail_cat_shape(const char* what, const Array& a) { return std::string(what) + a.type_str(); }
+  static Array swapaxes(const Array& x, int a, int b) {
+    std::vector<int> perm(static_cast<std::size_t>(x.rank()));
+    for (int i = 0; i < x.rank(); ++i) perm[static_cast<std::size_t>(i)] = i;
+    std::swap(perm[static_cast<std::size_t>(a)], perm[static_cast<std::size_t>(b)]);
+    return transpose(x, perm);
+  }
+  static Array flip_time(const Array& ys) {
+    std::vector<Array> parts;
+    for (std::int64_t i = ys.dim(0); i-- > 0;) parts.push_back(slice_axis(ys, 0, i, i + 1));
+    return concatenate(parts, 0);
+  }
+};
+
+}  // namespace linum::nn

@@ -1,0 +1,154 @@
+// data::DataLoader: batches of an ArrayDataset for training, as grain's DataLoader or PyTorch's
+// DataLoader give them: shuffled per epoch with an explicit PRNG key, batched, sharded across
+// processes, prepared ahead on a background thread, and resumable from a saved position.
+//
+//   data::DataLoader loader(train, {.batch_size = 128, .seed = rng::key(0), .drop_remainder = true,
+//                                   .num_epochs = 3});
+//   for (const data::Batch& b : loader) {               // 3 epochs of 468 batches
+//     step(b.data.at("image").array(), b.data.at("label").array());
+//     if (b.last_in_epoch) save(..., loader.state_tree());   // resume: loader.restore(tree)
+//   }
+//
+// Order: epoch e visits the records in jax.random.permutation(fold_in(seed, e), N) (the identity
+// with shuffle = false), batch b takes positions [b B, (b + 1) B) of that order. It depends only on
+// the seed, the epoch, the dataset size and the batch size, so a run resumed from a state, or run on
+// another number of processes, sees exactly the same batches.
+//
+// Sharding: with shard_count P, shard i receives rows [i n / P, (i + 1) n / P) of every global batch
+// of n rows (the rows dist::DataParallel's fast mode computes on rank i); the shards' batches put
+// together are the single-process batch, whatever P is. (grain's ShardByJaxProcess splits the
+// records instead, so each process sees other records when P changes.) ShardOptions::by_process()
+// takes this process's rank and the job's size from linum::dist.
+//
+// Prefetching: with prefetch = k > 0 a background thread keeps up to k batches ready (gathering rows
+// and running `transform`, under NoGradGuard) while the caller trains; next() waits only when the
+// thread is behind. An exception thrown while preparing a batch is rethrown by the next() that would
+// have returned it. prefetch = 0 prepares each batch inside next().
+#pragma once
+
+#include <linum/train/data/array_dataset.hpp>
+#include <linum/core/tree.hpp>
+#include <linum/rng/key.hpp>
+
+#include <cstdint>
+#include <functional>
+#include <iterator>
+#include <memory>
+#include <optional>
+#include <vector>
+
+namespace linum::data {
+
+// This process's part of every global batch (see the file comment).
+struct ShardOptions {
+  int shard_index = 0;
+  int shard_count = 1;
+  // linum::dist's rank and job size (one shard when not under MPI).
+  static ShardOptions by_process();
+};
+
+struct LoaderOptions {
+  std::int64_t batch_size = 0;  // the global batch (required)
+  bool shuffle = true;
+  rng::Key seed{};  // the shuffle's key (rng::key(0) when left default)
+  // Drop an epoch's last, partial batch (PyTorch's drop_last, grain's drop_remainder).
+  bool drop_remainder = false;
+  // Epochs to produce; 0: repeat forever.
+  std::int64_t num_epochs = 1;
+  ShardOptions shard{};
+  // Batches prepared ahead on a background thread; 0: on the caller's thread, inside next().
+  int prefetch = 2;
+  // Applied to every batch (this shard's rows) before it is returned, on the loader's thread:
+  // augmentation, normalization, casts. Must not depend on call order (it may run ahead).
+  std::function<Tree(Tree batch, std::int64_t epoch, std::int64_t index)> transform{};
+};
+
+struct Batch {
+  Tree data;                     // this shard's rows of the global batch, every column
+  std::int64_t epoch = 0;        // 0-based
+  std::int64_t index = 0;        // the batch's index within its epoch
+  std::int64_t global_rows = 0;  // rows of the global batch (batch_size, or fewer for a last partial batch)
+  std::int64_t first_row = 0;    // this shard's first row within the global batch
+  bool last_in_epoch = false;
+};
+
+// Where a loader stands: the next batch it returns is batch `index` of epoch `epoch`.
+struct LoaderPosition {
+  std::int64_t epoch = 0;
+  std::int64_t index = 0;
+  friend bool operator==(const LoaderPosition&, const LoaderPosition&) = default;
+};
+
+class DataLoader {
+ public:
+  // ValueError for a batch size below 1, a bad shard, a negative epoch count or prefetch, or a
+  // dataset that makes no batch at all (fewer records than one batch with drop_remainder).
+  DataLoader(ArrayDataset dataset, LoaderOptions options);
+  ~DataLoader();
+  DataLoader(const DataLoader&) = delete;
+  DataLoader& operator=(const DataLoader&) = delete;
+
+  // The next batch, or nullopt after the last epoch.
+  std::optional<Batch> next();
+
+  std::int64_t batches_per_epoch() const { return batches_per_epoch_; }
+  const ArrayDataset& dataset() const { return dataset_; }
+  const LoaderOptions& options() const { return options_; }
+
+  // The position of the next batch next() returns (batches already prepared ahead do not count).
+  LoaderPosition position() const { return position_; }
+  // Moves to `position` (prepared batches are discarded). ValueError past the last epoch.
+  void seek(LoaderPosition position);
+
+  // The position with what it depends on (dataset size, batch size, shuffle, seed,
+  // drop_remainder) as a Tree of int32 scalars, to save in a checkpoint beside the model.
+  Tree state_tree() const;
+  // Seeks to a state_tree(); ValueError naming the field when it was saved for another dataset,
+  // batch size, shuffle, seed or drop_remainder (the shard count may differ: positions count
+  // global batches).
+  void restore(const Tree& state);
+
+  // Range-for over the remaining batches.
+  class Iterator {
+   public:
+    using iterator_category = std::input_iterator_tag;
+    using value_type = Batch;
+    using difference_type = std::ptrdiff_t;
+    using pointer = const Batch*;
+    using reference = const Batch&;
+    Iterator() = default;
+    explicit Iterator(DataLoader* loader) : loader_(loader) { ++*this; }
+    const Batch& operator*() const { return *current_; }
+    const Batch* operator->() const { return &*current_; }
+    Iterator& operator++() {
+      current_ = loader_->next();
+      if (!current_) loader_ = nullptr;
+      return *this;
+    }
+    friend bool operator==(const Iterator& a, const Iterator& b) { return a.loader_ == b.loader_; }
+
+   private:
+    DataLoader* loader_ = nullptr;
+    std::optional<Batch> current_;
+  };
+  Iterator begin() { return Iterator(this); }
+  Iterator end() { return Iterator(); }
+
+ private:
+  struct Prefetcher;
+  Batch make_batch(LoaderPosition at) const;
+  bool finished(LoaderPosition at) const;
+  LoaderPosition after(LoaderPosition at) const;
+  void stop_prefetching();
+
+  ArrayDataset dataset_;
+  LoaderOptions options_;
+  std::int64_t batches_per_epoch_ = 0;
+  LoaderPosition position_;
+  std::unique_ptr<Prefetcher> prefetcher_;
+  // The shuffled order of epoch order_epoch_, drawn by whichever thread prepares batches.
+  mutable std::int64_t order_epoch_ = -1;
+  mutable std::vector<std::int32_t> order_;
+};
+
+}  // namespace linum::data

@@ -1,0 +1,343 @@
+// Optimizers in the style of optax: pure gradient transformations over variable trees.
+//
+// A GradientTransformation is a pair of pure functions. `init(params)` builds the optimizer
+// state; `update(grads, state, params)` turns gradients into updates and returns the next state.
+// Nothing is mutated, so a training step is an explicit function of its inputs:
+//
+//   auto opt = optim::chain(optim::clip_by_global_norm(1.0), optim::adamw(1e-3));
+//   Tree state = opt.init(params);
+//   for (...) {
+//     Tree grads = ...;                                    // same structure as params
+//     auto [updates, new_state] = opt.update(grads, state, params);
+//     params = optim::apply_updates(params, updates);
+//     state = new_state;
+//   }
+//
+// The state is a Tree, so it saves and loads with train/io/serialization.hpp like the parameters.
+// Its layout is what `flax.serialization.to_state_dict` gives for the optax state of the same
+// optimizer: a chain is {"0": ..., "1": ...}; adam's moments are {"count": int32[], "mu": <params
+// structure>, "nu": <params structure>}; sgd's momentum is {"trace": <params structure>};
+// stateless steps are empty dicts {}.
+//
+// The formulas are optax's, evaluated in float32 with optax's constants: hyperparameters are
+// doubles (as Python floats) and derived constants such as 1 - b1 are formed in double before the
+// single rounding to float32, as JAX does with weakly typed Python scalars. Results agree with
+// optax to float32 rounding (the compiler may fuse a multiply and an add where XLA rounds twice;
+// global norms are accumulated in double; bias corrections use an exact power). Schedules are
+// evaluated in double and rounded to float.
+//
+// Updates are computed without recording autodiff nodes (under autodiff::NoGradGuard): they are
+// constants even inside a differentiated function. Every leaf must be float32 or bfloat16: bf16
+// leaves are computed in float32 and their states and updates are kept in bf16, as optax keeps
+// states in the parameters' dtype. Trees whose
+// structures disagree (grads vs state vs params) throw linum::ValueError naming the first path
+// where they differ.
+#pragma once
+
+#include <linum/core/tree.hpp>
+
+#include <concepts>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace linum::optim {
+
+// ---- schedules ---------------------------------------------------------------------------------
+
+// A value (usually a learning rate) as a function of the step count, starting at 0.
+using Schedule = std::function<float(std::int64_t step)>;
+
+// optax.constant_schedule(value): `value` at every step.
+Schedule constant_schedule(float value);
+
+// optax.linear_schedule: init_value until transition_begin, then linear to end_value over
+// transition_steps steps, then end_value. With transition_steps <= 0 it is constant at init_value
+// (as optax); a negative transition_begin counts as 0.
+Schedule linear_schedule(float init_value, float end_value, std::int64_t transition_steps,
+                         std::int64_t transition_begin = 0);
+
+// optax.cosine_decay_schedule: init_value * ((1 - alpha) * 0.5 * (1 + cos(pi * t / decay_steps))
+// + alpha) with t = min(step, decay_steps). So init_value at step 0, init_value * (1 + alpha) / 2
+// half way, and alpha * init_value from decay_steps on. Throws ValueError unless decay_steps > 0.
+Schedule cosine_decay_schedule(float init_value, std::int64_t decay_steps, float alpha = 0.0f);
+
+// optax.warmup_cosine_decay_schedule: linear from init_value to peak_value over warmup_steps, then
+// a cosine decay from peak_value to end_value that ends at step decay_steps (decay_steps counts the
+// warmup, as in optax). Throws ValueError unless decay_steps > warmup_steps >= 0.
+Schedule warmup_cosine_decay_schedule(float init_value, float peak_value, std::int64_t warmup_steps,
+                                      std::int64_t decay_steps, float end_value = 0.0f);
+
+// optax.exponential_decay: init_value * decay_rate^((step - transition_begin) / transition_steps)
+// (the exponent floored with staircase), init_value up to transition_begin, clipped at end_value
+// when given (a floor when decaying, a ceiling when growing). transition_steps <= 0 gives the
+// constant init_value. Throws ValueError for a zero decay_rate.
+Schedule exponential_decay(float init_value, std::int64_t transition_steps, float decay_rate,
+                           std::int64_t transition_begin = 0, bool staircase = false,
+                           std::optional<float> end_value = std::nullopt);
+
+// optax.piecewise_constant_schedule: init_value, multiplied by each scale from its boundary step on
+// ({{1000, 0.1}, {2000, 0.1}}: x0.1 from step 1000, x0.01 from step 2000).
+Schedule piecewise_constant_schedule(float init_value, std::vector<std::pair<std::int64_t, float>> boundaries_and_scales);
+
+// optax.polynomial_schedule: (init - end) * (1 - t / transition_steps)^power + end with
+// t = clip(step - transition_begin, 0, transition_steps). transition_steps <= 0: constant init_value.
+Schedule polynomial_schedule(float init_value, float end_value, double power, std::int64_t transition_steps,
+                             std::int64_t transition_begin = 0);
+
+// optax.join_schedules: schedules[0] until boundaries[0], then schedules[1] counted from that
+// boundary, and so on. Throws ValueError unless there is one boundary fewer than schedules.
+Schedule join_schedules(std::vector<Schedule> schedules, std::vector<std::int64_t> boundaries);
+
+// optax.cosine_onecycle_schedule: cosine from peak/div_factor up to peak_value over the first
+// pct_start of transition_steps, then cosine down to peak/(div_factor*final_div_factor).
+Schedule cosine_onecycle_schedule(std::int64_t transition_steps, float peak_value, double pct_start = 0.3,
+                                  double div_factor = 25.0, double final_div_factor = 1e4);
+
+// A learning rate: a constant (a number) or a Schedule (any callable from the step to a float).
+//   optim::adam(1e-3);   optim::adam(optim::cosine_decay_schedule(1e-3, 10000));
+class LearningRate {
+ public:
+  // A constant learning rate.
+  LearningRate(double value) : value_(value) {}  // NOLINT(google-explicit-constructor)
+  // A learning rate that follows `schedule` (called with the step count 0, 1, 2, ...).
+  template <class F>
+    requires(!std::is_arithmetic_v<std::decay_t<F>> && std::is_invocable_r_v<float, F&, std::int64_t>)
+  LearningRate(F schedule) : schedule_(std::move(schedule)) {}  // NOLINT(google-explicit-constructor)
+
+  // True when this learning rate is a schedule rather than a constant.
+  bool is_schedule() const { return static_cast<bool>(schedule_); }
+  // The constant value (meaningful when !is_schedule()).
+  double value() const { return value_; }
+  // The schedule (empty when !is_schedule()).
+  const Schedule& schedule() const { return schedule_; }
+
+ private:
+  double value_ = 0.0;
+  Schedule schedule_;
+};
+
+// ---- gradient transformations ------------------------------------------------------------------
+
+// What update() returns: the transformed updates (same structure as the gradients) and the next
+// optimizer state. Usable with structured bindings: `auto [updates, state] = opt.update(...)`.
+struct UpdateResult {
+  // The transformed gradients; add them to the parameters with apply_updates.
+  Tree updates;
+  // The optimizer state to pass to the next update.
+  Tree state;
+};
+
+// What step() returns: the parameters after the update and the next optimizer state.
+struct StepResult {
+  Tree params;
+  Tree state;
+};
+
+// A pure optimizer step, as optax.GradientTransformation: init builds a state from the
+// parameters; update maps (gradients, state, parameters) to (updates, next state).
+class GradientTransformation {
+ public:
+  // Builds the initial state from the parameters.
+  using InitFn = std::function<Tree(const Tree& params)>;
+  // Maps (updates, state, params or nullptr when not given) to (updates, next state).
+  using UpdateFn = std::function<UpdateResult(const Tree& updates, const Tree& state, const Tree* params)>;
+
+  // A transformation called `name` in error messages (e.g. "optim::scale_by_adam").
+  GradientTransformation(std::string name, InitFn init, UpdateFn update)
+      : name_(std::move(name)), init_(std::move(init)), update_(std::move(update)) {}
+
+  // The initial state for `params` (which fixes the structure every later call must have).
+  Tree init(const Tree& params) const;
+
+  // One step without the parameters. Transformations that need them (add_decayed_weights, hence
+  // adamw) throw ValueError asking for them.
+  UpdateResult update(const Tree& grads, const Tree& state) const;
+
+  // One step: the updates for `grads` and the next state. `params` are the current parameters.
+  UpdateResult update(const Tree& grads, const Tree& state, const Tree& params) const;
+
+  // update() and apply_updates() in one call: the parameters after this step and the next state,
+  // the same values as
+  //   auto [updates, next] = opt.update(grads, state, params); params = apply_updates(params, updates);
+  // adam and adamw (constant learning rate, float32 leaves) run it as one parallel pass per leaf
+  // that reads each parameter, gradient and moment once; passed by value with std::move, the
+  // parameters and state are updated in their own buffers (when nothing else holds them):
+  //   auto [params2, state2] = opt.step(std::move(params), grads, std::move(state));
+  StepResult step(Tree params, const Tree& grads, Tree state) const;
+
+  // The name used in error messages.
+  const std::string& name() const { return name_; }
+
+  // A fused step: (params, grads, state) -> StepResult.
+  using StepFn = std::function<StepResult(Tree&& params, const Tree& grads, Tree&& state)>;
+  // This transformation with a fused step(), which must give exactly what update + apply_updates give.
+  GradientTransformation with_fused_step(StepFn step) const {
+    GradientTransformation t = *this;
+    t.step_ = std::move(step);
+    return t;
+  }
+
+ private:
+  std::string name_;
+  InitFn init_;
+  UpdateFn update_;
+  StepFn step_;
+};
+
+// params + updates leaf by leaf (optax.apply_updates). Throws ValueError naming the first path
+// where the structures or shapes differ, or a leaf that is not a float array.
+Tree apply_updates(const Tree& params, const Tree& updates);
+
+// The L2 norm of all leaves together: sqrt(sum over leaves of sum(x^2)), accumulated in double.
+float global_norm(const Tree& tree);
+
+// Applies the transformations in order, each to the previous one's updates (optax.chain). The
+// state is {"0": state of the first, "1": state of the second, ...}.
+GradientTransformation chain(std::vector<GradientTransformation> transformations);
+// chain(a, b, c): the same as chain({a, b, c}).
+template <class... T>
+  requires(sizeof...(T) >= 1 && (std::convertible_to<T, GradientTransformation> && ...))
+GradientTransformation chain(T... transformations) {
+  return chain(std::vector<GradientTransformation>{GradientTransformation(std::move(transformations))...});
+}
+
+// Leaves updates unchanged; state {} (optax.identity).
+GradientTransformation identity();
+
+// Multiplies updates by the constant `step_size`; state {} (optax.scale).
+GradientTransformation scale(double step_size);
+
+// Multiplies updates by schedule(count), then counts the step; state {"count": int32[]}
+// (optax.scale_by_schedule).
+GradientTransformation scale_by_schedule(Schedule schedule);
+
+// Multiplies updates by -learning_rate: scale(-lr) for a constant, scale_by_schedule(-schedule)
+// for a schedule (optax.scale_by_learning_rate).
+GradientTransformation scale_by_learning_rate(LearningRate learning_rate);
+
+// Momentum (optax.trace): trace = g + decay * trace_prev; the update is the trace, or
+// g + decay * trace with nesterov. State {"trace": <params structure>}.
+GradientTransformation trace(double decay, bool nesterov = false);
+
+// Adam's rescaling (optax.scale_by_adam): mu = (1-b1) g + b1 mu, nu = (1-b2) g^2 + b2 nu,
+// t = count + 1, update = (mu / (1 - b1^t)) / (sqrt(nu / (1 - b2^t) + eps_root) + eps).
+// State {"count": int32[], "mu": ..., "nu": ...}.
+GradientTransformation scale_by_adam(double b1 = 0.9, double b2 = 0.999, double eps = 1e-8, double eps_root = 0.0);
+
+// Adds weight_decay * params to the updates (optax.add_decayed_weights); needs the params.
+// State {}. A zero weight decay leaves the updates unchanged (as optax).
+GradientTransformation add_decayed_weights(double weight_decay);
+
+// Rescales all updates together so that their global norm is at most max_norm: unchanged when
+// global_norm < max_norm, else each leaf becomes (u / norm) * max_norm (optax.clip_by_global_norm).
+// State {}. Throws ValueError if max_norm is negative or not finite.
+GradientTransformation clip_by_global_norm(double max_norm);
+
+// ---- optimizers ------------------------------------------------------------------------------
+
+// Stochastic gradient descent (optax.sgd): chain(trace(momentum, nesterov), scale_by_learning_rate).
+// momentum == 0 means no momentum at all (optax's momentum=None): chain(identity, scale_by_lr),
+// state {"0": {}, "1": {...}}, and nesterov is ignored. Throws ValueError for a negative momentum.
+GradientTransformation sgd(LearningRate learning_rate, double momentum = 0.0, bool nesterov = false);
+
+// Adam (optax.adam): chain(scale_by_adam(b1, b2, eps, eps_root), scale_by_learning_rate(lr)).
+GradientTransformation adam(LearningRate learning_rate, double b1 = 0.9, double b2 = 0.999, double eps = 1e-8,
+                            double eps_root = 0.0);
+
+// AdamW (optax.adamw): chain(scale_by_adam(b1, b2, eps, eps_root), add_decayed_weights(weight_decay),
+// scale_by_learning_rate(lr)), so the decoupled decay is scaled by the learning rate:
+// update = -lr * (adam_update + weight_decay * params). optax's default weight_decay is 1e-4.
+// update() needs the params.
+GradientTransformation adamw(LearningRate learning_rate, double b1 = 0.9, double b2 = 0.999, double eps = 1e-8,
+                             double weight_decay = 1e-4, double eps_root = 0.0);
+
+// ---- the optax toolbox -------------------------------------------------------------------------
+
+// Which leaves a masked transformation touches: called with each leaf's path and value.
+using Mask = std::function<bool(const std::string& path, const Array& leaf)>;
+
+// RMSProp's rescaling (optax.scale_by_rms): nu = (1 - decay) g^2 + decay nu (nu starts at
+// initial_scale), update = g / sqrt(nu + eps) (eps_in_sqrt) or g / (sqrt(nu) + eps). State {"nu"}.
+GradientTransformation scale_by_rms(double decay = 0.9, double eps = 1e-8, double initial_scale = 0.0,
+                                    bool eps_in_sqrt = true);
+// Centered RMSProp (optax.scale_by_stddev): also mu = (1 - decay) g + decay mu, update =
+// g / sqrt(nu - mu^2 + eps). State {"mu", "nu"}.
+GradientTransformation scale_by_stddev(double decay = 0.9, double eps = 1e-8, double initial_scale = 0.0,
+                                       bool eps_in_sqrt = true);
+// Adagrad's rescaling (optax.scale_by_rss): s = g^2 + s (s starts at initial_accumulator_value),
+// update = g / sqrt(s + eps) where s > 0, else 0. State {"sum_of_squares"}.
+GradientTransformation scale_by_rss(double initial_accumulator_value = 0.1, double eps = 1e-7);
+// Lion's rescaling (optax.scale_by_lion): update = sign((1 - b1) g + b1 mu), then
+// mu = (1 - b2) g + b2 mu. State {"count", "mu"}.
+GradientTransformation scale_by_lion(double b1 = 0.9, double b2 = 0.99);
+// AdaBelief's rescaling (optax.scale_by_belief): mu as Adam's; s = (1 - b2) (g - mu)^2 + b2 s + eps_root,
+// update = mu_hat / (sqrt(s_hat) + eps) with Adam's bias corrections. State {"count", "mu", "nu"}.
+GradientTransformation scale_by_belief(double b1 = 0.9, double b2 = 0.999, double eps = 1e-16, double eps_root = 1e-16);
+// LAMB's layer-wise trust ratio (optax.scale_by_trust_ratio): each leaf's update times
+// trust_coefficient * |param| / (|update| + eps), or times 1 when either norm is 0 (norms at least
+// min_norm). Needs the params. State {}.
+GradientTransformation scale_by_trust_ratio(double min_norm = 0.0, double trust_coefficient = 1.0, double eps = 0.0);
+// Adafactor's factored second moments (optax.scale_by_factored_rms): leaves of rank >= 2 whose
+// second-largest dimension is at least min_dim_size_to_factor keep row and column statistics of
+// g^2 + eps instead of a full second moment; decay 1 - (step + 1)^-decay_rate. Needs the params.
+// State {"count", "v_row", "v_col", "v"} (unused parts are [1] zeros, as optax).
+GradientTransformation scale_by_factored_rms(bool factored = true, double decay_rate = 0.8, std::int64_t step_offset = 0,
+                                             std::int64_t min_dim_size_to_factor = 128, double eps = 1e-30);
+// Each leaf divided by max(1, rms(leaf) / threshold) (optax.clip_by_block_rms). State {}.
+GradientTransformation clip_by_block_rms(double threshold);
+// Each leaf times max(rms(param), min_scale) (optax.scale_by_param_block_rms). Needs the params.
+GradientTransformation scale_by_param_block_rms(double min_scale = 1e-3);
+// Exponential moving average of the updates (optax.ema): ema = (1 - decay) g + decay ema; the
+// update is ema, divided by 1 - decay^t with debias. State {"count", "ema"}.
+GradientTransformation ema(double decay, bool debias = true);
+// add_decayed_weights on the leaves `mask` selects (optax.add_decayed_weights with mask, e.g. no
+// decay for biases and norms).
+GradientTransformation add_decayed_weights(double weight_decay, Mask mask);
+
+// `inner` on the leaves `mask` selects; the others pass unchanged (optax.masked). The inner state
+// is built from the selected leaves only. State {"inner_state": ...}.
+GradientTransformation masked(GradientTransformation inner, Mask mask);
+// `inner` while the updates are finite; a step with a NaN or infinity gives zero updates and keeps
+// the inner state, unless more than max_consecutive_errors such steps came in a row
+// (optax.apply_if_finite). State {"notfinite_count", "last_finite" (int32 0/1: Linum has no bool
+// arrays), "total_notfinite", "inner_state"}.
+GradientTransformation apply_if_finite(GradientTransformation inner, std::int64_t max_consecutive_errors);
+// Gradient accumulation (optax.MultiSteps): the gradients of every_k_steps calls are averaged and
+// `inner` runs on the average at every k-th call; the other calls return zero updates. State
+// {"mini_step", "gradient_step", "inner_opt_state", "acc_grads", "skip_state": {}}.
+GradientTransformation multi_steps(GradientTransformation inner, std::int64_t every_k_steps);
+
+// step_size * new + (1 - step_size) * old, leaf by leaf (optax.incremental_update): an EMA of the
+// parameters, e.g. ema_params = incremental_update(params, ema_params, 1e-3) after each step.
+Tree incremental_update(const Tree& new_tree, const Tree& old_tree, double step_size);
+
+// RMSProp (optax.rmsprop): chain(scale_by_rms or, centered, scale_by_stddev; scale_by_learning_rate;
+// trace(momentum, nesterov) when momentum > 0, identity otherwise).
+GradientTransformation rmsprop(LearningRate learning_rate, double decay = 0.9, double eps = 1e-8,
+                               double initial_scale = 0.0, bool centered = false, double momentum = 0.0,
+                               bool nesterov = false);
+// Adagrad (optax.adagrad): chain(scale_by_rss(initial_accumulator_value, eps), scale_by_learning_rate).
+GradientTransformation adagrad(LearningRate learning_rate, double initial_accumulator_value = 0.1, double eps = 1e-7);
+// Lion (optax.lion): chain(scale_by_lion(b1, b2), add_decayed_weights(weight_decay), scale_by_learning_rate).
+GradientTransformation lion(LearningRate learning_rate, double b1 = 0.9, double b2 = 0.99, double weight_decay = 1e-3);
+// LAMB (optax.lamb): chain(scale_by_adam(b1, b2, eps, eps_root), add_decayed_weights(weight_decay),
+// scale_by_trust_ratio(), scale_by_learning_rate). Needs the params.
+GradientTransformation lamb(LearningRate learning_rate, double b1 = 0.9, double b2 = 0.999, double eps = 1e-6,
+                            double eps_root = 0.0, double weight_decay = 0.0);
+// AdaBelief (optax.adabelief): chain(scale_by_belief(b1, b2, eps, eps_root), scale_by_learning_rate).
+GradientTransformation adabelief(LearningRate learning_rate, double b1 = 0.9, double b2 = 0.999, double eps = 1e-16,
+                                 double eps_root = 1e-16);
+// Adafactor (optax.adafactor, its defaults): chain(scale_by_factored_rms, clip_by_block_rms(
+// clipping_threshold) when > 0, the learning rate without sign flip, scale_by_param_block_rms when
+// multiply_by_parameter_scale, ema(momentum, debias = false) when momentum > 0, scale(-1)).
+GradientTransformation adafactor(LearningRate learning_rate, std::int64_t min_dim_size_to_factor = 128,
+                                 double decay_rate = 0.8, std::int64_t decay_offset = 0,
+                                 bool multiply_by_parameter_scale = true, double clipping_threshold = 1.0,
+                                 double momentum = 0.0, double eps = 1e-30, bool factored = true);
+
+}  // namespace linum::optim
