@@ -20,7 +20,7 @@ std::vector<Array> lifted_run(Scope& s, const ScopedBody& body, const Checkpoint
     linum::detail::ModulePathGuard where(&inner.path());
     return body(inner);
   };
-  for (const Array& v : leaves(pack.entry().variables)) held.push_back(v);
+  for (const Array& v : pack.variable_leaves()) held.push_back(v);
   std::vector<Array> flat = run_checkpointed(forward, recompute, options, s.path_str(), std::move(held), keep_plain);
   *base = pack.replay_base(forward_state);
   pack.publish(forward_state);

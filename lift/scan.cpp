@@ -69,23 +69,22 @@ void throw_scan_error(const std::vector<std::string>& path, const std::string& w
 ScanPlan plan_scan(Scope& s, const ScanSettings& settings, int length) {
   ScanPlan plan;
   plan.path = s.path();
-  plan.outer_note = s.state().lift_note;
   plan.settings = settings;
   plan.length = length;
   for (const auto& [c, axis] : settings.variable_axes)
     if (axis < 0) throw_scan_error(plan.path, linum::detail::cat("variable_axes['", c, "'] is ", axis, "; use an axis >= 0"));
   plan.pack.emplace(s, LiftFilters{}, "lift::scan");
-  const ScopeState& entry = plan.pack->entry();
+  const Pack& pack = *plan.pack;
   const std::string prefix = join(plan.path);
   // Variables.
-  for (const auto& [collection, tree] : entry.variables) {
+  for (const auto& [collection, tree] : pack.variables()) {
     const Tree* sub = at_prefix(tree, prefix);
     if (sub == nullptr) continue;
     int axis = 0;
     switch (role_of(settings, plan.path, collection, &axis)) {
       case Role::broadcast:
       case Role::carry:
-        put_at_prefix(plan.shared.variables[collection], prefix, *sub);
+        put_at_prefix(plan.shared[collection], prefix, *sub);
         break;
       case Role::axis: {
         std::vector<std::pair<std::string, std::vector<Array>>> leaves;
@@ -103,74 +102,69 @@ ScanPlan plan_scan(Scope& s, const ScanSettings& settings, int length) {
     }
   }
   // Streams: split (one key per slice), broadcast, or not passed in.
-  for (const std::string& stream : entry.rngs.names()) {
+  for (const std::string& stream : pack.streams().names()) {
     bool split = settings.split_rngs.empty();
     if (!settings.split_rngs.empty()) {
       auto it = settings.split_rngs.find(stream);
       if (it == settings.split_rngs.end()) continue;  // not lifted into the body
       split = it->second;
     }
-    if (split) plan.split_keys.emplace_back(stream, rng::split(entry.rngs.at(stream), length));
-    else plan.broadcast_keys.emplace_back(stream, entry.rngs.at(stream));
+    if (split) plan.split_keys.emplace_back(stream, rng::split(pack.streams().at(stream), length));
+    else plan.broadcast_keys.emplace_back(stream, pack.streams().at(stream));
   }
-  plan.counters = entry.rng_counters;
+  plan.counters = pack.counters();
   return plan;
 }
 
 ScopeState iteration_state(const ScanPlan& plan, int i) {
-  ScopeState st = plan.pack->fresh();  // mutability and lifted selection of the scan's scope
-  st.variables = plan.shared.variables;
-  st.created = Tree();
-  st.touched.clear();
-  st.rng_counters = plan.counters;
-  st.rngs = rng::Streams();
-  st.lift_note = plan.outer_note;
-  if (!plan.settings.split_rngs.empty()) {  // streams not listed do not reach the body
-    std::set<std::string, std::less<>> visible;
-    for (const auto& [stream, _] : plan.split_keys) visible.insert(stream);
-    for (const auto& [stream, _] : plan.broadcast_keys) visible.insert(stream);
-    st.lifted_streams = std::move(visible);
-    st.lift_note = linum::detail::cat("lift::scan at '", join(plan.path), "' (split_rngs)");
-  }
-  for (const auto& [stream, keys] : plan.split_keys) st.rngs.set(stream, keys[static_cast<std::size_t>(i)]);
-  for (const auto& [stream, key] : plan.broadcast_keys) st.rngs.set(stream, key);
+  rng::Streams streams;
+  for (const auto& [stream, keys] : plan.split_keys) streams.set(stream, keys[static_cast<std::size_t>(i)]);
+  for (const auto& [stream, key] : plan.broadcast_keys) streams.set(stream, key);
+  Tree variables = plan.shared;
   const std::string prefix = join(plan.path);
   for (const auto& [collection, leaves] : plan.slices) {
-    Tree& c = st.variables[collection];
+    Tree& c = variables[collection];
     for (const auto& [leaf_path, values] : leaves)
       c.set_path(prefix.empty() ? leaf_path : prefix + "/" + leaf_path, Tree(values[static_cast<std::size_t>(i)]));
   }
-  return st;
+  if (plan.settings.split_rngs.empty())
+    return plan.pack->state_on(std::move(variables), std::move(streams), plan.counters);
+  // Streams not listed in split_rngs do not reach the body.
+  std::set<std::string, std::less<>> visible;
+  for (const auto& [stream, _] : plan.split_keys) visible.insert(stream);
+  for (const auto& [stream, _] : plan.broadcast_keys) visible.insert(stream);
+  return plan.pack->state_on(std::move(variables), std::move(streams), plan.counters, std::move(visible),
+                             linum::detail::cat("lift::scan at '", join(plan.path), "' (split_rngs)"));
 }
 
 void after_iteration(ScanPlan& plan, const ScopeState& st, bool discarded) {
   const std::string prefix = join(plan.path);
-  for (const auto& [collection, tree] : st.variables) {
+  for (const auto& [collection, tree] : Pack::variables_of(st)) {
     int axis = 0;
     const Role role = role_of(plan.settings, plan.path, collection, &axis);
     if (role == Role::axis || (discarded && role == Role::carry)) continue;
     const Tree* sub = at_prefix(tree, prefix);
     if (sub == nullptr) continue;
     // Carry: the next iteration starts from this one's values. Broadcast: created once, then shared.
-    put_at_prefix(plan.shared.variables[collection], prefix, *sub);
+    put_at_prefix(plan.shared[collection], prefix, *sub);
   }
 }
 
-bool drew_keys(const ScanPlan& plan, const ScopeState& st) { return st.rng_counters != plan.counters; }
+bool drew_keys(const ScanPlan& plan, const ScopeState& st) { return Pack::counters_of(st) != plan.counters; }
 
-void continue_counters(ScanPlan& plan, const ScopeState& st) { plan.counters = st.rng_counters; }
+void continue_counters(ScanPlan& plan, const ScopeState& st) { plan.counters = Pack::counters_of(st); }
 
 void finish_scan(const ScanPlan& plan, const std::vector<ScopeState>& states) {
   const std::string prefix = join(plan.path);
-  ScopeState result;
+  Tree result;
   // Axis collections: what the iterations hold, stacked along their axis (slice order).
-  for (const auto& [collection, _] : states.front().variables) {
+  for (const auto& [collection, _] : Pack::variables_of(states.front())) {
     int axis = 0;
     if (role_of(plan.settings, plan.path, collection, &axis) != Role::axis) continue;
-    if (!plan.pack->entry().is_mutable(collection)) continue;  // read-only here: nothing to give back
+    if (!plan.pack->is_mutable(collection)) continue;  // read-only here: nothing to give back
     std::vector<std::vector<std::pair<std::string, Array>>> per_layer;
     for (const ScopeState& st : states) {
-      const Tree& c = st.variables.at(collection);
+      const Tree& c = Pack::variables_of(st).at(collection);
       const Tree* sub = at_prefix(c, prefix);
       per_layer.push_back(sub ? flatten(*sub) : std::vector<std::pair<std::string, Array>>{});
     }
@@ -186,14 +180,14 @@ void finish_scan(const ScanPlan& plan, const std::vector<ScopeState>& states) {
       stacked.emplace_back(per_layer.front()[k].first, front_to_axis(stack(values), axis));
     }
     if (stacked.empty()) continue;
-    put_at_prefix(result.variables[collection], prefix, unflatten(stacked));
+    put_at_prefix(result[collection], prefix, unflatten(stacked));
   }
   // Broadcast and carry collections: as they stand after the last iteration.
-  for (const auto& [collection, tree] : plan.shared.variables) result.variables[collection] = tree;
-  for (const ScopeState& st : states) result.touched.insert(st.touched.begin(), st.touched.end());
+  for (const auto& [collection, tree] : plan.shared) result[collection] = tree;
   // Counters: as Flax's shared counter dict ends (every iteration ends at the same values).
-  result.rng_counters = states.front().rng_counters;
-  plan.pack->publish(result);
+  std::vector<const ScopeState*> runs;
+  for (const ScopeState& st : states) runs.push_back(&st);
+  plan.pack->publish(std::move(result), Pack::counters_of(states.front()), runs);
 }
 
 }  // namespace linum::lift::detail

@@ -83,15 +83,14 @@ using linum::detail::ScopeState;
 struct ScanPlan {
   std::optional<Pack> pack;
   std::vector<std::string> path;
-  std::string outer_note;
   ScanSettings settings;
   int length = 0;
   // Axis collections: for every (collection, leaf path under the scan), the slices by index.
   std::vector<std::pair<std::string, std::vector<std::pair<std::string, std::vector<Array>>>>> slices;
-  ScopeState shared;  // broadcast and carry collections as they stand (carry: updated per iteration)
+  Tree shared;  // broadcast and carry collections as they stand (carry: updated per iteration)
   std::vector<std::pair<std::string, std::vector<rng::Key>>> split_keys;  // per split stream, one key per slice
   std::vector<std::pair<std::string, rng::Key>> broadcast_keys;
-  std::map<linum::detail::RngCounterKey, std::uint64_t> counters;  // what every iteration starts from
+  RngCounters counters;  // what every iteration starts from
 };
 
 ScanPlan plan_scan(Scope& s, const ScanSettings& settings, int length);

@@ -2,18 +2,20 @@
 
 namespace linum::detail {
 
-void prepare_apply(ScopeState& state, const Tree& variables, const ApplyOptions& options) {
+ScopeState ModuleEntry::for_apply(const Tree& variables, const ApplyOptions& options) {
   if (!variables.is_dict())
     throw ValueError("apply: the variables must be a dict of collections such as {\"params\": {...}}, got a single array");
+  ScopeState state;
   state.initializing = false;
   state.defer_missing_params = true;
   state.variables = variables;
   state.rngs = options.rngs;
   state.all_mutable = options.all_mutable;
   state.mutable_collections.insert(options.mutable_collections.begin(), options.mutable_collections.end());
+  return state;
 }
 
-void check_unused_params(const ScopeState& state, const std::string& module_type) {
+void ModuleEntry::check_unused_params(const ScopeState& state, const std::string& module_type) {
   if (!state.variables.contains("params")) return;
   std::vector<std::string> unused;
   for (const auto& [path, array] : flatten(state.variables.at("params")))
@@ -27,7 +29,7 @@ void check_unused_params(const ScopeState& state, const std::string& module_type
                                "model skips them on purpose"));
 }
 
-void throw_missing_params(const ScopeState& state, const std::string& module_type) {
+void ModuleEntry::throw_missing_params(const ScopeState& state, const std::string& module_type) {
   const auto& m = state.missing_params;
   std::string msg = detail::cat("apply(", module_type, "): ", m.front().second);
   if (m.size() > 1) {
@@ -49,14 +51,14 @@ void throw_missing_params(const ScopeState& state, const std::string& module_typ
                          "this model with other hyperparameters?)");
 }
 
-Tree mutated_collections(const ScopeState& state) {
+Tree ModuleEntry::mutated_collections(const ScopeState& state) {
   Tree out;
   for (const auto& [name, collection] : state.variables)
     if (state.is_mutable(name)) out.set(name, collection);
   return out;
 }
 
-ScopeState init_state(const rng::Streams& rngs) {
+ScopeState ModuleEntry::for_init(const rng::Streams& rngs) {
   ScopeState state;
   state.initializing = true;
   state.all_mutable = true;
@@ -64,7 +66,7 @@ ScopeState init_state(const rng::Streams& rngs) {
   return state;
 }
 
-Tree initialized_variables(ScopeState& state, bool keep_intermediates) {
+Tree ModuleEntry::initialized_variables(ScopeState& state, bool keep_intermediates) {
   if (!keep_intermediates) state.variables.erase("intermediates");
   return std::move(state.variables);
 }

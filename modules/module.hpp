@@ -33,9 +33,21 @@ struct ApplyOptions {
 
 namespace detail {
 
-void check_unused_params(const ScopeState& state, const std::string& module_type);
-// Throws the error for the params an apply found missing (state.missing_params, not empty).
-[[noreturn]] void throw_missing_params(const ScopeState& state, const std::string& module_type);
+// The module entry points' access to the state of a call (ScopeState is sealed; see scope.hpp).
+struct ModuleEntry {
+  // The state of an init call: every collection mutable, creating variables.
+  static ScopeState for_init(const rng::Streams& rngs);
+  // The state of an apply call on `variables` with `options`.
+  static ScopeState for_apply(const Tree& variables, const ApplyOptions& options);
+  static bool has_missing_params(const ScopeState& state) { return !state.missing_params.empty(); }
+  // Throws the error for the params an apply found missing (has_missing_params).
+  [[noreturn]] static void throw_missing_params(const ScopeState& state, const std::string& module_type);
+  static void check_unused_params(const ScopeState& state, const std::string& module_type);
+  // The mutable collections after a call (what apply returns next to the output).
+  static Tree mutated_collections(const ScopeState& state);
+  // The variables that init returns (every collection except "intermediates" unless asked for).
+  static Tree initialized_variables(ScopeState& state, bool keep_intermediates);
+};
 
 // Runs an apply; if params were missing, that is the error reported (also when a later op failed
 // on the zeros standing in for them), listing every missing param and every unused entry.
@@ -45,12 +57,12 @@ auto run_apply(ScopeState& state, const std::string& module_type, F&& body) {
     try {
       return body();
     } catch (const std::exception&) {
-      if (!state.missing_params.empty()) throw_missing_params(state, module_type);
+      if (ModuleEntry::has_missing_params(state)) ModuleEntry::throw_missing_params(state, module_type);
       throw;
     }
   };
   auto out = run();
-  if (!state.missing_params.empty()) throw_missing_params(state, module_type);
+  if (ModuleEntry::has_missing_params(state)) ModuleEntry::throw_missing_params(state, module_type);
   return out;
 }
 
@@ -72,14 +84,6 @@ auto method_invoker(const M& module, Method method) {
   };
 }
 
-// The state of an init call: every collection mutable, creating variables.
-ScopeState init_state(const rng::Streams& rngs);
-// The mutable collections after a call (what apply returns next to the output).
-Tree mutated_collections(const ScopeState& state);
-// The variables that init returns (every collection except "intermediates" unless asked for).
-Tree initialized_variables(ScopeState& state, bool keep_intermediates);
-void prepare_apply(ScopeState& state, const Tree& variables, const ApplyOptions& options);
-
 }  // namespace detail
 
 // ---- init -------------------------------------------------------------------------------------
@@ -87,9 +91,9 @@ void prepare_apply(ScopeState& state, const Tree& variables, const ApplyOptions&
 // Runs `module` in initialisation mode and returns (output, variables).
 template <class M, class... Args>
 auto init_with_output(const M& module, const rng::Streams& rngs, Args&&... args) {
-  detail::ScopeState state = detail::init_state(rngs);
+  detail::ScopeState state = detail::ModuleEntry::for_init(rngs);
   auto out = detail::run_module(module, state, module, std::forward<Args>(args)...);
-  return std::make_pair(std::move(out), detail::initialized_variables(state, false));
+  return std::make_pair(std::move(out), detail::ModuleEntry::initialized_variables(state, false));
 }
 
 // Runs `module` in initialisation mode and returns its variables ({"params": ..., ...}).
@@ -107,9 +111,9 @@ Tree init(const M& module, rng::Key params_key, Args&&... args) {
 template <class M, class Method, class... Args>
   requires std::is_member_function_pointer_v<Method>
 Tree init_method(Method method, const M& module, const rng::Streams& rngs, Args&&... args) {
-  detail::ScopeState state = detail::init_state(rngs);
+  detail::ScopeState state = detail::ModuleEntry::for_init(rngs);
   detail::run_module(module, state, detail::method_invoker(module, method), std::forward<Args>(args)...);
-  return detail::initialized_variables(state, false);
+  return detail::ModuleEntry::initialized_variables(state, false);
 }
 
 // ---- apply ------------------------------------------------------------------------------------
@@ -128,10 +132,9 @@ inline constexpr bool options_first<First, Rest...> = std::is_same_v<std::remove
 template <class M, class... Args>
   requires(!detail::options_first<Args...> && std::invocable<const M&, Scope&, Args...>)
 auto apply(const M& module, const Tree& variables, Args&&... args) {
-  detail::ScopeState state;
-  detail::prepare_apply(state, variables, {});
+  detail::ScopeState state = detail::ModuleEntry::for_apply(variables, {});
   auto out = detail::run_module(module, state, module, std::forward<Args>(args)...);
-  detail::check_unused_params(state, module_type_name<M>());
+  detail::ModuleEntry::check_unused_params(state, module_type_name<M>());
   return out;
 }
 
@@ -170,12 +173,11 @@ struct Applied : std::pair<Out, Tree> {
 template <class M, class... Args>
   requires std::invocable<const M&, Scope&, Args...>
 auto apply(const M& module, const Tree& variables, const ApplyOptions& options, Args&&... args) {
-  detail::ScopeState state;
-  detail::prepare_apply(state, variables, options);
+  detail::ScopeState state = detail::ModuleEntry::for_apply(variables, options);
   auto out = detail::run_module(module, state, module, std::forward<Args>(args)...);
-  if (options.check_unused) detail::check_unused_params(state, module_type_name<M>());
+  if (options.check_unused) detail::ModuleEntry::check_unused_params(state, module_type_name<M>());
   using Out = decltype(out);
-  return Applied<Out>(std::move(out), detail::mutated_collections(state),
+  return Applied<Out>(std::move(out), detail::ModuleEntry::mutated_collections(state),
                       options.all_mutable || !options.mutable_collections.empty());
 }
 
@@ -183,11 +185,10 @@ auto apply(const M& module, const Tree& variables, const ApplyOptions& options, 
 template <class M, class Method, class... Args>
   requires std::is_member_function_pointer_v<Method>
 auto apply_method(Method method, const M& module, const Tree& variables, const ApplyOptions& options, Args&&... args) {
-  detail::ScopeState state;
-  detail::prepare_apply(state, variables, options);
+  detail::ScopeState state = detail::ModuleEntry::for_apply(variables, options);
   auto out = detail::run_module(module, state, detail::method_invoker(module, method), std::forward<Args>(args)...);
   using Out = decltype(out);
-  return Applied<Out>(std::move(out), detail::mutated_collections(state),
+  return Applied<Out>(std::move(out), detail::ModuleEntry::mutated_collections(state),
                       options.all_mutable || !options.mutable_collections.empty());
 }
 

@@ -45,10 +45,15 @@
 
 namespace linum {
 
+namespace lift::detail {
+class Pack;
+}
+
 // Creates a parameter's initial value from a key and a shape (see modules/initializers.hpp).
 using Initializer = std::function<Array(rng::Key key, const Shape& shape)>;
 
 class Scope;
+class Variable;
 
 namespace detail {
 
@@ -59,53 +64,48 @@ struct RngCounterKey {
   auto operator<=>(const RngCounterKey&) const = default;
 };
 
-// What a lifted transform takes from the scope it runs at: the variable collections and PRNG
-// streams it lifts (unset: all visible ones), and its description for error messages.
-struct LiftSelection {
-  std::optional<std::vector<std::string>> collections;
-  std::optional<std::vector<std::string>> streams;
-  std::string note;  // e.g. "lift::remat at 'Encoder_0'"
-};
+// How many keys each (stream, module path) drew so far.
+using RngCounters = std::map<RngCounterKey, std::uint64_t>;
 
-// State shared by every scope of one init or apply call.
-struct ScopeState {
+struct ModuleEntry;
+
+// The variable and PRNG state shared by every scope of one init or apply call. Sealed: modules see
+// it only through Scope (and Variable); the module entry points (init/apply, detail::ModuleEntry)
+// create and read it, and the lifting engine (lift::detail::Pack) is the only code that selects,
+// lifts and publishes it.
+class ScopeState {
+ public:
+  ScopeState() = default;
+
+ private:
+  friend class linum::Scope;
+  friend class linum::Variable;
+  friend struct ModuleEntry;
+  friend class linum::lift::detail::Pack;
+
+  bool is_mutable(std::string_view collection) const {
+    return all_mutable || mutable_collections.count(collection) > 0;
+  }
+  // Throws ValueError if `collection` is not visible here (not lifted into a transform).
+  void check_collection_visible(std::string_view collection, std::string_view module_path) const;
+
   bool initializing = false;
   Tree variables;                                      // every collection, e.g. {"params": ..., "batch_stats": ...}
   bool all_mutable = false;                            // init: every collection may be written
   std::set<std::string, std::less<>> mutable_collections;
   rng::Streams rngs;
-  std::map<RngCounterKey, std::uint64_t> rng_counters;  // draws so far per (stream, module path)
+  RngCounters rng_counters;                            // draws so far per (stream, module path)
   std::set<std::string, std::less<>> touched;          // full variable paths read or written
   bool defer_missing_params = false;                   // apply's root state: collect missing params, report at the end
   // Those params in call order: (full path, how the error lists it: the first with the whole
   // explanation, the others as "params/a/w (3,)").
   std::vector<std::pair<std::string, std::string>> missing_params;
   Tree created;                                        // variables created here, at their initial values
-  // Inside a lifted transform (lift::remat): the collections and streams it lifts (unset: all),
-  // and a description of the transform for error messages.
+  // Inside a lifted transform (lift::remat, lift::scan): the collections and streams it lifts
+  // (unset: all), and a description of the transform for error messages.
   std::optional<std::set<std::string, std::less<>>> lifted_collections;
   std::optional<std::set<std::string, std::less<>>> lifted_streams;
   std::string lift_note;
-
-  // Throws ValueError if `collection` is not visible here (not lifted into a transform).
-  void check_collection_visible(std::string_view collection, std::string_view module_path) const;
-
-  bool is_mutable(std::string_view collection) const {
-    return all_mutable || mutable_collections.count(collection) > 0;
-  }
-
-  // ---- what lifted transforms need (lift/pack.hpp; Flax's core/lift.py) -------------------------
-  // The state a transform at `path` runs on: the selected collections' variables under `path`, the
-  // selected streams with their counters under `path`, mutable where mutable here and selected. An
-  // enclosing transform's selection still applies.
-  ScopeState lifted(const std::vector<std::string>& path, const LiftSelection& selection) const;
-  // Writes a lifted state's results back, once: the subtrees at `path` of collections mutable
-  // here, the rng counters it advanced, the variables it touched.
-  void publish(const std::vector<std::string>& path, const ScopeState& lifted);
-  // The state recomputations of a transform start from, with this state the one on entry: the
-  // variables `after` (the forward pass's final state) created exist, at the values they were
-  // created with, so a recomputation creates none; not initializing.
-  ScopeState replay_base(const ScopeState& after) const;
 };
 
 // "Encoder_0/Dense_1" for {"Encoder_0", "Dense_1"}; "" for the root.
@@ -301,8 +301,6 @@ class Scope {
   // "Dense_0", "Dense_1", ...: the next auto-name for a type in this scope.
   std::string next_auto_name(const std::string& type_name);
 
-  detail::ScopeState& state() const { return *state_; }
-
   // Runs `module` as the body of this (child) scope, through the active interceptor if it wants
   // the call (see detail::CallInterceptor).
   template <class M, class... Args>
@@ -351,6 +349,8 @@ class Scope {
   }
 
  private:
+  friend class lift::detail::Pack;  // takes the state a lifted transform runs on from here
+  detail::ScopeState& state() const { return *state_; }
   [[noreturn]] void rethrow_with_path(const std::string& type_name) const;
   void mark_timeline_return() const noexcept;
   std::string full_path(std::string_view name) const;  // "Dense_0/kernel"

@@ -36,20 +36,24 @@ Array manual(const Tree& vars, const Array& x, int depth, rng::Key dropout, bool
   // Keys as Flax derives them: layer i's stream key is split(key, depth)[i], and make_rng inside
   // hashes the full module path with a counter that continues from one whole run of the body
   // (Flax traces the body twice with shared counters), so the Dropout's draw is its second.
-  const std::vector<std::string> path{"ScanLayer_0"};
   const std::vector<rng::Key> layer_keys = rng::split(dropout, depth);
   Array h = x;
   for (int i = 0; i < depth; ++i) {
     Tree layer = tree_map([i](const Array& a) { return unstack(a)[static_cast<std::size_t>(i)]; },
                           vars.at("params").at("ScanLayer_0"));
-    // Apply one layer at the root with the layer's variables and key, mirroring the scan's state.
-    detail::ScopeState st;
-    st.variables = Tree{{"params", Tree{{"ScanLayer_0", layer}}}};
-    st.rngs.set("dropout", layer_keys[static_cast<std::size_t>(i)]);
-    st.rng_counters[detail::RngCounterKey{"dropout", "ScanLayer_0/Dropout_0"}] = 1;
-    st.mutable_collections = {"stats"};
-    Scope scope(st, path);
-    h = Layer{}(scope, h, train);
+    // Apply one layer with the layer's variables and key, mirroring the scan's state: the layer
+    // runs twice at the same path, so its make_rng counters continue from one whole run.
+    struct TwiceAtScanPath {
+      Array operator()(Scope& s, const Array& x, bool train) const {
+        (void)s("ScanLayer_0", Layer{}, x, train);
+        return s("ScanLayer_0", Layer{}, x, train);
+      }
+    };
+    auto [out, updates] = apply(TwiceAtScanPath{}, Tree{{"params", Tree{{"ScanLayer_0", layer}}}},
+                                {.rngs = {{"dropout", layer_keys[static_cast<std::size_t>(i)]}},
+                                 .mutable_collections = {"stats"}},
+                                h, train);
+    h = out;
   }
   return h;
 }
