@@ -1,4 +1,5 @@
 #include <linum/lift/plan.hpp>
+#include <linum/lift/remat_rule.hpp>
 
 #include <linum/core/memory.hpp>
 #include <linum/core/memory_timeline.hpp>
@@ -61,46 +62,17 @@ std::string prefix_at(const std::string& path, int depth) {
 
 }  // namespace
 
-class PlanScope::Interceptor final : public linum::detail::CallInterceptor {
- public:
-  Interceptor(std::shared_ptr<const Rule> rule, std::shared_ptr<const std::vector<std::string>> names)
-      : rule_(std::move(rule)), names_(std::move(names)) {}
-  bool wants(const std::vector<std::string>& path, const std::string& /*type*/) const override {
-    const auto p = (*rule_)(path);
-    return p.has_value() && *p != PlanPolicy::none;
-  }
-  std::vector<Array> run(Scope& scope, const std::function<std::vector<Array>(Scope&)>& body) override {
-    const PlanPolicy p = *(*rule_)(scope.path());
-    // The body installs the same rule again, so its recomputation (which runs after this scope may
-    // be gone) makes the same decisions for nested calls.
-    detail::ScopedBody replayed = [rule = rule_, names = names_, body](Scope& s) {
-      Interceptor again(rule, names);
-      linum::detail::CallInterceptorGuard installed(&again);
-      return body(s);
-    };
-    CheckpointOptions options;
-    options.policy = to_policy(p, *names_);
-    return detail::lifted_run(scope, replayed, options, LiftFilters{}, {});
-  }
-
- private:
-  std::shared_ptr<const Rule> rule_;
-  std::shared_ptr<const std::vector<std::string>> names_;
-};
-
 namespace {
 
-// A scope applying `rule` (the plan's, or a profiling run's uniform one).
-class RuleScope {
- public:
-  RuleScope(Rule rule, const std::vector<std::string>& names)
-      : interceptor_(std::make_shared<const Rule>(std::move(rule)), std::make_shared<const std::vector<std::string>>(names)),
-        guard_(&interceptor_) {}
-
- private:
-  PlanScope::Interceptor interceptor_;
-  linum::detail::CallInterceptorGuard guard_;
-};
+// A plan's rule as the remat rule RematScope uses too (remat_rule.hpp): a call runs checkpointed
+// under the policy the plan gives its path; none or no entry: plainly.
+detail::RematRule remat_rule(Rule rule, const std::vector<std::string>& names) {
+  return [rule = std::move(rule), names](const std::vector<std::string>& path) -> std::optional<detail::RematDecision> {
+    const std::optional<PlanPolicy> p = rule(path);
+    if (!p || *p == PlanPolicy::none) return std::nullopt;
+    return detail::RematDecision{.policy = to_policy(*p, names), .keep_plain = {}};
+  };
+}
 
 Rule plan_rule(const RematPlan& plan) {
   auto policies = std::make_shared<std::map<std::string, PlanPolicy>>();
@@ -367,7 +339,7 @@ std::vector<Option> sequence_options(const Profile& pr, const std::string& paren
 
 memory::Timeline record(const std::function<void()>& step, const Rule& rule, const std::vector<std::string>& names,
                         const std::string& label) {
-  RuleScope scope(rule, names);
+  detail::RematRuleScope scope(remat_rule(rule, names));
   memory::TimelineRecorder recorder(label);
   step();
   return recorder.finish();
@@ -459,7 +431,7 @@ RematPlan make_plan(const Profile& pr, const Option& best, std::int64_t budget) 
 }
 
 std::int64_t measured_peak(const std::function<void()>& step, const Rule& rule, const std::vector<std::string>& names) {
-  RuleScope scope(rule, names);
+  detail::RematRuleScope scope(remat_rule(rule, names));
   memory::PeakScope peak;
   step();
   return peak.peak_bytes();
@@ -468,9 +440,7 @@ std::int64_t measured_peak(const std::function<void()>& step, const Rule& rule, 
 }  // namespace
 
 PlanScope::PlanScope(const RematPlan& plan)
-    : interceptor_(std::make_unique<Interceptor>(std::make_shared<const Rule>(plan_rule(plan)),
-                                                 std::make_shared<const std::vector<std::string>>(plan.saved_names))),
-      guard_(std::make_unique<linum::detail::CallInterceptorGuard>(interceptor_.get())) {}
+    : scope_(std::make_unique<detail::RematRuleScope>(remat_rule(plan_rule(plan), plan.saved_names))) {}
 PlanScope::~PlanScope() = default;
 
 RematPlan plan_remat(const std::function<void()>& step, std::int64_t budget_bytes, const PlanOptions& options) {

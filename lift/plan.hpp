@@ -42,6 +42,10 @@
 
 namespace linum::lift {
 
+namespace detail {
+class RematRuleScope;
+}  // namespace detail
+
 // What a planned call does: nothing (keeps its activations), or remat saving nothing (full),
 // saving matrix products (dots), saving products without batch dimensions (dots_no_batch), or
 // saving the values named with checkpoint_name in PlanOptions::saved_names (names).
@@ -93,11 +97,9 @@ class PlanScope {
   ~PlanScope();
   PlanScope(const PlanScope&) = delete;
   PlanScope& operator=(const PlanScope&) = delete;
-  class Interceptor;
 
  private:
-  std::unique_ptr<Interceptor> interceptor_;
-  std::unique_ptr<linum::detail::CallInterceptorGuard> guard_;
+  std::unique_ptr<detail::RematRuleScope> scope_;  // the plan's rule (remat_rule.hpp), as RematScope's
 };
 
 // Plans for `step`, a function that runs one training step (it is run several times).

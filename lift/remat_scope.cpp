@@ -1,6 +1,6 @@
 #include <linum/lift/remat_scope.hpp>
 
-#include <linum/lift/remat.hpp>
+#include <linum/lift/remat_rule.hpp>
 
 #include <linum/core/warnings.hpp>
 
@@ -10,8 +10,10 @@
 
 namespace linum::lift {
 
+namespace detail {
+
 // What a list_of_layers scope saw: the module calls, and which listed names matched one (shared by
-// the scope's interceptor and those its checkpointed calls install for their bodies).
+// the scope's rule and the copies its checkpointed calls install for their bodies).
 struct LayerMatches {
   std::mutex mutex;
   std::vector<std::string> called;  // the first few module paths seen, for the warning
@@ -19,79 +21,47 @@ struct LayerMatches {
   std::set<std::string> matched;
 };
 
-class RematScope::Interceptor final : public linum::detail::CallInterceptor {
- public:
-  Interceptor(std::shared_ptr<const RematScopeOptions> options, std::shared_ptr<LayerMatches> matches)
-      : options_(std::move(options)), matches_(std::move(matches)) {}
+}  // namespace detail
 
-  bool wants(const std::vector<std::string>& path, const std::string& /*type*/) const override {
-    switch (options_->mode) {
+namespace {
+
+// Keras's modes as a rule over module paths.
+detail::RematRule mode_rule(std::shared_ptr<const RematScopeOptions> options, std::shared_ptr<detail::LayerMatches> matches) {
+  return [options, matches](const std::vector<std::string>& path) -> std::optional<detail::RematDecision> {
+    detail::RematDecision checkpointed{.policy = options->policy, .keep_plain = {}};
+    switch (options->mode) {
       case RematMode::none:
-        return false;
+        return std::nullopt;
       case RematMode::full:
+        return checkpointed;
       case RematMode::larger_than:
-        return true;
+        checkpointed.keep_plain = [threshold = options->output_size_threshold](const std::vector<Array>& outs) {
+          std::int64_t elements = 0;
+          for (const Array& a : outs) elements += a.numel();
+          return !(elements > threshold);  // Keras: remat only if the size is strictly larger
+        };
+        return checkpointed;
       case RematMode::list_of_layers: {
-        const auto& names = options_->layer_names;
+        const auto& names = options->layer_names;
         const std::string joined = linum::detail::join_module_path(path);
-        std::lock_guard<std::mutex> lock(matches_->mutex);
-        ++matches_->calls;
-        if (matches_->called.size() < 8) matches_->called.push_back(joined);
+        std::lock_guard<std::mutex> lock(matches->mutex);
+        ++matches->calls;
+        if (matches->called.size() < 8) matches->called.push_back(joined);
         bool wanted = false;
         for (const std::string& name : {path.back(), joined})
           if (std::find(names.begin(), names.end(), name) != names.end()) {
-            matches_->matched.insert(name);
+            matches->matched.insert(name);
             wanted = true;
           }
-        return wanted;
+        if (wanted) return checkpointed;
+        return std::nullopt;
       }
     }
-    return false;
-  }
+    return std::nullopt;
+  };
+}
 
-  // Listed names that matched no module call so far.
-  std::vector<std::string> unmatched() const {
-    std::vector<std::string> out;
-    std::lock_guard<std::mutex> lock(matches_->mutex);
-    for (const auto& name : options_->layer_names)
-      if (!matches_->matched.count(name)) out.push_back(name);
-    return out;
-  }
-  std::int64_t calls_seen() const {
-    std::lock_guard<std::mutex> lock(matches_->mutex);
-    return matches_->calls;
-  }
-  std::vector<std::string> called() const {
-    std::lock_guard<std::mutex> lock(matches_->mutex);
-    return matches_->called;
-  }
-
-  std::vector<Array> run(Scope& scope, const std::function<std::vector<Array>(Scope&)>& body) override {
-    // The call's body installs the same decisions again, so that its recomputation (which runs when
-    // this scope may be long gone) checkpoints exactly the calls the forward pass checkpointed.
-    detail::ScopedBody replayed = [options = options_, matches = matches_, body](Scope& s) {
-      Interceptor again(options, matches);
-      linum::detail::CallInterceptorGuard installed(&again);
-      return body(s);
-    };
-    std::function<bool(const std::vector<Array>&)> keep_plain;
-    if (options_->mode == RematMode::larger_than)
-      keep_plain = [threshold = options_->output_size_threshold](const std::vector<Array>& outs) {
-        std::int64_t elements = 0;
-        for (const Array& a : outs) elements += a.numel();
-        return !(elements > threshold);  // Keras: remat only if the size is strictly larger
-      };
-    CheckpointOptions checkpoint;
-    checkpoint.policy = options_->policy;
-    return detail::lifted_run(scope, replayed, checkpoint, LiftFilters{}, {}, keep_plain);
-  }
-
-  const RematScopeOptions& options() const { return *options_; }
-
- private:
-  std::shared_ptr<const RematScopeOptions> options_;
-  std::shared_ptr<LayerMatches> matches_;
-};
+}  // namespace
 
 namespace {
 // Options that cannot mean what the user wants are refused (Keras accepts several of them silently).
@@ -113,31 +83,44 @@ RematScopeOptions validated(RematScopeOptions o) {
 }  // namespace
 
 RematScope::RematScope(RematScopeOptions options)
-    : interceptor_(std::make_unique<Interceptor>(std::make_shared<const RematScopeOptions>(validated(std::move(options))),
-                                                 std::make_shared<LayerMatches>())),
-      guard_(std::make_unique<linum::detail::CallInterceptorGuard>(interceptor_.get())) {}
+    : options_(std::make_shared<const RematScopeOptions>(validated(std::move(options)))),
+      matches_(std::make_shared<detail::LayerMatches>()),
+      scope_(std::make_unique<detail::RematRuleScope>(mode_rule(options_, matches_))) {}
 
 // A layer list is legal even if a name matches nothing, but that is surely a typo or a renamed
 // layer: say so when the scope ends (only if module calls were seen, so an unused scope is quiet).
 RematScope::~RematScope() {
-  guard_.reset();
-  if (interceptor_->options().mode != RematMode::list_of_layers || interceptor_->calls_seen() == 0) return;
-  const std::vector<std::string> missing = interceptor_->unmatched();
+  scope_.reset();
+  if (options_->mode != RematMode::list_of_layers) return;
+  std::int64_t calls = 0;
+  std::string seen;
+  {
+    std::lock_guard<std::mutex> lock(matches_->mutex);
+    calls = matches_->calls;
+    for (const auto& c : matches_->called) seen += (seen.empty() ? "" : ", ") + c;
+  }
+  if (calls == 0) return;
+  const std::vector<std::string> missing = unmatched_layer_names();
   if (missing.empty()) return;
-  std::string names, seen;
+  std::string names;
   for (const auto& n : missing) names += (names.empty() ? "'" : ", '") + n + "'";
-  for (const auto& c : interceptor_->called()) seen += (seen.empty() ? "" : ", ") + c;
   try {
-    warn(linum::detail::cat("lift::RematScope (list_of_layers): ", names, " matched none of the ",
-                            interceptor_->calls_seen(), " module calls made while the scope was alive (e.g. ", seen,
+    warn(linum::detail::cat("lift::RematScope (list_of_layers): ", names, " matched none of the ", calls,
+                            " module calls made while the scope was alive (e.g. ", seen,
                             "), so nothing was rematerialized for them; use module names such as \"Dense_1\" or paths such "
                             "as \"Block_0/Dense_1\""));
   } catch (...) {  // a destructor must not throw; a handler that throws is ignored here
   }
 }
 
-std::vector<std::string> RematScope::unmatched_layer_names() const { return interceptor_->unmatched(); }
+std::vector<std::string> RematScope::unmatched_layer_names() const {
+  std::vector<std::string> out;
+  std::lock_guard<std::mutex> lock(matches_->mutex);
+  for (const auto& name : options_->layer_names)
+    if (!matches_->matched.count(name)) out.push_back(name);
+  return out;
+}
 
-const RematScopeOptions& RematScope::options() const { return interceptor_->options(); }
+const RematScopeOptions& RematScope::options() const { return *options_; }
 
 }  // namespace linum::lift

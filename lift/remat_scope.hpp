@@ -30,6 +30,11 @@
 
 namespace linum::lift {
 
+namespace detail {
+struct LayerMatches;
+class RematRuleScope;
+}  // namespace detail
+
 enum class RematMode { none, full, larger_than, list_of_layers };
 
 struct RematScopeOptions {
@@ -51,11 +56,10 @@ class RematScope {
   // after module calls with names still unmatched, a warning (core/warnings.hpp) names them.
   std::vector<std::string> unmatched_layer_names() const;
 
-  class Interceptor;  // (remat_scope.cpp)
-
  private:
-  std::unique_ptr<Interceptor> interceptor_;
-  std::unique_ptr<linum::detail::CallInterceptorGuard> guard_;
+  std::shared_ptr<const RematScopeOptions> options_;
+  std::shared_ptr<detail::LayerMatches> matches_;
+  std::unique_ptr<detail::RematRuleScope> scope_;  // the rule these options make (remat_rule.hpp)
 };
 
 }  // namespace linum::lift
