@@ -16,7 +16,6 @@ int from_environment() {
   };
   return (on("LINUM_DEBUG_NANS") ? 1 : 0) | (on("LINUM_DEBUG_INFS") ? 2 : 0);
 }
-thread_local Phase t_phase = Phase::forward;
 
 const char* phase_name(Phase p) {
   switch (p) {
@@ -30,9 +29,10 @@ const char* phase_name(Phase p) {
 
 std::atomic<int> g_debug_nonfinite{from_environment()};
 
-Phase current_phase() { return t_phase; }
-PhaseScope::PhaseScope(Phase p) : previous_(t_phase) { t_phase = p; }
-PhaseScope::~PhaseScope() { t_phase = previous_; }
+Phase current_phase() {
+  const Phase* p = ContextStack<PhaseContext>::top();
+  return p != nullptr ? *p : Phase::forward;
+}
 
 namespace {
 // The index of the first value the enabled checks forbid, or -1.
@@ -61,7 +61,7 @@ void check_finite(const Array& out, const char* op, int input_index, std::span<c
   const std::string what = input_index < 0 ? cat("op '", op, "' produced ")
                                            : cat("the backward rule of op '", op, "' produced, as the gradient of its input ",
                                                  input_index, ", ");
-  throw FloatingPointError(cat("debug_", check_name(out, i), ": ", what, bad_value(out, i), " in ", phase_name(t_phase), " (",
+  throw FloatingPointError(cat("debug_", check_name(out, i), ": ", what, bad_value(out, i), " in ", phase_name(current_phase()), " (",
                                out.type_str(), ", first at flat index ", i,
                                ins.empty() ? std::string() : cat("; inputs ", ins),
                                "). Look at that op's inputs; set_debug_nans(false) turns the check off"));

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <linum/core/array.hpp>
+#include <linum/core/context.hpp>
 #include <linum/core/error.hpp>
 
 #include <atomic>
@@ -47,15 +48,14 @@ extern std::atomic<int> g_debug_nonfinite;
 // What the current thread is computing, for the error message.
 enum class Phase { forward, backward, recomputation };
 Phase current_phase();
+struct PhaseContext { using Value = Phase; };
+// Sets the phase for its lifetime (core/context.hpp).
 class PhaseScope {
  public:
-  explicit PhaseScope(Phase p);
-  ~PhaseScope();
-  PhaseScope(const PhaseScope&) = delete;
-  PhaseScope& operator=(const PhaseScope&) = delete;
+  explicit PhaseScope(Phase p) : set_(p) {}
 
  private:
-  Phase previous_;
+  ContextStack<PhaseContext>::Entry set_;
 };
 
 // Throws FloatingPointError if `out` holds a value the enabled checks forbid: the output of `op`

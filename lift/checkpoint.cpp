@@ -578,7 +578,7 @@ std::vector<Array> run_checkpointed(const Thunk& forward, Thunk recompute, const
     outs[i] = outs[i].detached();  // drops the block's own graph: its intermediates are freed here
     if (is_floating(outs[i].dtype())) outs[i].set_node(node, static_cast<std::uint32_t>(i));
   }
-  if (autodiff::detail::t_record_hook != nullptr)
+  if (autodiff::detail::record_hooks_active())
     for (Array& o : outs)
       if (o.node()) autodiff::detail::notify_record_hooks("checkpoint", std::span<Array>(&o, 1), node.get(), nullptr);
   return outs;

@@ -89,7 +89,7 @@ Array checkpoint_name(const Array& x, std::string name) {
   if (autodiff::detail::any_needs_grad(ins)) {
     // The identity as a primitive: a replaying checkpoint hands back the value its policy saved
     // here (the name's whole point).
-    if (autodiff::detail::t_record_hook != nullptr)
+    if (autodiff::detail::record_hooks_active())
       if (std::optional<autodiff::detail::Replayed> r = autodiff::detail::replay_primitive(ins)) y = std::move(r->outs.at(0));
     auto node = std::make_shared<NamedNode>(autodiff::detail::edges_of(ins), x.shape(), std::move(name));
     autodiff::Node* raw = node.get();

@@ -30,39 +30,24 @@ std::string demangled_type_name(const char* mangled) {
 }
 
 namespace {
-thread_local const std::vector<std::string>* t_module_path = nullptr;
-thread_local ModuleCallObserver* t_observer = nullptr;
-thread_local CallInterceptorGuard* t_interceptor_top = nullptr;
+// The innermost value of a context holding a pointer, or null.
+template <class Context>
+auto innermost(const typename Context::Value fallback = nullptr) {
+  const auto* v = ContextStack<Context>::top();
+  return v != nullptr ? *v : fallback;
+}
 }  // namespace
 
-CallInterceptor* call_interceptor() { return t_interceptor_top ? t_interceptor_top->interceptor_ : nullptr; }
-CallInterceptorGuard::CallInterceptorGuard(CallInterceptor* interceptor) : interceptor_(interceptor), below_(t_interceptor_top) {
-  t_interceptor_top = this;
-}
-CallInterceptorGuard::~CallInterceptorGuard() {
-  if (t_interceptor_top == this) {
-    t_interceptor_top = below_;
-    return;
-  }
-  // Destroyed before a guard installed after it: unlink it from below that guard.
-  for (CallInterceptorGuard* g = t_interceptor_top; g != nullptr; g = g->below_)
-    if (g->below_ == this) {
-      g->below_ = below_;
-      return;
-    }
-}
-
-ModuleCallObserver* module_call_observer() { return t_observer; }
-ModuleCallObserverGuard::ModuleCallObserverGuard(ModuleCallObserver* observer) : previous_(t_observer) { t_observer = observer; }
-ModuleCallObserverGuard::~ModuleCallObserverGuard() { t_observer = previous_; }
-
-const std::vector<std::string>* current_module_path() { return t_module_path; }
-ModulePathGuard::ModulePathGuard(const std::vector<std::string>* path) : previous_(t_module_path) { t_module_path = path; }
-ModulePathGuard::~ModulePathGuard() { t_module_path = previous_; }
+CallInterceptor* call_interceptor() { return innermost<CallInterceptorContext>(); }
+ModuleCallObserver* module_call_observer() { return innermost<ModuleCallObserverContext>(); }
+const std::vector<std::string>* current_module_path() { return innermost<ModulePathContext>(); }
 
 // Memory timelines tag each op with the module path running it.
 namespace {
-std::string timeline_module_path() { return t_module_path != nullptr ? join_module_path(*t_module_path) : std::string(); }
+std::string timeline_module_path() {
+  const std::vector<std::string>* path = current_module_path();
+  return path != nullptr ? join_module_path(*path) : std::string();
+}
 [[maybe_unused]] const bool g_timeline_path_registered =
     (linum::memory::detail::set_timeline_path_provider(&timeline_module_path), true);
 }  // namespace

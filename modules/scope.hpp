@@ -21,6 +21,7 @@
 
 #include <linum/core/array.hpp>
 #include <linum/core/autodiff/flat_call.hpp>
+#include <linum/core/context.hpp>
 #include <linum/core/autodiff/pytree.hpp>
 #include <linum/core/debug_nans.hpp>
 #include <linum/core/error.hpp>
@@ -126,18 +127,17 @@ class ModuleCallObserver {
   virtual void on_enter(const std::vector<std::string>& path, const std::string& type) = 0;
   virtual void on_exit(const std::vector<std::string>& path, const std::string& type, const std::vector<Array>& outputs) = 0;
 };
+struct ModuleCallObserverContext { using Value = ModuleCallObserver*; };
+// The innermost observer on this thread, or null.
 ModuleCallObserver* module_call_observer();
 
-// Installs an observer for its lifetime (the previous one is restored afterwards).
+// Installs an observer for its lifetime (core/context.hpp: the innermost one is told).
 class ModuleCallObserverGuard {
  public:
-  explicit ModuleCallObserverGuard(ModuleCallObserver* observer);
-  ~ModuleCallObserverGuard();
-  ModuleCallObserverGuard(const ModuleCallObserverGuard&) = delete;
-  ModuleCallObserverGuard& operator=(const ModuleCallObserverGuard&) = delete;
+  explicit ModuleCallObserverGuard(ModuleCallObserver* observer) : installed_(observer) {}
 
  private:
-  ModuleCallObserver* previous_;
+  ContextStack<ModuleCallObserverContext>::Entry installed_;
 };
 
 // Decides, at call time, that a child module call runs checkpointed (lift::RematScope installs one).
@@ -149,36 +149,29 @@ class CallInterceptor {
   // Runs `body` (the module on the scope it is given; returns its output's arrays) for the call at `scope`.
   virtual std::vector<Array> run(Scope& scope, const std::function<std::vector<Array>(Scope&)>& body) = 0;
 };
+struct CallInterceptorContext { using Value = CallInterceptor*; };
 // The innermost interceptor on this thread, or null.
 CallInterceptor* call_interceptor();
 
-// Installs an interceptor for its lifetime. Guards form a per-thread stack whose top is the active
-// interceptor; a guard may be destroyed out of order (an outer lift::RematScope before an inner
-// one, as happens with unique_ptrs or scopes kept in objects): it then leaves the stack wherever it
-// is and the others stay valid. Destroy a guard on the thread that created it.
+// Installs an interceptor for its lifetime (core/context.hpp: the innermost one counts; a guard
+// destroyed out of order, e.g. an outer lift::RematScope before an inner one, leaves the stack
+// wherever it is). Destroy a guard on the thread that created it.
 class CallInterceptorGuard {
  public:
-  explicit CallInterceptorGuard(CallInterceptor* interceptor);
-  ~CallInterceptorGuard();
-  CallInterceptorGuard(const CallInterceptorGuard&) = delete;
-  CallInterceptorGuard& operator=(const CallInterceptorGuard&) = delete;
+  explicit CallInterceptorGuard(CallInterceptor* interceptor) : installed_(interceptor) {}
 
  private:
-  CallInterceptor* interceptor_;
-  CallInterceptorGuard* below_;
-  friend CallInterceptor* call_interceptor();
+  ContextStack<CallInterceptorContext>::Entry installed_;
 };
 
+struct ModulePathContext { using Value = const std::vector<std::string>*; };
 // Sets the current module path for its lifetime.
 class ModulePathGuard {
  public:
-  explicit ModulePathGuard(const std::vector<std::string>* path);
-  ~ModulePathGuard();
-  ModulePathGuard(const ModulePathGuard&) = delete;
-  ModulePathGuard& operator=(const ModulePathGuard&) = delete;
+  explicit ModulePathGuard(const std::vector<std::string>* path) : set_(path) {}
 
  private:
-  const std::vector<std::string>* previous_;
+  ContextStack<ModulePathContext>::Entry set_;
 };
 
 }  // namespace detail

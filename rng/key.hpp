@@ -15,6 +15,7 @@
 #pragma once
 
 #include <linum/core/array.hpp>
+#include <linum/core/context.hpp>
 #include <linum/core/shape.hpp>
 
 #include <array>
@@ -55,15 +56,13 @@ void set_default_mode(Mode mode);
 
 // Overrides the default mode on the current thread for the guard's lifetime (like JAX's
 // `with jax.threefry_partitionable(...)` context). Guards nest; other threads are not affected.
+struct ModeContext { using Value = Mode; };
 class ModeGuard {
  public:
-  explicit ModeGuard(Mode mode);
-  ~ModeGuard();
-  ModeGuard(const ModeGuard&) = delete;
-  ModeGuard& operator=(const ModeGuard&) = delete;
+  explicit ModeGuard(Mode mode) : set_(mode) {}
 
  private:
-  std::optional<Mode> previous_;
+  linum::detail::ContextStack<ModeContext>::Entry set_;  // core/context.hpp
 };
 
 // The Threefry-2x32 block cipher with 20 rounds (Random123), as JAX's `threefry2x32_p`:

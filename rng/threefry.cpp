@@ -14,7 +14,6 @@ namespace linum::rng {
 namespace {
 
 std::atomic<Mode> g_default_mode{Mode::partitionable};
-thread_local std::optional<Mode> t_mode_override;
 
 constexpr std::uint32_t rotl(std::uint32_t v, int r) { return (v << r) | (v >> (32 - r)); }
 
@@ -76,15 +75,11 @@ Mode parse_mode(std::string_view name) {
 }
 
 Mode default_mode() {
-  if (t_mode_override) return *t_mode_override;
+  if (const Mode* guarded = linum::detail::ContextStack<ModeContext>::top()) return *guarded;
   return g_default_mode.load(std::memory_order_relaxed);
 }
 
 void set_default_mode(Mode mode) { g_default_mode.store(mode, std::memory_order_relaxed); }
-
-ModeGuard::ModeGuard(Mode mode) : previous_(t_mode_override) { t_mode_override = mode; }
-
-ModeGuard::~ModeGuard() { t_mode_override = previous_; }
 
 std::array<std::uint32_t, 2> threefry2x32(std::uint32_t key0, std::uint32_t key1, std::uint32_t x0,
                                           std::uint32_t x1) {

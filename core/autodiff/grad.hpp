@@ -75,13 +75,10 @@ namespace autodiff {
 // Turns recording on for its lifetime (used by the transformations).
 class EnableGradGuard {
  public:
-  EnableGradGuard();
-  ~EnableGradGuard();
-  EnableGradGuard(const EnableGradGuard&) = delete;
-  EnableGradGuard& operator=(const EnableGradGuard&) = delete;
+  EnableGradGuard() = default;
 
  private:
-  bool previous_;
+  detail::Recording::Entry on_{true};
 };
 
 namespace detail {

@@ -179,8 +179,6 @@ void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, con
   run_sweep(order, retain_graph, slot, [](std::size_t) {});
 }
 
-thread_local LeafGradientListener* t_leaf_listener = nullptr;
-
 void seed(std::span<const Array> roots, std::span<const Array> cotangents) {
   if (roots.size() != cotangents.size())
     throw AutodiffError(linum::detail::cat("backward: ", roots.size(), " roots but ", cotangents.size(), " cotangents"));
@@ -200,23 +198,20 @@ void seed(std::span<const Array> roots, std::span<const Array> cotangents) {
 }  // namespace
 
 namespace detail {
-thread_local bool t_recording = true;
-thread_local RecordHook* t_record_hook = nullptr;
-
-// The innermost guard's hooks (a plain pointer: trivial thread-local, one load per recorded op).
-thread_local const std::shared_ptr<const SavedValueHooks>* t_saved_hooks = nullptr;
 namespace {
 const std::shared_ptr<const SavedValueHooks> kNoHooks;
 }  // namespace
 
 const std::shared_ptr<const SavedValueHooks>& active_saved_value_hooks() {
-  return t_saved_hooks != nullptr ? *t_saved_hooks : kNoHooks;
+  const auto* hooks = SavedValueHooksStack::top();
+  return hooks != nullptr ? *hooks : kNoHooks;
 }
 
 void notify_record_hooks(const char* op, std::span<Array> outs, const Node* node, const PrimitiveCall* call) {
   for (Array& out : outs) {
     bool region_seen = false;
-    for (RecordHook* h = t_record_hook; h != nullptr; h = h->previous()) {
+    for (auto* e = RecordHooks::innermost(); e != nullptr; e = e->below()) {
+      RecordHook* h = e->value();
       if (h->is_region()) {
         if (region_seen) continue;  // only the innermost checkpoint region numbers and saves ops
         region_seen = true;
@@ -227,8 +222,8 @@ void notify_record_hooks(const char* op, std::span<Array> outs, const Node* node
 }
 
 void after_record_observed(const char* op, std::span<Array> outs, Node* node, const PrimitiveCall* call) {
-  if (t_record_hook != nullptr) notify_record_hooks(op, outs, node, call);
-  if (t_saved_hooks != nullptr) [[unlikely]]
+  if (record_hooks_active()) notify_record_hooks(op, outs, node, call);
+  if (SavedValueHooksStack::innermost() != nullptr) [[unlikely]]
     node->pack_residuals();
   if (linum::detail::debug_checks_on()) [[unlikely]] {
     const std::span<const Array* const> inputs = call != nullptr ? call->inputs : std::span<const Array* const>();
@@ -239,8 +234,8 @@ void after_record_observed(const char* op, std::span<Array> outs, Node* node, co
 }
 
 std::optional<Replayed> replay_primitive(std::span<const Array* const> inputs) {
-  for (RecordHook* h = t_record_hook; h != nullptr; h = h->previous())
-    if (h->is_region()) return h->replay_primitive(inputs);
+  for (auto* e = RecordHooks::innermost(); e != nullptr; e = e->below())
+    if (e->value()->is_region()) return e->value()->replay_primitive(inputs);
   return std::nullopt;
 }
 
@@ -262,8 +257,6 @@ std::vector<Edge> edges_of(std::span<const Array* const> inputs) {
   return edges;
 }
 
-RecordHook::RecordHook() : previous_(t_record_hook) { t_record_hook = this; }
-RecordHook::~RecordHook() { t_record_hook = previous_; }
 
 std::vector<Array> detach_all(std::initializer_list<Array> saved) {
   std::vector<Array> out;
@@ -276,11 +269,9 @@ std::vector<Array> detach_all(std::initializer_list<Array> saved) {
 std::uint64_t Node::next_id() { return g_node_counter.fetch_add(1, std::memory_order_relaxed); }
 std::uint64_t Node::peek_next_id() { return g_node_counter.load(std::memory_order_relaxed); }
 
-EnableGradGuard::EnableGradGuard() : previous_(detail::t_recording) { detail::t_recording = true; }
-EnableGradGuard::~EnableGradGuard() { detail::t_recording = previous_; }
 
 bool needs_grad(std::span<const Array> inputs) {
-  if (!detail::t_recording) return false;
+  if (!detail::recording_on()) return false;
   return std::any_of(inputs.begin(), inputs.end(), [](const Array& a) { return a.node() != nullptr; });
 }
 
@@ -331,13 +322,15 @@ std::vector<Array> Node::unpack_residuals(const PackedResiduals& p, const char* 
   return out;
 }
 
-SavedValueHooksGuard::SavedValueHooksGuard(SavedValueHooks hooks) : previous_(detail::t_saved_hooks) {
+namespace {
+std::shared_ptr<const SavedValueHooks> checked(SavedValueHooks hooks) {
   if (!hooks.pack || !hooks.unpack)
     throw ValueError("SavedValueHooksGuard: both pack and unpack must be set");
-  hooks_ = std::make_shared<const SavedValueHooks>(std::move(hooks));
-  detail::t_saved_hooks = &hooks_;
+  return std::make_shared<const SavedValueHooks>(std::move(hooks));
 }
-SavedValueHooksGuard::~SavedValueHooksGuard() { detail::t_saved_hooks = previous_; }
+}  // namespace
+
+SavedValueHooksGuard::SavedValueHooksGuard(SavedValueHooks hooks) : installed_(checked(std::move(hooks))) {}
 
 Array Node::take_grad(std::size_t i) {
   if (i >= grads_.size()) return Array();
@@ -354,14 +347,12 @@ Array make_leaf(const Array& x) {
   return leaf;
 }
 
-LeafGradientListener::LeafGradientListener() : previous_(t_leaf_listener) { t_leaf_listener = this; }
-LeafGradientListener::~LeafGradientListener() { t_leaf_listener = previous_; }
 
 void backward(std::span<const Array> roots, std::span<const Array> cotangents, bool retain_graph) {
   const std::uint64_t mark = ++g_sweep_counter;
   auto order = topological_order(roots, mark, [](Node*) { return false; });
   seed(roots, cotangents);
-  LeafGradientListener* listener = t_leaf_listener;
+  LeafGradientListener* listener = detail::LeafGradientListeners::top() ? *detail::LeafGradientListeners::top() : nullptr;
   if (listener == nullptr) {
     run_sweep(order, retain_graph, node_slot);
     return;

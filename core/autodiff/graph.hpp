@@ -12,6 +12,7 @@
 #pragma once
 
 #include <linum/core/array.hpp>
+#include <linum/core/context.hpp>
 #include <linum/core/debug_nans.hpp>
 #include <linum/core/memory.hpp>
 
@@ -31,32 +32,45 @@ namespace linum::autodiff {
 
 // ---- per-thread recording state -------------------------------------------------------------
 
+class Node;
+class LeafGradientListener;
+struct SavedValueHooks;
+
 namespace detail {
-extern thread_local bool t_recording;
+class RecordHook;
+// The per-thread contexts of the autodiff layer (core/context.hpp): whether ops record, the record
+// hooks (checkpoint regions, residual traces), the saved-value hooks, the leaf-gradient listener.
+struct RecordingContext { using Value = bool; };
+struct RecordHookContext { using Value = RecordHook*; };
+struct SavedValueHooksContext { using Value = std::shared_ptr<const SavedValueHooks>; };
+struct LeafGradientListenerContext { using Value = LeafGradientListener*; };
+using Recording = linum::detail::ContextStack<RecordingContext>;
+using RecordHooks = linum::detail::ContextStack<RecordHookContext>;
+using SavedValueHooksStack = linum::detail::ContextStack<SavedValueHooksContext>;
+using LeafGradientListeners = linum::detail::ContextStack<LeafGradientListenerContext>;
+inline bool recording_on() {
+  const bool* on = Recording::top();
+  return on == nullptr || *on;
+}
 }  // namespace detail
 
 // True when ops on this thread may record graph nodes (the default). NoGradGuard turns it off.
-inline bool is_recording() { return detail::t_recording; }
+inline bool is_recording() { return detail::recording_on(); }
 
 // Within its lifetime no op on this thread records graph nodes: results are constants.
 class NoGradGuard {
  public:
-  NoGradGuard() : previous_(detail::t_recording) { detail::t_recording = false; }
-  ~NoGradGuard() { detail::t_recording = previous_; }
-  NoGradGuard(const NoGradGuard&) = delete;
-  NoGradGuard& operator=(const NoGradGuard&) = delete;
+  NoGradGuard() = default;
 
  private:
-  bool previous_;
+  detail::Recording::Entry off_{false};
 };
 
 // ---- nodes ----------------------------------------------------------------------------------
 
-class Node;
 // Residuals handed to saved-value hooks (core/autodiff/saved_hooks.hpp): what pack returned, per
 // residual, and the hooks that unpack them.
 struct PackedResiduals;
-struct SavedValueHooks;
 
 // An input of a node: the node that produced it and which of its outputs. A null node means the
 // input is a constant and needs no gradient.
@@ -235,21 +249,18 @@ std::vector<Edge> edges_of(std::span<const Array> inputs);
 namespace detail {
 // Strips graph nodes from arrays a rule saves (the rule needs their values only).
 std::vector<Array> detach_all(std::initializer_list<Array> saved);
-class RecordHook;
-// The innermost hook observing recorded ops on this thread (checkpoint regions, residual traces;
-// see core/autodiff/hooks.hpp), or null. Ops pay one thread-local load when none is active.
-extern thread_local RecordHook* t_record_hook;
+// Whether a hook observes recorded ops on this thread (checkpoint regions, residual traces; see
+// core/autodiff/hooks.hpp). Ops pay one thread-local load when none is active.
+inline bool record_hooks_active() { return RecordHooks::innermost() != nullptr; }
 struct PrimitiveCall;
 // Runs the hooks, saved-value packing, debug checks and timeline for a freshly recorded node whose
 // outputs are `outs` (the same steps for every primitive, core/autodiff/primitive.hpp, and for
 // `record` below). A checkpoint replaying its block may replace outputs by the values it saved.
 void after_record_observed(const char* op, std::span<Array> outs, Node* node, const PrimitiveCall* call);
-// The innermost SavedValueHooksGuard's hooks, or null (core/autodiff/saved_hooks.hpp).
-extern thread_local const std::shared_ptr<const SavedValueHooks>* t_saved_hooks;
 // Whether anything observes recorded ops (hooks, saved-value hooks, debug checks, the timeline):
 // one branch per op when nothing does, the common case in training.
 inline bool observed() {
-  return t_record_hook != nullptr || t_saved_hooks != nullptr || linum::detail::debug_checks_on() ||
+  return record_hooks_active() || SavedValueHooksStack::innermost() != nullptr || linum::detail::debug_checks_on() ||
          memory::detail::timeline_recording();
 }
 inline void after_record(const char* op, std::span<Array> outs, Node* node, const PrimitiveCall* call) {
@@ -300,19 +311,19 @@ void backward(std::span<const Array> roots, std::span<const Array> cotangents, b
 
 // Observes the backward sweeps of this thread: told as soon as a leaf's gradient is final (no node
 // left in the sweep adds to it), while the rest of the sweep still runs. Data parallelism uses it to
-// send gradients during the backward pass. Installed for its lifetime (constructor pushes,
-// destructor pops; one per thread at a time).
+// send gradients during the backward pass. Installed for its lifetime (the innermost one on the
+// thread is told).
 class LeafGradientListener {
  public:
-  LeafGradientListener();
-  virtual ~LeafGradientListener();
+  LeafGradientListener() = default;
+  virtual ~LeafGradientListener() = default;
   LeafGradientListener(const LeafGradientListener&) = delete;
   LeafGradientListener& operator=(const LeafGradientListener&) = delete;
   // `grad` is the leaf's accumulated gradient (the one Node::take_grad will return).
   virtual void on_leaf_gradient(const Node* leaf, const Array& grad) = 0;
 
  private:
-  LeafGradientListener* previous_;
+  detail::LeafGradientListeners::Entry installed_{this};
 };
 
 // One input of a local backward sweep that must not be crossed: a node of an enclosing graph.

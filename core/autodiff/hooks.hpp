@@ -14,8 +14,8 @@ namespace linum::autodiff::detail {
 
 class RecordHook {
  public:
-  RecordHook();
-  virtual ~RecordHook();
+  RecordHook() = default;
+  virtual ~RecordHook() = default;
   RecordHook(const RecordHook&) = delete;
   RecordHook& operator=(const RecordHook&) = delete;
 
@@ -28,10 +28,9 @@ class RecordHook {
   // can skip its forward (its outputs were saved by the policy, or nothing reads them), else nullopt.
   virtual std::optional<Replayed> replay_primitive(std::span<const Array* const> /*inputs*/) { return std::nullopt; }
   virtual bool is_region() const { return false; }
-  RecordHook* previous() const { return previous_; }
 
  private:
-  RecordHook* previous_;
+  RecordHooks::Entry installed_{this};  // pushed while the hook lives (core/context.hpp)
 };
 
 }  // namespace linum::autodiff::detail

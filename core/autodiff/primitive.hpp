@@ -92,7 +92,7 @@ std::optional<Replayed> replay_primitive(std::span<const Array* const> inputs);
 // on (inputs first: constants cost no thread-local read).
 inline bool any_needs_grad(std::span<const Array* const> inputs) {
   for (const Array* a : inputs)
-    if (a->node() != nullptr) return t_recording;
+    if (a->node() != nullptr) return recording_on();
   return false;
 }
 
@@ -138,7 +138,7 @@ Array primitive(const char* name, std::initializer_list<const Array*> inputs, Fo
     Residuals none(false);
     return forward(none);
   }
-  if (detail::t_record_hook != nullptr) [[unlikely]]
+  if (detail::record_hooks_active()) [[unlikely]]
     return detail::primitive_in_region(name, ins, forward, std::forward<Rule>(rule));
   Residuals kept(true);
   Array y = [&] {
@@ -162,7 +162,7 @@ std::vector<Array> primitive_multi(const char* name, std::span<const Array* cons
   Residuals kept(true);
   std::vector<Array> ys;
   bool replayed = false;
-  if (detail::t_record_hook != nullptr)
+  if (detail::record_hooks_active())
     if (std::optional<detail::Replayed> r = detail::replay_primitive(ins)) {
       ys = std::move(r->outs);
       kept.arrays() = std::move(r->residuals);

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <linum/core/array.hpp>
+#include <linum/core/autodiff/graph.hpp>
 
 #include <any>
 #include <functional>
@@ -30,13 +31,9 @@ struct SavedValueHooks {
 class SavedValueHooksGuard {
  public:
   explicit SavedValueHooksGuard(SavedValueHooks hooks);
-  ~SavedValueHooksGuard();
-  SavedValueHooksGuard(const SavedValueHooksGuard&) = delete;
-  SavedValueHooksGuard& operator=(const SavedValueHooksGuard&) = delete;
 
  private:
-  std::shared_ptr<const SavedValueHooks> hooks_;
-  const std::shared_ptr<const SavedValueHooks>* previous_;
+  detail::SavedValueHooksStack::Entry installed_;
 };
 
 namespace detail {
