@@ -39,6 +39,7 @@
 #include <linum/core/autodiff/pytree.hpp>
 #include <linum/core/ops/shape_ops.hpp>
 #include <linum/lift/pack.hpp>
+#include <linum/modules/module.hpp>
 #include <linum/lift/schedule.hpp>
 #include <linum/modules/scope.hpp>
 
@@ -252,7 +253,7 @@ struct scan {
     using linum::detail::ScopeState;
     auto run_at = [&](int i, const Carry& h, ScopeState& st) -> Result {
       Scope inner(st, plan.path);
-      return std::apply([&](const auto&... a) { return inner.run(body, body, h, a.at(i)...); }, sliced);
+      return std::apply([&](const auto&... a) { return linum::detail::ModuleEntry::run(inner, body, body, h, a.at(i)...); }, sliced);
     };
     if (schedule.kind != ScanSchedule::Kind::none && !s.is_initializing() && autodiff::is_recording())
       return scheduled<Result>(std::move(plan), sliced, carry, n);
@@ -307,7 +308,7 @@ struct scan {
     ctx->states.resize(static_cast<std::size_t>(n));
     auto run_at = [](Context& c, int i, const Carry& h, ScopeState& st) -> Result {
       Scope inner(st, c.plan.path);
-      return std::apply([&](const auto&... a) { return inner.run(c.body, c.body, h, a.at(i)...); }, c.sliced);
+      return std::apply([&](const auto&... a) { return linum::detail::ModuleEntry::run(inner, c.body, c.body, h, a.at(i)...); }, c.sliced);
     };
     if (!ctx->plan.split_keys.empty() || !ctx->plan.broadcast_keys.empty()) {
       // Flax's first trace: if the body draws keys, the iterations' counters continue from it.

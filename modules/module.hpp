@@ -47,6 +47,19 @@ struct ModuleEntry {
   static Tree mutated_collections(const ScopeState& state);
   // The variables that init returns (every collection except "intermediates" unless asked for).
   static Tree initialized_variables(ScopeState& state, bool keep_intermediates);
+
+  // The one internal way to run a module: body(s, args...) as `module`'s body in scope `s` (the
+  // module path set, module-call observers and debug checks told, Linum errors annotated with the
+  // path). init/apply run the root module through it, lift::scan each iteration's body.
+  template <class M, class Body, class... Args>
+  static decltype(auto) run(Scope& s, const M& module, Body&& body, Args&&... args) {
+    return s.run(module, std::forward<Body>(body), std::forward<Args>(args)...);
+  }
+  // Calls `method` of `module` in `s` (through a lifted module's lifted_call when it has one).
+  template <class M, class Method, class... Args>
+  static decltype(auto) invoke_method(const M& module, Method method, Scope& s, Args&&... args) {
+    return Scope::invoke_method(module, method, s, std::forward<Args>(args)...);
+  }
 };
 
 // Runs an apply; if params were missing, that is the error reported (also when a later op failed
@@ -73,14 +86,14 @@ template <class M, class Body, class... Args>
 auto run_module(const M& module, ScopeState& state, Body&& body, Args&&... args) {
   Scope root(state, {});
   return run_apply(state, module_type_name<M>(),
-                   [&] { return root.run(module, std::forward<Body>(body), std::forward<Args>(args)...); });
+                   [&] { return ModuleEntry::run(root, module, std::forward<Body>(body), std::forward<Args>(args)...); });
 }
 
 // The body that calls `method` of the module (through a lifted module's lifted_call when it has one).
 template <class M, class Method>
 auto method_invoker(const M& module, Method method) {
   return [&module, method](Scope& s, auto&&... a) -> decltype(auto) {
-    return Scope::invoke_method(module, method, s, std::forward<decltype(a)>(a)...);
+    return ModuleEntry::invoke_method(module, method, s, std::forward<decltype(a)>(a)...);
   };
 }
 

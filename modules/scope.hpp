@@ -271,6 +271,13 @@ class Scope {
     }, std::forward<Args>(args)...);
   }
 
+ private:
+  // ---- the machinery under the two verbs above (Scope's user API ends here) -------------------
+  // Module entry points (init, apply, lift::scan's iterations) run bodies through
+  // detail::ModuleEntry; lifted transforms reach the state through lift::detail::Pack.
+  friend struct detail::ModuleEntry;
+  friend class lift::detail::Pack;
+
   // Calls `method` of `module` in scope `s`; a lifted module (lift::remat) decides whether the
   // method runs checkpointed. (GCC 12's -Warray-bounds false positive on calls through a pointer
   // to member function of an empty module is silenced here, as in lift::remat::lifted_call.)
@@ -289,7 +296,7 @@ class Scope {
 #pragma GCC diagnostic pop
 #endif
 
-  // The child scope with this name (for code that manages scopes by hand, e.g. lifted transforms).
+  // The child scope with this name.
   Scope child_scope(std::string name) const;
   // "Dense_0", "Dense_1", ...: the next auto-name for a type in this scope.
   std::string next_auto_name(const std::string& type_name);
@@ -341,8 +348,6 @@ class Scope {
     }
   }
 
- private:
-  friend class lift::detail::Pack;  // takes the state a lifted transform runs on from here
   detail::ScopeState& state() const { return *state_; }
   [[noreturn]] void rethrow_with_path(const std::string& type_name) const;
   void mark_timeline_return() const noexcept;
