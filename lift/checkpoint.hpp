@@ -40,12 +40,10 @@ struct CheckpointOptions {
   // treated as constants, like jax.checkpoint's static_argnums for arrays. Non-array arguments are
   // always static. Negative or out-of-range indices are an error.
   std::vector<int> static_argnums;
-  // Parity with JAX/Flax. prevent_cse guards against compiler common-subexpression elimination of
-  // the recomputation; eager C++ has no such compiler, so it changes nothing.
+  // Parity with jax.checkpoint. prevent_cse guards against compiler common-subexpression
+  // elimination of the recomputation; eager C++ has no such compiler, so it changes nothing.
+  // (Flax's `concrete` has no counterpart: every value is concrete here, and JAX dropped it.)
   bool prevent_cse = true;
-  // Parity with JAX/Flax. In eager C++ every value is concrete: branching on array values inside a
-  // checkpointed function always works, so this flag changes nothing.
-  bool concrete = false;
   // Check that the recomputation reproduces the original outputs bit for bit, and throw an
   // AutodiffError naming the block if not (catches non-deterministic user code).
   bool verify = false;

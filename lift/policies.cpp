@@ -32,7 +32,7 @@ Policy dots_saveable::make() {
 }
 Policy dots_with_no_batch_dims_saveable::make() {
   return Policy("dots_with_no_batch_dims_saveable",
-                [](const OpInfo& op) { return (op.op == "matmul") && !op.has_batch_dims(); });
+                [](const OpInfo& op) { return op.op == ops::kind::matmul && !op.has_batch_dims(); });
 }
 
 namespace {
@@ -46,14 +46,14 @@ std::string list(const std::vector<std::string>& names) {
 Policy save_only_these_names(std::vector<std::string> names) {
   std::string d = "save_only_these_names(" + list(names) + ")";
   return Policy(std::move(d), [names = std::move(names)](const OpInfo& op) {
-    return op.op == "checkpoint_name" && std::find(names.begin(), names.end(), op.name) != names.end();
+    return op.op == ops::kind::checkpoint_name && std::find(names.begin(), names.end(), op.name) != names.end();
   });
 }
 
 Policy save_any_names_but_these(std::vector<std::string> names) {
   std::string d = "save_any_names_but_these(" + list(names) + ")";
   return Policy(std::move(d), [names = std::move(names)](const OpInfo& op) {
-    return op.op == "checkpoint_name" && std::find(names.begin(), names.end(), op.name) == names.end();
+    return op.op == ops::kind::checkpoint_name && std::find(names.begin(), names.end(), op.name) == names.end();
   });
 }
 
@@ -72,7 +72,7 @@ namespace {
 class NamedNode final : public autodiff::Node {
  public:
   NamedNode(std::vector<autodiff::Edge> in, Shape shape, std::string name)
-      : Node("checkpoint_name", std::move(in), std::move(shape)), name_(std::move(name)) {}
+      : Node(ops::kind::checkpoint_name, std::move(in), std::move(shape)), name_(std::move(name)) {}
   void backward(autodiff::Cotangents& c) override { c.set(0, c.out()); }
   std::string_view label() const override { return name_; }
 
@@ -95,7 +95,7 @@ Array checkpoint_name(const Array& x, std::string name) {
     autodiff::Node* raw = node.get();
     y.set_node(std::move(node), 0);
     const autodiff::detail::PrimitiveCall call{ins, std::span<const Array>(&y, 1), {}, 1, {}};
-    autodiff::detail::after_record("checkpoint_name", std::span<Array>(&y, 1), raw, &call);
+    autodiff::detail::after_record(ops::kind::checkpoint_name, std::span<Array>(&y, 1), raw, &call);
   }
   return y;
 }

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <linum/core/array.hpp>
+#include <linum/core/ops/kind.hpp>
 
 #include <cstddef>
 #include <functional>
@@ -26,20 +27,18 @@ namespace linum::lift {
 
 // What a policy knows about one recorded op.
 struct OpInfo {
-  std::string_view op;           // "matmul", "batched_matmul", "conv2d", "checkpoint_name", "gelu", ...
+  std::string_view op;           // the op's name: ops::kind::matmul, ops::kind::conv2d, "gelu", ...
   const Shape& shape;            // output shape
   std::size_t bytes;             // output bytes
   std::string_view name;         // for checkpoint_name ops: the name; otherwise empty
   std::string_view module_path;  // "Encoder_0/Block_1", or empty outside modules
   DType dtype = DType::f32;      // output dtype (bytes count 2 per bf16 element)
 
-  // A matrix product or convolution (JAX's dot_general and conv_general_dilated). The fused
-  // attention counts as the products it contains (JAX's attention is dot_generals around a
-  // softmax): a dots policy saves its output.
-  bool is_dot() const { return op == "matmul" || op == "batched_matmul" || op == "conv2d" || op == "attention"; }
-  // A product with batch dimensions (batched_matmul, i.e. a dot_general with batch axes; the
-  // attention's products have the batch and head axes).
-  bool has_batch_dims() const { return op == "batched_matmul" || op == "attention"; }
+  // A matrix product or convolution, the fused attention included: a dots policy saves its output
+  // (ops::kind::is_dot).
+  bool is_dot() const { return ops::kind::is_dot(op); }
+  // A product with batch dimensions (ops::kind::has_batch_dims).
+  bool has_batch_dims() const { return ops::kind::has_batch_dims(op); }
 };
 
 // A policy: a predicate over OpInfo plus a description. Default: nothing_saveable.

@@ -29,8 +29,8 @@
 //   lift::variables<"c", ...>    lifted collections (default: all).
 //   lift::rngs<"s", ...>         lifted streams (default: all).
 //   lift::verify                 check that recomputation reproduces the forward pass bit for bit.
-//   lift::prevent_cse<b>, lift::concrete<b>   parity with Flax; no effect in eager C++ (see
-//                                CheckpointOptions).
+//   lift::prevent_cse<b>         parity with jax.checkpoint; no effect in eager C++ (see
+//                                CheckpointOptions). (Flax's `concrete` is gone, as in JAX.)
 #pragma once
 
 #include <linum/lift/checkpoint.hpp>
@@ -84,8 +84,6 @@ struct rngs {
 struct verify {};
 template <bool B>
 struct prevent_cse {};
-template <bool B>
-struct concrete {};
 
 namespace detail {
 
@@ -122,8 +120,7 @@ template <class T>
 struct is_known_option
     : std::bool_constant<is_methods<T>::value || is_policy<T>::value || is_static<T>::value || is_variables<T>::value ||
                          is_rngs<T>::value || std::is_same_v<T, verify> || std::is_same_v<T, prevent_cse<true>> ||
-                         std::is_same_v<T, prevent_cse<false>> || std::is_same_v<T, concrete<true>> ||
-                         std::is_same_v<T, concrete<false>>> {};
+                         std::is_same_v<T, prevent_cse<false>>> {};
 
 template <class A, class B>
 constexpr bool same_member(A a, B b) {
@@ -141,7 +138,7 @@ template <class... Opts>
 struct RematConfig {
   static_assert((is_known_option<Opts>::value && ...),
                 "lift::remat: unknown option; use lift::methods<...>, lift::policy<P>, lift::static_argnums<...>, "
-                "lift::variables<...>, lift::rngs<...>, lift::verify, lift::prevent_cse<b> or lift::concrete<b>");
+                "lift::variables<...>, lift::rngs<...>, lift::verify or lift::prevent_cse<b>");
   static_assert(count_matching<is_methods, Opts...>() <= 1, "lift::remat: give lift::methods at most once");
   static_assert(count_matching<is_policy, Opts...>() <= 1, "lift::remat: give lift::policy at most once");
   static_assert(count_matching<is_static, Opts...>() <= 1, "lift::remat: give lift::static_argnums at most once");
@@ -161,7 +158,6 @@ struct RematConfig {
     o.static_argnums = is_static<Static>::list();
     o.verify = kVerify;
     o.prevent_cse = !(std::is_same_v<Opts, prevent_cse<false>> || ...);
-    o.concrete = (std::is_same_v<Opts, concrete<true>> || ...);
     return o;
   }
   static LiftFilters filters() {

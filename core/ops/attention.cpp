@@ -1,3 +1,4 @@
+#include <linum/core/ops/kind.hpp>
 #include <linum/core/ops/attention.hpp>
 #include <linum/core/threading.hpp>
 
@@ -489,7 +490,7 @@ Array scaled_dot_product_attention(const Array& q_in, const Array& k_in, const A
   // One primitive (the mask is an input that gets no gradient); the rule reads the inputs, the
   // output and the per-row softmax statistics (an internal residual, kept with the output when a
   // remat policy saves it: dots_saveable does, the attention being the products it contains).
-  return autodiff::primitive("attention", {&q, &k, &v, &mask},
+  return autodiff::primitive(ops::kind::attention, {&q, &k, &v, &mask},
                              [&](autodiff::Residuals& r) {
                                Array out = Array::empty(out_shape, dt);
                                Array stats = Array::empty(Shape{g.batch, g.heads, g.q_len, 2});

@@ -2,6 +2,7 @@
 // else through im2col + Eigen GEMM, processed in chunks of images so the column buffer stays small.
 // The backward rules keep x and w (not the 9x larger columns); the Eigen one rebuilds columns per
 // chunk.
+#include <linum/core/ops/kind.hpp>
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/threading.hpp>
 #include <linum/core/ops/conv.hpp>
@@ -197,7 +198,7 @@ Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
   if (onednn) {
     const kernels::ConvShape S{G.n, G.h, G.w, G.c, G.kh, G.kw, G.cg, G.o, G.groups, G.ph.out, G.pw.out, G.sh, G.sw,
                                G.dh, G.dw, G.ph.pad_lo, G.ph.pad_hi, G.pw.pad_lo, G.pw.pad_hi, t};
-    return autodiff::primitive("conv2d", {&x, &w},
+    return autodiff::primitive(ops::kind::conv2d, {&x, &w},
                                [&](autodiff::Residuals& r) {
                                  if (r.recording()) r.keep(w.node() ? x : Array(),   // for dw
                                         x.node() ? w : Array());  // for dx
@@ -210,7 +211,7 @@ Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
                                });
   }
 #endif
-  return autodiff::primitive("conv2d", {&x, &w}, [&](autodiff::Residuals& r) {
+  return autodiff::primitive(ops::kind::conv2d, {&x, &w}, [&](autodiff::Residuals& r) {
     // x is needed for dw (columns) -- and cheap compared to the columns.
     if (r.recording()) r.keep(x, x.node() ? w : Array());
     Array y = Array::empty(Shape{G.n, G.ph.out, G.pw.out, G.o});

@@ -2,6 +2,7 @@
 // its backward rule; everything else
 // (promotion of 1-D operands, batch broadcasting, dot_general's axis bookkeeping) is composed from
 // reshape/transpose/broadcast_to, whose gradients are their own.
+#include <linum/core/ops/kind.hpp>
 #include <linum/core/ops/linalg.hpp>
 #include <linum/core/autodiff/primitive.hpp>
 #include <linum/core/kernels/gemm.hpp>
@@ -24,7 +25,7 @@ Array gemm(const Array& a, const Array& b, bool ta, bool tb) { return kernels::b
 // residual reports see.
 Array mm(const Array& a, const Array& b, const Shape& out_shape) {
   const Shape product = a.rank() == 3 ? Shape{a.dim(0), a.dim(1), b.dim(2)} : Shape{a.dim(0), b.dim(1)};
-  return autodiff::primitive(a.rank() == 3 ? "batched_matmul" : "matmul", {&a, &b},
+  return autodiff::primitive(a.rank() == 3 ? ops::kind::batched_matmul : ops::kind::matmul, {&a, &b},
                              [&](autodiff::Residuals& r) {
                                if (r.recording()) r.keep(b.node() ? a : Array(), a.node() ? b : Array());
                                return gemm(a, b, false, false).with_shape(out_shape);

@@ -1,0 +1,25 @@
+// Op identities that code beyond an op's own file refers to (checkpoint policies, residual reports):
+// one spelling each, and the traits JAX's policies select on. Every op records under its name
+// (autodiff::primitive(name, ...)); these are the names other layers compare against.
+#pragma once
+
+#include <string_view>
+
+namespace linum::ops::kind {
+
+inline constexpr char matmul[] = "matmul";
+inline constexpr char batched_matmul[] = "batched_matmul";
+inline constexpr char conv2d[] = "conv2d";
+inline constexpr char attention[] = "attention";              // the fused attention
+inline constexpr char checkpoint_name[] = "checkpoint_name";  // the identity op policies select by name
+
+// A matrix product or convolution (JAX's dot_general and conv_general_dilated). The fused attention
+// counts as the products it contains (JAX's attention is dot_generals around a softmax).
+constexpr bool is_dot(std::string_view op) {
+  return op == matmul || op == batched_matmul || op == conv2d || op == attention;
+}
+// A product with batch dimensions (a dot_general with batch axes; the attention's products have
+// the batch and head axes).
+constexpr bool has_batch_dims(std::string_view op) { return op == batched_matmul || op == attention; }
+
+}  // namespace linum::ops::kind
