@@ -49,7 +49,7 @@ int main() {
   // apply + value_and_grad: the rematted model's loss and gradients equal the plain model's, bit for bit.
   auto loss_of = [&](auto model) {
     return value_and_grad([&, model](const Tree& params) {
-      Array y = apply(model, Tree{{"params", params}}, {.rngs = {{"dropout", rng::key(2)}}}, x, true).first;
+      Array y = apply(model, Tree{{"params", params}}, {.rngs = {{"dropout", rng::key(2)}}}, x, true);
       return mean(square(y));
     })(vars.at("params"));
   };

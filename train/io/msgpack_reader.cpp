@@ -196,7 +196,7 @@ class MsgpackReader {
       for (auto& ch : shown)
         if (static_cast<unsigned char>(ch) < 0x20 || static_cast<unsigned char>(ch) >= 0x7f) ch = '?';
       fail(detail::cat("unsupported dtype '", shown,
-                       "'; Linum reads float32 and int32, and converts bool, (u)int8/16/32/64, float16, bfloat16 "
+                       "'; Linum reads float32, bfloat16 and int32, and converts bool, (u)int8/16/32/64, float16 "
                        "and float64 when that is lossless"));
     }
     Header data = r.next();
@@ -216,7 +216,7 @@ class MsgpackReader {
   }
 
   RawArray ext_array(const Header& h) {
-    if (h.ext_type == 2) fail("complex numbers (ext type 2) are not supported; Linum arrays are float32/int32");
+    if (h.ext_type == 2) fail("complex numbers (ext type 2) are not supported; Linum arrays are float32/bfloat16/int32");
     if (h.ext_type != 1 && h.ext_type != 3)
       fail(detail::cat("unknown msgpack ext type ", int(h.ext_type),
                        "; Flax arrays use ext type 1 (ndarray) or 3 (numpy scalar)"));

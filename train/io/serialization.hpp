@@ -3,7 +3,8 @@
 // MessagePack layout (the layout of flax.serialization.msgpack_serialize / msgpack_restore):
 //   - a dict is a msgpack map with str keys, entries in tree order;
 //   - an array is an ext record with type code 1 whose payload is itself msgpack: a 3-element
-//     array [shape as an array of non-negative ints, dtype name as str ("float32" or "int32"),
+//     array [shape as an array of non-negative ints, dtype name as str ("float32", "bfloat16" or
+//     "int32"),
 //     the C-order little-endian element bytes as bin];
 //   - an array above 2^30 bytes is written the way Flax chunks it: a map
 //     {"__msgpack_chunked_array__": true, "shape": {"0": d0, "1": d1, ...},
@@ -14,7 +15,8 @@
 //   str or bin. Other dtypes are converted when that is lossless and rejected otherwise:
 //     bool, int8, uint8, int16, uint16           -> int32 (always exact)
 //     int64, uint32, uint64                      -> int32 if every value fits, else IoError
-//     float16, bfloat16                          -> float32 (always exact)
+//     bfloat16                                   -> bfloat16 (kept, 2 bytes per element, as Flax wrote it)
+//     float16                                    -> float32 (always exact)
 //     float64                                    -> float32 if every value converts exactly
 //                                                   (NaN and +-inf included), else IoError
 //   Anything else (complex, strings, other Python values, non-str keys, unknown ext codes) is an
