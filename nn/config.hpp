@@ -30,6 +30,7 @@
 
 #include <charconv>
 #include <cstdlib>
+#include <cmath>
 #include <limits>
 #include <optional>
 #include <set>
@@ -211,7 +212,12 @@ T from_value(const nlohmann::json& j, const std::string& where) {
     return j.get<T>();
   } else if constexpr (std::is_floating_point_v<T>) {
     if (!j.is_number()) bad_field(where, "a number", j);
-    return j.get<T>();
+    // Refuse what no hyperparameter means: a number that overflowed while parsing (1e999 is inf)
+    // or one the field's type cannot hold (3e38 is fine for a double field, not for a float one).
+    const double v = j.get<double>();
+    if (!std::isfinite(v) || std::abs(v) > static_cast<double>(std::numeric_limits<T>::max()))
+      bad_field(where, detail::cat("a finite number within +-", std::numeric_limits<T>::max()).c_str(), j);
+    return static_cast<T>(v);
   } else if constexpr (std::is_same_v<T, std::string>) {
     if (!j.is_string()) bad_field(where, "a string", j);
     return j.get<std::string>();

@@ -103,6 +103,15 @@ TEST_CASE("row 3: configurations and hyperparameters a layer cannot hold are ref
   CHECK(contains(error_of<ValueError>([] { nn::module_from_config<nn::BatchNorm>({{"axis", 4294967295LL}}); }),
                  "BatchNorm.axis"));
   CHECK(contains(error_of<ValueError>([] { nn::module_from_config<nn::Dense>({{"features", 2.5}}); }), "Dense.features"));
+  // A non-finite number (a config built in code; JSON text cannot spell one) is refused on load.
+  const double inf = std::numeric_limits<double>::infinity();
+  const std::string overflowed = error_of<ValueError>([&] { nn::module_from_config<nn::Dropout>({{"rate", inf}}); });
+  CHECK(contains(overflowed, "Dropout.rate"));
+  CHECK(contains(overflowed, "a finite number"));
+  CHECK(contains(error_of<ValueError>([&] { nn::module_from_config<nn::LayerNorm>({{"epsilon", -inf}}); }), "LayerNorm.epsilon"));
+  CHECK(contains(error_of<ValueError>([] { nn::module_from_config<nn::LayerNorm>({{"epsilon", std::nan("")}}); }),
+                 "LayerNorm.epsilon"));
+  CHECK(nn::module_from_config<nn::Dropout>(nlohmann::json::parse(R"({"rate": 0.25})")).rate == 0.25);
   const Array x = random_array(Shape{4, 3}, 2);
   CHECK(contains(error_of<ValueError>([&] { init(nn::BatchNorm{.use_running_average = false, .momentum = -0.5}, rng::key(0), x); }), "momentum"));
   CHECK(contains(error_of<ShapeError>([&] {
