@@ -7,14 +7,20 @@ namespace linum::lift::detail {
 std::vector<Array> lifted_run(Scope& s, const ScopedBody& body, const CheckpointOptions& options,
                               const LiftFilters& filters, std::vector<Array> held,
                               const std::function<bool(const std::vector<Array>&)>& keep_plain) {
+  return lifted_run(s, body, body, options, filters, std::move(held), keep_plain);
+}
+
+std::vector<Array> lifted_run(Scope& s, const ScopedBody& body_once, ScopedBody body, const CheckpointOptions& options,
+                              const LiftFilters& filters, std::vector<Array> held,
+                              const std::function<bool(const std::vector<Array>&)>& keep_plain) {
   const Pack pack(s, filters, "lift::remat");
   ScopeState forward_state = pack.fresh();
   auto base = std::make_shared<ScopeState>();
   auto forward = [&] {
     Scope inner(forward_state, pack.path());
-    return body(inner);
+    return body_once(inner);
   };
-  auto recompute = [body, base, path = pack.path()] {
+  auto recompute = [body = std::move(body), base, path = pack.path()] {
     ScopeState state = *base;  // a fresh copy each time: writes made while recomputing are dropped
     Scope inner(state, path);
     linum::detail::ModulePathGuard where(&inner.path());

@@ -195,6 +195,11 @@ using ScopedBody = std::function<std::vector<Array>(Scope&)>;
 std::vector<Array> lifted_run(Scope& s, const ScopedBody& body, const CheckpointOptions& options,
                               const LiftFilters& filters, std::vector<Array> held,
                               const std::function<bool(const std::vector<Array>&)>& keep_plain = nullptr);
+// The same with a separate body for the recomputations (`forward` runs once, during this call;
+// `replay` is kept for the backward pass).
+std::vector<Array> lifted_run(Scope& s, const ScopedBody& forward, ScopedBody replay, const CheckpointOptions& options,
+                              const LiftFilters& filters, std::vector<Array> held,
+                              const std::function<bool(const std::vector<Array>&)>& keep_plain = nullptr);
 
 template <class Config, class M, class Body, class... Args>
 auto lifted_invoke(const M& module, const std::optional<Policy>& policy, Scope& s, Body body, Args&&... args) {

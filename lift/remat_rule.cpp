@@ -4,25 +4,36 @@
 
 namespace linum::lift::detail {
 
-bool RematRuleInterceptor::wants(const std::vector<std::string>& path, const std::string& /*type*/) const {
-  pending_ = (*rule_)(path);
+bool RematRuleHook::wants(const linum::detail::ModuleCall& call) const {
+  if (call.kind != linum::detail::ModuleCall::Kind::child) return false;
+  // Only the innermost rule counts.
+  for (auto* e = linum::detail::ContextStack<linum::detail::ModuleCallHookContext>::innermost(); e != nullptr; e = e->below())
+    if (dynamic_cast<const RematRuleHook*>(e->value()) != nullptr) {
+      if (e->value() != this) return false;
+      break;
+    }
+  pending_ = (*rule_)(call.path);
   return pending_.has_value();
 }
 
-std::vector<Array> RematRuleInterceptor::run(Scope& scope, const std::function<std::vector<Array>(Scope&)>& body) {
+std::vector<Array> RematRuleHook::around(Scope& scope, const linum::detail::ModuleCall& /*call*/,
+                                         const linum::detail::ModuleCallBody& next, const linum::detail::ModuleCallBody& body) {
   RematDecision decision = pending_ ? std::move(*pending_) : RematDecision{};
   pending_.reset();
-  ScopedBody replayed = [rule = rule_, body](Scope& s) {
-    RematRuleInterceptor again(rule);
-    linum::detail::CallInterceptorGuard installed(&again);
+  // The recomputation runs the module alone with the same rule installed again, so nested calls
+  // are decided as in the forward pass (which runs `next`: the hooks inside this one, then the
+  // module, with this rule still installed).
+  ScopedBody replay = [rule = rule_, body](Scope& s) {
+    RematRuleHook again(rule);
+    linum::detail::ModuleCallHookGuard installed(&again);
     return body(s);
   };
   CheckpointOptions options;
   options.policy = std::move(decision.policy);
-  return lifted_run(scope, replayed, options, LiftFilters{}, {}, decision.keep_plain);
+  return lifted_run(scope, next, std::move(replay), options, LiftFilters{}, {}, decision.keep_plain);
 }
 
 RematRuleScope::RematRuleScope(RematRule rule)
-    : interceptor_(std::make_shared<const RematRule>(std::move(rule))), guard_(&interceptor_) {}
+    : hook_(std::make_shared<const RematRule>(std::move(rule))), guard_(&hook_) {}
 
 }  // namespace linum::lift::detail

@@ -1,6 +1,6 @@
 // The one implementation of run-time remat for module calls: lift::RematScope (Keras's modes) and
 // lift::PlanScope (a planner's per-path policies) are both a rule from a call's module path to a
-// decision, installed as the thread's module-call interceptor.
+// decision, installed as a module-call hook.
 //
 //   RematRuleScope scope([](const std::vector<std::string>& path) -> std::optional<RematDecision> {
 //     if (path.size() == 1) return RematDecision{.policy = policies::dots_saveable{}};
@@ -33,15 +33,19 @@ struct RematDecision {
 // The decision for the call at `path` (nullopt: the call runs plainly). Called once per call.
 using RematRule = std::function<std::optional<RematDecision>(const std::vector<std::string>& path)>;
 
-class RematRuleInterceptor final : public linum::detail::CallInterceptor {
+// The module-call hook (modules/scope.hpp) a rule makes: it takes over the child calls the rule
+// selects. Only the innermost rule hook of a thread decides (an inner RematScope shadows an outer
+// one, as Keras's).
+class RematRuleHook final : public linum::detail::ModuleCallHook {
  public:
-  explicit RematRuleInterceptor(std::shared_ptr<const RematRule> rule) : rule_(std::move(rule)) {}
-  bool wants(const std::vector<std::string>& path, const std::string& type) const override;
-  std::vector<Array> run(Scope& scope, const std::function<std::vector<Array>(Scope&)>& body) override;
+  explicit RematRuleHook(std::shared_ptr<const RematRule> rule) : rule_(std::move(rule)) {}
+  bool wants(const linum::detail::ModuleCall& call) const override;
+  std::vector<Array> around(Scope& scope, const linum::detail::ModuleCall& call, const linum::detail::ModuleCallBody& next,
+                            const linum::detail::ModuleCallBody& body) override;
 
  private:
   std::shared_ptr<const RematRule> rule_;
-  // wants() decides, run() (called right after it, for the same call) uses the decision.
+  // wants() decides, around() (called later for the same call) uses the decision.
   mutable std::optional<RematDecision> pending_;
 };
 
@@ -53,8 +57,8 @@ class RematRuleScope {
   RematRuleScope& operator=(const RematRuleScope&) = delete;
 
  private:
-  RematRuleInterceptor interceptor_;
-  linum::detail::CallInterceptorGuard guard_;
+  RematRuleHook hook_;
+  linum::detail::ModuleCallHookGuard guard_;
 };
 
 }  // namespace linum::lift::detail

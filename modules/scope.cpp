@@ -38,8 +38,24 @@ auto innermost(const typename Context::Value fallback = nullptr) {
 }
 }  // namespace
 
-CallInterceptor* call_interceptor() { return innermost<CallInterceptorContext>(); }
-ModuleCallObserver* module_call_observer() { return innermost<ModuleCallObserverContext>(); }
+std::vector<ModuleCallHook*> hooks_for(const ModuleCall& call) {
+  std::vector<ModuleCallHook*> hooks;
+  for (auto* e = ContextStack<ModuleCallHookContext>::innermost(); e != nullptr; e = e->below())
+    if (e->value()->wants(call)) hooks.push_back(e->value());
+  std::reverse(hooks.begin(), hooks.end());  // outermost first
+  return hooks;
+}
+
+std::vector<Array> run_hooks(Scope& scope, const ModuleCall& call, const std::vector<ModuleCallHook*>& hooks,
+                             const ModuleCallBody& body) {
+  // Hook i runs with `next` = hooks i+1.. and then the body, on whatever scope it is given.
+  std::function<std::vector<Array>(std::size_t, Scope&)> from = [&](std::size_t i, Scope& s) -> std::vector<Array> {
+    if (i == hooks.size()) return body(s);
+    const ModuleCallBody next = [&from, i](Scope& inner) { return from(i + 1, inner); };
+    return hooks[i]->around(s, call, next, body);
+  };
+  return from(0, scope);
+}
 const std::vector<std::string>* current_module_path() { return innermost<ModulePathContext>(); }
 
 // Memory timelines tag each op with the module path running it.

@@ -119,50 +119,54 @@ std::string demangled_type_name(const char* mangled);
 // policies and residual reports use it.
 const std::vector<std::string>* current_module_path();
 
-// Sees every module call on this thread (for tools such as nn::tabulate): entry with the module's
-// path and type name, and exit with the arrays of its output. Install with ModuleCallObserverGuard.
-class ModuleCallObserver {
- public:
-  virtual ~ModuleCallObserver() = default;
-  virtual void on_enter(const std::vector<std::string>& path, const std::string& type) = 0;
-  virtual void on_exit(const std::vector<std::string>& path, const std::string& type, const std::vector<Array>& outputs) = 0;
-};
-struct ModuleCallObserverContext { using Value = ModuleCallObserver*; };
-// The innermost observer on this thread, or null.
-ModuleCallObserver* module_call_observer();
+// ---- module-call hooks (Flax's intercept_methods) ---------------------------------------------
+// Every module call goes through the hooks installed on its thread that want it: lift::RematScope
+// and lift::PlanScope take child calls over (lift/remat_rule.hpp), nn::tabulate records them.
 
-// Installs an observer for its lifetime (core/context.hpp: the innermost one is told).
-class ModuleCallObserverGuard {
+// One module call as hooks see it.
+struct ModuleCall {
+  enum class Kind {
+    child,   // s(module, ...) or s("name", module, ...)
+    method,  // s.call(&M::method, module, ...)
+    entry,   // the root module of init/apply, a lift::scan iteration's body
+  };
+  const std::vector<std::string>& path;
+  const std::string& type;
+  Kind kind;
+};
+
+// Runs (the rest of) a module call on a scope; returns the output's arrays.
+using ModuleCallBody = std::function<std::vector<Array>(Scope&)>;
+
+class ModuleCallHook {
  public:
-  explicit ModuleCallObserverGuard(ModuleCallObserver* observer) : installed_(observer) {}
+  virtual ~ModuleCallHook() = default;
+  // Whether the hook takes part in `call` (asked once per call; a call no hook wants runs directly).
+  virtual bool wants(const ModuleCall& call) const = 0;
+  // Runs the call. `next(scope)` continues it (the hooks installed inside this one, then the module)
+  // and is valid during this call only. `body(scope)` runs the module alone on copies of the module
+  // and the arguments, so a hook may keep it for child calls (a checkpoint's recomputation runs it
+  // after the call returned, when the hooks inside may be gone).
+  virtual std::vector<Array> around(Scope& scope, const ModuleCall& call, const ModuleCallBody& next,
+                                    const ModuleCallBody& body) = 0;
+};
+struct ModuleCallHookContext { using Value = ModuleCallHook*; };
+
+// Installs a hook for its lifetime (core/context.hpp). Hooks installed earlier wrap those installed
+// later: the outermost runs first and its `next` reaches the inner ones.
+class ModuleCallHookGuard {
+ public:
+  explicit ModuleCallHookGuard(ModuleCallHook* hook) : installed_(hook) {}
 
  private:
-  ContextStack<ModuleCallObserverContext>::Entry installed_;
+  ContextStack<ModuleCallHookContext>::Entry installed_;
 };
 
-// Decides, at call time, that a child module call runs checkpointed (lift::RematScope installs one).
-class CallInterceptor {
- public:
-  virtual ~CallInterceptor() = default;
-  // Whether the call of a module of type `type` at `path` is taken over.
-  virtual bool wants(const std::vector<std::string>& path, const std::string& type) const = 0;
-  // Runs `body` (the module on the scope it is given; returns its output's arrays) for the call at `scope`.
-  virtual std::vector<Array> run(Scope& scope, const std::function<std::vector<Array>(Scope&)>& body) = 0;
-};
-struct CallInterceptorContext { using Value = CallInterceptor*; };
-// The innermost interceptor on this thread, or null.
-CallInterceptor* call_interceptor();
-
-// Installs an interceptor for its lifetime (core/context.hpp: the innermost one counts; a guard
-// destroyed out of order, e.g. an outer lift::RematScope before an inner one, leaves the stack
-// wherever it is). Destroy a guard on the thread that created it.
-class CallInterceptorGuard {
- public:
-  explicit CallInterceptorGuard(CallInterceptor* interceptor) : installed_(interceptor) {}
-
- private:
-  ContextStack<CallInterceptorContext>::Entry installed_;
-};
+// The hooks of this thread that want `call`, outermost first.
+std::vector<ModuleCallHook*> hooks_for(const ModuleCall& call);
+// Runs `call` through `hooks` (outermost first), ending in `body`.
+std::vector<Array> run_hooks(Scope& scope, const ModuleCall& call, const std::vector<ModuleCallHook*>& hooks,
+                             const ModuleCallBody& body);
 
 struct ModulePathContext { using Value = const std::vector<std::string>*; };
 // Sets the current module path for its lifetime.
@@ -256,9 +260,11 @@ class Scope {
     requires std::is_member_function_pointer_v<Method>
   decltype(auto) call(Method method, const M& module, Args&&... args) {
     Scope child = child_scope(next_auto_name(module_type_name<M>()));
-    return child.run(module, [&](Scope& s, auto&&... a) -> decltype(auto) {
-      return invoke_method(module, method, s, std::forward<decltype(a)>(a)...);
-    }, std::forward<Args>(args)...);
+    return child.enter(detail::ModuleCall::Kind::method, module,
+                       [method](Scope& s, const M& m, auto&&... a) -> decltype(auto) {
+                         return invoke_method(m, method, s, std::forward<decltype(a)>(a)...);
+                       },
+                       std::forward<Args>(args)...);
   }
 
   // Calls a method of a module in a named child scope: s.call("encoder", &Encoder::encode, enc, x).
@@ -266,9 +272,11 @@ class Scope {
     requires std::is_member_function_pointer_v<Method>
   decltype(auto) call(std::string_view name, Method method, const M& module, Args&&... args) {
     Scope child = child_scope(std::string(name));
-    return child.run(module, [&](Scope& s, auto&&... a) -> decltype(auto) {
-      return invoke_method(module, method, s, std::forward<decltype(a)>(a)...);
-    }, std::forward<Args>(args)...);
+    return child.enter(detail::ModuleCall::Kind::method, module,
+                       [method](Scope& s, const M& m, auto&&... a) -> decltype(auto) {
+                         return invoke_method(m, method, s, std::forward<decltype(a)>(a)...);
+                       },
+                       std::forward<Args>(args)...);
   }
 
  private:
@@ -301,47 +309,63 @@ class Scope {
   // "Dense_0", "Dense_1", ...: the next auto-name for a type in this scope.
   std::string next_auto_name(const std::string& type_name);
 
-  // Runs `module` as the body of this (child) scope, through the active interceptor if it wants
-  // the call (see detail::CallInterceptor).
+  // Runs `module` as the body of this (child) scope; a memory timeline marks the call's return
+  // (after a checkpointed call released its insides).
   template <class M, class... Args>
   decltype(auto) call_module(const M& module, Args&&... args) {
-    // A memory timeline marks the call's return (after a checkpointed call released its insides).
     struct ReturnMark {
       Scope* scope;
       ~ReturnMark() {
         if (memory::detail::timeline_recording()) scope->mark_timeline_return();
       }
     } mark{this};
-    if (detail::CallInterceptor* ic = detail::call_interceptor(); ic != nullptr && ic->wants(path_, module_type_name<M>()))
-      return run_intercepted(*ic, module, std::forward<Args>(args)...);
-    return run(module, module, std::forward<Args>(args)...);
+    return enter(detail::ModuleCall::Kind::child, module,
+                 [](Scope& s, const M& m, auto&&... a) -> decltype(auto) { return m(s, std::forward<decltype(a)>(a)...); },
+                 std::forward<Args>(args)...);
   }
 
-  // Runs `module` through an interceptor (see detail::CallInterceptor): the interceptor gets a body
-  // that runs the module on whatever scope it is given, and the output is rebuilt around the
-  // arrays it returns.
-  template <class M, class... Args>
-  auto run_intercepted(detail::CallInterceptor& interceptor, const M& module, Args&&... args) {
-    using Out = std::decay_t<std::invoke_result_t<const M&, Scope&, Args...>>;
-    const pytree::FlatCall<Out, std::decay_t<Args>...> call(std::tuple<std::decay_t<Args>...>(std::forward<Args>(args)...));
-    return call.rebuild(interceptor.run(
-        *this, call.template body<Scope&>([module](Scope& s, const auto&... a) { return s.run(module, module, a...); })));
-  }
-
-  // Runs `body(*this, args...)` as the body of `module`, adding this scope's path to Linum errors
-  // that escape it. Used by the child-module calls above and by the top-level init/apply.
+  // Runs `body(*this, args...)` as the body of `module` (the module entry points' way in:
+  // detail::ModuleEntry::run).
   template <class M, class Body, class... Args>
-  decltype(auto) run(const M& /*module*/, Body&& body, Args&&... args) {
+  decltype(auto) run(const M& module, Body&& body, Args&&... args) {
+    return enter(detail::ModuleCall::Kind::entry, module,
+                 [&body](Scope& s, const M&, auto&&... a) -> decltype(auto) { return body(s, std::forward<decltype(a)>(a)...); },
+                 std::forward<Args>(args)...);
+  }
+
+  // Every module call: through the module-call hooks that want it, else directly.
+  // `body(scope, module, args...)` runs the module.
+  template <class M, class Body, class... Args>
+  decltype(auto) enter(detail::ModuleCall::Kind kind, const M& module, Body body, Args&&... args) {
+    if (detail::ContextStack<detail::ModuleCallHookContext>::innermost() != nullptr) [[unlikely]] {
+      const std::string type = module_type_name<M>();
+      const detail::ModuleCall call{path_, type, kind};
+      const std::vector<detail::ModuleCallHook*> hooks = detail::hooks_for(call);
+      if (!hooks.empty()) return run_hooked(call, hooks, module, std::move(body), std::forward<Args>(args)...);
+    }
+    return run_body(module, body, std::forward<Args>(args)...);
+  }
+
+  template <class M, class Body, class... Args>
+  auto run_hooked(const detail::ModuleCall& call, const std::vector<detail::ModuleCallHook*>& hooks, const M& module,
+                  Body body, Args&&... args) -> std::decay_t<std::invoke_result_t<Body&, Scope&, const M&, Args...>> {
+    using Out = std::decay_t<std::invoke_result_t<Body&, Scope&, const M&, Args...>>;
+    const pytree::FlatCall<Out, std::decay_t<Args>...> flat(std::tuple<std::decay_t<Args>...>(std::forward<Args>(args)...));
+    // The module alone, on copies of the module and the arguments (see ModuleCallHook::around).
+    const detail::ModuleCallBody alone = flat.template body<Scope&>(
+        [module, body](Scope& s, const auto&... a) -> Out { return s.run_body(module, body, a...); });
+    return flat.rebuild(detail::run_hooks(*this, call, hooks, alone));
+  }
+
+  // The module's body in this scope: the module path set, outputs checked when debug checks are on,
+  // Linum errors that escape annotated with this scope's path.
+  template <class M, class Body, class... Args>
+  decltype(auto) run_body(const M& module, const Body& body, Args&&... args) {
     detail::ModulePathGuard where(&path_);
     try {
-      detail::ModuleCallObserver* observer = detail::module_call_observer();
-      const bool check_outputs = linum::detail::debug_checks_on();
-      if (observer == nullptr && !check_outputs) return body(*this, std::forward<Args>(args)...);
-      const std::string type = module_type_name<M>();
-      if (observer != nullptr) observer->on_enter(path_, type);
-      decltype(auto) out = body(*this, std::forward<Args>(args)...);
-      if (check_outputs) linum::detail::check_module_outputs(pytree::flatten(out));
-      if (observer != nullptr) observer->on_exit(path_, type, pytree::flatten(out));
+      if (!linum::detail::debug_checks_on()) return body(*this, module, std::forward<Args>(args)...);
+      decltype(auto) out = body(*this, module, std::forward<Args>(args)...);
+      linum::detail::check_module_outputs(pytree::flatten(out));
       return out;
     } catch (const Error&) {
       rethrow_with_path(module_type_name<M>());

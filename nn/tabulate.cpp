@@ -12,31 +12,31 @@ namespace linum::nn {
 
 namespace tabulate_detail {
 
-struct Trace::Observer final : linum::detail::ModuleCallObserver {
+// A module-call hook that records every call: a row on entry, its output's shape on return.
+struct Trace::Observer final : linum::detail::ModuleCallHook {
   std::vector<Row> rows;
-  std::vector<std::size_t> open;  // rows of the calls currently running, outermost first
 
-  void on_enter(const std::vector<std::string>& path, const std::string& type) override {
+  bool wants(const linum::detail::ModuleCall&) const override { return true; }
+  std::vector<Array> around(Scope& scope, const linum::detail::ModuleCall& call, const linum::detail::ModuleCallBody& next,
+                            const linum::detail::ModuleCallBody&) override {
     Row r;
-    r.path = path;
-    r.type = type;
+    r.path = call.path;
+    r.type = call.type;
     rows.push_back(std::move(r));
-    open.push_back(rows.size() - 1);
-  }
-  void on_exit(const std::vector<std::string>&, const std::string&, const std::vector<Array>& outputs) override {
-    Row& r = rows[open.back()];
-    open.pop_back();
+    const std::size_t row = rows.size() - 1;
+    std::vector<Array> outputs = next(scope);
     if (!outputs.empty() && outputs.front().defined()) {
-      r.has_output = true;
-      r.output_shape = outputs.front().shape();
-      r.output_dtype = outputs.front().dtype();
+      rows[row].has_output = true;
+      rows[row].output_shape = outputs.front().shape();
+      rows[row].output_dtype = outputs.front().dtype();
     }
+    return outputs;
   }
 };
 
 Trace::Trace()
     : observer_(std::make_unique<Observer>()),
-      guard_(std::make_unique<linum::detail::ModuleCallObserverGuard>(observer_.get())) {}
+      guard_(std::make_unique<linum::detail::ModuleCallHookGuard>(observer_.get())) {}
 Trace::~Trace() = default;
 const std::vector<Row>& Trace::rows() const { return observer_->rows; }
 

@@ -50,7 +50,7 @@ class Trace {
  private:
   struct Observer;
   std::unique_ptr<Observer> observer_;
-  std::unique_ptr<linum::detail::ModuleCallObserverGuard> guard_;
+  std::unique_ptr<linum::detail::ModuleCallHookGuard> guard_;
 };
 
 // Formats the table. `root_output` is undefined when the root's output is not a single Array.
