@@ -1,7 +1,7 @@
 // Per-thread context: the one mechanism behind every "while this object is alive, on this thread"
 // setting in Linum, as Flax's ThreadLocalStack and Python's contextvars: recording on or off,
 // saved-value hooks, record hooks (checkpoint regions, residual traces), the threefry mode, the
-// debug phase, the module path, module-call observers and interceptors.
+// debug phase, the module path, module-call hooks.
 //
 //   struct Recording { using Value = bool; };            // a tag names one context
 //   ContextStack<Recording>::Entry off(false);           // pushed for this block

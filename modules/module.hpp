@@ -49,7 +49,7 @@ struct ModuleEntry {
   static Tree initialized_variables(ScopeState& state, bool keep_intermediates);
 
   // The one internal way to run a module: body(s, args...) as `module`'s body in scope `s` (the
-  // module path set, module-call observers and debug checks told, Linum errors annotated with the
+  // module path set, module-call hooks and debug checks told, Linum errors annotated with the
   // path). init/apply run the root module through it, lift::scan each iteration's body.
   template <class M, class Body, class... Args>
   static decltype(auto) run(Scope& s, const M& module, Body&& body, Args&&... args) {

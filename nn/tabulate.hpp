@@ -7,7 +7,7 @@
 // bytes (the bytes of its output); then totals: every collection of the variable dict, and the
 // activation bytes summed over the rows that call no submodule.
 //
-// It runs `init`, then applies the model once more with a module-call observer installed (see
+// It runs `init`, then applies the model once more with a module-call hook installed (see
 // Scope), which sees every call with its path, type and output.
 #pragma once
 
