@@ -17,36 +17,13 @@
 
 namespace linum::lift {
 
-const char* plan_policy_name(PlanPolicy p) {
-  switch (p) {
-    case PlanPolicy::none: return "none";
-    case PlanPolicy::full: return "full";
-    case PlanPolicy::dots: return "dots";
-    case PlanPolicy::dots_no_batch: return "dots_no_batch";
-    case PlanPolicy::names: return "names";
-  }
-  return "none";
-}
-
-PlanPolicy plan_policy_from_name(const std::string& name) {
-  for (PlanPolicy p : {PlanPolicy::none, PlanPolicy::full, PlanPolicy::dots, PlanPolicy::dots_no_batch, PlanPolicy::names})
-    if (name == plan_policy_name(p)) return p;
-  throw ValueError(linum::detail::cat("lift::RematPlan: unknown policy '", name, "' (none, full, dots, dots_no_batch, names)"));
-}
-
 namespace {
 
-Policy to_policy(PlanPolicy p, const std::vector<std::string>& names) {
-  switch (p) {
-    case PlanPolicy::dots: return policies::dots_saveable{};
-    case PlanPolicy::dots_no_batch: return policies::dots_with_no_batch_dims_saveable{};
-    case PlanPolicy::names: return policies::save_only_these_names(names);
-    default: return Policy{};  // nothing saveable
-  }
-}
+// The policy for a call at `path` (nullopt: the call runs plainly).
+using Rule = std::function<std::optional<Policy>(const std::vector<std::string>& path)>;
 
-// The policy for a call at `path` (nullopt or none: the call runs plainly).
-using Rule = std::function<std::optional<PlanPolicy>(const std::vector<std::string>& path)>;
+// How a plan, its printout and the profiling labels name a policy ("none": plain).
+std::string policy_name(const std::optional<Policy>& p) { return p ? p->description() : std::string("none"); }
 
 std::string prefix_at(const std::string& path, int depth) {
   if (path.empty() || depth <= 0) return {};
@@ -66,34 +43,34 @@ namespace {
 
 // A plan's rule as the remat rule RematScope uses too (remat_rule.hpp): a call runs checkpointed
 // under the policy the plan gives its path; none or no entry: plainly.
-detail::RematRule remat_rule(Rule rule, const std::vector<std::string>& names) {
-  return [rule = std::move(rule), names](const std::vector<std::string>& path) -> std::optional<detail::RematDecision> {
-    const std::optional<PlanPolicy> p = rule(path);
-    if (!p || *p == PlanPolicy::none) return std::nullopt;
-    return detail::RematDecision{.policy = to_policy(*p, names), .keep_plain = {}};
+detail::RematRule remat_rule(Rule rule) {
+  return [rule = std::move(rule)](const std::vector<std::string>& path) -> std::optional<detail::RematDecision> {
+    std::optional<Policy> p = rule(path);
+    if (!p) return std::nullopt;
+    return detail::RematDecision{.policy = std::move(*p), .keep_plain = {}};
   };
 }
 
 Rule plan_rule(const RematPlan& plan) {
-  auto policies = std::make_shared<std::map<std::string, PlanPolicy>>();
+  auto policies = std::make_shared<std::map<std::string, std::optional<Policy>>>();
   for (const auto& c : plan.calls) (*policies)[c.path] = c.policy;
-  return [policies](const std::vector<std::string>& path) -> std::optional<PlanPolicy> {
+  return [policies](const std::vector<std::string>& path) -> std::optional<Policy> {
     auto it = policies->find(linum::detail::join_module_path(path));
     if (it == policies->end()) return std::nullopt;
     return it->second;
   };
 }
 
-Rule uniform_rule(int depth, PlanPolicy p) {
-  return [depth, p](const std::vector<std::string>& path) -> std::optional<PlanPolicy> {
+Rule uniform_rule(int depth, std::optional<Policy> p) {
+  return [depth, p](const std::vector<std::string>& path) -> std::optional<Policy> {
     if (static_cast<int>(path.size()) != depth) return std::nullopt;
     return p;
   };
 }
 
 // Calls at `outer` depth under p, and the calls inside them at `inner` depth under q (nested remat).
-Rule nested_rule(int outer, PlanPolicy p, int inner, PlanPolicy q) {
-  return [outer, p, inner, q](const std::vector<std::string>& path) -> std::optional<PlanPolicy> {
+Rule nested_rule(int outer, std::optional<Policy> p, int inner, std::optional<Policy> q) {
+  return [outer, p, inner, q](const std::vector<std::string>& path) -> std::optional<Policy> {
     if (static_cast<int>(path.size()) == outer) return p;
     if (static_cast<int>(path.size()) == inner) return q;
     return std::nullopt;
@@ -196,11 +173,11 @@ LevelRun analyse(const memory::Timeline& t, const std::vector<int>& depths, std:
 
 struct Profile {
   std::vector<int> depths;
-  std::vector<PlanPolicy> policies;               // policies[0] is none
+  std::vector<std::optional<Policy>> policies;     // policies[0] is none (plain)
   std::vector<std::vector<LevelRun>> runs;        // [level][policy]
   // [level][(outer policy, inner policy)]: calls of the level rematted with every call inside them
   // (next level) rematted too: one of a call's options besides whole or planned inside.
-  std::vector<std::vector<std::pair<std::pair<PlanPolicy, PlanPolicy>, LevelRun>>> nested;
+  std::vector<std::vector<std::pair<std::pair<std::size_t, std::size_t>, LevelRun>>> nested;  // policy indices
 };
 
 // ---- the solver --------------------------------------------------------------------------------
@@ -209,7 +186,7 @@ struct Profile {
 struct Choice {
   std::shared_ptr<const Choice> left, right;
   std::string path;
-  PlanPolicy policy = PlanPolicy::none;
+  std::size_t policy = 0;  // index into Profile::policies
 };
 using ChoicePtr = std::shared_ptr<const Choice>;
 ChoicePtr join(ChoicePtr a, ChoicePtr b) {
@@ -220,7 +197,7 @@ ChoicePtr join(ChoicePtr a, ChoicePtr b) {
   c->right = std::move(b);
   return c;
 }
-void flatten(const ChoicePtr& c, std::map<std::string, PlanPolicy>& out) {
+void flatten(const ChoicePtr& c, std::map<std::string, std::size_t>& out) {
   if (!c) return;
   if (!c->path.empty()) out[c->path] = c->policy;
   flatten(c->left, out);
@@ -275,9 +252,8 @@ std::vector<Option> unit_options(const Profile& pr, const std::string& unit, std
     if (it == segs.end()) continue;
     auto c = std::make_shared<Choice>();
     c->path = unit;
-    c->policy = pr.policies[k];
-    out.push_back({it->second.kept, pr.policies[k] == PlanPolicy::none ? 0.0 : it->second.recompute, it->second.own,
-                   pr.policies[k] == PlanPolicy::none ? nullptr : ChoicePtr(c)});
+    c->policy = k;
+    out.push_back({it->second.kept, k == 0 ? 0.0 : it->second.recompute, it->second.own, k == 0 ? nullptr : ChoicePtr(c)});
   }
   if (level + 1 < pr.depths.size()) {
     const auto inner = sequence_options(pr, unit, level + 1, std::numeric_limits<std::int64_t>::max());
@@ -337,9 +313,8 @@ std::vector<Option> sequence_options(const Profile& pr, const std::string& paren
   return states;
 }
 
-memory::Timeline record(const std::function<void()>& step, const Rule& rule, const std::vector<std::string>& names,
-                        const std::string& label) {
-  detail::RematRuleScope scope(remat_rule(rule, names));
+memory::Timeline record(const std::function<void()>& step, const Rule& rule, const std::string& label) {
+  detail::RematRuleScope scope(remat_rule(rule));
   memory::TimelineRecorder recorder(label);
   step();
   return recorder.finish();
@@ -350,22 +325,21 @@ Profile profile(const std::function<void()>& step, const PlanOptions& o) {
   pr.depths = o.depths;
   std::sort(pr.depths.begin(), pr.depths.end());
   pr.depths.erase(std::unique(pr.depths.begin(), pr.depths.end()), pr.depths.end());
-  pr.policies = {PlanPolicy::none};
-  for (PlanPolicy p : o.policies)
-    if (p != PlanPolicy::none && std::find(pr.policies.begin(), pr.policies.end(), p) == pr.policies.end())
+  pr.policies = {std::nullopt};
+  for (const Policy& p : o.policies)
+    if (std::none_of(pr.policies.begin() + 1, pr.policies.end(), [&](const auto& q) { return q->description() == p.description(); }))
       pr.policies.push_back(p);
-  const memory::Timeline plain = record(step, [](const std::vector<std::string>&) { return std::nullopt; }, {}, "none");
+  const memory::Timeline plain = record(step, [](const std::vector<std::string>&) { return std::nullopt; }, "none");
   for (std::size_t level = 0; level < pr.depths.size(); ++level) {
     std::vector<LevelRun> runs{analyse(plain, pr.depths, level)};
     for (std::size_t k = 1; k < pr.policies.size(); ++k) {
       LevelRun best;
       for (int s = 0; s < std::max(1, o.profile_steps); ++s) {
-        LevelRun r = analyse(record(step, uniform_rule(pr.depths[level], pr.policies[k]), o.saved_names,
-                                    plan_policy_name(pr.policies[k])),
+        LevelRun r = analyse(record(step, uniform_rule(pr.depths[level], pr.policies[k]), policy_name(pr.policies[k])),
                              pr.depths, level);
         if (r.units != runs[0].units)
           throw ValueError(linum::detail::cat("lift::plan_remat: the step made different module calls at depth ",
-                                              pr.depths[level], " under policy ", plan_policy_name(pr.policies[k]),
+                                              pr.depths[level], " under policy ", policy_name(pr.policies[k]),
                                               " than without remat; the step must make the same calls every time"));
         if (s == 0) best = std::move(r);
         else
@@ -383,14 +357,14 @@ Profile profile(const std::function<void()>& step, const PlanOptions& o) {
         LevelRun best;
         for (int s = 0; s < std::max(1, o.profile_steps); ++s) {
           LevelRun r = analyse(record(step, nested_rule(pr.depths[level], pr.policies[a], pr.depths[level + 1], pr.policies[b]),
-                                     o.saved_names, "nested"),
+                                     "nested"),
                                pr.depths, level);
           if (s == 0) best = std::move(r);
           else
             for (auto& [key, stats] : best.segments)
               if (auto it = r.segments.find(key); it != r.segments.end()) stats.recompute = std::min(stats.recompute, it->second.recompute);
         }
-        pr.nested.back().push_back({{pr.policies[a], pr.policies[b]}, std::move(best)});
+        pr.nested.back().push_back({{a, b}, std::move(best)});
       }
   }
   return pr;
@@ -402,7 +376,7 @@ RematPlan make_plan(const Profile& pr, const Option& best, std::int64_t budget) 
   plan.depths = pr.depths;
   plan.predicted_peak_bytes = best.need;
   plan.predicted_extra_s = best.time;
-  std::map<std::string, PlanPolicy> chosen;
+  std::map<std::string, std::size_t> chosen;
   flatten(best.choice, chosen);
   // Every candidate call in forward order, with its policy, what it keeps and its predicted time.
   std::function<void(const std::string&, std::size_t)> walk = [&](const std::string& parent, std::size_t level) {
@@ -413,16 +387,15 @@ RematPlan make_plan(const Profile& pr, const Option& best, std::int64_t budget) 
       auto it = chosen.find(unit);
       const bool inside = std::any_of(chosen.begin(), chosen.end(), [&](const auto& c) { return c.first.starts_with(unit + "/"); });
       if (it != chosen.end()) {
-        const std::size_t k = static_cast<std::size_t>(
-            std::find(pr.policies.begin(), pr.policies.end(), it->second) - pr.policies.begin());
+        const std::size_t k = it->second;
         const SegmentStats& s = pr.runs[level][k].segments.at(unit_key(unit));
-        plan.calls.push_back({unit, it->second, s.kept, s.recompute});
+        plan.calls.push_back({unit, pr.policies[k], s.kept, s.recompute});
         if (inside && level + 1 < pr.depths.size()) walk(unit, level + 1);  // nested: its insides are rematted too
       } else if (level + 1 < pr.depths.size() && pr.runs[level + 1][0].children.count(unit) &&
                  std::any_of(chosen.begin(), chosen.end(), [&](const auto& c) { return c.first.starts_with(unit + "/"); })) {
         walk(unit, level + 1);  // planned inside
       } else {
-        plan.calls.push_back({unit, PlanPolicy::none, pr.runs[level][0].segments.at(unit_key(unit)).kept, 0.0});
+        plan.calls.push_back({unit, std::nullopt, pr.runs[level][0].segments.at(unit_key(unit)).kept, 0.0});
       }
     }
   };
@@ -430,8 +403,8 @@ RematPlan make_plan(const Profile& pr, const Option& best, std::int64_t budget) 
   return plan;
 }
 
-std::int64_t measured_peak(const std::function<void()>& step, const Rule& rule, const std::vector<std::string>& names) {
-  detail::RematRuleScope scope(remat_rule(rule, names));
+std::int64_t measured_peak(const std::function<void()>& step, const Rule& rule) {
+  detail::RematRuleScope scope(remat_rule(rule));
   memory::PeakScope peak;
   step();
   return peak.peak_bytes();
@@ -440,7 +413,7 @@ std::int64_t measured_peak(const std::function<void()>& step, const Rule& rule, 
 }  // namespace
 
 PlanScope::PlanScope(const RematPlan& plan)
-    : scope_(std::make_unique<detail::RematRuleScope>(remat_rule(plan_rule(plan), plan.saved_names))) {}
+    : scope_(std::make_unique<detail::RematRuleScope>(remat_rule(plan_rule(plan)))) {}
 PlanScope::~PlanScope() = default;
 
 RematPlan plan_remat(const std::function<void()>& step, std::int64_t budget_bytes, const PlanOptions& options) {
@@ -449,10 +422,8 @@ RematPlan plan_remat(const std::function<void()>& step, std::int64_t budget_byte
   for (int d : options.depths)
     if (d < 1) throw ValueError(linum::detail::cat("lift::plan_remat: depth ", d, " is not >= 1"));
   step();  // warm-up: caches, lazily created state
-  const bool wants_names = std::find(options.policies.begin(), options.policies.end(), PlanPolicy::names) != options.policies.end();
-  if (wants_names && options.saved_names.empty())
-    throw ValueError("lift::plan_remat: PlanPolicy::names needs options.saved_names (the names given to checkpoint_name)");
-  const std::int64_t plain_peak = measured_peak(step, [](const std::vector<std::string>&) { return std::nullopt; }, {});
+  for (const Policy& p : options.policies) (void)policies::from_description(p.description());  // a plan must be storable
+  const std::int64_t plain_peak = measured_peak(step, [](const std::vector<std::string>&) { return std::nullopt; });
   const Profile pr = profile(step, options);
   if (pr.runs[0][0].units.empty())
     throw ValueError(linum::detail::cat("lift::plan_remat: the step made no module calls at depth ", pr.depths[0],
@@ -476,9 +447,8 @@ RematPlan plan_remat(const std::function<void()>& step, std::int64_t budget_byte
       if (o.time < pick->time || (o.time == pick->time && o.need < pick->need)) pick = &o;
     best = make_plan(pr, *pick, budget_bytes);
     best.plain_peak_bytes = plain_peak;
-    if (wants_names) best.saved_names = options.saved_names;
     if (!options.verify) break;
-    best.measured_peak_bytes = measured_peak(step, plan_rule(best), best.saved_names);
+    best.measured_peak_bytes = measured_peak(step, plan_rule(best));
     if (best.measured_peak_bytes <= budget_bytes) break;
     target -= best.measured_peak_bytes - budget_bytes;  // the model missed this much: plan with less
   }
@@ -500,26 +470,20 @@ std::string RematPlan::str() const {
      << mib(predicted_peak_bytes);
   if (measured_peak_bytes > 0) os << ", measured " << mib(measured_peak_bytes);
   os << ", without remat " << mib(plain_peak_bytes) << ", predicted extra time " << predicted_extra_s * 1e3 << " ms\n";
-  if (!saved_names.empty()) {
-    os << "  names saved by the names policy:";
-    for (const auto& n : saved_names) os << " " << n;
-    os << "\n";
-  }
   for (const auto& c : calls)
-    os << "  " << c.path << ": " << plan_policy_name(c.policy) << " (keeps " << mib(c.kept_bytes)
-       << (c.policy == PlanPolicy::none ? "" : ", recompute " + std::to_string(c.recompute_s * 1e3) + " ms") << ")\n";
+    os << "  " << c.path << ": " << policy_name(c.policy) << " (keeps " << mib(c.kept_bytes)
+       << (c.policy ? ", recompute " + std::to_string(c.recompute_s * 1e3) + " ms" : "") << ")\n";
   return os.str();
 }
 
 nlohmann::json RematPlan::to_json() const {
   nlohmann::json cs = nlohmann::json::array();
   for (const auto& c : calls)
-    cs.push_back({{"path", c.path}, {"policy", plan_policy_name(c.policy)}, {"kept_bytes", c.kept_bytes},
+    cs.push_back({{"path", c.path}, {"policy", policy_name(c.policy)}, {"kept_bytes", c.kept_bytes},
                   {"recompute_s", c.recompute_s}});
   return {{"budget_bytes", budget_bytes},           {"predicted_peak_bytes", predicted_peak_bytes},
           {"measured_peak_bytes", measured_peak_bytes}, {"plain_peak_bytes", plain_peak_bytes},
-          {"predicted_extra_s", predicted_extra_s}, {"depths", depths}, {"saved_names", saved_names},
-          {"calls", cs}};
+          {"predicted_extra_s", predicted_extra_s}, {"depths", depths}, {"calls", cs}};
 }
 
 RematPlan RematPlan::from_json(const nlohmann::json& j) {
@@ -531,9 +495,19 @@ RematPlan RematPlan::from_json(const nlohmann::json& j) {
     p.plain_peak_bytes = j.value("plain_peak_bytes", std::int64_t{0});
     p.predicted_extra_s = j.value("predicted_extra_s", 0.0);
     p.depths = j.value("depths", std::vector<int>{1});
-    p.saved_names = j.value("saved_names", std::vector<std::string>{});
+    // Plans written before policies were stored by description name them "full", "dots",
+    // "dots_no_batch" or "names" (with the names in "saved_names").
+    const auto saved_names = j.value("saved_names", std::vector<std::string>{});
+    auto policy_of = [&](const std::string& name) -> std::optional<Policy> {
+      if (name == "none") return std::nullopt;
+      if (name == "full") return Policy(policies::nothing_saveable{});
+      if (name == "dots") return Policy(policies::dots_saveable{});
+      if (name == "dots_no_batch") return Policy(policies::dots_with_no_batch_dims_saveable{});
+      if (name == "names") return policies::save_only_these_names(saved_names);
+      return policies::from_description(name);
+    };
     for (const auto& c : j.at("calls"))
-      p.calls.push_back({c.at("path").get<std::string>(), plan_policy_from_name(c.at("policy").get<std::string>()),
+      p.calls.push_back({c.at("path").get<std::string>(), policy_of(c.at("policy").get<std::string>()),
                          c.value("kept_bytes", std::int64_t{0}), c.value("recompute_s", 0.0)});
     return p;
   } catch (const nlohmann::json::exception& e) {

@@ -29,6 +29,7 @@
 
 #include <linum/core/autodiff/grad.hpp>
 #include <linum/core/ops/all.hpp>
+#include <linum/lift/policies.hpp>
 #include <linum/modules/module.hpp>
 
 #include <nlohmann/json.hpp>
@@ -37,6 +38,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -46,26 +48,21 @@ namespace detail {
 class RematRuleScope;
 }  // namespace detail
 
-// What a planned call does: nothing (keeps its activations), or remat saving nothing (full),
-// saving matrix products (dots), saving products without batch dimensions (dots_no_batch), or
-// saving the values named with checkpoint_name in PlanOptions::saved_names (names).
-enum class PlanPolicy { none, full, dots, dots_no_batch, names };
-const char* plan_policy_name(PlanPolicy p);
-PlanPolicy plan_policy_from_name(const std::string& name);
-
 struct PlanOptions {
-  std::vector<PlanPolicy> policies = {PlanPolicy::none, PlanPolicy::full, PlanPolicy::dots};
+  // The policies a call may be rematted with (a call may always run plainly): the standard ones
+  // by default (nothing_saveable is remat saving nothing), or any with a description
+  // policies::from_description knows, e.g. policies::save_only_these_names({"pre"}).
+  std::vector<Policy> policies = {policies::nothing_saveable{}, policies::dots_saveable{}};
   // Candidate calls: module paths with depths[0] components; with more depths, also the calls
   // inside them at depths[1] (and so on), so a call is either rematted whole or planned inside.
   std::vector<int> depths = {1};
-  std::vector<std::string> saved_names;  // for PlanPolicy::names (checkpoint_name's names)
   int profile_steps = 2;          // recorded steps per profiling run (times: the minimum)
   bool verify = true;             // run the plan once and re-solve if it exceeds the budget
 };
 
 struct PlannedCall {
   std::string path;                    // "Block_3"
-  PlanPolicy policy = PlanPolicy::none;
+  std::optional<Policy> policy;        // the remat policy; none: the call runs plainly
   std::int64_t kept_bytes = 0;         // live bytes the call leaves until its backward, under `policy`
   double recompute_s = 0;              // its recomputation time under `policy` (profiled alone, without
                                        // remat inside it; a nested plan's totals are in RematPlan)
@@ -79,7 +76,6 @@ struct RematPlan {
   double predicted_extra_s = 0;          // recomputation time the plan adds
   std::vector<int> depths = {1};         // the levels of candidate calls the planner considered
   std::vector<PlannedCall> calls;        // in call order (a call planned inside lists its children)
-  std::vector<std::string> saved_names;  // what PlanPolicy::names saves
 
   std::string str() const;
   nlohmann::json to_json() const;

@@ -101,3 +101,38 @@ Array checkpoint_name(const Array& x, std::string name) {
 }
 
 }  // namespace linum
+
+namespace linum::policies {
+
+namespace {
+// "a, b" -> {"a", "b"} (the list inside a description's parentheses).
+std::vector<std::string> split_names(std::string_view list) {
+  std::vector<std::string> out;
+  while (!list.empty()) {
+    const std::size_t comma = list.find(", ");
+    out.emplace_back(list.substr(0, comma));
+    if (comma == std::string_view::npos) break;
+    list.remove_prefix(comma + 2);
+  }
+  return out;
+}
+}  // namespace
+
+lift::Policy from_description(std::string_view d) {
+  if (d == "nothing_saveable") return nothing_saveable::make();
+  if (d == "everything_saveable") return everything_saveable::make();
+  if (d == "dots_saveable") return dots_saveable::make();
+  if (d == "dots_with_no_batch_dims_saveable") return dots_with_no_batch_dims_saveable::make();
+  for (std::string_view prefix : {"save_only_these_names(", "save_any_names_but_these("})
+    if (d.starts_with(prefix) && d.ends_with(")")) {
+      std::vector<std::string> names = split_names(d.substr(prefix.size(), d.size() - prefix.size() - 1));
+      return prefix[5] == 'o' ? save_only_these_names(std::move(names)) : save_any_names_but_these(std::move(names));
+    }
+  throw ValueError(linum::detail::cat("policies::from_description: '", d, "' names none of the standard policies "
+                                      "(nothing_saveable, everything_saveable, dots_saveable, dots_with_no_batch_dims_saveable, "
+                                      "save_only_these_names(...), save_any_names_but_these(...)); a policy made from your "
+                                      "own predicate cannot be restored from its description"));
+}
+
+}  // namespace linum::policies
+

@@ -100,6 +100,11 @@ lift::Policy save_any_names_but_these(std::vector<std::string> names);
 // Keep what either policy keeps.
 lift::Policy save_from_both_policies(const lift::Policy& a, const lift::Policy& b);
 
+// The policy a description names, for the policies above ("dots_saveable",
+// "save_only_these_names(a, b)", ...): how plans and other saved settings store a policy. A policy
+// made from a predicate of your own has no such name: ValueError.
+lift::Policy from_description(std::string_view description);
+
 }  // namespace linum::policies
 
 namespace linum {

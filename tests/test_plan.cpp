@@ -71,7 +71,7 @@ TEST_CASE("plan_remat: plans meet budgets of 75% and 50% of the activation memor
     CHECK(plan.plain_peak_bytes == plain);
     CHECK(plan.measured_peak_bytes <= budget);
     CHECK(plan.calls.size() == 6);
-    CHECK(std::any_of(plan.calls.begin(), plan.calls.end(), [](const auto& c) { return c.policy != lift::PlanPolicy::none; }));
+    CHECK(std::any_of(plan.calls.begin(), plan.calls.end(), [](const auto& c) { return c.policy.has_value(); }));
     // Applying the plan: the measured peak of a real step is within the budget, and close to the
     // prediction; the gradients are bitwise those of the plain model.
     lift::PlanScope apply_plan(plan);
@@ -89,7 +89,7 @@ TEST_CASE("plan_remat: a generous budget remats nothing; an impossible one names
   const Setup<Deep> m;
   const auto [fixed, plain] = m.fixed_and_plain_peak();
   const lift::RematPlan loose = lift::plan_remat(m.step_fn(), plain + 1024);
-  CHECK(std::all_of(loose.calls.begin(), loose.calls.end(), [](const auto& c) { return c.policy == lift::PlanPolicy::none; }));
+  CHECK(std::all_of(loose.calls.begin(), loose.calls.end(), [](const auto& c) { return !c.policy.has_value(); }));
   CHECK(loose.predicted_extra_s == 0.0);
   const std::string msg = error_of<ValueError>([&] { lift::plan_remat(m.step_fn(), fixed + 1); });
   CHECK(contains(msg, "no plan keeps the step's peak within"));
@@ -134,7 +134,7 @@ TEST_CASE("a plan prints, survives JSON, and a file that is not a plan is refuse
                    lift::RematPlan::from_json({{"budget_bytes", 1}, {"predicted_peak_bytes", 1},
                                                {"calls", {{{"path", "Block_0"}, {"policy", "sometimes"}}}}});
                  }),
-                 "unknown policy 'sometimes'"));
+                 "'sometimes' names none of the standard policies"));
 }
 
 TEST_CASE("plan_remat reaches the smallest peak it reports, nesting remat inside a rematted stage when needed") {
@@ -154,9 +154,9 @@ TEST_CASE("plan_remat reaches the smallest peak it reports, nesting remat inside
   CHECK(plan.predicted_peak_bytes == smallest);
   const bool nested = std::any_of(plan.calls.begin(), plan.calls.end(), [&](const auto& inner) {
     const auto slash = inner.path.find('/');
-    return slash != std::string::npos && inner.policy != lift::PlanPolicy::none &&
+    return slash != std::string::npos && inner.policy.has_value() &&
            std::any_of(plan.calls.begin(), plan.calls.end(), [&](const auto& outer) {
-             return outer.path == inner.path.substr(0, slash) && outer.policy != lift::PlanPolicy::none;
+             return outer.path == inner.path.substr(0, slash) && outer.policy.has_value();
            });
   });
   CHECK(nested);
@@ -181,19 +181,36 @@ struct NamedDeep {
 };
 }  // namespace
 
-TEST_CASE("plan_remat with a name policy: saves what checkpoint_name marked; the plan carries the names") {
+TEST_CASE("plan_remat with a name policy: saves what checkpoint_name marked; the plan carries the policy") {
   const Setup<NamedDeep> m;
   const auto [loss0, plain_grads] = value_and_grad(m.loss())(m.vars.at("params"));
   const auto [fixed, plain] = m.fixed_and_plain_peak();
-  const lift::PlanOptions options{.policies = {lift::PlanPolicy::full, lift::PlanPolicy::names}, .saved_names = {"pre"}};
+  const lift::PlanOptions options{.policies = {policies::nothing_saveable{}, policies::save_only_these_names({"pre"})}};
   const lift::RematPlan plan = lift::plan_remat(m.step_fn(), fixed + (plain - fixed) * 6 / 10, options);
   CAPTURE(plan.str());
   CHECK(plan.measured_peak_bytes <= plan.budget_bytes);
   CHECK(plan.predicted_peak_bytes == plan.measured_peak_bytes);
-  CHECK(plan.saved_names == std::vector<std::string>{"pre"});
-  CHECK(lift::RematPlan::from_json(plan.to_json()).saved_names == plan.saved_names);
-  lift::PlanScope apply_plan(plan);
-  CHECK(bitwise_equal(value_and_grad(m.loss())(m.vars.at("params")).second, plain_grads));
-  CHECK(contains(error_of<ValueError>([&] { lift::plan_remat(m.step_fn(), plain, {.policies = {lift::PlanPolicy::names}}); }),
-                 "needs options.saved_names"));
+  // The JSON round trip keeps every call's policy (by its description).
+  const lift::RematPlan back = lift::RematPlan::from_json(plan.to_json());
+  REQUIRE(back.calls.size() == plan.calls.size());
+  for (std::size_t i = 0; i < plan.calls.size(); ++i) {
+    CHECK(back.calls[i].policy.has_value() == plan.calls[i].policy.has_value());
+    if (plan.calls[i].policy) CHECK(back.calls[i].policy->description() == plan.calls[i].policy->description());
+  }
+  {
+    lift::PlanScope apply_plan(back);
+    CHECK(bitwise_equal(value_and_grad(m.loss())(m.vars.at("params")).second, plain_grads));
+  }
+  // A candidate made from a predicate of one's own cannot be stored in a plan: refused up front.
+  const lift::Policy mine("big outputs", [](const lift::OpInfo& op) { return op.bytes > 1024; });
+  CHECK(contains(error_of<ValueError>([&] { lift::plan_remat(m.step_fn(), plain, {.policies = {mine}}); }),
+                 "cannot be restored from its description"));
+  // Plans saved before policies were stored by description still load.
+  const auto old = nlohmann::json::parse(R"({"budget_bytes": 1, "predicted_peak_bytes": 1, "saved_names": ["pre"],
+      "calls": [{"path": "NamedBlock_0", "policy": "names"}, {"path": "NamedBlock_1", "policy": "full"},
+                {"path": "NamedBlock_2", "policy": "none"}]})");
+  const lift::RematPlan loaded = lift::RematPlan::from_json(old);
+  CHECK(loaded.calls[0].policy->description() == "save_only_these_names(pre)");
+  CHECK(loaded.calls[1].policy->description() == "nothing_saveable");
+  CHECK(!loaded.calls[2].policy.has_value());
 }

@@ -81,7 +81,7 @@ Trial run_trial(const std::string& name, const std::function<void()>& step, cons
 }
 
 // A plan that gives every call at depth 1 the same policy.
-lift::RematPlan uniform_plan(const std::vector<std::string>& paths, lift::PlanPolicy p) {
+lift::RematPlan uniform_plan(const std::vector<std::string>& paths, const lift::Policy& p) {
   lift::RematPlan plan;
   for (const auto& path : paths) plan.calls.push_back({path, p, 0, 0.0});
   return plan;
@@ -139,12 +139,13 @@ int bench_plan(const Flags& f) {
   const std::int64_t budget = fixed + grad_bytes + static_cast<std::int64_t>(fraction * static_cast<double>(activations));
 
   std::vector<Trial> uniform;
-  for (lift::PlanPolicy p : {lift::PlanPolicy::full, lift::PlanPolicy::dots}) {
+  for (const auto& [label, p] : {std::pair<std::string, lift::Policy>{"full", policies::nothing_saveable{}},
+                                  std::pair<std::string, lift::Policy>{"dots", policies::dots_saveable{}}}) {
     const lift::RematPlan every = uniform_plan(layer_paths, p);
-    uniform.push_back(run_trial("every " + unit + ", " + lift::plan_policy_name(p), step, &every, steps));
+    uniform.push_back(run_trial("every " + unit + ", " + label, step, &every, steps));
   }
   if (!gpt) {
-    const lift::RematPlan segments = uniform_plan(segment_paths, lift::PlanPolicy::full);
+    const lift::RematPlan segments = uniform_plan(segment_paths, policies::nothing_saveable{});
     uniform.push_back(run_trial("sqrt(L) segments, full", step, &segments, steps));
   }
   const Trial* best_uniform = nullptr;
@@ -172,7 +173,7 @@ int bench_plan(const Flags& f) {
     const double planning_s = seconds_since(start);
     const Trial planned = run_trial("planned", step, &plan, steps);
     std::map<std::string, int> counts;
-    for (const auto& c : plan.calls) ++counts[lift::plan_policy_name(c.policy)];
+    for (const auto& c : plan.calls) ++counts[c.policy ? c.policy->description() : std::string("none")];
     out["planning_s"] = planning_s;
     out["predicted_peak_bytes"] = plan.predicted_peak_bytes;
     out["measured_peak_bytes"] = planned.peak_bytes;
