@@ -182,11 +182,22 @@ Array MultiHeadDotProductAttention::operator()(Scope& s, const Array& inputs_q, 
   return (*this)(s, inputs_q, inputs_kv, inputs_kv, args);
 }
 
-Array MultiHeadDotProductAttention::operator()(Scope& s, const Array& inputs_q, const Array& inputs_k,
-                                               const Array& inputs_v, const AttentionArgs& args) const {
+void MultiHeadDotProductAttention::validate() const {
   if (num_heads <= 0)
     throw ValueError(detail::cat("MultiHeadDotProductAttention: num_heads must be positive (got ", num_heads,
                                  "); construct it as nn::MultiHeadDotProductAttention{.num_heads = H}"));
+  if (qkv_features && (*qkv_features <= 0 || *qkv_features % num_heads != 0))
+    throw ValueError(detail::cat("MultiHeadDotProductAttention: qkv_features (", *qkv_features,
+                                 ") must be positive and divisible by num_heads (", num_heads, ")"));
+  if (out_features && *out_features <= 0)
+    throw ValueError(detail::cat("MultiHeadDotProductAttention: out_features must be positive, got ", *out_features));
+  if (!(dropout_rate >= 0.0 && dropout_rate <= 1.0))
+    throw ValueError(detail::cat("MultiHeadDotProductAttention: dropout_rate must be in [0, 1], got ", dropout_rate));
+}
+
+Array MultiHeadDotProductAttention::operator()(Scope& s, const Array& inputs_q, const Array& inputs_k,
+                                               const Array& inputs_v, const AttentionArgs& args) const {
+  validate();
   if (inputs_q.rank() < 2)
     throw ShapeError(detail::cat("MultiHeadDotProductAttention: inputs_q of shape ", inputs_q.shape(),
                                  " must be [batch..., length, features]"));

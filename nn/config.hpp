@@ -140,6 +140,14 @@ M module_from_config(const nlohmann::json& config) {
     if (!known.count(key))
       throw ValueError(detail::cat("module config for ", type, " has an unknown field '", key, "'; its fields are: ",
                                    known_list));
+  // Ranges: a layer checks its hyperparameters on load, not only when it first runs.
+  if constexpr (requires(const M& m) { m.validate(); }) {
+    try {
+      module.validate();
+    } catch (const ValueError& e) {
+      throw ValueError(detail::cat("module config: ", e.what()));
+    }
+  }
   return module;
 }
 

@@ -83,10 +83,49 @@ Array restore_batch_axes(const Array& y, const Array& x_in, int batch_axes) {
   return reshape(y, out);
 }
 
+
+// The padding field: a mode this layer knows, or one (low, high) pair or one per spatial axis.
+void check_padding(const char* layer, const ConvPadding& padding, std::size_t nsp, bool causal_ok) {
+  const std::string& m = padding.mode;
+  if (m.empty()) {
+    if (padding.pairs.size() != 1 && padding.pairs.size() != nsp)
+      throw ValueError(detail::cat(layer, ": padding has ", padding.pairs.size(), " (low, high) pairs but the kernel has ",
+                                   nsp, " spatial axes"));
+    return;
+  }
+  if (m == "SAME" || m == "VALID") return;
+  if (m == "CAUSAL" && causal_ok) {
+    if (nsp != 1) throw ValueError(detail::cat(layer, ": CAUSAL padding is only implemented for 1-D convolutions (as in Flax)"));
+    return;
+  }
+  throw ValueError(detail::cat(layer, ": unknown padding '", m, "'; use \"SAME\", \"VALID\", ",
+                               causal_ok ? "\"CAUSAL\", " : "", "an int or (low, high) pairs (CIRCULAR is not supported",
+                               causal_ok ? ", nor REFLECT)" : ")"));
+}
+
 }  // namespace
 
-Array Conv::operator()(Scope& s, const Array& x_in) const {
+void Conv::validate() const {
   check_layer("Conv", features, kernel_size, param_dtype);
+  const std::size_t nsp = kernel_size.size();
+  if (feature_group_count <= 0 || features % feature_group_count != 0)
+    throw ValueError(detail::cat("Conv: feature_group_count ", feature_group_count, " must be positive and divide features (",
+                                 features, ")"));
+  (void)per_axis(strides, nsp, "strides");
+  (void)per_axis(kernel_dilation, nsp, "kernel_dilation");
+  check_padding("Conv", padding, nsp, /*causal_ok=*/true);
+}
+
+void ConvTranspose::validate() const {
+  check_layer("ConvTranspose", features, kernel_size, param_dtype);
+  const std::size_t nsp = kernel_size.size();
+  (void)per_axis(strides, nsp, "strides", "ConvTranspose");
+  (void)per_axis(kernel_dilation, nsp, "kernel_dilation", "ConvTranspose");
+  check_padding("ConvTranspose", padding, nsp, /*causal_ok=*/false);
+}
+
+Array Conv::operator()(Scope& s, const Array& x_in) const {
+  validate();
   const std::size_t nsp = kernel_size.size();
   Array x;
   const int batch_axes = flatten_batch_axes(x_in, nsp, "Conv", x);
@@ -148,7 +187,7 @@ Array Conv::operator()(Scope& s, const Array& x_in) const {
 }
 
 Array ConvTranspose::operator()(Scope& s, const Array& x_in) const {
-  check_layer("ConvTranspose", features, kernel_size, param_dtype);
+  validate();
   const std::size_t nsp = kernel_size.size();
   Array x;
   const int batch_axes = flatten_batch_axes(x_in, nsp, "ConvTranspose", x);

@@ -64,6 +64,9 @@ struct Conv {
   DType param_dtype = DType::f32;                             // dtype the params are created in
 
   // The convolution of `x` ([N, H, W, C] or [N, L, C]; see the file comment for other ranks).
+  // Throws ValueError naming the field when a hyperparameter is out of its range: checked when
+  // the layer runs and when nn::module_from_config loads it.
+  void validate() const;
   Array operator()(Scope& s, const Array& x) const;
 };
 
@@ -89,6 +92,9 @@ struct ConvTranspose {
   DType param_dtype = DType::f32;
   bool transpose_kernel = false;
 
+  // Throws ValueError naming the field when a hyperparameter is out of its range: checked when
+  // the layer runs and when nn::module_from_config loads it.
+  void validate() const;
   Array operator()(Scope& s, const Array& x) const;
 };
 

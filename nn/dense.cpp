@@ -6,10 +6,15 @@
 
 namespace linum::nn {
 
-Array Dense::operator()(Scope& s, const Array& x) const {
+void Dense::validate() const {
   if (features <= 0)
     throw ValueError(detail::cat("Dense: features must be positive (got ", features,
                                  "); construct it as nn::Dense{.features = N}"));
+  require_float_dtype(param_dtype, "Dense", "param_dtype");
+}
+
+Array Dense::operator()(Scope& s, const Array& x) const {
+  validate();
   if (x.rank() < 1)
     throw ShapeError(detail::cat("Dense: the input must have at least one axis (got shape ", x.shape(),
                                  "); reshape a scalar to (1,) first"));
@@ -36,11 +41,19 @@ Initializer flattened(const Initializer& inner, std::int64_t rows, std::int64_t 
 
 }  // namespace
 
-Array DenseGeneral::operator()(Scope& s, const Array& x) const {
+void DenseGeneral::validate() const {
   if (features.empty() || std::any_of(features.begin(), features.end(), [](std::int64_t f) { return f <= 0; }))
     throw ValueError(detail::cat("DenseGeneral: features must be a non-empty list of positive sizes; construct it as "
                                  "nn::DenseGeneral{.features = {N}} or {.features = {heads, head_dim}}"));
   if (axis.empty()) throw ValueError("DenseGeneral: axis must name at least one input axis (e.g. .axis = {-1})");
+  for (std::size_t i = 0; i < axis.size(); ++i)
+    if (std::find(axis.begin() + static_cast<std::ptrdiff_t>(i) + 1, axis.end(), axis[i]) != axis.end())
+      throw ValueError(detail::cat("DenseGeneral: axis ", axis[i], " is listed twice"));
+  require_float_dtype(param_dtype, "DenseGeneral", "param_dtype");
+}
+
+Array DenseGeneral::operator()(Scope& s, const Array& x) const {
+  validate();
   std::vector<int> axes;
   for (int a : axis) {
     const int n = a < 0 ? a + x.rank() : a;

@@ -30,6 +30,9 @@ struct Dense {
   DType param_dtype = DType::f32;                             // dtype the params are created in
 
   // The layer applied to `x` ([..., in] -> [..., features]).
+  // Throws ValueError naming the field when a hyperparameter is out of its range: checked when
+  // the layer runs and when nn::module_from_config loads it.
+  void validate() const;
   Array operator()(Scope& s, const Array& x) const;
 };
 
@@ -48,6 +51,9 @@ struct DenseGeneral {
   DType param_dtype = DType::f32;                             // dtype the params are created in
 
   // The layer applied to `x`.
+  // Throws ValueError naming the field when a hyperparameter is out of its range: checked when
+  // the layer runs and when nn::module_from_config loads it.
+  void validate() const;
   Array operator()(Scope& s, const Array& x) const;
 };
 

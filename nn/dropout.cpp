@@ -8,10 +8,14 @@
 
 namespace linum::nn {
 
-Array Dropout::operator()(Scope& s, const Array& x, std::optional<bool> deterministic_arg,
-                          std::optional<rng::Key> rng) const {
+void Dropout::validate() const {
   if (!(rate >= 0.0 && rate <= 1.0))
     throw ValueError(detail::cat("Dropout: rate must be in [0, 1], got ", rate));
+}
+
+Array Dropout::operator()(Scope& s, const Array& x, std::optional<bool> deterministic_arg,
+                          std::optional<rng::Key> rng) const {
+  validate();
   const bool det = merge_param("Dropout", "deterministic", deterministic, deterministic_arg);
   if (rate == 0.0 || det) return x;
   if (rate == 1.0) return Array::zeros(x.shape(), x.dtype());

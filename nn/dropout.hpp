@@ -27,6 +27,9 @@ struct Dropout {
   std::string rng_collection = "dropout";      // the stream the mask's key comes from
 
   // Applies dropout to `x`. `rng` overrides the key drawn from `rng_collection`.
+  // Throws ValueError naming the field when a hyperparameter is out of its range: checked when
+  // the layer runs and when nn::module_from_config loads it.
+  void validate() const;
   Array operator()(Scope& s, const Array& x, std::optional<bool> deterministic = std::nullopt,
                    std::optional<rng::Key> rng = std::nullopt) const;
 };

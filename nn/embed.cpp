@@ -29,15 +29,19 @@ Initializer default_embed_init() {
 namespace {
 
 Array embedding_param(Scope& s, const Embed& e) {
-  if (e.num_embeddings <= 0 || e.features <= 0)
-    throw ValueError(detail::cat("Embed: num_embeddings and features must be positive (got ", e.num_embeddings, " and ",
-                                 e.features, "); construct it as nn::Embed{.num_embeddings = V, .features = D}"));
-  require_float_dtype(e.param_dtype, "Embed", "param_dtype");
+  e.validate();
   Array table = s.param("embedding", initializer_in(e.embedding_init, e.param_dtype), Shape{e.num_embeddings, e.features});
   return e.dtype && table.dtype() != *e.dtype ? astype(table, *e.dtype) : table;  // Flax: promote_dtype(embedding, dtype)
 }
 
 }  // namespace
+
+void Embed::validate() const {
+  if (num_embeddings <= 0 || features <= 0)
+    throw ValueError(detail::cat("Embed: num_embeddings and features must be positive (got ", num_embeddings, " and ",
+                                 features, "); construct it as nn::Embed{.num_embeddings = V, .features = D}"));
+  require_float_dtype(param_dtype, "Embed", "param_dtype");
+}
 
 Array Embed::operator()(Scope& s, const Array& indices) const {
   Array table = embedding_param(s, *this);

@@ -96,7 +96,39 @@ int trailing_run(const std::vector<int>& red, const std::vector<int>& feat, int 
 
 }  // namespace
 
+namespace {
+void check_epsilon(const char* layer, double epsilon) {
+  if (!(epsilon >= 0.0)) throw ValueError(detail::cat(layer, ": epsilon must be >= 0, got ", epsilon));
+}
+}  // namespace
+
+void LayerNorm::validate() const {
+  check_epsilon("LayerNorm", epsilon);
+  require_float_dtype(param_dtype, "LayerNorm", "param_dtype");
+}
+void RMSNorm::validate() const {
+  check_epsilon("RMSNorm", epsilon);
+  require_float_dtype(param_dtype, "RMSNorm", "param_dtype");
+}
+void GroupNorm::validate() const {
+  if (num_groups.has_value() == group_size.has_value())
+    throw ValueError("GroupNorm: set exactly one of num_groups and group_size; to use group_size write "
+                     "nn::GroupNorm{.num_groups = std::nullopt, .group_size = G}");
+  if (num_groups && *num_groups <= 0) throw ValueError(detail::cat("GroupNorm: num_groups must be positive, got ", *num_groups));
+  if (group_size && *group_size <= 0) throw ValueError(detail::cat("GroupNorm: group_size must be positive, got ", *group_size));
+  check_epsilon("GroupNorm", epsilon);
+  require_float_dtype(param_dtype, "GroupNorm", "param_dtype");
+}
+void BatchNorm::validate() const {
+  if (!(momentum >= 0.0 && momentum <= 1.0))
+    throw ValueError(detail::cat("BatchNorm: momentum must be in [0, 1] (the weight of the old running statistics), got ",
+                                 momentum));
+  check_epsilon("BatchNorm", epsilon);
+  require_float_dtype(param_dtype, "BatchNorm", "param_dtype");
+}
+
 Array LayerNorm::operator()(Scope& s, const Array& x) const {
+  validate();
   require_float(x, "LayerNorm", param_dtype);
   const auto red = canonical_axes(reduction_axes, x, "LayerNorm", "reduction_axes");
   const auto feat = canonical_axes(feature_axes, x, "LayerNorm", "feature_axes");
@@ -113,6 +145,7 @@ Array LayerNorm::operator()(Scope& s, const Array& x) const {
 }
 
 Array RMSNorm::operator()(Scope& s, const Array& x) const {
+  validate();
   require_float(x, "RMSNorm", param_dtype);
   const auto red = canonical_axes(reduction_axes, x, "RMSNorm", "reduction_axes");
   const auto feat = canonical_axes(feature_axes, x, "RMSNorm", "feature_axes");
@@ -128,6 +161,7 @@ Array RMSNorm::operator()(Scope& s, const Array& x) const {
 }
 
 Array GroupNorm::operator()(Scope& s, const Array& x) const {
+  validate();
   require_float(x, "GroupNorm", param_dtype);
   if (x.rank() < 2)
     throw ShapeError(detail::cat("GroupNorm: input of shape ", x.shape(), " needs at least a batch and a channel axis ([N, ..., C])"));
@@ -187,11 +221,8 @@ Array GroupNorm::operator()(Scope& s, const Array& x) const {
 
 Array BatchNorm::operator()(Scope& s, const Array& x, std::optional<bool> use_running_average_arg) const {
   require_float(x, "BatchNorm", param_dtype);
+  validate();
   const bool use_ra = merge_param("BatchNorm", "use_running_average", use_running_average, use_running_average_arg);
-  if (!(momentum >= 0.0 && momentum <= 1.0))
-    throw ValueError(detail::cat("BatchNorm: momentum must be in [0, 1] (the weight of the old running statistics), got ",
-                                 momentum));
-  if (!(epsilon >= 0.0)) throw ValueError(detail::cat("BatchNorm: epsilon must be >= 0, got ", epsilon));
   const int feature_axis = x.shape().normalize_axis(axis, "BatchNorm (axis)");
   std::vector<int> red;
   for (int a = 0; a < x.rank(); ++a)

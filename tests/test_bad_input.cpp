@@ -112,6 +112,44 @@ TEST_CASE("row 3: configurations and hyperparameters a layer cannot hold are ref
   CHECK(contains(error_of<ValueError>([] { nn::module_from_config<nn::LayerNorm>({{"epsilon", std::nan("")}}); }),
                  "LayerNorm.epsilon"));
   CHECK(nn::module_from_config<nn::Dropout>(nlohmann::json::parse(R"({"rate": 0.25})")).rate == 0.25);
+  // Every configurable layer checks its ranges on load (not only when it first runs), naming the
+  // layer and the field.
+  auto refused = [](auto load, const char* words) {
+    const std::string msg = error_of<ValueError>(load);
+    CAPTURE(msg);
+    CHECK(contains(msg, "module config: "));
+    CHECK(contains(msg, words));
+  };
+  using J = nlohmann::json;
+  refused([] { nn::module_from_config<nn::Dense>(J{{"features", 0}}); }, "Dense: features must be positive");
+  refused([] { nn::module_from_config<nn::DenseGeneral>(J{{"features", {4, -1}}}); }, "DenseGeneral: features must be");
+  refused([] { nn::module_from_config<nn::DenseGeneral>(J{{"features", {4}}, {"axis", {-1, -1}}}); }, "axis -1 is listed twice");
+  refused([] { nn::module_from_config<nn::Conv>(J{{"features", 4}, {"kernel_size", {3, 3}}, {"strides", {1, 0}}}); },
+          "Conv: strides values must be positive");
+  refused([] { nn::module_from_config<nn::Conv>(J{{"features", 4}, {"kernel_size", {3, 3}}, {"kernel_dilation", {1, 2, 3}}}); },
+          "Conv: kernel_dilation has 3 values but the kernel has 2");
+  refused([] { nn::module_from_config<nn::Conv>(J{{"features", 4}, {"kernel_size", {3, 3}}, {"feature_group_count", 3}}); },
+          "feature_group_count 3 must be positive and divide features");
+  refused([] { nn::module_from_config<nn::Conv>(J{{"features", 4}, {"kernel_size", {3, 3}}, {"padding", "CAUSAL"}}); },
+          "CAUSAL padding is only implemented for 1-D");
+  refused([] { nn::module_from_config<nn::Conv>(J{{"features", 4}, {"kernel_size", {3, 3, 3}}}); }, "kernel_size must have 1");
+  refused([] { nn::module_from_config<nn::ConvTranspose>(J{{"features", 4}, {"kernel_size", {3}}, {"padding", "CAUSAL"}}); },
+          "ConvTranspose: unknown padding 'CAUSAL'");
+  refused([] { nn::module_from_config<nn::Embed>(J{{"num_embeddings", 10}, {"features", 0}}); }, "Embed: num_embeddings and features");
+  refused([] { nn::module_from_config<nn::LayerNorm>(J{{"epsilon", -1e-6}}); }, "LayerNorm: epsilon must be >= 0");
+  refused([] { nn::module_from_config<nn::RMSNorm>(J{{"epsilon", -1.0}}); }, "RMSNorm: epsilon must be >= 0");
+  refused([] { nn::module_from_config<nn::GroupNorm>(J{{"num_groups", 0}}); }, "GroupNorm: num_groups must be positive");
+  refused([] { nn::module_from_config<nn::GroupNorm>(J{{"num_groups", 4}, {"group_size", 2}}); }, "set exactly one of num_groups and group_size");
+  refused([] { nn::module_from_config<nn::BatchNorm>(J{{"momentum", 1.5}}); }, "BatchNorm: momentum must be in [0, 1]");
+  refused([] { nn::module_from_config<nn::Dropout>(J{{"rate", 1e308}}); }, "Dropout: rate must be in [0, 1]");
+  refused([] { nn::module_from_config<nn::MultiHeadDotProductAttention>(J{{"num_heads", 0}}); }, "num_heads must be positive");
+  refused([] { nn::module_from_config<nn::MultiHeadDotProductAttention>(J{{"num_heads", 3}, {"qkv_features", 8}}); },
+          "qkv_features (8) must be positive and divisible by num_heads (3)");
+  refused([] { nn::module_from_config<nn::MultiHeadDotProductAttention>(J{{"num_heads", 2}, {"dropout_rate", -0.1}}); },
+          "dropout_rate must be in [0, 1]");
+  // The same layers with valid values load.
+  CHECK(nn::module_from_config<nn::Conv>(J{{"features", 4}, {"kernel_size", {3}}, {"padding", "CAUSAL"}}).padding.mode == "CAUSAL");
+  CHECK(nn::module_from_config<nn::MultiHeadDotProductAttention>(J{{"num_heads", 2}, {"qkv_features", 8}}).num_heads == 2);
   const Array x = random_array(Shape{4, 3}, 2);
   CHECK(contains(error_of<ValueError>([&] { init(nn::BatchNorm{.use_running_average = false, .momentum = -0.5}, rng::key(0), x); }), "momentum"));
   CHECK(contains(error_of<ShapeError>([&] {

@@ -779,7 +779,7 @@ TEST_CASE("module_config / module_from_config round trips") {
   nlohmann::json dbf = nn::module_config(nn::Dense{.features = 4, .dtype = DType::bf16});
   CHECK(dbf.at("dtype") == "bfloat16");
   CHECK(nn::module_from_config<nn::Dense>(dbf).dtype == DType::bf16);
-  CHECK(nn::module_from_config<nn::Dense>(nlohmann::json{{"param_dtype", "bfloat16"}}).param_dtype == DType::bf16);
+  CHECK(nn::module_from_config<nn::Dense>(nlohmann::json{{"features", 3}, {"param_dtype", "bfloat16"}}).param_dtype == DType::bf16);
   CHECK_THROWS_WITH_AS(nn::module_from_config<nn::Dense>(nlohmann::json{{"dtype", "float16"}}),
                        doctest::Contains("Dense.dtype' must be a dtype"), ValueError);
   // Integers the field cannot hold are refused, not narrowed.
@@ -797,7 +797,8 @@ TEST_CASE("module_config / module_from_config round trips") {
   CHECK(conv2.strides == conv.strides);
   CHECK(conv2.feature_group_count == 2);
   CHECK(nn::module_config(nn::Conv{.features = 1, .kernel_size = {3}, .padding = "CAUSAL"}).at("padding") == "CAUSAL");
-  CHECK(nn::module_from_config<nn::Conv>(nlohmann::json{{"padding", 2}}).padding == nn::ConvPadding(2));
+  CHECK(nn::module_from_config<nn::Conv>(nlohmann::json{{"features", 2}, {"kernel_size", {3}}, {"padding", 2}}).padding ==
+        nn::ConvPadding(2));
   const nn::ConvTranspose up = nn::module_from_config<nn::ConvTranspose>(
       nn::module_config(nn::ConvTranspose{.features = 3, .kernel_size = {4, 4}, .strides = {2, 2}, .padding = "VALID",
                                           .transpose_kernel = true}));
