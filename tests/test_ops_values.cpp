@@ -3,6 +3,8 @@
 #include <doctest/doctest.h>
 #include <linum/linum.hpp>
 
+#include "testing/gradcheck.hpp"
+
 #include <cmath>
 #include <limits>
 
@@ -191,4 +193,64 @@ TEST_CASE("conv2d and pooling: geometries that overflow 64 bits are errors, not 
   } catch (const ShapeError& e) {
     CHECK(std::string(e.what()).find("conv2d: oneDNN cannot build a convolution of input [1, 5, 5, 1]") != std::string::npos);
   }
+}
+
+TEST_CASE("moveaxis, swapaxes, tile and repeat: jnp's values, finite-difference gradients, errors") {
+  // x[i][j][k] = 100 i + 10 j + k, shape (2, 3, 4).
+  std::vector<float> v;
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 3; ++j)
+      for (int k = 0; k < 4; ++k) v.push_back(static_cast<float>(100 * i + 10 * j + k));
+  const Array x = Array::from(Shape{2, 3, 4}, v);
+  auto at = [](const Array& a, std::int64_t flat) { return a.data()[flat]; };
+
+  const Array m = moveaxis(x, 0, -1);  // (3, 4, 2): m[j][k][i] = x[i][j][k]
+  CHECK(m.shape() == Shape{3, 4, 2});
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 3; ++j)
+      for (int k = 0; k < 4; ++k) CHECK(at(m, (j * 4 + k) * 2 + i) == static_cast<float>(100 * i + 10 * j + k));
+  CHECK(moveaxis(x, 2, 0).shape() == Shape{4, 2, 3});
+  const Array s = swapaxes(x, 0, 2);  // (4, 3, 2): s[k][j][i] = x[i][j][k]
+  CHECK(s.shape() == Shape{4, 3, 2});
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 3; ++j)
+      for (int k = 0; k < 4; ++k) CHECK(at(s, (k * 3 + j) * 2 + i) == static_cast<float>(100 * i + 10 * j + k));
+
+  const Array y = Array::from(Shape{2, 2}, {1, 2, 3, 4});
+  const Array t = tile(y, {2, 3});  // np.tile([[1,2],[3,4]], (2, 3))
+  CHECK(t.shape() == Shape{4, 6});
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < 6; ++c) CHECK(at(t, r * 6 + c) == at(y, (r % 2) * 2 + c % 2));
+  CHECK(tile(y, {2}).shape() == Shape{2, 4});         // reps shorter than the rank: the last axes
+  CHECK(tile(y, {3, 1, 1}).shape() == Shape{3, 2, 2});  // longer: leading axes
+  CHECK(tile(y, {0, 1}).shape() == Shape{0, 2});
+
+  const Array r0 = repeat(y, 2, 0);  // [[1,2],[1,2],[3,4],[3,4]]
+  CHECK(r0.shape() == Shape{4, 2});
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < 2; ++c) CHECK(at(r0, r * 2 + c) == at(y, (r / 2) * 2 + c));
+  const Array r1 = repeat(y, 3, -1);  // each element three times along the last axis
+  CHECK(r1.shape() == Shape{2, 6});
+  for (int r = 0; r < 2; ++r)
+    for (int c = 0; c < 6; ++c) CHECK(at(r1, r * 6 + c) == at(y, r * 2 + c / 3));
+  const Array flat = repeat(y, 2);  // no axis: flattened first
+  CHECK(flat.shape() == Shape{8});
+  CHECK(flat.to_vector() == std::vector<float>{1, 1, 2, 2, 3, 3, 4, 4});
+
+  // Gradients: each output element's cotangent flows back to the element it came from.
+  using V = std::vector<Array>;
+  const Array w = linum::testing::random_array(Shape{2, 3, 4}, 7);
+  CHECK(linum::testing::check_gradients("moveaxis", [](const V& a) { return moveaxis(a[0], 1, 0); }, {w}));
+  CHECK(linum::testing::check_gradients("swapaxes", [](const V& a) { return swapaxes(a[0], -1, 0); }, {w}));
+  CHECK(linum::testing::check_gradients("tile", [](const V& a) { return tile(a[0], {2, 1, 3}); }, {w}));
+  CHECK(linum::testing::check_gradients("repeat", [](const V& a) { return repeat(a[0], 3, 1); }, {w}));
+  // A repeated element's gradient is the sum of its copies' cotangents.
+  const Array g = grad([](const Array& a) { return sum(repeat(a, 3, 0) * 2.0f); })(y);
+  CHECK(g.to_vector() == std::vector<float>{6, 6, 6, 6});
+
+  CHECK_THROWS_WITH_AS(tile(y, {2, -1}), doctest::Contains("tile: reps must be >= 0, got -1"), ValueError);
+  CHECK_THROWS_WITH_AS(repeat(y, -2, 0), doctest::Contains("repeat: repeats must be >= 0, got -2"), ValueError);
+  CHECK_THROWS_AS(moveaxis(y, 2, 0), ShapeError);
+  CHECK_THROWS_AS(swapaxes(y, 0, -3), ShapeError);
+  CHECK_THROWS_WITH_AS(tile(y, {std::int64_t{1} << 62, 1}), doctest::Contains("tile"), ShapeError);
 }

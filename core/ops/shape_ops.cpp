@@ -465,4 +465,68 @@ Array dilate(const Array& x, const std::vector<std::int64_t>& factors) {
                    });
 }
 
+namespace {
+// a * b for a size, or ShapeError naming the op.
+std::int64_t size_product(std::int64_t a, std::int64_t b, const char* op, const Shape& x) {
+  std::int64_t n = 0;
+  if (__builtin_mul_overflow(a, b, &n))
+    throw ShapeError(detail::cat(op, ": the result of x of shape ", x, " would have an axis of ", a, " * ", b,
+                                 " elements, beyond 64 bits"));
+  return n;
+}
+}  // namespace
+
+Array moveaxis(const Array& x, int source, int destination) {
+  const int src = x.shape().normalize_axis(source, "moveaxis (source)");
+  const int dst = x.shape().normalize_axis(destination, "moveaxis (destination)");
+  std::vector<int> perm;
+  for (int a = 0; a < x.rank(); ++a)
+    if (a != src) perm.push_back(a);
+  perm.insert(perm.begin() + dst, src);
+  return transpose(x, perm);
+}
+
+Array swapaxes(const Array& x, int axis1, int axis2) {
+  const int a = x.shape().normalize_axis(axis1, "swapaxes (axis1)");
+  const int b = x.shape().normalize_axis(axis2, "swapaxes (axis2)");
+  std::vector<int> perm(static_cast<std::size_t>(x.rank()));
+  for (int i = 0; i < x.rank(); ++i) perm[static_cast<std::size_t>(i)] = i;
+  std::swap(perm[static_cast<std::size_t>(a)], perm[static_cast<std::size_t>(b)]);
+  return transpose(x, perm);
+}
+
+Array tile(const Array& x_in, const std::vector<std::int64_t>& reps_in) {
+  for (std::int64_t r : reps_in)
+    if (r < 0) throw ValueError(detail::cat("tile: reps must be >= 0, got ", r, " (x of shape ", x_in.shape(), ")"));
+  // Same length for both: leading 1s on the shorter one (jnp.tile).
+  const std::size_t n = std::max(static_cast<std::size_t>(x_in.rank()), reps_in.size());
+  std::vector<std::int64_t> dims(n - static_cast<std::size_t>(x_in.rank()), 1);
+  for (std::int64_t d : x_in.shape()) dims.push_back(d);
+  std::vector<std::int64_t> reps(n - reps_in.size(), 1);
+  reps.insert(reps.end(), reps_in.begin(), reps_in.end());
+  // (1, d0, 1, d1, ...) broadcast to (r0, d0, r1, d1, ...), then merged to (r0 d0, r1 d1, ...).
+  std::vector<std::int64_t> spread, wide, out;
+  for (std::size_t i = 0; i < n; ++i) {
+    spread.insert(spread.end(), {1, dims[i]});
+    wide.insert(wide.end(), {reps[i], dims[i]});
+    out.push_back(size_product(reps[i], dims[i], "tile", x_in.shape()));
+  }
+  return reshape(broadcast_to(reshape(x_in, spread), Shape(wide)), out);
+}
+
+Array repeat(const Array& x_in, std::int64_t repeats, std::optional<int> axis_in) {
+  if (repeats < 0)
+    throw ValueError(detail::cat("repeat: repeats must be >= 0, got ", repeats, " (x of shape ", x_in.shape(), ")"));
+  const Array x = axis_in ? x_in : reshape(x_in, {x_in.numel()});
+  const int axis = x.shape().normalize_axis(axis_in.value_or(0), "repeat (axis)");
+  // (..., d, 1, ...) broadcast to (..., d, repeats, ...), then merged to (..., d * repeats, ...).
+  std::vector<std::int64_t> spread(x.shape().begin(), x.shape().end());
+  spread.insert(spread.begin() + axis + 1, 1);
+  std::vector<std::int64_t> wide = spread;
+  wide[static_cast<std::size_t>(axis) + 1] = repeats;
+  std::vector<std::int64_t> out(x.shape().begin(), x.shape().end());
+  out[static_cast<std::size_t>(axis)] = size_product(x.dim(axis), repeats, "repeat", x_in.shape());
+  return reshape(broadcast_to(reshape(x, spread), Shape(wide)), out);
+}
+
 }  // namespace linum

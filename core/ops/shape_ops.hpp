@@ -5,6 +5,7 @@
 #include <linum/core/array.hpp>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace linum {
@@ -42,5 +43,18 @@ Array flip(const Array& x, const std::vector<int>& axes);
 // each >= 1): an axis of size d becomes (d - 1) * factor + 1. lax.pad's interior padding, the
 // input dilation of a transposed convolution.
 Array dilate(const Array& x, const std::vector<std::int64_t>& factors);
+
+// Axis rearrangements and repetitions as jnp's, built from transpose, broadcast_to and reshape
+// (so they differentiate, and policies see, those ops):
+// moves axis `source` to position `destination`, the others keeping their order (jnp.moveaxis).
+Array moveaxis(const Array& x, int source, int destination);
+// exchanges two axes (jnp.swapaxes).
+Array swapaxes(const Array& x, int axis1, int axis2);
+// the array repeated reps[i] times along axis i; reps shorter than the rank applies to the last
+// axes, longer adds leading axes (jnp.tile). Every rep must be >= 0.
+Array tile(const Array& x, const std::vector<std::int64_t>& reps);
+// every element repeated `repeats` times along `axis` (jnp.repeat with an integer count); with no
+// axis the array is flattened first.
+Array repeat(const Array& x, std::int64_t repeats, std::optional<int> axis = std::nullopt);
 
 }  // namespace linum
