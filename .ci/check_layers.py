@@ -2,8 +2,8 @@
 """Fails when a library file includes a header of a higher layer (see README, "Layout").
 
 Layers, lowest first. A file may include headers of its own folder and of the folders listed
-before it; never one listed after it. Headers in an `internal/` folder belong to the folder above
-it and are not installed: source files may include them, installed headers never. Every #include <linum/...> must name a file of the tree, and every folder of the library must
+before it; never one listed after it. Headers named *_internal.hpp are not installed: source files
+may include them, installed headers never. Every #include <linum/...> must name a file of the tree, and every folder of the library must
 have its place in this list.
 """
 import os
@@ -29,8 +29,11 @@ INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]linum/([^>"]+)[>"]', re.M)
 
 
 def folder_of(path):
-    d = os.path.dirname(path)
-    return d[: -len("/internal")] if d.endswith("/internal") else d
+    return os.path.dirname(path)
+
+
+def internal(path):
+    return path.endswith("_internal.hpp")
 
 
 def main(root):
@@ -52,7 +55,7 @@ def main(root):
                 problems.append(f"{path}: includes <linum/{included}>, which is not a file of the tree")
                 continue
             target = folder_of(included)
-            if "/internal/" not in "/" + path and path.endswith(".hpp") and "/internal/" in "/" + included:
+            if path.endswith(".hpp") and not internal(path) and internal(included):
                 problems.append(f"{path}: an installed header includes the internal {included}")
             if path in TOP or folder == target:
                 continue

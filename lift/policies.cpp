@@ -123,11 +123,12 @@ lift::Policy from_description(std::string_view d) {
   if (d == "everything_saveable") return everything_saveable::make();
   if (d == "dots_saveable") return dots_saveable::make();
   if (d == "dots_with_no_batch_dims_saveable") return dots_with_no_batch_dims_saveable::make();
-  for (std::string_view prefix : {"save_only_these_names(", "save_any_names_but_these("})
-    if (d.starts_with(prefix) && d.ends_with(")")) {
-      std::vector<std::string> names = split_names(d.substr(prefix.size(), d.size() - prefix.size() - 1));
-      return prefix[5] == 'o' ? save_only_these_names(std::move(names)) : save_any_names_but_these(std::move(names));
-    }
+  auto names_in = [&](std::string_view prefix) -> std::optional<std::vector<std::string>> {
+    if (!d.starts_with(prefix) || !d.ends_with(")")) return std::nullopt;
+    return split_names(d.substr(prefix.size(), d.size() - prefix.size() - 1));
+  };
+  if (auto names = names_in("save_only_these_names(")) return save_only_these_names(std::move(*names));
+  if (auto names = names_in("save_any_names_but_these(")) return save_any_names_but_these(std::move(*names));
   throw ValueError(linum::detail::cat("policies::from_description: '", d, "' names none of the standard policies "
                                       "(nothing_saveable, everything_saveable, dots_saveable, dots_with_no_batch_dims_saveable, "
                                       "save_only_these_names(...), save_any_names_but_these(...)); a policy made from your "

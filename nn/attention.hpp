@@ -102,9 +102,7 @@ struct MultiHeadDotProductAttention {
   bool decode = false;
 
   // Self-attention over inputs_q [batch..., length, features].
-  // Throws ValueError naming the field when a hyperparameter is out of its range: checked when
-  // the layer runs and when nn::module_from_config loads it.
-  void validate() const;
+  void validate() const;  // ValueError naming an out-of-range field (on each call and on config load)
   Array operator()(Scope& s, const Array& inputs_q, const AttentionArgs& args = {}) const;
   // Attention of inputs_q over inputs_kv (keys and values from the same input).
   Array operator()(Scope& s, const Array& inputs_q, const Array& inputs_kv, const AttentionArgs& args = {}) const;

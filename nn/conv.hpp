@@ -64,9 +64,7 @@ struct Conv {
   DType param_dtype = DType::f32;                             // dtype the params are created in
 
   // The convolution of `x` ([N, H, W, C] or [N, L, C]; see the file comment for other ranks).
-  // Throws ValueError naming the field when a hyperparameter is out of its range: checked when
-  // the layer runs and when nn::module_from_config loads it.
-  void validate() const;
+  void validate() const;  // ValueError naming an out-of-range field (on each call and on config load)
   Array operator()(Scope& s, const Array& x) const;
 };
 
@@ -92,9 +90,7 @@ struct ConvTranspose {
   DType param_dtype = DType::f32;
   bool transpose_kernel = false;
 
-  // Throws ValueError naming the field when a hyperparameter is out of its range: checked when
-  // the layer runs and when nn::module_from_config loads it.
-  void validate() const;
+  void validate() const;  // ValueError naming an out-of-range field (on each call and on config load)
   Array operator()(Scope& s, const Array& x) const;
 };
 

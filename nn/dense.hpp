@@ -30,9 +30,7 @@ struct Dense {
   DType param_dtype = DType::f32;                             // dtype the params are created in
 
   // The layer applied to `x` ([..., in] -> [..., features]).
-  // Throws ValueError naming the field when a hyperparameter is out of its range: checked when
-  // the layer runs and when nn::module_from_config loads it.
-  void validate() const;
+  void validate() const;  // ValueError naming an out-of-range field (on each call and on config load)
   Array operator()(Scope& s, const Array& x) const;
 };
 
@@ -51,9 +49,7 @@ struct DenseGeneral {
   DType param_dtype = DType::f32;                             // dtype the params are created in
 
   // The layer applied to `x`.
-  // Throws ValueError naming the field when a hyperparameter is out of its range: checked when
-  // the layer runs and when nn::module_from_config loads it.
-  void validate() const;
+  void validate() const;  // ValueError naming an out-of-range field (on each call and on config load)
   Array operator()(Scope& s, const Array& x) const;
 };
 

@@ -27,9 +27,7 @@ struct Dropout {
   std::string rng_collection = "dropout";      // the stream the mask's key comes from
 
   // Applies dropout to `x`. `rng` overrides the key drawn from `rng_collection`.
-  // Throws ValueError naming the field when a hyperparameter is out of its range: checked when
-  // the layer runs and when nn::module_from_config loads it.
-  void validate() const;
+  void validate() const;  // ValueError naming an out-of-range field (on each call and on config load)
   Array operator()(Scope& s, const Array& x, std::optional<bool> deterministic = std::nullopt,
                    std::optional<rng::Key> rng = std::nullopt) const;
 };

@@ -35,9 +35,7 @@ struct Embed {
   // Negative indices count from the end (as jnp.take); indices outside [-num_embeddings,
   // num_embeddings) are a ValueError (Flax returns NaN rows). With num_embeddings == 1 the single
   // vector is broadcast, as in Flax.
-  // Throws ValueError naming the field when a hyperparameter is out of its range: checked when
-  // the layer runs and when nn::module_from_config loads it.
-  void validate() const;
+  void validate() const;  // ValueError naming an out-of-range field (on each call and on config load)
   Array operator()(Scope& s, const Array& indices) const;
 
   // The inner products of `query` ([..., features]) with every embedding: query @ embedding.T,

@@ -36,9 +36,7 @@ struct LayerNorm {
   DType param_dtype = DType::f32;                             // dtype the params are created in
   // Normalizes `x`; same shape out. Statistics and normalization run in float32 (or wider); the
   // result is cast to `dtype` (default: the promotion of x and the params), as Flax does.
-  // Throws ValueError naming the field when a hyperparameter is out of its range: checked when
-  // the layer runs and when nn::module_from_config loads it.
-  void validate() const;
+  void validate() const;  // ValueError naming an out-of-range field (on each call and on config load)
   Array operator()(Scope& s, const Array& x) const;
 };
 
@@ -55,9 +53,7 @@ struct RMSNorm {
   DType param_dtype = DType::f32;                             // dtype the params are created in
   // Normalizes `x`; same shape out. Statistics and normalization run in float32 (or wider); the
   // result is cast to `dtype` (default: the promotion of x and the params), as Flax does.
-  // Throws ValueError naming the field when a hyperparameter is out of its range: checked when
-  // the layer runs and when nn::module_from_config loads it.
-  void validate() const;
+  void validate() const;  // ValueError naming an out-of-range field (on each call and on config load)
   Array operator()(Scope& s, const Array& x) const;
 };
 
@@ -78,9 +74,7 @@ struct GroupNorm {
   std::optional<DType> dtype;                                 // computation dtype; nullopt: promote inputs and params
   DType param_dtype = DType::f32;                             // dtype the params are created in
   // Normalizes `x` ([N, ..., C]); same shape out. Params "scale"/"bias" of shape (C,).
-  // Throws ValueError naming the field when a hyperparameter is out of its range: checked when
-  // the layer runs and when nn::module_from_config loads it.
-  void validate() const;
+  void validate() const;  // ValueError naming an out-of-range field (on each call and on config load)
   Array operator()(Scope& s, const Array& x) const;
 };
 
@@ -109,9 +103,7 @@ struct BatchNorm {
   DType param_dtype = DType::f32;                             // dtype the params are created in
   // Normalizes `x`; same shape out. Statistics and normalization run in float32 (or wider); the
   // result is cast to `dtype` (default: the promotion of x and the params), as Flax does.
-  // Throws ValueError naming the field when a hyperparameter is out of its range: checked when
-  // the layer runs and when nn::module_from_config loads it.
-  void validate() const;
+  void validate() const;  // ValueError naming an out-of-range field (on each call and on config load)
   Array operator()(Scope& s, const Array& x, std::optional<bool> use_running_average = std::nullopt) const;
 };
 

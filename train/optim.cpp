@@ -4,7 +4,7 @@
 #pragma GCC optimize("fp-contract=off")
 
 #include <linum/train/optim.hpp>
-#include <linum/train/internal/optim_internal.hpp>
+#include <linum/train/optim_internal.hpp>
 #include <linum/core/ops/kernel_util.hpp>
 
 #include <Eigen/Core>

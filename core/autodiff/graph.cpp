@@ -352,7 +352,8 @@ void backward(std::span<const Array> roots, std::span<const Array> cotangents, b
   const std::uint64_t mark = ++g_sweep_counter;
   auto order = topological_order(roots, mark, [](Node*) { return false; });
   seed(roots, cotangents);
-  LeafGradientListener* listener = detail::LeafGradientListeners::top() ? *detail::LeafGradientListeners::top() : nullptr;
+  LeafGradientListener* const* innermost = detail::LeafGradientListeners::top();
+  LeafGradientListener* listener = innermost != nullptr ? *innermost : nullptr;
   if (listener == nullptr) {
     run_sweep(order, retain_graph, node_slot);
     return;

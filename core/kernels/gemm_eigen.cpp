@@ -1,7 +1,7 @@
-// Matrix products on Eigen, with Linum's own threading (core/kernels/internal/eigen_gemm.hpp). bf16 operands are
+// Matrix products on Eigen, with Linum's own threading (core/kernels/eigen_gemm_internal.hpp). bf16 operands are
 // widened to float32 and the product rounded back.
 #include <linum/core/kernels/gemm.hpp>
-#include <linum/core/kernels/internal/eigen_gemm.hpp>
+#include <linum/core/kernels/eigen_gemm_internal.hpp>
 
 #include <Eigen/Core>
 

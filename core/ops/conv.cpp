@@ -9,7 +9,7 @@
 #include <linum/core/ops/shape_ops.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/autodiff/primitive.hpp>
-#include <linum/core/kernels/internal/eigen_gemm.hpp>
+#include <linum/core/kernels/eigen_gemm_internal.hpp>
 #include <linum/core/kernels/engine.hpp>
 #include <linum/core/kernels/conv.hpp>
 #include <linum/core/ops/kernel_util.hpp>

@@ -22,7 +22,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <linum/train/io/internal/serialization_detail.hpp>
+#include <linum/train/io/serialization_internal.hpp>
 
 namespace linum::serialization {
 

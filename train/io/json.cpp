@@ -14,7 +14,7 @@
 #include <sstream>
 #include <string>
 
-#include <linum/train/io/internal/serialization_detail.hpp>
+#include <linum/train/io/serialization_internal.hpp>
 
 namespace linum::serialization {
 
