@@ -11,6 +11,7 @@
 #include <linum/core/warnings.hpp>
 #include <linum/core/memory.hpp>
 #include <linum/core/memory_timeline.hpp>
+#include <linum/core/storage/stored_array.hpp>
 #include <linum/core/shape.hpp>
 #include <linum/rng/rng.hpp>
 #include <linum/core/autodiff/graph.hpp>
@@ -36,6 +37,7 @@
 #include <linum/lift/policies.hpp>
 #include <linum/lift/remat.hpp>
 #include <linum/lift/residuals.hpp>
+#include <linum/lift/residual_scope.hpp>
 #include <linum/lift/scan.hpp>
 #include <linum/lift/remat_scan.hpp>
 #include <linum/lift/schedule.hpp>

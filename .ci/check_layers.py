@@ -13,6 +13,7 @@ import sys
 LAYERS = [
     "core",               # arrays, dtypes, shapes, errors, memory accounting and timeline, threading, trees, files
     "core/kernels",       # compute engines (Eigen, oneDNN, bf16 GEMM) and the engine choice
+    "core/storage",       # where kept values live: the spill file (offload), compression codecs
     "core/autodiff",      # the tape, the primitive path, grad, custom_vjp, pytrees
     "core/ops",           # every differentiable op
     "rng",                # JAX-compatible keys and named streams

@@ -21,6 +21,7 @@ std::atomic<std::int64_t> g_buffers{0};
 std::atomic<std::int64_t> g_allocations{0};
 std::atomic<std::int64_t> g_high_water{0};  // the most live bytes ever (never reset)
 std::atomic<std::int64_t> g_live_limit{0};  // set_live_limit; 0: none
+std::atomic<std::int64_t> g_offloaded{0}, g_offloaded_peak{0}, g_written{0}, g_read{0}, g_compressed{0}, g_compressed_from{0};
 
 // Freed large blocks by (rounded) size, for reuse. Never destroyed: buffers may be freed during
 // static destruction, after any ordinary static object would be gone.
@@ -99,6 +100,12 @@ Stats stats() {
         c.limit, static_cast<std::size_t>(std::max<std::int64_t>(g_high_water.load(), 0))));
   }
   s.high_water_bytes = g_high_water.load();
+  s.offloaded_bytes = g_offloaded.load();
+  s.offloaded_peak_bytes = g_offloaded_peak.load();
+  s.offload_written_bytes = g_written.load();
+  s.offload_read_bytes = g_read.load();
+  s.compressed_bytes = g_compressed.load();
+  s.compressed_original_bytes = g_compressed_from.load();
   return s;
 }
 
@@ -123,7 +130,22 @@ void release_cached() {
 void set_live_limit(std::int64_t bytes) { g_live_limit.store(std::max<std::int64_t>(bytes, 0)); }
 std::int64_t live_limit() { return g_live_limit.load(std::memory_order_relaxed); }
 
-void reset_peak() { g_peak.store(g_live.load()); }
+void reset_peak() {
+  g_peak.store(g_live.load());
+  g_offloaded_peak.store(g_offloaded.load());
+}
+
+namespace detail {
+void on_offloaded(std::int64_t delta) { raise_to(g_offloaded_peak, g_offloaded.fetch_add(delta) + delta); }
+void on_offload_io(std::int64_t written, std::int64_t read) {
+  g_written.fetch_add(written, std::memory_order_relaxed);
+  g_read.fetch_add(read, std::memory_order_relaxed);
+}
+void on_compressed(std::int64_t compressed_delta, std::int64_t original_delta) {
+  g_compressed.fetch_add(compressed_delta, std::memory_order_relaxed);
+  g_compressed_from.fetch_add(original_delta, std::memory_order_relaxed);
+}
+}  // namespace detail
 
 PeakScope::PeakScope() : start_live_(g_live.load()), outer_peak_(g_peak.load()) {
   g_peak.store(start_live_);

@@ -26,6 +26,16 @@ struct Stats {
   std::int64_t cached_bytes = 0;   // freed large blocks kept for reuse (not live; see below)
   std::int64_t cache_limit_bytes = 0;  // what the cache may hold now: min(set_cache_limit, high_water_bytes)
   std::int64_t high_water_bytes = 0;   // the most live bytes ever, since the program started
+
+  // Residuals kept outside RAM or in less of it (core/storage/, lift::policies::offload/compress).
+  // Offloaded bytes sit in the spill file, not in live_bytes; compressed bytes are RAM (they count
+  // in live_bytes too) unless they were also offloaded.
+  std::int64_t offloaded_bytes = 0;            // bytes in the spill file now
+  std::int64_t offloaded_peak_bytes = 0;       // highest offloaded_bytes since start or reset_peak()
+  std::int64_t offload_written_bytes = 0;      // bytes written to the spill file since start
+  std::int64_t offload_read_bytes = 0;         // bytes read back since start
+  std::int64_t compressed_bytes = 0;           // compressed residuals now (their compressed size)
+  std::int64_t compressed_original_bytes = 0;  // ... and what they took before compression
 };
 
 // Freed blocks of 64 KiB and more are kept and handed out again for buffers of the same size: a
@@ -98,6 +108,11 @@ void timeline_mark(const char* op, const std::string& path);
 // Who is running: modules/ registers the current module path (core knows no modules).
 using PathProvider = std::string (*)();
 void set_timeline_path_provider(PathProvider provider);
+
+// Residual storage (core/storage/) reports what it moves. Deltas may be negative.
+void on_offloaded(std::int64_t delta);
+void on_offload_io(std::int64_t written, std::int64_t read);
+void on_compressed(std::int64_t compressed_delta, std::int64_t original_delta);
 
 // Thrown by allocate when the live-byte cap would be exceeded (Array turns it into MemoryError).
 struct LiveLimitExceeded : std::bad_alloc {

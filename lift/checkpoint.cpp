@@ -29,10 +29,14 @@ std::string current_module_path() {
 // One value a policy kept: the index of the op in the block's record order, its output, and the
 // residuals of its primitive that are neither inputs nor outputs (layer_norm's statistics, the
 // fused attention's log-sum-exp), so the replay can skip the primitive and still differentiate it.
+// The value lives where the policy placed it (RAM, the spill file, compressed); the internals,
+// small statistics, stay in RAM.
 struct SavedValue {
   std::uint64_t index;
-  Array value;
+  storage::StoredArray value;
   std::vector<Array> internals;
+  const char* op = "";  // what computed it, and its checkpoint_name (for saved-value hooks)
+  std::string label;
 };
 
 // Where each residual of a primitive comes from, so a replay that skips its forward can rebuild
@@ -146,12 +150,12 @@ class ForwardRegion final : public autodiff::detail::RecordHook {
     recipes_.push_back({out.shape(), out.dtype(), recipe});
     const std::string path = current_module_path();
     const OpInfo info{op, out.shape(), out.nbytes(), node ? node->label() : std::string_view(), path, out.dtype()};
-    if (policy_.saveable(info)) {
+    if (const std::optional<storage::Placement> placement = policy_.decide(info)) {
       // The internal residuals go with the first saved output of the primitive.
       std::vector<Array> internals;
       if (recipe != nullptr && recipe->num_internal > 0 && !internals_kept_for(recipe->first))
         internals = internals_of(*recipe, *call);
-      saved_.push_back({index, out.detached(), std::move(internals)});
+      saved_.push_back({index, storage::StoredArray::store(out, *placement), std::move(internals), op, std::string(info.name)});
       g_stats.saved.fetch_add(1, std::memory_order_relaxed);
     }
   }
@@ -279,7 +283,7 @@ class ReplayRegion final : public autodiff::detail::RecordHook {
       if (op >= recipes_.size()) return fail();
       while (cursor < saved_.size() && saved_[cursor].index < op) ++cursor;
       if (cursor < saved_.size() && saved_[cursor].index == op) {
-        r.outs[j] = saved_[cursor].value.detached();
+        r.outs[j] = saved_[cursor].value.get().detached();
         if (!saved_[cursor].internals.empty()) internals = &saved_[cursor].internals;
         pending_[j] = Skipped::replayed;
       } else if (dead_ != nullptr && op < dead_->size() && (*dead_)[op]) {
@@ -315,8 +319,8 @@ class ReplayRegion final : public autodiff::detail::RecordHook {
     if (const SavedValue* s = saved_here()) {
       ++cursor_;
       if (skipped != Skipped::replayed) {  // computed anyway (the op cannot skip): use the saved bits
-        check_saved_shape(s->value, out.shape());
-        Array v = s->value.detached();
+        Array v = s->value.get().detached();
+        check_saved_shape(v, out.shape());
         v.set_node(out.node(), out.output_index());
         out = std::move(v);
         g_stats.recomputed.fetch_add(1, std::memory_order_relaxed);
@@ -396,6 +400,12 @@ class CheckpointNode final : public Node {
 
   void backward(autodiff::Cotangents& c) override {
     g_stats.recomputations.fetch_add(1, std::memory_order_relaxed);
+    if (packed_ != nullptr) {  // values saved-value hooks took: back to the replay
+      std::vector<Array> back = unpack_residuals(*packed_, "checkpoint");
+      for (std::size_t i = 0; i < back.size(); ++i) saved_[packed_at_[i]].value = storage::StoredArray(std::move(back[i]));
+      packed_.reset();
+    }
+    for (const SavedValue& s : saved_) s.value.prefetch();  // offloaded values: read back while the replay starts
     std::vector<Array> outs;
     // Dead ops are left out unless verify mode or debug checks want to see every value.
     bool leave_out = !verify_ && !linum::detail::debug_checks_on() && std::find(dead_.begin(), dead_.end(), true) != dead_.end();
@@ -455,7 +465,24 @@ class CheckpointNode final : public Node {
     }
   }
 
+  // The values the policy kept in RAM go through saved-value hooks (core/autodiff/saved_hooks.hpp).
+  void pack_residuals(const autodiff::detail::PrimitiveCall*) override {
+    std::vector<Array> arrays;
+    std::vector<autodiff::SavedValueInfo> infos;
+    for (std::size_t k = 0; k < saved_.size(); ++k) {
+      if (const Array* a = saved_[k].value.in_ram()) {
+        arrays.push_back(*a);
+        infos.push_back({"checkpoint", saved_[k].op, saved_[k].label});
+        packed_at_.push_back(k);
+      }
+    }
+    if (arrays.empty()) return;
+    packed_ = pack(arrays, infos);
+    for (std::size_t k : packed_at_) saved_[k].value = storage::StoredArray();
+  }
+
   void release() override {
+    packed_.reset();
     saved_.clear();
     dead_.clear();
     prints_.clear();
@@ -466,11 +493,14 @@ class CheckpointNode final : public Node {
 
   void saved_arrays(std::vector<Array>& out) const override {
     for (const Array& a : held_) out.push_back(a);
-    for (const SavedValue& s : saved_) out.push_back(s.value);
+    for (const SavedValue& s : saved_)
+      if (const Array* a = s.value.in_ram()) out.push_back(*a);
   }
 
  private:
   std::vector<SavedValue> saved_;
+  std::shared_ptr<autodiff::PackedResiduals> packed_;  // saved values handed to saved-value hooks
+  std::vector<std::size_t> packed_at_;                 // ... and their places in saved_
   std::vector<bool> dead_;
   std::vector<OpPrint> prints_;
   std::vector<OpRecipe> recipes_;
@@ -578,6 +608,7 @@ std::vector<Array> run_checkpointed(const Thunk& forward, Thunk recompute, const
     outs[i] = outs[i].detached();  // drops the block's own graph: its intermediates are freed here
     if (is_floating(outs[i].dtype())) outs[i].set_node(node, static_cast<std::uint32_t>(i));
   }
+  if (autodiff::detail::SavedValueHooksStack::innermost() != nullptr) node->pack_residuals(nullptr);
   if (autodiff::detail::record_hooks_active())
     for (Array& o : outs)
       if (o.node()) autodiff::detail::notify_record_hooks("checkpoint", std::span<Array>(&o, 1), node.get(), nullptr);

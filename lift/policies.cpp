@@ -9,11 +9,17 @@
 namespace linum::lift {
 
 Policy::Policy() : description_("nothing_saveable") {}
-Policy::Policy(std::string description, Predicate saveable)
-    : description_(std::move(description)), predicate_(std::move(saveable)) {}
+Policy::Policy(std::string description, Predicate saveable) : description_(std::move(description)) {
+  if (saveable)
+    decider_ = [saveable = std::move(saveable)](const OpInfo& op) -> std::optional<storage::Placement> {
+      if (saveable(op)) return storage::Placement{};
+      return std::nullopt;
+    };
+}
+Policy::Policy(std::string description, Decider decide) : description_(std::move(description)), decider_(std::move(decide)) {}
 
 Policy Policy::everything() {
-  Policy p("everything_saveable", [](const OpInfo&) { return true; });
+  Policy p("everything_saveable", Predicate([](const OpInfo&) { return true; }));
   p.everything_ = true;
   return p;
 }
@@ -60,7 +66,46 @@ Policy save_any_names_but_these(std::vector<std::string> names) {
 Policy save_from_both_policies(const Policy& a, const Policy& b) {
   if (a.saves_everything() || b.saves_everything()) return Policy::everything();
   return Policy("save_from_both_policies(" + a.description() + ", " + b.description() + ")",
-                [a, b](const OpInfo& op) { return a.saveable(op) || b.saveable(op); });
+                Policy::Decider([a, b](const OpInfo& op) {
+                  if (auto p = a.decide(op)) return p;
+                  return b.decide(op);
+                }));
+}
+
+Policy save_and_offload_only_these_names(std::vector<std::string> saveable, std::vector<std::string> offloadable) {
+  std::string d = "save_and_offload_only_these_names(" + list(saveable) + "; " + list(offloadable) + ")";
+  return Policy(std::move(d), Policy::Decider([saveable = std::move(saveable), offloadable = std::move(offloadable)](
+                                                  const OpInfo& op) -> std::optional<storage::Placement> {
+                  if (op.op != ops::kind::checkpoint_name) return std::nullopt;
+                  if (std::find(saveable.begin(), saveable.end(), op.name) != saveable.end()) return storage::Placement{};
+                  if (std::find(offloadable.begin(), offloadable.end(), op.name) != offloadable.end())
+                    return storage::Placement{storage::Where::disk};
+                  return std::nullopt;
+                }));
+}
+
+namespace {
+// `which` with every placement it decides changed by `change`.
+Policy transformed(std::string description, const Policy& which, storage::Placement (*change)(storage::Placement, storage::Codec),
+                   storage::Codec codec) {
+  if (which.saves_nothing()) return Policy(std::move(description), Policy::Decider());
+  return Policy(std::move(description),
+                Policy::Decider([which, change, codec](const OpInfo& op) -> std::optional<storage::Placement> {
+                  if (auto p = which.decide(op)) return change(*p, codec);
+                  return std::nullopt;
+                }));
+}
+}  // namespace
+
+Policy offload(const Policy& which) {
+  return transformed("offload(" + which.description() + ")", which,
+                     [](storage::Placement p, storage::Codec) { return storage::Placement{storage::Where::disk, p.codec}; },
+                     storage::Codec::none);
+}
+
+Policy compress(storage::Codec codec, const Policy& which) {
+  return transformed("compress(" + std::string(storage::codec_name(codec)) + ", " + which.description() + ")", which,
+                     [](storage::Placement p, storage::Codec c) { return storage::Placement{p.where, c}; }, codec);
 }
 
 }  // namespace linum::policies
@@ -129,9 +174,24 @@ lift::Policy from_description(std::string_view d) {
   };
   if (auto names = names_in("save_only_these_names(")) return save_only_these_names(std::move(*names));
   if (auto names = names_in("save_any_names_but_these(")) return save_any_names_but_these(std::move(*names));
+  auto inner = [&](std::string_view prefix) -> std::optional<std::string_view> {
+    if (!d.starts_with(prefix) || !d.ends_with(")")) return std::nullopt;
+    return d.substr(prefix.size(), d.size() - prefix.size() - 1);
+  };
+  if (auto in = inner("save_and_offload_only_these_names(")) {
+    const std::size_t semi = in->find("; ");
+    if (semi != std::string_view::npos)
+      return save_and_offload_only_these_names(split_names(in->substr(0, semi)), split_names(in->substr(semi + 2)));
+  }
+  if (auto in = inner("offload(")) return offload(from_description(*in));
+  if (auto in = inner("compress(")) {
+    const std::size_t comma = in->find(", ");
+    if (comma != std::string_view::npos) return compress(storage::codec_from_name(in->substr(0, comma)), from_description(in->substr(comma + 2)));
+  }
   throw ValueError(linum::detail::cat("policies::from_description: '", d, "' names none of the standard policies "
                                       "(nothing_saveable, everything_saveable, dots_saveable, dots_with_no_batch_dims_saveable, "
-                                      "save_only_these_names(...), save_any_names_but_these(...)); a policy made from your "
+                                      "save_only_these_names(...), save_any_names_but_these(...), save_and_offload_only_these_names(...; ...), "
+                                      "offload(...), compress(codec, ...)); a policy made from your "
                                       "own predicate cannot be restored from its description"));
 }
 

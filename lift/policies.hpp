@@ -7,6 +7,16 @@
 // A saved value is reused when the block is recomputed; for matmul and conv2d the product is then
 // not computed again.
 //
+// A policy also says where a value it keeps lives (storage::Placement): in RAM (the default), in
+// the spill file (offload, lossless: gradients stay bitwise), compressed (bf16, int8 or fp8 with
+// per-block scales: the backward pass reads a close copy, error bounds in core/storage/compression.hpp),
+// or compressed in the spill file. The same policies decide for the residuals of a plain graph
+// inside a lift::ResidualScope (lift/residual_scope.hpp).
+//
+//   lift::checkpoint(f, {.policy = policies::save_and_offload_only_these_names({"q"}, {"attn_out"})});
+//   lift::checkpoint(f, {.policy = policies::offload(policies::dots_saveable{})});
+//   lift::checkpoint(f, {.policy = policies::compress(storage::Codec::int8, policies::dots_saveable{})});
+//
 //   lift::checkpoint(f, {.policy = policies::dots_saveable{}});
 //   lift::checkpoint(f, {.policy = policies::save_only_these_names({"attn_out"})});
 //   lift::checkpoint(f, {.policy = lift::Policy("big outputs", [](const lift::OpInfo& op) {
@@ -15,10 +25,12 @@
 
 #include <linum/core/array.hpp>
 #include <linum/core/ops/kind.hpp>
+#include <linum/core/storage/stored_array.hpp>
 
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -41,29 +53,36 @@ struct OpInfo {
   bool has_batch_dims() const { return ops::kind::has_batch_dims(op); }
 };
 
-// A policy: a predicate over OpInfo plus a description. Default: nothing_saveable.
+// A policy: a decision over OpInfo plus a description. Default: nothing_saveable.
 class Policy {
  public:
+  // Keep (in RAM) or recompute.
   using Predicate = std::function<bool(const OpInfo&)>;
+  // Where to keep the value; nullopt: recompute it.
+  using Decider = std::function<std::optional<storage::Placement>(const OpInfo&)>;
 
   Policy();
   Policy(std::string description, Predicate saveable);
+  Policy(std::string description, Decider decide);
   // Any policy type below (e.g. policies::dots_saveable{}) converts to a Policy.
   template <class P>
     requires requires { { P::make() } -> std::same_as<Policy>; }
   Policy(P) : Policy(P::make()) {}  // NOLINT(google-explicit-constructor)
 
-  bool saveable(const OpInfo& op) const { return predicate_ ? predicate_(op) : false; }
+  std::optional<storage::Placement> decide(const OpInfo& op) const {
+    return decider_ ? decider_(op) : std::nullopt;
+  }
+  bool saveable(const OpInfo& op) const { return decide(op).has_value(); }
   // True for everything_saveable: the block is not recomputed at all (the same as no checkpoint).
   bool saves_everything() const { return everything_; }
-  bool saves_nothing() const { return !predicate_ && !everything_; }
+  bool saves_nothing() const { return !decider_ && !everything_; }
   const std::string& description() const { return description_; }
 
   static Policy everything();
 
  private:
   std::string description_;
-  Predicate predicate_;
+  Decider decider_;
   bool everything_ = false;
 };
 
@@ -97,12 +116,21 @@ using checkpoint_dots_with_no_batch_dims = dots_with_no_batch_dims_saveable;
 lift::Policy save_only_these_names(std::vector<std::string> names);
 // Keep values tagged with checkpoint_name for any name except `names` (untagged values: never).
 lift::Policy save_any_names_but_these(std::vector<std::string> names);
-// Keep what either policy keeps.
+// Keep what either policy keeps (where the first that keeps it says).
 lift::Policy save_from_both_policies(const lift::Policy& a, const lift::Policy& b);
 
+// JAX's save_and_offload_only_these_names: values tagged with a name of `saveable` are kept in RAM,
+// those tagged with a name of `offloadable` go to the spill file; everything else is recomputed.
+lift::Policy save_and_offload_only_these_names(std::vector<std::string> saveable, std::vector<std::string> offloadable);
+// What `which` keeps goes to the spill file instead of RAM (with `which`'s codec).
+// offload(everything_saveable{}) recomputes nothing and keeps every value on disk.
+lift::Policy offload(const lift::Policy& which);
+// What `which` keeps is kept compressed with `codec` (where `which` keeps it).
+lift::Policy compress(storage::Codec codec, const lift::Policy& which);
+
 // The policy a description names, for the policies above ("dots_saveable",
-// "save_only_these_names(a, b)", ...): how plans and other saved settings store a policy. A policy
-// made from a predicate of your own has no such name: ValueError.
+// "save_only_these_names(a, b)", "offload(compress(int8, dots_saveable))", ...): how plans and other
+// saved settings store a policy. A policy made from a predicate of your own has no such name: ValueError.
 lift::Policy from_description(std::string_view description);
 
 }  // namespace linum::policies

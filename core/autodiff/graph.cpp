@@ -224,7 +224,7 @@ void notify_record_hooks(const char* op, std::span<Array> outs, const Node* node
 void after_record_observed(const char* op, std::span<Array> outs, Node* node, const PrimitiveCall* call) {
   if (record_hooks_active()) notify_record_hooks(op, outs, node, call);
   if (SavedValueHooksStack::innermost() != nullptr) [[unlikely]]
-    node->pack_residuals();
+    node->pack_residuals(call);
   if (linum::detail::debug_checks_on()) [[unlikely]] {
     const std::span<const Array* const> inputs = call != nullptr ? call->inputs : std::span<const Array* const>();
     for (const Array& o : outs) linum::detail::check_finite(o, op, -1, inputs);
@@ -294,14 +294,32 @@ struct PackedResiduals {
   std::vector<bool> defined;
 };
 
-std::shared_ptr<PackedResiduals> Node::pack(std::vector<Array>& saved) {
+std::vector<SavedValueInfo> Node::infos_of(std::span<const Array> saved, const detail::PrimitiveCall* call, const Node* self) {
+  std::vector<SavedValueInfo> out(saved.size(), SavedValueInfo{self->op(), self->op(), self->label()});
+  if (call == nullptr) return out;
+  for (std::size_t i = 0; i < saved.size(); ++i) {
+    const Array& a = saved[i];
+    if (!a.defined()) continue;
+    for (const Array* in : call->inputs)
+      if (in->buffer_identity() == a.buffer_identity() && in->shape() == a.shape() && in->dtype() == a.dtype()) {
+        const Node* producer = in->node().get();
+        if (producer == nullptr || producer->is_leaf()) out[i].producer_op = nullptr, out[i].label = {};
+        else out[i].producer_op = producer->op(), out[i].label = producer->label();
+        break;
+      }
+  }
+  return out;
+}
+
+std::shared_ptr<PackedResiduals> Node::pack(std::vector<Array>& saved, std::span<const SavedValueInfo> infos) {
   auto p = std::make_shared<PackedResiduals>();
   p->hooks = detail::active_saved_value_hooks();
-  for (Array& a : saved) {
+  for (std::size_t i = 0; i < saved.size(); ++i) {
+    const Array& a = saved[i];
     p->defined.push_back(a.defined());
     p->shapes.push_back(a.shape());
     p->dtypes.push_back(a.dtype());
-    p->packed.push_back(a.defined() ? p->hooks->pack(a) : std::any());
+    p->packed.push_back(a.defined() ? p->hooks->pack(a, i < infos.size() ? infos[i] : SavedValueInfo{}) : std::any());
   }
   saved.clear();
   saved.shrink_to_fit();

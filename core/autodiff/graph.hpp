@@ -38,6 +38,7 @@ struct SavedValueHooks;
 
 namespace detail {
 class RecordHook;
+struct PrimitiveCall;
 // The per-thread contexts of the autodiff layer (core/context.hpp): whether ops record, the record
 // hooks (checkpoint regions, residual traces), the saved-value hooks, the leaf-gradient listener.
 struct RecordingContext { using Value = bool; };
@@ -71,6 +72,16 @@ class NoGradGuard {
 // Residuals handed to saved-value hooks (core/autodiff/saved_hooks.hpp): what pack returned, per
 // residual, and the hooks that unpack them.
 struct PackedResiduals;
+
+// What a value handed to saved-value hooks is.
+struct SavedValueInfo {
+  const char* op = "";                 // the op whose backward rule reads it ("checkpoint" for a checkpoint)
+  const char* producer_op = nullptr;   // the op that computed it (the op itself for a value it made);
+                                       // null for a constant or a differentiation variable
+  std::string_view label;              // the producer's checkpoint_name, if any
+  // A value an op computed (not a constant or a variable such as a parameter: alive anyway).
+  bool computed() const { return producer_op != nullptr; }
+};
 
 // An input of a node: the node that produced it and which of its outputs. A null node means the
 // input is a constant and needs no gradient.
@@ -146,8 +157,9 @@ class Node {
   // Appends the arrays this node keeps for its backward pass (for memory reports).
   virtual void saved_arrays(std::vector<Array>& /*out*/) const {}
   // Hands the arrays kept for the backward pass to the active saved-value hooks (recording calls
-  // it when hooks are in force; core/autodiff/saved_hooks.hpp).
-  virtual void pack_residuals() {}
+  // it when hooks are in force; core/autodiff/saved_hooks.hpp). `call` (null for ops recorded
+  // after computing) tells which residuals are the op's inputs, and so who computed them.
+  virtual void pack_residuals(const detail::PrimitiveCall* /*call*/) {}
   // True once release() ran: a second backward through it is an error.
   bool released() const { return released_; }
   // A label that policies can match (the name given by checkpoint_name), or empty.
@@ -176,8 +188,11 @@ class Node {
   Array take_grad(std::size_t i = 0);
 
  protected:
-  // Packs `saved` (cleared) through the active hooks; unpacks for a backward rule of `op`.
-  static std::shared_ptr<PackedResiduals> pack(std::vector<Array>& saved);
+  // Packs `saved` (cleared) through the active hooks, infos[i] describing saved[i]. Unpacks for a
+  // backward rule of `op`.
+  static std::shared_ptr<PackedResiduals> pack(std::vector<Array>& saved, std::span<const SavedValueInfo> infos);
+  // What a primitive's residuals are: an input's producer when a residual is an input, else `self`.
+  static std::vector<SavedValueInfo> infos_of(std::span<const Array> saved, const detail::PrimitiveCall* call, const Node* self);
   static std::vector<Array> unpack_residuals(const PackedResiduals& packed, const char* op);
 };
 
@@ -220,8 +235,10 @@ class RuleNode final : public Node {
     for (const Array& a : saved_)
       if (a.defined()) out.push_back(a);
   }
-  void pack_residuals() override {
-    if (!saved_.empty()) packed_ = pack(saved_);
+  void pack_residuals(const detail::PrimitiveCall* call) override {
+    if (saved_.empty()) return;
+    const std::vector<SavedValueInfo> infos = infos_of(saved_, call, this);
+    packed_ = pack(saved_, infos);
   }
   // The arrays the rule reads, positionally (undefined entries included); empty once packed.
   std::span<const Array> residuals() const { return saved_; }

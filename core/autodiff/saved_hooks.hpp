@@ -9,8 +9,10 @@
 //   auto [loss, g] = value_and_grad(f)(params);   // every residual of f went through the hooks
 //
 // Every primitive's residuals pass through them (the dispatcher, core/autodiff/primitive.hpp,
-// applies them to every recorded node); values a checkpoint's policy keeps are held by the
-// checkpoint, not packed. `unpack` must return an array of the packed one's shape and dtype (checked).
+// applies them to every recorded node), and so do what a checkpoint keeps: its block's inputs and
+// the values its policy saved. `pack` may also take a second argument, a SavedValueInfo saying
+// which op computed the value (null for a constant or a differentiation variable, which stay alive
+// anyway; graph.hpp). `unpack` must return an array of the packed one's shape and dtype (checked).
 // Hooks nest: the innermost guard applies. Per thread, like the recording switch.
 #pragma once
 
@@ -20,11 +22,32 @@
 #include <any>
 #include <functional>
 #include <memory>
+#include <type_traits>
 
 namespace linum::autodiff {
 
+// `pack` as PyTorch writes it, (const Array&) -> any, or with the info, (const Array&, const
+// SavedValueInfo&) -> any.
+class PackFunction {
+ public:
+  PackFunction() = default;
+  template <class F>
+    requires std::is_invocable_r_v<std::any, F&, const Array&, const SavedValueInfo&>
+  PackFunction(F f) : f_(std::move(f)) {}  // NOLINT(google-explicit-constructor)
+  template <class F>
+    requires(std::is_invocable_r_v<std::any, F&, const Array&> &&
+             !std::is_invocable_r_v<std::any, F&, const Array&, const SavedValueInfo&>)
+  PackFunction(F f)  // NOLINT(google-explicit-constructor)
+      : f_([f = std::move(f)](const Array& a, const SavedValueInfo&) mutable -> std::any { return f(a); }) {}
+  explicit operator bool() const { return static_cast<bool>(f_); }
+  std::any operator()(const Array& a, const SavedValueInfo& info) const { return f_(a, info); }
+
+ private:
+  std::function<std::any(const Array&, const SavedValueInfo&)> f_;
+};
+
 struct SavedValueHooks {
-  std::function<std::any(const Array&)> pack;
+  PackFunction pack;
   std::function<Array(const std::any&)> unpack;
 };
 
