@@ -459,8 +459,6 @@ TEST_CASE("under a live-byte cap an eighth of the plain step's peak, offloading 
   SpillDir spill;
   struct Deep {
     Array operator()(Scope& s, Array x) const {
-      // Residual blocks keep gradients far from subnormal numbers, whose bits may depend on the
-      // thread count (see the note in docs/performance.md).
       for (int i = 0; i < 48; ++i) x = x + gelu(s(nn::Dense{.features = 64}, x)) * 0.25f;
       return x;
     }
@@ -493,9 +491,4 @@ TEST_CASE("under a live-byte cap an eighth of the plain step's peak, offloading 
   CHECK(peak.peak_bytes() <= cap);
   CHECK(v.bitwise_equal(v0));
   CHECK(bitwise_equal(g, g0));
-  {
-    const auto a = flatten(g), b = flatten(g0);
-    for (std::size_t i = 0; i < a.size(); ++i)
-      if (!a[i].second.bitwise_equal(b[i].second)) MESSAGE(a[i].first, " differs ", max(abs(a[i].second - b[i].second)).item(), " of ", max(abs(b[i].second)).item());
-  }
 }

@@ -7,7 +7,9 @@
 
 #include <oneapi/dnnl/dnnl.hpp>
 
+#include <algorithm>
 #include <cstring>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -64,6 +66,36 @@ const Cached& primitive_for(const Key& key) {
   return cache().emplace(key, Cached{a, b, c, dnnl::matmul(pd)}).first->second;
 }
 
+constexpr std::int64_t kNarrowOutput = 64;  // output columns at or below which oneDNN splits sums
+constexpr std::int64_t kRowPiece = 128;     // output rows per piece of a narrow product
+
+void narrow_gemm_f32(const Array& a, const Array& b, Array& y, bool ta, bool tb, std::int64_t batch, std::int64_t m,
+                     std::int64_t n, std::int64_t k, bool b_batched) {
+  const float* A = a.data();
+  const float* B = b.data();
+  float* C = y.mutable_data();
+  const std::int64_t lda = ta ? m : k, ldb = tb ? k : n;
+  const std::int64_t pieces = (m + kRowPiece - 1) / kRowPiece, items = batch * pieces;
+  std::exception_ptr failure;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(dynamic, 1) num_threads(team_size()) if (!omp_in_parallel() && items > 1)
+#endif
+  for (std::int64_t item = 0; item < items; ++item) {
+    linum::detail::enter_compute();
+    const std::int64_t bi = item / pieces, r0 = (item % pieces) * kRowPiece, rows = std::min(kRowPiece, m - r0);
+    try {
+      gemm_f32_serial_onednn(ta, tb, rows, n, k, 1.0f, A + bi * m * k + (ta ? r0 : r0 * k), lda,
+                             B + (b_batched ? bi * k * n : 0), ldb, 0.0f, C + bi * m * n + r0 * n, n);
+    } catch (...) {
+#ifdef _OPENMP
+#pragma omp critical(linum_narrow_gemm)
+#endif
+      failure = std::current_exception();
+    }
+  }
+  if (failure) std::rethrow_exception(failure);
+}
+
 }  // namespace
 
 Array batched_gemm_onednn(const Array& a, const Array& b, bool ta, bool tb) {
@@ -79,10 +111,22 @@ Array batched_gemm_onednn(const Array& a, const Array& b, bool ta, bool tb) {
     std::memset(y.mutable_raw(), 0, y.nbytes());
     return y;
   }
+  const double work = static_cast<double>(batch) * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+  // oneDNN's products with a narrow output (n <= 64: a weight gradient of a thin layer, a logits
+  // layer) split their sums over threads, so their bits would depend on the thread count, which
+  // adaptive teams change with the machine's load. Those products are cut here into row pieces
+  // fixed by the shape, each summed on one thread by the serial sgemm: the same bits on any team.
+  if (n <= kNarrowOutput && work >= kParallelGemmWork) {
+    if (a.dtype() == DType::f32) {
+      narrow_gemm_f32(a, b, y, ta, tb, batch, m, n, k, rb == 3);
+      return y;
+    }
+    // bfloat16: one thread (the serial path has no bf16 product).
+  }
   int threads = 1;
 #ifdef _OPENMP
-  if (!omp_in_parallel() &&
-      static_cast<double>(batch) * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) >= kParallelGemmWork)
+  if (n > kNarrowOutput && !omp_in_parallel() &&
+      work >= kParallelGemmWork)
     threads = team_size();  // the free cores (core/threading.hpp); the product's bits do not depend on it
   const int previous = omp_get_max_threads();
   if (threads != previous) omp_set_num_threads(threads);
