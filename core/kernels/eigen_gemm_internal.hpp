@@ -29,25 +29,22 @@ void gemm_into(Dst&& c, const Lhs& a, const Rhs& b, bool accumulate = false) {
   static std::once_flag eigen_single_threaded;  // Eigen itself stays single-threaded; the panels are the threads
   std::call_once(eigen_single_threaded, [] { Eigen::setNbThreads(1); });
   const Eigen::Index m = c.rows(), n = c.cols();
-  [[maybe_unused]] const Eigen::Index k = a.cols();  // the work estimate needs it with OpenMP only
-  int threads = 1;
-#ifdef _OPENMP
-  if (static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) >= kParallelGemmWork && !omp_in_parallel())
-    threads = omp_get_max_threads();
-#endif
-  if (threads <= 1) {
+  const Eigen::Index k = a.cols();
+  // Small products in one piece; larger ones in panels (below), whatever the thread count.
+  if (static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k) < kParallelGemmWork) {
     if (accumulate) c.noalias() += a * b;
     else c.noalias() = a * b;
     return;
   }
   const bool by_rows = m >= n;
   const Eigen::Index extent = by_rows ? m : n;
-  // Panels aligned to 16 rows/columns so each thread's block fits the GEMM kernel's register tiles.
-  const Eigen::Index panel = std::max<Eigen::Index>(16, ((extent + threads - 1) / threads + 15) / 16 * 16);
+  // Up to 16 panels, aligned to 16 rows/columns so each fits the GEMM kernel's register tiles. The
+  // panels are fixed by the shape alone: Eigen's bits within a panel depend on its width, so panels
+  // sized by the thread count would give other bits on another team. team_size() threads take them
+  // (fewer when other processes hold cores).
+  const Eigen::Index panel = std::max<Eigen::Index>(64, ((extent + 15) / 16 + 15) / 16 * 16);
   const Eigen::Index panels = (extent + panel - 1) / panel;
-  // The panels are fixed by omp_get_max_threads() (so the result never depends on how many threads
-  // run them); team_size() threads take them (fewer when other processes hold cores).
-#pragma omp parallel for schedule(dynamic, 1) num_threads(linum::team_size())
+#pragma omp parallel for schedule(dynamic, 1) num_threads(linum::team_size()) if (!omp_in_parallel() && panels > 1)
   for (Eigen::Index p = 0; p < panels; ++p) {
     linum::detail::enter_compute();
     const Eigen::Index start = p * panel, len = std::min(panel, extent - start);

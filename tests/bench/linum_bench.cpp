@@ -5,14 +5,19 @@
 //       The deep-MLP training step: L x (Dense(W) + GELU) on a batch of B, loss mean(h * h),
 //       parameters kept in float32 and cast to --dtype for the computation (Flax's dtype=bf16 with
 //       param_dtype=float32, PyTorch's autocast),
-//       forward + backward, in five variants: plain, remat_every (each layer checkpointed,
+//       forward + backward, in these variants: plain, remat_every (each layer checkpointed,
 //       nothing_saveable), remat_dots (each layer, dots_saveable), remat_names (each layer, its
-//       pre-activation saved by save_only_these_names), remat_sqrt (sqrt(L) checkpointed segments). Fields: bench, variant, dtype, engine, step_s_min, step_s_median, model_gflops
+//       pre-activation saved by save_only_these_names), remat_sqrt (sqrt(L) checkpointed segments),
+//       offload_every (plain layers, every computed residual in the spill file: lift::ResidualScope
+//       with offload(everything_saveable); --spill-dir DIR, default $LINUM_SPILL_DIR or /tmp),
+//       compress_bf16_every / compress_int8_every (the same, residuals compressed in RAM),
+//       remat_offload_dots (each layer checkpointed, its product kept in the spill file). Fields: bench, variant, dtype, engine, step_s_min, step_s_median, model_gflops
 //       (6 B W^2 L / step_s_min), gemm_gflops (the engine's raw product in --dtype on the
 //       [B, W] x [W, W] shape, same run),
 //       gemm_ratio, peak_activation_bytes (exact accounting: peak live bytes during the step minus live
 //       bytes before it), peak_rss_growth_mib, ops_recomputed/replayed/eliminated_per_step
-//       (lift::recompute_stats: ops the recomputations ran, took from saved values, left out).
+//       (lift::recompute_stats: ops the recomputations ran, took from saved values, left out),
+//       offloaded_peak_bytes, offload_written/read_bytes_per_step.
 //   linum-bench load [--layers L] [--width W] [--batch B] [--steps S] [--dtype f32|bf16] [--rounds R]
 //       The plain deep-MLP step on a quiet machine and with one competing CPU-bound process pinned
 //       to the last core, alternating R rounds in one invocation. Fields: bench, wait_policy (how
@@ -101,6 +106,17 @@ int bench_mlp(const Flags& f) {
     return gelu(checkpoint_name(matmul(h, astype(w, dtype)) + astype(b, dtype), "preact"));
   };
   const auto names = checkpoint(named_layer, {.policy = policies::save_only_these_names({"preact"})});
+  // The plain layers with their residuals placed by a policy (lift::ResidualScope): on disk, or
+  // compressed in RAM. Nothing is recomputed.
+  auto placed = [&](lift::Policy policy) {
+    return [&, policy](const std::vector<Array>& p, const Array& x) {
+      lift::ResidualScope scope(policy);
+      Array h = x;
+      for (long l = 0; l < L; ++l) h = layer(h, p[2 * l], p[2 * l + 1]);
+      return h;
+    };
+  };
+  const auto offload_dots = checkpoint(layer, {.policy = policies::offload(policies::dots_saveable{})});
   const std::vector<Variant> variants = {
       {"plain",
        [&](const std::vector<Array>& p, const Array& x) {
@@ -126,6 +142,15 @@ int bench_mlp(const Flags& f) {
          for (long l = 0; l < L; ++l) h = names(h, p[2 * l], p[2 * l + 1]);
          return h;
        }},
+      {"offload_every", placed(policies::offload(policies::everything_saveable{}))},
+      {"compress_bf16_every", placed(policies::compress(storage::Codec::bf16, policies::everything_saveable{}))},
+      {"compress_int8_every", placed(policies::compress(storage::Codec::int8, policies::everything_saveable{}))},
+      {"remat_offload_dots",  // each layer checkpointed, its product kept on disk (the GELU recomputed)
+       [&](const std::vector<Array>& p, const Array& x) {
+         Array h = x;
+         for (long l = 0; l < L; ++l) h = offload_dots(h, p[2 * l], p[2 * l + 1]);
+         return h;
+       }},
       {"remat_sqrt",  // sqrt(L) checkpointed segments of consecutive layers
        [&](const std::vector<Array>& p, const Array& x) {
          Array h = x;
@@ -144,6 +169,7 @@ int bench_mlp(const Flags& f) {
   };
   const std::string only = f.text("variant", "");
   const std::string plot = f.text("memory-plot", "");
+  if (const std::string dir = f.text("spill-dir", ""); !dir.empty()) storage::set_spill_options({.directory = dir});
   std::vector<memory::Timeline> timelines;
   for (const Variant& v : variants) {
     if (!only.empty() && v.name != only) continue;
@@ -167,21 +193,25 @@ void run_variant(const std::string& variant, const std::function<Array(const std
   auto step = value_and_grad(loss);
   (void)step(params, x);  // warm-up
   std::vector<double> times;
-  std::int64_t peak_activation = 0;
+  std::int64_t peak_activation = 0, offloaded_peak = 0;
+  const memory::Stats io_before = memory::stats();
   const long rss_before = status_kib("VmRSS");
   reset_peak_rss();
   lift::reset_recompute_stats();
   for (long s = 0; s < steps; ++s) {
+    memory::reset_peak();
     memory::PeakScope scope;
     auto t = Clock::now();
     auto [value, grads] = step(params, x);
     times.push_back(seconds_since(t));
+    offloaded_peak = std::max(offloaded_peak, memory::stats().offloaded_peak_bytes);
     // Activations: the peak beyond what was live before, minus the gradients the step returns.
     std::int64_t grad_bytes = 0;
     for (const Array& g : grads) grad_bytes += static_cast<std::int64_t>(g.nbytes());
     peak_activation = std::max(peak_activation, scope.peak_growth() - grad_bytes);
   }
   const long rss_peak = status_kib("VmHWM");
+  const memory::Stats io_after = memory::stats();
   const lift::RecomputeStats rs = lift::recompute_stats();
   if (timelines != nullptr) {  // one more step, recorded op by op (after the timed ones)
     memory::TimelineRecorder recorder(variant);
@@ -211,7 +241,13 @@ void run_variant(const std::string& variant, const std::function<Array(const std
       {"ops_recomputed_per_step", rs.ops_recomputed / steps},
       {"ops_replayed_per_step", rs.ops_replayed / steps},
       {"ops_eliminated_per_step", rs.ops_eliminated / steps},
+      // Residuals beyond RAM (offload_* and compress_* variants): the spill file's peak, bytes
+      // written and read back per step.
+      {"offloaded_peak_bytes", offloaded_peak},
+      {"offload_written_bytes_per_step", (io_after.offload_written_bytes - io_before.offload_written_bytes) / steps},
+      {"offload_read_bytes_per_step", (io_after.offload_read_bytes - io_before.offload_read_bytes) / steps},
   };
+
   std::cout << out.dump() << std::endl;
 }
 
