@@ -52,7 +52,7 @@ void add_point(Recording& r, std::string op, std::string path, std::string phase
   const std::int64_t live = stats().live_bytes;
   const std::int64_t peak = std::max(g_max_since_boundary.exchange(live), live);
   const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - r.start).count();
-  r.timeline.points.push_back({std::move(op), std::move(path), std::move(phase), live, peak, t});
+  r.timeline.points.push_back({std::move(op), std::move(path), std::move(phase), live, peak, t, -1, stats().offloaded_bytes});
 }
 
 }  // namespace
@@ -66,6 +66,12 @@ const TimelinePoint* Timeline::peak_point() const {
   return best;
 }
 
+std::int64_t Timeline::offloaded_peak_bytes() const {
+  std::int64_t m = 0;
+  for (const auto& p : points) m = std::max(m, p.offloaded_bytes);
+  return m;
+}
+
 std::int64_t Timeline::peak_bytes() const {
   const TimelinePoint* p = peak_point();
   return p == nullptr ? 0 : p->peak_bytes;
@@ -75,7 +81,7 @@ nlohmann::json Timeline::to_json() const {
   nlohmann::json pts = nlohmann::json::array();
   for (const auto& p : points)
     pts.push_back({{"op", p.op}, {"path", p.path}, {"phase", p.phase}, {"live_bytes", p.live_bytes}, {"peak_bytes", p.peak_bytes},
-                   {"seconds", p.seconds}, {"forward_point", p.forward_point}});
+                   {"seconds", p.seconds}, {"forward_point", p.forward_point}, {"offloaded_bytes", p.offloaded_bytes}});
   return {{"label", label}, {"peak_bytes", peak_bytes()}, {"points", pts}};
 }
 
@@ -86,7 +92,8 @@ Timeline Timeline::from_json(const nlohmann::json& j) {
     for (const auto& p : j.at("points"))
       t.points.push_back({p.at("op").get<std::string>(), p.at("path").get<std::string>(), p.at("phase").get<std::string>(),
                           p.at("live_bytes").get<std::int64_t>(), p.at("peak_bytes").get<std::int64_t>(),
-                          p.value("seconds", 0.0), p.value("forward_point", std::int64_t{-1})});
+                          p.value("seconds", 0.0), p.value("forward_point", std::int64_t{-1}),
+                          p.value("offloaded_bytes", std::int64_t{0})});
     return t;
   } catch (const nlohmann::json::exception& e) {
     throw IoError(linum::detail::cat("memory::Timeline::from_json: not a timeline (", e.what(),
@@ -225,7 +232,7 @@ std::string render_svg(const std::vector<Timeline>& runs, const SvgOptions& o) {
   std::int64_t max_bytes = 1;
   for (const auto& t : runs) {
     max_points = std::max(max_points, t.points.size());
-    max_bytes = std::max(max_bytes, t.peak_bytes());
+    max_bytes = std::max({max_bytes, t.peak_bytes(), t.offloaded_peak_bytes()});
   }
   const double y_max_mib = static_cast<double>(max_bytes) / (1024.0 * 1024.0) * 1.08;
   const double y_step = tick_step(y_max_mib, 6);
@@ -284,6 +291,13 @@ std::string render_svg(const std::vector<Timeline>& runs, const SvgOptions& o) {
     for (std::size_t i = 0; i < t.points.size(); ++i) pts += fmt(x_of(i)) + "," + fmt(y_of(t.points[i].peak_bytes)) + " ";
     s += "<polyline data-label=\"" + xml_escape(t.label) + "\" data-peak-bytes=\"" + std::to_string(t.peak_bytes()) +
          "\" fill=\"none\" stroke=\"" + std::string(kColors[r % 8]) + "\" stroke-width=\"1.6\" points=\"" + pts + "\"/>\n";
+    if (t.offloaded_peak_bytes() > 0) {  // the spill file, dashed
+      std::string off;
+      for (std::size_t i = 0; i < t.points.size(); ++i) off += fmt(x_of(i)) + "," + fmt(y_of(t.points[i].offloaded_bytes)) + " ";
+      s += "<polyline data-label=\"" + xml_escape(t.label) + " (spill file)\" data-peak-bytes=\"" +
+           std::to_string(t.offloaded_peak_bytes()) + "\" fill=\"none\" stroke=\"" + std::string(kColors[r % 8]) +
+           "\" stroke-width=\"1.4\" stroke-dasharray=\"5,3\" points=\"" + off + "\"/>\n";
+    }
     if (const TimelinePoint* p = t.peak_point()) {
       const std::size_t i = static_cast<std::size_t>(p - t.points.data());
       s += "<circle cx=\"" + fmt(x_of(i)) + "\" cy=\"" + fmt(y_of(p->peak_bytes)) + "\" r=\"4.5\" fill=\"" + kColors[r % 8] +
@@ -299,6 +313,7 @@ std::string render_svg(const std::vector<Timeline>& runs, const SvgOptions& o) {
     if (p != nullptr && !p->op.empty())
       text += " at " + (p->path.empty() ? std::string() : p->path + " / ") + p->op + " (" + p->phase + ")";
     s += "<rect x=\"" + fmt(left) + "\" y=\"" + fmt(ly - 10) + "\" width=\"14\" height=\"4\" fill=\"" + kColors[r % 8] + "\"/>\n";
+    if (t.offloaded_peak_bytes() > 0) text += "; spill file (dashed): peak " + mib(t.offloaded_peak_bytes());
     s += "<text x=\"" + fmt(left + 20) + "\" y=\"" + fmt(ly - 4) + "\">" + xml_escape(text) + "</text>\n";
   }
   double lx = left;

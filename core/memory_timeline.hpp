@@ -36,6 +36,8 @@ struct TimelinePoint {
   // For a backward point: the index of the point that recorded its op in the forward pass (or the
   // recomputation), so analyses can charge backward work to the forward op; -1 otherwise.
   std::int64_t forward_point = -1;
+  // Bytes in the spill file when the op finished (offloaded residuals; not part of live_bytes).
+  std::int64_t offloaded_bytes = 0;
 };
 
 struct Timeline {
@@ -45,6 +47,8 @@ struct Timeline {
   // The highest peak_bytes of any point (0 for an empty timeline), and the point that reached it.
   std::int64_t peak_bytes() const;
   const TimelinePoint* peak_point() const;
+  // The highest offloaded_bytes of any point.
+  std::int64_t offloaded_peak_bytes() const;
 
   nlohmann::json to_json() const;
   static Timeline from_json(const nlohmann::json& j);
@@ -76,7 +80,8 @@ struct SvgOptions {
 
 // The runs as one SVG plot: live bytes (the within-op peaks) over op index, one curve per run, each
 // run's forward / recomputation / backward ops shaded in a strip under the plot, every run's peak
-// marked with its size, module path and op, and a legend. Runs of different lengths (remat adds
+// marked with its size, module path and op, and a legend. A run that offloaded residuals gets a
+// second, dashed curve in its colour: the bytes in the spill file. Runs of different lengths (remat adds
 // recomputation ops) share the op-index axis.
 std::string render_svg(const std::vector<Timeline>& runs, const SvgOptions& options = {});
 // Atomically writes render_svg(runs, options) to `path`.

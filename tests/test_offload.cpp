@@ -492,3 +492,25 @@ TEST_CASE("under a live-byte cap an eighth of the plain step's peak, offloading 
   CHECK(v.bitwise_equal(v0));
   CHECK(bitwise_equal(g, g0));
 }
+
+TEST_CASE("the memory timeline draws the spill file as its own curve") {
+  const fs::path dir = fresh_dir("timeline");
+  storage::set_spill_options({.directory = dir, .write_behind_bytes = 0});  // each put waits for its write
+  const Case c = models()[0];
+  const Tree params = c.init_params();
+  memory::TimelineRecorder recorder("offload");
+  {
+    lift::ResidualScope scope(policies::offload(policies::everything_saveable{}));
+    (void)grads_of(c, params);
+  }
+  const memory::Timeline t = recorder.finish();
+  CHECK(t.offloaded_peak_bytes() > 0);
+  CHECK(t.points.back().offloaded_bytes == 0);  // all read back and freed by the end of the step
+  const memory::Timeline back = memory::Timeline::from_json(t.to_json());
+  CHECK(back.offloaded_peak_bytes() == t.offloaded_peak_bytes());
+  const std::string svg = memory::render_svg({t});
+  CHECK(svg.find("offload (spill file)") != std::string::npos);
+  CHECK(svg.find("spill file (dashed): peak") != std::string::npos);
+  storage::set_spill_options({.directory = dir});
+  fs::remove_all(dir);
+}
