@@ -1,6 +1,8 @@
 #include <linum/core/storage/compression.hpp>
 
 #include <linum/core/error.hpp>
+#include <linum/core/fp_mode.hpp>
+#include <linum/core/threading.hpp>
 
 #include <algorithm>
 #include <array>
@@ -8,6 +10,10 @@
 #include <cmath>
 #include <cstring>
 #include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 namespace linum::storage {
 
@@ -58,13 +64,6 @@ const std::array<float, 256>& e4m3_table() {
 std::int64_t blocks_of(std::int64_t n) { return (n + kBlock - 1) / kBlock; }
 std::int64_t payload_words(std::int64_t n) { return blocks_of(n) + (n + 3) / 4; }
 
-std::vector<float> as_floats(const Array& x) {
-  if (x.dtype() == DType::f32) return std::vector<float>(x.data(), x.data() + x.numel());
-  std::vector<float> out(static_cast<std::size_t>(x.numel()));
-  bf16_to_f32(x.data_bf16(), out.data(), x.numel());
-  return out;
-}
-
 bool all_finite(const Array& x) {
   if (x.dtype() == DType::f32) {
     const float* p = x.data();
@@ -78,24 +77,46 @@ bool all_finite(const Array& x) {
   return true;
 }
 
+// Runs f(block) for every block, in parallel for large arrays (blocks are independent, so the
+// result does not depend on the threads).
+template <class F>
+void for_each_block(std::int64_t nb, F f) {
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(linum::team_size()) if (nb >= 64 && !omp_in_parallel())
+#endif
+  for (std::int64_t b = 0; b < nb; ++b) {
+    linum::detail::enter_compute();
+    f(b);
+  }
+}
+
+// Block b of x as floats: a pointer into x (float32) or into `tmp` (bfloat16, converted).
+const float* block_floats(const Array& x, std::int64_t lo, std::int64_t len, float* tmp) {
+  if (x.dtype() == DType::f32) return x.data() + lo;
+  bf16_to_f32(x.data_bf16() + lo, tmp, len);
+  return tmp;
+}
+
 // int8 and fp8: per block, the scale (largest magnitude / top code), then the codes.
 template <class Encode>
 Array encode_blocks(const Array& x, float top, Encode encode) {
   const std::int64_t n = x.numel(), nb = blocks_of(n);
-  const std::vector<float> v = as_floats(x);
   Array payload = Array::empty(Shape{payload_words(n)}, DType::i32);
   auto* words = payload.mutable_data_i32();
   auto* codes = reinterpret_cast<std::uint8_t*>(words + nb);
   std::memset(codes, 0, static_cast<std::size_t>((n + 3) / 4) * 4);
-  for (std::int64_t b = 0; b < nb; ++b) {
-    const std::int64_t lo = b * kBlock, hi = std::min(n, lo + kBlock);
+  for_each_block(nb, [&](std::int64_t b) {
+    float tmp[kBlock];
+    const std::int64_t lo = b * kBlock, len = std::min(n - lo, kBlock);
+    const float* v = block_floats(x, lo, len, tmp);
     float m = 0.0f;
-    for (std::int64_t i = lo; i < hi; ++i) m = std::max(m, std::fabs(v[static_cast<std::size_t>(i)]));
+    for (std::int64_t i = 0; i < len; ++i) m = std::max(m, std::fabs(v[i]));
     const float scale = m / top;
     words[b] = std::bit_cast<std::int32_t>(scale);
-    for (std::int64_t i = lo; i < hi; ++i)
-      codes[i] = scale > 0.0f ? encode(v[static_cast<std::size_t>(i)] / scale) : std::uint8_t{0};
-  }
+    std::uint8_t* out = codes + lo;
+    if (scale > 0.0f)
+      for (std::int64_t i = 0; i < len; ++i) out[i] = encode(v[i] / scale);
+  });
   return payload;
 }
 
@@ -104,20 +125,27 @@ Array decode_blocks(const Compressed& c, Decode decode) {
   const std::int64_t n = c.shape.numel(), nb = blocks_of(n);
   const auto* words = c.payload.data_i32();
   const auto* codes = reinterpret_cast<const std::uint8_t*>(words + nb);
-  std::vector<float> v(static_cast<std::size_t>(n));
-  for (std::int64_t b = 0; b < nb; ++b) {
-    const float scale = std::bit_cast<float>(words[b]);
-    const std::int64_t lo = b * kBlock, hi = std::min(n, lo + kBlock);
-    for (std::int64_t i = lo; i < hi; ++i) v[static_cast<std::size_t>(i)] = decode(codes[i]) * scale;
-  }
   Array out = Array::empty(c.shape, c.dtype);
-  if (c.dtype == DType::f32) std::copy(v.begin(), v.end(), out.mutable_data());
-  else f32_to_bf16(v.data(), out.mutable_data_bf16(), n);
+  float* f32 = c.dtype == DType::f32 ? out.mutable_data() : nullptr;
+  bfloat16* b16 = c.dtype == DType::bf16 ? out.mutable_data_bf16() : nullptr;
+  for_each_block(nb, [&](std::int64_t b) {
+    float tmp[kBlock];
+    const float scale = std::bit_cast<float>(words[b]);
+    const std::int64_t lo = b * kBlock, len = std::min(n - lo, kBlock);
+    float* v = f32 != nullptr ? f32 + lo : tmp;
+    for (std::int64_t i = 0; i < len; ++i) v[i] = decode(codes[lo + i]) * scale;
+    if (b16 != nullptr) f32_to_bf16(tmp, b16 + lo, len);
+  });
   return out;
 }
 
-std::uint8_t int8_code(float y) { return static_cast<std::uint8_t>(static_cast<std::int8_t>(std::clamp(std::nearbyint(y), -127.0f, 127.0f))); }
-float int8_value(std::uint8_t code) { return static_cast<float>(static_cast<std::int8_t>(code)); }
+// Rounds half away from zero (|y| <= 127 by the scale): the bound m / 254 holds either way, and
+// truncation vectorises where nearbyint is a library call.
+inline std::uint8_t int8_code(float y) {
+  const float r = std::clamp(y + (y < 0.0f ? -0.5f : 0.5f), -127.0f, 127.0f);
+  return static_cast<std::uint8_t>(static_cast<std::int8_t>(static_cast<int>(r)));
+}
+inline float int8_value(std::uint8_t code) { return static_cast<float>(static_cast<std::int8_t>(code)); }
 }  // namespace
 
 std::int64_t compressed_size(const Shape& shape, DType dtype, Codec codec) {
@@ -135,8 +163,8 @@ Compressed compress(const Array& x, Codec codec) {
   c.codec = codec;
   switch (codec) {
     case Codec::bf16: c.payload = linum::detail::convert_float(x.detached(), DType::bf16); break;
-    case Codec::int8: c.payload = encode_blocks(x, 127.0f, int8_code); break;
-    case Codec::fp8_e4m3: c.payload = encode_blocks(x, 448.0f, float_to_e4m3); break;
+    case Codec::int8: c.payload = encode_blocks(x, 127.0f, [](float y) { return int8_code(y); }); break;
+    case Codec::fp8_e4m3: c.payload = encode_blocks(x, 448.0f, [](float y) { return float_to_e4m3(y); }); break;
     case Codec::none: break;
   }
   return c;
@@ -146,7 +174,7 @@ Array decompress(const Compressed& c) {
   switch (c.codec) {
     case Codec::none: return c.payload;
     case Codec::bf16: return linum::detail::convert_float(c.payload, c.dtype);
-    case Codec::int8: return decode_blocks(c, int8_value);
+    case Codec::int8: return decode_blocks(c, [](std::uint8_t code) { return int8_value(code); });
     case Codec::fp8_e4m3: {
       const auto& table = e4m3_table();
       return decode_blocks(c, [&](std::uint8_t code) { return table[code]; });
