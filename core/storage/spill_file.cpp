@@ -276,6 +276,7 @@ class SpillFile::Impl : public std::enable_shared_from_this<Impl> {
   // Starts reading entry `id` back (ahead of the read-ahead queue).
  public:
   void prefetch(std::uint64_t id) {
+    if (options_.read_ahead_bytes <= 0) return;  // no reading ahead at all: RAM use independent of timing
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = slots_.find(id);
     if (it == slots_.end() || it->second.state != State::on_disk || it->second.bytes == 0) return;

@@ -31,8 +31,11 @@ namespace linum::storage {
 struct SpillOptions {
   // Where the file lives. Empty: $LINUM_SPILL_DIR, else $TMPDIR, else /tmp.
   std::filesystem::path directory;
-  std::int64_t write_behind_bytes = std::int64_t{64} << 20;  // queued bytes before put() waits
-  std::int64_t read_ahead_bytes = std::int64_t{64} << 20;    // bytes read back ahead of need
+  std::int64_t write_behind_bytes = std::int64_t{16} << 20;  // queued bytes before put() waits
+  std::int64_t read_ahead_bytes = std::int64_t{16} << 20;    // bytes read back ahead of need
+  // (write_behind_bytes 0: each put() returns once written; read_ahead_bytes 0: nothing is read
+  // before get() asks for it, prefetch() included. Both 0: the RAM a step takes does not depend on
+  // the I/O thread's timing, as a planner's profile wants.)
 };
 
 class SpillFile {

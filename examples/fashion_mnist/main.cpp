@@ -5,6 +5,11 @@
 //                 [--checkpoint-dir DIR]
 //                 [--eval] [--limit N] [--dtype f32|bf16] [--param-dtype f32|bf16]
 //                 [--micro-batches 4] [--reduction reproducible|fast] [--batch-stats average|per-rank]
+//                 [--residuals ram|bf16|int8|fp8_e4m3|disk|disk+int8|...]
+//
+// --residuals keeps what the training step saves for its backward pass compressed or in the spill
+// file (lift::ResidualScope, core/storage/): with --remat none, every residual; with remat, what the
+// blocks' backward needs besides their recomputation (the parts outside checkpoints).
 //
 // Data parallel on several processes or machines: `mpirun -np N fashion_mnist ...` splits each global
 // batch across the N ranks (linum::dist::DataParallel). In the default reproducible mode the batch is
@@ -122,14 +127,24 @@ struct Options {
   dist::Reduction reduction = dist::Reduction::reproducible;
   dist::Sync batch_stats_sync = dist::Sync::average;
   fs::path memory_plot;  // --memory-plot FILE.svg: the memory timeline of one step, with and without remat
+  storage::Placement residuals;  // --residuals: where the step's residuals live (default: RAM, as they are)
 };
+
+// The policy --residuals names: every residual placed there.
+std::optional<lift::Policy> residual_policy(const storage::Placement& p) {
+  if (p == storage::Placement{}) return std::nullopt;
+  lift::Policy all = policies::everything_saveable{};
+  if (p.codec != storage::Codec::none) all = policies::compress(p.codec, all);
+  if (p.where == storage::Where::disk) all = policies::offload(all);
+  return all;
+}
 
 const char* remat_name(Remat r) { return r == Remat::none ? "none" : r == Remat::full ? "full" : "dots"; }
 
 [[noreturn]] void usage_error(const std::string& message) {
   std::cerr << "fashion_mnist: " << message << "\n"
             << "usage: fashion_mnist [--epochs N] [--remat full|dots|none] [--batch N] [--lr X] [--optimizer adam|sgd]\n"
-            << "                     [--memory-plot FILE.svg]\n"
+            << "                     [--memory-plot FILE.svg] [--residuals ram|bf16|int8|fp8_e4m3|disk|disk+<codec>]\n"
             << "                     [--dropout X] [--batchnorm] [--seed N] [--data DIR] [--checkpoint FILE] [--resume]\n"
             << "                     [--checkpoint-dir DIR]\n"
             << "                     [--eval] [--limit N] [--dtype f32|bf16] [--param-dtype f32|bf16]\n"
@@ -197,6 +212,13 @@ Options parse(int argc, char** argv) {
       if (d == "f32") o.param_dtype = DType::f32;
       else if (d == "bf16") o.param_dtype = DType::bf16;
       else usage_error("--param-dtype must be f32 or bf16, got '" + d + "'");
+    } else if (a == "--residuals") {
+      const std::string r = value();
+      try {
+        o.residuals = storage::placement_from_string(r);
+      } catch (const ValueError&) {
+        usage_error("--residuals must be ram, bf16, int8, fp8_e4m3, disk or disk+<codec>, got '" + r + "'");
+      }
     } else if (a == "--help" || a == "-h") {
       usage_error("help");
     } else {
@@ -222,6 +244,7 @@ struct Trainer {
   CNN model;
   optim::GradientTransformation optimizer;
   Tree params, batch_stats, opt_state;
+  std::optional<lift::Policy> residuals;  // --residuals
 
   Tree variables() const {
     Tree v{{"params", params}};
@@ -236,6 +259,8 @@ struct Trainer {
       Tree vars{{"params", p}};
       if (!batch_stats.empty()) vars.set("batch_stats", batch_stats);
       const Array& labels = batch.at("y").array();
+      std::optional<lift::ResidualScope> placed;
+      if (residuals) placed.emplace(*residuals);
       auto [logits, updates] = apply(model, vars, {.rngs = {{"dropout", key}}, .mutable_collections = {"batch_stats"}},
                                      batch.at("x").array(), true);
       const float hits = static_cast<float>(correct(logits, labels));
@@ -269,8 +294,11 @@ struct Trainer {
 // Peak activation bytes of one training step of `model` on a batch: the peak of live bytes during
 // the step beyond what was alive before, minus the gradients the step returns.
 std::int64_t step_activation_bytes(const CNN& model, const Tree& params, const Tree& batch_stats, const Array& x,
-                                   const Array& y, memory::Timeline* timeline = nullptr, const std::string& label = "") {
+                                   const Array& y, const std::optional<lift::Policy>& residuals,
+                                   memory::Timeline* timeline = nullptr, const std::string& label = "") {
   auto loss_fn = [&](const Tree& p) {
+    std::optional<lift::ResidualScope> placed;
+    if (residuals) placed.emplace(*residuals);
     Tree vars{{"params", p}};
     if (!batch_stats.empty()) vars.set("batch_stats", batch_stats);
     auto [logits, updates] =
@@ -351,7 +379,7 @@ int run(const Options& o) {
 
   Trainer t{CNN{.remat = o.remat, .batch_norm = o.batch_norm, .dropout = o.dropout,
                 .dtype = o.dtype == DType::f32 ? std::nullopt : std::optional<DType>(o.dtype), .param_dtype = o.param_dtype},
-            o.optimizer == "adam" ? optim::adam(o.lr) : optim::sgd(o.lr, 0.9), {}, {}, {}};
+            o.optimizer == "adam" ? optim::adam(o.lr) : optim::sgd(o.lr, 0.9), {}, {}, {}, residual_policy(o.residuals)};
   const std::int64_t batch = std::min<std::int64_t>(o.batch, n);
   const Array& train_images = train.columns().at("image").array();
   const Array& train_labels = train.columns().at("label").array();
@@ -410,8 +438,8 @@ int run(const Options& o) {
   if (lead) {
     CNN plain_model = t.model;
     plain_model.remat = Remat::none;
-    peak_plain = step_activation_bytes(plain_model, t.params, t.batch_stats, mx, my);
-    peak = step_activation_bytes(t.model, t.params, t.batch_stats, mx, my);
+    peak_plain = step_activation_bytes(plain_model, t.params, t.batch_stats, mx, my, std::nullopt);
+    peak = step_activation_bytes(t.model, t.params, t.batch_stats, mx, my, t.residuals);
   }
   if (lead && !o.memory_plot.empty()) {
     // The same step recorded op by op, for each remat choice, as one SVG plot.
@@ -420,7 +448,7 @@ int run(const Options& o) {
       CNN m = t.model;
       m.remat = r;
       runs.emplace_back();
-      step_activation_bytes(m, t.params, t.batch_stats, mx, my, &runs.back(),
+      step_activation_bytes(m, t.params, t.batch_stats, mx, my, t.residuals, &runs.back(),
                             r == Remat::none ? "no remat" : std::string("remat per block, ") + remat_name(r) +
                                                                 (r == Remat::dots ? " (dots saved)" : " (nothing saved)"));
     }
@@ -469,14 +497,16 @@ int run(const Options& o) {
   const double per_epoch = epochs_run ? train_seconds / epochs_run : 0.0;
   std::printf("test accuracy %.4f", accuracy);
   if (epochs_run) std::printf(", %.1f s per epoch", per_epoch);
-  std::printf("\npeak activation memory of a training step (batch %lld): %.1f MiB with remat=%s, %.1f MiB without remat",
-              static_cast<long long>(mx.dim(0)), peak / 1048576.0, remat_name(o.remat), peak_plain / 1048576.0);
+  std::printf("\npeak activation memory of a training step (batch %lld): %.1f MiB with remat=%s%s, %.1f MiB without remat",
+              static_cast<long long>(mx.dim(0)), peak / 1048576.0, remat_name(o.remat),
+              o.residuals == storage::Placement{} ? "" : (" and residuals=" + o.residuals.str()).c_str(), peak_plain / 1048576.0);
   if (peak_plain > 0) std::printf(" (%.0f%% saved)", 100.0 * (1.0 - static_cast<double>(peak) / static_cast<double>(peak_plain)));
   std::printf("\n");
   const nlohmann::json result = {{"test_accuracy", accuracy},
                                  {"epochs", o.eval_only ? first_epoch : o.epochs},
                                  {"seconds_per_epoch", per_epoch},
                                  {"remat", remat_name(o.remat)},
+                                 {"residuals", o.residuals.str()},
                                  {"dtype", dtype_short_name(o.dtype)},
                                  {"param_dtype", dtype_short_name(o.param_dtype)},
                                  {"final_train_loss", final_train_loss},

@@ -10,6 +10,11 @@
 // the plan's policy counts. --memory-plot FILE.svg overlays plain, the uniform schedules and the
 // plan. Same flags as `linum-bench mlp` otherwise (--layers --width --batch --steps --threads
 // --dtype f32|bf16 --engine onednn|eigen).
+// --allow none,full,dots (default) lists what a call may get: run plainly (none, always), remat saving
+// nothing (full) or its products (dots), offload (remat with its products kept in the spill file),
+// compress / compress_bf16 (remat with its products kept int8- / bf16-compressed), offload_all
+// (remat keeping every value in the spill file: nothing recomputed). Beyond recompute, the JSON also holds `recompute_only`: the plan
+// over full and dots at the same budget; offloaded_bytes_per_step is what a planned step writes.
 // --model gpt plans the transformer stack of `linum-bench gpt` instead (--layers 8 --batch 16
 // --seq 256 --dim 256): each block rematted whole or planned inside (attention, MLP, norms),
 // against every block rematted saving nothing or saving its products.
@@ -18,6 +23,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <map>
@@ -57,8 +63,30 @@ struct Trial {
   std::string name;
   double step_s_min = 0;
   std::int64_t peak_bytes = 0;
+  std::int64_t offloaded_bytes = 0;  // written to the spill file per step
   memory::Timeline timeline;
 };
+
+// --allow: the options a call may get besides running plainly ("none", always allowed).
+std::vector<lift::Policy> allowed_policies(const std::string& list) {
+  std::vector<lift::Policy> out;
+  std::size_t start = 0;
+  while (start <= list.size()) {
+    const std::size_t comma = std::min(list.find(',', start), list.size());
+    const std::string name = list.substr(start, comma - start);
+    start = comma + 1;
+    if (name == "none" || name.empty()) continue;
+    if (name == "full") out.push_back(policies::nothing_saveable{});
+    else if (name == "dots") out.push_back(policies::dots_saveable{});
+    else if (name == "offload") out.push_back(policies::offload(policies::dots_saveable{}));
+    else if (name == "compress") out.push_back(policies::compress(storage::Codec::int8, policies::dots_saveable{}));
+    else if (name == "compress_bf16") out.push_back(policies::compress(storage::Codec::bf16, policies::dots_saveable{}));
+    else if (name == "offload_all") out.push_back(policies::offload(policies::everything_saveable{}));
+    else
+      throw ValueError("--allow: '" + name + "' is none of none, full, dots, offload, compress, compress_bf16, offload_all");
+  }
+  return out;
+}
 
 // Times `step` (min over `steps`), measures its exact peak and records its timeline, all under `plan`.
 Trial run_trial(const std::string& name, const std::function<void()>& step, const lift::RematPlan* plan, long steps) {
@@ -67,6 +95,7 @@ Trial run_trial(const std::string& name, const std::function<void()>& step, cons
   step();  // warm-up
   Trial t{name};
   t.step_s_min = 1e30;
+  const std::int64_t written = memory::stats().offload_written_bytes;
   for (long s = 0; s < steps; ++s) {
     memory::PeakScope peak;
     const auto start = Clock::now();
@@ -74,6 +103,7 @@ Trial run_trial(const std::string& name, const std::function<void()>& step, cons
     t.step_s_min = std::min(t.step_s_min, seconds_since(start));
     t.peak_bytes = std::max(t.peak_bytes, peak.peak_bytes());
   }
+  t.offloaded_bytes = (memory::stats().offload_written_bytes - written) / std::max(steps, 1L);
   memory::TimelineRecorder recorder(name);
   step();
   t.timeline = recorder.finish();
@@ -167,27 +197,42 @@ int bench_plan(const Flags& f) {
   out["uniform_peak_bytes"] = best_uniform ? nlohmann::json(best_uniform->peak_bytes) : nlohmann::json(nullptr);
   std::vector<memory::Timeline> timelines = {plain.timeline};
   for (const Trial& t : uniform) timelines.push_back(t.timeline);
-  try {
-    const auto start = Clock::now();
-    const lift::RematPlan plan = lift::plan_remat(step, budget, {.depths = {1, 2}});
-    const double planning_s = seconds_since(start);
-    const Trial planned = run_trial("planned", step, &plan, steps);
-    std::map<std::string, int> counts;
-    for (const auto& c : plan.calls) ++counts[c.policy ? c.policy->description() : std::string("none")];
-    out["planning_s"] = planning_s;
-    out["predicted_peak_bytes"] = plan.predicted_peak_bytes;
-    out["measured_peak_bytes"] = planned.peak_bytes;
-    out["within_budget"] = planned.peak_bytes <= budget;
-    out["prediction_error"] = static_cast<double>(plan.predicted_peak_bytes - planned.peak_bytes) / static_cast<double>(planned.peak_bytes);
-    out["step_s_min"] = planned.step_s_min;
-    out["predicted_extra_s"] = plan.predicted_extra_s;
-    out["plan"] = counts;
-    timelines.push_back(planned.timeline);
-  } catch (const ValueError& e) {
-    out["error"] = e.what();
-    out["measured_peak_bytes"] = nullptr;
-    out["step_s_min"] = nullptr;
-  }
+  // The plan over the allowed options, and (when those go beyond recompute) the best
+  // recompute-only plan at the same budget, for comparison.
+  const std::string allow = f.text("allow", "none,full,dots");
+  const std::vector<lift::Policy> allowed = allowed_policies(allow);
+  out["allow"] = allow;
+  auto plan_with = [&](const std::vector<lift::Policy>& options, const std::string& label) {
+    nlohmann::json r;
+    try {
+      const auto start = Clock::now();
+      const lift::RematPlan plan = lift::plan_remat(step, budget, {.policies = options, .depths = {1, 2}});
+      const double planning_s = seconds_since(start);
+      const Trial planned = run_trial(label, step, &plan, steps);
+      std::map<std::string, int> counts;
+      for (const auto& c : plan.calls) ++counts[c.policy ? c.policy->description() : std::string("none")];
+      r["planning_s"] = planning_s;
+      r["predicted_peak_bytes"] = plan.predicted_peak_bytes;
+      r["measured_peak_bytes"] = planned.peak_bytes;
+      r["within_budget"] = planned.peak_bytes <= budget;
+      r["prediction_error"] = static_cast<double>(plan.predicted_peak_bytes - planned.peak_bytes) / static_cast<double>(planned.peak_bytes);
+      r["step_s_min"] = planned.step_s_min;
+      r["predicted_extra_s"] = plan.predicted_extra_s;
+      r["offloaded_bytes_per_step"] = planned.offloaded_bytes;
+      r["plan"] = counts;
+      timelines.push_back(planned.timeline);
+    } catch (const ValueError& e) {
+      r["error"] = e.what();
+      r["measured_peak_bytes"] = nullptr;
+      r["step_s_min"] = nullptr;
+    }
+    return r;
+  };
+  out.update(plan_with(allowed, "planned"));
+  const bool beyond_recompute = std::any_of(allowed.begin(), allowed.end(), [](const lift::Policy& p) {
+    return p.description() != "nothing_saveable" && p.description() != "dots_saveable";
+  });
+  if (beyond_recompute) out["recompute_only"] = plan_with({policies::nothing_saveable{}, policies::dots_saveable{}}, "planned, recompute only");
   std::cout << out.dump() << std::endl;
   const std::string plot = f.text("memory-plot", "");
   if (!plot.empty()) {
