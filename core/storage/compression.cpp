@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -97,7 +98,8 @@ const float* block_floats(const Array& x, std::int64_t lo, std::int64_t len, flo
   return tmp;
 }
 
-// int8 and fp8: per block, the scale (largest magnitude / top code), then the codes.
+// int8 and fp8: per block, the scale (largest magnitude / top code), then the codes. An undefined
+// array when x holds a NaN or an infinity (found in the same pass).
 template <class Encode>
 Array encode_blocks(const Array& x, float top, Encode encode) {
   const std::int64_t n = x.numel(), nb = blocks_of(n);
@@ -105,19 +107,30 @@ Array encode_blocks(const Array& x, float top, Encode encode) {
   auto* words = payload.mutable_data_i32();
   auto* codes = reinterpret_cast<std::uint8_t*>(words + nb);
   std::memset(codes, 0, static_cast<std::size_t>((n + 3) / 4) * 4);
+  std::atomic<bool> finite{true};
   for_each_block(nb, [&](std::int64_t b) {
     float tmp[kBlock];
     const std::int64_t lo = b * kBlock, len = std::min(n - lo, kBlock);
     const float* v = block_floats(x, lo, len, tmp);
     float m = 0.0f;
     for (std::int64_t i = 0; i < len; ++i) m = std::max(m, std::fabs(v[i]));
+    if (!std::isfinite(m)) {  // max() drops NaNs: count them in too
+      finite.store(false, std::memory_order_relaxed);
+      return;
+    }
+    float s = 0.0f;
+    for (std::int64_t i = 0; i < len; ++i) s += v[i] * 0.0f;  // NaN if any element is NaN or infinite
+    if (s != 0.0f) {
+      finite.store(false, std::memory_order_relaxed);
+      return;
+    }
     const float scale = m / top;
     words[b] = std::bit_cast<std::int32_t>(scale);
     std::uint8_t* out = codes + lo;
     if (scale > 0.0f)
       for (std::int64_t i = 0; i < len; ++i) out[i] = encode(v[i] / scale);
   });
-  return payload;
+  return finite.load() ? payload : Array();
 }
 
 template <class Decode>
@@ -158,14 +171,19 @@ std::int64_t compressed_size(const Shape& shape, DType dtype, Codec codec) {
 Compressed compress(const Array& x, Codec codec) {
   if (!x.defined()) throw ValueError("storage::compress: got an undefined array");
   Compressed c{Codec::none, x.shape(), x.dtype(), x.detached()};
-  if (codec == Codec::none || !is_floating(x.dtype()) || (codec == Codec::bf16 && x.dtype() == DType::bf16) || !all_finite(x))
-    return c;
-  c.codec = codec;
+  if (codec == Codec::none || !is_floating(x.dtype()) || (codec == Codec::bf16 && x.dtype() == DType::bf16)) return c;
+  Array payload;
   switch (codec) {
-    case Codec::bf16: c.payload = linum::detail::convert_float(x.detached(), DType::bf16); break;
-    case Codec::int8: c.payload = encode_blocks(x, 127.0f, [](float y) { return int8_code(y); }); break;
-    case Codec::fp8_e4m3: c.payload = encode_blocks(x, 448.0f, [](float y) { return float_to_e4m3(y); }); break;
+    case Codec::bf16:
+      if (all_finite(x)) payload = linum::detail::convert_float(x.detached(), DType::bf16);
+      break;
+    case Codec::int8: payload = encode_blocks(x, 127.0f, [](float y) { return int8_code(y); }); break;
+    case Codec::fp8_e4m3: payload = encode_blocks(x, 448.0f, [](float y) { return float_to_e4m3(y); }); break;
     case Codec::none: break;
+  }
+  if (payload.defined()) {  // else a non-finite value: kept as it is
+    c.codec = codec;
+    c.payload = std::move(payload);
   }
   return c;
 }
