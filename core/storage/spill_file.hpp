@@ -90,6 +90,7 @@ class SpillFile {
 // The process's spill file, opened on first use with the options set below (default options first).
 SpillFile& spill_file();
 // Opens a new process spill file with these options; entries of the previous one stay readable.
+// Call it between steps, not while another thread is offloading.
 void set_spill_options(SpillOptions options);
 
 }  // namespace linum::storage
