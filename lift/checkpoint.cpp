@@ -4,6 +4,7 @@
 
 #include <linum/core/autodiff/grad.hpp>
 #include <linum/core/autodiff/hooks.hpp>
+#include <linum/lift/residual_scope.hpp>
 #include <linum/modules/scope.hpp>
 
 #include <algorithm>
@@ -549,6 +550,10 @@ std::vector<Array> run_checkpointed(const Thunk& forward, Thunk recompute, const
                                     std::string where, std::vector<Array> held,
                                     const std::function<bool(const std::vector<Array>&)>& keep_plain) {
   if (!autodiff::is_recording() || options.policy.saves_everything()) return forward();
+  if (const Policy* placement = options.policy.residual_placement()) {  // policies::residuals: no checkpoint
+    ResidualScope placed(*placement);
+    return forward();
+  }
   const std::uint64_t first = Node::peek_next_id();
   std::vector<Array> outs;
   std::vector<SavedValue> saved;

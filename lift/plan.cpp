@@ -92,6 +92,7 @@ struct SegmentStats {
   std::int64_t kept = 0;
   std::int64_t own = kNoPoint;
   double recompute = 0;
+  double total = 0;  // every phase: forward, recomputation, backward of its ops
 };
 
 std::string unit_key(const std::string& path) { return "U:" + path; }
@@ -166,7 +167,11 @@ LevelRun analyse(const memory::Timeline& t, const std::vector<int>& depths, std:
     if (it == before.end()) continue;  // a recomputation outside any forward segment (not expected)
     SegmentStats& s = r.segments[seg[i]];
     s.own = std::max(s.own, pts[i].peak_bytes - it->second);
-    if (pts[i].phase == "recomputation" && i > 0) s.recompute += pts[i].seconds - pts[i - 1].seconds;
+    if (i > 0) {
+      const double dt = pts[i].seconds - pts[i - 1].seconds;
+      if (pts[i].phase == "recomputation") s.recompute += dt;
+      s.total += dt;
+    }
   }
   return r;
 }
@@ -253,7 +258,15 @@ std::vector<Option> unit_options(const Profile& pr, const std::string& unit, std
     auto c = std::make_shared<Choice>();
     c->path = unit;
     c->policy = k;
-    out.push_back({it->second.kept, k == 0 ? 0.0 : it->second.recompute, it->second.own, k == 0 ? nullptr : ChoicePtr(c)});
+    // A remat policy costs its recomputation; one that offloads or compresses also costs what its
+    // writes, reads and codecs add to the forward and backward passes: the segment's whole time
+    // beyond the plain run's (measured, so the disk's bandwidth and the codecs' speed are in it).
+    double time = k == 0 ? 0.0 : it->second.recompute;
+    if (k != 0 && pr.policies[k]->places_beyond_ram()) {
+      const auto& plain = pr.runs[level][0].segments;
+      if (auto p = plain.find(unit_key(unit)); p != plain.end()) time = std::max(time, it->second.total - p->second.total);
+    }
+    out.push_back({it->second.kept, time, it->second.own, k == 0 ? nullptr : ChoicePtr(c)});
   }
   if (level + 1 < pr.depths.size()) {
     const auto inner = sequence_options(pr, unit, level + 1, std::numeric_limits<std::int64_t>::max());

@@ -18,6 +18,18 @@ Policy::Policy(std::string description, Predicate saveable) : description_(std::
 }
 Policy::Policy(std::string description, Decider decide) : description_(std::move(description)), decider_(std::move(decide)) {}
 
+Policy policies_detail_beyond_ram(Policy p) {
+  p.beyond_ram_ = true;
+  return p;
+}
+
+Policy policies_detail_residuals(const Policy& placement) {
+  Policy p("residuals(" + placement.description() + ")", placement.decider_);
+  p.beyond_ram_ = true;
+  p.residual_placement_ = std::make_shared<const Policy>(placement);
+  return p;
+}
+
 Policy Policy::everything() {
   Policy p("everything_saveable", Predicate([](const OpInfo&) { return true; }));
   p.everything_ = true;
@@ -65,23 +77,24 @@ Policy save_any_names_but_these(std::vector<std::string> names) {
 
 Policy save_from_both_policies(const Policy& a, const Policy& b) {
   if (a.saves_everything() || b.saves_everything()) return Policy::everything();
-  return Policy("save_from_both_policies(" + a.description() + ", " + b.description() + ")",
-                Policy::Decider([a, b](const OpInfo& op) {
-                  if (auto p = a.decide(op)) return p;
-                  return b.decide(op);
-                }));
+  Policy both("save_from_both_policies(" + a.description() + ", " + b.description() + ")",
+              Policy::Decider([a, b](const OpInfo& op) {
+                if (auto p = a.decide(op)) return p;
+                return b.decide(op);
+              }));
+  return a.places_beyond_ram() || b.places_beyond_ram() ? lift::policies_detail_beyond_ram(std::move(both)) : both;
 }
 
 Policy save_and_offload_only_these_names(std::vector<std::string> saveable, std::vector<std::string> offloadable) {
   std::string d = "save_and_offload_only_these_names(" + list(saveable) + "; " + list(offloadable) + ")";
-  return Policy(std::move(d), Policy::Decider([saveable = std::move(saveable), offloadable = std::move(offloadable)](
+  return lift::policies_detail_beyond_ram(Policy(std::move(d), Policy::Decider([saveable = std::move(saveable), offloadable = std::move(offloadable)](
                                                   const OpInfo& op) -> std::optional<storage::Placement> {
                   if (op.op != ops::kind::checkpoint_name) return std::nullopt;
                   if (std::find(saveable.begin(), saveable.end(), op.name) != saveable.end()) return storage::Placement{};
                   if (std::find(offloadable.begin(), offloadable.end(), op.name) != offloadable.end())
                     return storage::Placement{storage::Where::disk};
                   return std::nullopt;
-                }));
+                })));
 }
 
 namespace {
@@ -89,11 +102,11 @@ namespace {
 Policy transformed(std::string description, const Policy& which, storage::Placement (*change)(storage::Placement, storage::Codec),
                    storage::Codec codec) {
   if (which.saves_nothing()) return Policy(std::move(description), Policy::Decider());
-  return Policy(std::move(description),
-                Policy::Decider([which, change, codec](const OpInfo& op) -> std::optional<storage::Placement> {
-                  if (auto p = which.decide(op)) return change(*p, codec);
-                  return std::nullopt;
-                }));
+  return lift::policies_detail_beyond_ram(
+      Policy(std::move(description), Policy::Decider([which, change, codec](const OpInfo& op) -> std::optional<storage::Placement> {
+               if (auto p = which.decide(op)) return change(*p, codec);
+               return std::nullopt;
+             })));
 }
 }  // namespace
 
@@ -102,6 +115,8 @@ Policy offload(const Policy& which) {
                      [](storage::Placement p, storage::Codec) { return storage::Placement{storage::Where::disk, p.codec}; },
                      storage::Codec::none);
 }
+
+Policy residuals(const Policy& placement) { return lift::policies_detail_residuals(placement); }
 
 Policy compress(storage::Codec codec, const Policy& which) {
   return transformed("compress(" + std::string(storage::codec_name(codec)) + ", " + which.description() + ")", which,
@@ -184,6 +199,7 @@ lift::Policy from_description(std::string_view d) {
       return save_and_offload_only_these_names(split_names(in->substr(0, semi)), split_names(in->substr(semi + 2)));
   }
   if (auto in = inner("offload(")) return offload(from_description(*in));
+  if (auto in = inner("residuals(")) return residuals(from_description(*in));
   if (auto in = inner("compress(")) {
     const std::size_t comma = in->find(", ");
     if (comma != std::string_view::npos) return compress(storage::codec_from_name(in->substr(0, comma)), from_description(in->substr(comma + 2)));
@@ -191,7 +207,7 @@ lift::Policy from_description(std::string_view d) {
   throw ValueError(linum::detail::cat("policies::from_description: '", d, "' names none of the standard policies "
                                       "(nothing_saveable, everything_saveable, dots_saveable, dots_with_no_batch_dims_saveable, "
                                       "save_only_these_names(...), save_any_names_but_these(...), save_and_offload_only_these_names(...; ...), "
-                                      "offload(...), compress(codec, ...)); a policy made from your "
+                                      "offload(...), compress(codec, ...), residuals(...)); a policy made from your "
                                       "own predicate cannot be restored from its description"));
 }
 

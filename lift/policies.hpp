@@ -76,6 +76,12 @@ class Policy {
   // True for everything_saveable: the block is not recomputed at all (the same as no checkpoint).
   bool saves_everything() const { return everything_; }
   bool saves_nothing() const { return !decider_ && !everything_; }
+  // For policies::residuals(p): p (the call runs plainly, its residuals placed by p); else null.
+  const Policy* residual_placement() const { return residual_placement_.get(); }
+  // Whether some value may live beyond RAM as it is: offloaded or compressed (offload, compress,
+  // save_and_offload_only_these_names, residuals, and what combines them). The planner charges such
+  // policies the forward and backward time they add, not only their recomputation.
+  bool places_beyond_ram() const { return beyond_ram_; }
   const std::string& description() const { return description_; }
 
   static Policy everything();
@@ -84,6 +90,10 @@ class Policy {
   std::string description_;
   Decider decider_;
   bool everything_ = false;
+  bool beyond_ram_ = false;
+  std::shared_ptr<const Policy> residual_placement_;
+  friend Policy policies_detail_beyond_ram(Policy p);
+  friend Policy policies_detail_residuals(const Policy& placement);
 };
 
 }  // namespace linum::lift
@@ -127,6 +137,12 @@ lift::Policy save_and_offload_only_these_names(std::vector<std::string> saveable
 lift::Policy offload(const lift::Policy& which);
 // What `which` keeps is kept compressed with `codec` (where `which` keeps it).
 lift::Policy compress(storage::Codec codec, const lift::Policy& which);
+// Not a checkpoint: the call runs plainly (nothing is recomputed) and the residuals its ops record
+// are kept where `placement` places them, as inside a lift::ResidualScope. Wherever a policy goes
+// (checkpoint, remat, RematScope, PlanScope, the planner's candidates), this one offloads or
+// compresses a call's residuals instead of recomputing them:
+//   policies::residuals(policies::offload(policies::everything_saveable{}))
+lift::Policy residuals(const lift::Policy& placement);
 
 // The policy a description names, for the policies above ("dots_saveable",
 // "save_only_these_names(a, b)", "offload(compress(int8, dots_saveable))", ...): how plans and other

@@ -341,6 +341,7 @@ TEST_CASE("offloaded residuals give the plain model's gradients bit for bit: den
   const std::vector<std::pair<std::string, lift::Policy>> policies = {
       {"offload(everything)", policies::offload(policies::everything_saveable{})},
       {"offload(dots)", policies::offload(policies::dots_saveable{})},
+      {"residuals(offload(everything))", policies::residuals(policies::offload(policies::everything_saveable{}))},
   };
   for (const Case& c : models()) {
     CAPTURE(std::string(c.name));
@@ -363,7 +364,8 @@ TEST_CASE("offloaded residuals give the plain model's gradients bit for bit: den
       const auto [v, g] = grads_of(c, params);
       CHECK(v.bitwise_equal(v0));
       CHECK(bitwise_equal(g, g0));
-      CHECK(lift::recompute_stats().values_saved > 0);
+      if (policy.residual_placement() != nullptr) CHECK(lift::recompute_stats().checkpointed_calls == 0);  // plain calls
+      else CHECK(lift::recompute_stats().values_saved > 0);
     }
   }
 }
@@ -400,10 +402,13 @@ TEST_CASE("policy descriptions of offload and compression restore the same decis
   for (const lift::Policy& p : {policies::offload(policies::dots_saveable{}),
                                 policies::compress(storage::Codec::int8, policies::everything_saveable{}),
                                 policies::offload(policies::compress(storage::Codec::fp8_e4m3, policies::save_only_these_names({"a", "b"}))),
-                                policies::save_and_offload_only_these_names({}, {"x"})}) {
+                                policies::save_and_offload_only_these_names({}, {"x"}),
+                                policies::residuals(policies::compress(storage::Codec::bf16, policies::dots_saveable{}))}) {
     CAPTURE(p.description());
     const lift::Policy back = policies::from_description(p.description());
     CHECK(back.description() == p.description());
+    CHECK(back.places_beyond_ram() == p.places_beyond_ram());
+    CHECK((back.residual_placement() != nullptr) == (p.residual_placement() != nullptr));
     const Shape shape{4, 4};
     for (const char* op : {"matmul", "gelu", "checkpoint_name"})
       for (const char* name : {"", "a", "x"}) {
@@ -415,6 +420,12 @@ TEST_CASE("policy descriptions of offload and compression restore the same decis
   CHECK(policies::offload(policies::compress(storage::Codec::int8, policies::dots_saveable{})).decide(dot) ==
         storage::Placement{storage::Where::disk, storage::Codec::int8});
   CHECK_FALSE(policies::offload(policies::everything_saveable{}).saves_everything());  // it still checkpoints
+  CHECK(policies::offload(policies::dots_saveable{}).places_beyond_ram());
+  CHECK_FALSE(lift::Policy(policies::dots_saveable{}).places_beyond_ram());
+  const lift::Policy r = policies::from_description("residuals(offload(everything_saveable))");
+  REQUIRE(r.residual_placement() != nullptr);
+  CHECK(r.residual_placement()->description() == "offload(everything_saveable)");
+  CHECK(r.places_beyond_ram());
 }
 
 TEST_CASE("compressed residuals: gradients within the codec's tolerance, and the memory they take") {
