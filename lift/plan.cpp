@@ -92,7 +92,6 @@ struct SegmentStats {
   std::int64_t kept = 0;
   std::int64_t own = kNoPoint;
   double recompute = 0;
-  double total = 0;  // every phase: forward, recomputation, backward of its ops
 };
 
 std::string unit_key(const std::string& path) { return "U:" + path; }
@@ -102,12 +101,14 @@ std::string gap_key(const std::string& parent, std::size_t index) {
 
 struct LevelRun {
   std::map<std::string, SegmentStats> segments;
+  double step_seconds = 0;  // the whole recorded step (the fastest of the profiled ones)
   std::vector<std::string> units;  // level-l calls in forward order
   std::map<std::string, std::vector<std::string>> children;  // parent ("" = top) -> its level-l calls in order
 };
 
 LevelRun analyse(const memory::Timeline& t, const std::vector<int>& depths, std::size_t level) {
   LevelRun r;
+  r.step_seconds = t.points.empty() ? 0.0 : t.points.back().seconds;
   const auto& pts = t.points;
   std::vector<std::string> seg(pts.size());
   std::map<std::string, std::set<std::string>> started;  // parent -> children (next level) started so far
@@ -167,11 +168,7 @@ LevelRun analyse(const memory::Timeline& t, const std::vector<int>& depths, std:
     if (it == before.end()) continue;  // a recomputation outside any forward segment (not expected)
     SegmentStats& s = r.segments[seg[i]];
     s.own = std::max(s.own, pts[i].peak_bytes - it->second);
-    if (i > 0) {
-      const double dt = pts[i].seconds - pts[i - 1].seconds;
-      if (pts[i].phase == "recomputation") s.recompute += dt;
-      s.total += dt;
-    }
+    if (pts[i].phase == "recomputation" && i > 0) s.recompute += pts[i].seconds - pts[i - 1].seconds;
   }
   return r;
 }
@@ -249,6 +246,25 @@ constexpr std::size_t kFrontCap = 4000;
 std::vector<Option> sequence_options(const Profile& pr, const std::string& parent, std::size_t level,
                                      std::int64_t budget);
 
+// Bytes a policy's run keeps of a call fewer than the plain run (what it moved out of RAM as it is).
+std::int64_t moved_bytes(const Profile& pr, std::size_t level, std::size_t k, const std::string& unit) {
+  const auto& plain = pr.runs[level][0].segments;
+  const auto& under = pr.runs[level][k].segments;
+  auto p = plain.find(unit_key(unit));
+  auto q = under.find(unit_key(unit));
+  if (p == plain.end() || q == under.end()) return 0;
+  return std::max<std::int64_t>(0, p->second.kept - q->second.kept);
+}
+
+// A placing policy's added step time, charged to `unit` by its share of the moved bytes.
+double placing_cost(const Profile& pr, std::size_t level, std::size_t k, const std::string& unit) {
+  const double extra = std::max(0.0, pr.runs[level][k].step_seconds - pr.runs[level][0].step_seconds);
+  std::int64_t all = 0;
+  for (const std::string& u : pr.runs[level][0].units) all += moved_bytes(pr, level, k, u);
+  if (all <= 0) return 0.0;
+  return extra * static_cast<double>(moved_bytes(pr, level, k, unit)) / static_cast<double>(all);
+}
+
 std::vector<Option> unit_options(const Profile& pr, const std::string& unit, std::size_t level) {
   std::vector<Option> out;
   for (std::size_t k = 0; k < pr.policies.size(); ++k) {
@@ -258,14 +274,12 @@ std::vector<Option> unit_options(const Profile& pr, const std::string& unit, std
     auto c = std::make_shared<Choice>();
     c->path = unit;
     c->policy = k;
-    // A remat policy costs its recomputation; one that offloads or compresses also costs what its
-    // writes, reads and codecs add to the forward and backward passes: the segment's whole time
-    // beyond the plain run's (measured, so the disk's bandwidth and the codecs' speed are in it).
+    // A remat policy costs its recomputation. One that offloads or compresses also costs what its
+    // writes, reads and codecs add to the step, wherever that time lands (the I/O thread shares the
+    // cores): the profiled step's time beyond the plain one's, shared among the calls by the bytes
+    // each moved out of RAM as it is (measured, so the disk's bandwidth and the codecs' speed are in it).
     double time = k == 0 ? 0.0 : it->second.recompute;
-    if (k != 0 && pr.policies[k]->places_beyond_ram()) {
-      const auto& plain = pr.runs[level][0].segments;
-      if (auto p = plain.find(unit_key(unit)); p != plain.end()) time = std::max(time, it->second.total - p->second.total);
-    }
+    if (k != 0 && pr.policies[k]->places_beyond_ram()) time = std::max(time, placing_cost(pr, level, k, unit));
     out.push_back({it->second.kept, time, it->second.own, k == 0 ? nullptr : ChoicePtr(c)});
   }
   if (level + 1 < pr.depths.size()) {
@@ -343,8 +357,14 @@ Profile profile(const std::function<void()>& step, const PlanOptions& o) {
     if (std::none_of(pr.policies.begin() + 1, pr.policies.end(), [&](const auto& q) { return q->description() == p.description(); }))
       pr.policies.push_back(p);
   const memory::Timeline plain = record(step, [](const std::vector<std::string>&) { return std::nullopt; }, "none");
+  double plain_seconds = plain.points.empty() ? 0.0 : plain.points.back().seconds;
+  for (int s = 1; s < o.profile_steps; ++s) {
+    const memory::Timeline again = record(step, [](const std::vector<std::string>&) { return std::nullopt; }, "none");
+    if (!again.points.empty()) plain_seconds = std::min(plain_seconds, again.points.back().seconds);
+  }
   for (std::size_t level = 0; level < pr.depths.size(); ++level) {
     std::vector<LevelRun> runs{analyse(plain, pr.depths, level)};
+    runs[0].step_seconds = plain_seconds;
     for (std::size_t k = 1; k < pr.policies.size(); ++k) {
       LevelRun best;
       for (int s = 0; s < std::max(1, o.profile_steps); ++s) {
@@ -355,9 +375,11 @@ Profile profile(const std::function<void()>& step, const PlanOptions& o) {
                                               pr.depths[level], " under policy ", policy_name(pr.policies[k]),
                                               " than without remat; the step must make the same calls every time"));
         if (s == 0) best = std::move(r);
-        else
+        else {
+          best.step_seconds = std::min(best.step_seconds, r.step_seconds);
           for (auto& [key, stats] : best.segments)
             if (auto it = r.segments.find(key); it != r.segments.end()) stats.recompute = std::min(stats.recompute, it->second.recompute);
+        }
       }
       runs.push_back(std::move(best));
     }
