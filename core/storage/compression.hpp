@@ -6,7 +6,7 @@
 //
 // Codecs and their error, for each element x of a block of kBlock consecutive elements whose
 // largest magnitude is m (the block's scale is m / 127 for int8, m / 448 for fp8):
-//   bf16      |x - y| <= 2^-9 |x|                         (round to nearest even; 2 bytes/element)
+//   bf16      |x - y| <= 2^-8 |x|                         (round to nearest even; 2 bytes/element)
 //   int8      |x - y| <= m / 254                            (1 byte/element + 4 bytes/block)
 //   fp8_e4m3  |x - y| <= max(2^-4 |x|, m / (448 * 1024))    (OCP E4M3: 1 byte/element + 4 bytes/block)
 // (plus one float rounding of the scale product; a bfloat16 value is rounded to bfloat16 again on
