@@ -186,32 +186,28 @@ class SpillFile::Impl : public std::enable_shared_from_this<Impl> {
   }
 
   const SpillOptions& options() const { return options_; }
-  std::int64_t bytes_of(std::uint64_t id) const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = slots_.find(id);
-    return it == slots_.end() ? 0 : it->second.bytes;
-  }
 
  private:
-  std::int64_t allocate_extent(std::int64_t bytes) {
-    const std::int64_t size = (bytes + kAlign - 1) / kAlign * kAlign;
-    const std::int64_t offset = end_;
-    extents_[offset] = size;
+  // The slot's place in the file (at the end), counted as offloaded; and back (the lock held).
+  void allocate_extent(Slot& s) {
+    const std::int64_t size = (s.bytes + kAlign - 1) / kAlign * kAlign;
+    s.offset = end_;
+    extents_[end_] = size;
     end_ += size;
-    return offset;
+    on_disk_bytes_ += s.bytes;
+    memory::detail::on_offloaded(s.bytes);
   }
-  void free_extent(std::int64_t offset) {
-    extents_.erase(offset);
+  void release_extent(Slot& s) {
+    if (s.offset < 0) return;
+    extents_.erase(s.offset);
     end_ = extents_.empty() ? 0 : extents_.rbegin()->first + extents_.rbegin()->second;
+    on_disk_bytes_ -= s.bytes;
+    memory::detail::on_offloaded(-s.bytes);
+    s.offset = -1;
   }
   // Frees a slot that no I/O is touching (called with the lock held).
   void free_slot(std::map<std::uint64_t, Slot>::iterator it) {
-    Slot& s = it->second;
-    if (s.offset >= 0 && s.state != State::queued && s.state != State::failed) {
-      free_extent(s.offset);
-      on_disk_bytes_ -= s.bytes;
-      memory::detail::on_offloaded(-s.bytes);
-    }
+    release_extent(it->second);
     slots_.erase(it);
   }
 
@@ -297,9 +293,7 @@ class SpillFile::Impl : public std::enable_shared_from_this<Impl> {
         if (it == slots_.end() || it->second.state != State::queued) continue;
         Slot& s = it->second;
         s.state = State::writing;
-        s.offset = allocate_extent(s.bytes);
-        on_disk_bytes_ += s.bytes;
-        memory::detail::on_offloaded(s.bytes);
+        allocate_extent(s);
         busy_ = true;
         Array data = s.ram;
         lock.unlock();
@@ -312,10 +306,7 @@ class SpillFile::Impl : public std::enable_shared_from_this<Impl> {
           s.state = State::on_disk;
           s.ram = Array();
         } else {
-          free_extent(s.offset);
-          on_disk_bytes_ -= s.bytes;
-          memory::detail::on_offloaded(-s.bytes);
-          s.offset = -1;
+          release_extent(s);
           s.state = State::failed;
           if (error_.empty()) error_ = err;
         }
