@@ -406,7 +406,9 @@ class CheckpointNode final : public Node {
       for (std::size_t i = 0; i < back.size(); ++i) saved_[packed_at_[i]].value = storage::StoredArray(std::move(back[i]));
       packed_.reset();
     }
+    for (const OffloadedInput& in : offloaded_inputs_) in.value.prefetch();
     for (const SavedValue& s : saved_) s.value.prefetch();  // offloaded values: read back while the replay starts
+    if (arguments_) arguments_->put_back(read_inputs());
     std::vector<Array> outs;
     // Dead ops are left out unless verify mode or debug checks want to see every value.
     bool leave_out = !verify_ && !linum::detail::debug_checks_on() && std::find(dead_.begin(), dead_.end(), true) != dead_.end();
@@ -422,6 +424,7 @@ class CheckpointNode final : public Node {
       leave_out = false;
       g_stats.reruns.fetch_add(1, std::memory_order_relaxed);
     }
+    if (arguments_) (void)arguments_->take();  // the recomputed graph holds what it needs of them
     if (outs.size() != num_outputs())
       throw AutodiffError(linum::detail::cat("checkpoint '", where_, "': the recomputation returned ", outs.size(),
                                              " arrays, the forward pass ", num_outputs()));
@@ -482,7 +485,32 @@ class CheckpointNode final : public Node {
     for (std::size_t k : packed_at_) saved_[k].value = storage::StoredArray();
   }
 
+  // Takes the arrays of the arguments the recomputation reads into the spill file (exact copies),
+  // after the forward pass; backward() puts them back, graph links included, before recomputing.
+  void offload_inputs(std::shared_ptr<pytree::StoredArguments> arguments) {
+    const std::vector<Array> taken = arguments->take();
+    offloaded_inputs_.resize(taken.size());
+    for (std::size_t i = 0; i < taken.size(); ++i) {
+      const Array& a = taken[i];
+      if (!a.defined()) continue;
+      OffloadedInput& in = offloaded_inputs_[i];
+      in.node = a.node();
+      in.index = a.output_index();
+      for (std::size_t j = 0; j < i && in.same_as < 0; ++j)  // the same array passed twice: stored once
+        if (taken[j].defined() && taken[j].shares_buffer(a) && taken[j].raw() == a.raw() && taken[j].shape() == a.shape() &&
+            taken[j].dtype() == a.dtype())
+          in.same_as = static_cast<std::ptrdiff_t>(j);
+      if (in.same_as < 0) in.value = storage::StoredArray::store(a.detached(), {storage::Where::disk});
+    }
+    std::erase_if(held_, [&](const Array& h) {
+      return std::any_of(taken.begin(), taken.end(), [&](const Array& a) { return a.defined() && a.shares_buffer(h); });
+    });
+    arguments_ = std::move(arguments);
+  }
+
   void release() override {
+    arguments_.reset();
+    offloaded_inputs_.clear();
     packed_.reset();
     saved_.clear();
     dead_.clear();
@@ -510,6 +538,27 @@ class CheckpointNode final : public Node {
   std::string where_;
   std::vector<std::uint64_t> fingerprints_;
   std::vector<Array> held_;
+  // Inputs kept in the spill file (offload_inputs), one per argument array, and where they go back.
+  struct OffloadedInput {
+    storage::StoredArray value;             // undefined: an undefined argument, or same_as another
+    std::shared_ptr<autodiff::Node> node;   // the graph link the argument had
+    std::uint32_t index = 0;
+    std::ptrdiff_t same_as = -1;            // the same array as an earlier argument
+  };
+  std::vector<OffloadedInput> offloaded_inputs_;
+  std::shared_ptr<pytree::StoredArguments> arguments_;
+
+  std::vector<Array> read_inputs() const {
+    std::vector<Array> back(offloaded_inputs_.size());
+    for (std::size_t i = 0; i < back.size(); ++i) {
+      const OffloadedInput& in = offloaded_inputs_[i];
+      if (in.same_as >= 0) back[i] = back[static_cast<std::size_t>(in.same_as)].detached();
+      else if (in.value.defined()) back[i] = in.value.get();
+      else continue;
+      if (in.node) back[i].set_node(in.node, in.index);
+    }
+    return back;
+  }
 };
 
 }  // namespace
@@ -548,7 +597,8 @@ void check_static_argnums(const std::vector<int>& argnums, std::size_t num_args)
 
 std::vector<Array> run_checkpointed(const Thunk& forward, Thunk recompute, const CheckpointOptions& options,
                                     std::string where, std::vector<Array> held,
-                                    const std::function<bool(const std::vector<Array>&)>& keep_plain) {
+                                    const std::function<bool(const std::vector<Array>&)>& keep_plain,
+                                    std::shared_ptr<pytree::StoredArguments> arguments) {
   if (!autodiff::is_recording() || options.policy.saves_everything()) return forward();
   if (const Policy* placement = options.policy.residual_placement()) {  // policies::residuals: no checkpoint
     ResidualScope placed(*placement);
@@ -613,6 +663,7 @@ std::vector<Array> run_checkpointed(const Thunk& forward, Thunk recompute, const
     outs[i] = outs[i].detached();  // drops the block's own graph: its intermediates are freed here
     if (is_floating(outs[i].dtype())) outs[i].set_node(node, static_cast<std::uint32_t>(i));
   }
+  if (arguments && options.policy.offloads_inputs()) node->offload_inputs(std::move(arguments));
   if (autodiff::detail::SavedValueHooksStack::innermost() != nullptr) node->pack_residuals(nullptr);
   if (autodiff::detail::record_hooks_active())
     for (Array& o : outs)

@@ -72,10 +72,13 @@ using Thunk = std::function<std::vector<Array>()>;
 // must compute the same outputs from the same inputs) and differentiates that. `held` lists the
 // arrays the recomputation keeps alive (for saved_residuals).
 // `keep_plain(outputs)`, if given and true after the forward pass, keeps the block's own graph
-// (no checkpoint node: the block behaves as if it were not checkpointed).
+// (no checkpoint node: the block behaves as if it were not checkpointed). `arguments`, if given,
+// are the stored arguments `recompute` reads: under a policy that offloads inputs
+// (Policy::offloads_inputs) their arrays go to the spill file until the recomputation.
 std::vector<Array> run_checkpointed(const Thunk& forward, Thunk recompute, const CheckpointOptions& options,
                                     std::string where, std::vector<Array> held,
-                                    const std::function<bool(const std::vector<Array>&)>& keep_plain = nullptr);
+                                    const std::function<bool(const std::vector<Array>&)>& keep_plain = nullptr,
+                                    std::shared_ptr<pytree::StoredArguments> arguments = nullptr);
 
 void check_static_argnums(const std::vector<int>& argnums, std::size_t num_args);
 
@@ -111,7 +114,7 @@ class Checkpointed {
     const pytree::FlatCall<Out, std::decay_t<Args>...> call(
         detail::make_static(Stored(args...), options_.static_argnums, std::index_sequence_for<Args...>{}));
     auto run = call.body([f = f_](const auto&... a) { return f(a...); });
-    return call.rebuild(detail::run_checkpointed(run, run, options_, "checkpoint", call.argument_arrays()));
+    return call.rebuild(detail::run_checkpointed(run, run, options_, "checkpoint", call.argument_arrays(), nullptr, call.arguments()));
   }
 
  private:

@@ -448,7 +448,9 @@ std::int64_t measured_peak(const std::function<void()>& step, const Rule& rule) 
 }  // namespace
 
 PlanScope::PlanScope(const RematPlan& plan)
-    : scope_(std::make_unique<detail::RematRuleScope>(remat_rule(plan_rule(plan)))) {}
+    : scope_(std::make_unique<detail::RematRuleScope>(remat_rule(plan_rule(plan)))) {
+  if (plan.spill_windows) windows_.emplace(*plan.spill_windows);
+}
 PlanScope::~PlanScope() = default;
 
 RematPlan plan_remat(const std::function<void()>& step, std::int64_t budget_bytes, const PlanOptions& options) {
@@ -458,6 +460,12 @@ RematPlan plan_remat(const std::function<void()>& step, std::int64_t budget_byte
     if (d < 1) throw ValueError(linum::detail::cat("lift::plan_remat: depth ", d, " is not >= 1"));
   step();  // warm-up: caches, lazily created state
   for (const Policy& p : options.policies) (void)policies::from_description(p.description());  // a plan must be storable
+  // Policies that offload: profile and verify with the spill file's windows closed, so the RAM a
+  // step takes does not depend on the I/O thread's timing; the plan gets windows that fit after.
+  const bool places = std::any_of(options.policies.begin(), options.policies.end(), [](const Policy& p) { return p.places_beyond_ram(); });
+  const storage::SpillWindows user_windows = places ? storage::spill_file().windows() : storage::SpillWindows{};
+  std::optional<storage::SpillWindowsScope> closed;
+  if (places) closed.emplace(storage::SpillWindows{0, 0});
   const std::int64_t plain_peak = measured_peak(step, [](const std::vector<std::string>&) { return std::nullopt; });
   const Profile pr = profile(step, options);
   if (pr.runs[0][0].units.empty())
@@ -487,6 +495,16 @@ RematPlan plan_remat(const std::function<void()>& step, std::int64_t budget_byte
     if (best.measured_peak_bytes <= budget_bytes) break;
     target -= best.measured_peak_bytes - budget_bytes;  // the model missed this much: plan with less
   }
+  const bool plan_places = std::any_of(best.calls.begin(), best.calls.end(), [](const PlannedCall& c) { return c.policy && c.policy->places_beyond_ram(); });
+  if (plan_places) {
+    // What the budget leaves above the peak, half to each window (each at most what it was).
+    const std::int64_t peak = best.measured_peak_bytes > 0 ? best.measured_peak_bytes : best.predicted_peak_bytes;
+    const std::int64_t slack = std::max<std::int64_t>(0, budget_bytes - peak);
+    storage::SpillWindows w;
+    w.read_ahead_bytes = std::min(user_windows.read_ahead_bytes, slack / 2);
+    w.write_behind_bytes = std::min(user_windows.write_behind_bytes, slack - w.read_ahead_bytes);
+    best.spill_windows = w;
+  }
   return best;
 }
 
@@ -504,7 +522,10 @@ std::string RematPlan::str() const {
   os << "remat plan (depths " << ds << "): budget " << mib(budget_bytes) << ", predicted peak "
      << mib(predicted_peak_bytes);
   if (measured_peak_bytes > 0) os << ", measured " << mib(measured_peak_bytes);
-  os << ", without remat " << mib(plain_peak_bytes) << ", predicted extra time " << predicted_extra_s * 1e3 << " ms\n";
+  os << ", without remat " << mib(plain_peak_bytes) << ", predicted extra time " << predicted_extra_s * 1e3 << " ms";
+  if (spill_windows)
+    os << "; spill windows: write-behind " << mib(spill_windows->write_behind_bytes) << ", read-ahead " << mib(spill_windows->read_ahead_bytes);
+  os << "\n";
   for (const auto& c : calls)
     os << "  " << c.path << ": " << policy_name(c.policy) << " (keeps " << mib(c.kept_bytes)
        << (c.policy ? ", recompute " + std::to_string(c.recompute_s * 1e3) + " ms" : "") << ")\n";
@@ -516,9 +537,12 @@ nlohmann::json RematPlan::to_json() const {
   for (const auto& c : calls)
     cs.push_back({{"path", c.path}, {"policy", policy_name(c.policy)}, {"kept_bytes", c.kept_bytes},
                   {"recompute_s", c.recompute_s}});
-  return {{"budget_bytes", budget_bytes},           {"predicted_peak_bytes", predicted_peak_bytes},
-          {"measured_peak_bytes", measured_peak_bytes}, {"plain_peak_bytes", plain_peak_bytes},
-          {"predicted_extra_s", predicted_extra_s}, {"depths", depths}, {"calls", cs}};
+  nlohmann::json j = {{"budget_bytes", budget_bytes},           {"predicted_peak_bytes", predicted_peak_bytes},
+                      {"measured_peak_bytes", measured_peak_bytes}, {"plain_peak_bytes", plain_peak_bytes},
+                      {"predicted_extra_s", predicted_extra_s}, {"depths", depths}, {"calls", cs}};
+  if (spill_windows)
+    j["spill_windows"] = {{"write_behind_bytes", spill_windows->write_behind_bytes}, {"read_ahead_bytes", spill_windows->read_ahead_bytes}};
+  return j;
 }
 
 RematPlan RematPlan::from_json(const nlohmann::json& j) {
@@ -541,6 +565,9 @@ RematPlan RematPlan::from_json(const nlohmann::json& j) {
       if (name == "names") return policies::save_only_these_names(saved_names);
       return policies::from_description(name);
     };
+    if (j.contains("spill_windows") && !j.at("spill_windows").is_null())
+      p.spill_windows = storage::SpillWindows{j.at("spill_windows").at("write_behind_bytes").get<std::int64_t>(),
+                                              j.at("spill_windows").at("read_ahead_bytes").get<std::int64_t>()};
     for (const auto& c : j.at("calls"))
       p.calls.push_back({c.at("path").get<std::string>(), policy_of(c.at("policy").get<std::string>()),
                          c.value("kept_bytes", std::int64_t{0}), c.value("recompute_s", 0.0)});

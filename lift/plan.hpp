@@ -28,6 +28,7 @@
 #pragma once
 
 #include <linum/core/autodiff/grad.hpp>
+#include <linum/core/storage/spill_file.hpp>
 #include <linum/core/ops/all.hpp>
 #include <linum/lift/policies.hpp>
 #include <linum/modules/module.hpp>
@@ -76,6 +77,11 @@ struct RematPlan {
   double predicted_extra_s = 0;          // recomputation time the plan adds
   std::vector<int> depths = {1};         // the levels of candidate calls the planner considered
   std::vector<PlannedCall> calls;        // in call order (a call planned inside lists its children)
+  // When the plan offloads or compresses: the spill file's I/O windows PlanScope sets. The planner
+  // profiles and verifies with both windows 0 (RAM use independent of the I/O thread's timing),
+  // then gives the windows what the budget leaves above the measured peak (up to the windows set
+  // before planning), since windows W and R add at most W + R to a step's peak.
+  std::optional<storage::SpillWindows> spill_windows;
 
   std::string str() const;
   nlohmann::json to_json() const;
@@ -87,6 +93,7 @@ struct RematPlan {
 // Applies a plan to the module calls made on this thread while alive: a call whose path the plan
 // gives a remat policy runs as lift::remat with that policy (all collections and streams lifted).
 // Calls the plan does not name run plainly. Nests like RematScope (the innermost scope counts).
+// A plan with spill_windows also sets those on the process's spill file while alive.
 class PlanScope {
  public:
   explicit PlanScope(const RematPlan& plan);
@@ -96,6 +103,7 @@ class PlanScope {
 
  private:
   std::unique_ptr<detail::RematRuleScope> scope_;  // the plan's rule (remat_rule.hpp), as RematScope's
+  std::optional<storage::SpillWindowsScope> windows_;
 };
 
 // Plans for `step`, a function that runs one training step (it is run several times).

@@ -23,6 +23,12 @@ Policy policies_detail_beyond_ram(Policy p) {
   return p;
 }
 
+Policy policies_detail_inputs_on_disk(Policy p, bool on_disk) {
+  p.inputs_on_disk_ = on_disk;
+  if (on_disk) p.beyond_ram_ = true;
+  return p;
+}
+
 Policy policies_detail_residuals(const Policy& placement) {
   Policy p("residuals(" + placement.description() + ")", placement.decider_);
   p.beyond_ram_ = true;
@@ -82,7 +88,8 @@ Policy save_from_both_policies(const Policy& a, const Policy& b) {
                 if (auto p = a.decide(op)) return p;
                 return b.decide(op);
               }));
-  return a.places_beyond_ram() || b.places_beyond_ram() ? lift::policies_detail_beyond_ram(std::move(both)) : both;
+  if (a.places_beyond_ram() || b.places_beyond_ram()) both = lift::policies_detail_beyond_ram(std::move(both));
+  return lift::policies_detail_inputs_on_disk(std::move(both), a.offloads_inputs() || b.offloads_inputs());
 }
 
 Policy save_and_offload_only_these_names(std::vector<std::string> saveable, std::vector<std::string> offloadable) {
@@ -111,16 +118,18 @@ Policy transformed(std::string description, const Policy& which, storage::Placem
 }  // namespace
 
 Policy offload(const Policy& which) {
-  return transformed("offload(" + which.description() + ")", which,
+  return lift::policies_detail_inputs_on_disk(transformed("offload(" + which.description() + ")", which,
                      [](storage::Placement p, storage::Codec) { return storage::Placement{storage::Where::disk, p.codec}; },
-                     storage::Codec::none);
+                     storage::Codec::none), true);
 }
 
 Policy residuals(const Policy& placement) { return lift::policies_detail_residuals(placement); }
 
 Policy compress(storage::Codec codec, const Policy& which) {
-  return transformed("compress(" + std::string(storage::codec_name(codec)) + ", " + which.description() + ")", which,
-                     [](storage::Placement p, storage::Codec c) { return storage::Placement{p.where, c}; }, codec);
+  return lift::policies_detail_inputs_on_disk(
+      transformed("compress(" + std::string(storage::codec_name(codec)) + ", " + which.description() + ")", which,
+                  [](storage::Placement p, storage::Codec c) { return storage::Placement{p.where, c}; }, codec),
+      which.offloads_inputs());
 }
 
 }  // namespace linum::policies

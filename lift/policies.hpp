@@ -82,6 +82,10 @@ class Policy {
   // save_and_offload_only_these_names, residuals, and what combines them). The planner charges such
   // policies the forward and backward time they add, not only their recomputation.
   bool places_beyond_ram() const { return beyond_ram_; }
+  // Whether a checkpoint keeps its inputs in the spill file too (policies::offload): exact copies,
+  // read back before the recomputation, so a checkpoint's RAM between its forward and backward
+  // passes is only what the policy keeps in RAM.
+  bool offloads_inputs() const { return inputs_on_disk_; }
   const std::string& description() const { return description_; }
 
   static Policy everything();
@@ -91,8 +95,10 @@ class Policy {
   Decider decider_;
   bool everything_ = false;
   bool beyond_ram_ = false;
+  bool inputs_on_disk_ = false;
   std::shared_ptr<const Policy> residual_placement_;
   friend Policy policies_detail_beyond_ram(Policy p);
+  friend Policy policies_detail_inputs_on_disk(Policy p, bool on_disk);
   friend Policy policies_detail_residuals(const Policy& placement);
 };
 
@@ -132,7 +138,9 @@ lift::Policy save_from_both_policies(const lift::Policy& a, const lift::Policy& 
 // JAX's save_and_offload_only_these_names: values tagged with a name of `saveable` are kept in RAM,
 // those tagged with a name of `offloadable` go to the spill file; everything else is recomputed.
 lift::Policy save_and_offload_only_these_names(std::vector<std::string> saveable, std::vector<std::string> offloadable);
-// What `which` keeps goes to the spill file instead of RAM (with `which`'s codec).
+// What `which` keeps goes to the spill file instead of RAM (with `which`'s codec), and so do a
+// checkpoint's inputs (uncompressed: the recomputation starts from them, bit for bit).
+// offload(nothing_saveable{}) recomputes everything and keeps only the inputs, on disk;
 // offload(everything_saveable{}) recomputes nothing and keeps every value on disk.
 lift::Policy offload(const lift::Policy& which);
 // What `which` keeps is kept compressed with `codec` (where `which` keeps it).

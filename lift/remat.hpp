@@ -192,14 +192,18 @@ using ScopedBody = std::function<std::vector<Array>(Scope&)>;
 // checkpointed block, publishes the mutable collections once, and returns the output arrays.
 // `keep_plain(outputs)`, if given and true after the forward pass, keeps the block's graph instead
 // (no checkpoint: RematScope's larger_than mode).
+// `arguments`, if given, are the stored arguments `body` reads (a policy that offloads inputs
+// takes their arrays to the spill file until the recomputation).
 std::vector<Array> lifted_run(Scope& s, const ScopedBody& body, const CheckpointOptions& options,
                               const LiftFilters& filters, std::vector<Array> held,
-                              const std::function<bool(const std::vector<Array>&)>& keep_plain = nullptr);
+                              const std::function<bool(const std::vector<Array>&)>& keep_plain = nullptr,
+                              std::shared_ptr<pytree::StoredArguments> arguments = nullptr);
 // The same with a separate body for the recomputations (`forward` runs once, during this call;
 // `replay` is kept for the backward pass).
 std::vector<Array> lifted_run(Scope& s, const ScopedBody& forward, ScopedBody replay, const CheckpointOptions& options,
                               const LiftFilters& filters, std::vector<Array> held,
-                              const std::function<bool(const std::vector<Array>&)>& keep_plain = nullptr);
+                              const std::function<bool(const std::vector<Array>&)>& keep_plain = nullptr,
+                              std::shared_ptr<pytree::StoredArguments> arguments = nullptr);
 
 template <class Config, class M, class Body, class... Args>
 auto lifted_invoke(const M& module, const std::optional<Policy>& policy, Scope& s, Body body, Args&&... args) {
@@ -213,7 +217,7 @@ auto lifted_invoke(const M& module, const std::optional<Policy>& policy, Scope& 
   const pytree::FlatCall<Out, std::decay_t<Args>...> call(linum::lift::detail::make_static(
       Stored(std::forward<Args>(args)...), options.static_argnums, std::index_sequence_for<Args...>{}));
   ScopedBody scoped = call.template body<Scope&>([module, body](Scope& inner, const auto&... a) { return body(module, inner, a...); });
-  return call.rebuild(lifted_run(s, scoped, options, Config::filters(), call.argument_arrays()));
+  return call.rebuild(lifted_run(s, scoped, options, Config::filters(), call.argument_arrays(), nullptr, call.arguments()));
 }
 
 }  // namespace detail

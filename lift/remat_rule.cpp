@@ -16,7 +16,7 @@ bool RematRuleHook::wants(const linum::detail::ModuleCall& call) const {
   return pending_.has_value();
 }
 
-std::vector<Array> RematRuleHook::around(Scope& scope, const linum::detail::ModuleCall& /*call*/,
+std::vector<Array> RematRuleHook::around(Scope& scope, const linum::detail::ModuleCall& call,
                                          const linum::detail::ModuleCallBody& next, const linum::detail::ModuleCallBody& body) {
   RematDecision decision = pending_ ? std::move(*pending_) : RematDecision{};
   pending_.reset();
@@ -30,7 +30,7 @@ std::vector<Array> RematRuleHook::around(Scope& scope, const linum::detail::Modu
   };
   CheckpointOptions options;
   options.policy = std::move(decision.policy);
-  return lifted_run(scope, next, std::move(replay), options, LiftFilters{}, {}, decision.keep_plain);
+  return lifted_run(scope, next, std::move(replay), options, LiftFilters{}, {}, decision.keep_plain, call.arguments);
 }
 
 RematRuleScope::RematRuleScope(RematRule rule)

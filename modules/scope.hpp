@@ -133,6 +133,9 @@ struct ModuleCall {
   const std::vector<std::string>& path;
   const std::string& type;
   Kind kind;
+  // The call's arguments as `body` (see ModuleCallHook::around) holds them: a checkpoint may keep
+  // their arrays elsewhere until it recomputes (null in wants()).
+  std::shared_ptr<pytree::StoredArguments> arguments = nullptr;
 };
 
 // Runs (the rest of) a module call on a scope; returns the output's arrays.
@@ -354,7 +357,9 @@ class Scope {
     // The module alone, on copies of the module and the arguments (see ModuleCallHook::around).
     const detail::ModuleCallBody alone = flat.template body<Scope&>(
         [module, body](Scope& s, const auto&... a) -> Out { return s.run_body(module, body, a...); });
-    return flat.rebuild(detail::run_hooks(*this, call, hooks, alone));
+    detail::ModuleCall with_arguments = call;
+    with_arguments.arguments = flat.arguments();
+    return flat.rebuild(detail::run_hooks(*this, with_arguments, hooks, alone));
   }
 
   // The module's body in this scope: the module path set, outputs checked when debug checks are on,

@@ -342,6 +342,8 @@ TEST_CASE("offloaded residuals give the plain model's gradients bit for bit: den
       {"offload(everything)", policies::offload(policies::everything_saveable{})},
       {"offload(dots)", policies::offload(policies::dots_saveable{})},
       {"residuals(offload(everything))", policies::residuals(policies::offload(policies::everything_saveable{}))},
+      {"offload(nothing): inputs on disk", policies::offload(policies::nothing_saveable{})},
+      {"offload(compress(int8, nothing)): inputs on disk, exact", policies::offload(policies::compress(storage::Codec::int8, policies::nothing_saveable{}))},
   };
   for (const Case& c : models()) {
     CAPTURE(std::string(c.name));
@@ -365,9 +367,61 @@ TEST_CASE("offloaded residuals give the plain model's gradients bit for bit: den
       CHECK(v.bitwise_equal(v0));
       CHECK(bitwise_equal(g, g0));
       if (policy.residual_placement() != nullptr) CHECK(lift::recompute_stats().checkpointed_calls == 0);  // plain calls
-      else CHECK(lift::recompute_stats().values_saved > 0);
+      else if (!policy.saves_nothing()) CHECK(lift::recompute_stats().values_saved > 0);
+      else CHECK(lift::recompute_stats().recomputations > 0);
     }
   }
+}
+
+TEST_CASE("offload(p) keeps a checkpoint's inputs in the spill file: gradients bit for bit, the RAM between the passes drops") {
+  SpillDir spill;
+  storage::SpillWindowsScope timing_independent({0, 0});
+  struct Block {
+    Array operator()(Scope& s, const Array& x) const { return x + gelu(s(nn::Dense{.features = 64}, x)) * 0.5f; }
+  };
+  struct Stack {
+    lift::Policy policy;
+    Array operator()(Scope& s, Array x) const {
+      for (int i = 0; i < 12; ++i) x = s(lift::remat<Block>{{}, policy}, x);
+      return x;
+    }
+  };
+  const Array x = random_array(Shape{512, 64}, 21);
+  const std::int64_t input_bytes = 512 * 64 * 4;
+  const Tree params = init(Stack{}, rng::key(0), x).at("params");
+  auto run = [&](const lift::Policy& policy) {
+    auto loss = [&](const Tree& p) { return mean(square(apply(Stack{policy}, Tree{{"params", p}}, x))); };
+    memory::release_cached();
+    const std::int64_t written = memory::stats().offload_written_bytes;
+    memory::PeakScope peak;
+    auto [v, g] = value_and_grad(loss)(params);
+    return std::tuple(v, g, peak.peak_bytes(), memory::stats().offload_written_bytes - written);
+  };
+  const auto [v0, g0, peak0, written0] = run(policies::nothing_saveable{});
+  CHECK(written0 == 0);
+  for (const lift::Policy& policy : {policies::offload(policies::nothing_saveable{}), policies::offload(policies::dots_saveable{})}) {
+    CAPTURE(policy.description());
+    REQUIRE(policy.offloads_inputs());
+    const auto [v, g, peak, written] = run(policy);
+    CHECK(v.bitwise_equal(v0));
+    CHECK(bitwise_equal(g, g0));
+    CHECK(written >= 12 * input_bytes);  // every block's input went to disk
+    // The remat peak holds all 12 inputs (the first recomputation); offloaded, the peak moves to the
+    // last block, where the gradients have accumulated instead: at least half the inputs are gone.
+    if (policy.saves_nothing()) CHECK(peak <= peak0 - 6 * input_bytes);
+    storage::spill_file().flush();
+    CHECK(storage::spill_file().used_bytes() == 0);
+  }
+  // A checkpointed function (its arguments, the same one twice, and a captured weight).
+  const Array w = random_array(Shape{64, 64}, 22);
+  auto f = [w](const Array& a, const Array& b) { return tanh(matmul(a, w)) * b; };
+  auto loss = [&](auto g) { return [g](const Array& a) { return sum(square(g(a, a))); }; };
+  const auto [fv0, fg0] = value_and_grad(loss(f))(x);
+  const std::int64_t written = memory::stats().offload_written_bytes;
+  const auto [fv, fg] = value_and_grad(loss(checkpoint(f, {.policy = policies::offload(policies::nothing_saveable{})})))(x);
+  CHECK(fv.bitwise_equal(fv0));
+  CHECK(fg.bitwise_equal(fg0));
+  CHECK(memory::stats().offload_written_bytes - written == input_bytes);  // the argument passed twice, stored once
 }
 
 TEST_CASE("save_and_offload_only_these_names keeps one name in RAM, sends the other to disk, recomputes the rest") {
@@ -421,6 +475,12 @@ TEST_CASE("policy descriptions of offload and compression restore the same decis
         storage::Placement{storage::Where::disk, storage::Codec::int8});
   CHECK_FALSE(policies::offload(policies::everything_saveable{}).saves_everything());  // it still checkpoints
   CHECK(policies::offload(policies::dots_saveable{}).places_beyond_ram());
+  CHECK(policies::offload(policies::nothing_saveable{}).places_beyond_ram());  // its inputs
+  CHECK(policies::offload(policies::nothing_saveable{}).offloads_inputs());
+  CHECK(policies::from_description("offload(compress(int8, dots_saveable))").offloads_inputs());
+  CHECK(policies::save_from_both_policies(policies::offload(policies::nothing_saveable{}), policies::dots_saveable{}).offloads_inputs());
+  CHECK_FALSE(policies::compress(storage::Codec::int8, policies::dots_saveable{}).offloads_inputs());  // inputs stay exact, in RAM
+  CHECK_FALSE(policies::save_and_offload_only_these_names({}, {"x"}).offloads_inputs());  // JAX: names only
   CHECK_FALSE(lift::Policy(policies::dots_saveable{}).places_beyond_ram());
   const lift::Policy r = policies::from_description("residuals(offload(everything_saveable))");
   REQUIRE(r.residual_placement() != nullptr);

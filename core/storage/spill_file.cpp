@@ -71,7 +71,7 @@ class SpillFile::Impl : public std::enable_shared_from_this<Impl> {
     std::int64_t offset = -1;  // on disk (or being read/written): where
   };
 
-  Impl(SpillOptions options, int fd) : options_(std::move(options)), fd_(fd) {}
+  Impl(SpillOptions options, int fd) : directory_(options.directory), windows_{options.write_behind_bytes, options.read_ahead_bytes}, fd_(fd) {}
   ~Impl() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -106,7 +106,7 @@ class SpillFile::Impl : public std::enable_shared_from_this<Impl> {
         if (!error_.empty() || queued_bytes_ == 0) return true;
         const std::int64_t limit = memory::live_limit();
         if (limit > 0 && memory::stats().live_bytes > limit / 2) return false;
-        return queued_bytes_ <= options_.write_behind_bytes;
+        return queued_bytes_ <= windows_.write_behind_bytes;
       });
     }
     return std::shared_ptr<Entry>(new Entry(shared_from_this(), id, a.shape(), a.dtype()));
@@ -185,7 +185,27 @@ class SpillFile::Impl : public std::enable_shared_from_this<Impl> {
     return end_;
   }
 
-  const SpillOptions& options() const { return options_; }
+  SpillOptions options() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return {.directory = directory_, .write_behind_bytes = windows_.write_behind_bytes, .read_ahead_bytes = windows_.read_ahead_bytes};
+  }
+  const std::filesystem::path& directory() const { return directory_; }
+  SpillWindows windows() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return windows_;
+  }
+  void set_windows(SpillWindows w) {
+    if (w.write_behind_bytes < 0 || w.read_ahead_bytes < 0)
+      throw ValueError(linum::detail::cat("offload: spill windows must be >= 0 bytes, got write_behind ", w.write_behind_bytes,
+                                          " and read_ahead ", w.read_ahead_bytes));
+    std::lock_guard<std::mutex> lock(mutex_);
+    windows_ = w;
+    if (w.read_ahead_bytes == 0) {
+      read_queue_.clear();
+      hinted_.clear();
+    }
+    cv_.notify_all();  // puts waiting on a smaller window re-check
+  }
 
  private:
   // The slot's place in the file (at the end), counted as offloaded; and back (the lock held).
@@ -218,7 +238,7 @@ class SpillFile::Impl : public std::enable_shared_from_this<Impl> {
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) {
         const int err = n < 0 ? errno : ENOSPC;
-        return linum::detail::cat("offload: writing ", describe_bytes(bytes), " to the spill file in '", options_.directory.string(),
+        return linum::detail::cat("offload: writing ", describe_bytes(bytes), " to the spill file in '", directory_.string(),
                                   "' failed: ", std::strerror(err),
                                   err == ENOSPC || err == EFBIG || err == EDQUOT
                                       ? "; free space there, or choose a larger disk with storage::set_spill_options or "
@@ -238,7 +258,7 @@ class SpillFile::Impl : public std::enable_shared_from_this<Impl> {
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0)
         return linum::detail::cat("offload: reading ", describe_bytes(bytes), " back from the spill file in '",
-                                  options_.directory.string(), "' failed: ", n < 0 ? std::strerror(errno) : "the file is shorter");
+                                  directory_.string(), "' failed: ", n < 0 ? std::strerror(errno) : "the file is shorter");
       p += n;
       bytes -= n;
       offset += n;
@@ -251,16 +271,16 @@ class SpillFile::Impl : public std::enable_shared_from_this<Impl> {
   // which reads its values in forward order), then the newest entries stored before it (the
   // blocks and ops the backward pass reaches next), up to read_ahead_bytes in RAM.
   void schedule_read_ahead(std::uint64_t id) {
-    if (options_.read_ahead_bytes <= 0) return;
+    if (windows_.read_ahead_bytes <= 0) return;
     std::int64_t ahead = 0;
     read_queue_.clear();
     auto consider = [&](std::uint64_t key, const Slot& s) {
       if (s.state == State::loaded || s.state == State::reading) ahead += s.bytes;
-      else if (s.state == State::on_disk && s.bytes > 0 && ahead + s.bytes <= options_.read_ahead_bytes) {
+      else if (s.state == State::on_disk && s.bytes > 0 && ahead + s.bytes <= windows_.read_ahead_bytes) {
         ahead += s.bytes;
         read_queue_.push_back(key);
       }
-      return ahead < options_.read_ahead_bytes;
+      return ahead < windows_.read_ahead_bytes;
     };
     bool more = true;
     for (auto it = slots_.upper_bound(id); more && it != slots_.end(); ++it) more = consider(it->first, it->second);
@@ -272,8 +292,8 @@ class SpillFile::Impl : public std::enable_shared_from_this<Impl> {
   // Starts reading entry `id` back (ahead of the read-ahead queue).
  public:
   void prefetch(std::uint64_t id) {
-    if (options_.read_ahead_bytes <= 0) return;  // no reading ahead at all: RAM use independent of timing
     std::lock_guard<std::mutex> lock(mutex_);
+    if (windows_.read_ahead_bytes <= 0) return;  // no reading ahead at all: RAM use independent of timing
     auto it = slots_.find(id);
     if (it == slots_.end() || it->second.state != State::on_disk || it->second.bytes == 0) return;
     hinted_.push_back(id);
@@ -322,7 +342,10 @@ class SpillFile::Impl : public std::enable_shared_from_this<Impl> {
       if (it == slots_.end() || it->second.state != State::on_disk) continue;
       Slot& s = it->second;
       const std::int64_t limit = memory::live_limit();
-      if (limit > 0 && memory::stats().live_bytes + s.bytes > limit / 4 * 3) {
+      // Hinted reads and read-ahead together hold at most read_ahead_bytes in RAM (so a planner can
+      // bound what reading ahead adds to a step's peak); under a cap, they leave a quarter of it free.
+      if (loaded_bytes() + s.bytes > windows_.read_ahead_bytes ||
+          (limit > 0 && memory::stats().live_bytes + s.bytes > limit / 4 * 3)) {
         read_queue_.clear();  // keep the headroom for the backward pass itself
         hinted_.clear();
         continue;
@@ -353,7 +376,16 @@ class SpillFile::Impl : public std::enable_shared_from_this<Impl> {
     }
   }
 
-  const SpillOptions options_;
+  // Bytes read back ahead of need, waiting in RAM for their get() (the lock held).
+  std::int64_t loaded_bytes() const {
+    std::int64_t n = 0;
+    for (const auto& [key, s] : slots_)
+      if (s.state == State::loaded) n += s.bytes;
+    return n;
+  }
+
+  const std::filesystem::path directory_;
+  SpillWindows windows_;
   const int fd_;
   mutable std::mutex mutex_;
   std::condition_variable cv_;
@@ -386,8 +418,10 @@ SpillFile SpillFile::open(SpillOptions options) {
 std::shared_ptr<SpillFile::Entry> SpillFile::put(const Array& a) { return impl_->put(a); }
 Array SpillFile::get(const Entry& entry) { return entry.read(); }
 void SpillFile::flush() { impl_->flush(); }
-const std::filesystem::path& SpillFile::directory() const { return impl_->options().directory; }
-const SpillOptions& SpillFile::options() const { return impl_->options(); }
+const std::filesystem::path& SpillFile::directory() const { return impl_->directory(); }
+SpillOptions SpillFile::options() const { return impl_->options(); }
+SpillWindows SpillFile::windows() const { return impl_->windows(); }
+void SpillFile::set_windows(SpillWindows windows) { impl_->set_windows(windows); }
 std::int64_t SpillFile::used_bytes() const { return impl_->used_bytes(); }
 
 namespace {
@@ -401,6 +435,9 @@ SpillFile& spill_file() {
   if (g_process == nullptr) g_process = new SpillFile(SpillFile::open());
   return *g_process;
 }
+
+SpillWindowsScope::SpillWindowsScope(SpillWindows windows) : previous_(spill_file().windows()) { spill_file().set_windows(windows); }
+SpillWindowsScope::~SpillWindowsScope() { spill_file().set_windows(previous_); }
 
 void set_spill_options(SpillOptions options) {
   SpillFile opened = SpillFile::open(std::move(options));

@@ -38,6 +38,15 @@ struct SpillOptions {
   // the I/O thread's timing, as a planner's profile wants.)
 };
 
+// How much RAM the I/O thread may use to overlap transfers with compute: values waiting to be
+// written (write-behind) and values read back before they are asked for (read-ahead, hinted
+// prefetches included). A step's peak with windows W and R is at most its peak with both 0 plus
+// W + R, which is how lift::plan_remat sizes them to fit a budget.
+struct SpillWindows {
+  std::int64_t write_behind_bytes = std::int64_t{16} << 20;
+  std::int64_t read_ahead_bytes = std::int64_t{16} << 20;
+};
+
 class SpillFile {
  public:
   class Impl;
@@ -78,7 +87,10 @@ class SpillFile {
   void flush();
 
   const std::filesystem::path& directory() const;
-  const SpillOptions& options() const;
+  SpillOptions options() const;
+  SpillWindows windows() const;
+  // Changes the windows from the next transfer on (ValueError if one is negative).
+  void set_windows(SpillWindows windows);
   // Bytes of the file in use now (up to the end of the last live entry).
   std::int64_t used_bytes() const;
 
@@ -92,5 +104,17 @@ SpillFile& spill_file();
 // Opens a new process spill file with these options; entries of the previous one stay readable.
 // Call it between steps, not while another thread is offloading.
 void set_spill_options(SpillOptions options);
+
+// Sets the process spill file's windows while alive and restores the previous ones after.
+class SpillWindowsScope {
+ public:
+  explicit SpillWindowsScope(SpillWindows windows);
+  ~SpillWindowsScope();
+  SpillWindowsScope(const SpillWindowsScope&) = delete;
+  SpillWindowsScope& operator=(const SpillWindowsScope&) = delete;
+
+ private:
+  SpillWindows previous_;
+};
 
 }  // namespace linum::storage

@@ -169,7 +169,6 @@ int bench_mlp(const Flags& f) {
   };
   const std::string only = f.text("variant", "");
   const std::string plot = f.text("memory-plot", "");
-  if (const std::string dir = f.text("spill-dir", ""); !dir.empty()) storage::set_spill_options({.directory = dir});
   std::vector<memory::Timeline> timelines;
   for (const Variant& v : variants) {
     if (!only.empty() && v.name != only) continue;
@@ -374,6 +373,13 @@ int main(int argc, char** argv) {
   const std::string what = argv[1];
   try {
     const Flags flags = parse_flags(argc, argv, 2);
+    // The spill file of every benchmark that offloads: --spill-dir DIR, --write-behind-mib N,
+    // --read-ahead-mib N (defaults: $LINUM_SPILL_DIR or /tmp, 16, 16).
+    storage::SpillOptions spill;
+    spill.directory = flags.text("spill-dir", "");
+    spill.write_behind_bytes = flags.get("write-behind-mib", 16) << 20;
+    spill.read_ahead_bytes = flags.get("read-ahead-mib", 16) << 20;
+    storage::set_spill_options(spill);
     if (what == "mlp") return bench_mlp(flags);
     if (what == "ops") return bench_ops(flags);
     if (what == "load") return bench_load(flags);

@@ -116,6 +116,13 @@ Trial run_trial(const std::string& name, const std::function<void()>& step, cons
   return t;
 }
 
+// Where a step's RAM peak happens: the op, its module path and the phase ("backward", ...).
+nlohmann::json peak_at(const memory::Timeline& timeline) {
+  const memory::TimelinePoint* p = timeline.peak_point();
+  if (p == nullptr) return nullptr;
+  return {{"op", p->op}, {"path", p->path}, {"phase", p->phase}, {"live_bytes", p->live_bytes}};
+}
+
 // A plan that gives every call at depth 1 the same policy.
 lift::RematPlan uniform_plan(const std::vector<std::string>& paths, const lift::Policy& p) {
   lift::RematPlan plan;
@@ -196,7 +203,7 @@ int bench_plan(const Flags& f) {
   nlohmann::json uniform_json = nlohmann::json::array();
   for (const Trial& t : uniform)
     uniform_json.push_back({{"schedule", t.name}, {"step_s_min", t.step_s_min}, {"peak_bytes", t.peak_bytes},
-                            {"fits", t.peak_bytes <= budget}});
+                            {"fits", t.peak_bytes <= budget}, {"peak_at", peak_at(t.timeline)}});
   out["uniform"] = uniform_json;
   out["uniform_schedule"] = best_uniform ? nlohmann::json(best_uniform->name) : nlohmann::json(nullptr);
   out["uniform_step_s_min"] = best_uniform ? nlohmann::json(best_uniform->step_s_min) : nlohmann::json(nullptr);
@@ -226,6 +233,7 @@ int bench_plan(const Flags& f) {
       r["predicted_extra_s"] = plan.predicted_extra_s;
       r["offloaded_bytes_per_step"] = planned.offloaded_bytes;
       r["plan"] = counts;
+      r["peak_at"] = peak_at(planned.timeline);
       timelines.push_back(planned.timeline);
     } catch (const ValueError& e) {
       r["error"] = e.what();
