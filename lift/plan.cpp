@@ -213,6 +213,7 @@ struct Option {
   double time = 0;
   std::int64_t need = kNoPoint;
   ChoicePtr choice;
+  std::string peak_in;  // the call (or the ops between calls) where `need` is reached
 };
 
 // Keeps the options no other option beats in kept, time and need together.
@@ -246,23 +247,22 @@ constexpr std::size_t kFrontCap = 4000;
 std::vector<Option> sequence_options(const Profile& pr, const std::string& parent, std::size_t level,
                                      std::int64_t budget);
 
-// Bytes a policy's run keeps of a call fewer than the plain run (what it moved out of RAM as it is).
-std::int64_t moved_bytes(const Profile& pr, std::size_t level, std::size_t k, const std::string& unit) {
-  const auto& plain = pr.runs[level][0].segments;
-  const auto& under = pr.runs[level][k].segments;
-  auto p = plain.find(unit_key(unit));
-  auto q = under.find(unit_key(unit));
-  if (p == plain.end() || q == under.end()) return 0;
+// Bytes a run keeps of a call fewer than the plain run (what it moved out of RAM as it is).
+std::int64_t moved_bytes(const LevelRun& plain, const LevelRun& run, const std::string& unit) {
+  auto p = plain.segments.find(unit_key(unit));
+  auto q = run.segments.find(unit_key(unit));
+  if (p == plain.segments.end() || q == run.segments.end()) return 0;
   return std::max<std::int64_t>(0, p->second.kept - q->second.kept);
 }
 
-// A placing policy's added step time, charged to `unit` by its share of the moved bytes.
-double placing_cost(const Profile& pr, std::size_t level, std::size_t k, const std::string& unit) {
-  const double extra = std::max(0.0, pr.runs[level][k].step_seconds - pr.runs[level][0].step_seconds);
+// A placing run's added step time (beyond the plain step's), charged to `unit` by its share of
+// the bytes the run moved out of RAM.
+double placing_cost(const LevelRun& plain, const LevelRun& run, const std::string& unit) {
+  const double extra = std::max(0.0, run.step_seconds - plain.step_seconds);
   std::int64_t all = 0;
-  for (const std::string& u : pr.runs[level][0].units) all += moved_bytes(pr, level, k, u);
+  for (const std::string& u : plain.units) all += moved_bytes(plain, run, u);
   if (all <= 0) return 0.0;
-  return extra * static_cast<double>(moved_bytes(pr, level, k, unit)) / static_cast<double>(all);
+  return extra * static_cast<double>(moved_bytes(plain, run, unit)) / static_cast<double>(all);
 }
 
 std::vector<Option> unit_options(const Profile& pr, const std::string& unit, std::size_t level) {
@@ -279,8 +279,8 @@ std::vector<Option> unit_options(const Profile& pr, const std::string& unit, std
     // cores): the profiled step's time beyond the plain one's, shared among the calls by the bytes
     // each moved out of RAM as it is (measured, so the disk's bandwidth and the codecs' speed are in it).
     double time = k == 0 ? 0.0 : it->second.recompute;
-    if (k != 0 && pr.policies[k]->places_beyond_ram()) time = std::max(time, placing_cost(pr, level, k, unit));
-    out.push_back({it->second.kept, time, it->second.own, k == 0 ? nullptr : ChoicePtr(c)});
+    if (k != 0 && pr.policies[k]->places_beyond_ram()) time = std::max(time, placing_cost(pr.runs[level][0], pr.runs[level][k], unit));
+    out.push_back({it->second.kept, time, it->second.own, k == 0 ? nullptr : ChoicePtr(c), unit});
   }
   if (level + 1 < pr.depths.size()) {
     const auto inner = sequence_options(pr, unit, level + 1, std::numeric_limits<std::int64_t>::max());
@@ -301,7 +301,10 @@ std::vector<Option> unit_options(const Profile& pr, const std::string& unit, std
           k->policy = policies.second;
           all = join(all, k);
         }
-        out.push_back({it->second.kept, it->second.recompute, it->second.own, all});
+        double time = it->second.recompute;
+        if (pr.policies[policies.first]->places_beyond_ram() || pr.policies[policies.second]->places_beyond_ram())
+          time = std::max(time, placing_cost(pr.runs[level][0], run, unit));
+        out.push_back({it->second.kept, time, it->second.own, all, unit});
       }
   }
   return pareto(std::move(out), kFrontCap);
@@ -318,7 +321,10 @@ std::vector<Option> sequence_options(const Profile& pr, const std::string& paren
     auto it = plain.segments.find(gap_key(parent, index));
     if (it == plain.segments.end()) return;
     for (Option& s : states) {
-      if (it->second.own != kNoPoint) s.need = std::max(s.need, it->second.own + s.kept);
+      if (it->second.own != kNoPoint && it->second.own + s.kept > s.need) {
+        s.need = it->second.own + s.kept;
+        s.peak_in = parent.empty() ? std::string("the ops between the top-level calls") : "the ops of " + parent + " between its calls";
+      }
       s.kept += it->second.kept;
     }
     std::erase_if(states, [&](const Option& s) { return s.need > budget; });
@@ -329,8 +335,9 @@ std::vector<Option> sequence_options(const Profile& pr, const std::string& paren
     std::vector<Option> next;
     for (const Option& s : states)
       for (const Option& o : opts) {
-        Option n{s.kept + o.kept, s.time + o.time, std::max(s.need, o.need == kNoPoint ? kNoPoint : o.need + s.kept),
-                 join(s.choice, o.choice)};
+        const std::int64_t inside = o.need == kNoPoint ? kNoPoint : o.need + s.kept;
+        Option n{s.kept + o.kept, s.time + o.time, std::max(s.need, inside), join(s.choice, o.choice),
+                 inside > s.need ? o.peak_in : s.peak_in};
         if (n.need <= budget) next.push_back(std::move(n));
       }
     states = pareto(std::move(next), kFrontCap);
@@ -395,9 +402,11 @@ Profile profile(const std::function<void()>& step, const PlanOptions& o) {
                                      "nested"),
                                pr.depths, level);
           if (s == 0) best = std::move(r);
-          else
+          else {
+            best.step_seconds = std::min(best.step_seconds, r.step_seconds);
             for (auto& [key, stats] : best.segments)
               if (auto it = r.segments.find(key); it != r.segments.end()) stats.recompute = std::min(stats.recompute, it->second.recompute);
+          }
         }
         pr.nested.back().push_back({{a, b}, std::move(best)});
       }
@@ -410,6 +419,7 @@ RematPlan make_plan(const Profile& pr, const Option& best, std::int64_t budget) 
   plan.budget_bytes = budget;
   plan.depths = pr.depths;
   plan.predicted_peak_bytes = best.need;
+  plan.predicted_peak_in = best.peak_in;
   plan.predicted_extra_s = best.time;
   std::map<std::string, std::size_t> chosen;
   flatten(best.choice, chosen);
@@ -476,14 +486,16 @@ RematPlan plan_remat(const std::function<void()>& step, std::int64_t budget_byte
   for (int attempt = 0; attempt < 3; ++attempt) {
     const auto options_found = sequence_options(pr, "", 0, target);
     if (options_found.empty()) {
-      std::int64_t smallest = std::numeric_limits<std::int64_t>::max();
+      Option smallest;
+      smallest.need = std::numeric_limits<std::int64_t>::max();
       for (const Option& o : sequence_options(pr, "", 0, std::numeric_limits<std::int64_t>::max()))
-        smallest = std::min(smallest, o.need);
+        if (o.need < smallest.need) smallest = o;
       throw ValueError(linum::detail::cat(
           "lift::plan_remat: no plan keeps the step's peak within ", budget_bytes, " bytes (",
-          static_cast<double>(budget_bytes) / 1048576.0, " MiB); the smallest peak a plan reaches is ", smallest,
-          " bytes (", static_cast<double>(smallest) / 1048576.0, " MiB) against ", plain_peak,
-          " without remat. Raise the budget, or give the planner coarser or finer calls (options.depths, e.g. {1, 2})"));
+          static_cast<double>(budget_bytes) / 1048576.0, " MiB); the smallest peak a plan reaches is ", smallest.need,
+          " bytes (", static_cast<double>(smallest.need) / 1048576.0, " MiB, reached in ", smallest.peak_in, ") against ", plain_peak,
+          " without remat. Raise the budget, give the planner finer calls there (options.depths, e.g. {1, 2}; "
+          "module calls inside it) or more options (policies::offload, policies::residuals), or split the batch"));
     }
     const Option* pick = &options_found.front();
     for (const Option& o : options_found)
@@ -521,6 +533,7 @@ std::string RematPlan::str() const {
   for (int d : depths) ds += (ds.empty() ? "" : ", ") + std::to_string(d);
   os << "remat plan (depths " << ds << "): budget " << mib(budget_bytes) << ", predicted peak "
      << mib(predicted_peak_bytes);
+  if (!predicted_peak_in.empty()) os << " (in " << predicted_peak_in << ")";
   if (measured_peak_bytes > 0) os << ", measured " << mib(measured_peak_bytes);
   os << ", without remat " << mib(plain_peak_bytes) << ", predicted extra time " << predicted_extra_s * 1e3 << " ms";
   if (spill_windows)
@@ -539,7 +552,8 @@ nlohmann::json RematPlan::to_json() const {
                   {"recompute_s", c.recompute_s}});
   nlohmann::json j = {{"budget_bytes", budget_bytes},           {"predicted_peak_bytes", predicted_peak_bytes},
                       {"measured_peak_bytes", measured_peak_bytes}, {"plain_peak_bytes", plain_peak_bytes},
-                      {"predicted_extra_s", predicted_extra_s}, {"depths", depths}, {"calls", cs}};
+                      {"predicted_extra_s", predicted_extra_s}, {"depths", depths}, {"calls", cs},
+                      {"predicted_peak_in", predicted_peak_in}};
   if (spill_windows)
     j["spill_windows"] = {{"write_behind_bytes", spill_windows->write_behind_bytes}, {"read_ahead_bytes", spill_windows->read_ahead_bytes}};
   return j;
@@ -553,6 +567,7 @@ RematPlan RematPlan::from_json(const nlohmann::json& j) {
     p.measured_peak_bytes = j.value("measured_peak_bytes", std::int64_t{0});
     p.plain_peak_bytes = j.value("plain_peak_bytes", std::int64_t{0});
     p.predicted_extra_s = j.value("predicted_extra_s", 0.0);
+    p.predicted_peak_in = j.value("predicted_peak_in", std::string());
     p.depths = j.value("depths", std::vector<int>{1});
     // Plans written before policies were stored by description name them "full", "dots",
     // "dots_no_batch" or "names" (with the names in "saved_names").

@@ -72,6 +72,7 @@ struct PlannedCall {
 struct RematPlan {
   std::int64_t budget_bytes = 0;
   std::int64_t predicted_peak_bytes = 0;
+  std::string predicted_peak_in;         // the call where the predicted peak happens ("Block_3")
   std::int64_t measured_peak_bytes = 0;  // the plan run once under the exact accounting (0: not run)
   std::int64_t plain_peak_bytes = 0;     // the step without remat, measured
   double predicted_extra_s = 0;          // recomputation time the plan adds

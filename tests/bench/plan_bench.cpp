@@ -11,7 +11,9 @@
 // plan. Same flags as `linum-bench mlp` otherwise (--layers --width --batch --steps --threads
 // --dtype f32|bf16 --engine onednn|eigen).
 // --allow none,full,dots (default) lists what a call may get: run plainly (none, always), remat saving
-// nothing (full) or its products (dots), offload (remat with its products kept in the spill file),
+// nothing (full) or its products (dots), offload (three options: remat with its inputs in the
+// spill file, offload(nothing_saveable); with its products there too, offload(dots_saveable); or
+// no remat and every residual there, residuals(offload(everything_saveable))),
 // compress / compress_bf16 (remat with its products kept int8- / bf16-compressed), offload_all
 // (remat keeping every value in the spill file: nothing recomputed), offload_residuals /
 // compress_residuals (the call runs plainly, its residuals in the spill file / int8-compressed:
@@ -80,7 +82,11 @@ std::vector<lift::Policy> allowed_policies(const std::string& list) {
     if (name == "none" || name.empty()) continue;
     if (name == "full") out.push_back(policies::nothing_saveable{});
     else if (name == "dots") out.push_back(policies::dots_saveable{});
-    else if (name == "offload") out.push_back(policies::offload(policies::dots_saveable{}));
+    else if (name == "offload") {  // remat with its inputs (and products) in the spill file; or no remat, its residuals there
+      out.push_back(policies::offload(policies::nothing_saveable{}));
+      out.push_back(policies::offload(policies::dots_saveable{}));
+      out.push_back(policies::residuals(policies::offload(policies::everything_saveable{})));
+    }
     else if (name == "compress") out.push_back(policies::compress(storage::Codec::int8, policies::dots_saveable{}));
     else if (name == "compress_bf16") out.push_back(policies::compress(storage::Codec::bf16, policies::dots_saveable{}));
     else if (name == "offload_all") out.push_back(policies::offload(policies::everything_saveable{}));
