@@ -102,6 +102,7 @@ std::string gap_key(const std::string& parent, std::size_t index) {
 struct LevelRun {
   std::map<std::string, SegmentStats> segments;
   double step_seconds = 0;  // the whole recorded step (the fastest of the profiled ones)
+  double transfer_seconds = 0;  // of which spent writing, reading and (de)compressing (its fastest)
   std::vector<std::string> units;  // level-l calls in forward order
   std::map<std::string, std::vector<std::string>> children;  // parent ("" = top) -> its level-l calls in order
 };
@@ -180,6 +181,7 @@ struct Profile {
   // [level][(outer policy, inner policy)]: calls of the level rematted with every call inside them
   // (next level) rematted too: one of a call's options besides whole or planned inside.
   std::vector<std::vector<std::pair<std::pair<std::size_t, std::size_t>, LevelRun>>> nested;  // policy indices
+  storage::TransferStats transfers;  // every transfer beyond RAM the profiling runs made
 };
 
 // ---- the solver --------------------------------------------------------------------------------
@@ -255,10 +257,11 @@ std::int64_t moved_bytes(const LevelRun& plain, const LevelRun& run, const std::
   return std::max<std::int64_t>(0, p->second.kept - q->second.kept);
 }
 
-// A placing run's added step time (beyond the plain step's), charged to `unit` by its share of
-// the bytes the run moved out of RAM.
+// A placing run's added step time, charged to `unit` by its share of the bytes the run moved out
+// of RAM: the step's time beyond the plain step's, and at least the time its transfers took (the
+// windows closed, they are on the critical path; this keeps timing noise from making them free).
 double placing_cost(const LevelRun& plain, const LevelRun& run, const std::string& unit) {
-  const double extra = std::max(0.0, run.step_seconds - plain.step_seconds);
+  const double extra = std::max({0.0, run.step_seconds - plain.step_seconds, run.transfer_seconds});
   std::int64_t all = 0;
   for (const std::string& u : plain.units) all += moved_bytes(plain, run, u);
   if (all <= 0) return 0.0;
@@ -347,11 +350,26 @@ std::vector<Option> sequence_options(const Profile& pr, const std::string& paren
   return states;
 }
 
-memory::Timeline record(const std::function<void()>& step, const Rule& rule, const std::string& label) {
+// Records one step under `rule`; adds the transfers beyond RAM it made to `total` (the spill
+// file's windows closed: all of them on the step's critical path) and says how long they took.
+memory::Timeline record(const std::function<void()>& step, const Rule& rule, const std::string& label,
+                        storage::TransferStats& total, double* transfer_seconds = nullptr) {
   detail::RematRuleScope scope(remat_rule(rule));
+  const storage::TransferStats before = storage::transfer_stats();
   memory::TimelineRecorder recorder(label);
   step();
-  return recorder.finish();
+  memory::Timeline t = recorder.finish();
+  const storage::TransferStats moved = storage::transfer_stats() - before;
+  if (transfer_seconds != nullptr) *transfer_seconds = moved.seconds();
+  total.written_bytes += moved.written_bytes;
+  total.write_seconds += moved.write_seconds;
+  total.read_bytes += moved.read_bytes;
+  total.read_seconds += moved.read_seconds;
+  total.encoded_bytes += moved.encoded_bytes;
+  total.encode_seconds += moved.encode_seconds;
+  total.decoded_bytes += moved.decoded_bytes;
+  total.decode_seconds += moved.decode_seconds;
+  return t;
 }
 
 Profile profile(const std::function<void()>& step, const PlanOptions& o) {
@@ -363,10 +381,10 @@ Profile profile(const std::function<void()>& step, const PlanOptions& o) {
   for (const Policy& p : o.policies)
     if (std::none_of(pr.policies.begin() + 1, pr.policies.end(), [&](const auto& q) { return q->description() == p.description(); }))
       pr.policies.push_back(p);
-  const memory::Timeline plain = record(step, [](const std::vector<std::string>&) { return std::nullopt; }, "none");
+  const memory::Timeline plain = record(step, [](const std::vector<std::string>&) { return std::nullopt; }, "none", pr.transfers);
   double plain_seconds = plain.points.empty() ? 0.0 : plain.points.back().seconds;
   for (int s = 1; s < o.profile_steps; ++s) {
-    const memory::Timeline again = record(step, [](const std::vector<std::string>&) { return std::nullopt; }, "none");
+    const memory::Timeline again = record(step, [](const std::vector<std::string>&) { return std::nullopt; }, "none", pr.transfers);
     if (!again.points.empty()) plain_seconds = std::min(plain_seconds, again.points.back().seconds);
   }
   for (std::size_t level = 0; level < pr.depths.size(); ++level) {
@@ -375,8 +393,10 @@ Profile profile(const std::function<void()>& step, const PlanOptions& o) {
     for (std::size_t k = 1; k < pr.policies.size(); ++k) {
       LevelRun best;
       for (int s = 0; s < std::max(1, o.profile_steps); ++s) {
-        LevelRun r = analyse(record(step, uniform_rule(pr.depths[level], pr.policies[k]), policy_name(pr.policies[k])),
+        double moved_s = 0;
+        LevelRun r = analyse(record(step, uniform_rule(pr.depths[level], pr.policies[k]), policy_name(pr.policies[k]), pr.transfers, &moved_s),
                              pr.depths, level);
+        r.transfer_seconds = moved_s;
         if (r.units != runs[0].units)
           throw ValueError(linum::detail::cat("lift::plan_remat: the step made different module calls at depth ",
                                               pr.depths[level], " under policy ", policy_name(pr.policies[k]),
@@ -384,6 +404,7 @@ Profile profile(const std::function<void()>& step, const PlanOptions& o) {
         if (s == 0) best = std::move(r);
         else {
           best.step_seconds = std::min(best.step_seconds, r.step_seconds);
+          best.transfer_seconds = std::min(best.transfer_seconds, r.transfer_seconds);
           for (auto& [key, stats] : best.segments)
             if (auto it = r.segments.find(key); it != r.segments.end()) stats.recompute = std::min(stats.recompute, it->second.recompute);
         }
@@ -398,12 +419,15 @@ Profile profile(const std::function<void()>& step, const PlanOptions& o) {
       for (std::size_t b = 1; b < pr.policies.size(); ++b) {
         LevelRun best;
         for (int s = 0; s < std::max(1, o.profile_steps); ++s) {
+          double moved_s = 0;
           LevelRun r = analyse(record(step, nested_rule(pr.depths[level], pr.policies[a], pr.depths[level + 1], pr.policies[b]),
-                                     "nested"),
+                                     "nested", pr.transfers, &moved_s),
                                pr.depths, level);
+          r.transfer_seconds = moved_s;
           if (s == 0) best = std::move(r);
           else {
             best.step_seconds = std::min(best.step_seconds, r.step_seconds);
+            best.transfer_seconds = std::min(best.transfer_seconds, r.transfer_seconds);
             for (auto& [key, stats] : best.segments)
               if (auto it = r.segments.find(key); it != r.segments.end()) stats.recompute = std::min(stats.recompute, it->second.recompute);
           }
@@ -478,6 +502,7 @@ RematPlan plan_remat(const std::function<void()>& step, std::int64_t budget_byte
   if (places) closed.emplace(storage::SpillWindows{0, 0});
   const std::int64_t plain_peak = measured_peak(step, [](const std::vector<std::string>&) { return std::nullopt; });
   const Profile pr = profile(step, options);
+  const storage::TransferStats& profiled = pr.transfers;
   if (pr.runs[0][0].units.empty())
     throw ValueError(linum::detail::cat("lift::plan_remat: the step made no module calls at depth ", pr.depths[0],
                                         "; nothing to remat (is the model a module whose children are modules?)"));
@@ -502,6 +527,8 @@ RematPlan plan_remat(const std::function<void()>& step, std::int64_t budget_byte
       if (o.time < pick->time || (o.time == pick->time && o.need < pick->need)) pick = &o;
     best = make_plan(pr, *pick, budget_bytes);
     best.plain_peak_bytes = plain_peak;
+    best.transfer_rates = {profiled.write_bytes_per_s(), profiled.read_bytes_per_s(), profiled.encode_bytes_per_s(),
+                           profiled.decode_bytes_per_s()};
     if (!options.verify) break;
     best.measured_peak_bytes = measured_peak(step, plan_rule(best));
     if (best.measured_peak_bytes <= budget_bytes) break;
@@ -536,6 +563,9 @@ std::string RematPlan::str() const {
   if (!predicted_peak_in.empty()) os << " (in " << predicted_peak_in << ")";
   if (measured_peak_bytes > 0) os << ", measured " << mib(measured_peak_bytes);
   os << ", without remat " << mib(plain_peak_bytes) << ", predicted extra time " << predicted_extra_s * 1e3 << " ms";
+  if (transfer_rates.spill_write > 0 || transfer_rates.encode > 0)
+    os << "; measured: spill write " << transfer_rates.spill_write / 1e6 << " MB/s, read " << transfer_rates.spill_read / 1e6
+       << " MB/s, compress " << transfer_rates.encode / 1e6 << " MB/s, decompress " << transfer_rates.decode / 1e6 << " MB/s";
   if (spill_windows)
     os << "; spill windows: write-behind " << mib(spill_windows->write_behind_bytes) << ", read-ahead " << mib(spill_windows->read_ahead_bytes);
   os << "\n";
@@ -554,6 +584,9 @@ nlohmann::json RematPlan::to_json() const {
                       {"measured_peak_bytes", measured_peak_bytes}, {"plain_peak_bytes", plain_peak_bytes},
                       {"predicted_extra_s", predicted_extra_s}, {"depths", depths}, {"calls", cs},
                       {"predicted_peak_in", predicted_peak_in}};
+  if (transfer_rates.spill_write > 0 || transfer_rates.encode > 0)
+    j["transfer_bytes_per_s"] = {{"spill_write", transfer_rates.spill_write}, {"spill_read", transfer_rates.spill_read},
+                                 {"encode", transfer_rates.encode}, {"decode", transfer_rates.decode}};
   if (spill_windows)
     j["spill_windows"] = {{"write_behind_bytes", spill_windows->write_behind_bytes}, {"read_ahead_bytes", spill_windows->read_ahead_bytes}};
   return j;
@@ -580,6 +613,10 @@ RematPlan RematPlan::from_json(const nlohmann::json& j) {
       if (name == "names") return policies::save_only_these_names(saved_names);
       return policies::from_description(name);
     };
+    if (j.contains("transfer_bytes_per_s")) {
+      const auto& t = j.at("transfer_bytes_per_s");
+      p.transfer_rates = {t.value("spill_write", 0.0), t.value("spill_read", 0.0), t.value("encode", 0.0), t.value("decode", 0.0)};
+    }
     if (j.contains("spill_windows") && !j.at("spill_windows").is_null())
       p.spill_windows = storage::SpillWindows{j.at("spill_windows").at("write_behind_bytes").get<std::int64_t>(),
                                               j.at("spill_windows").at("read_ahead_bytes").get<std::int64_t>()};

@@ -29,6 +29,7 @@
 
 #include <linum/core/autodiff/grad.hpp>
 #include <linum/core/storage/spill_file.hpp>
+#include <linum/core/storage/transfer_stats.hpp>
 #include <linum/core/ops/all.hpp>
 #include <linum/lift/policies.hpp>
 #include <linum/modules/module.hpp>
@@ -83,6 +84,13 @@ struct RematPlan {
   // then gives the windows what the budget leaves above the measured peak (up to the windows set
   // before planning), since windows W and R add at most W + R to a step's peak.
   std::optional<storage::SpillWindows> spill_windows;
+  // Measured while profiling, bytes per second (0: nothing of the kind happened): the spill
+  // directory's write and read bandwidth and the codecs' throughput. A placing option is charged
+  // the step time it adds, and at least the time its transfers took at these rates.
+  struct TransferRates {
+    double spill_write = 0, spill_read = 0, encode = 0, decode = 0;
+  };
+  TransferRates transfer_rates;
 
   std::string str() const;
   nlohmann::json to_json() const;

@@ -131,6 +131,7 @@ TEST_CASE("the spill file gives back every array bit for bit, releases its RAM, 
   storage::SpillFile spill = storage::SpillFile::open({.directory = dir, .write_behind_bytes = 1 << 20, .read_ahead_bytes = 1 << 20});
   CHECK(empty_dir(dir));
   const auto before = memory::stats();
+  const storage::TransferStats moved_before = storage::transfer_stats();
   std::vector<Array> originals;
   std::vector<std::shared_ptr<storage::SpillFile::Entry>> entries;
   for (int i = 0; i < 12; ++i) {
@@ -161,6 +162,12 @@ TEST_CASE("the spill file gives back every array bit for bit, releases its RAM, 
   CHECK(spill.used_bytes() == 0);
   CHECK(memory::stats().offloaded_bytes == before.offloaded_bytes);
   CHECK(memory::stats().offload_read_bytes > before.offload_read_bytes);
+  // The transfers were timed: what the planner reports as the directory's bandwidth.
+  const storage::TransferStats moved = storage::transfer_stats() - moved_before;
+  CHECK(moved.written_bytes == written.offload_written_bytes - before.offload_written_bytes);
+  CHECK(moved.read_bytes == memory::stats().offload_read_bytes - before.offload_read_bytes);
+  CHECK(moved.write_seconds > 0);
+  CHECK(moved.read_bytes_per_s() > 0);
   fs::remove_all(dir);
 }
 
@@ -520,10 +527,16 @@ TEST_CASE("compressed residuals: gradients within the codec's tolerance, and the
     }
   }
   // While a step runs, compressed residuals are counted (and take a fraction of their size).
+  const storage::TransferStats coded_before = storage::transfer_stats();
   storage::StoredArray s = storage::StoredArray::store(random_array(Shape{64, 64}, 9), {.codec = storage::Codec::int8});
   const auto st = memory::stats();
   CHECK(st.compressed_original_bytes >= 64 * 64 * 4);
   CHECK(st.compressed_bytes * 3 < st.compressed_original_bytes);
+  (void)s.get();
+  const storage::TransferStats coded = storage::transfer_stats() - coded_before;  // timed, by uncompressed bytes
+  CHECK(coded.encoded_bytes == 64 * 64 * 4);
+  CHECK(coded.decoded_bytes == 64 * 64 * 4);
+  CHECK(coded.encode_seconds > 0);
 }
 
 TEST_CASE("under a live-byte cap an eighth of the plain step's peak, offloading runs the step with its gradients bit for bit") {

@@ -253,6 +253,9 @@ TEST_CASE("plan_remat places values beyond RAM when the policies allow it: offlo
       }
     CHECK(placed > 0);  // the budget forces the option on some calls
     REQUIRE(plan.spill_windows.has_value());
+    // The transfers it profiled, as rates: the disk's for offload, the codec's for compression.
+    if (contains(option.description(), "offload")) CHECK(plan.transfer_rates.spill_write > 0);
+    if (contains(option.description(), "compress")) CHECK(plan.transfer_rates.encode > 0);
     CHECK(plan.spill_windows->read_ahead_bytes + plan.spill_windows->write_behind_bytes <= budget - plan.measured_peak_bytes);
     CHECK(plan.spill_windows->read_ahead_bytes <= defaults.read_ahead_bytes);
     CHECK(storage::spill_file().windows().read_ahead_bytes == defaults.read_ahead_bytes);  // planning restored them

@@ -1,4 +1,5 @@
 #include <linum/core/storage/compression.hpp>
+#include <linum/core/storage/transfer_stats.hpp>
 
 #include <linum/core/error.hpp>
 #include <linum/core/fp_mode.hpp>
@@ -172,6 +173,7 @@ Compressed compress(const Array& x, Codec codec) {
   if (!x.defined()) throw ValueError("storage::compress: got an undefined array");
   Compressed c{Codec::none, x.shape(), x.dtype(), x.detached()};
   if (codec == Codec::none || !is_floating(x.dtype()) || (codec == Codec::bf16 && x.dtype() == DType::bf16)) return c;
+  const detail::TransferTimer timed(detail::Transfer::encode, static_cast<std::int64_t>(x.nbytes()));
   Array payload;
   switch (codec) {
     case Codec::bf16:
@@ -189,6 +191,8 @@ Compressed compress(const Array& x, Codec codec) {
 }
 
 Array decompress(const Compressed& c) {
+  const detail::TransferTimer timed(detail::Transfer::decode,
+                                    c.codec == Codec::none ? 0 : c.shape.numel() * static_cast<std::int64_t>(dtype_size(c.dtype)));
   switch (c.codec) {
     case Codec::none: return c.payload;
     case Codec::bf16: return linum::detail::convert_float(c.payload, c.dtype);

@@ -1,4 +1,5 @@
 #include <linum/core/storage/spill_file.hpp>
+#include <linum/core/storage/transfer_stats.hpp>
 
 #include <linum/core/error.hpp>
 #include <linum/core/memory.hpp>
@@ -232,6 +233,7 @@ class SpillFile::Impl : public std::enable_shared_from_this<Impl> {
   }
 
   std::string write_at(const void* data, std::int64_t bytes, std::int64_t offset) const {
+    const detail::TransferTimer timed(detail::Transfer::write, bytes);
     const auto* p = static_cast<const char*>(data);
     while (bytes > 0) {
       const ssize_t n = ::pwrite(fd_, p, static_cast<std::size_t>(bytes), offset);
@@ -252,6 +254,7 @@ class SpillFile::Impl : public std::enable_shared_from_this<Impl> {
     return {};
   }
   std::string read_at(void* data, std::int64_t bytes, std::int64_t offset) const {
+    const detail::TransferTimer timed(detail::Transfer::read, bytes);
     auto* p = static_cast<char*>(data);
     while (bytes > 0) {
       const ssize_t n = ::pread(fd_, p, static_cast<std::size_t>(bytes), offset);

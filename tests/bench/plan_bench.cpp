@@ -240,6 +240,10 @@ int bench_plan(const Flags& f) {
       r["offloaded_bytes_per_step"] = planned.offloaded_bytes;
       r["plan"] = counts;
       r["peak_at"] = peak_at(planned.timeline);
+      r["predicted_peak_in"] = plan.predicted_peak_in;
+      const nlohmann::json pj = plan.to_json();
+      if (pj.contains("transfer_bytes_per_s")) r["transfer_bytes_per_s"] = pj["transfer_bytes_per_s"];
+      if (pj.contains("spill_windows")) r["spill_windows"] = pj["spill_windows"];
       timelines.push_back(planned.timeline);
     } catch (const ValueError& e) {
       r["error"] = e.what();
