@@ -235,9 +235,27 @@ std::vector<Option> pareto(std::vector<Option> v, std::size_t cap) {
       }
     if (!dominated) out.push_back(o);
   }
-  if (out.size() > cap) {  // keep the fastest (an approximation, only for very large call trees)
-    std::sort(out.begin(), out.end(), [](const Option& a, const Option& b) { return a.time < b.time; });
-    out.resize(cap);
+  if (out.size() > cap) {
+    // Too many (very large call trees, many policies): an approximation that keeps the fastest
+    // options and those of least peak and of fewest bytes kept, a third each, so the plan of the
+    // smallest peak (what an impossible budget reports) is never cut.
+    std::vector<Option> kept;
+    std::vector<char> taken(out.size(), 0);
+    auto take_best = [&](auto better) {
+      std::vector<std::size_t> order(out.size());
+      for (std::size_t i = 0; i < order.size(); ++i) order[i] = i;
+      std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return better(out[a], out[b]); });
+      for (std::size_t i = 0, n = 0; i < order.size() && n < cap / 3; ++i)
+        if (!taken[order[i]]) {
+          taken[order[i]] = 1;
+          kept.push_back(out[order[i]]);
+          ++n;
+        }
+    };
+    take_best([](const Option& a, const Option& b) { return a.time < b.time; });
+    take_best([](const Option& a, const Option& b) { return a.need < b.need; });
+    take_best([](const Option& a, const Option& b) { return a.kept < b.kept; });
+    out = std::move(kept);
   }
   return out;
 }
