@@ -599,6 +599,10 @@ std::vector<Array> run_checkpointed(const Thunk& forward, Thunk recompute, const
                                     std::string where, std::vector<Array> held,
                                     const std::function<bool(const std::vector<Array>&)>& keep_plain,
                                     std::shared_ptr<pytree::StoredArguments> arguments) {
+  if (options.policy.batch_splits() > 1)
+    throw ValueError(linum::detail::cat("'", where, "': policies::split_batch applies to module calls under lift::RematScope or "
+                                        "lift::PlanScope (which split the call); give checkpoint and remat<M> the policy inside it, ",
+                                        options.policy.split_policy()->description()));
   if (!autodiff::is_recording() || options.policy.saves_everything()) return forward();
   if (const Policy* placement = options.policy.residual_placement()) {  // policies::residuals: no checkpoint
     ResidualScope placed(*placement);

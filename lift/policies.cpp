@@ -4,6 +4,7 @@
 #include <linum/core/autodiff/primitive.hpp>
 
 #include <algorithm>
+#include <charconv>
 #include <optional>
 
 namespace linum::lift {
@@ -26,6 +27,17 @@ Policy policies_detail_beyond_ram(Policy p) {
 Policy policies_detail_inputs_on_disk(Policy p, bool on_disk) {
   p.inputs_on_disk_ = on_disk;
   if (on_disk) p.beyond_ram_ = true;
+  return p;
+}
+
+Policy policies_detail_split_batch(int n, const Policy& each) {
+  if (n < 1) throw ValueError(linum::detail::cat("policies::split_batch: n must be >= 1, got ", n));
+  if (each.batch_splits() > 1)
+    throw ValueError(linum::detail::cat("policies::split_batch: '", each.description(), "' splits already; give the product as one n"));
+  Policy p = each;
+  p.description_ = linum::detail::cat("split_batch(", n, ", ", each.description(), ")");
+  p.splits_ = n;
+  p.split_of_ = std::make_shared<const Policy>(each);
   return p;
 }
 
@@ -124,6 +136,7 @@ Policy offload(const Policy& which) {
 }
 
 Policy residuals(const Policy& placement) { return lift::policies_detail_residuals(placement); }
+Policy split_batch(int n, const Policy& each) { return lift::policies_detail_split_batch(n, each); }
 
 Policy compress(storage::Codec codec, const Policy& which) {
   return lift::policies_detail_inputs_on_disk(
@@ -209,6 +222,15 @@ lift::Policy from_description(std::string_view d) {
   }
   if (auto in = inner("offload(")) return offload(from_description(*in));
   if (auto in = inner("residuals(")) return residuals(from_description(*in));
+  if (auto in = inner("split_batch(")) {
+    const std::size_t comma = in->find(", ");
+    if (comma != std::string_view::npos) {
+      int n = 0;
+      const std::string_view count = in->substr(0, comma);
+      const auto [end, ec] = std::from_chars(count.data(), count.data() + count.size(), n);
+      if (ec == std::errc() && end == count.data() + count.size()) return split_batch(n, from_description(in->substr(comma + 2)));
+    }
+  }
   if (auto in = inner("compress(")) {
     const std::size_t comma = in->find(", ");
     if (comma != std::string_view::npos) return compress(storage::codec_from_name(in->substr(0, comma)), from_description(in->substr(comma + 2)));
@@ -216,7 +238,7 @@ lift::Policy from_description(std::string_view d) {
   throw ValueError(linum::detail::cat("policies::from_description: '", d, "' names none of the standard policies "
                                       "(nothing_saveable, everything_saveable, dots_saveable, dots_with_no_batch_dims_saveable, "
                                       "save_only_these_names(...), save_any_names_but_these(...), save_and_offload_only_these_names(...; ...), "
-                                      "offload(...), compress(codec, ...), residuals(...)); a policy made from your "
+                                      "offload(...), compress(codec, ...), residuals(...), split_batch(n, ...)); a policy made from your "
                                       "own predicate cannot be restored from its description"));
 }
 

@@ -86,6 +86,9 @@ class Policy {
   // read back before the recomputation, so a checkpoint's RAM between its forward and backward
   // passes is only what the policy keeps in RAM.
   bool offloads_inputs() const { return inputs_on_disk_; }
+  // For policies::split_batch(n, p): n, and p (what each slice runs under); else 1 and null.
+  int batch_splits() const { return split_of_ ? splits_ : 1; }
+  const Policy* split_policy() const { return split_of_.get(); }
   const std::string& description() const { return description_; }
 
   static Policy everything();
@@ -97,9 +100,12 @@ class Policy {
   bool beyond_ram_ = false;
   bool inputs_on_disk_ = false;
   std::shared_ptr<const Policy> residual_placement_;
+  int splits_ = 1;
+  std::shared_ptr<const Policy> split_of_;
   friend Policy policies_detail_beyond_ram(Policy p);
   friend Policy policies_detail_inputs_on_disk(Policy p, bool on_disk);
   friend Policy policies_detail_residuals(const Policy& placement);
+  friend Policy policies_detail_split_batch(int n, const Policy& each);
 };
 
 }  // namespace linum::lift
@@ -151,6 +157,16 @@ lift::Policy compress(storage::Codec codec, const lift::Policy& which);
 // compresses a call's residuals instead of recomputing them:
 //   policies::residuals(policies::offload(policies::everything_saveable{}))
 lift::Policy residuals(const lift::Policy& placement);
+// The call runs on `n` consecutive slices of its batch (axis 0 of every array argument with the
+// batch's rows), each slice a call under `each`, and its outputs are the slices' outputs joined
+// along axis 0: the backward pass of each slice needs 1/n of the call's working set, which no
+// placement lowers (an attention's q, k, v and their cotangents). Gradients equal the plain ones up
+// to rounding (parameter gradients are summed over the slices). Only for calls whose ops treat each
+// example alone (Dense, attention, LayerNorm, activations; not BatchNorm's batch statistics, not
+// dropout, whose slices would share a key), under lift::RematScope or lift::PlanScope (the
+// planner's candidates). Elsewhere (checkpoint, remat<M>) it is a ValueError.
+//   policies::split_batch(4, policies::residuals(policies::offload(policies::everything_saveable{})))
+lift::Policy split_batch(int n, const lift::Policy& each);
 
 // The policy a description names, for the policies above ("dots_saveable",
 // "save_only_these_names(a, b)", "offload(compress(int8, dots_saveable))", ...): how plans and other

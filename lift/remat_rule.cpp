@@ -1,5 +1,6 @@
 #include <linum/lift/remat_rule.hpp>
 
+#include <linum/lift/batch_split.hpp>
 #include <linum/lift/remat.hpp>
 
 namespace linum::lift::detail {
@@ -28,6 +29,7 @@ std::vector<Array> RematRuleHook::around(Scope& scope, const linum::detail::Modu
     linum::detail::ModuleCallHookGuard installed(&again);
     return body(s);
   };
+  if (decision.policy.batch_splits() > 1 && call.arguments) return run_batch_split(scope, call, next, replay, decision.policy);
   CheckpointOptions options;
   options.policy = std::move(decision.policy);
   return lifted_run(scope, next, std::move(replay), options, LiftFilters{}, {}, decision.keep_plain, call.arguments);

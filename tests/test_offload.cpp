@@ -7,6 +7,7 @@
 #include <linum/core/storage/stored_array.hpp>
 #include <linum/lift/residual_scope.hpp>
 
+#include "testing/errors.hpp"
 #include "testing/gradcheck.hpp"
 
 #include <cmath>
@@ -631,4 +632,70 @@ TEST_CASE("the spill file under churn: values freed while queued or written, pre
   }
   storage::set_spill_options({.directory = dir});
   fs::remove_all(dir);
+}
+
+TEST_CASE("split_batch: a call run on slices of its batch gives the plain gradients up to rounding and a smaller peak") {
+  SpillDir spill;
+  storage::SpillWindowsScope timing_independent({0, 0});
+  struct Wide {
+    Array operator()(Scope& s, const Array& x) const {
+      return s(nn::Dense{.features = 16}, gelu(s(nn::Dense{.features = 512}, s(nn::LayerNorm{}, x))));
+    }
+  };
+  struct Net {
+    Array operator()(Scope& s, const Array& x) const {
+      const Array h = s(Wide{}, x);
+      return s(Attention{}, reshape(h, {16, 8, 16}));
+    }
+  };
+  const Array x = random_array(Shape{128, 16}, 31);
+  const Tree params = init(Net{}, rng::key(0), x).at("params");
+  auto loss = [&](const Tree& p) { return mean(square(apply(Net{}, Tree{{"params", p}}, x))); };
+  auto run = [&](const lift::Policy& policy) {
+    lift::RematScope scope({.mode = lift::RematMode::full, .policy = policy});
+    memory::release_cached();
+    memory::PeakScope peak;
+    auto [v, g] = value_and_grad(loss)(params);
+    return std::tuple(v, g, peak.peak_bytes());
+  };
+  const auto [v0, g0] = value_and_grad(loss)(params);
+  const std::vector<Array> want = leaves(g0);
+  for (const lift::Policy& each : {lift::Policy(policies::nothing_saveable{}),
+                                   policies::residuals(policies::offload(policies::everything_saveable{})),
+                                   policies::offload(policies::nothing_saveable{})}) {
+    const lift::Policy split = policies::split_batch(4, each);
+    CAPTURE(split.description());
+    CHECK(split.batch_splits() == 4);
+    CHECK(policies::from_description(split.description()).description() == split.description());
+    CHECK(policies::from_description(split.description()).batch_splits() == 4);
+    const auto [v1, g1, whole_peak] = run(each);
+    const auto [v, g, split_peak] = run(split);
+    CHECK(std::abs(v.item() - v0.item()) <= 1e-5f * std::abs(v0.item()));
+    const std::vector<Array> got = leaves(g);
+    REQUIRE(got.size() == want.size());
+    for (std::size_t i = 0; i < got.size(); ++i)  // parameter gradients are sums over the slices: rounding only
+      CHECK(max(abs(got[i] - want[i])).item() <= 1e-4f * max(abs(want[i])).item() + 1e-7f);
+    CHECK(split_peak < whole_peak);  // each slice's backward pass works on a quarter of the rows
+  }
+  // Outputs without a row per example cannot be joined; other transforms refuse the policy.
+  struct Pooled {
+    Array operator()(Scope& s, const Array& h) const { return mean(s(nn::Dense{.features = 4}, h), {0}); }
+  };
+  struct PooledNet {
+    Array operator()(Scope& s, const Array& h) const { return s(Pooled{}, h); }
+  };
+  const Tree pooled = init(PooledNet{}, rng::key(0), x).at("params");
+  {
+    lift::RematScope scope({.mode = lift::RematMode::full, .policy = policies::split_batch(2, policies::nothing_saveable{})});
+    const std::string msg = linum::testing::error_of<ValueError>(
+        [&] { (void)value_and_grad([&](const Tree& p) { return sum(apply(PooledNet{}, Tree{{"params", p}}, x)); })(pooled); });
+    CHECK(linum::testing::contains(msg, "Pooled_0"));
+    CHECK(linum::testing::contains(msg, "row per example"));
+  }
+  const std::string msg = linum::testing::error_of<ValueError>([&] {
+    (void)value_and_grad([&](const Array& a) {
+      return sum(checkpoint([](const Array& b) { return tanh(b); }, {.policy = policies::split_batch(2, policies::dots_saveable{})})(a));
+    })(x);
+  });
+  CHECK(linum::testing::contains(msg, "RematScope or lift::PlanScope"));
 }

@@ -17,7 +17,8 @@
 // compress / compress_bf16 (remat with its products kept int8- / bf16-compressed), offload_all
 // (remat keeping every value in the spill file: nothing recomputed), offload_residuals /
 // compress_residuals (the call runs plainly, its residuals in the spill file / int8-compressed:
-// policies::residuals). Beyond recompute, the JSON also holds `recompute_only`: the plan
+// policies::residuals), split (the call run on 4 slices of its batch, each with its residuals in the
+// spill file: policies::split_batch). Beyond recompute, the JSON also holds `recompute_only`: the plan
 // over full and dots at the same budget; offloaded_bytes_per_step is what a planned step writes.
 // --model gpt plans the transformer stack of `linum-bench gpt` instead (--layers 8 --batch 16
 // --seq 256 --dim 256): each block rematted whole or planned inside (attention, MLP, norms),
@@ -87,6 +88,8 @@ std::vector<lift::Policy> allowed_policies(const std::string& list) {
       out.push_back(policies::offload(policies::dots_saveable{}));
       out.push_back(policies::residuals(policies::offload(policies::everything_saveable{})));
     }
+    else if (name == "split")  // run on 4 slices of the batch, each with its residuals in the spill file
+      out.push_back(policies::split_batch(4, policies::residuals(policies::offload(policies::everything_saveable{}))));
     else if (name == "compress") out.push_back(policies::compress(storage::Codec::int8, policies::dots_saveable{}));
     else if (name == "compress_bf16") out.push_back(policies::compress(storage::Codec::bf16, policies::dots_saveable{}));
     else if (name == "offload_all") out.push_back(policies::offload(policies::everything_saveable{}));
@@ -94,8 +97,8 @@ std::vector<lift::Policy> allowed_policies(const std::string& list) {
     else if (name == "compress_residuals")
       out.push_back(policies::residuals(policies::compress(storage::Codec::int8, policies::everything_saveable{})));
     else
-      throw ValueError("--allow: '" + name + "' is none of none, full, dots, offload, compress, compress_bf16, offload_all, offload_residuals, "
-                     "compress_residuals");
+      throw ValueError("--allow: '" + name + "' is none of none, full, dots, offload, split, compress, compress_bf16, offload_all, "
+                     "offload_residuals, compress_residuals");
   }
   return out;
 }
