@@ -224,7 +224,7 @@ TEST_CASE("plan_remat with a name policy: saves what checkpoint_name marked; the
   CHECK(!loaded.calls[2].policy.has_value());
 }
 
-TEST_CASE("plan_remat places values beyond RAM when the policies allow it: offload and compression") {
+TEST_CASE("plan_remat places values beyond RAM or splits the batch when the policies allow it: offload, compression, split_batch") {
   // The spill file with its default I/O windows: the planner profiles with them closed and gives
   // the plan what the budget leaves, so the planned step stays within the budget whatever the timing.
   const std::filesystem::path dir = std::filesystem::temp_directory_path() / ("linum-plan-spill-" + std::to_string(::getpid()));
@@ -240,7 +240,8 @@ TEST_CASE("plan_remat places values beyond RAM when the policies allow it: offlo
                                      policies::compress(storage::Codec::int8, policies::dots_saveable{}),
                                      policies::offload(policies::compress(storage::Codec::bf16, policies::dots_saveable{})),
                                      policies::residuals(policies::offload(policies::everything_saveable{})),
-                                     policies::residuals(policies::compress(storage::Codec::int8, policies::everything_saveable{}))}) {
+                                     policies::residuals(policies::compress(storage::Codec::int8, policies::everything_saveable{})),
+                                     policies::split_batch(4, policies::residuals(policies::offload(policies::everything_saveable{})))}) {
     CAPTURE(option.description());
     const lift::RematPlan plan = lift::plan_remat(m.step_fn(), budget, {.policies = {option}});
     CAPTURE(plan.str());
