@@ -163,7 +163,7 @@ lift::Policy residuals(const lift::Policy& placement);
 // placement lowers (an attention's q, k, v and their cotangents). Gradients equal the plain ones up
 // to rounding (parameter gradients are summed over the slices). Only for calls whose ops treat each
 // example alone (Dense, attention, LayerNorm, activations; not BatchNorm's batch statistics, not
-// dropout, whose slices would share a key), under lift::RematScope or lift::PlanScope (the
+// dropout, whose masks would not be the unsplit call's), under lift::RematScope or lift::PlanScope (the
 // planner's candidates). Elsewhere (checkpoint, remat<M>) it is a ValueError.
 //   policies::split_batch(4, policies::residuals(policies::offload(policies::everything_saveable{})))
 lift::Policy split_batch(int n, const lift::Policy& each);
