@@ -17,6 +17,7 @@ class SliceArguments final : public pytree::StoredArguments {
   std::vector<Array> take() override {
     std::vector<Array> out = std::move(arrays_);
     arrays_.assign(out.size(), Array());
+    (void)call_->take();  // the call's arguments hold this slice's only while it runs
     return out;
   }
   void put_back(std::span<const Array> arrays) override { arrays_.assign(arrays.begin(), arrays.end()); }
