@@ -122,6 +122,9 @@ class Array {
   bool shares_buffer(const Array& other) const { return buffer_ == other.buffer_; }
   // The buffer's identity (null for an undefined array), for analyses that track values by storage.
   const Buffer* buffer_identity() const { return buffer_.get(); }
+  // A reference to the buffer that does not keep it alive: expired once the buffer is freed (so an
+  // identity seen again is known to be the same buffer, not a new one at the same address).
+  std::weak_ptr<const void> weak_buffer() const { return buffer_; }
   // No other Array refers to this buffer: an op that consumes this array may write its result
   // into it (backward rules reuse cotangent buffers this way).
   bool owns_buffer_alone() const { return buffer_ != nullptr && buffer_.use_count() == 1; }

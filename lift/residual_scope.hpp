@@ -11,7 +11,8 @@
 // kind and checkpoint_name, the residual's shape, bytes and dtype, and the module path where it was
 // saved. A residual the policy does not keep stays in RAM (outside a checkpoint nothing could
 // recompute it), and so do constants and differentiation variables (parameters): they are alive
-// anyway. Offloading is lossless (gradients bitwise those of the plain step); compression is not
+// anyway. An array several ops save is placed once (one copy in the spill file, or compressed,
+// shared by those ops). Offloading is lossless (gradients bitwise those of the plain step); compression is not
 // (error bounds in core/storage/compression.hpp). Inside the scope, checkpoints hand it what they
 // keep too (their policy's RAM values); values recorded while a checkpoint recomputes its block in
 // the backward pass are left in RAM: they live only until that block is differentiated.
