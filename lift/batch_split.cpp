@@ -1,6 +1,7 @@
 #include <linum/lift/batch_split.hpp>
 
 #include <linum/core/ops/shape_ops.hpp>
+#include <linum/lift/pack.hpp>
 
 #include <algorithm>
 
@@ -30,6 +31,23 @@ class SliceArguments final : public pytree::StoredArguments {
 
 std::string where(const linum::detail::ModuleCall& call) { return linum::detail::join_module_path(call.path); }
 
+// What only a whole batch may do, seen from the call's scope: the collections it may update other
+// than params (batch statistics), by buffer, and the random-number counters (dropout masks).
+struct BatchEffects {
+  std::vector<const void*> updatable;
+  RngCounters counters;
+  bool operator==(const BatchEffects&) const = default;
+};
+BatchEffects effects_at(Scope& scope) {
+  const Pack pack(scope, LiftFilters{}, "policies::split_batch");
+  BatchEffects e;
+  for (const auto& [collection, sub] : pack.variables())
+    if (collection != "params" && pack.is_mutable(collection))
+      for (const Array& a : leaves(sub)) e.updatable.push_back(a.buffer_identity());
+  e.counters = pack.counters();
+  return e;
+}
+
 }  // namespace
 
 std::vector<Array> run_batch_split(Scope& scope, const linum::detail::ModuleCall& call, const ScopedBody& next,
@@ -53,6 +71,7 @@ std::vector<Array> run_batch_split(Scope& scope, const linum::detail::ModuleCall
     call.arguments->put_back(all);
     return lifted_run(scope, next, replay, options, LiftFilters{}, {}, nullptr, call.arguments);
   }
+  const BatchEffects before = effects_at(scope);
   std::vector<std::vector<Array>> outs;
   for (std::int64_t i = 0; i < n; ++i) {
     const std::int64_t lo = rows * i / n, hi = rows * (i + 1) / n;
@@ -66,6 +85,13 @@ std::vector<Array> run_batch_split(Scope& scope, const linum::detail::ModuleCall
       return replay(s);
     };
     outs.push_back(lifted_run(scope, next, slice_replay, options, LiftFilters{}, {}, nullptr, args));
+    if (i == 0 && !(effects_at(scope) == before)) {
+      call.arguments->put_back(all);
+      throw ValueError(linum::detail::cat("policies::split_batch: the call at '", where(call),
+                                          "' updates a collection other than params (batch statistics) or draws random "
+                                          "numbers (dropout); on slices of the batch those would not be the whole batch's. "
+                                          "Give this call a policy without split_batch"));
+    }
   }
   call.arguments->put_back(all);
   std::vector<Array> joined(outs.front().size());

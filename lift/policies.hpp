@@ -162,8 +162,9 @@ lift::Policy residuals(const lift::Policy& placement);
 // along axis 0: the backward pass of each slice needs 1/n of the call's working set, which no
 // placement lowers (an attention's q, k, v and their cotangents). Gradients equal the plain ones up
 // to rounding (parameter gradients are summed over the slices). Only for calls whose ops treat each
-// example alone (Dense, attention, LayerNorm, activations; not BatchNorm's batch statistics, not
-// dropout, whose masks would not be the unsplit call's), under lift::RematScope or lift::PlanScope (the
+// example alone (Dense, attention, LayerNorm, activations): a call that updates a collection other
+// than params (BatchNorm's statistics) or draws random numbers (dropout) is a ValueError, as the
+// slices' results would not be the whole batch's. Under lift::RematScope or lift::PlanScope (the
 // planner's candidates). Elsewhere (checkpoint, remat<M>) it is a ValueError.
 //   policies::split_batch(4, policies::residuals(policies::offload(policies::everything_saveable{})))
 lift::Policy split_batch(int n, const lift::Policy& each);

@@ -698,6 +698,36 @@ TEST_CASE("split_batch: a call run on slices of its batch gives the plain gradie
     })(x);
   });
   CHECK(linum::testing::contains(msg, "RematScope or lift::PlanScope"));
+  // Calls whose result depends on the whole batch are refused, not silently changed: batch
+  // statistics, random draws.
+  struct Stats {
+    Array operator()(Scope& s, const Array& h) const {
+      Variable n = s.variable("stats", "sum", [] { return Array::zeros(Shape{}); });
+      if (s.is_mutable_collection("stats") && !s.is_initializing()) n.set(n.value() + sum(h));
+      return s(nn::Dense{.features = 4}, h);
+    }
+  };
+  struct Drop {
+    Array operator()(Scope& s, const Array& h) const { return s(nn::Dropout{.rate = 0.5}, s(nn::Dense{.features = 4}, h), false); }
+  };
+  struct Outer {
+    bool drop = false;
+    Array operator()(Scope& s, const Array& h) const { return drop ? s(Drop{}, h) : s(Stats{}, h); }
+  };
+  for (bool drop : {false, true}) {
+    CAPTURE(drop);
+    const Tree v = init(Outer{drop}, rng::Streams{{"params", rng::key(0)}, {"dropout", rng::key(1)}}, x);
+    lift::RematScope scope({.mode = lift::RematMode::full, .policy = policies::split_batch(2, policies::nothing_saveable{})});
+    const std::string err = linum::testing::error_of<ValueError>([&] {
+      (void)value_and_grad([&](const Tree& p) {
+        Tree vars = v;
+        vars.set("params", p);
+        return sum(apply(Outer{drop}, vars, {.rngs = {{"dropout", rng::key(3)}}, .mutable_collections = {"stats"}}, x).first);
+      })(v.at("params"));
+    });
+    CHECK(linum::testing::contains(err, drop ? "Drop_0" : "Stats_0"));
+    CHECK(linum::testing::contains(err, "whole batch"));
+  }
 }
 
 TEST_CASE("an array several ops save is placed once: one copy in the spill file, gradients bit for bit") {
