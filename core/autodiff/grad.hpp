@@ -9,12 +9,20 @@
 // Differentiated arguments may be Arrays or any type with a `Differentiable<T>` specialisation
 // (Tree, the variable dict, has one). Other arguments pass through untouched. Differentiation
 // always records, even inside a NoGradGuard; a NoGradGuard *inside* the function still stops it.
+//
+// Transformations compose as JAX's do: grad(grad(f)), a grad or vjp inside the function another
+// one differentiates (a gradient penalty, a physics-informed loss). Called inside another
+// transformation's function, they build their gradient as a differentiable function of the
+// arguments (PyTorch's create_graph), and return the value, aux and gradients linked to the
+// enclosing graph. Ops whose backward rule cannot be differentiated raise an AutodiffError naming
+// them. At top level nothing changes: the first-order path is the same as without nesting.
 #pragma once
 
 #include <linum/core/array.hpp>
 #include <linum/core/autodiff/graph.hpp>
 #include <linum/core/autodiff/pytree.hpp>
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <memory>
@@ -124,6 +132,93 @@ auto collect_gradients(const Tuple& tracked) {
   }
 }
 
+// ---- nested differentiation (a transformation called inside another one's function) ----------
+
+// Whether a transformation called here is nested in another one (whose graph its results must stay
+// linked to): create-graph mode. Top-level calls (depth 0) take the first-order path unchanged.
+inline bool nested_here() { return differentiation_depth() > 0 && is_recording(); }
+
+// An array of an enclosing graph, continued through an identity node the inner sweep stops at.
+Array link_input(const Array& x);
+
+// Tracks the floating arrays of `value` for a nested transformation (an array already in a graph is
+// linked through an identity node, others become fresh leaves) and appends their boundaries.
+template <class T>
+T track_nested(const T& value, std::vector<Boundary>& boundaries) {
+  std::vector<Array> arrays = pytree::flatten(value);
+  for (Array& a : arrays) {
+    if (!a.defined() || !is_floating(a.dtype())) continue;
+    a = a.node() != nullptr ? link_input(a) : make_leaf(a);
+    boundaries.push_back({a.node().get(), a.output_index()});
+  }
+  return pytree::rebuild(value, std::span<const Array>(arrays));
+}
+
+// The boundaries of the floating arrays of an already tracked value, appended.
+template <class T>
+void boundaries_of(const T& tracked, std::vector<Boundary>& boundaries) {
+  for (const Array& a : pytree::flatten(tracked))
+    if (a.defined() && is_floating(a.dtype()) && a.node() != nullptr) boundaries.push_back({a.node().get(), a.output_index()});
+}
+
+// The gradient of a tracked value from the sums a sweep left at its boundaries (consumed from
+// `next` on, in flatten order): zeros where nothing arrived, int32 zeros for integer leaves.
+template <class T>
+T gradient_from_sums(const T& tracked, std::vector<Array>& sums, std::size_t& next) {
+  std::vector<Array> arrays = pytree::flatten(tracked);
+  for (Array& a : arrays) {
+    if (!a.defined()) continue;
+    if (!is_floating(a.dtype()) || a.node() == nullptr) {
+      a = Array::zeros(a.shape(), is_floating(a.dtype()) ? a.dtype() : DType::i32);
+      continue;
+    }
+    Array g = next < sums.size() ? std::move(sums[next]) : Array();
+    ++next;
+    a = g.defined() ? g : Array::zeros(a.shape(), a.dtype());
+  }
+  return pytree::rebuild(tracked, std::span<const Array>(arrays));
+}
+
+template <std::size_t... Nums, class... Args, std::size_t... Is>
+auto track_selected_nested(std::vector<Boundary>& boundaries, std::index_sequence<Is...>, const Args&... args) {
+  return std::tuple<std::conditional_t<contains<Is, Nums...>(), std::decay_t<Args>, const Args&>...>(
+      [&]() -> decltype(auto) {
+        if constexpr (contains<Is, Nums...>()) {
+          static_assert(DifferentiableValue<Args>,
+                        "value_and_grad/grad: the selected argument's type cannot be differentiated; select "
+                        "pytree arguments (Array, Tree, containers of them, structs registered with "
+                        "pytree::Fields) with the template argnums, e.g. value_and_grad<0, 2>(f)");
+          std::vector<Boundary> none;
+          return track_nested(args, none);
+        } else {
+          return args;
+        }
+      }()...);
+}
+
+template <class Tuple, std::size_t... Nums>
+auto collect_nested(const Tuple& tracked, std::vector<Array>& sums) {
+  std::size_t next = 0;
+  if constexpr (sizeof...(Nums) == 1) {
+    constexpr std::size_t n = (Nums, ...);
+    return gradient_from_sums(std::get<n>(tracked), sums, next);
+  } else {
+    // Braced initialisation runs left to right: the sums are consumed in Nums order.
+    return std::tuple<std::decay_t<std::tuple_element_t<Nums, Tuple>>...>{gradient_from_sums(std::get<Nums>(tracked), sums, next)...};
+  }
+}
+
+// The sums a create-graph sweep from `value` (cotangent one) leaves at the selected arguments'
+// boundaries (in Nums order, flatten order within each).
+template <class Tuple, std::size_t... Nums>
+std::vector<Array> nested_sweep(const Array& value, const Tuple& tracked) {
+  std::vector<Boundary> boundaries;
+  (boundaries_of(std::get<Nums>(tracked), boundaries), ...);
+  Array one = Array::full(value.shape(), 1.0f, value.dtype());
+  return backward_into({Edge{value.node(), value.output_index()}}, {one}, boundaries, {}, /*create_graph=*/true,
+                       /*prune=*/true);
+}
+
 }  // namespace detail
 }  // namespace autodiff
 
@@ -155,9 +250,13 @@ struct ValueAndGrad {
     static_assert(sizeof...(Nums) > 0, "value_and_grad: select at least one argument");
     static_assert(((Nums < sizeof...(Args)) && ...),
                   "value_and_grad: an argnum is out of range (argnums count from 0, the first argument)");
+    if (nested_here()) return nested(args...);
     EnableGradGuard recording;
     auto tracked = track_selected<Nums...>(std::index_sequence_for<Args...>{}, args...);
-    auto result = std::apply(f, tracked);
+    auto result = [&] {
+      DifferentiationScope depth;
+      return std::apply(f, tracked);
+    }();
     if constexpr (std::is_same_v<std::decay_t<decltype(result)>, Array>) {
       Array value = check_scalar_loss(result, "value_and_grad");
       Array one = Array::full(value.shape(), 1.0f, value.dtype());
@@ -170,6 +269,28 @@ struct ValueAndGrad {
       Array one = Array::full(value.shape(), 1.0f, value.dtype());
       autodiff::backward(std::span<const Array>(&value, 1), std::span<const Array>(&one, 1));
       return std::make_tuple(value.detached(), std::move(aux), collect_gradients<decltype(tracked), Nums...>(tracked));
+    }
+  }
+
+  // Inside another transformation: the gradient is built as a differentiable function (create-graph
+  // mode), and the value, aux and gradients stay linked to the enclosing graph.
+  template <class... Args>
+  auto nested(const Args&... args) const {
+    EnableGradGuard recording;
+    std::vector<Boundary> unused;
+    auto tracked = track_selected_nested<Nums...>(unused, std::index_sequence_for<Args...>{}, args...);
+    auto result = [&] {
+      DifferentiationScope depth;
+      return std::apply(f, tracked);
+    }();
+    if constexpr (std::is_same_v<std::decay_t<decltype(result)>, Array>) {
+      Array value = check_scalar_loss(result, "value_and_grad");
+      std::vector<Array> sums = nested_sweep<decltype(tracked), Nums...>(value, tracked);
+      return std::make_pair(value, collect_nested<decltype(tracked), Nums...>(tracked, sums));
+    } else {
+      Array value = check_scalar_loss(std::get<0>(result), "value_and_grad");
+      std::vector<Array> sums = nested_sweep<decltype(tracked), Nums...>(value, tracked);
+      return std::make_tuple(value, std::get<1>(result), collect_nested<decltype(tracked), Nums...>(tracked, sums));
     }
   }
 };
@@ -211,6 +332,31 @@ class Pullback {
     if (roots.size() != cts.size())
       throw AutodiffError(linum::detail::cat("vjp pullback: the cotangent has ", cts.size(), " arrays, the output has ",
                                              roots.size()));
+    const bool linked = std::any_of(cts.begin(), cts.end(), [](const Array& c) { return c.node() != nullptr; });
+    if (autodiff::detail::nested_here() || linked) {
+      // Differentiable pullback (inside a transformation, or a cotangent that is itself tracked):
+      // the cotangents come back as functions of the cotangent and of the arguments.
+      autodiff::EnableGradGuard recording;
+      std::vector<autodiff::Boundary> boundaries;
+      std::apply([&](const auto&... t) { (autodiff::detail::boundaries_of(t, boundaries), ...); }, tracked_);
+      std::vector<autodiff::Edge> edges;
+      for (const Array& r : roots) edges.push_back(autodiff::Edge{r.node(), r.output_index()});
+      for (std::size_t i = 0; i < roots.size(); ++i)
+        if (roots[i].node() != nullptr && cts[i].defined() && !(cts[i].shape() == roots[i].shape()))
+          throw AutodiffError(linum::detail::cat("vjp pullback: cotangent of shape ", cts[i].shape(), " for an output of shape ",
+                                                 roots[i].shape()));
+      std::vector<Array> sums = autodiff::backward_into(std::move(edges), std::move(cts), boundaries, {}, true, true);
+      std::size_t next = 0;
+      if constexpr (sizeof...(Args) == 1) {
+        return autodiff::detail::gradient_from_sums(std::get<0>(tracked_), sums, next);
+      } else {
+        return std::apply(
+            [&](const auto&... t) {
+              return std::tuple<Args...>{autodiff::detail::gradient_from_sums(t, sums, next)...};
+            },
+            tracked_);
+      }
+    }
     autodiff::backward(roots, cts, /*retain_graph=*/true);
     return collect(std::index_sequence_for<Args...>{});
   }
@@ -229,12 +375,18 @@ class Pullback {
 template <class F, class... Args>
 auto vjp(F&& f, const Args&... args) {
   static_assert((DifferentiableValue<Args> && ...), "vjp: every argument must be a pytree (Array, Tree, containers of them, structs registered with pytree::Fields)");
+  const bool nested = autodiff::detail::nested_here();
   autodiff::EnableGradGuard recording;
-  std::tuple<std::decay_t<Args>...> tracked{Differentiable<std::decay_t<Args>>::track(args)...};
-  auto out = std::apply(std::forward<F>(f), tracked);
+  std::vector<autodiff::Boundary> unused;
+  std::tuple<std::decay_t<Args>...> tracked{nested ? autodiff::detail::track_nested(args, unused)
+                                                   : Differentiable<std::decay_t<Args>>::track(args)...};
+  auto out = [&] {
+    autodiff::DifferentiationScope depth;
+    return std::apply(std::forward<F>(f), tracked);
+  }();
   using Out = std::decay_t<decltype(out)>;
-  auto detached = pytree::detached(out);
-  return std::make_pair(std::move(detached), Pullback<Out, std::decay_t<Args>...>(std::move(out), std::move(tracked)));
+  auto primal = nested ? out : pytree::detached(out);  // nested: the output stays linked to the enclosing graph
+  return std::make_pair(std::move(primal), Pullback<Out, std::decay_t<Args>...>(std::move(out), std::move(tracked)));
 }
 
 }  // namespace linum

@@ -5,6 +5,7 @@
 #include <linum/core/autodiff/hooks.hpp>
 #include <linum/core/autodiff/primitive.hpp>
 #include <linum/core/autodiff/saved_hooks.hpp>
+#include <linum/core/error.hpp>
 
 #include <any>
 #include <mutex>
@@ -71,6 +72,32 @@ void add_into(Array& slot, Array g) {
   slot = slot.defined() ? accumulate(slot, g) : std::move(g).detached();
 }
 
+// Create-graph mode: the same sum and dtype conversion as primitives, so that the gradient being
+// built stays differentiable (their rules are themselves differentiable: identity and conversion).
+Array accumulate_linked(const Array& a, const Array& b) {
+  return primitive("add", {&a, &b}, [&](Residuals&) { return accumulate(a, b); },
+                   higher_order([](Cotangents& c, Saved) {
+                     if (c.needs(0)) c.set(0, c.out());
+                     if (c.needs(1)) c.set(1, c.out());
+                   }));
+}
+
+Array convert_linked(const Array& g, DType want) {
+  if (!g.defined() || g.dtype() == want) return g;
+  return primitive("astype", {&g}, [&](Residuals&) { return linum::detail::convert_float(g, want); },
+                   higher_order([from = g.dtype()](Cotangents& c, Saved) { c.set(0, convert_linked(c.out(), from)); }));
+}
+
+// The sum and conversion a sweep uses, by mode.
+struct Accumulation {
+  bool create = false;
+  Array cast(Array g, DType want) const { return create ? convert_linked(g, want) : in_dtype(std::move(g), want); }
+  void add(Array& slot, Array g) const {
+    if (!create) return add_into(slot, std::move(g));
+    slot = slot.defined() ? accumulate_linked(slot, g) : std::move(g);
+  }
+};
+
 [[noreturn]] void throw_released(const Node* n) {
   throw AutodiffError(linum::detail::cat(
       "backward: the graph through op '", n->op(),
@@ -123,8 +150,14 @@ std::vector<std::shared_ptr<Node>> topological_order(std::span<const Array> root
 // accumulates: the target node's gradient, a boundary's running sum, or null (dropped).
 template <class AfterNode>
 void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, const Cotangents::Accumulators& slot,
-               AfterNode after_node) {
-  NoGradGuard no_grad;  // backward rules compute with constants
+               AfterNode after_node, bool create = false) {
+  // Backward rules compute with constants, or in create-graph mode with ops that record.
+  std::optional<NoGradGuard> no_grad;
+  std::optional<EnableGradGuard> recording;
+  if (create) recording.emplace(), retain_graph = true;
+  else no_grad.emplace();
+  CreateGraphScope mode(create);
+  const Accumulation acc{create};
   linum::detail::PhaseScope phase(linum::detail::Phase::backward);
   std::vector<Array> in_grads;
   for (auto it = order.rbegin(); it != order.rend(); ++it) {
@@ -137,7 +170,21 @@ void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, con
     if (any) {
       in_grads.assign(inputs.size(), Array());
       Cotangents c(grads, in_grads, inputs, &slot);
-      node->backward(c);
+      if (!create) {
+        node->backward(c);
+      } else {
+        const bool linked = std::any_of(grads.begin(), grads.end(), [](const Array& g) { return g.node() != nullptr; });
+        node->backward_differentiable(c, *it);
+        // A rule that computed a gradient with kernels from a differentiable cotangent would stop the
+        // second derivative there: refuse, naming the op, rather than return zeros.
+        if (linked)
+          for (std::size_t k = 0; k < inputs.size(); ++k)
+            if (inputs[k].node != nullptr && in_grads[k].defined() && in_grads[k].node() == nullptr)
+              throw AutodiffError(linum::detail::cat(
+                  "backward rule of op '", node->op(), "' computed the gradient of input ", k,
+                  " outside the graph in create-graph mode, so a second derivative through it would be lost "
+                  "(a bug in that op's higher-order rule; please report it)"));
+      }
       // Each cotangent goes to its input's node (or out through a boundary).
       for (std::size_t k = 0; k < inputs.size(); ++k) {
         Array g = std::move(in_grads[k]);
@@ -150,7 +197,7 @@ void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, con
           throw AutodiffError(linum::detail::cat("backward rule of op '", node->op(), "' produced a gradient of shape ",
                                           g.shape(), " for input ", k, " of shape ", want,
                                           " (a bug in that op's rule; please report it)"));
-        if (Array* sum = slot(e)) add_into(*sum, in_dtype(std::move(g), target->output_dtype(e.index)));
+        if (Array* sum = slot(e)) acc.add(*sum, acc.cast(std::move(g), target->output_dtype(e.index)));
       }
       in_grads.clear();
     }
@@ -175,8 +222,9 @@ Array* node_slot(const Edge& e) {
   return &grads[e.index];
 }
 
-void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, const Cotangents::Accumulators& slot) {
-  run_sweep(order, retain_graph, slot, [](std::size_t) {});
+void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, const Cotangents::Accumulators& slot,
+               bool create = false) {
+  run_sweep(order, retain_graph, slot, [](std::size_t) {}, create);
 }
 
 void seed(std::span<const Array> roots, std::span<const Array> cotangents) {
@@ -257,6 +305,52 @@ std::vector<Edge> edges_of(std::span<const Array* const> inputs) {
   return edges;
 }
 
+namespace {
+bool same_array(const Array& a, const Array& b) {
+  return a.defined() && b.defined() && a.buffer_identity() == b.buffer_identity() && a.raw() == b.raw() &&
+         a.shape() == b.shape() && a.dtype() == b.dtype();
+}
+}  // namespace
+
+ResidualOrigins residual_origins(std::span<const Array* const> inputs, std::span<const Array> outputs,
+                                 std::span<const Array> residuals) {
+  ResidualOrigins origins = kNoOrigins;
+  const std::size_t n = std::min<std::size_t>(residuals.size(), 8);
+  for (std::size_t i = 0; i < n; ++i) {
+    const Array& r = residuals[i];
+    if (!r.defined()) continue;
+    ResidualOrigins tag = 0xFF;
+    for (std::size_t k = 0; k < inputs.size() && k < 0x80 && tag == 0xFF; ++k)
+      if (same_array(*inputs[k], r)) tag = k;
+    for (std::size_t j = 0; j < outputs.size() && j < 0x7F && tag == 0xFF; ++j)
+      if (same_array(outputs[j], r)) tag = 0x80 | j;
+    origins &= ~(ResidualOrigins{0xFF} << (8 * i));
+    origins |= tag << (8 * i);
+  }
+  return origins;
+}
+
+void relink_residuals(std::vector<Array>& residuals, ResidualOrigins origins, const std::vector<Edge>& inputs,
+                      const std::shared_ptr<Node>& self) {
+  const std::size_t n = std::min<std::size_t>(residuals.size(), 8);
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto tag = static_cast<unsigned>((origins >> (8 * i)) & 0xFF);
+    if (tag == 0xFF || !residuals[i].defined()) continue;
+    if (tag < 0x80) {
+      if (tag < inputs.size() && inputs[tag].node != nullptr) residuals[i].set_node(inputs[tag].node, inputs[tag].index);
+    } else {
+      residuals[i].set_node(self, tag & 0x7F);
+    }
+  }
+}
+
+void throw_not_higher_order(const char* op) {
+  throw AutodiffError(linum::detail::cat(
+      "op '", op, "' does not support higher-order differentiation yet: its backward rule cannot be differentiated "
+      "(a gradient of a gradient, hvp, jacrev/hessian or jvp passes through it). Differentiate a function that avoids "
+      "it, or give it a differentiable rule (autodiff::higher_order, core/autodiff/graph.hpp)"));
+}
+
 
 std::vector<Array> detach_all(std::initializer_list<Array> saved) {
   std::vector<Array> out;
@@ -265,6 +359,8 @@ std::vector<Array> detach_all(std::initializer_list<Array> saved) {
   return out;
 }
 }  // namespace detail
+
+void Node::backward_differentiable(Cotangents&, const std::shared_ptr<Node>&) { detail::throw_not_higher_order(op_); }
 
 std::uint64_t Node::next_id() { return g_node_counter.fetch_add(1, std::memory_order_relaxed); }
 std::uint64_t Node::peek_next_id() { return g_node_counter.load(std::memory_order_relaxed); }
@@ -355,6 +451,18 @@ Array Node::take_grad(std::size_t i) {
   return std::exchange(grads_[i], Array());
 }
 
+namespace detail {
+Array link_input(const Array& x) {
+  return primitive("input", {&x}, [&](Residuals&) { return x.detached(); },
+                   higher_order([](Cotangents& c, Saved) { c.set(0, c.out()); }));
+}
+}  // namespace detail
+
+Array linked_zeros(const Array& g) {
+  return primitive("zeros_like", {&g}, [&](Residuals&) { return Array::zeros(g.shape(), g.dtype()); },
+                   higher_order([](Cotangents& c, Saved) { c.set(0, linked_zeros(c.out())); }));
+}
+
 Array make_leaf(const Array& x) {
   if (!is_floating(x.dtype()))
     throw AutodiffError(linum::detail::cat("make_leaf: only float32 and bfloat16 arrays can be differentiated, got ",
@@ -408,7 +516,9 @@ std::vector<Array> backward_to(std::span<const Array> roots, std::span<const Arr
 }
 
 std::vector<Array> backward_into(std::vector<Edge> roots, std::vector<Array> cotangents, std::span<const Boundary> boundaries,
-                                 std::vector<Array> sums) {
+                                 std::vector<Array> sums, bool create_graph, bool prune) {
+  const bool create = create_graph || creating_graph();
+  const Accumulation acc{create};
   if (roots.size() != cotangents.size())
     throw AutodiffError(linum::detail::cat("backward: ", roots.size(), " roots but ", cotangents.size(), " cotangents"));
   std::unordered_set<const Node*> stop_nodes;
@@ -426,7 +536,7 @@ std::vector<Array> backward_into(std::vector<Edge> roots, std::vector<Array> cot
     Node* n = roots[i].node.get();
     if (n == nullptr || !cotangents[i].defined()) continue;
     if (Array* sum = boundary_sum(n, roots[i].index)) {
-      add_into(*sum, in_dtype(std::move(cotangents[i]), n->output_dtype(roots[i].index)).detached());
+      acc.add(*sum, acc.cast(std::move(cotangents[i]), n->output_dtype(roots[i].index)));
       continue;
     }
     if (n->released()) throw_released(n);
@@ -435,7 +545,7 @@ std::vector<Array> backward_into(std::vector<Edge> roots, std::vector<Array> cot
                                              " for an output of shape ", n->output_shape(roots[i].index)));
     auto& grads = SweepAccess::grads(n);
     grads.resize(n->num_outputs());
-    add_into(grads[roots[i].index], in_dtype(std::move(cotangents[i]), n->output_dtype(roots[i].index)));
+    acc.add(grads[roots[i].index], acc.cast(std::move(cotangents[i]), n->output_dtype(roots[i].index)));
     Array hollow;
     hollow.set_node(roots[i].node, roots[i].index);
     inner.push_back(std::move(hollow));
@@ -445,12 +555,35 @@ std::vector<Array> backward_into(std::vector<Edge> roots, std::vector<Array> cot
   const std::uint64_t mark = ++g_sweep_counter;
   auto order = topological_order(inner, mark, [&](Node* n) { return stop_nodes.count(n) > 0; });
   inner.clear();
-  run_sweep(order, /*retain_graph=*/false, [&](const Edge& e) -> Array* {
-    if (!stop_nodes.count(e.node.get())) return node_slot(e);
-    return boundary_sum(e.node.get(), e.index);
-  });
-  for (Array& sum : sums)
-    if (sum.defined()) sum = std::move(sum).detached();
+  // Pruning: in creation order (inputs first), a node reaches a boundary when one of its inputs is
+  // a boundary or reaches one. The others neither run nor receive cotangents.
+  std::unordered_set<const Node*> reaching;
+  if (prune) {
+    std::vector<std::shared_ptr<Node>> kept;
+    for (auto& n : order) {
+      bool reaches = false;
+      for (const Edge& e : SweepAccess::inputs(n.get()))
+        if (e.node != nullptr && (stop_nodes.count(e.node.get()) > 0 || reaching.count(e.node.get()) > 0)) reaches = true;
+      if (reaches) {
+        reaching.insert(n.get());
+        kept.push_back(std::move(n));
+      } else {
+        SweepAccess::grads(n.get()).clear();  // a seeded root that leads nowhere
+      }
+    }
+    order = std::move(kept);
+  }
+  run_sweep(
+      order, /*retain_graph=*/false,
+      [&](const Edge& e) -> Array* {
+        if (stop_nodes.count(e.node.get())) return boundary_sum(e.node.get(), e.index);
+        if (prune && reaching.count(e.node.get()) == 0) return nullptr;
+        return node_slot(e);
+      },
+      create);
+  if (!create)
+    for (Array& sum : sums)
+      if (sum.defined()) sum = std::move(sum).detached();
   return sums;
 }
 

@@ -45,6 +45,13 @@ struct RecordingContext { using Value = bool; };
 struct RecordHookContext { using Value = RecordHook*; };
 struct SavedValueHooksContext { using Value = std::shared_ptr<const SavedValueHooks>; };
 struct LeafGradientListenerContext { using Value = LeafGradientListener*; };
+// How many differentiation transformations (grad, vjp, jvp) are running their function on this
+// thread: a transformation called at depth >= 1 with recording on is nested in another one.
+struct DepthContext { using Value = int; };
+// True while a backward sweep runs rules to build a differentiable gradient (create-graph mode).
+struct CreateGraphContext { using Value = bool; };
+using Depths = linum::detail::ContextStack<DepthContext>;
+using CreateGraph = linum::detail::ContextStack<CreateGraphContext>;
 using Recording = linum::detail::ContextStack<RecordingContext>;
 using RecordHooks = linum::detail::ContextStack<RecordHookContext>;
 using SavedValueHooksStack = linum::detail::ContextStack<SavedValueHooksContext>;
@@ -57,6 +64,38 @@ inline bool recording_on() {
 
 // True when ops on this thread may record graph nodes (the default). NoGradGuard turns it off.
 inline bool is_recording() { return detail::recording_on(); }
+
+// How many differentiation transformations enclose this point (0 at top level).
+inline int differentiation_depth() {
+  const int* d = detail::Depths::top();
+  return d == nullptr ? 0 : *d;
+}
+
+// True while a backward rule runs in create-graph mode: the gradient it computes will itself be
+// differentiated (grad of grad, hvp, jvp), so it must be built from ops, which record, reading the
+// residuals relinked to the graph. Rules written with raw kernels branch on it (see higher_order).
+inline bool creating_graph() {
+  const bool* on = detail::CreateGraph::top();
+  return on != nullptr && *on;
+}
+
+// Marks the function of a differentiation transformation as running (depth + 1) for its lifetime.
+class DifferentiationScope {
+ public:
+  DifferentiationScope() : depth_(differentiation_depth() + 1) {}
+
+ private:
+  detail::Depths::Entry depth_;
+};
+
+// Sets create-graph mode on or off for its lifetime.
+class CreateGraphScope {
+ public:
+  explicit CreateGraphScope(bool on) : on_(on) {}
+
+ private:
+  detail::CreateGraph::Entry on_;
+};
 
 // Within its lifetime no op on this thread records graph nodes: results are constants.
 class NoGradGuard {
@@ -152,6 +191,11 @@ class Node {
 
   // Computes input cotangents from output cotangents.
   virtual void backward(Cotangents& c) = 0;
+  // The same in create-graph mode (creating_graph() is true, recording on): the cotangents computed
+  // are differentiable functions of the output cotangents and of the node's inputs. `self` is this
+  // node (a rule reading the op's output relinks it to the node). Nodes that cannot raise an
+  // AutodiffError naming the op (never a gradient that silently stops there).
+  virtual void backward_differentiable(Cotangents& c, const std::shared_ptr<Node>& self);
   // Frees what was saved for the backward pass (after the sweep has used it).
   virtual void release() {}
   // Appends the arrays this node keeps for its backward pass (for memory reports).
@@ -207,6 +251,40 @@ class LeafNode final : public Node {
 // The arrays a backward rule reads, as the rule sees them.
 using Saved = std::span<const Array>;
 
+// A backward rule that can also run in create-graph mode (core/autodiff/higher_order.hpp): when
+// creating_graph() is true it computes its gradients with ops (which record) from the cotangents and
+// the residuals it reads, which are then the op's inputs and outputs relinked to the graph;
+// residuals computed inside the forward (masks, counts, statistics) are constants there, so such a
+// rule reads them only where they are locally constant, or recomputes them from inputs with ops.
+// A rule not wrapped this way makes second derivatives through its op an AutodiffError.
+template <class Rule>
+struct HigherOrderRule {
+  Rule rule;
+  void operator()(Cotangents& c, Saved s) { rule(c, s); }
+};
+template <class Rule>
+HigherOrderRule<std::decay_t<Rule>> higher_order(Rule&& rule) {
+  return {std::forward<Rule>(rule)};
+}
+template <class Rule>
+inline constexpr bool is_higher_order_v = false;
+template <class Rule>
+inline constexpr bool is_higher_order_v<HigherOrderRule<Rule>> = true;
+
+namespace detail {
+// Where each of a primitive's first 8 residuals comes from, 8 bits each: input k (k < 0x80), output
+// j (0x80 | j), or neither (0xFF: computed inside the forward, or undefined). Create-graph mode
+// relinks the first two kinds to the graph.
+using ResidualOrigins = std::uint64_t;
+inline constexpr ResidualOrigins kNoOrigins = ~ResidualOrigins{0};
+ResidualOrigins residual_origins(std::span<const Array* const> inputs, std::span<const Array> outputs,
+                                 std::span<const Array> residuals);
+// `residuals` with the ones that are the node's inputs or outputs linked to the graph again.
+void relink_residuals(std::vector<Array>& residuals, ResidualOrigins origins, const std::vector<Edge>& inputs,
+                      const std::shared_ptr<Node>& self);
+[[noreturn]] void throw_not_higher_order(const char* op);
+}  // namespace detail
+
 // A node whose backward rule is a lambda `rule(Cotangents&, Saved)`. The arrays it keeps for the
 // backward pass are declared explicitly (not hidden in captures), so memory reports, remat
 // policies and saved-value hooks see them; the lambda captures only small non-array data (shapes,
@@ -215,14 +293,24 @@ template <class Rule>
 class RuleNode final : public Node {
  public:
   template <class Shapes>  // std::vector<Shape>, or one Shape
-  RuleNode(const char* op, std::vector<Edge> inputs, Shapes shapes, std::vector<Array> saved, Rule rule)
-      : Node(op, std::move(inputs), std::move(shapes)), saved_(std::move(saved)), rule_(std::move(rule)) {}
+  RuleNode(const char* op, std::vector<Edge> inputs, Shapes shapes, std::vector<Array> saved, Rule rule,
+           detail::ResidualOrigins origins = detail::kNoOrigins)
+      : Node(op, std::move(inputs), std::move(shapes)), saved_(std::move(saved)), rule_(std::move(rule)), origins_(origins) {}
   void backward(Cotangents& c) override {
     if (packed_ != nullptr) {
       const std::vector<Array> unpacked = unpack_residuals(*packed_, op());
       (*rule_)(c, Saved(unpacked));
     } else {
       (*rule_)(c, Saved(saved_));
+    }
+  }
+  void backward_differentiable(Cotangents& c, const std::shared_ptr<Node>& self) override {
+    if constexpr (!is_higher_order_v<Rule>) {
+      detail::throw_not_higher_order(op());
+    } else {
+      std::vector<Array> linked = packed_ != nullptr ? unpack_residuals(*packed_, op()) : saved_;
+      detail::relink_residuals(linked, origins_, inputs(), self);
+      (*rule_)(c, Saved(linked));
     }
   }
   void release() override {
@@ -247,6 +335,7 @@ class RuleNode final : public Node {
   std::vector<Array> saved_;
   std::shared_ptr<PackedResiduals> packed_;
   std::optional<Rule> rule_;
+  detail::ResidualOrigins origins_;
 };
 
 // ---- recording ------------------------------------------------------------------------------
@@ -363,13 +452,24 @@ std::vector<Array> backward_to(std::vector<Edge> roots, std::vector<Array> cotan
 // The same, continuing given running sums: the cotangents reaching boundary b are added, in sweep
 // order, to sums[b] (undefined: none yet), which is returned. A checkpoint passes the enclosing
 // sweep's running sums of its inputs' gradients, so they are summed in the plain graph's order.
+//
+// In create-graph mode (`create_graph`, or a sweep started inside a create-graph rule, as a
+// checkpoint's recomputation is) rules run as ops that record, the sums are differentiable
+// functions of the cotangents and of the graph's values, and the graph is kept. With `prune`, only
+// nodes from which a boundary can be reached run: gradients that would flow elsewhere (into an
+// enclosing differentiation's variables) are not computed and not accumulated anywhere.
 std::vector<Array> backward_into(std::vector<Edge> roots, std::vector<Array> cotangents, std::span<const Boundary> boundaries,
-                                 std::vector<Array> sums);
+                                 std::vector<Array> sums, bool create_graph = false, bool prune = false);
 
 // The edges from the graph reachable from `roots` (nodes with id >= first_id) into older nodes:
 // the values a block of ops computed after `first_id` read from outside, deduplicated, in first-seen
 // order. A checkpoint uses it to find its inputs, including arrays its function captured.
 std::vector<Edge> external_inputs(std::span<const Array> roots, std::uint64_t first_id);
+
+// Zeros of g's shape and dtype that stay linked to g's graph (create-graph mode: the gradient of a
+// piecewise-constant op, which must still be a function of the cotangent for the check that every
+// rule built its gradient with ops).
+Array linked_zeros(const Array& g);
 
 // Returns `x` as a new differentiation variable: same data, attached to a fresh LeafNode.
 Array make_leaf(const Array& x);

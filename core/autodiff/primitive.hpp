@@ -25,7 +25,10 @@
 // built-in or user-defined (linum::custom_vjp, core/autodiff/custom_vjp.hpp, builds on this).
 //
 // The forward and the backward rule run with recording off; both may call ops (they are constants
-// then: the primitive is one node).
+// then: the primitive is one node). A rule wrapped in autodiff::higher_order (graph.hpp) can also
+// run in create-graph mode, with recording on, for derivatives of derivatives: the dispatcher notes
+// which residuals are the op's inputs and outputs, and that mode hands them to the rule linked to
+// the graph.
 #pragma once
 
 #include <linum/core/array.hpp>
@@ -101,8 +104,9 @@ std::vector<Edge> edges_of(std::span<const Array* const> inputs);
 // Records the node of a single-output primitive whose output `y` and residuals are known.
 template <class Rule>
 Array finish_primitive(const char* name, std::span<const Array* const> ins, Array y, std::vector<Array> residuals, Rule&& rule) {
+  const ResidualOrigins origins = residual_origins(ins, std::span<const Array>(&y, 1), residuals);
   auto node = std::make_shared<RuleNode<std::decay_t<Rule>>>(name, edges_of(ins), y.shape(), std::move(residuals),
-                                                             std::forward<Rule>(rule));
+                                                             std::forward<Rule>(rule), origins);
   auto* raw = node.get();
   y.set_node(std::move(node), 0);
   if (observed()) [[unlikely]] {
@@ -176,8 +180,9 @@ std::vector<Array> primitive_multi(const char* name, std::span<const Array* cons
   std::vector<Shape> shapes;
   shapes.reserve(ys.size());
   for (const Array& o : ys) shapes.push_back(o.shape());
+  const detail::ResidualOrigins origins = detail::residual_origins(ins, ys, kept.arrays());
   auto node = std::make_shared<RuleNode<std::decay_t<Rule>>>(name, detail::edges_of(ins), std::move(shapes),
-                                                                          std::move(kept.arrays()), std::forward<Rule>(rule));
+                                                                          std::move(kept.arrays()), std::forward<Rule>(rule), origins);
   auto* raw = node.get();
   for (std::size_t i = 0; i < ys.size(); ++i) ys[i].set_node(node, static_cast<std::uint32_t>(i));
   if (detail::observed()) {

@@ -213,8 +213,11 @@ Array zip_kernel(const Array& a, const Array& b, F f) {
 // The backward rule of an elementwise op: f(g, saved) -> gradient, where g is output 0's cotangent.
 // The cotangent is taken from the sweep; when no other array refers to its buffer, the gradient is
 // written into that buffer instead of a new one (one activation-sized buffer less at the peak).
-template <class F>
-Array pointwise_grad(Cotangents& c, const Array& saved, F f) {
+// `with_ops(g, saved)` is the same gradient written with ops, for create-graph mode (the gradient
+// is then differentiated again: saved is the op's input or output, linked to the graph).
+template <class F, class WithOps>
+Array pointwise_grad(Cotangents& c, const Array& saved, F f, WithOps with_ops) {
+  if (autodiff::creating_graph()) return with_ops(c.out(), saved);
   Array g = c.take_out(0);
   if (!g.owns_buffer_alone()) return zip_kernel(g, saved, f);
   zip_into(g, g, saved, f);
@@ -227,6 +230,7 @@ Array scalar(float v) { return Array::scalar(v); }
 // for the backward rule, then the rule.
 using autodiff::Residuals;
 using autodiff::primitive;
+using autodiff::higher_order;
 
 // What an elementwise op keeps for its rule: nothing, its input, or its output.
 enum class Keep { nothing, input, output };
@@ -238,7 +242,7 @@ Array unary_op(const char* op, const Array& x, Keep keep, F f, Rule&& rule) {
     if (keep == Keep::input) r.keep(x);
     else if (keep == Keep::output) r.keep(y);
     return y;
-  }, std::forward<Rule>(rule));
+  }, autodiff::higher_order(std::forward<Rule>(rule)));
 }
 
 }  // namespace
@@ -247,18 +251,18 @@ Array unary_op(const char* op, const Array& x, Keep keep, F f, Rule&& rule) {
 
 Array add(const Array& a, const Array& b) {
   return primitive("add", {&a, &b}, [&](Residuals&) { return binary_kernel(a, b, "add", [](float x, float z) { return x + z; }); },
-                   [sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved) {
+                   higher_order([sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved) {
                      if (c.needs(0)) c.set(0, sum_to(c.out(), sa));
                      if (c.needs(1)) c.set(1, sum_to(c.out(), sb));
-                   });
+                   }));
 }
 
 Array sub(const Array& a, const Array& b) {
   return primitive("sub", {&a, &b}, [&](Residuals&) { return binary_kernel(a, b, "sub", [](float x, float z) { return x - z; }); },
-                   [sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved) {
+                   higher_order([sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved) {
                      if (c.needs(0)) c.set(0, sum_to(c.out(), sa));
                      if (c.needs(1)) c.set(1, neg(sum_to(c.out(), sb)));
-                   });
+                   }));
 }
 
 Array mul(const Array& a, const Array& b) {
@@ -268,10 +272,10 @@ Array mul(const Array& a, const Array& b) {
                      if (r.recording()) r.keep(b.node() ? a : Array(), a.node() ? b : Array());
                      return binary_kernel(a, b, "mul", [](float x, float z) { return x * z; });
                    },
-                   [sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved s) {
+                   higher_order([sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved s) {
                      if (c.needs(0)) c.set(0, sum_to(mul(c.out(), s[1]), sa));
                      if (c.needs(1)) c.set(1, sum_to(mul(c.out(), s[0]), sb));
-                   });
+                   }));
 }
 
 Array div(const Array& a, const Array& b) {
@@ -281,11 +285,11 @@ Array div(const Array& a, const Array& b) {
                      if (r.recording()) r.keep(b, b.node() ? y : Array());
                      return y;
                    },
-                   [sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved s) {
+                   higher_order([sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved s) {
                      Array g_over_b = div(c.out(), s[0]);
                      if (c.needs(0)) c.set(0, sum_to(g_over_b, sa));
                      if (c.needs(1)) c.set(1, sum_to(neg(mul(g_over_b, s[1])), sb));  // -g a / b^2 = -(g/b) y
-                   });
+                   }));
 }
 
 Array pow(const Array& a, const Array& b) {
@@ -295,7 +299,21 @@ Array pow(const Array& a, const Array& b) {
                      r.keep(a, b, y);
                      return y;
                    },
-                   [](Cotangents& c, autodiff::Saved s) {
+                   higher_order([](Cotangents& c, autodiff::Saved s) {
+                     if (autodiff::creating_graph()) {
+                       // The same with ops: d/da = b a^(b-1) (0 where b == 0), d/db = log(a) a^b (0 where a == 0).
+                       const Array zero = Array::zeros({}, s[0].dtype());
+                       if (c.needs(0)) {
+                         Array d = where(equal(s[1], zero), zero, mul(s[1], pow(s[0], sub(s[1], scalar(1.0f)))));
+                         c.set(0, sum_to(mul(c.out(), d), s[0].shape()));
+                       }
+                       if (c.needs(1)) {
+                         const Array is_zero = equal(s[0], zero);
+                         Array loga = where(is_zero, zero, log(where(is_zero, Array::full(Shape{}, 1.0f, s[0].dtype()), s[0])));
+                         c.set(1, sum_to(mul(c.out(), mul(loga, s[2])), s[1].shape()));
+                       }
+                       return;
+                     }
                      if (c.needs(0)) {
                        // d/da a^b = b a^(b-1); b == 0 gives 0 (as JAX).
                        Array d = binary_kernel(s[0], s[1], "pow", [](float x, float z) {
@@ -308,7 +326,7 @@ Array pow(const Array& a, const Array& b) {
                        Array loga = unary_kernel(s[0], "pow", [](const CVec& v) { return (v == 0.0f).select(0.0f, v.log()); });
                        c.set(1, sum_to(mul(c.out(), mul(loga, s[2])), s[1].shape()));
                      }
-                   });
+                   }));
 }
 
 Array pow(const Array& a, float exponent) { return pow(a, scalar(exponent)); }
@@ -322,13 +340,14 @@ Array extremum(const Array& a, const Array& b, const char* op) {
                      r.keep(a, b);
                      return binary_kernel(a, b, op, [](float x, float z) { return kMax ? (x > z ? x : z) : (x < z ? x : z); });
                    },
-                   [op](Cotangents& c, autodiff::Saved s) {
-                     Array share_a = binary_kernel(s[0], s[1], op, [](float x, float z) {
+                   // share_a is piecewise constant in a and b: a constant in create-graph mode too
+                   higher_order([op](Cotangents& c, autodiff::Saved s) {
+                     Array share_a = binary_kernel(s[0].detached(), s[1].detached(), op, [](float x, float z) {
                        return x == z ? 0.5f : ((kMax ? x > z : x < z) ? 1.0f : 0.0f);
                      });
                      if (c.needs(0)) c.set(0, sum_to(mul(c.out(), share_a), s[0].shape()));
                      if (c.needs(1)) c.set(1, sum_to(mul(c.out(), sub(scalar(1.0f), share_a)), s[1].shape()));
-                   });
+                   }));
 }
 }  // namespace
 
@@ -368,25 +387,29 @@ Array log(const Array& x) {
 
 Array log1p(const Array& x) {
   return unary_op("log1p", x, Keep::input, [](const CVec& v) { return v.log1p(); }, [](Cotangents& c, autodiff::Saved s) {
-    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g / (1.0f + v); }));
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g / (1.0f + v); },
+                       [](const Array& g, const Array& v) { return div(g, add(scalar(1.0f), v)); }));
   });
 }
 
 Array sqrt(const Array& x) {
   return unary_op("sqrt", x, Keep::output, [](const CVec& v) { return v.sqrt(); }, [](Cotangents& c, autodiff::Saved s) {
-    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * 0.5f / v; }));
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * 0.5f / v; },
+                       [](const Array& g, const Array& y) { return div(mul(g, scalar(0.5f)), y); }));
   });
 }
 
 Array rsqrt(const Array& x) {  // d/dx x^-1/2 = -1/2 y^3
   return unary_op("rsqrt", x, Keep::output, [](const CVec& v) { return v.rsqrt(); }, [](Cotangents& c, autodiff::Saved s) {
-    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * (-0.5f) * v * v * v; }));
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * (-0.5f) * v * v * v; },
+                       [](const Array& g, const Array& y) { return mul(mul(g, scalar(-0.5f)), mul(y, square(y))); }));
   });
 }
 
 Array square(const Array& x) {
   return unary_op("square", x, Keep::input, [](const CVec& v) { return v.square(); }, [](Cotangents& c, autodiff::Saved s) {
-    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * 2.0f * v; }));
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * 2.0f * v; },
+                       [](const Array& g, const Array& x) { return mul(mul(g, scalar(2.0f)), x); }));
   });
 }
 
@@ -394,7 +417,7 @@ Array abs(const Array& x) {
   return unary_op("abs", x, Keep::input, [](const CVec& v) { return v.abs(); }, [](Cotangents& c, autodiff::Saved s) {
     c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) {
             return g * ((v > 0.0f).cast<float>() - (v < 0.0f).cast<float>());
-          }));
+          }, [](const Array& g, const Array& x) { return mul(g, sign(x)); }));
   });
 }
 
@@ -404,13 +427,15 @@ Array sign(const Array& x) {
 
 Array tanh(const Array& x) {
   return unary_op("tanh", x, Keep::output, [](const CVec& v) { return v.tanh(); }, [](Cotangents& c, autodiff::Saved s) {
-    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * (1.0f - v.square()); }));
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * (1.0f - v.square()); },
+                       [](const Array& g, const Array& y) { return mul(g, sub(scalar(1.0f), square(y))); }));
   });
 }
 
 Array sigmoid(const Array& x) {
   return unary_op("sigmoid", x, Keep::output, [](const CVec& v) { return v.logistic(); }, [](Cotangents& c, autodiff::Saved s) {
-    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * v * (1.0f - v); }));
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * v * (1.0f - v); },
+                       [](const Array& g, const Array& y) { return mul(mul(g, y), sub(scalar(1.0f), y)); }));
   });
 }
 
@@ -422,31 +447,36 @@ constexpr float kInvLn2 = 1.4426950408889634f;
 
 Array sin(const Array& x) {
   return unary_op("sin", x, Keep::input, [](const CVec& v) { return v.sin(); }, [](Cotangents& c, autodiff::Saved s) {
-    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * v.cos(); }));
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * v.cos(); },
+                       [](const Array& g, const Array& x) { return mul(g, cos(x)); }));
   });
 }
 
 Array cos(const Array& x) {
   return unary_op("cos", x, Keep::input, [](const CVec& v) { return v.cos(); }, [](Cotangents& c, autodiff::Saved s) {
-    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return -g * v.sin(); }));
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return -g * v.sin(); },
+                       [](const Array& g, const Array& x) { return neg(mul(g, sin(x))); }));
   });
 }
 
 Array erf(const Array& x) {  // d/dx erf(x) = 2/sqrt(pi) e^(-x^2)
   return unary_op("erf", x, Keep::input, [](const CVec& v) { return v.erf(); }, [](Cotangents& c, autodiff::Saved s) {
-    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * (2.0f * kInvSqrtPi) * (-v.square()).exp(); }));
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * (2.0f * kInvSqrtPi) * (-v.square()).exp(); },
+                       [](const Array& g, const Array& x) { return mul(mul(g, scalar(2.0f * kInvSqrtPi)), exp(neg(square(x)))); }));
   });
 }
 
 Array expm1(const Array& x) {  // d/dx (e^x - 1) = y + 1
   return unary_op("expm1", x, Keep::output, [](const CVec& v) { return v.expm1(); }, [](Cotangents& c, autodiff::Saved s) {
-    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * (v + 1.0f); }));
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * (v + 1.0f); },
+                       [](const Array& g, const Array& y) { return mul(g, add(y, scalar(1.0f))); }));
   });
 }
 
 Array log2(const Array& x) {
   return unary_op("log2", x, Keep::input, [](const CVec& v) { return v.log() * kInvLn2; }, [](Cotangents& c, autodiff::Saved s) {
-    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g / (v * kLn2); }));
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g / (v * kLn2); },
+                       [](const Array& g, const Array& x) { return div(g, mul(x, scalar(kLn2))); }));
   });
 }
 
@@ -454,17 +484,23 @@ Array log2(const Array& x) {
 // policies see it and gradients reaching it stop there with the right shape.
 Array floor(const Array& x) {
   return unary_op("floor", x, Keep::nothing, [](const CVec& v) { return v.floor(); },
-                  [](Cotangents& c, autodiff::Saved) { c.set(0, Array::zeros(c.out().shape(), c.out().dtype())); });
+                  [](Cotangents& c, autodiff::Saved) {
+                    c.set(0, autodiff::creating_graph() ? autodiff::linked_zeros(c.out()) : Array::zeros(c.out().shape(), c.out().dtype()));
+                  });
 }
 
 Array ceil(const Array& x) {
   return unary_op("ceil", x, Keep::nothing, [](const CVec& v) { return v.ceil(); },
-                  [](Cotangents& c, autodiff::Saved) { c.set(0, Array::zeros(c.out().shape(), c.out().dtype())); });
+                  [](Cotangents& c, autodiff::Saved) {
+                    c.set(0, autodiff::creating_graph() ? autodiff::linked_zeros(c.out()) : Array::zeros(c.out().shape(), c.out().dtype()));
+                  });
 }
 
 Array round(const Array& x) {  // nearest, ties to even (the default rounding mode), as jnp.round
   return unary_op("round", x, Keep::nothing, [](const CVec& v) { return v.rint(); },
-                  [](Cotangents& c, autodiff::Saved) { c.set(0, Array::zeros(c.out().shape(), c.out().dtype())); });
+                  [](Cotangents& c, autodiff::Saved) {
+                    c.set(0, autodiff::creating_graph() ? autodiff::linked_zeros(c.out()) : Array::zeros(c.out().shape(), c.out().dtype()));
+                  });
 }
 
 Array clip(const Array& x, float lo, float hi) {
@@ -476,7 +512,10 @@ Array clip(const Array& x, float lo, float hi) {
 
 Array relu(const Array& x) {  // keeps its output: y > 0 exactly where x > 0
   return unary_op("relu", x, Keep::output, [](const CVec& v) { return v.max(0.0f); }, [](Cotangents& c, autodiff::Saved s) {
-    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return (v > 0.0f).select(g, 0.0f); }));
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return (v > 0.0f).select(g, 0.0f); },
+                       [](const Array& g, const Array& y) {  // the mask is piecewise constant
+                         return where(greater(y.detached(), Array::zeros({}, y.dtype())), g, Array::zeros({}, g.dtype()));
+                       }));
   });
 }
 
@@ -496,12 +535,23 @@ Array gelu(const Array& x, bool approximate) {
                               out = (kSqrt2OverPi * (v + kGeluCoeff * v.cube())).tanh();  // t, then the gradient in place
                               out = g * (0.5f * (1.0f + out) +
                                          0.5f * v * (1.0f - out.square()) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCoeff * v.square()));
+                            }, [](const Array& g, const Array& x) {
+                              const Array x2 = square(x);
+                              const Array t = tanh(mul(scalar(kSqrt2OverPi), add(x, mul(scalar(kGeluCoeff), mul(x, x2)))));
+                              const Array d = add(mul(scalar(0.5f), add(scalar(1.0f), t)),
+                                                  mul(mul(mul(scalar(0.5f * kSqrt2OverPi), x), sub(scalar(1.0f), square(t))),
+                                                      add(scalar(1.0f), mul(scalar(3.0f * kGeluCoeff), x2))));
+                              return mul(g, d);
                             }));
                     });
   return unary_op("gelu", x, Keep::input, [](const CVec& v) { return v * ((v * kInvSqrt2).erf() + 1.0f) * 0.5f; },
                   [](Cotangents& c, autodiff::Saved s) {
                     c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) {
                             return g * (0.5f * ((v * kInvSqrt2).erf() + 1.0f) + v * kInvSqrt2Pi * (-0.5f * v.square()).exp());
+                          }, [](const Array& g, const Array& x) {
+                            const Array d = add(mul(scalar(0.5f), add(erf(mul(x, scalar(kInvSqrt2))), scalar(1.0f))),
+                                                mul(mul(x, scalar(kInvSqrt2Pi)), exp(mul(scalar(-0.5f), square(x)))));
+                            return mul(g, d);
                           }));
                   });
 }
@@ -511,6 +561,9 @@ Array silu(const Array& x) {
     c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v, OVec& out) {
             out = v.logistic();  // sigmoid(x), then the gradient in place
             out = g * out * (1.0f + v * (1.0f - out));
+          }, [](const Array& g, const Array& x) {
+            const Array sg = sigmoid(x);
+            return mul(mul(g, sg), add(scalar(1.0f), mul(x, sub(scalar(1.0f), sg))));
           }));
   });
 }
@@ -519,7 +572,8 @@ Array softplus(const Array& x) {
   // log(1 + e^x) computed stably as max(x, 0) + log1p(e^-|x|).
   return unary_op("softplus", x, Keep::input, [](const CVec& v) { return v.max(0.0f) + (-v.abs()).exp().log1p(); },
                   [](Cotangents& c, autodiff::Saved s) {
-                    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * v.logistic(); }));
+                    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * v.logistic(); },
+                       [](const Array& g, const Array& x) { return mul(g, sigmoid(x)); }));
                   });
 }
 
@@ -554,13 +608,19 @@ Array where(const Array& cond, const Array& a, const Array& b) {
                      });
                      return y;
                    },
-                   [sa = a.shape(), sb = b.shape()](Cotangents& ct, autodiff::Saved s) {
+                   higher_order([sa = a.shape(), sb = b.shape()](Cotangents& ct, autodiff::Saved s) {
                      const Array& g = ct.out();
+                     if (autodiff::creating_graph()) {  // the same selection as an op (the mask is a constant)
+                       const Array zero = Array::zeros({}, g.dtype());
+                       if (ct.needs(0)) ct.set(0, sum_to(where(s[0].detached(), g, zero), sa));
+                       if (ct.needs(1)) ct.set(1, sum_to(where(s[0].detached(), zero, g), sb));
+                       return;
+                     }
                      if (ct.needs(0))
                        ct.set(0, sum_to(binary_kernel(g, s[0], "where", [](float v, float m) { return m != 0.0f ? v : 0.0f; }, g.dtype()), sa));
                      if (ct.needs(1))
                        ct.set(1, sum_to(binary_kernel(g, s[0], "where", [](float v, float m) { return m != 0.0f ? 0.0f : v; }, g.dtype()), sb));
-                   });
+                   }));
 }
 
 #define LINUM_COMPARISON(name, expr)                                                          \
@@ -590,7 +650,7 @@ Array astype(const Array& x, DType dtype) {
                        return out;
                      },
                      // the cotangent goes back to the input's dtype
-                     [from = x.dtype()](Cotangents& c, autodiff::Saved) { c.set(0, astype(c.out(), from)); });
+                     higher_order([from = x.dtype()](Cotangents& c, autodiff::Saved) { c.set(0, astype(c.out(), from)); }));
   // int32 <-> float: not differentiable.
   Array out = Array::empty(x.shape(), dtype);
   if (x.dtype() == DType::i32) {

@@ -1,5 +1,7 @@
 #include <linum/core/ops/kernel_util.hpp>
+#include <linum/core/autodiff/graph.hpp>
 #include <linum/core/ops/reduce.hpp>
+#include <linum/core/ops/shape_ops.hpp>
 
 #include <sstream>
 
@@ -49,7 +51,7 @@ Array sum_to(const Array& g, const Shape& target) {
     if (i < lead || (target[i - lead] == 1 && g.shape()[i] != 1)) axes.push_back(i);
   }
   Array s = sum(g, axes, /*keepdims=*/false);
-  return s.with_shape(target);
+  return autodiff::creating_graph() ? reshape(s, target.vec()) : s.with_shape(target);
 }
 
 std::vector<int> normalize_axes(const std::vector<int>& axes, int rank, const char* op) {

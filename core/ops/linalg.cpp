@@ -30,11 +30,18 @@ Array mm(const Array& a, const Array& b, const Shape& out_shape) {
                                if (r.recording()) r.keep(b.node() ? a : Array(), a.node() ? b : Array());
                                return gemm(a, b, false, false).with_shape(out_shape);
                              },
-                             [product](Cotangents& c, autodiff::Saved s) {
+                             autodiff::higher_order([product](Cotangents& c, autodiff::Saved s) {
+                               if (autodiff::creating_graph()) {  // the same products as ops, which record
+                                 const Array g = reshape(c.out(), product.vec());
+                                 const std::vector<int> swap = product.rank() == 3 ? std::vector<int>{0, 2, 1} : std::vector<int>{1, 0};
+                                 if (c.needs(0)) c.set(0, matmul(g, transpose(s[1], swap)));
+                                 if (c.needs(1)) c.set(1, matmul(transpose(s[0], swap), g));
+                                 return;
+                               }
                                const Array g = c.out().with_shape(product);
                                if (c.needs(0)) c.set(0, gemm(g, s[1], false, true));  // dA = G B^T
                                if (c.needs(1)) c.set(1, gemm(s[0], g, true, false));  // dB = A^T G
-                             });
+                             }));
 }
 
 std::string dims_str(const std::vector<int>& v) {

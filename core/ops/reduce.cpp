@@ -170,9 +170,10 @@ Array sum_as(const Array& x, const std::vector<int>& axes_in, bool keepdims, DTy
   const std::vector<int> axes = ops::detail::normalize_axes(axes_in, x.rank(), "sum");
   return primitive("sum", {&x},
                    [&](Residuals&) { return finish(reduce_kernel(x, axes, Reduction::sum, "sum", out_dtype), x.shape(), axes, keepdims); },
-                   [xs = x.shape(), keep = reduced_shape(x.shape(), axes, true)](Cotangents& c, autodiff::Saved) {
+                   autodiff::higher_order([xs = x.shape(), keep = reduced_shape(x.shape(), axes, true)](Cotangents& c, autodiff::Saved) {
+                     if (autodiff::creating_graph()) return c.set(0, broadcast_to(reshape(c.out(), keep.vec()), xs));
                      c.set(0, ops::detail::broadcast_raw(c.out().with_shape(keep), xs));  // the sweep casts it to x's dtype
-                   });
+                   }));
 }
 }  // namespace
 
@@ -202,13 +203,14 @@ Array max(const Array& x, const std::vector<int>& axes_in, bool keepdims) {
                      r.keep(x, keep);  // keep: the keepdims-shaped maximum (an internal residual unless keepdims)
                      return finish(keep, x.shape(), axes, keepdims);
                    },
-                   [axes](Cotangents& c, autodiff::Saved s) {
+                   // Which elements hold the maximum is piecewise constant: the rule is linear in the cotangent.
+                   autodiff::higher_order([axes](Cotangents& c, autodiff::Saved s) {
                      // Share the cotangent equally among the elements equal to the maximum.
-                     Array hit = equal(s[0], s[1]);
+                     Array hit = equal(s[0].detached(), s[1].detached());
                      Array count = reduce_kernel(hit, axes, Reduction::sum, "max");
-                     Array share = div(c.out().with_shape(s[1].shape()), count);
-                     c.set(0, mul(hit, share));
-                   });
+                     Array g = autodiff::creating_graph() ? reshape(c.out(), s[1].shape().vec()) : c.out().with_shape(s[1].shape());
+                     c.set(0, mul(hit, div(g, count)));
+                   }));
 }
 Array max(const Array& x) { return max(x, all_axes(x.rank()), false); }
 

@@ -90,6 +90,35 @@ std::string vec_str(const std::vector<std::int64_t>& v) {
   return s + "]";
 }
 
+// A strided gather (out[idx] = x[base + idx . s]) and the scatter into zeros that is its transpose,
+// as primitives whose rules are each other: slice and dilate are these, and create-graph mode
+// differentiates them to any order.
+Array scatter_op(const char* op, const Array& x, const Shape& out, const Strides& s, std::int64_t base);
+
+Array gather_op(const char* op, const Array& x, const Shape& out, const Strides& s, std::int64_t base) {
+  return primitive(op, {&x}, [&](Residuals&) { return gather(x, out, s, base); },
+                   autodiff::higher_order([xshape = x.shape(), s, base](Cotangents& c, autodiff::Saved) {
+                     if (autodiff::creating_graph()) return c.set(0, scatter_op("pad", c.out(), xshape, s, base));
+                     Array g = Array::zeros(xshape, c.out().dtype());
+                     strided_scatter(g, c.out(), s, base);
+                     c.set(0, g);
+                   }));
+}
+
+Array scatter_op(const char* op, const Array& x, const Shape& out, const Strides& s, std::int64_t base) {
+  return primitive(op, {&x},
+                   [&](Residuals&) {
+                     Array y = Array::zeros(out, x.dtype());
+                     if (x.numel() > 0) strided_scatter(y, x, s, base);
+                     return y;
+                   },
+                   autodiff::higher_order([xshape = x.shape(), s, base](Cotangents& c, autodiff::Saved) {
+                     // the cotangent at the elements x was placed on
+                     if (autodiff::creating_graph()) return c.set(0, gather_op("slice", c.out(), xshape, s, base));
+                     c.set(0, gather(c.out(), xshape, s, base));
+                   }));
+}
+
 }  // namespace
 
 Array ops::detail::broadcast_raw(const Array& x, const Shape& shape) {
@@ -134,7 +163,9 @@ Array reshape(const Array& x, const std::vector<std::int64_t>& dims) {
     throw ShapeError(detail::cat("reshape: cannot reshape ", x.shape(), " (", x.numel(), " elements) to ", target,
                                  " (", target.numel(), " elements)"));
   return primitive("reshape", {&x}, [&](Residuals&) { return x.with_shape(target); },
-                   [xs = x.shape()](Cotangents& c, autodiff::Saved) { c.set(0, c.out().with_shape(xs)); });
+                   autodiff::higher_order([xs = x.shape()](Cotangents& c, autodiff::Saved) {
+                     c.set(0, autodiff::creating_graph() ? reshape(c.out(), xs.vec()) : c.out().with_shape(xs));
+                   }));
 }
 
 Array transpose(const Array& x, const std::vector<int>& perm_in) {
@@ -163,7 +194,7 @@ Array transpose(const Array& x, const std::vector<int>& perm_in) {
   std::vector<int> inverse(perm.size());
   for (std::size_t i = 0; i < perm.size(); ++i) inverse[static_cast<std::size_t>(perm[i])] = static_cast<int>(i);
   return primitive("transpose", {&x}, [&](Residuals&) { return gather(x, out, s, 0); },
-                   [inverse = std::move(inverse)](Cotangents& c, autodiff::Saved) { c.set(0, transpose(c.out(), inverse)); });
+                   autodiff::higher_order([inverse = std::move(inverse)](Cotangents& c, autodiff::Saved) { c.set(0, transpose(c.out(), inverse)); }));
 }
 
 Array slice(const Array& x, const std::vector<std::int64_t>& starts, const std::vector<std::int64_t>& limits,
@@ -190,12 +221,7 @@ Array slice(const Array& x, const std::vector<std::int64_t>& starts, const std::
     s[i] = xs[i] * sp;
     base += st * xs[i];
   }
-  return primitive("slice", {&x}, [&](Residuals&) { return gather(x, out, s, base); },
-                   [xshape = x.shape(), s, base](Cotangents& c, autodiff::Saved) {
-                     Array g = Array::zeros(xshape, c.out().dtype());
-                     strided_scatter(g, c.out(), s, base);
-                     c.set(0, g);
-                   });
+  return gather_op("slice", x, out, s, base);
 }
 
 Array slice_axis(const Array& x, int axis_in, std::int64_t start, std::int64_t limit) {
@@ -252,13 +278,13 @@ Array concatenate(const std::vector<Array>& xs, int axis_in) {
         }
         return std::vector<Array>{std::move(y)};
       },
-      [sizes = std::move(sizes), axis](Cotangents& c, autodiff::Saved) {
+      autodiff::higher_order([sizes = std::move(sizes), axis](Cotangents& c, autodiff::Saved) {
         std::int64_t start = 0;
         for (std::size_t i = 0; i < sizes.size(); ++i) {
           if (c.needs(i)) c.set(i, slice_axis(c.out(), axis, start, start + sizes[i]));
           start += sizes[i];
         }
-      });
+      }));
   return std::move(ys[0]);
 }
 
@@ -309,7 +335,18 @@ std::vector<Array> unstack(const Array& x) {
         }
         return parts;
       },
-      [xs = x.shape(), bytes](Cotangents& c, autodiff::Saved) {
+      autodiff::higher_order([xs = x.shape(), bytes](Cotangents& c, autodiff::Saved) {
+        if (autodiff::creating_graph()) {  // the cotangents stacked again, zeros for the parts that got none
+          DType t = DType::f32;
+          for (std::size_t i = 0; i < c.num_outputs(); ++i)
+            if (c.out(i).defined()) t = c.out(i).dtype();
+          Shape part;
+          for (int i = 1; i < xs.rank(); ++i) part.push_back(xs[i]);
+          std::vector<Array> parts;
+          for (std::size_t i = 0; i < c.num_outputs(); ++i)
+            parts.push_back(c.out(i).defined() ? astype(c.out(i), t) : Array::zeros(part, t));
+          return c.set(0, stack(parts));
+        }
         Array g = Array::zeros(xs, c.out(0).defined() ? c.out(0).dtype() : DType::f32);
         for (std::size_t i = 0; i < c.num_outputs(); ++i)
           if (c.out(i).defined()) {
@@ -317,7 +354,7 @@ std::vector<Array> unstack(const Array& x) {
             std::memcpy(static_cast<char*>(g.mutable_raw()) + i * bytes, gi.raw(), bytes);
           }
         c.set(0, g);
-      });
+      }));
 }
 
 Array stack(const std::vector<Array>& xs) {
@@ -327,6 +364,10 @@ Array stack(const std::vector<Array>& xs) {
   for (const Array& a : xs) expanded.push_back(expand_dims(a, 0));
   return concatenate(expanded, 0);
 }
+
+namespace {
+Array take_add(const Array& g, const Array& indices, const Shape& xshape, int axis);
+}  // namespace
 
 Array take(const Array& x, const Array& indices, int axis_in) {
   ops::detail::require_defined(x, "take");
@@ -360,7 +401,8 @@ Array take(const Array& x, const Array& indices, int axis_in) {
                                      px + (o * n + pi[k]) * static_cast<std::int64_t>(row), row);
                      return y;
                    },
-                   [xshape = x.shape(), outer, inner, n](Cotangents& c, autodiff::Saved s) {
+                   autodiff::higher_order([xshape = x.shape(), outer, inner, n, axis](Cotangents& c, autodiff::Saved s) {
+                     if (autodiff::creating_graph()) return c.set(0, take_add(c.out(), s[0].detached(), xshape, axis));
                      Array g = Array::zeros(xshape);  // accumulated in float32; the sweep rounds it to x's dtype
                      float* pg = g.mutable_data();
                      const Array co = astype(c.out(), DType::f32);
@@ -374,8 +416,37 @@ Array take(const Array& x, const Array& indices, int axis_in) {
                          for (std::int64_t j = 0; j < inner; ++j) dst[j] += src[j];
                        }
                      c.set(0, g);
-                   });
+                   }));
 }
+
+namespace {
+// The transpose of take, as a primitive (create-graph mode): rows of g added into zeros of
+// `xshape` at `indices` along `axis`; its rule is take.
+Array take_add(const Array& g, const Array& indices, const Shape& xshape, int axis) {
+  std::int64_t outer = 1, inner = 1;
+  for (int i = 0; i < axis; ++i) outer *= xshape[i];
+  for (int i = axis + 1; i < xshape.rank(); ++i) inner *= xshape[i];
+  const std::int64_t n = xshape[axis];
+  return primitive("take_add", {&g, &indices},
+                   [&](Residuals& r) {
+                     r.keep(indices);
+                     Array out = Array::zeros(xshape);
+                     float* po = out.mutable_data();
+                     const Array co = astype(g, DType::f32);
+                     const float* pc = co.data();
+                     const std::int32_t* ix = indices.data_i32();
+                     const std::int64_t m = indices.numel();
+                     for (std::int64_t o = 0; o < outer; ++o)
+                       for (std::int64_t k = 0; k < m; ++k) {
+                         float* dst = po + (o * n + ix[k]) * inner;
+                         const float* src = pc + (o * m + k) * inner;
+                         for (std::int64_t j = 0; j < inner; ++j) dst[j] += src[j];
+                       }
+                     return out;
+                   },
+                   autodiff::higher_order([axis](Cotangents& c, autodiff::Saved s) { c.set(0, take(c.out(), s[0].detached(), axis)); }));
+}
+}  // namespace
 
 Array one_hot(const Array& indices, std::int64_t num_classes) {
   ops::detail::require_defined(indices, "one_hot");
@@ -396,7 +467,7 @@ Array one_hot(const Array& indices, std::int64_t num_classes) {
 Array broadcast_to(const Array& x, const Shape& shape) {
   ops::detail::require_defined(x, "broadcast_to");
   return primitive("broadcast_to", {&x}, [&](Residuals&) { return ops::detail::broadcast_raw(x, shape); },
-                   [xs = x.shape()](Cotangents& c, autodiff::Saved) { c.set(0, ops::detail::sum_to(c.out(), xs)); });
+                   autodiff::higher_order([xs = x.shape()](Cotangents& c, autodiff::Saved) { c.set(0, ops::detail::sum_to(c.out(), xs)); }));
 }
 
 Array expand_dims(const Array& x, int axis) {
@@ -434,9 +505,9 @@ Array flip(const Array& x, const std::vector<int>& axes_in) {
     if (flipped && x.shape()[i] > 0) base += (x.shape()[i] - 1) * xs[i];
   }
   return primitive("flip", {&x}, [&](Residuals&) { return gather(x, x.shape(), s, base); },
-                   [axes](Cotangents& c, autodiff::Saved) {
+                   autodiff::higher_order([axes](Cotangents& c, autodiff::Saved) {
                      c.set(0, flip(c.out(), std::vector<int>(axes.begin(), axes.end())));  // its own inverse
-                   });
+                   }));
 }
 
 Array dilate(const Array& x, const std::vector<std::int64_t>& factors) {
@@ -454,15 +525,7 @@ Array dilate(const Array& x, const std::vector<std::int64_t>& factors) {
   Strides s{};
   const auto ys = out.strides();
   for (int i = 0; i < x.rank(); ++i) s[i] = ys[i] * factors[static_cast<std::size_t>(i)];
-  return primitive("dilate", {&x},
-                   [&](Residuals&) {
-                     Array y = Array::zeros(out, x.dtype());
-                     if (x.numel() > 0) strided_scatter(y, x, s, 0);
-                     return y;
-                   },
-                   [xshape = x.shape(), s](Cotangents& c, autodiff::Saved) {
-                     c.set(0, gather(c.out(), xshape, s, 0));  // the cotangent at the elements x was placed on
-                   });
+  return scatter_op("dilate", x, out, s, 0);
 }
 
 namespace {

@@ -93,7 +93,11 @@ Array softmax(const Array& x, const std::vector<int>& axes) {
                                  r.keep(y);
                                  return y;
                                },
-                               [](Cotangents& c, autodiff::Saved s) { c.set(0, last_axis_backward(s[0], c.out(), false)); });
+                               autodiff::higher_order([](Cotangents& c, autodiff::Saved s) {
+                                 if (!autodiff::creating_graph()) return c.set(0, last_axis_backward(s[0], c.out(), false));
+                                 Array gy = mul(c.out(), s[0]);  // create-graph mode: y (g - sum(g y)) with ops
+                                 c.set(0, sub(gy, mul(s[0], sum(gy, {-1}, true))));
+                               }));
   return autodiff::primitive("softmax", {&x},
                              [&](autodiff::Residuals& r) {
                                autodiff::NoGradGuard no_grad;  // computed in float32, rounded once to x's dtype; only y is kept
@@ -103,11 +107,11 @@ Array softmax(const Array& x, const std::vector<int>& axes) {
                                r.keep(y);
                                return y;
                              },
-                             [axes](Cotangents& c, autodiff::Saved s) {
+                             autodiff::higher_order([axes](Cotangents& c, autodiff::Saved s) {
                                // dx = y * (g - sum(g * y))
                                Array gy = mul(c.out(), s[0]);
                                c.set(0, sub(gy, mul(s[0], sum(gy, axes, true))));
-                             });
+                             }));
 }
 
 Array log_softmax(const Array& x, const std::vector<int>& axes) {
@@ -119,7 +123,10 @@ Array log_softmax(const Array& x, const std::vector<int>& axes) {
                                  r.keep(y);
                                  return y;
                                },
-                               [](Cotangents& c, autodiff::Saved s) { c.set(0, last_axis_backward(s[0], c.out(), true)); });
+                               autodiff::higher_order([](Cotangents& c, autodiff::Saved s) {
+                                 if (!autodiff::creating_graph()) return c.set(0, last_axis_backward(s[0], c.out(), true));
+                                 c.set(0, sub(c.out(), mul(exp(s[0]), sum(c.out(), {-1}, true))));  // g - exp(y) sum(g)
+                               }));
   return autodiff::primitive("log_softmax", {&x},
                              [&](autodiff::Residuals& r) {
                                autodiff::NoGradGuard no_grad;  // computed in float32, rounded once to x's dtype
@@ -129,10 +136,10 @@ Array log_softmax(const Array& x, const std::vector<int>& axes) {
                                r.keep(y);
                                return y;
                              },
-                             [axes](Cotangents& c, autodiff::Saved s) {
+                             autodiff::higher_order([axes](Cotangents& c, autodiff::Saved s) {
                                // dx = g - exp(y) * sum(g)
                                c.set(0, sub(c.out(), mul(exp(s[0]), sum(c.out(), axes, true))));
-                             });
+                             }));
 }
 
 }  // namespace linum
