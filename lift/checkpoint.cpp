@@ -399,8 +399,24 @@ class CheckpointNode final : public Node {
         fingerprints_(std::move(fingerprints)),
         held_(std::move(held)) {}
 
+  // Create-graph mode: the same recomputation, its block differentiated in create-graph mode (the
+  // sweep below inherits it): the input cotangents are functions of the recomputed block, whose
+  // graph reaches the checkpoint's inputs, so they are differentiated again like the plain graph's.
+  void backward_differentiable(autodiff::Cotangents& c, const std::shared_ptr<Node>&) override { backward(c); }
+
+  // Once its block was recomputed in create-graph mode, the node stands for the recomputed outputs:
+  // later sweeps (the outer differentiation) run the recomputed block, whose values the create-graph
+  // gradient already reads, instead of recomputing it again. Its cotangents then add up at the same
+  // values as in the plain graph, in the same order (the recomputed nodes reuse the block's ids), so
+  // second derivatives are bitwise the plain ones.
+  const autodiff::Edge* forward_edge(std::uint32_t output) const override {
+    return output < recomputed_.size() ? &recomputed_[output] : nullptr;
+  }
+  void set_block_ids(std::uint64_t first) { block_first_id_ = first; }
+
   void backward(autodiff::Cotangents& c) override {
     g_stats.recomputations.fetch_add(1, std::memory_order_relaxed);
+    const bool create = autodiff::creating_graph();
     if (packed_ != nullptr) {  // values saved-value hooks took: back to the replay
       std::vector<Array> back = unpack_residuals(*packed_, "checkpoint");
       for (std::size_t i = 0; i < back.size(); ++i) saved_[packed_at_[i]].value = storage::StoredArray(std::move(back[i]));
@@ -411,11 +427,16 @@ class CheckpointNode final : public Node {
     if (arguments_) arguments_->put_back(read_inputs());
     std::vector<Array> outs;
     // Dead ops are left out unless verify mode or debug checks want to see every value.
-    bool leave_out = !verify_ && !linum::detail::debug_checks_on() && std::find(dead_.begin(), dead_.end(), true) != dead_.end();
+    // (In create-graph mode every op runs: the differentiable rules read their ops' outputs.)
+    bool leave_out = !create && !verify_ && !linum::detail::debug_checks_on() &&
+                     std::find(dead_.begin(), dead_.end(), true) != dead_.end();
     for (;;) {
       ReplayRegion region(saved_, leave_out ? &dead_ : nullptr, verify_ ? &prints_ : nullptr, recipes_, where_);
       linum::detail::PhaseScope phase(linum::detail::Phase::recomputation);
       autodiff::EnableGradGuard recording;
+      autodiff::CreateGraphScope forward(false);  // the recomputation is a forward pass
+      std::optional<autodiff::ReuseIdsScope> ids;
+      if (create) ids.emplace(block_first_id_, id());
       outs = recompute_();
       region.check_complete();
       if (!leave_out || !region.read_a_left_out_value()) break;
@@ -434,6 +455,11 @@ class CheckpointNode final : public Node {
           throw_differs(where_, linum::detail::cat("output ", i, " of shape ", outs[i].shape(), " has different values"));
     // Only the recomputed outputs' graph nodes are needed, not their values: dropping the values
     // (and taking the incoming cotangents) frees them before the recomputed block is differentiated.
+    if (create) {
+      recomputed_.clear();
+      for (const Array& o : outs) recomputed_.push_back(autodiff::Edge{o.node(), o.output_index()});
+      forwards_ = true;
+    }
     std::vector<autodiff::Edge> roots;
     std::vector<Array> cts;
     for (std::size_t i = 0; i < outs.size(); ++i) {
@@ -462,7 +488,7 @@ class CheckpointNode final : public Node {
       sums[k] = c.accumulator(k);
       if (sums[k] != nullptr) running[k] = std::exchange(*sums[k], Array());
     }
-    running = autodiff::backward_into(std::move(roots), std::move(cts), boundaries, std::move(running));
+    running = autodiff::backward_into(std::move(roots), std::move(cts), boundaries, std::move(running), create);
     for (std::size_t k = 0; k < running.size(); ++k) {
       if (sums[k] != nullptr) *sums[k] = std::move(running[k]);
       else if (c.needs(k) && running[k].defined()) c.set(k, std::move(running[k]));
@@ -547,6 +573,8 @@ class CheckpointNode final : public Node {
   };
   std::vector<OffloadedInput> offloaded_inputs_;
   std::shared_ptr<pytree::StoredArguments> arguments_;
+  std::uint64_t block_first_id_ = 0;          // the block's ops had ids [block_first_id_, id()) in the forward pass
+  std::vector<autodiff::Edge> recomputed_;    // create-graph mode: the recomputed outputs this node stands for
 
   std::vector<Array> read_inputs() const {
     std::vector<Array> back(offloaded_inputs_.size());
@@ -667,6 +695,7 @@ std::vector<Array> run_checkpointed(const Thunk& forward, Thunk recompute, const
     outs[i] = outs[i].detached();  // drops the block's own graph: its intermediates are freed here
     if (is_floating(outs[i].dtype())) outs[i].set_node(node, static_cast<std::uint32_t>(i));
   }
+  node->set_block_ids(first);
   if (arguments && options.policy.offloads_inputs()) node->offload_inputs(std::move(arguments));
   if (autodiff::detail::SavedValueHooksStack::innermost() != nullptr) node->pack_residuals(nullptr);
   if (autodiff::detail::record_hooks_active())

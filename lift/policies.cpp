@@ -156,6 +156,7 @@ class NamedNode final : public autodiff::Node {
   NamedNode(std::vector<autodiff::Edge> in, Shape shape, std::string name)
       : Node(ops::kind::checkpoint_name, std::move(in), std::move(shape)), name_(std::move(name)) {}
   void backward(autodiff::Cotangents& c) override { c.set(0, c.out()); }
+  void backward_differentiable(autodiff::Cotangents& c, const std::shared_ptr<Node>&) override { c.set(0, c.out()); }
   std::string_view label() const override { return name_; }
 
  private:

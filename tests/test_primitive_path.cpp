@@ -9,6 +9,7 @@
 #include <linum/linum.hpp>
 
 #include "testing/gradcheck.hpp"
+#include "testing/op_cases.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -17,6 +18,8 @@
 
 using namespace linum;
 using linum::testing::random_array;
+using linum::testing::swish;
+using Case = linum::testing::OpCase;
 
 namespace {
 
@@ -26,112 +29,6 @@ float max_abs(const Array& a) {
   return m;
 }
 float max_abs_diff(const Array& a, const Array& b) { return max_abs(astype(a, DType::f32) - astype(b, DType::f32)); }
-
-// x * sigmoid(x) with its own backward rule: residuals are its input and an array only its
-// forward makes (sigmoid(x)).
-Array swish(const Array& x) {
-  static const auto op = custom_vjp(
-      "swish",
-      [](const Array& a) {
-        Array s = sigmoid(a);
-        return std::make_pair(a * s, std::make_tuple(a, s));
-      },
-      [](const std::tuple<Array, Array>& res, const Array& g) {
-        const auto& [a, s] = res;
-        return g * s * (1.0f + a * (1.0f - s));
-      });
-  return op(x);
-}
-
-// One op family's representative: `op` is the name its primitive records; the block computes
-// op(x * 1.5, w). `input_left_out`: the op's rule does not keep its input, so when the policy saves
-// the op's output, the product feeding it (whose rule keeps only the constant) is read by nothing
-// in the replay and is left out.
-struct Case {
-  const char* family;
-  const char* op;
-  Shape x_shape, w_shape;
-  std::function<Array(const Array& z, const Array& w)> apply;
-  bool input_left_out;
-};
-
-std::vector<Case> cases() {
-  return {
-      {"elementwise", "add", {4, 6}, {6}, [](const Array& z, const Array& w) { return add(z, w); }, true},
-      {"elementwise", "div", {4, 6}, {6}, [](const Array& z, const Array& w) { return z / (w * w + 1.0f); }, true},
-      {"elementwise", "mul", {4, 6}, {6}, [](const Array& z, const Array& w) { return z * w; }, false},
-      {"elementwise", "maximum", {4, 6}, {6}, [](const Array& z, const Array& w) { return maximum(z, w); }, false},
-      {"elementwise", "where", {4, 6}, {6}, [](const Array& z, const Array& w) {
-         return where(greater(w, Array::scalar(0.0f)), z, w);
-       }, true},
-      {"elementwise", "sub", {4, 6}, {6}, [](const Array& z, const Array& w) { return sub(z, w); }, true},
-      {"elementwise", "neg", {4, 6}, {6}, [](const Array& z, const Array& w) { return neg(z) * w; }, true},
-      {"elementwise", "minimum", {4, 6}, {6}, [](const Array& z, const Array& w) { return minimum(z, w); }, false},
-      {"elementwise", "pow", {4, 6}, {6}, [](const Array& z, const Array& w) { return pow(square(z) + 1.0f, w); }, false},
-      {"math", "exp", {4, 6}, {6}, [](const Array& z, const Array& w) { return exp(z) * w; }, true},
-      {"math", "log", {4, 6}, {6}, [](const Array& z, const Array& w) { return log(square(z) + 1.0f) * w; }, false},
-      {"math", "log1p", {4, 6}, {6}, [](const Array& z, const Array& w) { return log1p(square(z)) * w; }, false},
-      {"math", "sqrt", {4, 6}, {6}, [](const Array& z, const Array& w) { return sqrt(square(z) + 1.0f) * w; }, true},
-      {"math", "rsqrt", {4, 6}, {6}, [](const Array& z, const Array& w) { return rsqrt(square(z) + 1.0f) * w; }, true},
-      {"math", "square", {4, 6}, {6}, [](const Array& z, const Array& w) { return square(z) * w; }, false},
-      {"math", "abs", {4, 6}, {6}, [](const Array& z, const Array& w) { return abs(z) * w; }, false},
-      {"math", "cos", {4, 6}, {6}, [](const Array& z, const Array& w) { return cos(z) * w; }, false},
-      {"rounding", "ceil", {4, 6}, {6}, [](const Array& z, const Array& w) { return ceil(z * 3.0f) * w; }, true},
-      {"activation", "silu", {4, 6}, {6}, [](const Array& z, const Array& w) { return silu(z) * w; }, false},
-      {"activation", "softplus", {4, 6}, {6}, [](const Array& z, const Array& w) { return softplus(z) * w; }, false},
-      {"activation", "gelu", {4, 6}, {6}, [](const Array& z, const Array& w) { return gelu(z, /*approximate=*/false) * w; }, false},
-      {"data movement", "dilate", {4, 6}, {4, 11}, [](const Array& z, const Array& w) { return dilate(z, {1, 2}) * w; }, true},
-      {"activation", "relu", {4, 6}, {6}, [](const Array& z, const Array& w) { return relu(z - 1.5f) * w; }, true},
-      {"activation", "tanh", {4, 6}, {6}, [](const Array& z, const Array& w) { return tanh(z) * w; }, true},
-      {"math", "sin", {4, 6}, {6}, [](const Array& z, const Array& w) { return sin(z) * w; }, false},
-      {"math", "erf", {4, 6}, {6}, [](const Array& z, const Array& w) { return erf(z) * w; }, false},
-      {"math", "expm1", {4, 6}, {6}, [](const Array& z, const Array& w) { return expm1(z) * w; }, true},
-      {"math", "log2", {4, 6}, {6}, [](const Array& z, const Array& w) { return log2(square(z) + 1.0f) * w; }, false},
-      {"rounding", "floor", {4, 6}, {6}, [](const Array& z, const Array& w) { return floor(z) * w + z; }, false},
-      {"rounding", "round", {4, 6}, {6}, [](const Array& z, const Array& w) { return round(z * 3.0f) * w; }, true},
-      {"activation", "gelu", {4, 6}, {6}, [](const Array& z, const Array& w) { return gelu(z) * w; }, false},
-      {"activation", "sigmoid", {4, 6}, {6}, [](const Array& z, const Array& w) { return sigmoid(z) * w; }, true},
-      {"softmax family", "softmax", {4, 6}, {6}, [](const Array& z, const Array& w) { return softmax(z) * w; }, true},
-      {"softmax family", "log_softmax", {4, 6}, {6}, [](const Array& z, const Array& w) { return log_softmax(z) * w; }, true},
-      {"softmax family", "softmax", {2, 3, 4}, {4}, [](const Array& z, const Array& w) { return softmax(z, {0, 1}) * w; }, true},
-      {"attention", "attention", {2, 5, 2, 4}, {2, 5, 2, 4}, [](const Array& z, const Array& w) {
-         return scaled_dot_product_attention(z, w, w);
-       }, false},
-      {"normalization", "layer_norm", {4, 6}, {6}, [](const Array& z, const Array& w) {
-         return layer_norm(z, w, Array::zeros(Shape{6}));
-       }, false},
-      {"normalization", "rms_norm", {4, 6}, {6}, [](const Array& z, const Array& w) { return rms_norm(z, w); }, false},
-      {"reduction", "sum", {4, 6}, {6}, [](const Array& z, const Array& w) { return sum(z, {0}) * w; }, true},
-      {"reduction", "max", {4, 6}, {6}, [](const Array& z, const Array& w) { return max(z, {0}) * w; }, false},
-      {"data movement", "reshape", {4, 6}, {3, 8}, [](const Array& z, const Array& w) { return reshape(z, {3, 8}) * w; }, true},
-      {"data movement", "transpose", {4, 6}, {6, 4}, [](const Array& z, const Array& w) { return transpose(z) * w; }, true},
-      {"data movement", "slice", {4, 6}, {2, 6}, [](const Array& z, const Array& w) { return slice(z, {1, 0}, {3, 6}) * w; }, true},
-      {"data movement", "concatenate", {4, 6}, {4, 6}, [](const Array& z, const Array& w) { return concatenate({z, w}, 0); }, true},
-      {"data movement", "take", {4, 6}, {3, 6}, [](const Array& z, const Array& w) {
-         return take(z, Array::from_i32(Shape{3}, {2, 0, 2}), 0) * w;
-       }, true},
-      {"data movement", "broadcast_to", {1, 6}, {4, 6}, [](const Array& z, const Array& w) {
-         return broadcast_to(z, Shape{4, 6}) * w;
-       }, true},
-      {"data movement", "flip", {4, 6}, {4, 6}, [](const Array& z, const Array& w) { return flip(z, {1}) * w; }, true},
-      {"data movement", "unstack", {3, 6}, {6}, [](const Array& z, const Array& w) {
-         std::vector<Array> rows = unstack(z);
-         return rows[0] * w + rows[2];
-       }, true},
-      {"product", "matmul", {4, 6}, {6, 5}, [](const Array& z, const Array& w) { return matmul(z, w); }, false},
-      {"product", "batched_matmul", {2, 4, 6}, {2, 6, 3}, [](const Array& z, const Array& w) { return matmul(z, w); }, false},
-      {"convolution", "conv2d", {2, 5, 5, 3}, {3, 3, 3, 4}, [](const Array& z, const Array& w) { return conv2d(z, w); }, false},
-      {"pooling", "avg_pool", {2, 4, 4, 3}, {3}, [](const Array& z, const Array& w) {
-         return avg_pool(z, {.window = {2, 2}, .strides = {2, 2}}) * w;
-       }, true},
-      {"pooling", "max_pool", {2, 4, 4, 3}, {3}, [](const Array& z, const Array& w) {
-         return max_pool(z, {.window = {2, 2}, .strides = {2, 2}}) * w;
-       }, true},
-      {"cast", "astype", {4, 6}, {6}, [](const Array& z, const Array& w) { return astype(z, DType::bf16) * w; }, true},
-      {"user-defined", "swish", {4, 6}, {6}, [](const Array& z, const Array& w) { return swish(z) * w; }, false},
-      {"named", "checkpoint_name", {4, 6}, {6}, [](const Array& z, const Array& w) { return checkpoint_name(z, "z") * w; }, true},
-  };
-}
 
 lift::Policy saving_op(const std::string& op) {
   return lift::Policy("save " + op, [op](const lift::OpInfo& info) { return info.op == op; });
@@ -157,7 +54,7 @@ Run run_case(const Case& c, const std::optional<lift::Policy>& policy, bool veri
 }  // namespace
 
 TEST_CASE("every op family: a saved output is not computed again, what feeds only it is left out, gradients are bitwise") {
-  for (const Case& c : cases()) {
+  for (const Case& c : linum::testing::op_cases()) {
     const std::string family = c.family, op = c.op;
     CAPTURE(family);
     CAPTURE(op);
@@ -186,7 +83,7 @@ TEST_CASE("every op family: a saved output is not computed again, what feeds onl
 }
 
 TEST_CASE("every op family in bfloat16: saved outputs replayed, gradients bitwise") {
-  for (const Case& c : cases()) {
+  for (const Case& c : linum::testing::op_cases()) {
     const std::string op = c.op;
     CAPTURE(op);
     auto bf16_case = c;

@@ -39,6 +39,17 @@ struct SweepAccess {
 
 namespace {
 
+// The edge a sweep follows for `e`: through nodes that forward their outputs (Node::forwards).
+const Edge& resolved(const Edge& e) {
+  const Edge* r = &e;
+  while (r->node != nullptr && r->node->forwards()) [[unlikely]] {
+    const Edge* next = r->node->forward_edge(r->index);
+    if (next == nullptr) break;
+    r = next;
+  }
+  return *r;
+}
+
 std::atomic<std::uint64_t> g_sweep_counter{0};
 std::atomic<std::uint64_t> g_node_counter{1};
 
@@ -120,16 +131,17 @@ template <class Stop>
 std::vector<std::shared_ptr<Node>> topological_order(std::span<const Array> roots, std::uint64_t mark, Stop stop) {
   std::vector<std::shared_ptr<Node>> order;
   std::vector<std::pair<std::shared_ptr<Node>, std::size_t>> stack;
-  for (const Array& r : roots) {
-    if (r.node() == nullptr || SweepAccess::mark(r.node().get()) == mark || stop(r.node().get())) continue;
-    SweepAccess::mark(r.node().get()) = mark;
-    stack.emplace_back(r.node(), 0);
+  for (const Array& root : roots) {
+    const Edge r = resolved(Edge{root.node(), root.output_index()});
+    if (r.node == nullptr || SweepAccess::mark(r.node.get()) == mark || stop(r.node.get())) continue;
+    SweepAccess::mark(r.node.get()) = mark;
+    stack.emplace_back(r.node, 0);
     while (!stack.empty()) {
       Node* node = stack.back().first.get();
       std::size_t& next = stack.back().second;
       auto& inputs = SweepAccess::inputs(node);
       if (next < inputs.size()) {
-        const Edge& e = inputs[next++];
+        const Edge& e = resolved(inputs[next++]);
         Node* child = e.node.get();
         if (child != nullptr && SweepAccess::mark(child) != mark && !stop(child)) {
           if (child->released()) throw_released(child);
@@ -188,7 +200,7 @@ void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, con
       // Each cotangent goes to its input's node (or out through a boundary).
       for (std::size_t k = 0; k < inputs.size(); ++k) {
         Array g = std::move(in_grads[k]);
-        const Edge& e = inputs[k];
+        const Edge& e = resolved(inputs[k]);
         if (e.node == nullptr || !g.defined()) continue;
         if (linum::detail::debug_checks_on()) linum::detail::check_finite(g, node->op(), static_cast<int>(k), {});
         Node* target = e.node.get();
@@ -231,7 +243,8 @@ void seed(std::span<const Array> roots, std::span<const Array> cotangents) {
   if (roots.size() != cotangents.size())
     throw AutodiffError(linum::detail::cat("backward: ", roots.size(), " roots but ", cotangents.size(), " cotangents"));
   for (std::size_t i = 0; i < roots.size(); ++i) {
-    Node* n = roots[i].node().get();
+    const Edge r = resolved(Edge{roots[i].node(), roots[i].output_index()});
+    Node* n = r.node.get();
     if (n == nullptr || !cotangents[i].defined()) continue;
     if (n->released()) throw_released(n);
     if (!(cotangents[i].shape() == roots[i].shape()))
@@ -239,7 +252,7 @@ void seed(std::span<const Array> roots, std::span<const Array> cotangents) {
                                       roots[i].shape()));
     auto& grads = SweepAccess::grads(n);
     grads.resize(n->num_outputs());
-    add_into(grads[roots[i].output_index()], in_dtype(cotangents[i], n->output_dtype(roots[i].output_index())));
+    add_into(grads[r.index], in_dtype(cotangents[i], n->output_dtype(r.index)));
   }
 }
 
@@ -362,8 +375,16 @@ std::vector<Array> detach_all(std::initializer_list<Array> saved) {
 
 void Node::backward_differentiable(Cotangents&, const std::shared_ptr<Node>&) { detail::throw_not_higher_order(op_); }
 
-std::uint64_t Node::next_id() { return g_node_counter.fetch_add(1, std::memory_order_relaxed); }
-std::uint64_t Node::peek_next_id() { return g_node_counter.load(std::memory_order_relaxed); }
+std::uint64_t Node::next_id() {
+  if (detail::IdCursor* const* range = detail::IdRanges::top(); range != nullptr && *range != nullptr) [[unlikely]]
+    if ((*range)->next < (*range)->end) return (*range)->next++;
+  return g_node_counter.fetch_add(1, std::memory_order_relaxed);
+}
+std::uint64_t Node::peek_next_id() {
+  if (detail::IdCursor* const* range = detail::IdRanges::top(); range != nullptr && *range != nullptr) [[unlikely]]
+    if ((*range)->next < (*range)->end) return (*range)->next;
+  return g_node_counter.load(std::memory_order_relaxed);
+}
 
 
 bool needs_grad(std::span<const Array> inputs) {
@@ -458,6 +479,40 @@ Array link_input(const Array& x) {
 }
 }  // namespace detail
 
+void composite_rule(Cotangents& c, std::vector<Array> inputs,
+                    const std::function<std::vector<Array>(const std::vector<Array>&)>& composite) {
+  EnableGradGuard recording;
+  std::vector<Boundary> boundaries;
+  std::vector<std::size_t> tracked;
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    if (i >= c.num_inputs() || !c.needs(i) || !inputs[i].defined() || !is_floating(inputs[i].dtype())) continue;
+    inputs[i] = inputs[i].node() != nullptr ? detail::link_input(inputs[i]) : make_leaf(inputs[i]);
+    boundaries.push_back({inputs[i].node().get(), inputs[i].output_index()});
+    tracked.push_back(i);
+  }
+  std::vector<Array> outs = [&] {
+    CreateGraphScope forward(false);  // the composite is a forward computation
+    return composite(inputs);
+  }();
+  if (outs.size() != c.num_outputs())
+    throw AutodiffError(linum::detail::cat("composite rule: the composite returned ", outs.size(), " outputs, the op has ",
+                                           c.num_outputs()));
+  std::vector<Edge> roots;
+  std::vector<Array> cts;
+  for (std::size_t j = 0; j < outs.size(); ++j) {
+    if (!c.out(j).defined() || outs[j].node() == nullptr) continue;
+    if (!(outs[j].shape() == c.out(j).shape()))
+      throw AutodiffError(linum::detail::cat("composite rule: output ", j, " of the composite has shape ", outs[j].shape(),
+                                             ", the op's ", c.out(j).shape(), " (a bug in that op's rule; please report it)"));
+    roots.push_back(Edge{outs[j].node(), outs[j].output_index()});
+    cts.push_back(c.out(j));
+  }
+  outs.clear();
+  std::vector<Array> sums = backward_into(std::move(roots), std::move(cts), boundaries, {}, /*create_graph=*/true, /*prune=*/true);
+  for (std::size_t k = 0; k < tracked.size(); ++k)
+    c.set(tracked[k], sums[k].defined() ? std::move(sums[k]) : linked_zeros(inputs[tracked[k]]));
+}
+
 Array linked_zeros(const Array& g) {
   return primitive("zeros_like", {&g}, [&](Residuals&) { return Array::zeros(g.shape(), g.dtype()); },
                    higher_order([](Cotangents& c, Saved) { c.set(0, linked_zeros(c.out())); }));
@@ -521,6 +576,7 @@ std::vector<Array> backward_into(std::vector<Edge> roots, std::vector<Array> cot
   const Accumulation acc{create};
   if (roots.size() != cotangents.size())
     throw AutodiffError(linum::detail::cat("backward: ", roots.size(), " roots but ", cotangents.size(), " cotangents"));
+  for (Edge& r : roots) r = resolved(r);
   std::unordered_set<const Node*> stop_nodes;
   for (const Boundary& b : boundaries) stop_nodes.insert(b.node);
   sums.resize(boundaries.size());

@@ -50,6 +50,13 @@ struct LeafGradientListenerContext { using Value = LeafGradientListener*; };
 struct DepthContext { using Value = int; };
 // True while a backward sweep runs rules to build a differentiable gradient (create-graph mode).
 struct CreateGraphContext { using Value = bool; };
+// Where node ids come from on this thread (see ReuseIdsScope): the next id to hand out and the end
+// of the range, or null for the process-wide counter.
+struct IdCursor {
+  std::uint64_t next, end;
+};
+struct IdRangeContext { using Value = IdCursor*; };
+using IdRanges = linum::detail::ContextStack<IdRangeContext>;
 using Depths = linum::detail::ContextStack<DepthContext>;
 using CreateGraph = linum::detail::ContextStack<CreateGraphContext>;
 using Recording = linum::detail::ContextStack<RecordingContext>;
@@ -95,6 +102,21 @@ class CreateGraphScope {
 
  private:
   detail::CreateGraph::Entry on_;
+};
+
+// Nodes created on this thread during its lifetime take the ids first, first + 1, ... below `end`,
+// then fresh ones. A checkpoint recomputing its block in create-graph mode reuses the ids its block's
+// ops had in the forward pass, so the recomputed nodes take the plain graph's places in every later
+// sweep's order (creation order stays topological: the block's inputs are older, its consumers newer).
+class ReuseIdsScope {
+ public:
+  ReuseIdsScope(std::uint64_t first, std::uint64_t end) : cursor_{first, end}, entry_(&cursor_) {}
+  ReuseIdsScope(const ReuseIdsScope&) = delete;
+  ReuseIdsScope& operator=(const ReuseIdsScope&) = delete;
+
+ private:
+  detail::IdCursor cursor_;
+  detail::IdRanges::Entry entry_;
 };
 
 // Within its lifetime no op on this thread records graph nodes: results are constants.
@@ -206,6 +228,11 @@ class Node {
   virtual void pack_residuals(const detail::PrimitiveCall* /*call*/) {}
   // True once release() ran: a second backward through it is an error.
   bool released() const { return released_; }
+  // A node that stands for other nodes' outputs: sweeps follow forward_edge(i) instead of entering it
+  // (a checkpoint whose block was recomputed in create-graph mode stands for the recomputed block,
+  // which later sweeps differentiate like the plain graph).
+  bool forwards() const { return forwards_; }
+  virtual const Edge* forward_edge(std::uint32_t /*output*/) const { return nullptr; }
   // A label that policies can match (the name given by checkpoint_name), or empty.
   virtual std::string_view label() const { return {}; }
   // Creation order: a node created later has a larger id (process-wide, strictly increasing).
@@ -226,6 +253,9 @@ class Node {
   std::uint64_t id_;
   const char* op_;
   bool released_ = false;
+
+ protected:
+  bool forwards_ = false;
 
  public:
   // Accumulated cotangent of output i after a sweep (leaves keep theirs until taken).
@@ -465,6 +495,15 @@ std::vector<Array> backward_into(std::vector<Edge> roots, std::vector<Array> cot
 // the values a block of ops computed after `first_id` read from outside, deduplicated, in first-seen
 // order. A checkpoint uses it to find its inputs, including arrays its function captured.
 std::vector<Edge> external_inputs(std::span<const Array> roots, std::uint64_t first_id);
+
+// A create-graph rule for a primitive whose kernels fuse what ops would do in several steps (a
+// normalization, the fused attention, a convolution): its input cotangents are the create-graph
+// vjp of `composite`, the same function written with differentiable ops, at `inputs` (the rule's
+// relinked residuals, in the node's input order; an input the composite need not read may be
+// undefined). Sets the cotangents of c's inputs that need one; the composite's outputs are matched
+// to c's outputs.
+void composite_rule(Cotangents& c, std::vector<Array> inputs,
+                    const std::function<std::vector<Array>(const std::vector<Array>&)>& composite);
 
 // Zeros of g's shape and dtype that stay linked to g's graph (create-graph mode: the gradient of a
 // piecewise-constant op, which must still be a function of the cotangent for the check that every

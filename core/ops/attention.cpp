@@ -4,7 +4,11 @@
 
 #include <linum/core/autodiff/primitive.hpp>
 #include <linum/core/kernels/gemm.hpp>
+#include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/kernel_util.hpp>
+#include <linum/core/ops/linalg.hpp>
+#include <linum/core/ops/shape_ops.hpp>
+#include <linum/core/ops/softmax.hpp>
 
 #include <Eigen/Core>
 
@@ -469,6 +473,36 @@ MaskView mask_view(const Array& mask, const Geometry& g, const Array& q, const A
   return view;
 }
 
+// The attention written with ops (create-graph mode differentiates it): the products, the masked
+// logits and the softmax in float32, as the fused kernels compute them.
+Array composed_attention(const Geometry& g, const Array& q_in, const Array& k_in, const Array& v_in, const Array& mask) {
+  const std::int64_t B = g.batch, H = g.heads, L = g.q_len, S = g.kv_len;
+  auto heads_first = [&](const Array& a, std::int64_t len, std::int64_t dim) {
+    return reshape(transpose(astype(reshape(a, {B, len, H, dim}), DType::f32), {0, 2, 1, 3}), {B * H, len, dim});
+  };
+  const Array q = heads_first(q_in, L, g.head_dim), k = heads_first(k_in, S, g.head_dim), v = heads_first(v_in, S, g.v_dim);
+  Array logits = matmul(q, transpose(k, {0, 2, 1})) * g.scale;
+  Array allowed;  // 1 where a query may attend a key (a constant)
+  if (mask.defined()) {
+    Shape full = g.batch_shape;
+    for (std::int64_t d : {H, L, S}) full.push_back(d);
+    autodiff::NoGradGuard constant;
+    allowed = not_equal(reshape(broadcast_to(mask, full), {B * H, L, S}), Array::scalar(0.0f));
+  }
+  if (g.causal) {
+    std::vector<float> tri(static_cast<std::size_t>(L * S));
+    for (std::int64_t i = 0; i < L; ++i)
+      for (std::int64_t j = 0; j < S; ++j) tri[static_cast<std::size_t>(i * S + j)] = j <= i ? 1.0f : 0.0f;
+    const Array causal = Array::from(Shape{L, S}, tri);
+    allowed = allowed.defined() ? allowed * causal : causal;
+  }
+  if (allowed.defined()) logits = where(allowed, logits, Array::scalar(kLowest));
+  Array o = matmul(softmax(logits, {-1}), v);
+  Shape out = g.batch_shape;
+  for (std::int64_t d : {L, H, g.v_dim}) out.push_back(d);
+  return astype(reshape(transpose(reshape(o, {B, H, L, g.v_dim}), {0, 2, 1, 3}), out.vec()), q_in.dtype());
+}
+
 }  // namespace
 
 Array scaled_dot_product_attention(const Array& q_in, const Array& k_in, const Array& v_in,
@@ -501,7 +535,11 @@ Array scaled_dot_product_attention(const Array& q_in, const Array& k_in, const A
                                r.keep(q, k, v, out, stats, mask);
                                return out;
                              },
-                     [g](Cotangents& c, autodiff::Saved s) {
+                     autodiff::higher_order([g](Cotangents& c, autodiff::Saved s) {
+                       if (autodiff::creating_graph())
+                         return autodiff::composite_rule(c, {s[0], s[1], s[2], s[5].detached()}, [g](const std::vector<Array>& in) {
+                           return std::vector<Array>{composed_attention(g, in[0], in[1], in[2], in[3])};
+                         });
                        std::optional<MaskView> view;
                        if (s[5].defined()) view = mask_view(s[5], g, s[0], s[1], s[2]);
                        Array dq = Array::empty(s[0].shape(), s[0].dtype());
@@ -516,7 +554,7 @@ Array scaled_dot_product_attention(const Array& q_in, const Array& k_in, const A
                        if (c.needs(0)) c.set(0, std::move(dq));
                        if (c.needs(1)) c.set(1, std::move(dk));
                        if (c.needs(2)) c.set(2, std::move(dv));
-                     });
+                     }));
 }
 
 }  // namespace linum

@@ -8,6 +8,7 @@
 #include <linum/core/ops/conv.hpp>
 #include <linum/core/ops/shape_ops.hpp>
 #include <linum/core/ops/elementwise.hpp>
+#include <linum/core/ops/linalg.hpp>
 #include <linum/core/autodiff/primitive.hpp>
 #include <linum/core/kernels/eigen_gemm_internal.hpp>
 #include <linum/core/kernels/engine.hpp>
@@ -90,6 +91,35 @@ struct ConvGeometry {
   std::int64_t rows_per_image() const { return ph.out * pw.out; }
   std::int64_t col_width() const { return kh * kw * cg; }
 };
+
+// The convolution written with ops (create-graph mode differentiates it): zero padding, one strided
+// slice per kernel tap, and a product per feature group, in float32.
+Array composed_conv(const ConvGeometry& G, const Array& x_in, const Array& w_in) {
+  Array x = pad(astype(x_in, DType::f32), {{0, 0}, {G.ph.pad_lo, G.ph.pad_hi}, {G.pw.pad_lo, G.pw.pad_hi}, {0, 0}});
+  const Array w = astype(w_in, DType::f32);
+  const std::int64_t OH = G.ph.out, OW = G.pw.out;
+  std::vector<Array> outs;
+  for (std::int64_t g = 0; g < G.groups; ++g) {
+    std::vector<Array> taps;
+    for (std::int64_t i = 0; i < G.kh; ++i)
+      for (std::int64_t j = 0; j < G.kw; ++j)
+        taps.push_back(slice(x, {0, i * G.dh, j * G.dw, g * G.cg},
+                             {G.n, i * G.dh + (OH - 1) * G.sh + 1, j * G.dw + (OW - 1) * G.sw + 1, (g + 1) * G.cg},
+                             {1, G.sh, G.sw, 1}));
+    const Array cols = reshape(concatenate(taps, 3), {G.n * OH * OW, G.col_width()});
+    const Array wg = reshape(slice(w, {0, 0, 0, g * G.og}, {G.kh, G.kw, G.cg, (g + 1) * G.og}), {G.col_width(), G.og});
+    outs.push_back(reshape(matmul(cols, wg), {G.n, OH, OW, G.og}));
+  }
+  Array y = outs.size() == 1 ? outs[0] : concatenate(outs, 3);
+  return astype(y, x_in.dtype());
+}
+
+// The create-graph rule of both engines' conv2d: the composite's vjp. A product is linear in each
+// operand, so an operand the forward did not keep (its gradient was not needed) stands in as zeros.
+void conv_rule_with_ops(Cotangents& c, const ConvGeometry& G, const Array& x, const Array& w, const Shape& xs, const Shape& ws) {
+  autodiff::composite_rule(c, {x.defined() ? x : Array::zeros(xs), w.defined() ? w : Array::zeros(ws)},
+                           [G](const std::vector<Array>& in) { return std::vector<Array>{composed_conv(G, in[0], in[1])}; });
+}
 
 // The output columns ow whose input column ow * stride - pad + j * dilation lies in [0, w): [lo, hi).
 struct ColumnRange {
@@ -204,11 +234,12 @@ Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
                                         x.node() ? w : Array());  // for dx
                                  return kernels::conv_forward_onednn(x, w, S);
                                },
-                               [S](Cotangents& c, autodiff::Saved s) {
+                               autodiff::higher_order([S, G, xs = x.shape(), ws = w.shape()](Cotangents& c, autodiff::Saved s) {
+                                 if (autodiff::creating_graph()) return conv_rule_with_ops(c, G, s[0], s[1], xs, ws);
                                  const Array gy = c.take_out(0);
                                  if (c.needs(1)) c.set(1, kernels::conv_backward_weights_onednn(s[0], gy, S));
                                  if (c.needs(0)) c.set(0, kernels::conv_backward_data_onednn(gy, s[1], S));
-                               });
+                               }));
   }
 #endif
   return autodiff::primitive(ops::kind::conv2d, {&x, &w}, [&](autodiff::Residuals& r) {
@@ -229,7 +260,8 @@ Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
       }
     }
     return y;
-  }, [G](Cotangents& c, autodiff::Saved s) {
+  }, autodiff::higher_order([G, xs = x.shape(), ws = w.shape()](Cotangents& c, autodiff::Saved s) {
+      if (autodiff::creating_graph()) return conv_rule_with_ops(c, G, s[0], s[1], xs, ws);
       const Array& gy = c.out();
       const std::int64_t chunk = images_per_chunk(G), R = G.col_width();
       Array dx = c.needs(0) ? Array::zeros(s[0].shape()) : Array();
@@ -256,7 +288,7 @@ Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
       }
       if (c.needs(0)) c.set(0, dx);
       if (c.needs(1)) c.set(1, dw);
-  });
+  }));
 }
 
 Array conv_transpose2d(const Array& x, const Array& w, const ConvTransposeOptions& o) {

@@ -2,7 +2,10 @@
 #include <linum/core/threading.hpp>
 
 #include <linum/core/autodiff/primitive.hpp>
+#include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/kernel_util.hpp>
+#include <linum/core/ops/reduce.hpp>
+#include <linum/core/ops/shape_ops.hpp>
 
 #include <Eigen/Core>
 
@@ -114,8 +117,21 @@ Array norm_impl(const char* op, const Array& x, const Array& scale, const Array&
     keep.keep(x, scale, stats);
     return y;
   };
+  // Create-graph mode differentiates the same normalization written with ops.
+  auto composite = [s, center, eps = static_cast<float>(o.epsilon), out_dtype, xshape = x.shape()](const std::vector<Array>& in) {
+    Array xf = astype(reshape(in[0], {s.rows, s.features}), DType::f32);
+    if (center) xf = xf - mean(xf, {1}, true);
+    Array y = xf * rsqrt(mean(square(xf), {1}, true) + eps);
+    if (in[1].defined()) y = y * astype(reshape(in[1], {s.features}), DType::f32);
+    if (in[2].defined()) y = y + astype(reshape(in[2], {s.features}), DType::f32);
+    return std::vector<Array>{astype(reshape(y, xshape.vec()), out_dtype)};
+  };
   return autodiff::primitive(op, {&x, &scale, &bias}, forward,
-                             [s, center, has_bias = bias.defined()](Cotangents& c, autodiff::Saved saved) {
+                             autodiff::higher_order([s, center, has_bias = bias.defined(), composite, fshape = feature_shape](Cotangents& c, autodiff::Saved saved) {
+      if (autodiff::creating_graph()) {
+        const Array bias_stand_in = has_bias ? Array::zeros(fshape) : Array();  // its value does not enter the vjp
+        return autodiff::composite_rule(c, {saved[0], saved[1], bias_stand_in}, composite);
+      }
       const Array& xs = saved[0];
       const Array& scale_s = saved[1];
       const float* st = saved[2].data();
@@ -159,7 +175,7 @@ Array norm_impl(const char* op, const Array& x, const Array& scale, const Array&
       const Shape pshape = scale_s.defined() ? scale_s.shape() : Shape{s.features};
       if (c.needs(1)) c.set(1, Array::from(pshape, dscale));
       if (c.needs(2) && has_bias) c.set(2, Array::from(pshape, dbias));
-    });
+    }));
 }
 
 }  // namespace

@@ -6,7 +6,9 @@
 #include <linum/core/threading.hpp>
 #include <linum/core/autodiff/primitive.hpp>
 #include <linum/core/ops/conv.hpp>
+#include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/kernel_util.hpp>
+#include <linum/core/ops/shape_ops.hpp>
 
 #include <algorithm>
 #include <limits>
@@ -17,6 +19,7 @@ namespace {
 using autodiff::Cotangents;
 using autodiff::Residuals;
 using autodiff::primitive;
+using autodiff::higher_order;
 
 struct PoolGeometry {
   std::int64_t n, h, w, c, kh, kw, sh, sw;
@@ -68,6 +71,12 @@ void for_pixels(const PoolGeometry& G, F f) {
 
 }  // namespace
 
+namespace {
+Array avg_pool_backward(const Array& g, const PoolGeometry& G, float full, const Shape& xs, const Array& divisors);
+Array avg_pool_transpose(const Array& g, const PoolGeometry& G, float full, const Shape& xs, const Array& divisors,
+                         const PoolOptions& o);
+}  // namespace
+
 Array avg_pool(const Array& x, const PoolOptions& o) {
   ops::detail::require_float(x, "avg_pool");
   if (x.dtype() == DType::bf16) return ops::detail::via_f32(x, [&](const Array& w) { return avg_pool(w, o); });
@@ -96,11 +105,29 @@ Array avg_pool(const Array& x, const PoolOptions& o) {
       r.keep(divisors);  // undefined with count_include_pad (the rule divides by `full`)
       return y;
     },
-    [G, full, xs = x.shape()](Cotangents& c, autodiff::Saved s) {
+    higher_order([G, full, xs = x.shape(), o](Cotangents& c, autodiff::Saved s) {
+      if (autodiff::creating_graph()) return c.set(0, avg_pool_transpose(c.out(), G, full, xs, s[0].detached(), o));
+      c.set(0, avg_pool_backward(c.out(), G, full, xs, s[0]));
+    }));
+}
+
+namespace {
+// The transpose of avg_pool (its gradient), as a primitive whose rule is avg_pool again: create-graph
+// mode differentiates pooling to any order.
+Array avg_pool_transpose(const Array& g, const PoolGeometry& G, float full, const Shape& xs, const Array& divisors,
+                         const PoolOptions& o) {
+  return primitive("avg_pool_transpose", {&g},
+                   [&](Residuals&) { return avg_pool_backward(astype(g, DType::f32), G, full, xs, divisors); },
+                   higher_order([o](Cotangents& c, autodiff::Saved) { c.set(0, avg_pool(c.out(), o)); }));
+}
+}  // namespace
+
+namespace {
+Array avg_pool_backward(const Array& g, const PoolGeometry& G, float full, const Shape& xs, const Array& divisors) {
       Array dx = Array::zeros(xs);
       float* pd = dx.mutable_data();
-      const float* pg = c.out().data();
-      const float* pdiv = s[0].defined() ? s[0].data() : nullptr;
+      const float* pg = g.data();
+      const float* pdiv = divisors.defined() ? divisors.data() : nullptr;
       const std::int64_t C = G.c, per_image = G.ph.out * G.pw.out;
       // Windows may overlap within an image but never across images: one image per thread.
 #pragma omp parallel for schedule(static) num_threads(linum::team_size()) if (G.n > 1 && G.out_pixels() * C * G.kh * G.kw > ops::detail::kParallelMin)
@@ -108,16 +135,16 @@ Array avg_pool(const Array& x, const PoolOptions& o) {
         linum::detail::enter_compute();
         for (std::int64_t p = n * per_image; p < (n + 1) * per_image; ++p) {
           const float inv = 1.0f / (pdiv ? pdiv[p] : full);
-          const float* g = pg + p * C;
+          const float* gp = pg + p * C;
           for_window(G, p, [&](std::int64_t in_pixel) {
             float* d = pd + in_pixel * C;
-            for (std::int64_t ch = 0; ch < C; ++ch) d[ch] += g[ch] * inv;
+            for (std::int64_t ch = 0; ch < C; ++ch) d[ch] += gp[ch] * inv;
           });
         }
       }
-      c.set(0, dx);
-    });
+      return dx;
 }
+}  // namespace
 
 Array max_pool(const Array& x, const PoolOptions& o) {
   ops::detail::require_float(x, "max_pool");
@@ -150,7 +177,17 @@ Array max_pool(const Array& x, const PoolOptions& o) {
       r.keep(where);
       return y;
     },
-    [xs = x.shape()](Cotangents& c, autodiff::Saved s) {
+    higher_order([xs = x.shape()](Cotangents& c, autodiff::Saved s) {
+      if (autodiff::creating_graph()) {  // the same scatter-add as an op (the positions are constants)
+        const Array pos = s[0].detached();
+        const Array flat = reshape(c.out(), {pos.numel()});
+        std::vector<std::int32_t> idx = pos.to_vector_i32();
+        const bool any_empty = std::any_of(idx.begin(), idx.end(), [](std::int32_t i) { return i < 0; });
+        std::vector<float> valid(idx.size());
+        for (std::size_t k = 0; k < idx.size(); ++k) valid[k] = idx[k] >= 0 ? 1.0f : 0.0f, idx[k] = std::max(idx[k], 0);
+        const Array g = any_empty ? where(Array::from(Shape{pos.numel()}, valid), flat, Array::scalar(0.0f)) : flat;
+        return c.set(0, reshape(ops::detail::take_add(g, Array::from_i32(Shape{pos.numel()}, idx), Shape{xs.numel()}, 0), xs.vec()));
+      }
       Array dx = Array::zeros(xs);
       float* pd = dx.mutable_data();
       const float* pg = c.out().data();
@@ -158,7 +195,7 @@ Array max_pool(const Array& x, const PoolOptions& o) {
       for (std::int64_t k = 0; k < s[0].numel(); ++k)
         if (pi[k] >= 0) pd[pi[k]] += pg[k];
       c.set(0, dx);
-    });
+    }));
 }
 
 }  // namespace linum

@@ -224,6 +224,33 @@ Array slice(const Array& x, const std::vector<std::int64_t>& starts, const std::
   return gather_op("slice", x, out, s, base);
 }
 
+Array pad(const Array& x, const std::vector<std::pair<std::int64_t, std::int64_t>>& widths) {
+  ops::detail::require_defined(x, "pad");
+  if (static_cast<int>(widths.size()) > x.rank())
+    throw ShapeError(detail::cat("pad: ", widths.size(), " (before, after) pairs for an array of shape ", x.shape(),
+                                 "; give at most one pair per axis"));
+  Shape out = x.shape();
+  for (std::size_t i = 0; i < widths.size(); ++i) {
+    const auto [lo, hi] = widths[i];
+    if (lo < 0 || hi < 0)
+      throw ValueError(detail::cat("pad: widths must be >= 0, got (", lo, ", ", hi, ") for axis ", i, " of shape ", x.shape(),
+                                   "; use slice to crop"));
+    std::int64_t d = 0;
+    if (__builtin_add_overflow(out[static_cast<int>(i)], lo, &d) || __builtin_add_overflow(d, hi, &d))
+      throw ShapeError(detail::cat("pad: axis ", i, " of shape ", x.shape(), " padded by (", lo, ", ", hi, ") overflows 64 bits"));
+    out[static_cast<int>(i)] = d;
+  }
+  Strides s{};
+  const auto os = out.strides();
+  std::int64_t base = 0;
+  for (int i = 0; i < x.rank(); ++i) {
+    s[i] = os[static_cast<std::size_t>(i)];
+    if (static_cast<std::size_t>(i) < widths.size()) base += widths[static_cast<std::size_t>(i)].first * os[static_cast<std::size_t>(i)];
+  }
+  if (out == x.shape()) return x;
+  return scatter_op("pad", x, out, s, base);
+}
+
 Array slice_axis(const Array& x, int axis_in, std::int64_t start, std::int64_t limit) {
   const int axis = x.shape().normalize_axis(axis_in, "slice_axis");
   std::vector<std::int64_t> starts(static_cast<std::size_t>(x.rank()), 0);
@@ -365,10 +392,6 @@ Array stack(const std::vector<Array>& xs) {
   return concatenate(expanded, 0);
 }
 
-namespace {
-Array take_add(const Array& g, const Array& indices, const Shape& xshape, int axis);
-}  // namespace
-
 Array take(const Array& x, const Array& indices, int axis_in) {
   ops::detail::require_defined(x, "take");
   ops::detail::require_defined(indices, "take");
@@ -402,7 +425,7 @@ Array take(const Array& x, const Array& indices, int axis_in) {
                      return y;
                    },
                    autodiff::higher_order([xshape = x.shape(), outer, inner, n, axis](Cotangents& c, autodiff::Saved s) {
-                     if (autodiff::creating_graph()) return c.set(0, take_add(c.out(), s[0].detached(), xshape, axis));
+                     if (autodiff::creating_graph()) return c.set(0, ops::detail::take_add(c.out(), s[0].detached(), xshape, axis));
                      Array g = Array::zeros(xshape);  // accumulated in float32; the sweep rounds it to x's dtype
                      float* pg = g.mutable_data();
                      const Array co = astype(c.out(), DType::f32);
@@ -419,7 +442,7 @@ Array take(const Array& x, const Array& indices, int axis_in) {
                    }));
 }
 
-namespace {
+namespace ops::detail {
 // The transpose of take, as a primitive (create-graph mode): rows of g added into zeros of
 // `xshape` at `indices` along `axis`; its rule is take.
 Array take_add(const Array& g, const Array& indices, const Shape& xshape, int axis) {
@@ -446,7 +469,7 @@ Array take_add(const Array& g, const Array& indices, const Shape& xshape, int ax
                    },
                    autodiff::higher_order([axis](Cotangents& c, autodiff::Saved s) { c.set(0, take(c.out(), s[0].detached(), axis)); }));
 }
-}  // namespace
+}  // namespace ops::detail
 
 Array one_hot(const Array& indices, std::int64_t num_classes) {
   ops::detail::require_defined(indices, "one_hot");

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <utility>
 #include <vector>
 
 namespace linum {
@@ -17,6 +18,9 @@ Array transpose(const Array& x, const std::vector<int>& perm = {});
 // x[start:limit:stride] per axis (as lax.slice); `strides` empty means 1 everywhere.
 Array slice(const Array& x, const std::vector<std::int64_t>& starts, const std::vector<std::int64_t>& limits,
             const std::vector<std::int64_t>& strides = {});
+// Zeros added before and after each axis: widths[i] = {before, after} (as jnp.pad with constant 0;
+// fewer pairs than axes pad the leading axes only). Differentiable to any order.
+Array pad(const Array& x, const std::vector<std::pair<std::int64_t, std::int64_t>>& widths);
 // x[start:limit] along one axis.
 Array slice_axis(const Array& x, int axis, std::int64_t start, std::int64_t limit);
 Array concatenate(const std::vector<Array>& xs, int axis = 0);
@@ -56,5 +60,11 @@ Array tile(const Array& x, const std::vector<std::int64_t>& reps);
 // every element repeated `repeats` times along `axis` (jnp.repeat with an integer count); with no
 // axis the array is flattened first.
 Array repeat(const Array& x, std::int64_t repeats, std::optional<int> axis = std::nullopt);
+
+namespace ops::detail {
+// Rows of g added into zeros of `xshape` at `indices` (int32) along `axis`: take's transpose, as a
+// primitive whose rule is take (used by create-graph rules).
+Array take_add(const Array& g, const Array& indices, const Shape& xshape, int axis);
+}  // namespace ops::detail
 
 }  // namespace linum
