@@ -16,6 +16,8 @@
 #include <linum/rng/rng.hpp>
 #include <linum/core/autodiff/graph.hpp>
 #include <linum/core/autodiff/grad.hpp>
+#include <linum/core/autodiff/jvp.hpp>
+#include <linum/core/transforms/jacobians.hpp>
 #include <linum/core/autodiff/custom_vjp.hpp>
 #include <linum/core/autodiff/saved_hooks.hpp>
 #include <linum/core/ops/all.hpp>

@@ -159,3 +159,156 @@ TEST_CASE("a rule that cannot be differentiated is an error naming its op, never
     CHECK(std::string(e.what()).find("higher-order") != std::string::npos);
   }
 }
+
+TEST_CASE("jvp equals the transpose of vjp on random directions, and finite differences, for every op family") {
+  for (const OpCase& c : linum::testing::op_cases()) {
+    const std::string op_name = c.op;
+    if (op_name == "swish") continue;
+    CAPTURE(op_name);
+    const Inputs in = inputs_for(c);
+    auto f = [&c](const Array& x, const Array& w) { return astype(c.apply(x * 1.5f, w), DType::f32); };
+    auto [y, dy] = jvp(f, std::tuple{in.x, in.w}, std::tuple{in.vx, in.vw});
+    CHECK(y.bitwise_equal(f(in.x, in.w)));
+    CHECK(dy.shape() == y.shape());
+    const Array u = random_array(y.shape(), 21);
+    auto [y2, pullback] = vjp(f, in.x, in.w);
+    auto [ux, uw] = pullback(u);
+    // <u, J v> = <J^T u, v>
+    const float lhs = sum(u * dy).item();
+    const float rhs = (sum(astype(ux, DType::f32) * in.vx) + sum(astype(uw, DType::f32) * in.vw)).item();
+    // bf16 blocks round J^T u and J v at different places: a bf16 tolerance for them.
+    const float tol = op_name == "astype" ? 2e-2f : 1e-4f;
+    CHECK(std::abs(lhs - rhs) <= tol * (1.0f + std::abs(rhs)));
+    if (op_name == "astype") continue;  // finite differences of bf16 roundings say nothing
+    const float e = 1e-3f;
+    const Array fd = (f(in.x + in.vx * e, in.w + in.vw * e) - f(in.x - in.vx * e, in.w - in.vw * e)) / (2 * e);
+    CHECK(max_abs_diff(dy, fd) <= 2e-3f + 1e-2f * max_abs(fd));
+  }
+}
+
+TEST_CASE("jacrev, jacfwd and hessian agree with each other and with hvp; jvp of grad is the same hvp") {
+  const Array x = random_array(Shape{2, 3}, 31);
+  const Array a = random_array(Shape{3, 4}, 32);
+  auto f = [&](const Array& x) { return tanh(matmul(x, a)); };  // [2, 4]
+  const Array jr = jacrev(f)(x), jf = jacfwd(f)(x);
+  CHECK(jr.shape() == Shape{2, 4, 2, 3});
+  CHECK(max_abs_diff(jr, jf) < 1e-5f);
+  // Column (0, 1) of the Jacobian is the jvp along that basis direction.
+  Array e = Array::zeros(Shape{2, 3});
+  e.mutable_data()[1] = 1.0f;
+  auto [y, dy] = jvp(f, x, e);
+  CHECK(max_abs_diff(dy, reshape(slice(jr, {0, 0, 0, 1}, {2, 4, 1, 2}), {2, 4})) < 1e-5f);
+
+  auto g = [&](const Array& x) { return sum(square(f(x))) + sum(x * x * x); };
+  const Array h = hessian(g)(x);
+  CHECK(h.shape() == Shape{2, 3, 2, 3});
+  CHECK(max_abs_diff(h, transpose(h, {2, 3, 0, 1})) < 1e-4f);  // symmetric
+  const Array v = random_array(Shape{2, 3}, 33);
+  const Array hv = hvp(g, x, v);
+  const Array h_v = reshape(matmul(reshape(h, {6, 6}), reshape(v, {6, 1})), {2, 3});
+  CHECK(max_abs_diff(hv, h_v) < 1e-4f);
+  auto [gx, fwd_over_rev] = jvp([&](const Array& x) { return grad(g)(x); }, x, v);
+  CHECK(max_abs_diff(fwd_over_rev, hv) < 1e-4f);
+  // Nested, the gradient is computed by the rules' op forms (create-graph mode): equal within rounding.
+  CHECK(max_abs_diff(gx, grad(g)(x)) < 1e-6f);
+}
+
+namespace {
+struct Block {
+  std::int64_t width = 8;
+  Array operator()(Scope& s, const Array& x) const {
+    return x + s(nn::Dense{.features = width}, gelu(s(nn::LayerNorm{}, x)));
+  }
+};
+template <class B>
+struct Stack {
+  int depth = 3;
+  Array operator()(Scope& s, const Array& x) const {
+    Array h = s(nn::Dense{.features = 8}, x);
+    for (int i = 0; i < depth; ++i) h = s(B{}, h);
+    return s(nn::Dense{.features = 1}, tanh(h));
+  }
+};
+template <class Model>
+Tree hvp_of_params(const Model& m, const Tree& params, const Tree& v, const Array& x) {
+  auto loss = [&](const Tree& p) { return mean(square(apply(m, Tree{{"params", p}}, x))); };
+  return hvp(loss, params, v);
+}
+// A physics-informed residual: u(x) and its first and second derivatives with respect to the input.
+template <class Model>
+Array pinn_loss(const Model& m, const Tree& params, const Array& x) {
+  auto u = [&](const Array& at) { return sum(apply(m, Tree{{"params", params}}, at)); };
+  auto u_x = [&](const Array& at) { return grad(u)(at); };
+  const Array ux = u_x(x);
+  const Array uxx = grad([&](const Array& at) { return sum(u_x(at)); })(x);
+  return mean(square(uxx + ux)) + mean(square(apply(m, Tree{{"params", params}}, x)));
+}
+}  // namespace
+
+TEST_CASE("second derivatives through lift::remat modules are bitwise the plain ones; a physics-informed loss too") {
+  const Array x = random_array(Shape{5, 1}, 41);
+  const Tree vars = init(Stack<Block>{}, rng::key(0), x);
+  const Tree& params = vars.at("params");
+  const Tree v = tree_map([](const Array& a) { return random_array(a.shape(), 7); }, params);
+  const Tree plain = hvp_of_params(Stack<Block>{}, params, v, x);
+  const Tree remat = hvp_of_params(Stack<lift::remat<Block>>{}, params, v, x);
+  CHECK(bitwise_equal(plain, remat));
+  CHECK(max_abs(plain.at_path("Dense_0/kernel").array()) > 0.0f);
+  // d/dparams of a loss holding du/dx and d2u/dx2 (nested grads w.r.t. the input).
+  auto [l1, g1] = value_and_grad([&](const Tree& p) { return pinn_loss(Stack<Block>{}, p, x); })(params);
+  auto [l2, g2] = value_and_grad([&](const Tree& p) { return pinn_loss(Stack<lift::remat<Block>>{}, p, x); })(params);
+  CHECK(l1.bitwise_equal(l2));
+  CHECK(bitwise_equal(g1, g2));
+  // Against finite differences of the loss along v.
+  const float e = 1e-2f;
+  auto shifted = [&](float s) { return tree_map([&](const Array& p, const Array& d) { return p + d * s; }, params, v); };
+  const float fd = (pinn_loss(Stack<Block>{}, shifted(e), x).item() - pinn_loss(Stack<Block>{}, shifted(-e), x).item()) / (2 * e);
+  float dir = 0.0f;
+  const std::vector<Array> gl = leaves(g1), vl = leaves(v);
+  for (std::size_t i = 0; i < gl.size(); ++i) dir += sum(gl[i] * vl[i]).item();
+  CHECK(dir == doctest::Approx(fd).epsilon(2e-2));
+}
+
+TEST_CASE("second derivatives through lift::scan with a schedule and nn::RNN (remat over time) are bitwise the plain ones") {
+  const Array xs = random_array(Shape{2, 6, 3}, 51);
+  auto run = [&](auto rnn) {
+    const Tree vars = init(rnn, rng::key(1), xs);
+    const Tree v = tree_map([](const Array& a) { return random_array(a.shape(), 8); }, vars.at("params"));
+    auto loss = [&](const Tree& p) { return sum(square(apply(rnn, Tree{{"params", p}}, xs))); };
+    return hvp(loss, vars.at("params"), v);
+  };
+  const Tree plain = run(nn::RNN<nn::LSTMCell>{.cell = {.features = 4}});
+  CHECK(bitwise_equal(plain, run(nn::RNN<nn::LSTMCell>{.cell = {.features = 4}, .remat = true})));
+  CHECK(bitwise_equal(plain, run(nn::RNN<nn::LSTMCell>{.cell = {.features = 4}, .schedule = lift::ScanSchedule::sqrt_segments()})));
+  CHECK(bitwise_equal(plain, run(nn::RNN<nn::LSTMCell>{.cell = {.features = 4}, .schedule = lift::ScanSchedule::binomial(2)})));
+  const Tree gru = run(nn::RNN<nn::GRUCell>{.cell = {.features = 4}});
+  CHECK(bitwise_equal(gru, run(nn::RNN<nn::GRUCell>{.cell = {.features = 4}, .remat = true})));
+}
+
+TEST_CASE("nested value_and_grad keeps aux and values linked; grad of vjp's pullback; jacrev over a Tree") {
+  const Array x = random_array(Shape{4}, 61);
+  // d/dx of (the gradient's norm) where the inner function returns aux.
+  auto inner = [](const Array& x) { return std::make_pair(sum(sin(x) * x), x * 2.0f); };
+  const Array outer = grad([&](const Array& x) {
+    auto [value, aux, g] = value_and_grad(inner)(x);
+    return sum(square(g)) + value + sum(aux);
+  })(x);
+  // By hand: g = cos(x) x + sin(x); d/dx sum(g^2) = 2 g (2 cos x - x sin x); value' = g; aux' = 2.
+  const std::vector<float> xv = x.to_vector(), ov = outer.to_vector();
+  for (std::size_t i = 0; i < xv.size(); ++i) {
+    const float s = std::sin(xv[i]), c = std::cos(xv[i]), g = c * xv[i] + s;
+    CHECK(ov[i] == doctest::Approx(2 * g * (2 * c - xv[i] * s) + g + 2.0f).epsilon(1e-4));
+  }
+  // The gradient of <pullback(u), w> with respect to u is J w (the pullback is linear in u).
+  const Array w = random_array(Shape{4}, 62);
+  auto f = [](const Array& x) { return exp(x) * 2.0f; };
+  auto [y, pullback] = vjp(f, x);
+  const Array jw = grad([&](const Array& u) { return sum(pullback(u) * w); })(Array::zeros(Shape{4}));
+  CHECK(max_abs_diff(jw, f(x) * w) < 1e-5f);
+  // jacrev over a Tree of parameters.
+  const Tree p{{"a", Tree(random_array(Shape{2}, 63))}, {"b", Tree(random_array(Shape{3}, 64))}};
+  const Tree j = jacrev([](const Tree& t) { return concatenate({square(t.at("a").array()), sin(t.at("b").array())}, 0); })(p);
+  CHECK(j.at("a").array().shape() == Shape{5, 2});
+  CHECK(j.at("b").array().shape() == Shape{5, 3});
+  CHECK(j.at("b").array().to_vector()[2 * 3 + 0] == doctest::Approx(std::cos(p.at("b").array().to_vector()[0])));
+}

@@ -570,13 +570,22 @@ std::vector<Array> backward_to(std::span<const Array> roots, std::span<const Arr
   return backward_to(std::move(edges), std::vector<Array>(cotangents.begin(), cotangents.end()), boundaries);
 }
 
-std::vector<Array> backward_into(std::vector<Edge> roots, std::vector<Array> cotangents, std::span<const Boundary> boundaries,
+std::vector<Array> backward_into(std::vector<Edge> roots, std::vector<Array> cotangents, std::span<const Boundary> given,
                                  std::vector<Array> sums, bool create_graph, bool prune) {
   const bool create = create_graph || creating_graph();
   const Accumulation acc{create};
   if (roots.size() != cotangents.size())
     throw AutodiffError(linum::detail::cat("backward: ", roots.size(), " roots but ", cotangents.size(), " cotangents"));
   for (Edge& r : roots) r = resolved(r);
+  // Boundaries at nodes that forward their outputs are where those outputs went.
+  std::vector<Boundary> resolved_boundaries(given.begin(), given.end());
+  for (Boundary& b : resolved_boundaries)
+    while (b.node != nullptr && b.node->forwards()) {
+      const Edge* next = b.node->forward_edge(b.index);
+      if (next == nullptr) break;
+      b = Boundary{next->node.get(), next->index};
+    }
+  const std::span<const Boundary> boundaries(resolved_boundaries);
   std::unordered_set<const Node*> stop_nodes;
   for (const Boundary& b : boundaries) stop_nodes.insert(b.node);
   sums.resize(boundaries.size());
@@ -618,8 +627,10 @@ std::vector<Array> backward_into(std::vector<Edge> roots, std::vector<Array> cot
     std::vector<std::shared_ptr<Node>> kept;
     for (auto& n : order) {
       bool reaches = false;
-      for (const Edge& e : SweepAccess::inputs(n.get()))
+      for (const Edge& input : SweepAccess::inputs(n.get())) {
+        const Edge& e = resolved(input);
         if (e.node != nullptr && (stop_nodes.count(e.node.get()) > 0 || reaching.count(e.node.get()) > 0)) reaches = true;
+      }
       if (reaches) {
         reaching.insert(n.get());
         kept.push_back(std::move(n));
