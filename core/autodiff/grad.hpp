@@ -180,7 +180,7 @@ T gradient_from_sums(const T& tracked, std::vector<Array>& sums, std::size_t& ne
 }
 
 template <std::size_t... Nums, class... Args, std::size_t... Is>
-auto track_selected_nested(std::vector<Boundary>& boundaries, std::index_sequence<Is...>, const Args&... args) {
+auto track_selected_nested(std::index_sequence<Is...>, const Args&... args) {
   return std::tuple<std::conditional_t<contains<Is, Nums...>(), std::decay_t<Args>, const Args&>...>(
       [&]() -> decltype(auto) {
         if constexpr (contains<Is, Nums...>()) {
@@ -277,8 +277,7 @@ struct ValueAndGrad {
   template <class... Args>
   auto nested(const Args&... args) const {
     EnableGradGuard recording;
-    std::vector<Boundary> unused;
-    auto tracked = track_selected_nested<Nums...>(unused, std::index_sequence_for<Args...>{}, args...);
+    auto tracked = track_selected_nested<Nums...>(std::index_sequence_for<Args...>{}, args...);
     auto result = [&] {
       DifferentiationScope depth;
       return std::apply(f, tracked);
