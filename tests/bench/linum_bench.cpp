@@ -32,6 +32,9 @@
 //       An LSTM over growing sequence lengths: no remat, remat per time step, sqrt and binomial schedules (rnn_bench.cpp).
 //   linum-bench dp [...]
 //       The deep-MLP step data-parallel over an MPI job's ranks (see dp_bench.cpp).
+//   linum-bench hvp [--layers L] [--width W] [--batch B] [--steps S]
+//       A Hessian-vector product of the deep MLP, reverse over reverse and forward over reverse, with
+//       and without remat per layer, against twice a plain gradient (hvp_bench.cpp).
 //   linum-bench ops [--iters N]
 //       Per-op cost on tiny arrays, with and without recording the autodiff graph.
 #include <linum/linum.hpp>
@@ -363,11 +366,12 @@ int bench_load(const Flags& f) {
 
 int bench_dp(const Flags& f);
 int bench_rnn(const Flags& f);
+int bench_hvp(const Flags& f);
 
 int main(int argc, char** argv) {
   linum::dist::Session mpi(argc, argv);  // `mpirun -np N linum-bench dp` (MPI only under a launcher)
   if (argc < 2) {
-    std::cerr << "usage: linum-bench mlp|gpt|scan|plan|dp|rnn|load|ops [--name value ...]\n";
+    std::cerr << "usage: linum-bench mlp|gpt|scan|plan|dp|rnn|hvp|load|ops [--name value ...]\n";
     return 2;
   }
   const std::string what = argv[1];
@@ -388,10 +392,11 @@ int main(int argc, char** argv) {
     if (what == "plan") return bench_plan(flags);
     if (what == "dp") return bench_dp(flags);
     if (what == "rnn") return bench_rnn(flags);
+    if (what == "hvp") return bench_hvp(flags);
   } catch (const std::exception& e) {
     std::cerr << "linum-bench: " << e.what() << "\n";
     return 1;
   }
-  std::cerr << "linum-bench: unknown benchmark '" << what << "' (choose mlp, gpt, scan, plan, dp, rnn, load or ops)\n";
+  std::cerr << "linum-bench: unknown benchmark '" << what << "' (choose mlp, gpt, scan, plan, dp, rnn, hvp, load or ops)\n";
   return 2;
 }
