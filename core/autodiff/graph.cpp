@@ -8,6 +8,7 @@
 #include <linum/core/error.hpp>
 
 #include <any>
+#include <exception>
 #include <mutex>
 #include <set>
 #include <string>
@@ -171,6 +172,18 @@ void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, con
   CreateGraphScope mode(create);
   const Accumulation acc{create};
   linum::detail::PhaseScope phase(linum::detail::Phase::backward);
+  // A rule that throws leaves cotangents on the nodes not yet run: dropped, so that a later sweep
+  // does not add them, and so that create-graph cotangents (which may refer back to their node)
+  // cannot keep a cycle alive.
+  struct DropPendingOnThrow {
+    std::vector<std::shared_ptr<Node>>& order;
+    const int uncaught = std::uncaught_exceptions();
+    ~DropPendingOnThrow() {
+      if (std::uncaught_exceptions() > uncaught)
+        for (auto& n : order)
+          if (n) SweepAccess::grads(n.get()).clear();
+    }
+  } drop_pending{order};
   std::vector<Array> in_grads;
   for (auto it = order.rbegin(); it != order.rend(); ++it) {
     Node* node = it->get();
