@@ -129,9 +129,11 @@ TEST_CASE("second derivatives of every op family in bfloat16 stay within 5% (of 
   }
 }
 
-TEST_CASE("second derivatives through checkpoint policies are bitwise the plain ones, for every op family") {
+TEST_CASE("second derivatives through checkpoint policies (offload and compression too) are bitwise the plain ones, for every op family") {
   const std::vector<lift::Policy> policies = {policies::nothing_saveable{}, policies::dots_saveable{},
-                                              policies::everything_saveable{}};
+                                              policies::everything_saveable{},
+                                              policies::offload(policies::dots_saveable{}),
+                                              policies::compress(storage::Codec::int8, policies::nothing_saveable{})};
   for (const OpCase& c : linum::testing::op_cases()) {
     if (std::string(c.op) == "swish") continue;
     const std::string op_name = c.op;
