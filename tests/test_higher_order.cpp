@@ -18,12 +18,8 @@ using linum::testing::random_array;
 
 namespace {
 
-float max_abs(const Array& a) {
-  float m = 0.0f;
-  for (float v : astype(a, DType::f32).to_vector()) m = std::max(m, std::abs(v));
-  return m;
-}
-float max_abs_diff(const Array& a, const Array& b) { return max_abs(astype(a, DType::f32) - astype(b, DType::f32)); }
+using linum::testing::max_abs;
+using linum::testing::max_abs_diff;
 bool bitwise_equal(const Array& a, const Array& b) {
   return a.shape() == b.shape() && a.dtype() == b.dtype() &&
          astype(a, DType::f32).to_vector() == astype(b, DType::f32).to_vector();

@@ -23,12 +23,8 @@ using Case = linum::testing::OpCase;
 
 namespace {
 
-float max_abs(const Array& a) {
-  float m = 0.0f;
-  for (float v : astype(a, DType::f32).to_vector()) m = std::max(m, std::abs(v));
-  return m;
-}
-float max_abs_diff(const Array& a, const Array& b) { return max_abs(astype(a, DType::f32) - astype(b, DType::f32)); }
+using linum::testing::max_abs;
+using linum::testing::max_abs_diff;
 
 lift::Policy saving_op(const std::string& op) {
   return lift::Policy("save " + op, [op](const lift::OpInfo& info) { return info.op == op; });

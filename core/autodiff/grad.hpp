@@ -96,22 +96,6 @@ constexpr bool contains() {
   return ((I == Nums) || ...);
 }
 
-template <std::size_t... Nums, class... Args, std::size_t... Is>
-auto track_selected(std::index_sequence<Is...>, const Args&... args) {
-  return std::tuple<std::conditional_t<contains<Is, Nums...>(), std::decay_t<Args>, const Args&>...>(
-      [&]() -> decltype(auto) {
-        if constexpr (contains<Is, Nums...>()) {
-          static_assert(DifferentiableValue<Args>,
-                        "value_and_grad/grad: the selected argument's type cannot be differentiated; select "
-                        "pytree arguments (Array, Tree, containers of them, structs registered with "
-                        "pytree::Fields) with the template argnums, e.g. value_and_grad<0, 2>(f)");
-          return Differentiable<std::decay_t<Args>>::track(args);
-        } else {
-          return args;
-        }
-      }()...);
-}
-
 inline Array check_scalar_loss(const Array& value, const char* api) {
   if (!value.defined() || value.numel() != 1 || !is_floating(value.dtype()))
     throw AutodiffError(linum::detail::cat(api, ": the function must return a float scalar (one element), got ",
@@ -179,8 +163,10 @@ T gradient_from_sums(const T& tracked, std::vector<Array>& sums, std::size_t& ne
   return pytree::rebuild(tracked, std::span<const Array>(arrays));
 }
 
-template <std::size_t... Nums, class... Args, std::size_t... Is>
-auto track_selected_nested(std::index_sequence<Is...>, const Args&... args) {
+// The arguments with the selected ones (Nums) tracked: as fresh leaves at top level, or linked to the
+// enclosing graph when nested (kNested, see track_nested); the others passed through by reference.
+template <bool kNested, std::size_t... Nums, class... Args, std::size_t... Is>
+auto track_selected(std::index_sequence<Is...>, const Args&... args) {
   return std::tuple<std::conditional_t<contains<Is, Nums...>(), std::decay_t<Args>, const Args&>...>(
       [&]() -> decltype(auto) {
         if constexpr (contains<Is, Nums...>()) {
@@ -188,8 +174,12 @@ auto track_selected_nested(std::index_sequence<Is...>, const Args&... args) {
                         "value_and_grad/grad: the selected argument's type cannot be differentiated; select "
                         "pytree arguments (Array, Tree, containers of them, structs registered with "
                         "pytree::Fields) with the template argnums, e.g. value_and_grad<0, 2>(f)");
-          std::vector<Boundary> none;
-          return track_nested(args, none);
+          if constexpr (kNested) {
+            std::vector<Boundary> none;
+            return track_nested(args, none);
+          } else {
+            return Differentiable<std::decay_t<Args>>::track(args);
+          }
         } else {
           return args;
         }
@@ -252,7 +242,7 @@ struct ValueAndGrad {
                   "value_and_grad: an argnum is out of range (argnums count from 0, the first argument)");
     if (nested_here()) return nested(args...);
     EnableGradGuard recording;
-    auto tracked = track_selected<Nums...>(std::index_sequence_for<Args...>{}, args...);
+    auto tracked = track_selected<false, Nums...>(std::index_sequence_for<Args...>{}, args...);
     auto result = [&] {
       DifferentiationScope depth;
       return std::apply(f, tracked);
@@ -277,7 +267,7 @@ struct ValueAndGrad {
   template <class... Args>
   auto nested(const Args&... args) const {
     EnableGradGuard recording;
-    auto tracked = track_selected_nested<Nums...>(std::index_sequence_for<Args...>{}, args...);
+    auto tracked = track_selected<true, Nums...>(std::index_sequence_for<Args...>{}, args...);
     auto result = [&] {
       DifferentiationScope depth;
       return std::apply(f, tracked);

@@ -90,4 +90,11 @@ std::string first_gradient_mismatch(const std::string& op, const OpFn& f, const 
   return {};
 }
 
+float max_abs(const Array& a) {
+  float m = 0.0f;
+  for (float v : astype(a, DType::f32).to_vector()) m = std::max(m, std::abs(v));
+  return m;
+}
+float max_abs_diff(const Array& a, const Array& b) { return max_abs(astype(a, DType::f32) - astype(b, DType::f32)); }
+
 }  // namespace linum::testing

@@ -36,4 +36,8 @@ bool check_gradients(const std::string& op, const OpFn& f, const std::vector<Arr
 Array random_array(const Shape& shape, unsigned seed, float lo = -1.0f, float hi = 1.0f, float away = 0.0f);
 Array random_labels(const Shape& shape, unsigned seed, int num_classes);
 
+// The largest |a| over the elements (any float dtype), and the largest |a - b|.
+float max_abs(const Array& a);
+float max_abs_diff(const Array& a, const Array& b);
+
 }  // namespace linum::testing
