@@ -213,19 +213,19 @@ Array zip_kernel(const Array& a, const Array& b, F f) {
 // The backward rule of an elementwise op: f(g, saved) -> gradient, where g is output 0's cotangent.
 // The cotangent is taken from the sweep; when no other array refers to its buffer, the gradient is
 // written into that buffer instead of a new one (one activation-sized buffer less at the peak).
-// Create-graph mode: the derivative d = f'(saved) as one primitive (the fused kernel applied to a
-// cotangent of ones), so that a gradient which is differentiated again keeps one array per op rather
-// than every temporary of its formula; d's own rule differentiates the formula written with ops.
+// Create-graph mode: the gradient g * f'(saved) as one primitive running the fused kernel, so that a
+// gradient which is differentiated again keeps only g (and saved, alive anyway) per op rather than
+// every temporary of its formula; its own rule differentiates the formula written with ops.
 template <class F, class WithOps>
-Array pointwise_derivative(const Array& saved, F f, WithOps with_ops) {
-  return autodiff::primitive("derivative", {&saved},
+Array pointwise_product(const Array& g, const Array& saved, F f, WithOps with_ops) {
+  return autodiff::primitive("pointwise_grad", {&g, &saved},
                              [&](autodiff::Residuals& r) {
-                               r.keep(saved);
-                               return zip_kernel(Array::full(saved.shape(), 1.0f, saved.dtype()), saved, f);
+                               r.keep(g, saved);
+                               return zip_kernel(g, saved, f);
                              },
                              autodiff::higher_order([with_ops](Cotangents& c, autodiff::Saved s) {
-                               autodiff::composite_rule(c, {s[0]}, [with_ops](const std::vector<Array>& in) {
-                                 return std::vector<Array>{with_ops(Array::full(in[0].shape(), 1.0f, in[0].dtype()), in[0])};
+                               autodiff::composite_rule(c, {s[0], s[1]}, [with_ops](const std::vector<Array>& in) {
+                                 return std::vector<Array>{with_ops(in[0], in[1])};
                                });
                              }));
 }
@@ -234,7 +234,7 @@ Array pointwise_derivative(const Array& saved, F f, WithOps with_ops) {
 // is then differentiated again: saved is the op's input or output, linked to the graph).
 template <class F, class WithOps>
 Array pointwise_grad(Cotangents& c, const Array& saved, F f, WithOps with_ops) {
-  if (autodiff::creating_graph()) return mul(c.out(), pointwise_derivative(saved, f, with_ops));
+  if (autodiff::creating_graph()) return pointwise_product(c.out(), saved, f, with_ops);
   Array g = c.take_out(0);
   if (!g.owns_buffer_alone()) return zip_kernel(g, saved, f);
   zip_into(g, g, saved, f);

@@ -19,6 +19,22 @@ using autodiff::needs_grad;
 
 Array gemm(const Array& a, const Array& b, bool ta, bool tb) { return kernels::batched_gemm(a, b, ta, tb); }
 
+// op(a) op(b), op a transpose where asked, as a primitive for create-graph rules (no transposed copies):
+// its gradients are products of the same kind (dA = G op(B)^T or op(B) G^T, dB likewise), so it is
+// differentiable to any order. [M,K]/[B,M,K] layouts as the kernel's.
+Array gemm_op(const Array& a, const Array& b, bool ta, bool tb) {
+  return autodiff::primitive(a.rank() == 3 ? ops::kind::batched_matmul : ops::kind::matmul, {&a, &b},
+                             [&](autodiff::Residuals& r) {
+                               if (r.recording()) r.keep(b.node() ? a : Array(), a.node() ? b : Array());
+                               return gemm(a, b, ta, tb);
+                             },
+                             autodiff::higher_order([ta, tb](Cotangents& c, autodiff::Saved s) {
+                               const Array& g = c.out();
+                               if (c.needs(0)) c.set(0, ta ? gemm_op(s[1], g, tb, true) : gemm_op(g, s[1], false, !tb));
+                               if (c.needs(1)) c.set(1, tb ? gemm_op(g, s[0], true, ta) : gemm_op(s[0], g, !ta, false));
+                             }));
+}
+
 // The primitive: [M,K]@[K,N] ("matmul", a product without batch dimensions) or
 // [B,M,K]@[B,K,N] ("batched_matmul"). The result is viewed as `out_shape`, the op's real output
 // shape (e.g. [batch, tokens, features] for a Dense on a sequence), which is what remat policies and
@@ -31,11 +47,10 @@ Array mm(const Array& a, const Array& b, const Shape& out_shape) {
                                return gemm(a, b, false, false).with_shape(out_shape);
                              },
                              autodiff::higher_order([product](Cotangents& c, autodiff::Saved s) {
-                               if (autodiff::creating_graph()) {  // the same products as ops, which record
+                               if (autodiff::creating_graph()) {  // the same products as primitives, which record
                                  const Array g = reshape(c.out(), product.vec());
-                                 const std::vector<int> swap = product.rank() == 3 ? std::vector<int>{0, 2, 1} : std::vector<int>{1, 0};
-                                 if (c.needs(0)) c.set(0, matmul(g, transpose(s[1], swap)));
-                                 if (c.needs(1)) c.set(1, matmul(transpose(s[0], swap), g));
+                                 if (c.needs(0)) c.set(0, gemm_op(g, s[1], false, true));
+                                 if (c.needs(1)) c.set(1, gemm_op(s[0], g, true, false));
                                  return;
                                }
                                const Array g = c.out().with_shape(product);
