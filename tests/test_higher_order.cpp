@@ -309,4 +309,15 @@ TEST_CASE("nested value_and_grad keeps aux and values linked; grad of vjp's pull
   CHECK(j.at("a").array().shape() == Shape{5, 2});
   CHECK(j.at("b").array().shape() == Shape{5, 3});
   CHECK(j.at("b").array().to_vector()[2 * 3 + 0] == doctest::Approx(std::cos(p.at("b").array().to_vector()[0])));
+  // The Hessian over a Tree: blocks d2f / d a d b, symmetric across blocks, and hvp's product.
+  auto f2 = [](const Tree& t) { return sum(square(t.at("a").array())) * sum(sin(t.at("b").array())); };
+  const std::vector<Tree> h = hessian(f2)(p);
+  REQUIRE(h.size() == 2);
+  CHECK(h[0].at("b").array().shape() == Shape{2, 3});
+  CHECK(h[1].at("a").array().shape() == Shape{3, 2});
+  CHECK(max_abs_diff(h[0].at("b").array(), transpose(h[1].at("a").array())) < 1e-5f);
+  const Tree dir{{"a", Tree(random_array(Shape{2}, 65))}, {"b", Tree(random_array(Shape{3}, 66))}};
+  const Tree hv = hvp(f2, p, dir);
+  const Array hv_a = matmul(h[0].at("a").array(), dir.at("a").array()) + matmul(h[0].at("b").array(), dir.at("b").array());
+  CHECK(max_abs_diff(hv.at("a").array(), hv_a) < 1e-5f);
 }

@@ -8,7 +8,7 @@
 //   auto Hv = linum::hvp(f, x, v);          // H v without forming H (reverse over reverse), x and v pytrees
 //
 // jacrev and jacfwd take a pytree x (the Jacobian has x's structure, each leaf of shape
-// f(x).shape + leaf.shape) and a function returning one Array.
+// f(x).shape + leaf.shape); jacfwd's function returns one Array, jacrev's any pytree.
 #pragma once
 
 #include <linum/core/autodiff/grad.hpp>
@@ -32,24 +32,36 @@ Array stack_as(const std::vector<Array>& rows, const Shape& lead, const Shape& r
 Array tree_vdot(const std::vector<Array>& a, const std::vector<Array>& b);
 }  // namespace autodiff::detail
 
-// The Jacobian by reverse mode: row i is the pullback of the i-th basis cotangent.
+// The Jacobian by reverse mode: row i is the pullback of the i-th basis cotangent. For a function
+// returning one Array: x's structure, each leaf of shape f(x).shape + leaf.shape. For a function
+// returning a pytree (a gradient, say): a std::vector with one such x-structured Jacobian per output
+// array, in the output's flatten order (JAX nests them in the output's structure).
 template <class F>
 auto jacrev(F f) {
   return [f](const auto& x) {
     using X = std::decay_t<decltype(x)>;
     auto [y, pullback] = vjp(f, x);
-    static_assert(std::is_same_v<std::decay_t<decltype(y)>, Array>, "jacrev: f must return one Array");
-    const std::vector<Array> leaves = pytree::flatten(x);
-    std::vector<std::vector<Array>> rows(leaves.size());
-    for (std::int64_t i = 0; i < y.numel(); ++i) {
-      const std::vector<Array> g = pytree::flatten(pullback(autodiff::detail::basis_vector(y.shape(), y.dtype(), i)));
-      for (std::size_t k = 0; k < leaves.size(); ++k) rows[k].push_back(g[k]);
+    using Y = std::decay_t<decltype(y)>;
+    const std::vector<Array> leaves = pytree::flatten(x), outs = pytree::flatten(y);
+    std::vector<X> per_output;
+    for (std::size_t o = 0; o < outs.size(); ++o) {
+      std::vector<std::vector<Array>> rows(leaves.size());
+      for (std::int64_t i = 0; i < outs[o].numel(); ++i) {
+        std::vector<Array> cts(outs.size());
+        for (std::size_t m = 0; m < outs.size(); ++m)
+          cts[m] = m == o ? autodiff::detail::basis_vector(outs[m].shape(), outs[m].dtype(), i)
+                          : Array::zeros(outs[m].shape(), outs[m].dtype());
+        const std::vector<Array> g = pytree::flatten(pullback(pytree::rebuild(y, std::span<const Array>(cts))));
+        for (std::size_t k = 0; k < leaves.size(); ++k) rows[k].push_back(g[k]);
+      }
+      std::vector<Array> jac(leaves.size());
+      for (std::size_t k = 0; k < leaves.size(); ++k)
+        jac[k] = autodiff::detail::stack_as(rows[k], outs[o].shape(), leaves[k].shape(),
+                                            is_floating(leaves[k].dtype()) ? leaves[k].dtype() : DType::i32);
+      per_output.push_back(pytree::rebuild(static_cast<const X&>(x), std::span<const Array>(jac)));
     }
-    std::vector<Array> jac(leaves.size());
-    for (std::size_t k = 0; k < leaves.size(); ++k)
-      jac[k] = autodiff::detail::stack_as(rows[k], y.shape(), leaves[k].shape(),
-                                          is_floating(leaves[k].dtype()) ? leaves[k].dtype() : DType::i32);
-    return pytree::rebuild(static_cast<const X&>(x), std::span<const Array>(jac));
+    if constexpr (std::is_same_v<Y, Array>) return per_output.at(0);
+    else return per_output;
   };
 }
 
@@ -92,7 +104,9 @@ auto jacfwd(F f) {
   };
 }
 
-// The Hessian of a scalar function: the Jacobian of its gradient (reverse over reverse).
+// The Hessian of a scalar function: the Jacobian of its gradient (reverse over reverse). For an Array
+// x: shape x.shape + x.shape; for a pytree x: a std::vector over x's arrays (in flatten order) of
+// x-structured blocks, block [i] leaf j of shape x_i.shape + x_j.shape.
 template <class F>
 auto hessian(F f) {
   return jacrev([f](const auto& x) { return grad(f)(x); });
