@@ -2,7 +2,7 @@
 // with u(0) = u(1) = 0 (exact solution: sin(pi x)) by training a small network u(x) whose loss holds
 // its own second derivative with respect to its input.
 //
-//   poisson_pinn [--steps 500] [--points 64] [--width 32] [--depth 3] [--lr 0.005] [--remat per-block|none] [--seed 0]
+//   poisson_pinn [--steps 1000] [--points 64] [--width 32] [--depth 3] [--lr 0.001] [--remat per-block|none] [--seed 0]
 //
 // The loss is mean((u''(x) + f(x))^2) at collocation points plus the boundary terms u(0)^2 + u(1)^2:
 // u' and u'' are gradients of the network with respect to x taken inside the gradient with respect
@@ -50,8 +50,8 @@ struct Net {
 };
 
 struct Options {
-  long steps = 500, points = 64, width = 32, depth = 3;
-  double lr = 5e-3;
+  long steps = 1000, points = 64, width = 32, depth = 3;
+  double lr = 1e-3;
   std::string remat = "per-block";
   int seed = 0;
 };
