@@ -125,16 +125,13 @@ inline bool nested_here() { return differentiation_depth() > 0 && is_recording()
 // An array of an enclosing graph, continued through an identity node the inner sweep stops at.
 Array link_input(const Array& x);
 
-// Tracks the floating arrays of `value` for a nested transformation (an array already in a graph is
-// linked through an identity node, others become fresh leaves) and appends their boundaries.
+// Tracks the floating arrays of `value` for a nested transformation: an array already in a graph is
+// linked through an identity node, others become fresh leaves (boundaries_of finds them again).
 template <class T>
-T track_nested(const T& value, std::vector<Boundary>& boundaries) {
+T track_nested(const T& value) {
   std::vector<Array> arrays = pytree::flatten(value);
-  for (Array& a : arrays) {
-    if (!a.defined() || !is_floating(a.dtype())) continue;
-    a = a.node() != nullptr ? link_input(a) : make_leaf(a);
-    boundaries.push_back({a.node().get(), a.output_index()});
-  }
+  for (Array& a : arrays)
+    if (a.defined() && is_floating(a.dtype())) a = a.node() != nullptr ? link_input(a) : make_leaf(a);
   return pytree::rebuild(value, std::span<const Array>(arrays));
 }
 
@@ -175,8 +172,7 @@ auto track_selected(std::index_sequence<Is...>, const Args&... args) {
                         "pytree arguments (Array, Tree, containers of them, structs registered with "
                         "pytree::Fields) with the template argnums, e.g. value_and_grad<0, 2>(f)");
           if constexpr (kNested) {
-            std::vector<Boundary> none;
-            return track_nested(args, none);
+            return track_nested(args);
           } else {
             return Differentiable<std::decay_t<Args>>::track(args);
           }
@@ -366,8 +362,7 @@ auto vjp(F&& f, const Args&... args) {
   static_assert((DifferentiableValue<Args> && ...), "vjp: every argument must be a pytree (Array, Tree, containers of them, structs registered with pytree::Fields)");
   const bool nested = autodiff::detail::nested_here();
   autodiff::EnableGradGuard recording;
-  std::vector<autodiff::Boundary> unused;
-  std::tuple<std::decay_t<Args>...> tracked{nested ? autodiff::detail::track_nested(args, unused)
+  std::tuple<std::decay_t<Args>...> tracked{nested ? autodiff::detail::track_nested(args)
                                                    : Differentiable<std::decay_t<Args>>::track(args)...};
   auto out = [&] {
     autodiff::DifferentiationScope depth;

@@ -41,9 +41,10 @@ auto jvp_tuple(F&& f, const std::tuple<Ps...>& primals, const std::tuple<Ps...>&
                                                    "structs registered with pytree::Fields)");
   const bool nested = nested_here();
   EnableGradGuard recording;
+  std::tuple<std::decay_t<Ps>...> tracked =
+      std::apply([](const auto&... p) { return std::tuple<std::decay_t<Ps>...>{track_nested(p)...}; }, primals);
   std::vector<Boundary> boundaries;
-  std::tuple<std::decay_t<Ps>...> tracked = std::apply(
-      [&](const auto&... p) { return std::tuple<std::decay_t<Ps>...>{track_nested(p, boundaries)...}; }, primals);
+  std::apply([&](const auto&... t) { (boundaries_of(t, boundaries), ...); }, tracked);
   auto out = [&] {
     DifferentiationScope depth;
     return std::apply(std::forward<F>(f), tracked);
