@@ -18,6 +18,7 @@
 #include <linum/core/autodiff/grad.hpp>
 #include <linum/core/autodiff/jvp.hpp>
 #include <linum/core/transforms/jacobians.hpp>
+#include <linum/core/transforms/vmap.hpp>
 #include <linum/core/autodiff/custom_vjp.hpp>
 #include <linum/core/autodiff/saved_hooks.hpp>
 #include <linum/core/ops/all.hpp>

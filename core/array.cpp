@@ -95,21 +95,25 @@ Array Array::arange(std::int64_t n) {
 
 float* Array::mutable_data() {
   check_dtype(DType::f32, "Array::mutable_data");
+  if (batch_) [[unlikely]] refuse_batched_write("Array::mutable_data");
   return static_cast<float*>(buffer_->data());
 }
 
 std::int32_t* Array::mutable_data_i32() {
   check_dtype(DType::i32, "Array::mutable_data_i32");
+  if (batch_) [[unlikely]] refuse_batched_write("Array::mutable_data_i32");
   return static_cast<std::int32_t*>(buffer_->data());
 }
 
 bfloat16* Array::mutable_data_bf16() {
   check_dtype(DType::bf16, "Array::mutable_data_bf16");
+  if (batch_) [[unlikely]] refuse_batched_write("Array::mutable_data_bf16");
   return static_cast<bfloat16*>(buffer_->data());
 }
 
 void* Array::mutable_raw() {
   if (!defined()) throw ValueError("Array::mutable_raw: the array is undefined");
+  if (batch_) [[unlikely]] refuse_batched_write("Array::mutable_raw");
   return buffer_->data();
 }
 
@@ -143,12 +147,82 @@ bool Array::bitwise_equal(const Array& other) const {
 }
 
 Array Array::with_shape(const Shape& shape) const {
+  if (batch_) [[unlikely]]
+    throw BatchingError(detail::cat("Array::with_shape: cannot view a batched array (", type_str(), " per example, ",
+                                    batch_->physical.str(), " in all) as shape ", shape,
+                                    " inside vmap: use reshape, which has a batching rule"));
   if (shape.numel() != numel())
     throw ShapeError(detail::cat("Array::with_shape: cannot view an array of shape ", shape_, " (", numel(),
                                  " elements) as shape ", shape, " (", shape.numel(), " elements)"));
   Array a = detached();
   a.shape_ = shape;
   return a;
+}
+
+std::span<const BatchLevel> Array::batch_levels() const {
+  if (!batch_) return {};
+  return batch_->levels;
+}
+
+Array Array::physical() const {
+  if (!batch_) return *this;
+  Array a = *this;
+  a.shape_ = batch_->physical;
+  a.batch_.reset();
+  return a;
+}
+
+Array Array::batched_view(const Array& physical, std::span<const BatchLevel> levels) {
+  if (physical.batch_)
+    throw BatchingError("Array::batched_view: the physical array is itself batched (take physical() first)");
+  if (levels.empty()) return physical;
+  const int n = static_cast<int>(levels.size());
+  if (physical.rank() < n)
+    throw BatchingError(detail::cat("Array::batched_view: ", physical.type_str(), " has fewer axes than the ", n,
+                                    " batch levels it should lead with"));
+  std::vector<std::int64_t> example;
+  for (int i = 0; i < n; ++i) {
+    if (physical.dim(i) != levels[static_cast<std::size_t>(i)].size)
+      throw BatchingError(detail::cat("Array::batched_view: axis ", i, " of ", physical.type_str(), " has ",
+                                      physical.dim(i), " entries but its batch level has ",
+                                      levels[static_cast<std::size_t>(i)].size, " examples"));
+    if (i > 0 && levels[static_cast<std::size_t>(i)].id <= levels[static_cast<std::size_t>(i - 1)].id)
+      throw BatchingError("Array::batched_view: batch levels must be sorted by id");
+  }
+  for (int i = n; i < physical.rank(); ++i) example.push_back(physical.dim(i));
+  Array a = physical;
+  a.shape_ = Shape(example);
+  a.batch_ = std::make_shared<const detail::BatchInfo>(detail::BatchInfo{physical.shape_, {levels.begin(), levels.end()}});
+  return a;
+}
+
+const void* Array::batched_raw() const {
+  if (!buffer_) return nullptr;
+  const auto* cursor = detail::BatchCursor::top();
+  if (cursor == nullptr)
+    throw BatchingError(detail::cat(
+        "a batched array (", type_str(), " per example, ", batch_->physical.str(),
+        " in all) was read as one value inside vmap: item(), to_vector(), data() and the kernels of ops without a "
+        "batching rule need one value, but this one differs per example. Compute with ops (which batch), or "
+        "read the value after vmap returns"));
+  // Offset of the cursor's example: row-major over this array's own levels.
+  std::int64_t flat = 0;
+  for (const BatchLevel& level : batch_->levels) {
+    std::int64_t idx = -1;
+    for (std::size_t i = 0; i < cursor->levels.size(); ++i)
+      if (cursor->levels[i].id == level.id) idx = cursor->index[i];
+    if (idx < 0)
+      throw BatchingError(detail::cat("a batched array (", type_str(),
+                                      ") of a vmap level the op's loop does not cover was read by a kernel: an op "
+                                      "without a batching rule reads an array it was not given as an input"));
+    flat = flat * level.size + idx;
+  }
+  return static_cast<const char*>(buffer_->data()) + flat * static_cast<std::int64_t>(nbytes());
+}
+
+void Array::refuse_batched_write(const char* where) const {
+  throw BatchingError(detail::cat(where, ": cannot write into a batched array (", type_str(),
+                                  " per example): arrays are written only by the op that creates them"));
 }
 
 void Array::check_dtype(DType want, const char* where) const {
@@ -175,6 +249,8 @@ std::string Array::str() const {
 
 std::ostream& operator<<(std::ostream& os, const Array& a) {
   if (!a.defined()) return os << "Array(<undefined>)";
+  if (a.batched()) return os << "Array(" << dtype_name(a.dtype()) << a.shape().str() << " per example, batched as "
+                             << a.physical_shape().str() << ")";
   os << "Array(" << dtype_name(a.dtype()) << a.shape().str();
   if (a.numel() <= 16) {
     os << ", [";

@@ -11,6 +11,7 @@
 
 #include <atomic>
 
+#include <linum/core/batch_levels.hpp>
 #include <linum/core/dtype.hpp>
 #include <linum/core/error.hpp>
 #include <linum/core/shape.hpp>
@@ -101,7 +102,11 @@ class Array {
   const float* data() const { check_dtype(DType::f32, "Array::data"); return static_cast<const float*>(raw()); }
   const std::int32_t* data_i32() const { check_dtype(DType::i32, "Array::data_i32"); return static_cast<const std::int32_t*>(raw()); }
   const bfloat16* data_bf16() const { check_dtype(DType::bf16, "Array::data_bf16"); return static_cast<const bfloat16*>(raw()); }
-  const void* raw() const { return buffer_ ? buffer_->data() : nullptr; }
+  const void* raw() const {
+    if (batch_) [[unlikely]]
+      return batched_raw();
+    return buffer_ ? buffer_->data() : nullptr;
+  }
 
   // Write access for code that has just created this array (kernels). Writing into a buffer that
   // is already shared breaks immutability; this is checked.
@@ -127,7 +132,7 @@ class Array {
   std::weak_ptr<const void> weak_buffer() const { return buffer_; }
   // No other Array refers to this buffer: an op that consumes this array may write its result
   // into it (backward rules reuse cotangent buffers this way).
-  bool owns_buffer_alone() const { return buffer_ != nullptr && buffer_.use_count() == 1; }
+  bool owns_buffer_alone() const { return buffer_ != nullptr && batch_ == nullptr && buffer_.use_count() == 1; }
 
   // A view of the same buffer with another shape of the same size (no copy, no graph node).
   Array with_shape(const Shape& shape) const;
@@ -139,6 +144,20 @@ class Array {
   std::string str() const;  // "Array(float32[2,3], [...])": dtype, shape, values of small arrays
   std::string type_str() const;  // "bf16[2048,512]", as JAX prints an array's type
 
+  // --- vmap (see core/batch_levels.hpp) --------------------------------------------------------
+  // Whether this array holds one value per example of enclosing vmap levels; shape() is then the
+  // shape of one example.
+  bool batched() const { return batch_ != nullptr; }
+  // The levels this array is batched over, sorted by id (empty when not batched).
+  std::span<const BatchLevel> batch_levels() const;
+  // The shape of the whole buffer: the levels' sizes, then shape() (shape() when not batched).
+  const Shape& physical_shape() const { return batch_ ? batch_->physical : shape_; }
+  // Internal (batching rules): the whole buffer as one unbatched array (same buffer and graph node).
+  Array physical() const;
+  // Internal: `physical`, whose leading axes are `levels` (sorted by id, sizes matching), as a
+  // batched array (same buffer and graph node). No levels: `physical` itself.
+  static Array batched_view(const Array& physical, std::span<const BatchLevel> levels);
+
   // --- autodiff plumbing (see core/autodiff/graph.hpp) -----------------------------------------
   const std::shared_ptr<autodiff::Node>& node() const { return node_; }
   std::uint32_t output_index() const { return output_index_; }
@@ -148,6 +167,8 @@ class Array {
 
  private:
   void check_dtype(DType want, const char* where) const;
+  const void* batched_raw() const;
+  void refuse_batched_write(const char* where) const;
 
   Shape shape_;
   DType dtype_ = DType::f32;
@@ -155,6 +176,7 @@ class Array {
   std::shared_ptr<Buffer> buffer_;
   std::shared_ptr<autodiff::Node> node_;
   std::uint32_t output_index_ = 0;
+  std::shared_ptr<const detail::BatchInfo> batch_;  // null unless batched (vmap)
 };
 
 std::ostream& operator<<(std::ostream& os, const Array& a);

@@ -59,6 +59,13 @@ struct AutodiffError : Error {
   using Error::Error;
 };
 
+// vmap (core/transforms/vmap.hpp): a value that differs per example read where one value is needed
+// (item(), to_vector(), a kernel of an op with no batching rule), batch sizes that disagree, an
+// out axis that cannot hold the result.
+struct BatchingError : Error {
+  using Error::Error;
+};
+
 // An allocation the machine cannot satisfy, or one that would take live array bytes above the
 // limit set with memory::set_live_limit. Names the array's shape and dtype.
 struct MemoryError : Error {

@@ -623,10 +623,57 @@ void check_static_argnums(const std::vector<int>& argnums, std::size_t num_args)
                                           "accepted)"));
 }
 
+namespace {
+std::vector<Array> run_checkpointed_physical(const Thunk& forward, Thunk recompute, const CheckpointOptions& options,
+                                             std::string where, std::vector<Array> held,
+                                             const std::function<bool(const std::vector<Array>&)>& keep_plain,
+                                             std::shared_ptr<pytree::StoredArguments> arguments);
+}  // namespace
+
+// vmap: a block whose outputs are batched (core/batch_levels.hpp) is checkpointed as the physical
+// computation it is. Its node and the enclosing sweep see the outputs' physical arrays; the
+// recomputation runs the block again on its stored (batched) arguments and hands back the physical
+// arrays of the same outputs, so per-example values stay bitwise those of the first run.
 std::vector<Array> run_checkpointed(const Thunk& forward, Thunk recompute, const CheckpointOptions& options,
                                     std::string where, std::vector<Array> held,
                                     const std::function<bool(const std::vector<Array>&)>& keep_plain,
                                     std::shared_ptr<pytree::StoredArguments> arguments) {
+  auto levels = std::make_shared<std::vector<std::vector<BatchLevel>>>();
+  auto physical = [levels, where](std::vector<Array> outs, bool first) {
+    if (first) levels->clear();
+    for (std::size_t i = 0; i < outs.size(); ++i) {
+      const std::span<const BatchLevel> own = outs[i].batch_levels();
+      if (first) {
+        levels->emplace_back(own.begin(), own.end());
+      } else if (i >= levels->size() || !std::equal(own.begin(), own.end(), (*levels)[i].begin(), (*levels)[i].end())) {
+        throw AutodiffError(linum::detail::cat("'", where, "': the recomputation's output ", i,
+                                               " is batched differently (vmap) from the first run's"));
+      }
+      outs[i] = outs[i].physical();
+    }
+    return outs;
+  };
+  const Thunk forward_physical = [&forward, physical] { return physical(forward(), true); };
+  Thunk recompute_physical = [recompute = std::move(recompute), physical] { return physical(recompute(), false); };
+  std::function<bool(const std::vector<Array>&)> keep_plain_physical;
+  if (keep_plain)
+    keep_plain_physical = [&keep_plain, levels](const std::vector<Array>& outs) {
+      std::vector<Array> batched = outs;
+      for (std::size_t i = 0; i < batched.size() && i < levels->size(); ++i)
+        batched[i] = Array::batched_view(batched[i], (*levels)[i]);
+      return keep_plain(batched);
+    };
+  std::vector<Array> outs = run_checkpointed_physical(forward_physical, std::move(recompute_physical), options, std::move(where),
+                                                      std::move(held), keep_plain_physical, std::move(arguments));
+  for (std::size_t i = 0; i < outs.size() && i < levels->size(); ++i) outs[i] = Array::batched_view(outs[i], (*levels)[i]);
+  return outs;
+}
+
+namespace {
+std::vector<Array> run_checkpointed_physical(const Thunk& forward, Thunk recompute, const CheckpointOptions& options,
+                                             std::string where, std::vector<Array> held,
+                                             const std::function<bool(const std::vector<Array>&)>& keep_plain,
+                                             std::shared_ptr<pytree::StoredArguments> arguments) {
   if (options.policy.batch_splits() > 1)
     throw ValueError(linum::detail::cat("'", where, "': policies::split_batch applies to module calls under lift::RematScope or "
                                         "lift::PlanScope (which split the call); give checkpoint and remat<M> the policy inside it, ",
@@ -703,6 +750,7 @@ std::vector<Array> run_checkpointed(const Thunk& forward, Thunk recompute, const
       if (o.node()) autodiff::detail::notify_record_hooks("checkpoint", std::span<Array>(&o, 1), node.get(), nullptr);
   return outs;
 }
+}  // namespace
 
 }  // namespace detail
 }  // namespace linum::lift

@@ -166,6 +166,8 @@ class NamedNode final : public autodiff::Node {
 
 Array checkpoint_name(const Array& x, std::string name) {
   if (!x.defined()) throw ValueError("checkpoint_name: got an undefined array");
+  if (x.batched()) [[unlikely]]  // vmap: the name labels the physical value
+    return Array::batched_view(checkpoint_name(x.physical(), std::move(name)), x.batch_levels());
   Array y = x.detached();
   const Array* in[] = {&x};
   const std::span<const Array* const> ins(in, 1);

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <linum/core/array.hpp>
+#include <linum/core/autodiff/batching.hpp>
 #include <linum/core/autodiff/graph.hpp>
 #include <linum/core/autodiff/pytree.hpp>
 
@@ -40,6 +41,7 @@ inline Array leaf_gradient(const Array& tracked) {
   if (!tracked.defined()) return tracked;
   if (!is_floating(tracked.dtype())) return Array::zeros(tracked.shape(), tracked.dtype());
   Array g = tracked.node() ? tracked.node()->take_grad(tracked.output_index()) : Array();
+  if (g.defined() && tracked.batched()) return Array::batched_view(g, tracked.batch_levels());  // per example (vmap)
   return g.defined() ? g : Array::zeros(tracked.shape(), tracked.dtype());
 }
 }  // namespace autodiff
@@ -54,12 +56,14 @@ inline Array leaf_gradient(const Array& tracked) {
 //     of its shape (JAX's float0 zeros under allow_int=True), never a float that silently stays 0;
 //   - an integer Array passed as the whole differentiated argument is an error, as in JAX (its
 //     gradient would carry nothing): pass it as a non-differentiated argument.
+// Inside vmap, the gradient is per example: every leaf is first batched at the open vmap levels
+// (autodiff::to_open_levels), so its gradient is batched too.
 template <class T>
 struct Differentiable {
   static T track(const T& value) {
     std::vector<Array> arrays = pytree::flatten(value);
     for (Array& a : arrays)
-      if (a.defined() && is_floating(a.dtype())) a = autodiff::make_leaf(a);
+      if (a.defined() && is_floating(a.dtype())) a = autodiff::make_leaf(autodiff::to_open_levels(a));
     return pytree::rebuild(value, std::span<const Array>(arrays));
   }
   static T gradient(const T& tracked) {
@@ -71,7 +75,9 @@ struct Differentiable {
 
 template <>
 struct Differentiable<Array> {
-  static Array track(const Array& x) { return autodiff::make_leaf(x); }  // refuses integer arrays
+  static Array track(const Array& x) {  // refuses integer arrays
+    return autodiff::make_leaf(is_floating(x.dtype()) ? autodiff::to_open_levels(x) : x);
+  }
   static Array gradient(const Array& tracked) { return autodiff::leaf_gradient(tracked); }
 };
 
@@ -131,7 +137,10 @@ template <class T>
 T track_nested(const T& value) {
   std::vector<Array> arrays = pytree::flatten(value);
   for (Array& a : arrays)
-    if (a.defined() && is_floating(a.dtype())) a = a.node() != nullptr ? link_input(a) : make_leaf(a);
+    if (a.defined() && is_floating(a.dtype())) {
+      a = to_open_levels(a);
+      a = a.node() != nullptr ? link_input(a) : make_leaf(a);
+    }
   return pytree::rebuild(value, std::span<const Array>(arrays));
 }
 
@@ -155,6 +164,7 @@ T gradient_from_sums(const T& tracked, std::vector<Array>& sums, std::size_t& ne
     }
     Array g = next < sums.size() ? std::move(sums[next]) : Array();
     ++next;
+    if (g.defined() && a.batched()) g = Array::batched_view(g, a.batch_levels());  // per example (vmap)
     a = g.defined() ? g : Array::zeros(a.shape(), a.dtype());
   }
   return pytree::rebuild(tracked, std::span<const Array>(arrays));
@@ -200,7 +210,7 @@ template <class Tuple, std::size_t... Nums>
 std::vector<Array> nested_sweep(const Array& value, const Tuple& tracked) {
   std::vector<Boundary> boundaries;
   (boundaries_of(std::get<Nums>(tracked), boundaries), ...);
-  Array one = Array::full(value.shape(), 1.0f, value.dtype());
+  Array one = physical_cotangent(value, Array::full(value.shape(), 1.0f, value.dtype()));
   return backward_into({Edge{value.node(), value.output_index()}}, {one}, boundaries, {}, /*create_graph=*/true,
                        /*prune=*/true);
 }
@@ -330,6 +340,8 @@ class Pullback {
         if (roots[i].node() != nullptr && cts[i].defined() && !(cts[i].shape() == roots[i].shape()))
           throw AutodiffError(linum::detail::cat("vjp pullback: cotangent of shape ", cts[i].shape(), " for an output of shape ",
                                                  roots[i].shape()));
+      for (std::size_t i = 0; i < roots.size(); ++i)
+        if (roots[i].node() != nullptr && cts[i].defined()) cts[i] = autodiff::physical_cotangent(roots[i], cts[i]);
       std::vector<Array> sums = autodiff::backward_into(std::move(edges), std::move(cts), boundaries, {}, true, true);
       std::size_t next = 0;
       if constexpr (sizeof...(Args) == 1) {

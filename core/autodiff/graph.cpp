@@ -1,6 +1,7 @@
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/threading.hpp>
 #include <linum/core/autodiff/graph.hpp>
+#include <linum/core/autodiff/batching.hpp>
 #include <linum/core/autodiff/grad.hpp>
 #include <linum/core/autodiff/hooks.hpp>
 #include <linum/core/autodiff/primitive.hpp>
@@ -263,9 +264,10 @@ void seed(std::span<const Array> roots, std::span<const Array> cotangents) {
     if (!(cotangents[i].shape() == roots[i].shape()))
       throw AutodiffError(linum::detail::cat("backward: cotangent of shape ", cotangents[i].shape(), " for an output of shape ",
                                       roots[i].shape()));
+    const Array ct = physical_cotangent(roots[i], cotangents[i]);
     auto& grads = SweepAccess::grads(n);
     grads.resize(n->num_outputs());
-    add_into(grads[r.index], in_dtype(cotangents[i], n->output_dtype(r.index)));
+    add_into(grads[r.index], in_dtype(ct, n->output_dtype(r.index)));
   }
 }
 
@@ -487,6 +489,7 @@ Array Node::take_grad(std::size_t i) {
 
 namespace detail {
 Array link_input(const Array& x) {
+  if (x.batched()) return Array::batched_view(link_input(x.physical()), x.batch_levels());
   return primitive("input", {&x}, [&](Residuals&) { return x.detached(); },
                    higher_order([](Cotangents& c, Saved) { c.set(0, c.out()); }));
 }
@@ -536,6 +539,7 @@ Array make_leaf(const Array& x) {
     throw AutodiffError(linum::detail::cat("make_leaf: only float32 and bfloat16 arrays can be differentiated, got ",
                                     dtype_name(x.dtype()), x.shape().str(),
                                     "; pass integer arrays (labels, indices) as non-differentiated arguments"));
+  if (x.batched()) return Array::batched_view(make_leaf(x.physical()), x.batch_levels());
   Array leaf = x.detached();
   leaf.set_node(std::make_shared<LeafNode>(x.shape()), 0);
   return leaf;
@@ -580,7 +584,10 @@ std::vector<Array> backward_to(std::span<const Array> roots, std::span<const Arr
     if (roots[i].node() && cotangents[i].defined() && !(cotangents[i].shape() == roots[i].shape()))
       throw AutodiffError(linum::detail::cat("backward: cotangent of shape ", cotangents[i].shape(),
                                              " for an output of shape ", roots[i].shape()));
-  return backward_to(std::move(edges), std::vector<Array>(cotangents.begin(), cotangents.end()), boundaries);
+  std::vector<Array> cts;
+  for (std::size_t i = 0; i < roots.size(); ++i)
+    cts.push_back(cotangents[i].defined() ? physical_cotangent(roots[i], cotangents[i]) : cotangents[i]);
+  return backward_to(std::move(edges), std::move(cts), boundaries);
 }
 
 std::vector<Array> backward_into(std::vector<Edge> roots, std::vector<Array> cotangents, std::span<const Boundary> given,
@@ -589,6 +596,8 @@ std::vector<Array> backward_into(std::vector<Edge> roots, std::vector<Array> cot
   const Accumulation acc{create};
   if (roots.size() != cotangents.size())
     throw AutodiffError(linum::detail::cat("backward: ", roots.size(), " roots but ", cotangents.size(), " cotangents"));
+  for (Array& ct : cotangents)  // nodes hold physical values (vmap): so do their cotangents
+    if (ct.defined() && ct.batched()) ct = ct.physical();
   for (Edge& r : roots) r = resolved(r);
   // Boundaries at nodes that forward their outputs are where those outputs went.
   std::vector<Boundary> resolved_boundaries(given.begin(), given.end());

@@ -32,6 +32,7 @@
 #pragma once
 
 #include <linum/core/array.hpp>
+#include <linum/core/autodiff/batching.hpp>
 #include <linum/core/autodiff/graph.hpp>
 #include <linum/core/debug_nans.hpp>
 #include <linum/core/memory.hpp>
@@ -99,6 +100,18 @@ inline bool any_needs_grad(std::span<const Array* const> inputs) {
   return false;
 }
 
+// Whether a primitive on these inputs takes the plain path: no input is batched (vmap) and none
+// needs a gradient. One pass over the inputs.
+inline bool plain_constant(std::span<const Array* const> inputs) {
+  bool node = false;
+  for (const Array* a : inputs) {
+    if (a->batched()) [[unlikely]]
+      return false;
+    node = node || a->node() != nullptr;
+  }
+  return !node || !recording_on();
+}
+
 std::vector<Edge> edges_of(std::span<const Array* const> inputs);
 
 // Records the node of a single-output primitive whose output `y` and residuals are known.
@@ -129,6 +142,114 @@ template <class Forward, class Rule>
   return finish_primitive(name, ins, std::move(y), std::move(kept.arrays()), std::forward<Rule>(rule));
 }
 
+// Records the node of a primitive with several outputs `ys` whose residuals are known.
+template <class Rule>
+void finish_primitive_multi(const char* name, std::span<const Array* const> ins, std::vector<Array>& ys,
+                            std::vector<Array> residuals, Rule&& rule, std::shared_ptr<const void> structure) {
+  std::vector<Shape> shapes;
+  shapes.reserve(ys.size());
+  for (const Array& o : ys) shapes.push_back(o.shape());
+  const ResidualOrigins origins = residual_origins(ins, ys, residuals);
+  auto node = std::make_shared<RuleNode<std::decay_t<Rule>>>(name, edges_of(ins), std::move(shapes), std::move(residuals),
+                                                             std::forward<Rule>(rule), origins);
+  auto* raw = node.get();
+  for (std::size_t i = 0; i < ys.size(); ++i) ys[i].set_node(node, static_cast<std::uint32_t>(i));
+  if (observed()) {
+    const PrimitiveCall call{ins, ys, raw->residuals(), ys.size(), std::move(structure)};
+    after_record_observed(name, ys, raw, &call);
+  }
+}
+
+// A value a primitive's forward handed back while looping over the batch that is itself batched (an
+// input kept as a residual, an input returned as is): the current example, as the example's input
+// when it is one.
+inline Array own_example(const Array& a, std::span<const Array* const> ins, std::span<const Array> examples) {
+  for (std::size_t i = 0; i < ins.size(); ++i)
+    if (ins[i]->batched() && a.buffer_identity() == ins[i]->buffer_identity() && a.shape() == ins[i]->shape() &&
+        a.dtype() == ins[i]->dtype())
+      return examples[i].detached();
+  return copy_current_example(a);
+}
+
+// vmap's fallback for a primitive without a batching rule (some input batched): the primitive runs
+// once per example, each run recorded as its own node on that example's inputs (so gradients and
+// checkpoint replays work as for any primitive), and the outputs are stacked into batched arrays.
+// While an example runs, the loop cursor makes every batched array its forward reads show that
+// example (core/batch_levels.hpp); one the rule would read later is copied out first. Reported once
+// per op name.
+template <bool kSingle, class Forward, class Rule>
+std::vector<Array> primitive_by_loop(const char* name, std::span<const Array* const> ins, Forward& forward, const Rule& rule,
+                                     std::shared_ptr<const void>* structure) {
+  const std::vector<BatchLevel> levels = union_levels(ins, name);
+  std::int64_t total = 1;
+  for (const BatchLevel& l : levels) total *= l.size;
+  report_loop(name, total);
+  std::vector<std::vector<Array>> examples(ins.size());
+  for (std::size_t i = 0; i < ins.size(); ++i)
+    if (ins[i]->batched()) examples[i] = unstack_examples(*ins[i]);
+  std::vector<std::vector<Array>> outs;  // [output][example]
+  std::vector<std::int64_t> index(levels.size(), 0);
+  std::vector<Array> current(ins.size());
+  std::vector<const Array*> current_ptrs(ins.size());
+  for (std::int64_t n = 0; n < total; ++n) {
+    for (std::int64_t rem = n, l = static_cast<std::int64_t>(levels.size()) - 1; l >= 0; --l) {
+      index[static_cast<std::size_t>(l)] = rem % levels[static_cast<std::size_t>(l)].size;
+      rem /= levels[static_cast<std::size_t>(l)].size;
+    }
+    linum::detail::BatchCursor::Entry cursor({levels, index});
+    for (std::size_t i = 0; i < ins.size(); ++i) {
+      if (ins[i]->batched()) {
+        std::int64_t flat = 0;
+        for (const BatchLevel& own : ins[i]->batch_levels())
+          for (std::size_t l = 0; l < levels.size(); ++l)
+            if (levels[l].id == own.id) flat = flat * own.size + index[l];
+        current[i] = examples[i][static_cast<std::size_t>(flat)];
+      } else {
+        current[i] = *ins[i];
+      }
+      current_ptrs[i] = &current[i];
+    }
+    const std::span<const Array* const> example_ins(current_ptrs);
+    const bool recording = any_needs_grad(example_ins);
+    Residuals kept(recording);
+    std::vector<Array> ys;
+    std::shared_ptr<const void> replayed_structure;
+    bool replayed = false;
+    if (recording && record_hooks_active())
+      if (std::optional<Replayed> r = replay_primitive(example_ins)) {
+        ys = std::move(r->outs);
+        kept.arrays() = std::move(r->residuals);
+        replayed_structure = std::move(r->structure);
+        replayed = true;
+      }
+    if (!replayed) {
+      NoGradGuard inner;
+      if constexpr (kSingle) ys.push_back(forward(kept));
+      else ys = forward(kept);
+    }
+    for (Array& y : ys)
+      if (y.batched()) y = own_example(y, ins, current);
+    for (Array& r : kept.arrays())
+      if (r.defined() && r.batched()) r = own_example(r, ins, current);
+    if (recording) {
+      if constexpr (std::is_copy_constructible_v<Rule>) {
+        if (replayed && structure != nullptr) *structure = replayed_structure;
+        finish_primitive_multi(name, example_ins, ys, std::move(kept.arrays()), Rule(rule),
+                               structure != nullptr ? *structure : replayed_structure);
+      } else {
+        throw BatchingError(linum::detail::cat("vmap: op '", name, "' has no batching rule and its backward rule cannot be "
+                                               "copied to run once per example; give it a batching rule"));
+      }
+    }
+    if (outs.size() < ys.size()) outs.resize(ys.size());
+    for (std::size_t j = 0; j < ys.size(); ++j) outs[j].push_back(std::move(ys[j]));
+  }
+  std::vector<Array> stacked;
+  stacked.reserve(outs.size());
+  for (const std::vector<Array>& per_example : outs) stacked.push_back(stack_examples(per_example, levels));
+  return stacked;
+}
+
 }  // namespace detail
 
 // Runs a primitive with one output. `forward(Residuals&) -> Array` computes the output with the
@@ -138,10 +259,12 @@ template <class Forward, class Rule>
 template <class Forward, class Rule>
 Array primitive(const char* name, std::initializer_list<const Array*> inputs, Forward&& forward, Rule&& rule) {
   const std::span<const Array* const> ins(inputs.begin(), inputs.size());
-  if (!detail::any_needs_grad(ins)) [[likely]] {
+  if (detail::plain_constant(ins)) [[likely]] {
     Residuals none(false);
     return forward(none);
   }
+  if (any_batched(ins)) [[unlikely]]
+    return std::move(detail::primitive_by_loop<true>(name, ins, forward, rule, nullptr).at(0));
   if (detail::record_hooks_active()) [[unlikely]]
     return detail::primitive_in_region(name, ins, forward, std::forward<Rule>(rule));
   Residuals kept(true);
@@ -159,10 +282,12 @@ Array primitive(const char* name, std::initializer_list<const Array*> inputs, Fo
 template <class Forward, class Rule>
 std::vector<Array> primitive_multi(const char* name, std::span<const Array* const> ins, Forward&& forward, Rule&& rule,
                                    std::shared_ptr<const void>* structure = nullptr) {
-  if (!detail::any_needs_grad(ins)) [[likely]] {
+  if (detail::plain_constant(ins)) [[likely]] {
     Residuals none(false);
     return forward(none);
   }
+  if (any_batched(ins)) [[unlikely]]
+    return detail::primitive_by_loop<false>(name, ins, forward, rule, structure);
   Residuals kept(true);
   std::vector<Array> ys;
   bool replayed = false;
@@ -177,18 +302,8 @@ std::vector<Array> primitive_multi(const char* name, std::span<const Array* cons
     NoGradGuard inner;
     ys = forward(kept);
   }
-  std::vector<Shape> shapes;
-  shapes.reserve(ys.size());
-  for (const Array& o : ys) shapes.push_back(o.shape());
-  const detail::ResidualOrigins origins = detail::residual_origins(ins, ys, kept.arrays());
-  auto node = std::make_shared<RuleNode<std::decay_t<Rule>>>(name, detail::edges_of(ins), std::move(shapes),
-                                                                          std::move(kept.arrays()), std::forward<Rule>(rule), origins);
-  auto* raw = node.get();
-  for (std::size_t i = 0; i < ys.size(); ++i) ys[i].set_node(node, static_cast<std::uint32_t>(i));
-  if (detail::observed()) {
-    const detail::PrimitiveCall call{ins, ys, raw->residuals(), ys.size(), structure != nullptr ? *structure : nullptr};
-    detail::after_record_observed(name, ys, raw, &call);
-  }
+  detail::finish_primitive_multi(name, ins, ys, std::move(kept.arrays()), std::forward<Rule>(rule),
+                                 structure != nullptr ? *structure : nullptr);
   return ys;
 }
 

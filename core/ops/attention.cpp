@@ -1,5 +1,6 @@
 #include <linum/core/ops/kind.hpp>
 #include <linum/core/ops/attention.hpp>
+#include <linum/core/ops/batching.hpp>
 #include <linum/core/threading.hpp>
 
 #include <linum/core/autodiff/primitive.hpp>
@@ -508,6 +509,17 @@ Array composed_attention(const Geometry& g, const Array& q_in, const Array& k_in
 Array scaled_dot_product_attention(const Array& q_in, const Array& k_in, const Array& v_in,
                                    const ScaledDotProductAttentionOptions& o) {
   for (const Array* a : {&q_in, &k_in, &v_in}) ops::detail::require_defined(*a, "scaled_dot_product_attention");
+  if (q_in.batched() || k_in.batched() || v_in.batched() || o.mask.batched()) [[unlikely]] {
+    // vmap: the levels become leading batch axes of q, k, v (the mask broadcasts along those it lacks).
+    const std::vector<BatchLevel> levels =
+        ops::batching::levels_of({&q_in, &k_in, &v_in, &o.mask}, "scaled_dot_product_attention");
+    ScaledDotProductAttentionOptions po = o;
+    if (o.mask.defined()) po.mask = ops::batching::aligned(o.mask, levels, std::max(o.mask.rank(), q_in.rank()));
+    return ops::batching::wrap(scaled_dot_product_attention(ops::batching::materialized(q_in, levels),
+                                                            ops::batching::materialized(k_in, levels),
+                                                            ops::batching::materialized(v_in, levels), po),
+                               levels);
+  }
   // One computation dtype (JAX's promotion); astype is differentiable, so gradients reach each input.
   const DType dt = promote_types(promote_types(q_in.dtype(), k_in.dtype()), v_in.dtype());
   const Array q = q_in.dtype() == dt ? q_in : astype(q_in, dt);

@@ -5,6 +5,7 @@
 #include <linum/core/ops/kind.hpp>
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/threading.hpp>
+#include <linum/core/ops/batching.hpp>
 #include <linum/core/ops/conv.hpp>
 #include <linum/core/ops/shape_ops.hpp>
 #include <linum/core/ops/elementwise.hpp>
@@ -198,9 +199,39 @@ Array scratch(std::int64_t rows, std::int64_t width) { return Array::empty(Shape
 
 }  // namespace
 
+namespace {
+// vmap with a kernel per example (an ensemble's convolutions, per-example gradients): one grouped
+// convolution, each example's channels a group of their own (P examples, G groups: P * G groups).
+Array conv2d_batched_kernel(const Array& x, const Array& w, const ConvOptions& opt) {
+  if (x.rank() != 4 || w.rank() != 4)
+    throw ShapeError(detail::cat("conv2d: needs x as [N, H, W, C] and kernel as [KH, KW, C/groups, O], got ",
+                                 ops::detail::shapes_str({&x, &w})));
+  const std::vector<BatchLevel> levels = ops::batching::levels_of({&x, &w}, "conv2d");
+  std::int64_t p = 1;
+  for (const BatchLevel& l : levels) p *= l.size;
+  const std::int64_t n = x.dim(0), h = x.dim(1), wd = x.dim(2), c = x.dim(3);
+  const std::int64_t kh = w.dim(0), kw = w.dim(1), cg = w.dim(2), o = w.dim(3);
+  const Array xs = transpose(reshape(ops::batching::materialized(x, levels), {p, n, h, wd, c}), {1, 2, 3, 0, 4});
+  const Array ws = transpose(reshape(ops::batching::materialized(w, levels), {p, kh, kw, cg, o}), {1, 2, 3, 0, 4});
+  ConvOptions grouped = opt;
+  grouped.feature_group_count = opt.feature_group_count * p;
+  const Array y = conv2d(reshape(xs, {n, h, wd, p * c}), reshape(ws, {kh, kw, cg, p * o}), grouped);
+  const std::int64_t oh = y.dim(1), ow = y.dim(2);
+  Array per = transpose(reshape(y, {n, oh, ow, p, o}), {3, 0, 1, 2, 4});  // [P, N, OH, OW, O]
+  std::vector<std::int64_t> dims;
+  for (const BatchLevel& l : levels) dims.push_back(l.size);
+  for (std::int64_t d : {n, oh, ow, o}) dims.push_back(d);
+  return ops::batching::wrap(reshape(per, dims), levels);
+}
+}  // namespace
+
 Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
   ops::detail::require_float(x, "conv2d");
   ops::detail::require_float(w, "conv2d");
+  if (w.batched()) [[unlikely]]
+    return conv2d_batched_kernel(x, w, opt);
+  if (x.batched()) [[unlikely]]  // vmap, one kernel: the levels folded into the images
+    return ops::batching::images(x, [&](const Array& p) { return conv2d(p, w, opt); });
   const DType t = promote_types(x.dtype(), x.weak_type(), w.dtype(), w.weak_type());
   const bool onednn = LINUM_HAVE_ONEDNN && engine() == Engine::onednn;
   if (onednn && (x.dtype() != t || w.dtype() != t)) return conv2d(astype(x, t), astype(w, t), opt);

@@ -2,6 +2,7 @@
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/threading.hpp>
 #include <linum/core/autodiff/primitive.hpp>
+#include <linum/core/ops/batching.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/kernel_util.hpp>
 #include <linum/core/ops/reduce.hpp>
@@ -163,6 +164,34 @@ Array binary_kernel(const Array& a, const Array& b, const char* op, F f, std::op
   return out;
 }
 
+// Position independence: Eigen computes whole SIMD packets with one formula and a ragged tail with
+// another (scalar std::exp vs its packet exp, say), which round differently. So the kernels below
+// hand Eigen only whole packets from 64-byte-aligned addresses, padding the last chunk: every element
+// takes the same path wherever it sits, and an op on a batch of examples (vmap) computes each one
+// bitwise as on that example alone.
+constexpr std::int64_t kLanes = 16;  // a multiple of every packet width (AVX-512: 16 floats)
+inline std::int64_t whole_packets(std::int64_t c) { return (c + kLanes - 1) / kLanes * kLanes; }
+
+// `src` (c floats) as a padded run of whole_packets(c) floats: `src` itself when c is already whole,
+// else copied into `scratch` (aligned, kChunk floats) and padded with copies of its first element.
+inline const float* padded_view(const float* src, std::int64_t c, float* scratch) {
+  const std::int64_t p = whole_packets(c);
+  if (p == c) return src;
+  if (src != scratch) std::memcpy(scratch, src, static_cast<std::size_t>(c) * sizeof(float));
+  for (std::int64_t i = c; i < p; ++i) scratch[i] = scratch[0];
+  return scratch;
+}
+
+// Writes the first c of `computed` into out at s (a no-op when it is out's own memory).
+inline void commit_padded(Array& out, std::int64_t s, std::int64_t c, const float* computed) {
+  if (out.dtype() == DType::f32) {
+    float* dst = static_cast<float*>(out.mutable_raw()) + s;
+    if (dst != computed) std::memcpy(dst, computed, static_cast<std::size_t>(c) * sizeof(float));
+  } else {
+    f32_commit(out, s, c, computed);
+  }
+}
+
 // out = f(x) using Eigen's vectorised array expressions: f(CVec in) -> expression. The result has
 // x's dtype.
 template <class F>
@@ -170,11 +199,12 @@ Array unary_kernel(const Array& x, const char* op, F f) {
   require_float(x, op);
   Array out = Array::empty(x.shape(), x.dtype());
   for_chunks(x.numel(), [&](std::int64_t s, std::int64_t c) {
-    float sx[kChunk], so[kChunk];
-    const float* px = f32_view(x, s, c, sx);
-    float* po = f32_target(out, s, so);
-    OVec(po, c) = f(CVec(px, c));
-    f32_commit(out, s, c, po);
+    alignas(64) float sx[kChunk], so[kChunk];
+    const std::int64_t p = whole_packets(c);
+    const float* px = padded_view(f32_view(x, s, c, sx), c, sx);
+    float* po = p == c ? f32_target(out, s, so) : so;
+    OVec(po, p) = f(CVec(px, p));
+    commit_padded(out, s, c, po);
   });
   return out;
 }
@@ -186,19 +216,21 @@ Array unary_kernel(const Array& x, const char* op, F f) {
 template <class F>
 void zip_into(Array& out, const Array& a, const Array& b, F f) {
   for_chunks(a.numel(), [&](std::int64_t s, std::int64_t c) {
-    float sa[kChunk], sb[kChunk], so[kChunk];
-    const float* pb = f32_view(b, s, c, sb);
-    float* po = f32_target(out, s, so);
+    alignas(64) float sa[kChunk], sb[kChunk], so[kChunk];
+    const std::int64_t p = whole_packets(c);
+    const float* pb = padded_view(f32_view(b, s, c, sb), c, sb);
+    float* po = p == c ? f32_target(out, s, so) : so;
     if constexpr (std::is_invocable_v<F&, const CVec&, const CVec&, OVec&>) {
       const float* pa = f32_view(a, s, c, sa);
       if (pa != sa && a.shares_buffer(out)) pa = static_cast<const float*>(std::memcpy(sa, pa, c * sizeof(float)));
-      OVec o(po, c);
-      f(CVec(pa, c), CVec(pb, c), o);
+      pa = padded_view(pa, c, sa);
+      OVec o(po, p);
+      f(CVec(pa, p), CVec(pb, p), o);
     } else {
-      const float* pa = f32_view(a, s, c, sa);
-      OVec(po, c) = f(CVec(pa, c), CVec(pb, c));  // coefficient-wise: reading a[i] before writing it is fine
+      const float* pa = padded_view(f32_view(a, s, c, sa), c, sa);
+      OVec(po, p) = f(CVec(pa, p), CVec(pb, p));  // coefficient-wise: reading a[i] before writing it is fine
     }
-    f32_commit(out, s, c, po);
+    commit_padded(out, s, c, po);
   });
 }
 
@@ -254,6 +286,8 @@ enum class Keep { nothing, input, output };
 
 template <class F, class Rule>
 Array unary_op(const char* op, const Array& x, Keep keep, F f, Rule&& rule) {
+  if (x.batched()) [[unlikely]]  // vmap: the op on every example's elements at once
+    return ops::batching::per_element(x, [&](const Array& p) { return unary_op(op, p, keep, f, rule); });
   return primitive(op, {&x}, [&](Residuals& r) {
     Array y = unary_kernel(x, op, f);
     if (keep == Keep::input) r.keep(x);
@@ -267,6 +301,8 @@ Array unary_op(const char* op, const Array& x, Keep keep, F f, Rule&& rule) {
 // ---- arithmetic -----------------------------------------------------------------------------
 
 Array add(const Array& a, const Array& b) {
+  if (a.batched() || b.batched()) [[unlikely]]
+    return ops::batching::broadcasting("add", {&a, &b}, [](const Array& x, const Array& y) { return add(x, y); });
   return primitive("add", {&a, &b}, [&](Residuals&) { return binary_kernel(a, b, "add", [](float x, float z) { return x + z; }); },
                    higher_order([sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved) {
                      if (c.needs(0)) c.set(0, sum_to(c.out(), sa));
@@ -275,6 +311,8 @@ Array add(const Array& a, const Array& b) {
 }
 
 Array sub(const Array& a, const Array& b) {
+  if (a.batched() || b.batched()) [[unlikely]]
+    return ops::batching::broadcasting("sub", {&a, &b}, [](const Array& x, const Array& y) { return sub(x, y); });
   return primitive("sub", {&a, &b}, [&](Residuals&) { return binary_kernel(a, b, "sub", [](float x, float z) { return x - z; }); },
                    higher_order([sa = a.shape(), sb = b.shape()](Cotangents& c, autodiff::Saved) {
                      if (c.needs(0)) c.set(0, sum_to(c.out(), sa));
@@ -283,6 +321,8 @@ Array sub(const Array& a, const Array& b) {
 }
 
 Array mul(const Array& a, const Array& b) {
+  if (a.batched() || b.batched()) [[unlikely]]
+    return ops::batching::broadcasting("mul", {&a, &b}, [](const Array& x, const Array& y) { return mul(x, y); });
   return primitive("mul", {&a, &b},
                    [&](Residuals& r) {
                      // Each operand is kept only if the *other* one needs a gradient.
@@ -296,6 +336,8 @@ Array mul(const Array& a, const Array& b) {
 }
 
 Array div(const Array& a, const Array& b) {
+  if (a.batched() || b.batched()) [[unlikely]]
+    return ops::batching::broadcasting("div", {&a, &b}, [](const Array& x, const Array& y) { return div(x, y); });
   return primitive("div", {&a, &b},
                    [&](Residuals& r) {
                      Array y = binary_kernel(a, b, "div", [](float x, float z) { return x / z; });
@@ -310,6 +352,8 @@ Array div(const Array& a, const Array& b) {
 }
 
 Array pow(const Array& a, const Array& b) {
+  if (a.batched() || b.batched()) [[unlikely]]
+    return ops::batching::broadcasting("pow", {&a, &b}, [](const Array& x, const Array& y) { return pow(x, y); });
   return primitive("pow", {&a, &b},
                    [&](Residuals& r) {
                      Array y = binary_kernel(a, b, "pow", [](float x, float z) { return std::pow(x, z); });
@@ -352,6 +396,8 @@ namespace {
 // Gradient share of `a` in max(a, b): 1 where a wins, 1/2 at ties, 0 where b wins.
 template <bool kMax>
 Array extremum(const Array& a, const Array& b, const char* op) {
+  if (a.batched() || b.batched()) [[unlikely]]
+    return ops::batching::broadcasting(op, {&a, &b}, [op](const Array& x, const Array& y) { return extremum<kMax>(x, y, op); });
   return primitive(op, {&a, &b},
                    [&](Residuals& r) {
                      r.keep(a, b);
@@ -439,6 +485,8 @@ Array abs(const Array& x) {
 }
 
 Array sign(const Array& x) {
+  if (x.batched()) [[unlikely]]
+    return ops::batching::per_element(x, [](const Array& p) { return sign(p); });
   return unary_kernel(x, "sign", [](const CVec& v) { return (v > 0.0f).cast<float>() - (v < 0.0f).cast<float>(); });
 }
 
@@ -598,6 +646,10 @@ Array softplus(const Array& x) {
 
 Array where(const Array& cond, const Array& a, const Array& b) {
   ops::detail::require_defined(cond, "where");
+  if (cond.batched() || a.batched() || b.batched()) [[unlikely]]
+    return ops::batching::broadcasting("where", {&cond, &a, &b}, [](const Array& c, const Array& x, const Array& y) {
+      return where(c, x, y);
+    });
   Array c = cond.dtype() == DType::f32 ? cond : astype(cond, DType::f32);
   require_float(a, "where");
   require_float(b, "where");
@@ -642,6 +694,8 @@ Array where(const Array& cond, const Array& a, const Array& b) {
 
 #define LINUM_COMPARISON(name, expr)                                                          \
   Array name(const Array& a, const Array& b) {                                                \
+    if (a.batched() || b.batched()) [[unlikely]]                                                \
+      return ops::batching::broadcasting(#name, {&a, &b}, [](const Array& x, const Array& y) { return name(x, y); }); \
     return binary_kernel(a, b, #name, [](float x, float z) { return (expr) ? 1.0f : 0.0f; }, DType::f32); \
   }
 LINUM_COMPARISON(greater, x > z)
@@ -654,6 +708,8 @@ LINUM_COMPARISON(not_equal, x != z)
 
 Array astype(const Array& x, DType dtype) {
   ops::detail::require_defined(x, "astype");
+  if (x.batched()) [[unlikely]]
+    return ops::batching::per_element(x, [dtype](const Array& p) { return astype(p, dtype); });
   if (x.dtype() == dtype) return x.weak_type() ? x.strongly_typed() : x;
   const std::int64_t n = x.numel();
   if (is_floating(x.dtype()) && is_floating(dtype))

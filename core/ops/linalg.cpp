@@ -3,6 +3,7 @@
 // (promotion of 1-D operands, batch broadcasting, dot_general's axis bookkeeping) is composed from
 // reshape/transpose/broadcast_to, whose gradients are their own.
 #include <linum/core/ops/kind.hpp>
+#include <linum/core/ops/batching.hpp>
 #include <linum/core/ops/linalg.hpp>
 #include <linum/core/autodiff/primitive.hpp>
 #include <linum/core/kernels/gemm.hpp>
@@ -88,7 +89,18 @@ Array matmul(const Array& a_orig, const Array& b_orig) {
     throw ShapeError(detail::cat("matmul: contracting dimensions differ: ", ops::detail::shapes_str({&a_in, &b_in}),
                                  " (", k, " vs ", k2, ")"));
   Array y;
-  if (a.rank() == 2 && b.rank() == 2) {
+  if (a.batched() || b.batched()) [[unlikely]] {
+    // vmap: the levels are leading batch axes of the physical product. With b the same for every
+    // example, one [levels * ... * M, K] @ [K, N] product; otherwise a batched product (an operand
+    // that lacks a level broadcasts along it).
+    if (!b.batched() && b.rank() == 2) {
+      y = ops::batching::wrap(matmul(a.physical(), b), a.batch_levels());
+    } else {
+      const std::vector<BatchLevel> levels = ops::batching::levels_of({&a, &b}, "matmul");
+      const int rank = std::max(a.rank(), b.rank());
+      y = ops::batching::wrap(matmul(ops::batching::aligned(a, levels, rank), ops::batching::aligned(b, levels, rank)), levels);
+    }
+  } else if (a.rank() == 2 && b.rank() == 2) {
     y = mm(a, b, Shape{m, n});
   } else if (b.rank() == 2) {
     // [..., M, K] @ [K, N] contracts without batch dimensions (as jnp.matmul's dot_general does):
@@ -152,6 +164,22 @@ Array dot_general(const Array& lhs_orig, const Array& rhs_orig, const DotDims& d
     return f;
   };
   const auto lf = free_axes(lhs.rank(), lc, lb), rf = free_axes(rhs.rank(), rc, rbt);
+  if (lhs.batched() || rhs.batched()) [[unlikely]] {
+    // vmap: the levels become leading batch axes of both operands (the result's batch axes come first).
+    const std::vector<BatchLevel> levels = ops::batching::levels_of({&lhs, &rhs}, "dot_general");
+    const int nl = static_cast<int>(levels.size());
+    DotDims pd;
+    for (int i = 0; i < nl; ++i) {
+      pd.lhs_batch.push_back(i);
+      pd.rhs_batch.push_back(i);
+    }
+    for (int a : lb) pd.lhs_batch.push_back(a + nl);
+    for (int a : rbt) pd.rhs_batch.push_back(a + nl);
+    for (int a : lc) pd.lhs_contracting.push_back(a + nl);
+    for (int a : rc) pd.rhs_contracting.push_back(a + nl);
+    return ops::batching::wrap(
+        dot_general(ops::batching::materialized(lhs, levels), ops::batching::materialized(rhs, levels), pd), levels);
+  }
   std::int64_t nb = 1, nk = 1, nm = 1, nn = 1;
   std::vector<std::int64_t> out;
   for (std::size_t i = 0; i < lb.size(); ++i) {

@@ -1,3 +1,4 @@
+#include <linum/core/ops/batching.hpp>
 #include <linum/core/ops/normalization.hpp>
 #include <linum/core/threading.hpp>
 
@@ -63,6 +64,23 @@ Array norm_impl(const char* op, const Array& x, const Array& scale, const Array&
     throw ShapeError(detail::cat(op, ": num_axes must be between 1 and the rank of x, got ", o.num_axes, " for x of shape ",
                                  x.shape()));
   if (!(o.epsilon >= 0.0)) throw ValueError(detail::cat(op, ": epsilon must be >= 0, got ", o.epsilon));
+  if (scale.batched() || bias.batched()) [[unlikely]] {
+    // vmap with per-example scale or bias (an ensemble's own LayerNorm): normalize, then scale and
+    // shift as elementwise ops (in float32, rounded once to the output dtype).
+    NormOptions plain = o;
+    plain.dtype = DType::f32;
+    Array y = norm_impl(op, x, Array(), Array(), plain, center);
+    if (scale.defined()) y = mul(y, astype(scale, DType::f32));
+    if (bias.defined()) y = add(y, astype(bias, DType::f32));
+    DType out = o.dtype.value_or(x.dtype());
+    if (!o.dtype) {
+      if (scale.defined()) out = promote_types(out, false, scale.dtype(), false);
+      if (bias.defined()) out = promote_types(out, false, bias.dtype(), false);
+    }
+    return astype(y, out);
+  }
+  if (x.batched()) [[unlikely]]  // vmap: the trailing axes of every example
+    return ops::batching::wrap(norm_impl(op, x.physical(), scale, bias, o, center), x.batch_levels());
   Shape feature_shape;
   for (int a = x.rank() - o.num_axes; a < x.rank(); ++a) feature_shape.push_back(x.dim(a));
   for (const Array* p : {&scale, &bias}) {

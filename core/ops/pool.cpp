@@ -5,6 +5,7 @@
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/threading.hpp>
 #include <linum/core/autodiff/primitive.hpp>
+#include <linum/core/ops/batching.hpp>
 #include <linum/core/ops/conv.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/kernel_util.hpp>
@@ -79,6 +80,8 @@ Array avg_pool_transpose(const Array& g, const PoolGeometry& G, float full, cons
 
 Array avg_pool(const Array& x, const PoolOptions& o) {
   ops::detail::require_float(x, "avg_pool");
+  if (x.batched()) [[unlikely]]  // vmap: the levels folded into the images
+    return ops::batching::images(x, [&](const Array& p) { return avg_pool(p, o); });
   if (x.dtype() == DType::bf16) return ops::detail::via_f32(x, [&](const Array& w) { return avg_pool(w, o); });
   const PoolGeometry G = plan(x, o, "avg_pool");
   const float full = static_cast<float>(G.kh * G.kw);
@@ -148,6 +151,8 @@ Array avg_pool_backward(const Array& g, const PoolGeometry& G, float full, const
 
 Array max_pool(const Array& x, const PoolOptions& o) {
   ops::detail::require_float(x, "max_pool");
+  if (x.batched()) [[unlikely]]  // vmap: the levels folded into the images
+    return ops::batching::images(x, [&](const Array& p) { return max_pool(p, o); });
   if (x.dtype() == DType::bf16) return ops::detail::via_f32(x, [&](const Array& w) { return max_pool(w, o); });
   const PoolGeometry G = plan(x, o, "max_pool");
   if (x.numel() > std::numeric_limits<std::int32_t>::max())

@@ -3,6 +3,7 @@
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/threading.hpp>
 #include <linum/core/autodiff/primitive.hpp>
+#include <linum/core/ops/batching.hpp>
 #include <linum/core/ops/reduce.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/kernel_util.hpp>
@@ -168,6 +169,10 @@ namespace {
 Array sum_as(const Array& x, const std::vector<int>& axes_in, bool keepdims, DType out_dtype) {
   ops::detail::require_float(x, "sum");
   const std::vector<int> axes = ops::detail::normalize_axes(axes_in, x.rank(), "sum");
+  if (x.batched()) [[unlikely]]  // vmap: the same axes of every example
+    return ops::batching::wrap(sum_as(x.physical(), ops::batching::physical_axes(axes, x.rank(), x.batch_levels().size(), "sum"),
+                                      keepdims, out_dtype),
+                               x.batch_levels());
   return primitive("sum", {&x},
                    [&](Residuals&) { return finish(reduce_kernel(x, axes, Reduction::sum, "sum", out_dtype), x.shape(), axes, keepdims); },
                    autodiff::higher_order([xs = x.shape(), keep = reduced_shape(x.shape(), axes, true)](Cotangents& c, autodiff::Saved) {
@@ -197,6 +202,9 @@ Array mean(const Array& x) { return mean(x, all_axes(x.rank()), false); }
 Array max(const Array& x, const std::vector<int>& axes_in, bool keepdims) {
   ops::detail::require_float(x, "max");
   const std::vector<int> axes = ops::detail::normalize_axes(axes_in, x.rank(), "max");
+  if (x.batched()) [[unlikely]]
+    return ops::batching::wrap(max(x.physical(), ops::batching::physical_axes(axes, x.rank(), x.batch_levels().size(), "max"), keepdims),
+                               x.batch_levels());
   return primitive("max", {&x},
                    [&](Residuals& r) {
                      Array keep = reduce_kernel(x, axes, Reduction::max, "max");
@@ -229,6 +237,10 @@ Array logsumexp(const Array& x, const std::vector<int>& axes_in, bool keepdims) 
   ops::detail::require_float(x, "logsumexp");
   if (x.dtype() == DType::bf16) return ops::detail::via_f32(x, [&](const Array& w) { return logsumexp(w, axes_in, keepdims); });
   const std::vector<int> axes = ops::detail::normalize_axes(axes_in, x.rank(), "logsumexp");
+  if (x.batched()) [[unlikely]]
+    return ops::batching::wrap(
+        logsumexp(x.physical(), ops::batching::physical_axes(axes, x.rank(), x.batch_levels().size(), "logsumexp"), keepdims),
+        x.batch_levels());
   Array m;
   {
     autodiff::NoGradGuard no_grad;
@@ -245,6 +257,9 @@ Array logsumexp(const Array& x) { return logsumexp(x, all_axes(x.rank()), false)
 
 Array argmax(const Array& x, int axis_in) {
   ops::detail::require_float(x, "argmax");
+  if (x.batched()) [[unlikely]]
+    return ops::batching::wrap(argmax(x.physical(), ops::batching::physical_axis(axis_in, x.rank(), x.batch_levels().size(), "argmax")),
+                               x.batch_levels());
   if (x.dtype() == DType::bf16) {
     autodiff::NoGradGuard constants;
     return argmax(astype(x.detached(), DType::f32), axis_in);

@@ -4,6 +4,7 @@
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/threading.hpp>
 #include <linum/core/autodiff/primitive.hpp>
+#include <linum/core/ops/batching.hpp>
 #include <linum/core/ops/shape_ops.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/kernel_util.hpp>
@@ -136,6 +137,16 @@ Array ops::detail::broadcast_raw(const Array& x, const Shape& shape) {
   return gather(x, shape, s, 0);
 }
 
+namespace {
+// The physical dims of an example of shape `dims` batched as x is: x's level sizes first.
+std::vector<std::int64_t> with_levels(const Array& x, const std::vector<std::int64_t>& dims) {
+  std::vector<std::int64_t> out;
+  for (const BatchLevel& l : x.batch_levels()) out.push_back(l.size);
+  out.insert(out.end(), dims.begin(), dims.end());
+  return out;
+}
+}  // namespace
+
 Array reshape(const Array& x, const std::vector<std::int64_t>& dims) {
   ops::detail::require_defined(x, "reshape");
   std::vector<std::int64_t> d = dims;
@@ -162,6 +173,8 @@ Array reshape(const Array& x, const std::vector<std::int64_t>& dims) {
   if (target.numel() != x.numel())
     throw ShapeError(detail::cat("reshape: cannot reshape ", x.shape(), " (", x.numel(), " elements) to ", target,
                                  " (", target.numel(), " elements)"));
+  if (x.batched()) [[unlikely]]  // vmap: every example reshaped
+    return ops::batching::wrap(reshape(x.physical(), with_levels(x, target.vec())), x.batch_levels());
   return primitive("reshape", {&x}, [&](Residuals&) { return x.with_shape(target); },
                    autodiff::higher_order([xs = x.shape()](Cotangents& c, autodiff::Saved) {
                      c.set(0, autodiff::creating_graph() ? reshape(c.out(), xs.vec()) : c.out().with_shape(xs));
@@ -183,6 +196,13 @@ Array transpose(const Array& x, const std::vector<int>& perm_in) {
     if (p < 0 || p >= x.rank() || seen[static_cast<std::size_t>(p)]++)
       throw ShapeError(detail::cat("transpose: invalid permutation for an array of shape ", x.shape(),
                                    "; give each axis 0..", x.rank() - 1, " exactly once"));
+  }
+  if (x.batched()) [[unlikely]] {
+    const int n = static_cast<int>(x.batch_levels().size());
+    std::vector<int> physical(static_cast<std::size_t>(n));
+    std::iota(physical.begin(), physical.end(), 0);
+    for (int p : perm) physical.push_back(p + n);
+    return ops::batching::wrap(transpose(x.physical(), physical), x.batch_levels());
   }
   Shape out;
   Strides s{};
@@ -207,6 +227,13 @@ Array slice(const Array& x, const std::vector<std::int64_t>& starts, const std::
       static_cast<int>(steps.size()) != rank)
     throw ShapeError(detail::cat("slice: starts ", vec_str(starts), ", limits ", vec_str(limits), " and strides ",
                                  vec_str(steps), " need one entry per axis of shape ", x.shape()));
+  if (x.batched()) [[unlikely]] {
+    std::vector<std::int64_t> st(starts), sp(steps);
+    st.insert(st.begin(), x.batch_levels().size(), 0);  // every example whole along the levels
+    sp.insert(sp.begin(), x.batch_levels().size(), 1);
+    std::vector<std::int64_t> lim = with_levels(x, limits);
+    return ops::batching::wrap(slice(x.physical(), st, lim, sp), x.batch_levels());
+  }
   Shape out;
   Strides s{};
   std::int64_t base = 0;
@@ -239,6 +266,11 @@ Array pad(const Array& x, const std::vector<std::pair<std::int64_t, std::int64_t
     if (__builtin_add_overflow(out[static_cast<int>(i)], lo, &d) || __builtin_add_overflow(d, hi, &d))
       throw ShapeError(detail::cat("pad: axis ", i, " of shape ", x.shape(), " padded by (", lo, ", ", hi, ") overflows 64 bits"));
     out[static_cast<int>(i)] = d;
+  }
+  if (x.batched()) [[unlikely]] {
+    std::vector<std::pair<std::int64_t, std::int64_t>> w(x.batch_levels().size(), {0, 0});
+    w.insert(w.end(), widths.begin(), widths.end());
+    return ops::batching::wrap(pad(x.physical(), w), x.batch_levels());
   }
   Strides s{};
   const auto os = out.strides();
@@ -277,6 +309,14 @@ Array concatenate(const std::vector<Array>& xs, int axis_in) {
     total += a.shape()[axis];
   }
   out[axis] = total;
+  if (std::any_of(xs.begin(), xs.end(), [](const Array& a) { return a.batched(); })) [[unlikely]] {
+    std::vector<const Array*> all;
+    for (const Array& a : xs) all.push_back(&a);
+    const std::vector<BatchLevel> levels = autodiff::union_levels(all, "concatenate");
+    std::vector<Array> physical;
+    for (const Array& a : xs) physical.push_back(ops::batching::materialized(a, levels));
+    return ops::batching::wrap(concatenate(physical, axis + static_cast<int>(levels.size())), levels);
+  }
   std::vector<const Array*> ins;
   ins.reserve(xs.size());
   std::vector<std::int64_t> sizes;
@@ -344,6 +384,11 @@ std::vector<Array> split(const Array& x, int sections, int axis_in) {
 std::vector<Array> unstack(const Array& x) {
   ops::detail::require_defined(x, "unstack");
   if (x.rank() == 0) throw ShapeError("unstack: needs an array of rank >= 1, got a scalar");
+  if (x.batched()) [[unlikely]] {  // the physical axis after the levels, moved to the front
+    std::vector<Array> parts = unstack(moveaxis(x.physical(), static_cast<int>(x.batch_levels().size()), 0));
+    for (Array& p : parts) p = ops::batching::wrap(p, x.batch_levels());
+    return parts;
+  }
   const std::int64_t n = x.dim(0);
   Shape part;
   for (int i = 1; i < x.rank(); ++i) part.push_back(x.shape()[i]);
@@ -392,6 +437,51 @@ Array stack(const std::vector<Array>& xs) {
   return concatenate(expanded, 0);
 }
 
+namespace {
+// take with indices that differ per example (vmap): the levels and x's axis flattened into one axis
+// of N * A rows, each example's indices offset to its own rows, one take, then the axes put back.
+Array take_batched_indices(const Array& x, const Array& indices, int axis) {
+  const std::vector<BatchLevel> levels = ops::batching::levels_of({&x, &indices}, "take");
+  const int nl = static_cast<int>(levels.size());
+  const std::int64_t a = x.dim(axis);
+  std::int64_t count = 1;
+  for (const BatchLevel& l : levels) count *= l.size;
+  Array xm = moveaxis(ops::batching::materialized(x, levels), nl + axis, nl);  // [levels..., A, pre..., post...]
+  std::vector<std::int64_t> rest;
+  for (int i = 0; i < x.rank(); ++i)
+    if (i != axis) rest.push_back(x.dim(i));
+  std::vector<std::int64_t> flat{count * a};
+  flat.insert(flat.end(), rest.begin(), rest.end());
+  Array rows = reshape(xm, flat);
+  Array idx = ops::batching::materialized(indices, levels);  // [levels..., m...]
+  const std::int64_t m = indices.numel();
+  Array offsets = Array::empty(Shape{count, m}, DType::i32);
+  const std::int32_t* pi = idx.data_i32();
+  std::int32_t* po = offsets.mutable_data_i32();
+  for (std::int64_t e = 0; e < count; ++e)
+    for (std::int64_t k = 0; k < m; ++k) {
+      const std::int32_t v = pi[e * m + k];
+      if (v < 0 || v >= a)
+        throw ValueError(detail::cat("take: index ", v, " of example ", e, " is out of range for axis ", axis, " of size ", a,
+                                     " (one example of shape ", x.shape(), ")"));
+      po[e * m + k] = static_cast<std::int32_t>(e * a + v);
+    }
+  Array taken = take(rows, offsets, 0);  // [count, m, rest...]
+  std::vector<std::int64_t> dims;
+  for (const BatchLevel& l : levels) dims.push_back(l.size);
+  for (std::int64_t d : indices.shape()) dims.push_back(d);
+  dims.insert(dims.end(), rest.begin(), rest.end());
+  Array y = ops::batching::wrap(reshape(taken, dims), levels);  // per example: [idx..., pre..., post...]
+  // Move the index axes to where x's axis was.
+  const int ki = indices.rank();
+  std::vector<int> perm;
+  for (int i = 0; i < axis; ++i) perm.push_back(ki + i);
+  for (int i = 0; i < ki; ++i) perm.push_back(i);
+  for (int i = ki + axis; i < y.rank(); ++i) perm.push_back(i);
+  return transpose(y, perm);
+}
+}  // namespace
+
 Array take(const Array& x, const Array& indices, int axis_in) {
   ops::detail::require_defined(x, "take");
   ops::detail::require_defined(indices, "take");
@@ -399,6 +489,10 @@ Array take(const Array& x, const Array& indices, int axis_in) {
     throw ShapeError(detail::cat("take: indices must be int32, got ", dtype_name(indices.dtype()), indices.shape().str()));
   const int axis = x.shape().normalize_axis(axis_in, "take");
   const std::int64_t n = x.shape()[axis];
+  if (indices.batched()) [[unlikely]]
+    return take_batched_indices(x, indices, axis);
+  if (x.batched()) [[unlikely]]
+    return ops::batching::wrap(take(x.physical(), indices, axis + static_cast<int>(x.batch_levels().size())), x.batch_levels());
   const std::int32_t* pi = indices.data_i32();
   for (std::int64_t k = 0; k < indices.numel(); ++k)
     if (pi[k] < 0 || pi[k] >= n)
@@ -477,6 +571,8 @@ Array one_hot(const Array& indices, std::int64_t num_classes) {
     throw ShapeError(detail::cat("one_hot: labels must be int32, got ", dtype_name(indices.dtype()), indices.shape().str(),
                                  "; convert with astype(labels, DType::i32)"));
   if (num_classes < 1) throw ValueError(detail::cat("one_hot: num_classes must be positive, got ", num_classes));
+  if (indices.batched()) [[unlikely]]
+    return ops::batching::per_element(indices, [num_classes](const Array& p) { return one_hot(p, num_classes); });
   Shape out = indices.shape();
   out.push_back(num_classes);
   Array y = Array::zeros(out);
@@ -489,6 +585,13 @@ Array one_hot(const Array& indices, std::int64_t num_classes) {
 
 Array broadcast_to(const Array& x, const Shape& shape) {
   ops::detail::require_defined(x, "broadcast_to");
+  if (x.batched()) [[unlikely]] {
+    const std::vector<BatchLevel> levels(x.batch_levels().begin(), x.batch_levels().end());
+    if (x.rank() > shape.rank())
+      throw ShapeError(detail::cat("broadcast_to: cannot broadcast ", x.shape(), " to ", shape));
+    return ops::batching::wrap(broadcast_to(ops::batching::aligned(x, levels, shape.rank()), Shape(with_levels(x, shape.vec()))),
+                               levels);
+  }
   return primitive("broadcast_to", {&x}, [&](Residuals&) { return ops::detail::broadcast_raw(x, shape); },
                    autodiff::higher_order([xs = x.shape()](Cotangents& c, autodiff::Saved) { c.set(0, ops::detail::sum_to(c.out(), xs)); }));
 }
@@ -519,6 +622,9 @@ Array squeeze(const Array& x, const std::vector<int>& axes_in) {
 Array flip(const Array& x, const std::vector<int>& axes_in) {
   ops::detail::require_defined(x, "flip");
   const std::vector<int> axes = ops::detail::normalize_axes(axes_in, x.rank(), "flip");
+  if (x.batched()) [[unlikely]]
+    return ops::batching::wrap(flip(x.physical(), ops::batching::physical_axes(axes, x.rank(), x.batch_levels().size(), "flip")),
+                               x.batch_levels());
   Strides s{};
   std::int64_t base = 0;
   const auto xs = x.shape().strides();
@@ -544,6 +650,11 @@ Array dilate(const Array& x, const std::vector<std::int64_t>& factors) {
       throw ShapeError(detail::cat("dilate: factor ", factors[static_cast<std::size_t>(i)], " for axis ", i, " must be >= 1"));
     const std::int64_t d = x.shape()[i];
     out.push_back(d == 0 ? 0 : (d - 1) * factors[static_cast<std::size_t>(i)] + 1);
+  }
+  if (x.batched()) [[unlikely]] {
+    std::vector<std::int64_t> f(x.batch_levels().size(), 1);
+    f.insert(f.end(), factors.begin(), factors.end());
+    return ops::batching::wrap(dilate(x.physical(), f), x.batch_levels());
   }
   Strides s{};
   const auto ys = out.strides();

@@ -1,3 +1,4 @@
+#include <linum/core/ops/batching.hpp>
 #include <linum/core/ops/softmax.hpp>
 #include <linum/core/autodiff/primitive.hpp>
 #include <linum/core/threading.hpp>
@@ -86,6 +87,9 @@ Array last_axis_backward(const Array& y, const Array& g_in, bool log) {
 
 Array softmax(const Array& x, const std::vector<int>& axes) {
   ops::detail::require_float(x, "softmax");
+  if (x.batched()) [[unlikely]]  // vmap: the same axes of every example
+    return ops::batching::wrap(
+        softmax(x.physical(), ops::batching::physical_axes(axes, x.rank(), x.batch_levels().size(), "softmax")), x.batch_levels());
   if (last_axis_only(axes, x, "softmax"))
     return autodiff::primitive("softmax", {&x},
                                [&](autodiff::Residuals& r) {
@@ -116,6 +120,9 @@ Array softmax(const Array& x, const std::vector<int>& axes) {
 
 Array log_softmax(const Array& x, const std::vector<int>& axes) {
   ops::detail::require_float(x, "log_softmax");
+  if (x.batched()) [[unlikely]]  // vmap: the same axes of every example
+    return ops::batching::wrap(
+        log_softmax(x.physical(), ops::batching::physical_axes(axes, x.rank(), x.batch_levels().size(), "log_softmax")), x.batch_levels());
   if (last_axis_only(axes, x, "log_softmax"))
     return autodiff::primitive("log_softmax", {&x},
                                [&](autodiff::Residuals& r) {

@@ -1,0 +1,263 @@
+// vmap (issue 28): every op family batched equals a loop over the examples, per-example gradients
+// equal per-example grad calls, grad of vmap, vmap of checkpoint, nested vmap, in/out axes, the
+// loop fallback of ops without a batching rule, and clear errors.
+#include <doctest/doctest.h>
+#include <linum/linum.hpp>
+
+#include "testing/gradcheck.hpp"
+#include "testing/op_cases.hpp"
+
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+using namespace linum;
+using linum::testing::max_abs;
+using linum::testing::max_abs_diff;
+using linum::testing::OpCase;
+using linum::testing::random_array;
+
+namespace {
+
+bool bitwise_equal(const Array& a, const Array& b) {
+  return a.shape() == b.shape() && a.dtype() == b.dtype() &&
+         astype(a, DType::f32).to_vector() == astype(b, DType::f32).to_vector();
+}
+
+Shape with_batch(std::int64_t b, const Shape& s) {
+  std::vector<std::int64_t> d{b};
+  for (std::int64_t x : s) d.push_back(x);
+  return Shape(d);
+}
+
+Array example(const Array& batch, std::int64_t i) { return take(batch, Array::from_i32(Shape{}, {static_cast<std::int32_t>(i)}), 0); }
+
+// Families whose batched computation does the same float operations per example as one example
+// does (so the results are bitwise equal): the rest sum in another order when batched (products,
+// convolutions, attention, normalization statistics).
+bool bitwise_family(const OpCase& c) {
+  const std::string f = c.family;
+  return f != "product" && f != "convolution" && f != "attention" && f != "normalization";
+}
+
+// Warnings raised while alive, collected.
+struct CollectWarnings {
+  std::vector<std::string> seen;
+  WarningHandler previous;
+  CollectWarnings() {
+    previous = set_warning_handler([this](const std::string& m) { seen.push_back(m); });
+  }
+  ~CollectWarnings() { set_warning_handler(previous); }
+};
+
+constexpr std::int64_t kB = 3;
+
+}  // namespace
+
+TEST_CASE("vmap of every op family equals a loop over the examples (mapped x, mapped w, both)") {
+  CollectWarnings warnings;
+  for (const OpCase& c : linum::testing::op_cases()) {
+    const std::string op_name = c.op;
+    CAPTURE(op_name);
+    const std::string family = c.family;
+    CAPTURE(family);
+    const Array xs = random_array(with_batch(kB, c.x_shape), 11, -1.0f, 1.0f, 0.05f);
+    const Array ws = random_array(with_batch(kB, c.w_shape), 12, -1.0f, 1.0f, 0.05f);
+    const Array w0 = example(ws, 1), x0 = example(xs, 2);
+    auto f = [c](const Array& x, const Array& w) { return c.apply(x * 1.5f, w); };
+    for (int mode = 0; mode < 3; ++mode) {
+      CAPTURE(mode);
+      std::optional<int> ax = mode == 2 ? std::nullopt : std::optional<int>(0);
+      std::optional<int> aw = mode == 1 ? std::nullopt : std::optional<int>(0);
+      const Array got = vmap(f, {.in_axes = {ax, aw}})(ax ? xs : x0, aw ? ws : w0);
+      std::vector<Array> rows;
+      for (std::int64_t b = 0; b < kB; ++b) rows.push_back(f(ax ? example(xs, b) : x0, aw ? example(ws, b) : w0));
+      const Array want = stack(rows);
+      REQUIRE(got.shape() == want.shape());
+      CHECK(!got.batched());
+      if (bitwise_family(c)) {
+        CHECK(bitwise_equal(got, want));
+      } else {
+        CHECK(max_abs_diff(got, want) <= 1e-5f * (1.0f + max_abs(want)));
+      }
+    }
+  }
+  // Only the user-defined op (custom_vjp) has no batching rule: it ran as a loop and said so once.
+  std::set<std::string> looped;
+  for (const std::string& m : warnings.seen)
+    if (m.find("has no batching rule") != std::string::npos) looped.insert(m.substr(0, m.find("' has")));
+  CHECK(looped.size() == 1);
+  CHECK(looped.count("vmap: op 'swish") == 1);
+}
+
+TEST_CASE("per-example gradients (vmap of grad) equal per-example grad calls, for every op family") {
+  CollectWarnings quiet;
+  for (const OpCase& c : linum::testing::op_cases()) {
+    const std::string op_name = c.op;
+    CAPTURE(op_name);
+    const Array xs = random_array(with_batch(kB, c.x_shape), 21, -1.0f, 1.0f, 0.05f);
+    const Array ws = random_array(with_batch(kB, c.w_shape), 22, -1.0f, 1.0f, 0.05f);
+    const Array w = example(ws, 0);
+    auto loss = [c](const Array& x, const Array& w) { return sum(square(astype(c.apply(x * 1.5f, w), DType::f32))); };
+    // w shared (in_axes nullopt): its gradient is still per example.
+    const auto [gx, gw] = vmap(grad<0, 1>(loss), {.in_axes = {0, std::nullopt}})(xs, w);
+    REQUIRE(gx.shape() == xs.shape());
+    REQUIRE(gw.shape() == with_batch(kB, w.shape()));
+    for (std::int64_t b = 0; b < kB; ++b) {
+      CAPTURE(b);
+      const auto [ex, ew] = grad<0, 1>(loss)(example(xs, b), w);
+      const Array gxb = example(gx, b), gwb = example(gw, b);
+      if (bitwise_family(c)) {
+        CHECK(bitwise_equal(gxb, ex));
+        CHECK(bitwise_equal(gwb, ew));
+      } else {
+        CHECK(max_abs_diff(gxb, ex) <= 1e-5f * (1.0f + max_abs(ex)));
+        CHECK(max_abs_diff(gwb, ew) <= 1e-5f * (1.0f + max_abs(ew)));
+      }
+    }
+  }
+}
+
+TEST_CASE("grad of vmap equals the gradient of the summed loop, for every op family") {
+  CollectWarnings quiet;
+  for (const OpCase& c : linum::testing::op_cases()) {
+    const std::string op_name = c.op;
+    CAPTURE(op_name);
+    const Array xs = random_array(with_batch(kB, c.x_shape), 31, -1.0f, 1.0f, 0.05f);
+    const Array w = random_array(c.w_shape, 32, -1.0f, 1.0f, 0.05f);
+    auto f = [c](const Array& x, const Array& w) { return c.apply(x * 1.5f, w); };
+    const auto [gx, gw] = grad<0, 1>([&](const Array& x, const Array& w) {
+      return sum(square(astype(vmap(f, {.in_axes = {0, std::nullopt}})(x, w), DType::f32)));
+    })(xs, w);
+    const auto [lx, lw] = grad<0, 1>([&](const Array& x, const Array& w) {
+      Array total = Array::scalar(0.0f);
+      for (std::int64_t b = 0; b < kB; ++b) total = total + sum(square(astype(f(example(x, b), w), DType::f32)));
+      return total;
+    })(xs, w);
+    CHECK(max_abs_diff(gx, lx) <= 1e-5f * (1.0f + max_abs(lx)));
+    CHECK(max_abs_diff(gw, lw) <= 1e-5f * (1.0f + max_abs(lw)));
+  }
+}
+
+TEST_CASE("vmap: in_axes and out_axes other than 0, axis_size, pytrees, nested vmap") {
+  const Array a = random_array(Shape{4, 3, 5}, 41);
+  auto f = [](const Array& x) { return sum(x * x, {0}); };  // one example [4, 5] -> [5]
+  SUBCASE("in axis 1, out axis 1") {
+    const Array got = vmap(f, {.in_axes = {1}, .out_axes = {1}})(a);
+    REQUIRE(got.shape() == Shape({5, 3}));
+    for (std::int64_t b = 0; b < 3; ++b)
+      CHECK(bitwise_equal(take(got, Array::from_i32(Shape{}, {static_cast<std::int32_t>(b)}), 1),
+                          f(take(a, Array::from_i32(Shape{}, {static_cast<std::int32_t>(b)}), 1))));
+    CHECK(bitwise_equal(vmap(f, {.in_axes = {-2}, .out_axes = {-1}})(a), got));
+  }
+  SUBCASE("nothing mapped: axis_size repeats the result") {
+    const Array got = vmap(f, {.in_axes = {std::nullopt}, .axis_size = 2})(a);
+    REQUIRE(got.shape() == Shape({2, 3, 5}));
+    CHECK(bitwise_equal(example(got, 1), f(a)));
+    CHECK_THROWS_AS(vmap(f, {.in_axes = {std::nullopt}})(a), ValueError);
+  }
+  SUBCASE("out_axes nullopt for a result that does not depend on the example") {
+    auto g = [](const Array& x, const Array& w) { return std::make_pair(x * w, w * 2.0f); };
+    const auto [xw, w2] = vmap(g, {.in_axes = {0, std::nullopt}, .out_axes = {0, std::nullopt}})(a, Array::full(Shape{3, 5}, 2.0f));
+    CHECK(xw.shape() == a.shape());
+    CHECK(w2.shape() == Shape({3, 5}));
+    CHECK_THROWS_AS(vmap(g, {.in_axes = {0, std::nullopt}, .out_axes = {std::nullopt}})(a, Array::full(Shape{3, 5}, 2.0f)),
+                    BatchingError);
+  }
+  SUBCASE("pytrees in and out") {
+    Tree params;
+    params["w"] = random_array(Shape{5, 2}, 42);
+    params["b"] = random_array(Shape{2}, 43);
+    auto layer = [](const Tree& p, const Array& x) {
+      Tree out;
+      out["y"] = tanh(matmul(x, p.at("w").array()) + p.at("b").array());
+      return std::make_pair(out, std::vector<Array>{x * 2.0f});
+    };
+    const auto [out, extra] = vmap(layer, {.in_axes = {std::nullopt, 0}})(params, a);
+    REQUIRE(out.at("y").array().shape() == Shape({4, 3, 2}));
+    REQUIRE(extra.size() == 1);
+    for (std::int64_t b = 0; b < 4; ++b) {
+      const auto [o1, e1] = layer(params, example(a, b));
+      CHECK(max_abs_diff(example(out.at("y").array(), b), o1.at("y").array()) <= 1e-6f);
+      CHECK(bitwise_equal(example(extra[0], b), e1[0]));
+    }
+  }
+  SUBCASE("nested vmap equals a double loop; inner and outer mapped arguments mix") {
+    const Array w = random_array(Shape{3, 5}, 44);  // mapped by the outer vmap only (over its 3 rows)
+    auto inner = [](const Array& x, const Array& w) { return sum(exp(x) * w); };  // x: [5], w: [5]
+    auto outer = [&](const Array& x, const Array& w) { return vmap(inner, {.in_axes = {0, std::nullopt}})(x, w); };
+    // a: [4, 3, 5]: outer over axis 1 (3), inner over axis 0 (4) of each outer example [4, 5].
+    const Array got = vmap(outer, {.in_axes = {1, 0}})(a, w);
+    REQUIRE(got.shape() == Shape({3, 4}));
+    for (std::int64_t i = 0; i < 3; ++i)
+      for (std::int64_t j = 0; j < 4; ++j) {
+        const Array x = example(example(a, j), i);
+        const Array wi = example(w, i);
+        CHECK(bitwise_equal(example(example(got, i), j), inner(x, wi)));
+      }
+  }
+}
+
+TEST_CASE("vmap of checkpoint: values, plain gradients and per-example gradients bitwise as without it") {
+  const Array xs = random_array(Shape{5, 8}, 51);
+  const Array w1 = random_array(Shape{8, 16}, 52), w2 = random_array(Shape{16, 4}, 53);
+  auto block = [](const Array& x, const Array& w1, const Array& w2) { return matmul(gelu(matmul(x, w1)), w2); };
+  for (int policy = 0; policy < 3; ++policy) {
+    CAPTURE(policy);
+    const lift::Policy p = policy == 0   ? lift::Policy(policies::nothing_saveable{})
+                           : policy == 1 ? lift::Policy(policies::dots_saveable{})
+                                         : lift::Policy(policies::everything_saveable{});
+    auto remat_block = checkpoint(block, {.policy = p});
+    auto loss = [](auto f) {
+      return [f](const Array& w1, const Array& w2, const Array& xs) {
+        return sum(square(vmap(f, {.in_axes = {0, std::nullopt, std::nullopt}})(xs, w1, w2)));
+      };
+    };
+    const auto [g1, g2] = grad<0, 1>(loss(block))(w1, w2, xs);
+    const auto [r1, r2] = grad<0, 1>(loss(remat_block))(w1, w2, xs);
+    CHECK(bitwise_equal(g1, r1));
+    CHECK(bitwise_equal(g2, r2));
+    auto per_example = [](auto f) {
+      return vmap(grad<1, 2>([f](const Array& x, const Array& w1, const Array& w2) { return sum(square(f(x, w1, w2))); }),
+                  {.in_axes = {0, std::nullopt, std::nullopt}});
+    };
+    const auto [p1, p2] = per_example(block)(xs, w1, w2);
+    const auto [q1, q2] = per_example(remat_block)(xs, w1, w2);
+    CHECK(p1.shape() == Shape({5, 8, 16}));
+    CHECK(bitwise_equal(p1, q1));
+    CHECK(bitwise_equal(p2, q2));
+  }
+}
+
+TEST_CASE("vmap: a classifier's per-example loss with per-example labels (take and one_hot with batched indices)") {
+  const Array xs = random_array(Shape{6, 10}, 61);
+  const Array labels = linum::testing::random_labels(Shape{6}, 62, 4);
+  const Array w = random_array(Shape{10, 4}, 63);
+  auto nll = [](const Array& w, const Array& x, const Array& label) {
+    const Array logp = log_softmax(matmul(x, w));
+    return -sum(take(logp, label, 0)) + 0.0f * sum(one_hot(label, 4) * logp);
+  };
+  const Array gw = vmap(grad(nll), {.in_axes = {std::nullopt, 0, 0}})(w, xs, labels);
+  REQUIRE(gw.shape() == Shape({6, 10, 4}));
+  const Array losses = vmap(nll, {.in_axes = {std::nullopt, 0, 0}})(w, xs, labels);
+  for (std::int64_t b = 0; b < 6; ++b) {
+    const Array lb = example(labels, b);
+    CHECK(max_abs_diff(example(gw, b), grad(nll)(w, example(xs, b), lb)) <= 1e-6f);
+    CHECK(max_abs_diff(example(losses, b), nll(w, example(xs, b), lb)) <= 1e-6f);
+  }
+}
+
+TEST_CASE("vmap: reading a per-example value is an error, never a silent wrong result") {
+  const Array a = random_array(Shape{3, 4}, 71);
+  CHECK_THROWS_AS(vmap([](const Array& x) { return Array::full(Shape{}, x.to_vector()[0]); })(a), BatchingError);
+  CHECK_THROWS_AS(vmap([](const Array& x) { return Array::full(Shape{}, sum(x).item()); })(a), BatchingError);
+  CHECK_THROWS_AS(vmap([](const Array& x, const Array& y) { return x + y; })(a, random_array(Shape{2, 4}, 72)), BatchingError);
+  CHECK_THROWS_AS(vmap([](const Array& x) { return x; }, {.in_axes = {2}})(a), BatchingError);
+  CHECK_THROWS_AS(vmap([](const Array& x) { return x; }, {.in_axes = {0, 0}})(a), ValueError);
+  // An escaped batched value used after its vmap returned is refused too.
+  Array escaped;
+  (void)vmap([&](const Array& x) { escaped = x * 2.0f; return x; })(a);
+  CHECK(escaped.batched());
+  CHECK_THROWS_AS((void)escaped.to_vector(), BatchingError);
+}
