@@ -42,6 +42,7 @@
 #include <linum/lift/residuals.hpp>
 #include <linum/lift/residual_scope.hpp>
 #include <linum/lift/scan.hpp>
+#include <linum/lift/vmap.hpp>
 #include <linum/lift/remat_scan.hpp>
 #include <linum/lift/schedule.hpp>
 #include <linum/nn/checkpoint_sequential.hpp>

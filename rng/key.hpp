@@ -20,7 +20,9 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <iosfwd>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -28,15 +30,35 @@
 
 namespace linum::rng {
 
+struct KeyBatch;
+
 // A threefry2x32 key: `jax.random.key_data(key)` is `[hi, lo]`.
+//
+// Or, inside lift::vmap with a split stream, one key per example (`batch`; hi and lo unused), as a
+// batched key array in JAX: fold_in and split act on each example's key, and draws (uniform,
+// normal, bernoulli, ...) give batched arrays (core/batch_levels.hpp), example e drawn with key e.
 struct Key {
   std::uint32_t hi = 0;
   std::uint32_t lo = 0;
+  std::shared_ptr<const KeyBatch> batch;
 
+  bool batched() const { return batch != nullptr; }
   friend bool operator==(const Key&, const Key&) = default;
-  // "[hi, lo]" in decimal, as NumPy prints `key_data`.
+  // "[hi, lo]" in decimal, as NumPy prints `key_data` ("batched[n]" for a batched key).
   std::string str() const;
 };
+
+// The keys of a batched Key: one per example, row-major over `levels`.
+struct KeyBatch {
+  std::vector<BatchLevel> levels;
+  std::vector<Key> keys;
+};
+
+// A key per example of `levels` (row-major; unbatched keys) as one batched Key.
+Key batched_key(std::vector<BatchLevel> levels, std::vector<Key> keys);
+
+// Internal: `draw` of every example's key, as one batched array (the draws of a batched key).
+Array draw_per_example(const Key& key, const std::function<Array(const Key&)>& draw);
 std::ostream& operator<<(std::ostream& os, const Key& k);
 
 // How split() and bits() derive many values from one key (see the file comment).

@@ -2,6 +2,10 @@
 #include <linum/rng/random.hpp>
 
 #include <linum/core/error.hpp>
+#include <linum/core/ops/elementwise.hpp>
+#include <linum/core/ops/reduce.hpp>
+#include <linum/core/ops/shape_ops.hpp>
+#include <linum/core/autodiff/graph.hpp>
 #include <linum/rng/xla_math.hpp>
 
 #include <algorithm>
@@ -46,13 +50,26 @@ std::int64_t clip_i32(std::int64_t v) {
 
 }  // namespace
 
+Array draw_per_example(const Key& key, const std::function<Array(const Key&)>& draw) {
+  std::vector<Array> per;
+  per.reserve(key.batch->keys.size());
+  for (const Key& m : key.batch->keys) per.push_back(draw(m));
+  autodiff::NoGradGuard constants;
+  std::vector<std::int64_t> dims;
+  for (const BatchLevel& l : key.batch->levels) dims.push_back(l.size);
+  for (std::int64_t d : per.front().shape()) dims.push_back(d);
+  return Array::batched_view(reshape(stack(per), dims), key.batch->levels);
+}
+
 Array uniform(Key key, const Shape& shape, float minval, float maxval, Mode mode) {
+  if (key.batched()) return draw_per_example(key, [&](const Key& m) { return uniform(m, shape, minval, maxval, mode); });
   Array out = Array::empty(shape);
   uniform_into(key, shape.numel(), minval, maxval, mode, out.mutable_data());
   return out;
 }
 
 Array normal(Key key, const Shape& shape, Mode mode) {
+  if (key.batched()) return draw_per_example(key, [&](const Key& m) { return normal(m, shape, mode); });
   Array out = Array::empty(shape);
   float* p = out.mutable_data();
   const float lo = std::nextafter(-1.0f, 0.0f);
@@ -62,6 +79,7 @@ Array normal(Key key, const Shape& shape, Mode mode) {
 }
 
 Array truncated_normal(Key key, float lower, float upper, const Shape& shape, Mode mode) {
+  if (key.batched()) return draw_per_example(key, [&](const Key& m) { return truncated_normal(m, lower, upper, shape, mode); });
   if (!(lower < upper))
     throw ValueError(detail::cat("rng::truncated_normal: the bounds must satisfy lower < upper, got lower=", lower,
                                  " and upper=", upper));
@@ -77,6 +95,7 @@ Array truncated_normal(Key key, float lower, float upper, const Shape& shape, Mo
 }
 
 Array bernoulli(Key key, float p, const Shape& shape, Mode mode) {
+  if (key.batched()) return draw_per_example(key, [&](const Key& m) { return bernoulli(m, p, shape, mode); });
   if (std::isnan(p)) throw ValueError("rng::bernoulli: the probability p is NaN; pass a value in [0, 1]");
   Array out = Array::empty(shape);
   float* q = out.mutable_data();
@@ -86,6 +105,7 @@ Array bernoulli(Key key, float p, const Shape& shape, Mode mode) {
 }
 
 Array randint(Key key, const Shape& shape, std::int64_t minval, std::int64_t maxval, Mode mode) {
+  if (key.batched()) return draw_per_example(key, [&](const Key& m) { return randint(m, shape, minval, maxval, mode); });
   const std::int64_t n = shape.numel();
   const bool maxval_out_of_range = maxval > std::numeric_limits<std::int32_t>::max();
   const std::int64_t lo = clip_i32(minval);
@@ -111,6 +131,7 @@ Array randint(Key key, const Shape& shape, std::int64_t minval, std::int64_t max
 }
 
 Array permutation(Key key, std::int64_t n, Mode mode) {
+  if (key.batched()) return draw_per_example(key, [&](const Key& m) { return permutation(m, n, mode); });
   if (n < 0 || n > std::numeric_limits<std::int32_t>::max())
     throw ValueError(detail::cat("rng::permutation: n must be in [0, 2^31), got ", n));
   std::vector<std::int32_t> x(static_cast<std::size_t>(n));
@@ -131,6 +152,7 @@ Array permutation(Key key, std::int64_t n, Mode mode) {
 }
 
 Array gumbel(Key key, const Shape& shape, Mode mode) {
+  if (key.batched()) return draw_per_example(key, [&](const Key& m) { return gumbel(m, shape, mode); });
   Array out = Array::empty(shape);
   float* p = out.mutable_data();
   uniform_into(key, shape.numel(), std::numeric_limits<float>::min(), 1.0f, mode, p);
@@ -139,6 +161,13 @@ Array gumbel(Key key, const Shape& shape, Mode mode) {
 }
 
 Array categorical(Key key, const Array& logits, int axis, Mode mode) {
+  if (key.batched() || logits.batched()) {
+    // Per example (lift::vmap, vmap): the Gumbel-max trick with ops, which batch; the same adds and
+    // first-maximum comparisons as below.
+    if (!logits.defined() || logits.dtype() != DType::f32 || logits.rank() == 0)
+      throw ShapeError("rng::categorical: logits must be a float32 array of rank >= 1");
+    return argmax(add(logits, gumbel(key, logits.shape(), mode)), axis);
+  }
   if (!logits.defined() || logits.dtype() != DType::f32 || logits.rank() == 0)
     throw ShapeError(detail::cat("rng::categorical: logits must be a float32 array of rank >= 1, got ",
                                  logits.defined() ? logits.str() : std::string("an undefined array")));

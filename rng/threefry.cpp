@@ -61,7 +61,38 @@ void check_count(std::int64_t count, const char* op) {
 
 }  // namespace
 
-std::string Key::str() const { return detail::cat("[", hi, ", ", lo, "]"); }
+std::string Key::str() const {
+  if (batch) return detail::cat("batched[", batch->keys.size(), "]");
+  return detail::cat("[", hi, ", ", lo, "]");
+}
+
+Key batched_key(std::vector<BatchLevel> levels, std::vector<Key> keys) {
+  std::int64_t n = 1;
+  for (const BatchLevel& l : levels) n *= l.size;
+  if (static_cast<std::int64_t>(keys.size()) != n || levels.empty())
+    throw ValueError(detail::cat("rng::batched_key: ", keys.size(), " keys for ", n, " examples"));
+  for (const Key& k : keys)
+    if (k.batched()) throw ValueError("rng::batched_key: the per-example keys must not be batched themselves");
+  Key out;
+  out.batch = std::make_shared<const KeyBatch>(KeyBatch{std::move(levels), std::move(keys)});
+  return out;
+}
+
+namespace {
+// The same function of every example's key, as a batched key.
+template <class F>
+Key per_example_key(const Key& k, F f) {
+  std::vector<Key> out;
+  out.reserve(k.batch->keys.size());
+  for (const Key& m : k.batch->keys) out.push_back(f(m));
+  return batched_key(k.batch->levels, std::move(out));
+}
+void refuse_batched(const Key& k, const char* what) {
+  if (k.batched())
+    throw BatchingError(detail::cat(what, ": the key differs per example (a split stream inside lift::vmap) and this "
+                                          "function returns host values; draw an Array (rng::bits, uniform, ...) instead"));
+}
+}  // namespace
 
 std::ostream& operator<<(std::ostream& os, const Key& k) { return os << k.str(); }
 
@@ -108,6 +139,17 @@ Key key_x32(std::int64_t seed) { return {0u, static_cast<std::uint32_t>(static_c
 
 std::vector<Key> split(Key key, std::int64_t n, Mode mode) {
   check_count(n, "rng::split");
+  if (key.batched()) {  // split of each example's key; result i holds every example's key i
+    std::vector<std::vector<Key>> per;
+    for (const Key& m : key.batch->keys) per.push_back(split(m, n, mode));
+    std::vector<Key> out;
+    for (std::int64_t i = 0; i < n; ++i) {
+      std::vector<Key> column;
+      for (const auto& p : per) column.push_back(p[static_cast<std::size_t>(i)]);
+      out.push_back(batched_key(key.batch->levels, std::move(column)));
+    }
+    return out;
+  }
   std::vector<Key> out(static_cast<std::size_t>(n));
   if (mode == Mode::partitionable) {
     for (std::int64_t i = 0; i < n; ++i) {
@@ -129,12 +171,14 @@ std::vector<Key> split(Key key, std::int64_t n, Mode mode) {
 }
 
 Key fold_in(Key key, std::uint32_t data) {
+  if (key.batched()) return per_example_key(key, [data](const Key& m) { return fold_in(m, data); });
   const auto y = threefry2x32(key.hi, key.lo, 0u, data);
   return {y[0], y[1]};
 }
 
 std::vector<std::uint32_t> bits_u32(Key key, std::int64_t count, Mode mode) {
   check_count(count, "rng::bits");
+  refuse_batched(key, "rng::bits_u32");
   if (mode == Mode::legacy) return legacy_words(key, static_cast<std::uint64_t>(count));
   std::vector<std::uint32_t> out(static_cast<std::size_t>(count));
 #if defined(_OPENMP)
@@ -150,6 +194,7 @@ std::vector<std::uint32_t> bits_u32(Key key, std::int64_t count, Mode mode) {
 
 std::vector<std::uint64_t> bits_wide(Key key, int bit_width, std::int64_t count, Mode mode) {
   check_count(count, "rng::bits_wide");
+  refuse_batched(key, "rng::bits_wide");
   if (bit_width != 8 && bit_width != 16 && bit_width != 32 && bit_width != 64)
     throw ValueError(detail::cat("rng::bits_wide: bit_width must be 8, 16, 32 or 64, got ", bit_width));
   const auto n = static_cast<std::uint64_t>(count);
@@ -182,6 +227,7 @@ std::vector<std::uint64_t> bits_wide(Key key, int bit_width, std::int64_t count,
 }
 
 Array bits(Key key, const Shape& shape, Mode mode) {
+  if (key.batched()) return draw_per_example(key, [&](const Key& m) { return bits(m, shape, mode); });
   const auto words = bits_u32(key, shape.numel(), mode);
   Array a = Array::empty(shape, DType::i32);
   if (!words.empty()) std::memcpy(a.mutable_data_i32(), words.data(), words.size() * sizeof(std::uint32_t));

@@ -261,3 +261,166 @@ TEST_CASE("vmap: reading a per-example value is an error, never a silent wrong r
   CHECK(escaped.batched());
   CHECK_THROWS_AS((void)escaped.to_vector(), BatchingError);
 }
+
+// ---- lift::vmap: Flax's nn.vmap ----------------------------------------------------------------
+
+namespace {
+
+// One member of an ensemble: Dense, dropout, Dense.
+struct Mlp {
+  std::int64_t hidden = 4;
+  Array operator()(Scope& s, const Array& x, bool train) const {
+    Array h = gelu(s(nn::Dense{.features = hidden}, x));
+    h = s(nn::Dropout{.rate = 0.5}, h, !train);
+    return s(nn::Dense{.features = 3}, h);
+  }
+};
+
+// The ensemble at child "ens" (the plain model below uses the same path for one member).
+template <class Member>
+struct EnsembleModel {
+  std::int64_t members = 4;
+  auto operator()(Scope& s, const Array& x, bool train) const {
+    return s("ens", lift::vmap<Member>{.body = {}, .variable_axes = {{"params", 0}},
+                                       .split_rngs = {{"params", true}, {"dropout", true}},
+                                       .in_axes = {std::nullopt, std::nullopt}, .axis_size = members},
+             x, train);
+  }
+};
+struct OneMember {
+  Array operator()(Scope& s, const Array& x, bool train) const { return s("ens", Mlp{}, x, train); }
+};
+
+Array member_slice(const Array& stacked, std::int64_t e) { return example(stacked, e); }
+
+Tree member_params(const Tree& stacked, std::int64_t e) {
+  return tree_map([e](const Array& a) { return member_slice(a, e); }, stacked);
+}
+
+}  // namespace
+
+TEST_CASE("lift::vmap init: params stacked on a leading axis, member e initialized with key split(K, members)[e]") {
+  const std::int64_t E = 4;
+  const Array x = random_array(Shape{6, 5}, 81);
+  const rng::Key k = rng::key(7);
+  const Tree vars = init(EnsembleModel<Mlp>{.members = E}, rng::Streams{{"params", k}, {"dropout", rng::key(8)}}, x, false);
+  const Tree& p = vars.at("params").at("ens");
+  CHECK(p.at_path("Dense_0/kernel").array().shape() == Shape({E, 5, 4}));
+  CHECK(p.at_path("Dense_0/bias").array().shape() == Shape({E, 4}));
+  CHECK(p.at_path("Dense_1/kernel").array().shape() == Shape({E, 4, 3}));
+  const std::vector<rng::Key> keys = rng::split(k, E);
+  for (std::int64_t e = 0; e < E; ++e) {
+    CAPTURE(e);
+    const Tree one = init(OneMember{}, rng::Streams{{"params", keys[static_cast<std::size_t>(e)]}}, x, false);
+    for (const auto& [path, value] : flatten(one.at("params").at("ens")))
+      CHECK(bitwise_equal(member_slice(p.at_path(path).array(), e), value));
+  }
+  // Members differ (their own keys).
+  CHECK(!bitwise_equal(member_slice(p.at_path("Dense_0/kernel").array(), 0), member_slice(p.at_path("Dense_0/kernel").array(), 1)));
+}
+
+TEST_CASE("lift::vmap apply: one batched call equals each member applied alone, dropout keys split per member") {
+  const std::int64_t E = 4;
+  const Array x = random_array(Shape{6, 5}, 82);
+  const rng::Key kd = rng::key(11);
+  const Tree vars = init(EnsembleModel<Mlp>{.members = E}, rng::Streams{{"params", rng::key(3)}}, x, false);
+  const Array y = apply(EnsembleModel<Mlp>{.members = E}, vars, {.rngs = {{"dropout", kd}}}, x, true);
+  REQUIRE(y.shape() == Shape({E, 6, 3}));
+  CHECK(!y.batched());
+  const std::vector<rng::Key> dkeys = rng::split(kd, E);
+  for (std::int64_t e = 0; e < E; ++e) {
+    CAPTURE(e);
+    Tree one;
+    one["params"]["ens"] = member_params(vars.at("params").at("ens"), e);
+    const Array ye = apply(OneMember{}, one, {.rngs = {{"dropout", dkeys[static_cast<std::size_t>(e)]}}}, x, true);
+    CHECK(max_abs_diff(member_slice(y, e), ye) <= 1e-6f);
+  }
+  // Different members draw different dropout masks.
+  CHECK(max_abs_diff(member_slice(y, 0), member_slice(y, 1)) > 1e-3f);
+}
+
+TEST_CASE("lift::vmap: gradients of the ensemble's loss equal each member's, bitwise with lift::remat inside or outside") {
+  const std::int64_t E = 3;
+  const Array x = random_array(Shape{6, 5}, 83);
+  const Tree vars = init(EnsembleModel<Mlp>{.members = E}, rng::Streams{{"params", rng::key(4)}}, x, false);
+  const rng::Key kd = rng::key(12);
+  auto loss_of = [&](auto model) {
+    return [model, x, kd](const Tree& params) {
+      Tree v;
+      v["params"] = params;
+      const Array y = apply(model, v, {.rngs = {{"dropout", kd}}}, x, true);
+      return sum(square(y));
+    };
+  };
+  const Tree g = grad(loss_of(EnsembleModel<Mlp>{.members = E}))(vars.at("params"));
+  const Tree g_inner = grad(loss_of(EnsembleModel<lift::remat<Mlp>>{.members = E}))(vars.at("params"));
+  struct RematOuter {
+    std::int64_t members = 3;
+    Array operator()(Scope& s, const Array& x, bool train) const {
+      return s("ens", lift::remat<lift::vmap<Mlp>>{lift::vmap<Mlp>{.body = {}, .variable_axes = {{"params", 0}},
+                                                                    .split_rngs = {{"params", true}, {"dropout", true}},
+                                                                    .in_axes = {std::nullopt, std::nullopt}, .axis_size = members}},
+               x, train);
+    }
+  };
+  const Tree g_outer = grad(loss_of(RematOuter{}))(vars.at("params"));
+  const std::vector<rng::Key> dkeys = rng::split(kd, E);
+  for (const auto& [path, value] : flatten(g)) {
+    CAPTURE(path);
+    CHECK(bitwise_equal(value, g_inner.at_path(path).array()));
+    CHECK(bitwise_equal(value, g_outer.at_path(path).array()));
+  }
+  for (std::int64_t e = 0; e < E; ++e) {
+    Tree one;
+    one["ens"] = member_params(vars.at("params").at("ens"), e);
+    const Tree ge = grad([&](const Tree& params) {
+      Tree v;
+      v["params"] = params;
+      return sum(square(apply(OneMember{}, v, {.rngs = {{"dropout", dkeys[static_cast<std::size_t>(e)]}}}, x, true)));
+    })(one);
+    for (const auto& [path, value] : flatten(ge)) {
+      CAPTURE(path);
+      CHECK(max_abs_diff(member_slice(g.at_path(path).array(), e), value) <= 1e-5f * (1.0f + max_abs(value)));
+    }
+  }
+}
+
+TEST_CASE("lift::vmap: mapped batch statistics update per member; a shared collection written per member is an error") {
+  struct BnMember {
+    Array operator()(Scope& s, const Array& x) const {
+      return s(nn::BatchNorm{.use_running_average = false}, s(nn::Dense{.features = 3}, x));
+    }
+  };
+  struct Model {
+    bool map_stats = true;
+    Array operator()(Scope& s, const Array& x) const {
+      std::map<std::string, int> axes{{"params", 0}};
+      if (map_stats) axes["batch_stats"] = 0;
+      return s("ens", lift::vmap<BnMember>{.body = {}, .variable_axes = axes, .split_rngs = {{"params", true}},
+                                           .in_axes = {0}},
+               x);
+    }
+  };
+  const Array xs = random_array(Shape{2, 8, 4}, 84);  // one batch per member
+  const Tree vars = init(Model{}, rng::key(5), xs);
+  CHECK(vars.at("batch_stats").at_path("ens/BatchNorm_0/mean").array().shape() == Shape({2, 3}));
+  auto [y, updates] = apply(Model{}, vars, {.mutable_collections = {"batch_stats"}}, xs);
+  CHECK(y.shape() == Shape({2, 8, 3}));
+  const Array mean = updates.at("batch_stats").at_path("ens/BatchNorm_0/mean").array();
+  REQUIRE(mean.shape() == Shape({2, 3}));
+  for (std::int64_t e = 0; e < 2; ++e) {
+    Tree one;
+    one["params"]["ens"] = member_params(vars.at("params").at("ens"), e);
+    one["batch_stats"]["ens"] = member_params(vars.at("batch_stats").at("ens"), e);
+    struct Plain {
+      Array operator()(Scope& s, const Array& x) const { return s("ens", BnMember{}, x); }
+    };
+    auto [ye, ue] = apply(Plain{}, one, {.mutable_collections = {"batch_stats"}}, example(xs, e));
+    CHECK(max_abs_diff(member_slice(mean, e), ue.at("batch_stats").at_path("ens/BatchNorm_0/mean").array()) <= 1e-6f);
+    CHECK(max_abs_diff(member_slice(y, e), ye) <= 1e-5f);
+  }
+  Tree shared_vars = vars;
+  shared_vars["batch_stats"]["ens"] = member_params(vars.at("batch_stats").at("ens"), 0);
+  CHECK_THROWS_WITH_AS(apply(Model{.map_stats = false}, shared_vars, {.mutable_collections = {"batch_stats"}}, xs),
+                       doctest::Contains("a collection they share"), ValueError);
+}
