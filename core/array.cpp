@@ -164,8 +164,41 @@ std::span<const BatchLevel> Array::batch_levels() const {
   return batch_->levels;
 }
 
+namespace {
+detail::MaterializeRepeated g_materialize_repeated = nullptr;
+}  // namespace
+
+void detail::set_materialize_repeated(MaterializeRepeated fn) { g_materialize_repeated = fn; }
+
+Array Array::repeated_example() const {
+  if (!repeated()) throw BatchingError("Array::repeated_example: the array is not a repeated batched array");
+  Array a = *this;
+  a.batch_.reset();
+  a.node_.reset();
+  a.output_index_ = 0;
+  return a;
+}
+
+Array Array::repeated_view(const Array& example, std::span<const BatchLevel> levels) {
+  if (example.batch_) throw BatchingError("Array::repeated_view: the example must not be batched");
+  if (levels.empty()) return example;
+  std::vector<std::int64_t> dims;
+  for (const BatchLevel& l : levels) dims.push_back(l.size);
+  for (int i = 0; i < example.rank(); ++i) dims.push_back(example.dim(i));
+  if (static_cast<int>(dims.size()) > Shape::kMaxRank)
+    throw BatchingError(detail::cat("vmap: ", levels.size(), " batch levels on an array of rank ", example.rank(),
+                                    " exceed the ", Shape::kMaxRank, " axes an array can have"));
+  Array a = example.detached();
+  a.batch_ = std::make_shared<const detail::BatchInfo>(detail::BatchInfo{Shape(dims), {levels.begin(), levels.end()}, true});
+  return a;
+}
+
 Array Array::physical() const {
   if (!batch_) return *this;
+  if (batch_->repeated) {
+    if (g_materialize_repeated == nullptr) throw BatchingError("Array::physical: no materializer for repeated arrays");
+    return g_materialize_repeated(*this);
+  }
   Array a = *this;
   a.shape_ = batch_->physical;
   a.batch_.reset();
@@ -192,12 +225,13 @@ Array Array::batched_view(const Array& physical, std::span<const BatchLevel> lev
   for (int i = n; i < physical.rank(); ++i) example.push_back(physical.dim(i));
   Array a = physical;
   a.shape_ = Shape(example);
-  a.batch_ = std::make_shared<const detail::BatchInfo>(detail::BatchInfo{physical.shape_, {levels.begin(), levels.end()}});
+  a.batch_ = std::make_shared<const detail::BatchInfo>(detail::BatchInfo{physical.shape_, {levels.begin(), levels.end()}, false});
   return a;
 }
 
 const void* Array::batched_raw() const {
   if (!buffer_) return nullptr;
+  if (batch_->repeated && detail::BatchCursor::top() != nullptr) return buffer_->data();  // every example alike
   const auto* cursor = detail::BatchCursor::top();
   if (cursor == nullptr)
     throw BatchingError(detail::cat(

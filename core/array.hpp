@@ -153,7 +153,14 @@ class Array {
   // The shape of the whole buffer: the levels' sizes, then shape() (shape() when not batched).
   const Shape& physical_shape() const { return batch_ ? batch_->physical : shape_; }
   // Internal (batching rules): the whole buffer as one unbatched array (same buffer and graph node).
+  // For a repeated array, a copy per example linked to its node.
   Array physical() const;
+  // A batched array whose buffer holds one example shared by all (see detail::BatchInfo::repeated).
+  bool repeated() const { return batch_ != nullptr && batch_->repeated; }
+  // Internal: that one example, unbatched, without graph node (fast paths of batching rules).
+  Array repeated_example() const;
+  // Internal: `example` (unbatched) as the same value for every example of `levels`, no copy.
+  static Array repeated_view(const Array& example, std::span<const BatchLevel> levels);
   // Internal: `physical`, whose leading axes are `levels` (sorted by id, sizes matching), as a
   // batched array (same buffer and graph node). No levels: `physical` itself.
   static Array batched_view(const Array& physical, std::span<const BatchLevel> levels);

@@ -23,6 +23,8 @@
 
 namespace linum {
 
+class Array;
+
 // One vmap level: its id (larger for levels opened later) and its number of examples.
 struct BatchLevel {
   std::uint64_t id = 0;
@@ -37,7 +39,15 @@ namespace detail {
 struct BatchInfo {
   Shape physical;
   std::vector<BatchLevel> levels;
+  // The buffer holds one example, the same for every example of the levels (a value repeated along
+  // them without a copy: grad inside vmap makes its arguments so, see autodiff::to_open_levels).
+  bool repeated = false;
 };
+
+// How a repeated batched array becomes its physical array (a copy per example, linked to the
+// array's graph node): set by the autodiff layer (core/autodiff/batching.cpp), which makes them.
+using MaterializeRepeated = Array (*)(const Array& repeated);
+void set_materialize_repeated(MaterializeRepeated fn);
 
 // The vmap levels open on this thread (innermost on top): grad and vjp called inside vmap
 // differentiate each example separately, so they batch their arguments at every open level.

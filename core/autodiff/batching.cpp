@@ -176,6 +176,27 @@ std::vector<Array> unstack_physical(const Array& x_phys, std::vector<BatchLevel>
       }));
 }
 
+// A repeated array's physical array: its one example copied per example, linked to the array's
+// node (a leaf of per-example gradients, whose node has the physical shape) by the identity.
+Array materialize_repeated(const Array& x) {
+  Array handle = x.repeated_example();  // the example's data; the edge below is the array's own node
+  if (x.node() != nullptr) handle.set_node(x.node(), x.output_index());
+  const std::vector<BatchLevel> levels(x.batch_levels().begin(), x.batch_levels().end());
+  const Shape physical = x.physical_shape();
+  const Array example = x.repeated_example();
+  return primitive(
+      "materialize_levels", {&handle},
+      [&](Residuals&) {
+        std::vector<std::int64_t> map(static_cast<std::size_t>(count_of(levels)), 0);
+        return repeat_examples(example, physical, map, example.numel());
+      },
+      higher_order([](Cotangents& c, Saved) { c.set(0, c.out()); }));
+}
+
+struct RegisterMaterializer {
+  RegisterMaterializer() { linum::detail::set_materialize_repeated(&materialize_repeated); }
+} g_register_materializer;
+
 }  // namespace
 
 std::vector<BatchLevel> union_levels(std::span<const Array* const> arrays, const char* op) {
@@ -234,6 +255,13 @@ Array to_open_levels(const Array& x) {
   for (const BatchLevel& l : open)
     if (std::find(all.begin(), all.end(), l) == all.end()) all.push_back(l);
   std::sort(all.begin(), all.end(), [](const BatchLevel& a, const BatchLevel& b) { return a.id < b.id; });
+  // A fresh value (no graph node) is repeated without a copy: ops with a fast path read its one
+  // example (a Dense's kernel: one product, per-example gradients from one batched product), the
+  // others copy it when they need it batched.
+  if (!x.batched() && x.node() == nullptr) {
+    linum::detail::set_materialize_repeated(&materialize_repeated);
+    return Array::repeated_view(x, all);
+  }
   return broadcast_levels(x, all);
 }
 

@@ -539,6 +539,11 @@ Array make_leaf(const Array& x) {
     throw AutodiffError(linum::detail::cat("make_leaf: only float32 and bfloat16 arrays can be differentiated, got ",
                                     dtype_name(x.dtype()), x.shape().str(),
                                     "; pass integer arrays (labels, indices) as non-differentiated arguments"));
+  if (x.repeated()) {  // per-example gradients: the leaf's node has the physical shape, its data stays one example
+    Array leaf = x.detached();
+    leaf.set_node(std::make_shared<LeafNode>(x.physical_shape()), 0);
+    return leaf;
+  }
   if (x.batched()) return Array::batched_view(make_leaf(x.physical()), x.batch_levels());
   Array leaf = x.detached();
   leaf.set_node(std::make_shared<LeafNode>(x.shape()), 0);

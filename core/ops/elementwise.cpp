@@ -708,9 +708,9 @@ LINUM_COMPARISON(not_equal, x != z)
 
 Array astype(const Array& x, DType dtype) {
   ops::detail::require_defined(x, "astype");
+  if (x.dtype() == dtype) return x.weak_type() ? x.strongly_typed() : x;
   if (x.batched()) [[unlikely]]
     return ops::batching::per_element(x, [dtype](const Array& p) { return astype(p, dtype); });
-  if (x.dtype() == dtype) return x.weak_type() ? x.strongly_typed() : x;
   const std::int64_t n = x.numel();
   if (is_floating(x.dtype()) && is_floating(dtype))
     return primitive("astype", {&x},

@@ -66,6 +66,45 @@ std::string dims_str(const std::vector<int>& v) {
   return s + "]";
 }
 
+// vmap, per-example gradients: a [..., K] @ w [K, M] with `a` batched at `levels` and w repeated
+// along them (grad inside vmap made it so: its gradient is per example). The forward is one product
+// on w's one example, as without vmap; the rule gives a's gradient by one product and w's per
+// example, [levels..., K, M], by one batched product (no copy of w per example).
+Array matmul_repeated_rhs(const Array& a, const Array& w_repeated, std::span<const BatchLevel> levels_in) {
+  const std::vector<BatchLevel> levels(levels_in.begin(), levels_in.end());
+  const Array w = w_repeated.repeated_example();
+  Array handle = w;  // w's data, and the edge to w's own (per-example) node
+  if (w_repeated.node() != nullptr) handle.set_node(w_repeated.node(), w_repeated.output_index());
+  std::int64_t n = 1;
+  for (const BatchLevel& l : levels) n *= l.size;
+  const std::int64_t k = w.dim(0), m = w.dim(1), rows = a.numel() / std::max<std::int64_t>(k, 1);
+  std::vector<std::int64_t> out = a.shape().vec();
+  out.back() = m;
+  const Shape out_shape(out), a_shape = a.shape(), w_physical = w_repeated.physical_shape();
+  return autodiff::primitive(
+      ops::kind::matmul, {&a, &handle},
+      [&](autodiff::Residuals& r) {
+        if (r.recording()) r.keep(handle.node() ? a : Array(), a.node() ? w : Array());
+        return gemm(a.with_shape(Shape{rows, k}), w, false, false).with_shape(out_shape);
+      },
+      autodiff::higher_order([=](Cotangents& c, autodiff::Saved s) {
+        const std::int64_t per = rows / n;
+        if (autodiff::creating_graph()) {  // the same with ops on w copied per example (linked to its node)
+          const Array g3 = reshape(c.out(), {n, per, m});
+          if (c.needs(0)) {
+            Array wr = Array::repeated_view(s[1].detached(), levels);
+            wr.set_node(s[1].node(), s[1].output_index());
+            c.set(0, reshape(gemm_op(g3, reshape(wr.physical(), {n, k, m}), false, true), a_shape.vec()));
+          }
+          if (c.needs(1)) c.set(1, reshape(gemm_op(reshape(s[0], {n, per, k}), g3, true, false), w_physical.vec()));
+          return;
+        }
+        const Array g = c.out();
+        if (c.needs(0)) c.set(0, gemm(g.with_shape(Shape{rows, m}), s[1], false, true).with_shape(a_shape));
+        if (c.needs(1)) c.set(1, gemm(s[0].with_shape(Shape{n, per, k}), g.with_shape(Shape{n, per, m}), true, false).with_shape(w_physical));
+      }));
+}
+
 }  // namespace
 
 // Both operands in their promoted dtype (bf16 with f32 computes in f32, as JAX).
@@ -93,10 +132,12 @@ Array matmul(const Array& a_orig, const Array& b_orig) {
     // vmap: the levels are leading batch axes of the physical product. With b the same for every
     // example, one [levels * ... * M, K] @ [K, N] product; otherwise a batched product (an operand
     // that lacks a level broadcasts along it).
+    const std::vector<BatchLevel> levels = ops::batching::levels_of({&a, &b}, "matmul");
     if (!b.batched() && b.rank() == 2) {
       y = ops::batching::wrap(matmul(a.physical(), b), a.batch_levels());
+    } else if (b.repeated() && !a.repeated() && b.rank() == 2 && a.batch_levels().size() == levels.size()) {
+      y = ops::batching::wrap(matmul_repeated_rhs(a.physical(), b, levels), levels);  // per-example gradients
     } else {
-      const std::vector<BatchLevel> levels = ops::batching::levels_of({&a, &b}, "matmul");
       const int rank = std::max(a.rank(), b.rank());
       y = ops::batching::wrap(matmul(ops::batching::aligned(a, levels, rank), ops::batching::aligned(b, levels, rank)), levels);
     }
@@ -165,8 +206,13 @@ Array dot_general(const Array& lhs_orig, const Array& rhs_orig, const DotDims& d
   };
   const auto lf = free_axes(lhs.rank(), lc, lb), rf = free_axes(rhs.rank(), rc, rbt);
   if (lhs.batched() || rhs.batched()) [[unlikely]] {
-    // vmap: the levels become leading batch axes of both operands (the result's batch axes come first).
     const std::vector<BatchLevel> levels = ops::batching::levels_of({&lhs, &rhs}, "dot_general");
+    // A Dense inside vmap(grad): per-example inputs times a kernel repeated per example.
+    const auto lhs_levels = lhs.batch_levels();
+    if (rhs.repeated() && !lhs.repeated() && rhs.rank() == 2 && lb.empty() && rbt.empty() && rc == std::vector<int>{0} &&
+        lc == std::vector<int>{lhs.rank() - 1} && lhs_levels.size() == levels.size() && lhs.rank() >= 1)
+      return ops::batching::wrap(matmul_repeated_rhs(lhs.physical(), rhs, levels), levels);
+    // vmap: the levels become leading batch axes of both operands (the result's batch axes come first).
     const int nl = static_cast<int>(levels.size());
     DotDims pd;
     for (int i = 0; i < nl; ++i) {

@@ -35,6 +35,9 @@
 //   linum-bench hvp [--layers L] [--width W] [--batch B] [--steps S]
 //       A Hessian-vector product of the deep MLP, reverse over reverse and forward over reverse, with
 //       and without remat per layer, against twice a plain gradient (hvp_bench.cpp).
+//   linum-bench vmap [--members M] [--batch B] [--hidden H] [--examples N] [--steps S]
+//       an ensemble of M MLPs trained in one lift::vmap call against a loop over M models, and
+//       per-example gradients of N examples by vmap(grad) against N grad calls (vmap_bench.cpp).
 //   linum-bench ops [--iters N]
 //       Per-op cost on tiny arrays, with and without recording the autodiff graph.
 #include <linum/linum.hpp>
@@ -367,11 +370,12 @@ int bench_load(const Flags& f) {
 int bench_dp(const Flags& f);
 int bench_rnn(const Flags& f);
 int bench_hvp(const Flags& f);
+int bench_vmap(const Flags& f);
 
 int main(int argc, char** argv) {
   linum::dist::Session mpi(argc, argv);  // `mpirun -np N linum-bench dp` (MPI only under a launcher)
   if (argc < 2) {
-    std::cerr << "usage: linum-bench mlp|gpt|scan|plan|dp|rnn|hvp|load|ops [--name value ...]\n";
+    std::cerr << "usage: linum-bench mlp|gpt|scan|plan|dp|rnn|hvp|vmap|load|ops [--name value ...]\n";
     return 2;
   }
   const std::string what = argv[1];
@@ -393,10 +397,11 @@ int main(int argc, char** argv) {
     if (what == "dp") return bench_dp(flags);
     if (what == "rnn") return bench_rnn(flags);
     if (what == "hvp") return bench_hvp(flags);
+    if (what == "vmap") return bench_vmap(flags);
   } catch (const std::exception& e) {
     std::cerr << "linum-bench: " << e.what() << "\n";
     return 1;
   }
-  std::cerr << "linum-bench: unknown benchmark '" << what << "' (choose mlp, gpt, scan, plan, dp, rnn, hvp, load or ops)\n";
+  std::cerr << "linum-bench: unknown benchmark '" << what << "' (choose mlp, gpt, scan, plan, dp, rnn, hvp, vmap, load or ops)\n";
   return 2;
 }
