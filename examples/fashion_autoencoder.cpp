@@ -9,6 +9,7 @@
 // --synthetic N trains on N generated images (a bright band whose row depends on the class) instead
 // of the dataset, for machines without dataset-fashion-mnist.
 #include "flags.hpp"
+#include "synthetic_images.hpp"
 
 #include <linum/linum.hpp>
 
@@ -61,20 +62,6 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
-// n images of class-dependent bands plus noise, in [0, 1].
-data::ArrayDataset synthetic(std::int64_t n, std::uint32_t seed) {
-  const Array labels = rng::randint(rng::key(seed), Shape{n}, 0, 10);
-  const Array noise = rng::uniform(rng::key(seed + 1), Shape{n, 28, 28, 1}, 0.0f, 0.25f);
-  Array images = Array::empty(Shape{n, 28, 28, 1});
-  for (std::int64_t i = 0; i < n; ++i)
-    for (int r = 0; r < 28; ++r)
-      for (int c = 0; c < 28; ++c) {
-        const int k = labels.data_i32()[i];
-        const std::int64_t at = (i * 28 + r) * 28 + c;
-        images.mutable_data()[at] = (r >= 2 * k + 2 && r < 2 * k + 6 ? 0.7f : 0.0f) + noise.data()[at];
-      }
-  return data::ArrayDataset(Tree{{"image", images}, {"label", labels}});
-}
 
 float mse(const Array& a, const Array& b) { return mean(square(a - b)).item(); }
 
@@ -95,8 +82,8 @@ void write_pgm(const std::string& path, const Array& originals, const Array& rec
 int run(const Options& o) {
   data::ArrayDataset train, test;
   if (o.synthetic > 0) {
-    train = synthetic(o.synthetic, 1);
-    test = synthetic(256, 2);
+    train = examples::synthetic(o.synthetic, 1);
+    test = examples::synthetic(256, 2);
   } else {
     try {
       train = data::load_mnist(o.data, "train");

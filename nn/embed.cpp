@@ -53,21 +53,23 @@ Array Embed::operator()(Scope& s, const Array& indices) const {
     out.push_back(features);
     return broadcast_to(table, out);
   }
-  // Wrap negative indices once (as jnp.take); anything else out of range is an error.
-  const std::int32_t* raw = indices.data_i32();
+  // Wrap negative indices once (as jnp.take); anything else out of range is an error. Inside vmap
+  // the check reads every example's indices (the physical array) and take batches.
+  const Array all = indices.physical();
+  const std::int32_t* raw = all.data_i32();
   bool negative = false;
-  for (std::int64_t i = 0; i < indices.numel(); ++i) {
+  for (std::int64_t i = 0; i < all.numel(); ++i) {
     if (raw[i] < -num_embeddings || raw[i] >= num_embeddings)
       throw ValueError(detail::cat("Embed: index ", raw[i], " (at flat position ", i, " of indices of shape ",
-                                   indices.shape(), ") is out of range for num_embeddings = ", num_embeddings));
+                                   all.shape(), ") is out of range for num_embeddings = ", num_embeddings));
     negative = negative || raw[i] < 0;
   }
   Array idx = indices;
   if (negative) {
-    std::vector<std::int32_t> wrapped(raw, raw + indices.numel());
+    std::vector<std::int32_t> wrapped(raw, raw + all.numel());
     for (auto& v : wrapped)
       if (v < 0) v += static_cast<std::int32_t>(num_embeddings);
-    idx = Array::from_i32(indices.shape(), wrapped);
+    idx = Array::batched_view(Array::from_i32(all.shape(), wrapped), indices.batch_levels());
   }
   return take(table, idx, 0);
 }

@@ -1,5 +1,6 @@
 #include <linum/nn/losses.hpp>
 
+#include <linum/core/autodiff/batching.hpp>
 #include <linum/core/ops/all.hpp>
 #include <linum/nn/activations.hpp>
 
@@ -42,6 +43,13 @@ Array softmax_cross_entropy_with_integer_labels(const Array& logits, const Array
   if (!(labels.shape() == batch))
     throw ShapeError(detail::cat(loss, ": labels of shape ", labels.shape(), " must have the shape of logits ",
                                  logits.shape(), " without the class axis, ", batch));
+  if (logits.batched() || labels.batched()) {  // vmap: the same on every example's logits and labels at once
+    const Array* both[] = {&logits, &labels};
+    const std::vector<BatchLevel> levels = autodiff::union_levels(both, loss);
+    return Array::batched_view(softmax_cross_entropy_with_integer_labels(autodiff::broadcast_levels(logits, levels).physical(),
+                                                                         autodiff::broadcast_levels(labels, levels).physical()),
+                               levels);
+  }
   const std::int64_t classes = logits.dim(-1);
   const std::int32_t* raw = labels.data_i32();
   const std::int64_t n = labels.numel();

@@ -347,3 +347,46 @@ TEST_CASE("running metrics merge across batches and through a state tree") {
   CHECK(acc.merge(more).compute() == doctest::Approx(0.75));
   CHECK_THROWS_AS(acc.update(Array::from({3, 2}, {0, 0, 0, 0, 0, 0}), Array::from_i32(Shape{2}, {0, 0})), ShapeError);
 }
+
+TEST_CASE("differentially_private_aggregate and dpsgd: per-example clipping, Gaussian noise, optax's key handling") {
+  // Per-example gradients of params {"b": [2], "w": [3]}: 4 examples, norms 5, 0.5, 0, 13.
+  Tree grads{{"b", Array::from({4, 2}, {3, 0, 0.3f, 0, 0, 0, 5, 0})},
+             {"w", Array::from({4, 3}, {0, 4, 0, 0, 0.4f, 0, 0, 0, 0, 0, 12, 0})}};
+  Tree params{{"b", Array::zeros(Shape{2})}, {"w", Array::zeros(Shape{3})}};
+  const double clip = 1.0;
+  SUBCASE("no noise: the mean of the gradients scaled to norm <= clip") {
+    const auto agg = optim::differentially_private_aggregate(clip, 0.0, 3);
+    const auto [u, st] = agg.update(grads, agg.init(params), params);
+    const float factors[4] = {1.0f / 5.0f, 1.0f, 1.0f, 1.0f / 13.0f};
+    for (const char* leaf : {"b", "w"}) {
+      const Array& g = grads.at(leaf).array();
+      const std::int64_t per = g.dim(1);
+      for (std::int64_t j = 0; j < per; ++j) {
+        float acc = 0;
+        for (int i = 0; i < 4; ++i) acc += factors[i] * g.data()[i * per + j];
+        CHECK(u.at(leaf).array().data()[j] == doctest::Approx(acc / 4.0f).epsilon(1e-6));
+      }
+    }
+    CHECK(u.at("w").array().shape() == Shape({3}));
+  }
+  SUBCASE("noise: clip * noise_multiplier times normal(split(PRNGKey(seed), leaves + 1)[leaf + 1]), then / batch") {
+    const auto agg = optim::differentially_private_aggregate(clip, 2.0, 7);
+    Tree state = agg.init(params);
+    const std::vector<rng::Key> keys = rng::split(rng::key_x32(7), 3);
+    const auto [u, next] = agg.update(grads, state, params);
+    const auto [u0, next0] = optim::differentially_private_aggregate(clip, 0.0, 7).update(grads, state, params);
+    const Array noise_w = rng::normal(keys[2], Shape{3});
+    for (int j = 0; j < 3; ++j)
+      CHECK(u.at("w").array().data()[j] == doctest::Approx(u0.at("w").array().data()[j] + 2.0f * noise_w.data()[j] / 4.0f).epsilon(1e-5));
+    const Array k = next.at("rng_key").array();
+    CHECK(static_cast<std::uint32_t>(k.data_i32()[0]) == keys[0].hi);
+    CHECK(static_cast<std::uint32_t>(k.data_i32()[1]) == keys[0].lo);
+  }
+  SUBCASE("dpsgd takes per-example gradients and refuses plain ones") {
+    const auto opt = optim::dpsgd(0.1, clip, 0.0, 0);
+    CHECK(opt.takes_per_example_gradients());
+    const auto [u, st] = opt.update(grads, opt.init(params), params);
+    CHECK(u.at("b").array().shape() == Shape({2}));
+    CHECK_THROWS_AS(opt.update(params, opt.init(params), params), ValueError);
+  }
+}

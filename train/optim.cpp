@@ -95,7 +95,20 @@ UpdateResult GradientTransformation::update(const Tree& grads, const Tree& state
 UpdateResult GradientTransformation::update(const Tree& grads, const Tree& state, const Tree& params) const {
   autodiff::NoGradGuard no_grad;
   check_f32(name_ + ".update", "grads", grads);
-  check_same_structure(name_ + ".update", "grads", grads, "params", params);
+  if (per_example_) {  // the params' structure, every leaf with a leading batch axis
+    const auto g = flatten(grads), p = flatten(params);
+    bool ok = g.size() == p.size();
+    for (std::size_t i = 0; ok && i < g.size(); ++i) {
+      const Shape& gs = g[i].second.shape();
+      ok = g[i].first == p[i].first && gs.rank() == p[i].second.rank() + 1;
+      for (int a = 0; ok && a < p[i].second.rank(); ++a) ok = gs[a + 1] == p[i].second.shape()[a];
+    }
+    if (!ok)
+      throw ValueError(detail::cat(name_, ".update: takes per-example gradients, the params' structure with a leading "
+                                          "batch axis on every leaf (vmap(grad(loss)) gives them); got grads of another structure"));
+  } else {
+    check_same_structure(name_ + ".update", "grads", grads, "params", params);
+  }
   return update_(grads, state, &params);
 }
 
@@ -158,7 +171,8 @@ GradientTransformation chain(std::vector<GradientTransformation> transformations
     }
     return UpdateResult{std::move(updates), std::move(new_state)};
   };
-  return GradientTransformation(name, std::move(init), std::move(update));
+  GradientTransformation chained(name, std::move(init), std::move(update));
+  return !ts->empty() && ts->front().takes_per_example_gradients() ? chained.taking_per_example_gradients() : chained;
 }
 
 GradientTransformation identity() {

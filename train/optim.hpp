@@ -173,6 +173,15 @@ class GradientTransformation {
   // The name used in error messages.
   const std::string& name() const { return name_; }
 
+  // Whether update() takes per-example gradients (every leaf with a leading batch axis in front of
+  // its parameter's shape), as differentially_private_aggregate and chains starting with it do.
+  bool takes_per_example_gradients() const { return per_example_; }
+  GradientTransformation taking_per_example_gradients() const {
+    GradientTransformation t = *this;
+    t.per_example_ = true;
+    return t;
+  }
+
   // A fused step: (params, grads, state) -> StepResult.
   using StepFn = std::function<StepResult(Tree&& params, const Tree& grads, Tree&& state)>;
   // This transformation with a fused step(), which must give exactly what update + apply_updates give.
@@ -184,6 +193,7 @@ class GradientTransformation {
 
  private:
   std::string name_;
+  bool per_example_ = false;
   InitFn init_;
   UpdateFn update_;
   StepFn step_;
@@ -311,6 +321,18 @@ GradientTransformation apply_if_finite(GradientTransformation inner, std::int64_
 // `inner` runs on the average at every k-th call; the other calls return zero updates. State
 // {"mini_step", "gradient_step", "inner_opt_state", "acc_grads", "skip_state": {}}.
 GradientTransformation multi_steps(GradientTransformation inner, std::int64_t every_k_steps);
+
+// Differentially private aggregation (optax.differentially_private_aggregate, DP-SGD): the updates
+// are per-example gradients, every leaf with one leading batch axis (vmap(grad(loss)) gives them);
+// each example's gradient is scaled to global L2 norm at most l2_norm_clip, the scaled gradients
+// are summed, Gaussian noise of standard deviation l2_norm_clip * noise_multiplier is added to every
+// coordinate, and the result is divided by the batch size: updates shaped as the parameters. The
+// noise keys come from jax.random.PRNGKey(seed), split once per step into a next key and one key per
+// leaf (flatten order), as optax. State {"rng_key": int32[2], the key's words}.
+GradientTransformation differentially_private_aggregate(double l2_norm_clip, double noise_multiplier, std::int64_t seed);
+// DP-SGD (optax.dpsgd): chain(differentially_private_aggregate, sgd(learning_rate, momentum, nesterov)).
+GradientTransformation dpsgd(LearningRate learning_rate, double l2_norm_clip, double noise_multiplier, std::int64_t seed,
+                             double momentum = 0.0, bool nesterov = false);
 
 // step_size * new + (1 - step_size) * old, leaf by leaf (optax.incremental_update): an EMA of the
 // parameters, e.g. ema_params = incremental_update(params, ema_params, 1e-3) after each step.
