@@ -16,7 +16,7 @@ LAYERS = [
     "core/storage",       # where kept values live: the spill file (offload), compression codecs
     "core/autodiff",      # the tape, the primitive path, grad, custom_vjp, pytrees
     "core/ops",           # every differentiable op
-    "core/transforms",    # transformations composed of grad/vjp/jvp and ops: jacobians, hessian, hvp
+    "core/transforms",    # transformations composed of grad/vjp/jvp and ops: jacobians, hessian, hvp, vmap
     "rng",                # JAX-compatible keys and named streams
     "modules",            # Scope, Module, init/apply, initializers
     "lift",               # lifted transforms: checkpoint engine, policies, remat, scan, planner

@@ -25,6 +25,8 @@
 // lift::scan). Inside, make_rng hashes the module path and a per-scope counter into the member's
 // stream key, as Flax.
 //
+// Methods (Flax's `methods`): s.call(&Body::encode, wrapper, x) runs body.encode mapped the same way.
+//
 // The number of members comes from the mapped arguments, the mapped variables, or axis_size.
 // Apply runs the body once on batched values (ops batch; a split stream's keys are batched keys,
 // so dropout masks are drawn per member in one call). Init runs it once per member and stacks what
@@ -121,6 +123,19 @@ struct vmap {
 
   template <class... Args>
   auto operator()(Scope& s, const Args&... args) const {
+    return mapped(s, [](const Body& b, Scope& inner, const auto&... a) { return b(inner, a...); }, args...);
+  }
+
+  // Other methods of the body (Flax's `methods`): s.call(&Body::encode, wrapper, x) runs
+  // body.encode mapped as operator() is, on the same variables and keys.
+  template <class Method, class... Args>
+  auto lifted_call(Method method, Scope& s, const Args&... args) const {
+    return mapped(s, [method](const Body& b, Scope& inner, const auto&... a) { return (b.*method)(inner, a...); }, args...);
+  }
+
+ private:
+  template <class Invoke, class... Args>
+  auto mapped(Scope& s, const Invoke& invoke, const Args&... args) const {
     constexpr std::size_t n = sizeof...(Args);
     if (in_axes.size() > 1 && in_axes.size() != n)
       detail::throw_vmap_error(s.path(), linum::detail::cat("in_axes has ", in_axes.size(), " entries for ", n,
@@ -134,7 +149,7 @@ struct vmap {
     for (std::size_t i = 0; i < n; ++i) transforms::detail::batch_arguments(flat[i], axis_of(i), i, size);
     detail::VmapPlan plan = detail::plan_vmap(s, {variable_axes, split_rngs}, size, axis_size);
     using linum::detail::ScopeState;
-    if (s.is_initializing()) return init_members(plan, axis_of, args...);
+    if (s.is_initializing()) return init_members(plan, invoke, axis_of, args...);
     const BatchLevel level = transforms::detail::open_level(plan.size);
     auto batched = [&]<std::size_t... Is>(std::index_sequence<Is...>) {
       for (std::size_t i = 0; i < n; ++i)
@@ -147,7 +162,8 @@ struct vmap {
     auto result = [&] {
       linum::detail::OpenBatchLevels::Entry open(level);
       Scope inner(st, plan.path);
-      return std::apply([&](const auto&... a) { return linum::detail::ModuleEntry::run(inner, body, body, a...); }, batched);
+      auto call = [&](Scope& in, const auto&... a) { return invoke(body, in, a...); };
+      return std::apply([&](const auto&... a) { return linum::detail::ModuleEntry::run(inner, body, call, a...); }, batched);
     }();
     detail::finish_batched(plan, st, level);
     std::vector<Array> outs = pytree::flatten(result);
@@ -155,21 +171,21 @@ struct vmap {
     return pytree::rebuild(result, std::span<const Array>(outs));
   }
 
- private:
   // Init: the body once per member (its own keys and slices), the created variables stacked, the
   // results stacked along out_axes.
-  template <class AxisOf, class... Args>
-  auto init_members(detail::VmapPlan& plan, const AxisOf& axis_of, const Args&... args) const {
+  template <class Invoke, class AxisOf, class... Args>
+  auto init_members(detail::VmapPlan& plan, const Invoke& invoke, const AxisOf& axis_of, const Args&... args) const {
     using linum::detail::ScopeState;
     std::vector<ScopeState> states;
     std::vector<std::vector<Array>> results;
-    using Result = std::decay_t<decltype(body(std::declval<Scope&>(), args...))>;
+    using Result = std::decay_t<decltype(invoke(body, std::declval<Scope&>(), args...))>;
     std::optional<Result> first;
     for (std::int64_t e = 0; e < plan.size; ++e) {
       ScopeState st = detail::member_state(plan, e);
       Result r = [&]<std::size_t... Is>(std::index_sequence<Is...>) {
         Scope inner(st, plan.path);
-        return linum::detail::ModuleEntry::run(inner, body, body, detail::member_of(args, axis_of(Is), e)...);
+        auto call = [&](Scope& in, const auto&... a) { return invoke(body, in, a...); };
+        return linum::detail::ModuleEntry::run(inner, body, call, detail::member_of(args, axis_of(Is), e)...);
       }(std::index_sequence_for<Args...>{});
       results.push_back(pytree::flatten(r));
       if (!first) first = std::move(r);
