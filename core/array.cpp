@@ -3,6 +3,7 @@
 #include <linum/core/memory.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <new>
 #include <cmath>
 #include <iomanip>
@@ -165,10 +166,10 @@ std::span<const BatchLevel> Array::batch_levels() const {
 }
 
 namespace {
-detail::MaterializeRepeated g_materialize_repeated = nullptr;
+std::atomic<detail::MaterializeRepeated> g_materialize_repeated{nullptr};
 }  // namespace
 
-void detail::set_materialize_repeated(MaterializeRepeated fn) { g_materialize_repeated = fn; }
+void detail::set_materialize_repeated(MaterializeRepeated fn) { g_materialize_repeated.store(fn, std::memory_order_relaxed); }
 
 Array Array::repeated_example() const {
   if (!repeated()) throw BatchingError("Array::repeated_example: the array is not a repeated batched array");
@@ -196,8 +197,9 @@ Array Array::repeated_view(const Array& example, std::span<const BatchLevel> lev
 Array Array::physical() const {
   if (!batch_) return *this;
   if (batch_->repeated) {
-    if (g_materialize_repeated == nullptr) throw BatchingError("Array::physical: no materializer for repeated arrays");
-    return g_materialize_repeated(*this);
+    const detail::MaterializeRepeated materialize = g_materialize_repeated.load(std::memory_order_relaxed);
+    if (materialize == nullptr) throw BatchingError("Array::physical: no materializer for repeated arrays");
+    return materialize(*this);
   }
   Array a = *this;
   a.shape_ = batch_->physical;

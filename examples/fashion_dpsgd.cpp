@@ -3,7 +3,7 @@
 // gradients in one batched call, through the model's rematerialized blocks), clipped to an L2 norm,
 // and the clipped gradients are summed with Gaussian noise (optim::dpsgd, optax's dpsgd).
 //
-//   fashion_dpsgd [--epochs 2] [--batch 256] [--lr 0.25] [--momentum 0.9] [--clip 1.5] [--noise 1.1]
+//   fashion_dpsgd [--epochs 1] [--batch 256] [--lr 0.25] [--momentum 0.9] [--clip 1.5] [--noise 1.1]
 //                 [--limit N] [--seed 0] [--data DIR] [--synthetic N]
 //
 // The CNN is the main example's without BatchNorm and dropout (batch statistics mix the examples,
@@ -35,11 +35,11 @@ double since(std::chrono::steady_clock::time_point t) {
 
 int main(int argc, char** argv) {
   std::int64_t batch = 256, limit = 0, synthetic = 0;
-  int epochs = 2, seed = 0;
+  int epochs = 1, seed = 0;
   double lr = 0.25, momentum = 0.9, clip = 1.5, noise = 1.1;
   std::filesystem::path data_dir = "/usr/share/datasets/fashion-mnist";
   const examples::Flags flags("fashion_dpsgd",
-                              "usage: fashion_dpsgd [--epochs 2] [--batch 256] [--lr 0.25] [--momentum 0.9] [--clip 1.5] [--noise 1.1]\n"
+                              "usage: fashion_dpsgd [--epochs 1] [--batch 256] [--lr 0.25] [--momentum 0.9] [--clip 1.5] [--noise 1.1]\n"
                               "                     [--limit N] [--seed 0] [--data DIR] [--synthetic N]");
   flags.parse(argc, argv, [&](const std::string& name, const std::string& value) {
     if (name == "--epochs") epochs = static_cast<int>(flags.number(name, value, 0, 1000));

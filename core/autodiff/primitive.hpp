@@ -12,6 +12,9 @@
 //   }
 //
 // The dispatcher (`primitive`) does everything around the kernel, for every op alike:
+//   0. batched inputs (vmap) reaching it mean the op has no batching rule of its own (ops with one
+//      apply it at their entry, core/ops/batching.hpp): it runs once per example, each run recorded
+//      as its own node, and the outputs are stacked (primitive_by_loop; reported once per op);
 //   1. constants (no input needs a gradient, or recording is off): runs the forward and returns;
 //      nothing is recorded or kept (debug checks see constants per module, see debug_nans.hpp);
 //   2. otherwise asks the enclosing checkpoint region first: when it replays a block whose policy
