@@ -9,7 +9,7 @@
 // --synthetic N trains on N generated images (a bright band whose row depends on the class) instead
 // of the dataset, for machines without dataset-fashion-mnist.
 #include "flags.hpp"
-#include "synthetic_images.hpp"
+#include "fashion_data.hpp"
 
 #include <linum/linum.hpp>
 

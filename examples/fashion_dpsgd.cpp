@@ -21,7 +21,7 @@
 
 #include "fashion_mnist/model.hpp"
 #include "flags.hpp"
-#include "synthetic_images.hpp"
+#include "fashion_data.hpp"
 
 using namespace linum;
 
@@ -34,10 +34,10 @@ double since(std::chrono::steady_clock::time_point t) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::int64_t batch = 256, limit = 0, synthetic = 0;
-  int epochs = 1, seed = 0;
+  std::int64_t batch = 256;
+  int epochs = 1;
   double lr = 0.25, momentum = 0.9, clip = 1.5, noise = 1.1;
-  std::filesystem::path data_dir = "/usr/share/datasets/fashion-mnist";
+  examples::DataFlags data;
   const examples::Flags flags("fashion_dpsgd",
                               "usage: fashion_dpsgd [--epochs 1] [--batch 256] [--lr 0.25] [--momentum 0.9] [--clip 1.5] [--noise 1.1]\n"
                               "                     [--limit N] [--seed 0] [--data DIR] [--synthetic N]");
@@ -48,17 +48,12 @@ int main(int argc, char** argv) {
     else if (name == "--momentum") momentum = flags.number(name, value, 0, 0.999);
     else if (name == "--clip") clip = flags.number(name, value, 1e-6, 1e12);
     else if (name == "--noise") noise = flags.number(name, value, 0, 100);
-    else if (name == "--limit") limit = static_cast<std::int64_t>(flags.number(name, value, 0, 1e9));
-    else if (name == "--seed") seed = static_cast<int>(flags.number(name, value, 0, 1 << 30));
-    else if (name == "--data") data_dir = value;
-    else if (name == "--synthetic") synthetic = static_cast<std::int64_t>(flags.number(name, value, 16, 1 << 20));
-    else return false;
+    else return data.parse(flags, name, value);
     return true;
   });
   try {
-    data::ArrayDataset train = synthetic ? examples::synthetic(synthetic, 1) : data::load_mnist(data_dir, "train");
-    data::ArrayDataset test = synthetic ? examples::synthetic(1000, 2) : data::load_mnist(data_dir, "t10k");
-    if (limit > 0 && limit < train.size()) train = train.slice(0, limit);
+    auto [train, test] = data.load();
+    const int seed = data.seed;
     batch = std::min<std::int64_t>(batch, train.size());
     const fashion::CNN model{.remat = fashion::Remat::full};
     const Array sample = slice_axis(train.columns().at("image").array(), 0, 0, batch);
@@ -75,7 +70,7 @@ int main(int argc, char** argv) {
     const auto per_example_grads = vmap(value_and_grad(example_loss), {.in_axes = {std::nullopt, 0, 0}});
     std::printf("DP-SGD on %lld images, batch %lld: per-example gradients clipped to %.3g, noise %.3g x clip; %s\n",
                 static_cast<long long>(train.size()), static_cast<long long>(batch), clip, noise,
-                synthetic ? "generated images" : data_dir.c_str());
+                data.synthetic ? "generated images" : data.dir.c_str());
     data::DataLoader loader(train, {.batch_size = batch, .seed = rng::key(seed), .drop_remainder = true, .num_epochs = epochs});
     double train_seconds = 0, last_loss = 0;
     std::int64_t steps = 0;

@@ -6,7 +6,7 @@
 //   fashion_ensemble [--members 8] [--epochs 3] [--hidden 256] [--batch 128] [--lr 0.001]
 //                    [--dropout 0.2] [--limit N] [--seed 0] [--data DIR] [--synthetic N]
 //
-// --synthetic N trains on N generated images (examples/synthetic_images.hpp) instead of the dataset.
+// --synthetic N trains on N generated images (examples/fashion_data.hpp) instead of the dataset.
 //
 // Prints each member's test accuracy, their mean and spread, and the ensemble's accuracy; the last
 // line is one JSON object for scripts.
@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "flags.hpp"
-#include "synthetic_images.hpp"
+#include "fashion_data.hpp"
 
 using namespace linum;
 
@@ -67,10 +67,10 @@ double since(std::chrono::steady_clock::time_point t) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::int64_t members = 8, hidden = 256, batch = 128, limit = 0, synthetic = 0;
-  int epochs = 3, seed = 0;
+  std::int64_t members = 8, hidden = 256, batch = 128;
+  int epochs = 3;
   double lr = 1e-3, dropout = 0.2;
-  std::filesystem::path data_dir = "/usr/share/datasets/fashion-mnist";
+  examples::DataFlags data;
   const examples::Flags flags("fashion_ensemble",
                               "usage: fashion_ensemble [--members 8] [--epochs 3] [--hidden 256] [--batch 128] [--lr 0.001]\n"
                               "                        [--dropout 0.2] [--limit N] [--seed 0] [--data DIR] [--synthetic N]");
@@ -81,17 +81,12 @@ int main(int argc, char** argv) {
     else if (name == "--batch") batch = static_cast<std::int64_t>(flags.number(name, value, 1, 1 << 16));
     else if (name == "--lr") lr = flags.number(name, value, 1e-8, 10);
     else if (name == "--dropout") dropout = flags.number(name, value, 0, 0.99);
-    else if (name == "--limit") limit = static_cast<std::int64_t>(flags.number(name, value, 0, 1e9));
-    else if (name == "--seed") seed = static_cast<int>(flags.number(name, value, 0, 1 << 30));
-    else if (name == "--data") data_dir = value;
-    else if (name == "--synthetic") synthetic = static_cast<std::int64_t>(flags.number(name, value, 16, 1 << 20));
-    else return false;
+    else return data.parse(flags, name, value);
     return true;
   });
   try {
-    data::ArrayDataset train = synthetic ? examples::synthetic(synthetic, 1) : data::load_mnist(data_dir, "train");
-    data::ArrayDataset test = synthetic ? examples::synthetic(1000, 2) : data::load_mnist(data_dir, "t10k");
-    if (limit > 0 && limit < train.size()) train = train.slice(0, limit);
+    auto [train, test] = data.load();
+    const int seed = data.seed;
     batch = std::min<std::int64_t>(batch, train.size());
     const Ensemble model{.members = members, .member = {.hidden = hidden, .dropout = dropout}};
     const Array sample = slice_axis(train.columns().at("image").array(), 0, 0, batch);

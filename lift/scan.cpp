@@ -2,6 +2,8 @@
 // per iteration (Flax's split), the counters, and stacking and publishing the results.
 #include <linum/lift/scan.hpp>
 
+#include <linum/lift/mapped_state_internal.hpp>
+
 #include <linum/rng/key.hpp>
 
 #include <algorithm>
@@ -49,17 +51,6 @@ Array front_to_axis(const Array& x, int axis) {
   return transpose(x, perm);
 }
 
-// The subtree of `collection` at `prefix`, if any.
-const Tree* at_prefix(const Tree& collection, const std::string& prefix) {
-  if (prefix.empty()) return &collection;
-  return collection.contains_path(prefix) ? &collection.at_path(prefix) : nullptr;
-}
-
-void put_at_prefix(Tree& collection, const std::string& prefix, Tree value) {
-  if (prefix.empty()) collection = std::move(value);
-  else collection.set_path(prefix, std::move(value));
-}
-
 }  // namespace
 
 void throw_scan_error(const std::vector<std::string>& path, const std::string& what) {
@@ -102,16 +93,9 @@ ScanPlan plan_scan(Scope& s, const ScanSettings& settings, int length) {
     }
   }
   // Streams: split (one key per slice), broadcast, or not passed in.
-  for (const std::string& stream : pack.streams().names()) {
-    bool split = settings.split_rngs.empty();
-    if (!settings.split_rngs.empty()) {
-      auto it = settings.split_rngs.find(stream);
-      if (it == settings.split_rngs.end()) continue;  // not lifted into the body
-      split = it->second;
-    }
-    if (split) plan.split_keys.emplace_back(stream, rng::split(pack.streams().at(stream), length));
-    else plan.broadcast_keys.emplace_back(stream, pack.streams().at(stream));
-  }
+  BodyStreams streams = body_streams(pack, settings.split_rngs, length);
+  plan.split_keys = std::move(streams.split);
+  plan.broadcast_keys = std::move(streams.broadcast);
   plan.counters = pack.counters();
   return plan;
 }
@@ -127,14 +111,8 @@ ScopeState iteration_state(const ScanPlan& plan, int i) {
     for (const auto& [leaf_path, values] : leaves)
       c.set_path(prefix.empty() ? leaf_path : prefix + "/" + leaf_path, Tree(values[static_cast<std::size_t>(i)]));
   }
-  if (plan.settings.split_rngs.empty())
-    return plan.pack->state_on(std::move(variables), std::move(streams), plan.counters);
-  // Streams not listed in split_rngs do not reach the body.
-  std::set<std::string, std::less<>> visible;
-  for (const auto& [stream, _] : plan.split_keys) visible.insert(stream);
-  for (const auto& [stream, _] : plan.broadcast_keys) visible.insert(stream);
-  return plan.pack->state_on(std::move(variables), std::move(streams), plan.counters, std::move(visible),
-                             linum::detail::cat("lift::scan at '", join(plan.path), "' (split_rngs)"));
+  return body_state(*plan.pack, std::move(variables), std::move(streams), plan.counters, plan.settings.split_rngs,
+                    {plan.split_keys, plan.broadcast_keys}, linum::detail::cat("lift::scan at '", join(plan.path), "' (split_rngs)"));
 }
 
 void after_iteration(ScanPlan& plan, const ScopeState& st, bool discarded) {

@@ -3,6 +3,7 @@
 #include <linum/lift/vmap.hpp>
 
 #include <linum/core/autodiff/batching.hpp>
+#include <linum/lift/mapped_state_internal.hpp>
 #include <linum/rng/key.hpp>
 
 #include <algorithm>
@@ -11,16 +12,6 @@ namespace linum::lift::detail {
 namespace {
 
 std::string join(const std::vector<std::string>& parts) { return linum::detail::join_module_path(parts); }
-
-const Tree* at_prefix(const Tree& collection, const std::string& prefix) {
-  if (prefix.empty()) return &collection;
-  return collection.contains_path(prefix) ? &collection.at_path(prefix) : nullptr;
-}
-
-void put_at_prefix(Tree& collection, const std::string& prefix, Tree value) {
-  if (prefix.empty()) collection = std::move(value);
-  else collection.set_path(prefix, std::move(value));
-}
 
 std::string full(const std::string& prefix, const std::string& leaf) { return prefix.empty() ? leaf : prefix + "/" + leaf; }
 
@@ -36,17 +27,9 @@ rng::Key stack_keys(const std::vector<rng::Key>& members, const BatchLevel& leve
   return rng::batched_key(std::move(levels), std::move(keys));
 }
 
-std::set<std::string, std::less<>> visible_streams(const VmapPlan& plan) {
-  std::set<std::string, std::less<>> visible;
-  for (const auto& [stream, _] : plan.split_keys) visible.insert(stream);
-  for (const auto& [stream, _] : plan.broadcast_keys) visible.insert(stream);
-  return visible;
-}
-
 ScopeState state_on(const VmapPlan& plan, Tree variables, rng::Streams streams) {
-  if (plan.settings.split_rngs.empty()) return plan.pack->state_on(std::move(variables), std::move(streams), plan.counters);
-  return plan.pack->state_on(std::move(variables), std::move(streams), plan.counters, visible_streams(plan),
-                             linum::detail::cat("lift::vmap at '", join(plan.path), "' (split_rngs)"));
+  return body_state(*plan.pack, std::move(variables), std::move(streams), plan.counters, plan.settings.split_rngs,
+                    {plan.split_keys, plan.broadcast_keys}, linum::detail::cat("lift::vmap at '", join(plan.path), "' (split_rngs)"));
 }
 
 }  // namespace
@@ -93,16 +76,9 @@ VmapPlan plan_vmap(Scope& s, const VmapSettings& settings, std::optional<std::in
                                 "give axis_size");
   if (*size < 1) throw_vmap_error(plan.path, linum::detail::cat("the number of members must be at least 1, got ", *size));
   plan.size = *size;
-  for (const std::string& stream : pack.streams().names()) {
-    bool split = settings.split_rngs.empty();
-    if (!settings.split_rngs.empty()) {
-      auto it = settings.split_rngs.find(stream);
-      if (it == settings.split_rngs.end()) continue;  // not lifted into the body
-      split = it->second;
-    }
-    if (split) plan.split_keys.emplace_back(stream, rng::split(pack.streams().at(stream), plan.size));
-    else plan.broadcast_keys.emplace_back(stream, pack.streams().at(stream));
-  }
+  BodyStreams streams = body_streams(pack, settings.split_rngs, plan.size);
+  plan.split_keys = std::move(streams.split);
+  plan.broadcast_keys = std::move(streams.broadcast);
   plan.counters = pack.counters();
   return plan;
 }
