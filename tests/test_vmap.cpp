@@ -562,3 +562,44 @@ TEST_CASE("lift::vmap maps the body's other methods too (Flax's methods): s.call
     CHECK(max_abs_diff(member_slice(y, e), apply(One{}, one, x)) <= 1e-6f);
   }
 }
+
+TEST_CASE("vmap of jvp, and lift::vmap inside a lift::scan body") {
+  const Array xs = random_array(Shape{3, 4}, 98);
+  const Array v = random_array(Shape{4}, 99);
+  auto f = [](const Array& x) { return sin(x) * x; };
+  auto jvp_at = [&](const Array& x) { return jvp(f, x, v).second; };
+  const Array got = vmap(jvp_at)(xs);
+  for (std::int64_t b = 0; b < 3; ++b) CHECK(max_abs_diff(example(got, b), jvp_at(example(xs, b))) <= 1e-6f);
+
+  struct Member {
+    Array operator()(Scope& s, const Array& x) const { return tanh(s(nn::Dense{.features = 4}, x)); }
+  };
+  struct Step {  // each scan step: 2 members mapped, their mean the next carry
+    Array operator()(Scope& s, const Array& h) const {
+      const Array ys = s(lift::vmap<Member>{.body = {}, .variable_axes = {{"params", 0}}, .split_rngs = {{"params", true}},
+                                            .in_axes = {std::nullopt}, .axis_size = 2},
+                         h);
+      return mean(ys, {0});
+    }
+  };
+  struct Model {
+    Array operator()(Scope& s, const Array& x) const { return s(lift::scan<Step>{.length = 3}, x); }
+  };
+  const Array x = random_array(Shape{5, 4}, 100);
+  const Tree vars = init(Model{}, rng::key(3), x);
+  const Array& k = vars.at("params").at_path("ScanStep_0/VmapMember_0/Dense_0/kernel").array();
+  CHECK(k.shape() == Shape({3, 2, 4, 4}));
+  // The same by hand: step i, member e with its slice of the stacked kernel.
+  Array h = x;
+  const Tree& p = vars.at("params").at_path("ScanStep_0/VmapMember_0");
+  for (std::int64_t i = 0; i < 3; ++i) {
+    Array sum_e = Array::zeros(Shape{5, 4});
+    for (std::int64_t e = 0; e < 2; ++e) {
+      const Array w = example(example(p.at_path("Dense_0/kernel").array(), i), e);
+      const Array b = example(example(p.at_path("Dense_0/bias").array(), i), e);
+      sum_e = sum_e + tanh(matmul(h, w) + b);
+    }
+    h = sum_e / 2.0f;
+  }
+  CHECK(max_abs_diff(apply(Model{}, vars, x), h) <= 1e-5f);
+}

@@ -1,5 +1,7 @@
 #include <linum/core/autodiff/jvp.hpp>
 
+#include <linum/core/autodiff/batching.hpp>
+
 #include <linum/core/error.hpp>
 
 namespace linum::autodiff::detail {
@@ -17,7 +19,7 @@ std::vector<Array> flat_tangents(const std::vector<Array>& primals, const std::v
       throw ValueError(linum::detail::cat(api, ": the tangent of primal array ", i, " (", p.type_str(), ") is ",
                                           t.defined() ? t.type_str() : std::string("undefined"),
                                           "; tangents must be float arrays of their primals' shapes"));
-    v.push_back(t.detached());
+    v.push_back(physical_cotangent(p, t.detached()));  // vmap: the tangent of each example (physical)
   }
   return v;
 }
@@ -33,7 +35,8 @@ std::vector<Array> jvp_by_transposition(const std::vector<Array>& roots, const s
     const Array& r = roots[i];
     if (!r.defined() || r.node() == nullptr || !is_floating(r.dtype())) continue;
     u_of[i] = us.size();
-    Array u = make_leaf(Array::zeros(r.shape(), r.dtype()));
+    // (vmap: u has the root's physical shape, one per example)
+    Array u = make_leaf(Array::batched_view(Array::zeros(r.physical_shape(), r.dtype()), r.batch_levels()));
     u_boundaries.push_back({u.node().get(), 0});
     edges.push_back(Edge{r.node(), r.output_index()});
     us.push_back(std::move(u));
@@ -58,7 +61,7 @@ std::vector<Array> jvp_by_transposition(const std::vector<Array>& roots, const s
     const Array& r = roots[i];
     if (!r.defined()) continue;
     const std::size_t k = u_of[i];
-    if (k < jv.size() && jv[k].defined()) out[i] = std::move(jv[k]);
+    if (k < jv.size() && jv[k].defined()) out[i] = Array::batched_view(jv[k], r.batch_levels());
     else out[i] = Array::zeros(r.shape(), is_floating(r.dtype()) ? r.dtype() : DType::i32);
   }
   return out;
