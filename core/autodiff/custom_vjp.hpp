@@ -34,6 +34,7 @@
 #include <linum/core/autodiff/primitive.hpp>
 #include <linum/core/autodiff/pytree.hpp>
 
+#include <array>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -56,7 +57,8 @@ class CustomVjp {
       : name_(autodiff::detail::intern_op_name(name)), forward_(std::move(forward)), backward_(std::move(backward)) {}
 
   template <class... Args>
-  auto operator()(const Args&... args) const {
+  auto operator()(const Args&... args) const
+      -> std::decay_t<typename std::decay_t<std::invoke_result_t<const Forward&, const Args&...>>::first_type> {
     using Result = std::decay_t<std::invoke_result_t<const Forward&, const Args&...>>;
     using Out = std::decay_t<typename Result::first_type>;
     using Res = std::decay_t<typename Result::second_type>;
@@ -76,6 +78,8 @@ class CustomVjp {
     std::vector<const Array*> inputs;
     inputs.reserve(flat_args.size());
     for (const Array& a : flat_args) inputs.push_back(&a);
+    if (autodiff::any_batched(inputs)) [[unlikely]]
+      return per_example(flat_args, std::index_sequence_for<Args...>{}, args...);
 
     std::optional<Out> direct;  // the output as the forward returned it
     std::shared_ptr<const void> erased;
@@ -139,6 +143,54 @@ class CustomVjp {
   }
 
  private:
+  // vmap: the function once per example (its own forward and backward on that example's arrays, an
+  // ordinary primitive each), the outputs stacked; reported once, as any op without a batching rule.
+  template <class... Args, std::size_t... Is>
+  auto per_example(const std::vector<Array>& flat, std::index_sequence<Is...>, const Args&... args) const {
+    std::vector<const Array*> ptrs;
+    for (const Array& a : flat) ptrs.push_back(&a);
+    const std::vector<BatchLevel> levels = autodiff::union_levels(ptrs, name_);
+    std::int64_t total = 1;
+    for (const BatchLevel& l : levels) total *= l.size;
+    autodiff::detail::report_loop(name_, total);
+    std::vector<std::vector<Array>> examples(flat.size());
+    for (std::size_t k = 0; k < flat.size(); ++k)
+      if (flat[k].batched()) examples[k] = autodiff::detail::unstack_examples(flat[k]);
+    const std::array<std::size_t, sizeof...(Args)> counts{pytree::flatten(args).size()...};
+    std::array<std::size_t, sizeof...(Args)> offsets{};
+    for (std::size_t i = 1; i < counts.size(); ++i) offsets[i] = offsets[i - 1] + counts[i - 1];
+    using Out = std::decay_t<typename std::decay_t<std::invoke_result_t<const Forward&, const Args&...>>::first_type>;
+    std::optional<Out> first;
+    std::vector<std::vector<Array>> outs;  // [output leaf][example]
+    std::vector<std::int64_t> index(levels.size(), 0);
+    for (std::int64_t n = 0; n < total; ++n) {
+      for (std::int64_t rem = n, l = static_cast<std::int64_t>(levels.size()) - 1; l >= 0; --l) {
+        index[static_cast<std::size_t>(l)] = rem % levels[static_cast<std::size_t>(l)].size;
+        rem /= levels[static_cast<std::size_t>(l)].size;
+      }
+      std::vector<Array> at(flat.size());
+      for (std::size_t k = 0; k < flat.size(); ++k) {
+        if (!flat[k].batched()) {
+          at[k] = flat[k];
+          continue;
+        }
+        std::int64_t e = 0;
+        for (const BatchLevel& own : flat[k].batch_levels())
+          for (std::size_t l = 0; l < levels.size(); ++l)
+            if (levels[l].id == own.id) e = e * own.size + index[l];
+        at[k] = examples[k][static_cast<std::size_t>(e)];
+      }
+      Out out = (*this)(pytree::rebuild(args, std::span<const Array>(at).subspan(offsets[Is], counts[Is]))...);
+      const std::vector<Array> leaves = pytree::flatten(out);
+      if (outs.size() < leaves.size()) outs.resize(leaves.size());
+      for (std::size_t j = 0; j < leaves.size(); ++j) outs[j].push_back(leaves[j]);
+      if (!first) first = std::move(out);
+    }
+    std::vector<Array> stacked;
+    for (const std::vector<Array>& per : outs) stacked.push_back(autodiff::detail::stack_examples(per, levels));
+    return pytree::rebuild(*first, std::span<const Array>(stacked));
+  }
+
   // `value` with every array replaced by one shared scalar: its structure without its data (a Tree
   // cannot hold undefined leaves).
   template <class T>
