@@ -103,7 +103,20 @@ void finish_members(const VmapPlan& plan, const std::vector<ScopeState>& states)
     if (!plan.pack->is_mutable(collection)) continue;
     const Tree* first = at_prefix(Pack::variables_of(states.front()).at(collection), prefix);
     if (first == nullptr) continue;
-    if (axis_it == plan.settings.variable_axes.end()) {  // shared: as the first member left it
+    if (axis_it == plan.settings.variable_axes.end()) {  // shared: every member must have made the same
+      const auto reference = flatten(*first);
+      for (std::size_t e = 1; e < states.size(); ++e) {
+        const Tree* sub = at_prefix(Pack::variables_of(states[e]).at(collection), prefix);
+        const auto mine = sub ? flatten(*sub) : std::vector<std::pair<std::string, Array>>{};
+        bool same = mine.size() == reference.size();
+        for (std::size_t k = 0; same && k < mine.size(); ++k)
+          same = mine[k].first == reference[k].first && mine[k].second.bitwise_equal(reference[k].second);
+        if (!same)
+          throw_vmap_error(plan.path, linum::detail::cat(
+              "member ", e, " created other '", collection, "' values than member 0, but the members share that "
+              "collection; map it with variable_axes (e.g. {\"", collection, "\", 0}) or make its stream the same for every "
+              "member (split_rngs {\"params\", false})"));
+      }
       put_at_prefix(result[collection], prefix, *first);
       continue;
     }

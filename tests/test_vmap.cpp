@@ -603,3 +603,29 @@ TEST_CASE("vmap of jvp, and lift::vmap inside a lift::scan body") {
   }
   CHECK(max_abs_diff(apply(Model{}, vars, x), h) <= 1e-5f);
 }
+
+TEST_CASE("lift::vmap: shared params are created once for all members; members that would differ are an error") {
+  struct Member {
+    Array operator()(Scope& s, const Array& x) const { return s(nn::Dense{.features = 3}, x); }
+  };
+  struct Model {
+    bool split = false;
+    Array operator()(Scope& s, const Array& x) const {
+      return s("ens", lift::vmap<Member>{.body = {}, .variable_axes = {}, .split_rngs = {{"params", split}},
+                                         .in_axes = {0}},
+               x);
+    }
+  };
+  const Array xs = random_array(Shape{4, 2, 5}, 101);
+  const Tree vars = init(Model{}, rng::key(1), xs);  // not split: every member makes the same params, kept once
+  CHECK(vars.at("params").at_path("ens/Dense_0/kernel").array().shape() == Shape({5, 3}));
+  const Array y = apply(Model{}, vars, xs);
+  for (std::int64_t e = 0; e < 4; ++e) {
+    struct One {
+      Array operator()(Scope& s, const Array& x) const { return s("ens", Member{}, x); }
+    };
+    CHECK(max_abs_diff(member_slice(y, e), apply(One{}, vars, example(xs, e))) <= 1e-6f);
+  }
+  CHECK_THROWS_WITH_AS(init(Model{.split = true}, rng::key(1), xs), doctest::Contains("the members share that collection"),
+                       ValueError);
+}
