@@ -7,6 +7,9 @@
 #include "testing/gradcheck.hpp"
 #include "testing/op_cases.hpp"
 
+#include <linum/core/ops/kernel_util.hpp>
+
+#include <algorithm>
 #include <optional>
 #include <set>
 #include <string>
@@ -628,4 +631,33 @@ TEST_CASE("lift::vmap: shared params are created once for all members; members t
   }
   CHECK_THROWS_WITH_AS(init(Model{.split = true}, rng::key(1), xs), doctest::Contains("the members share that collection"),
                        ValueError);
+}
+
+namespace {
+// A user primitive without a batching rule whose kernel reads its input inside a parallel loop.
+Array twice_by_hand(const Array& x) {
+  return autodiff::primitive(
+      "twice_by_hand", {&x},
+      [&](autodiff::Residuals&) {
+        Array y = Array::empty(x.shape());
+        float* py = y.mutable_data();
+        ops::detail::for_blocks(x.numel(), [&](std::int64_t s, std::int64_t n) {
+          const float* px = x.data();
+          for (std::int64_t i = s; i < s + n; ++i) py[i] = 2.0f * px[i];
+        });
+        return y;
+      },
+      autodiff::higher_order([](autodiff::Cotangents& c, autodiff::Saved) { c.set(0, c.out() * 2.0f); }));
+}
+}  // namespace
+
+TEST_CASE("vmap: a user primitive without a batching rule runs per example, its parallel kernel included") {
+  CollectWarnings warnings;
+  const Array xs = random_array(Shape{2, 1 << 18}, 102);  // large enough for parallel blocks
+  const Array y = vmap(twice_by_hand)(xs);
+  CHECK(bitwise_equal(y, xs * 2.0f));
+  const Array g = grad([](const Array& x) { return sum(vmap(twice_by_hand)(x)); })(xs);
+  CHECK(bitwise_equal(g, Array::full(xs.shape(), 2.0f)));
+  CHECK(std::count_if(warnings.seen.begin(), warnings.seen.end(),
+                      [](const std::string& m) { return m.find("'twice_by_hand' has no batching rule") != std::string::npos; }) == 1);
 }

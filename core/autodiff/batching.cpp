@@ -3,6 +3,9 @@
 #include <linum/core/warnings.hpp>
 
 #include <algorithm>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <cstring>
 #include <mutex>
 #include <set>
@@ -288,6 +291,14 @@ Array copy_current_example(const Array& x) {
   if (x.nbytes() != 0) std::memcpy(out.mutable_raw(), x.raw(), x.nbytes());
   return out;
 }
+
+#ifdef _OPENMP
+SerialScope::SerialScope() : previous_(omp_get_max_threads()) { omp_set_num_threads(1); }
+SerialScope::~SerialScope() { omp_set_num_threads(previous_); }
+#else
+SerialScope::SerialScope() : previous_(1) {}
+SerialScope::~SerialScope() = default;
+#endif
 
 void report_loop(const char* op, std::int64_t examples) {
   static std::mutex mutex;

@@ -57,6 +57,19 @@ Array stack_examples(const std::vector<Array>& examples, std::span<const BatchLe
 // a batching rule: a residual or output their forward took from a batched array).
 Array copy_current_example(const Array& x);
 
+// While alive, this thread's parallel regions run on one thread: an op's forward in the loop over
+// examples reads batched arrays through this thread's loop cursor, which other threads lack.
+class SerialScope {
+ public:
+  SerialScope();
+  ~SerialScope();
+  SerialScope(const SerialScope&) = delete;
+  SerialScope& operator=(const SerialScope&) = delete;
+
+ private:
+  int previous_;
+};
+
 // Reported once per op name: an op that has no batching rule ran as a loop over `examples`.
 void report_loop(const char* op, std::int64_t examples);
 

@@ -227,6 +227,7 @@ std::vector<Array> primitive_by_loop(const char* name, std::span<const Array* co
       }
     if (!replayed) {
       NoGradGuard inner;
+      SerialScope serial;  // the cursor is this thread's: kernels must read batched arrays here
       if constexpr (kSingle) ys.push_back(forward(kept));
       else ys = forward(kept);
     }
