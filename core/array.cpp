@@ -233,7 +233,7 @@ Array Array::batched_view(const Array& physical, std::span<const BatchLevel> lev
 
 const void* Array::batched_raw() const {
   if (!buffer_) return nullptr;
-  if (batch_->repeated && detail::BatchCursor::top() != nullptr) return buffer_->data();  // every example alike
+  if (batch_->repeated) return buffer_->data();  // every example alike: its one value may be read
   const auto* cursor = detail::BatchCursor::top();
   if (cursor == nullptr)
     throw BatchingError(detail::cat(

@@ -661,3 +661,15 @@ TEST_CASE("vmap: a user primitive without a batching rule runs per example, its 
   CHECK(std::count_if(warnings.seen.begin(), warnings.seen.end(),
                       [](const std::string& m) { return m.find("'twice_by_hand' has no batching rule") != std::string::npos; }) == 1);
 }
+
+TEST_CASE("vmap(grad): an argument the same for every example may still be read as one value") {
+  const Array xs = random_array(Shape{3, 4}, 103);
+  const Array t = Array::full(Shape{}, 2.0f);
+  auto loss = [](const Array& temperature, const Array& x) {
+    CHECK(temperature.item() == 2.0f);  // repeated per example, not copied: one value
+    return sum(exp(x / temperature));
+  };
+  const Array g = vmap(grad(loss), {.in_axes = {std::nullopt, 0}})(t, xs);
+  REQUIRE(g.shape() == Shape({3}));
+  for (std::int64_t b = 0; b < 3; ++b) CHECK(max_abs_diff(example(g, b), grad(loss)(t, example(xs, b))) <= 1e-6f);
+}
