@@ -187,3 +187,31 @@ TEST_CASE("the gradient check catches a wrong backward rule") {
   auto right = [](const V& v) { return v[0] * 3.0f; };
   CHECK(linum::testing::first_gradient_mismatch("right", right, {r({3}, 1)}).empty());
 }
+
+TEST_CASE("cumsum, take_along_axis and segment_sum: values as jnp's, gradients by finite differences") {
+  const Array x = Array::from({2, 3}, {1, 2, 3, 4, 5, 6});
+  CHECK(cumsum(x, 1).to_vector() == std::vector<float>{1, 3, 6, 4, 9, 15});
+  CHECK(cumsum(x, 0).to_vector() == std::vector<float>{1, 2, 3, 5, 7, 9});
+  CHECK(cumsum(astype(x, DType::bf16), -1).dtype() == DType::bf16);
+  const Array idx = Array::from_i32(Shape{2, 2}, {2, 0, 1, 1});
+  CHECK(take_along_axis(x, idx, 1).to_vector() == std::vector<float>{3, 1, 5, 5});
+  CHECK(take_along_axis(x, Array::from_i32(Shape{1, 3}, {1, 0, 1}), 0).to_vector() == std::vector<float>{4, 2, 6});
+  const Array ids = Array::from_i32(Shape{2}, {1, 1});
+  CHECK(segment_sum(x, ids, 3).to_vector() == std::vector<float>{0, 0, 0, 5, 7, 9, 0, 0, 0});
+  CHECK(segment_sum(x, Array::from_i32(Shape{2}, {0, 7}), 2).to_vector() == std::vector<float>{1, 2, 3, 0, 0, 0});  // 7: dropped
+  const Array r = random_array(Shape{4, 5}, 31);
+  CHECK(check_gradients("cumsum", [](const V& in) { return sum(square(cumsum(in[0], 1))); }, {r}));
+  CHECK(check_gradients("cumsum axis 0", [](const V& in) { return sum(square(cumsum(in[0], 0))); }, {r}));
+  const Array ia = Array::from_i32(Shape{4, 2}, {4, 0, 1, 1, 3, 2, 0, 4});
+  CHECK(check_gradients("take_along_axis", [&](const V& in) { return sum(square(take_along_axis(in[0], ia, 1))); }, {r}));
+  const Array seg = Array::from_i32(Shape{4}, {2, 0, 2, -1});
+  CHECK(check_gradients("segment_sum", [&](const V& in) { return sum(square(segment_sum(in[0], seg, 3))); }, {r}));
+  CHECK_THROWS_AS(take_along_axis(x, Array::from_i32(Shape{2, 1}, {3, 0}), 1), ValueError);
+  CHECK_THROWS_AS(segment_sum(x, Array::from_i32(Shape{3}, {0, 0, 0}), 2), ShapeError);
+  // Second derivatives through cumsum (its rule is written with ops).
+  // f(v) = sum(c^3), c = cumsum(v) = (0.5, -0.5, 1.5): H[j][l] = 6 * sum of c_k for k >= max(j, l).
+  const Array h = hessian([](const Array& v) { const Array c = cumsum(v, 0); return sum(c * c * c); })(Array::from({3}, {0.5f, -1.0f, 2.0f}));
+  REQUIRE(h.shape() == Shape({3, 3}));
+  const std::vector<float> want{9, 6, 9, 6, 6, 9, 9, 9, 9};
+  for (int i = 0; i < 9; ++i) CHECK(h.to_vector()[static_cast<std::size_t>(i)] == doctest::Approx(want[static_cast<std::size_t>(i)]));
+}

@@ -673,3 +673,23 @@ TEST_CASE("vmap(grad): an argument the same for every example may still be read 
   REQUIRE(g.shape() == Shape({3}));
   for (std::int64_t b = 0; b < 3; ++b) CHECK(max_abs_diff(example(g, b), grad(loss)(t, example(xs, b))) <= 1e-6f);
 }
+
+TEST_CASE("vmap of cumsum, take_along_axis and segment_sum equals the loop (per-example indices too)") {
+  const Array xs = random_array(Shape{3, 4, 5}, 104);
+  std::vector<std::int32_t> raw;
+  for (int i = 0; i < 3 * 4 * 2; ++i) raw.push_back((i * 7) % 5);
+  const Array idx = Array::from_i32(Shape{3, 4, 2}, raw);
+  const Array seg = Array::from_i32(Shape{4}, {1, 0, 1, 5});
+  auto f = [&](const Array& x, const Array& i) {
+    return cumsum(x, -1) + sum(take_along_axis(x, i, 1)) + sum(segment_sum(x, seg, 2));
+  };
+  const Array got = vmap(f)(xs, idx);
+  for (std::int64_t b = 0; b < 3; ++b) CHECK(bitwise_equal(example(got, b), f(example(xs, b), example(idx, b))));
+  const Array g = grad([&](const Array& x) { return sum(square(vmap(f)(x, idx))); })(xs);
+  const Array gl = grad([&](const Array& x) {
+    Array t = Array::scalar(0.0f);
+    for (std::int64_t b = 0; b < 3; ++b) t = t + sum(square(f(example(x, b), example(idx, b))));
+    return t;
+  })(xs);
+  CHECK(max_abs_diff(g, gl) <= 1e-5f * (1.0f + max_abs(gl)));
+}

@@ -726,4 +726,105 @@ Array repeat(const Array& x_in, std::int64_t repeats, std::optional<int> axis_in
   return reshape(broadcast_to(reshape(x, spread), Shape(wide)), out);
 }
 
+Array cumsum(const Array& x, int axis_in) {
+  ops::detail::require_float(x, "cumsum");
+  const int axis = x.shape().normalize_axis(axis_in, "cumsum");
+  if (x.batched()) [[unlikely]]  // vmap: the same axis of every example
+    return ops::batching::wrap(cumsum(x.physical(), axis + static_cast<int>(x.batch_levels().size())), x.batch_levels());
+  std::int64_t outer = 1, inner = 1;
+  for (int i = 0; i < axis; ++i) outer *= x.dim(i);
+  for (int i = axis + 1; i < x.rank(); ++i) inner *= x.dim(i);
+  const std::int64_t n = x.dim(axis);
+  return primitive("cumsum", {&x},
+                   [&](Residuals&) {
+                     const Array xf = x.dtype() == DType::f32 ? x : linum::detail::convert_float(x, DType::f32);
+                     Array y = Array::empty(x.shape());
+                     const float* px = xf.data();
+                     float* py = y.mutable_data();
+                     for (std::int64_t o = 0; o < outer; ++o)
+                       for (std::int64_t i = 0; i < inner; ++i) {
+                         float acc = 0.0f;
+                         for (std::int64_t k = 0; k < n; ++k) {
+                           const std::int64_t at = (o * n + k) * inner + i;
+                           acc += px[at];
+                           py[at] = acc;
+                         }
+                       }
+                     return x.dtype() == DType::f32 ? y : linum::detail::convert_float(y, x.dtype());
+                   },
+                   // d/dx_j sum_k>=j... : the cotangent summed from the end (ops: differentiable again)
+                   autodiff::higher_order([axis](Cotangents& c, autodiff::Saved) {
+                     c.set(0, flip(cumsum(flip(c.out(), {axis}), axis), {axis}));
+                   }));
+}
+
+Array take_along_axis(const Array& x, const Array& indices, int axis_in) {
+  ops::detail::require_defined(x, "take_along_axis");
+  ops::detail::require_defined(indices, "take_along_axis");
+  if (indices.dtype() != DType::i32)
+    throw ShapeError(detail::cat("take_along_axis: indices must be int32, got ", indices.type_str()));
+  const int axis = x.shape().normalize_axis(axis_in, "take_along_axis");
+  bool ok = indices.rank() == x.rank();
+  for (int i = 0; ok && i < x.rank(); ++i) ok = i == axis || indices.dim(i) == x.dim(i);
+  if (!ok)
+    throw ShapeError(detail::cat("take_along_axis: indices ", indices.type_str(), " must have the shape of x ", x.type_str(),
+                                 " except along axis ", axis_in));
+  if (x.batched() || indices.batched()) [[unlikely]] {  // vmap: every example's x and indices at once
+    const std::vector<BatchLevel> levels = ops::batching::levels_of({&x, &indices}, "take_along_axis");
+    return ops::batching::wrap(take_along_axis(ops::batching::materialized(x, levels), ops::batching::materialized(indices, levels),
+                                               axis + static_cast<int>(levels.size())),
+                               levels);
+  }
+  // The axis last, the other axes flattened into rows: each row's indices offset to its own elements.
+  const Array xt = moveaxis(x, axis, -1), it = moveaxis(indices, axis, -1);
+  const std::int64_t n = x.dim(axis), m = indices.dim(axis), rows = xt.numel() / std::max<std::int64_t>(n, 1);
+  Array offsets = Array::empty(Shape{rows * m}, DType::i32);
+  const std::int32_t* pi = it.data_i32();
+  std::int32_t* po = offsets.mutable_data_i32();
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t j = 0; j < m; ++j) {
+      const std::int32_t v = pi[r * m + j];
+      if (v < 0 || v >= n)
+        throw ValueError(detail::cat("take_along_axis: index ", v, " is out of range for axis ", axis_in, " of size ", n,
+                                     " (x ", x.type_str(), ")"));
+      po[r * m + j] = static_cast<std::int32_t>(r * n + v);
+    }
+  std::vector<std::int64_t> dims = it.shape().vec();
+  return moveaxis(reshape(take(reshape(xt, {-1}), offsets, 0), dims), -1, axis);
+}
+
+Array segment_sum(const Array& data, const Array& segment_ids, std::int64_t num_segments) {
+  ops::detail::require_float(data, "segment_sum");
+  ops::detail::require_defined(segment_ids, "segment_sum");
+  if (segment_ids.dtype() != DType::i32 || segment_ids.rank() != 1 || data.rank() < 1 || segment_ids.dim(0) != data.dim(0))
+    throw ShapeError(detail::cat("segment_sum: segment_ids must be int32 [", data.rank() ? data.dim(0) : 0,
+                                 "] (one id per row of data ", data.type_str(), "), got ", segment_ids.type_str()));
+  if (num_segments < 0) throw ValueError(detail::cat("segment_sum: num_segments must be >= 0, got ", num_segments));
+  const std::int32_t* ids = segment_ids.data_i32();  // (BatchingError inside vmap if the ids differ per example)
+  std::vector<std::int32_t> kept(static_cast<std::size_t>(segment_ids.numel()));
+  std::vector<float> valid(static_cast<std::size_t>(segment_ids.numel()));
+  bool dropped = false;
+  for (std::int64_t i = 0; i < segment_ids.numel(); ++i) {
+    const bool in = ids[i] >= 0 && ids[i] < num_segments;
+    kept[static_cast<std::size_t>(i)] = in ? ids[i] : 0;
+    valid[static_cast<std::size_t>(i)] = in ? 1.0f : 0.0f;
+    dropped = dropped || !in;
+  }
+  Array rows = data;
+  if (dropped) {  // rows with an id out of range add zeros (JAX drops them)
+    std::vector<std::int64_t> shape(static_cast<std::size_t>(data.rank()), 1);
+    shape[0] = data.dim(0);
+    rows = where(reshape(Array::from(Shape{data.dim(0)}, valid), shape), data, Array::zeros({}, data.dtype()));
+  }
+  Shape out = data.shape();
+  out[0] = num_segments;
+  const Array id_array = Array::from_i32(segment_ids.shape(), kept);
+  if (rows.batched()) [[unlikely]]  // vmap with ids the same for every example: the levels lead each row
+    return ops::batching::wrap(moveaxis(segment_sum(moveaxis(rows.physical(), static_cast<int>(rows.batch_levels().size()), 0),
+                                                    id_array, num_segments),
+                                        0, static_cast<int>(rows.batch_levels().size())),
+                               rows.batch_levels());
+  return astype(ops::detail::take_add(rows, id_array, out, 0), data.dtype());
+}
+
 }  // namespace linum

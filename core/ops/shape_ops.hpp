@@ -60,6 +60,16 @@ Array tile(const Array& x, const std::vector<std::int64_t>& reps);
 // every element repeated `repeats` times along `axis` (jnp.repeat with an integer count); with no
 // axis the array is flattened first.
 Array repeat(const Array& x, std::int64_t repeats, std::optional<int> axis = std::nullopt);
+// jnp.cumsum(x, axis): running sums along `axis` (float32 or bf16; summed in float32, each output
+// rounded once). Its gradient is the reversed running sum of the cotangent.
+Array cumsum(const Array& x, int axis);
+// jnp.take_along_axis(x, indices, axis): out[..., j, ...] = x[..., indices[..., j, ...], ...]; int32
+// `indices` of x's rank, the same shape as x except along `axis`. Differentiable in x (through take).
+Array take_along_axis(const Array& x, const Array& indices, int axis);
+// jax.ops.segment_sum(data, segment_ids, num_segments): out[s] = the sum of the rows data[i] (along
+// axis 0) with segment_ids[i] == s; rows whose id is outside [0, num_segments) are dropped, as JAX's.
+// Differentiable in data (its gradient gathers the cotangent's rows).
+Array segment_sum(const Array& data, const Array& segment_ids, std::int64_t num_segments);
 
 namespace ops::detail {
 // Rows of g added into zeros of `xshape` at `indices` (int32) along `axis`: take's transpose, as a

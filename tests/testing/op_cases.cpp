@@ -78,6 +78,7 @@ std::vector<OpCase> op_cases() {
        }, true},
       {"data movement", "pad", {4, 6}, {5, 9}, [](const Array& z, const Array& w) { return pad(z, {{0, 1}, {1, 2}}) * w; }, true},
       {"data movement", "flip", {4, 6}, {4, 6}, [](const Array& z, const Array& w) { return flip(z, {1}) * w; }, true},
+      {"scan", "cumsum", {4, 6}, {6}, [](const Array& z, const Array& w) { return cumsum(z, 1) * w; }, true},
       {"data movement", "unstack", {3, 6}, {6}, [](const Array& z, const Array& w) {
          std::vector<Array> rows = unstack(z);
          return rows[0] * w + rows[2];
