@@ -215,3 +215,26 @@ TEST_CASE("cumsum, take_along_axis and segment_sum: values as jnp's, gradients b
   const std::vector<float> want{9, 6, 9, 6, 6, 9, 9, 9, 9};
   for (int i = 0; i < 9; ++i) CHECK(h.to_vector()[static_cast<std::size_t>(i)] == doctest::Approx(want[static_cast<std::size_t>(i)]));
 }
+
+TEST_CASE("argsort, sort and top_k: stable, NaNs as the largest value, gradients through the gather") {
+  const float nan = std::nanf("");
+  const Array x = Array::from({2, 4}, {3, 1, 2, 1, nan, -1, 5, -1});
+  CHECK(argsort(x).to_vector_i32() == std::vector<std::int32_t>{1, 3, 2, 0, 1, 3, 2, 0});
+  CHECK(argsort(x, -1, true).to_vector_i32() == std::vector<std::int32_t>{0, 2, 1, 3, 0, 2, 1, 3});
+  CHECK(argsort(x, 0).to_vector_i32() == std::vector<std::int32_t>{0, 1, 0, 1, 1, 0, 1, 0});
+  const std::vector<float> sorted = sort(x).to_vector();
+  CHECK(sorted[0] == 1.0f);
+  CHECK(sorted[3] == 3.0f);
+  CHECK(std::isnan(sorted[7]));
+  const auto [values, indices] = top_k(x, 2);
+  CHECK(values.shape() == Shape({2, 2}));
+  CHECK(indices.to_vector_i32() == std::vector<std::int32_t>{0, 2, 0, 2});
+  CHECK(values.to_vector()[1] == 2.0f);
+  CHECK(std::isnan(values.to_vector()[2]));
+  CHECK_THROWS_AS(top_k(x, 5), ValueError);
+  const Array r = random_array(Shape{3, 5}, 32);
+  CHECK(check_gradients("sort", [](const V& in) { return sum(square(sort(in[0])) * Array::arange(5)); }, {r}));
+  // Values apart by more than the finite-difference step, so no perturbation changes the top 3.
+  const Array apart = Array::from({3, 5}, {0.3f, -1.2f, 2.1f, 0.9f, -0.4f, 1.5f, 0.2f, -2.0f, 0.7f, 1.1f, -0.6f, 2.4f, 0.05f, -1.4f, 1.8f});
+  CHECK(check_gradients("top_k", [](const V& in) { return sum(square(top_k(in[0], 3).first) * Array::arange(3)); }, {apart}));
+}

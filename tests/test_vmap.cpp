@@ -693,3 +693,10 @@ TEST_CASE("vmap of cumsum, take_along_axis and segment_sum equals the loop (per-
   })(xs);
   CHECK(max_abs_diff(g, gl) <= 1e-5f * (1.0f + max_abs(gl)));
 }
+
+TEST_CASE("vmap of sort and top_k equals the loop") {
+  const Array xs = random_array(Shape{3, 2, 6}, 105);
+  auto f = [](const Array& x) { return sort(x, -1) + top_k(x, 6).first * 0.5f; };
+  const Array got = vmap(f)(xs);
+  for (std::int64_t b = 0; b < 3; ++b) CHECK(bitwise_equal(example(got, b), f(example(xs, b))));
+}

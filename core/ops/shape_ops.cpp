@@ -9,7 +9,10 @@
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/kernel_util.hpp>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 
 namespace linum {
@@ -825,6 +828,49 @@ Array segment_sum(const Array& data, const Array& segment_ids, std::int64_t num_
                                         0, static_cast<int>(rows.batch_levels().size())),
                                rows.batch_levels());
   return astype(ops::detail::take_add(rows, id_array, out, 0), data.dtype());
+}
+
+Array argsort(const Array& x, int axis_in, bool descending) {
+  ops::detail::require_float(x, "argsort");
+  const int axis = x.shape().normalize_axis(axis_in, "argsort");
+  if (x.batched()) [[unlikely]]
+    return ops::batching::wrap(argsort(x.physical(), axis + static_cast<int>(x.batch_levels().size()), descending),
+                               x.batch_levels());
+  const Array xf = x.dtype() == DType::f32 ? x : linum::detail::convert_float(x, DType::f32);
+  std::int64_t outer = 1, inner = 1;
+  for (int i = 0; i < axis; ++i) outer *= x.dim(i);
+  for (int i = axis + 1; i < x.rank(); ++i) inner *= x.dim(i);
+  const std::int64_t n = x.dim(axis);
+  if (n > std::numeric_limits<std::int32_t>::max())
+    throw ShapeError(detail::cat("argsort: axis ", axis_in, " of ", x.type_str(), " is longer than int32 indices reach"));
+  Array out = Array::empty(x.shape(), DType::i32);
+  const float* px = xf.data();
+  std::int32_t* po = out.mutable_data_i32();
+  std::vector<std::int32_t> order(static_cast<std::size_t>(n));
+  for (std::int64_t o = 0; o < outer; ++o)
+    for (std::int64_t i = 0; i < inner; ++i) {
+      const float* base = px + o * n * inner + i;
+      auto value = [&](std::int32_t k) { return base[static_cast<std::int64_t>(k) * inner]; };
+      std::iota(order.begin(), order.end(), 0);
+      // NaN counts as the largest value (JAX sorts NaNs last ascending, first descending).
+      std::stable_sort(order.begin(), order.end(), [&](std::int32_t a, std::int32_t b) {
+        const float va = value(a), vb = value(b);
+        if (descending) return (std::isnan(va) && !std::isnan(vb)) || va > vb;
+        return (!std::isnan(va) && std::isnan(vb)) || va < vb;
+      });
+      for (std::int64_t k = 0; k < n; ++k) po[(o * n + k) * inner + i] = order[static_cast<std::size_t>(k)];
+    }
+  return out;
+}
+
+Array sort(const Array& x, int axis) { return take_along_axis(x, argsort(x, axis), axis); }
+
+std::pair<Array, Array> top_k(const Array& x, std::int64_t k) {
+  ops::detail::require_float(x, "top_k");
+  if (x.rank() < 1 || k < 0 || k > x.dim(-1))
+    throw ValueError(detail::cat("top_k: k must be in [0, ", x.rank() ? x.dim(-1) : 0, "] for x ", x.type_str(), ", got ", k));
+  const Array indices = slice_axis(argsort(x, -1, /*descending=*/true), -1, 0, k);
+  return {take_along_axis(x, indices, -1), indices};
 }
 
 }  // namespace linum

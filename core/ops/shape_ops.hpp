@@ -70,6 +70,14 @@ Array take_along_axis(const Array& x, const Array& indices, int axis);
 // axis 0) with segment_ids[i] == s; rows whose id is outside [0, num_segments) are dropped, as JAX's.
 // Differentiable in data (its gradient gathers the cotangent's rows).
 Array segment_sum(const Array& data, const Array& segment_ids, std::int64_t num_segments);
+// jnp.argsort(x, axis) (stable: equal values keep their order; NaNs last): int32 indices that sort
+// each slice along `axis` ascending (descending: largest first, NaNs first, equal values in order).
+Array argsort(const Array& x, int axis = -1, bool descending = false);
+// jnp.sort(x, axis): x sorted along `axis` (NaNs last); differentiable (a gather of x).
+Array sort(const Array& x, int axis = -1);
+// lax.top_k(x, k): the k largest entries along the last axis, largest first (NaNs count as largest,
+// ties by position), and their int32 indices; differentiable in the values.
+std::pair<Array, Array> top_k(const Array& x, std::int64_t k);
 
 namespace ops::detail {
 // Rows of g added into zeros of `xshape` at `indices` (int32) along `axis`: take's transpose, as a
