@@ -76,7 +76,6 @@ Array repeat_examples(const Array& x_phys, const Shape& out_shape, const std::ve
 Array sum_examples(const Array& x_phys, const Shape& out_shape, const std::vector<std::int64_t>& map, std::int64_t per) {
   if (!is_floating(x_phys.dtype()))
     throw BatchingError(cat("vmap: cannot sum the examples of a ", x_phys.type_str(), " array (not a float)"));
-  const std::int64_t outs = out_shape.numel() / std::max<std::int64_t>(per, 1);
   std::vector<float> acc(static_cast<std::size_t>(out_shape.numel()), 0.0f);
   std::vector<float> row(static_cast<std::size_t>(per));
   for (std::size_t n = 0; n < map.size(); ++n) {
@@ -91,7 +90,6 @@ Array sum_examples(const Array& x_phys, const Shape& out_shape, const std::vecto
     float* dst = acc.data() + map[n] * per;
     for (std::int64_t i = 0; i < per; ++i) dst[i] += src[i];
   }
-  (void)outs;
   Array out = Array::from(out_shape, acc);
   return x_phys.dtype() == DType::f32 ? out : linum::detail::convert_float(out, x_phys.dtype());
 }
@@ -186,12 +184,11 @@ Array materialize_repeated(const Array& x) {
   if (x.node() != nullptr) handle.set_node(x.node(), x.output_index());
   const std::vector<BatchLevel> levels(x.batch_levels().begin(), x.batch_levels().end());
   const Shape physical = x.physical_shape();
-  const Array example = x.repeated_example();
   return primitive(
       "materialize_levels", {&handle},
       [&](Residuals&) {
         std::vector<std::int64_t> map(static_cast<std::size_t>(count_of(levels)), 0);
-        return repeat_examples(example, physical, map, example.numel());
+        return repeat_examples(handle, physical, map, handle.numel());
       },
       higher_order([](Cotangents& c, Saved) { c.set(0, c.out()); }));
 }
@@ -261,10 +258,7 @@ Array to_open_levels(const Array& x) {
   // A fresh value (no graph node) is repeated without a copy: ops with a fast path read its one
   // example (a Dense's kernel: one product, per-example gradients from one batched product), the
   // others copy it when they need it batched.
-  if (!x.batched() && x.node() == nullptr) {
-    linum::detail::set_materialize_repeated(&materialize_repeated);
-    return Array::repeated_view(x, all);
-  }
+  if (!x.batched() && x.node() == nullptr) return Array::repeated_view(x, all);
   return broadcast_levels(x, all);
 }
 
