@@ -216,6 +216,112 @@ TEST_CASE("cumsum, take_along_axis and segment_sum: values as jnp's, gradients b
   for (int i = 0; i < 9; ++i) CHECK(h.to_vector()[static_cast<std::size_t>(i)] == doctest::Approx(want[static_cast<std::size_t>(i)]));
 }
 
+TEST_CASE("cumprod and prod: values as jnp's, exact gradients with zeros in x (finite differences, second order)") {
+  const Array x = Array::from({2, 3}, {1, 2, 3, 4, 5, 6});
+  CHECK(cumprod(x, 1).to_vector() == std::vector<float>{1, 2, 6, 4, 20, 120});
+  CHECK(cumprod(x, 0).to_vector() == std::vector<float>{1, 2, 3, 4, 10, 18});
+  CHECK(cumprod(astype(x, DType::bf16), -1).dtype() == DType::bf16);
+  CHECK(prod(x).item() == 720.0f);
+  CHECK(prod(x, {0}).to_vector() == std::vector<float>{4, 10, 18});
+  CHECK(prod(x, {1}, true).shape() == Shape({2, 1}));
+  CHECK(prod(x, {1}, true).to_vector() == std::vector<float>{6, 120});
+  CHECK(prod(Array::zeros(Shape{2, 0}), {1}).to_vector() == std::vector<float>{1, 1});  // the empty product
+  const Array cube = Array::arange(24).with_shape(Shape{2, 3, 4}) * 0.1f + 0.5f;
+  const std::vector<float> c = cube.to_vector();
+  const std::vector<float> p02 = prod(cube, {0, 2}).to_vector();
+  for (int j = 0; j < 3; ++j) {
+    double want = 1.0;
+    for (int i = 0; i < 2; ++i)
+      for (int k = 0; k < 4; ++k) want *= c[static_cast<std::size_t>(i * 12 + j * 4 + k)];
+    CHECK(p02[static_cast<std::size_t>(j)] == doctest::Approx(want).epsilon(1e-5));
+  }
+  const Array r = random_array(Shape{4, 5}, 33);
+  CHECK(check_gradients("cumprod", [](const V& in) { return sum(square(cumprod(in[0], 1))); }, {r}));
+  CHECK(check_gradients("cumprod axis 0", [](const V& in) { return sum(cumprod(in[0], 0) * Array::arange(5)); }, {r}));
+  CHECK(check_gradients("prod", [](const V& in) { return sum(prod(in[0], {1}) * Array::arange(4)); }, {r}));
+  CHECK(check_gradients("prod of all", [](const V& in) { return prod(in[0] * 0.5f + 1.0f); }, {r}));
+  // With zeros: d prod / dx_j = the product of the others (one zero: nonzero only at the zero).
+  const Array z = Array::from({4}, {2, 0, 3, 5});
+  CHECK(grad([](const Array& v) { return prod(v); })(z).to_vector() == std::vector<float>{0, 30, 0, 0});
+  CHECK(grad([](const Array& v) { return sum(cumprod(v, 0)); })(z).to_vector() == std::vector<float>{1, 2 + 6 + 30, 0, 0});
+  const Array two_zeros = Array::from({3}, {0, 4, 0});
+  CHECK(grad([](const Array& v) { return prod(v); })(two_zeros).to_vector() == std::vector<float>{0, 0, 0});
+  // Second derivatives (create-graph mode writes the rule with ops): f = prod(v), H[j][l] = prod of the
+  // others (j != l), 0 on the diagonal; with a zero in v, exact.
+  const Array v = Array::from({3}, {2, 0, 3});
+  const Array h = hessian([](const Array& a) { return prod(a); })(v);
+  CHECK(h.to_vector() == std::vector<float>{0, 3, 0, 3, 0, 2, 0, 2, 0});
+  const Array h2 = hessian([](const Array& a) { return sum(square(cumprod(a, 0))); })(Array::from({3}, {0.5f, -1.5f, 2.0f}));
+  // Reference: central differences of the first derivative.
+  const float eps = 1e-3f;
+  for (int l = 0; l < 3; ++l) {
+    std::vector<float> up{0.5f, -1.5f, 2.0f}, down = up;
+    up[static_cast<std::size_t>(l)] += eps;
+    down[static_cast<std::size_t>(l)] -= eps;
+    auto g = [](const std::vector<float>& a) {
+      return grad([](const Array& t) { return sum(square(cumprod(t, 0))); })(Array::from(Shape{3}, a)).to_vector();
+    };
+    const std::vector<float> gu = g(up), gd = g(down);
+    for (int j = 0; j < 3; ++j)
+      CHECK(h2.to_vector()[static_cast<std::size_t>(j * 3 + l)] ==
+            doctest::Approx((gu[static_cast<std::size_t>(j)] - gd[static_cast<std::size_t>(j)]) / (2 * eps)).epsilon(1e-2));
+  }
+}
+
+TEST_CASE("einsum: values against loops, diagonals, ellipsis broadcasting, implicit output, gradients, clear errors") {
+  const Array a = random_array(Shape{3, 4}, 41), b = random_array(Shape{4, 5}, 42);
+  CHECK(einsum("ij,jk->ik", a, b).bitwise_equal(matmul(a, b)));
+  const std::vector<float> va = a.to_vector(), vb = b.to_vector();
+  // Reference by loops: sum_j a[i,j] b[j,k], transposed output.
+  const Array t = einsum("ij,jk->ki", a, b);
+  REQUIRE(t.shape() == Shape({5, 3}));
+  for (int i = 0; i < 3; ++i)
+    for (int k = 0; k < 5; ++k) {
+      double want = 0;
+      for (int j = 0; j < 4; ++j) want += va[static_cast<std::size_t>(i * 4 + j)] * vb[static_cast<std::size_t>(j * 5 + k)];
+      CHECK(t.to_vector()[static_cast<std::size_t>(k * 3 + i)] == doctest::Approx(want).epsilon(1e-5));
+    }
+  CHECK(einsum("ij,jk", a, b).shape() == Shape({3, 5}));      // implicit: the letters used once, sorted
+  CHECK(einsum("ba", a).shape() == Shape({4, 3}));            // implicit order is alphabetical: a transpose
+  CHECK(einsum("ij->", a).item() == doctest::Approx(sum(a).item()));
+  CHECK(einsum("ij->j", a).bitwise_equal(sum(a, {0})));
+  CHECK(einsum("i,j->ij", Array::from({2}, {1, 2}), Array::from({3}, {1, 10, 100})).to_vector() ==
+        std::vector<float>{1, 10, 100, 2, 20, 200});
+  const Array sq = Array::arange(9).with_shape(Shape{3, 3});
+  CHECK(einsum("ii->i", sq).to_vector() == std::vector<float>{0, 4, 8});
+  CHECK(einsum("ii", sq).item() == 12.0f);  // the trace
+  // Batched products and attention scores as models write them.
+  const Array q = random_array(Shape{2, 3, 5, 4}, 43), k = random_array(Shape{2, 3, 6, 4}, 44);
+  const Array scores = einsum("bhqd,bhkd->bhqk", q, k);
+  CHECK(scores.shape() == Shape({2, 3, 5, 6}));
+  CHECK(max(abs(scores - matmul(q, swapaxes(k, -1, -2)))).item() < 1e-5f);
+  // "..." for leading axes, size 1 broadcasting against n.
+  const Array x3 = random_array(Shape{2, 3, 4}, 45), m1 = random_array(Shape{1, 4, 5}, 46);
+  const Array e = einsum("...ij,...jk->...ik", x3, m1);
+  CHECK(e.shape() == Shape({2, 3, 5}));
+  CHECK(max(abs(e - matmul(x3, m1))).item() < 1e-5f);
+  CHECK(einsum("...j,j->...", x3, Array::ones(Shape{4})).shape() == Shape({2, 3}));
+  CHECK(einsum("ijk->kji", x3).bitwise_equal(transpose(x3, {2, 1, 0})));
+  // Three operands, contracted left to right.
+  const Array c = random_array(Shape{5, 2}, 47);
+  CHECK(max(abs(einsum("ij,jk,kl->il", a, b, c) - matmul(matmul(a, b), c))).item() < 1e-5f);
+  // Gradients: finite differences through products, diagonals, sums and broadcasts.
+  CHECK(check_gradients("einsum ij,jk->ki", [](const V& in) { return sum(square(einsum("ij,jk->ki", in[0], in[1]))); }, {a, b}));
+  CHECK(check_gradients("einsum bhqd,bhkd->bhqk", [](const V& in) { return sum(square(einsum("bhqd,bhkd->bhqk", in[0], in[1]))); },
+                        {q, k}));
+  CHECK(check_gradients("einsum ii,i->i", [](const V& in) { return sum(square(einsum("ii,i->i", in[0], in[1]))); },
+                        {random_array(Shape{4, 4}, 48), random_array(Shape{4}, 49)}));
+  CHECK(check_gradients("einsum ...ij,...jk", [](const V& in) { return sum(square(einsum("...ij,...jk->...ik", in[0], in[1]))); },
+                        {x3, m1}));
+  // Bad specs: the subscripts and the shapes in the message.
+  CHECK_THROWS_WITH_AS(einsum("ij,jk->ik", a, a), doctest::Contains("einsum('ij,jk->ik', f32[3,4], f32[3,4]): axis 'j'"), ShapeError);
+  CHECK_THROWS_WITH_AS(einsum("ijk,jk->ik", a, b), doctest::Contains("operand 0 has rank 2 but 'ijk' names 3 axes"), ShapeError);
+  CHECK_THROWS_WITH_AS(einsum("ij->iz", a), doctest::Contains("the output names 'z', which no operand has"), ValueError);
+  CHECK_THROWS_WITH_AS(einsum("ij,jk", a), doctest::Contains("the subscripts name 2 operand(s), 1 were given"), ValueError);
+  CHECK_THROWS_WITH_AS(einsum("i1->i", a), doctest::Contains("'1' in 'i1' is not a letter"), ValueError);
+  CHECK_THROWS_AS(einsum("ii->i", a), ShapeError);  // a diagonal of a non-square pair
+}
+
 TEST_CASE("argsort, sort and top_k: stable, NaNs as the largest value, gradients through the gather") {
   const float nan = std::nanf("");
   const Array x = Array::from({2, 4}, {3, 1, 2, 1, nan, -1, 5, -1});

@@ -3,6 +3,7 @@
 
 #include <linum/core/ops/attention.hpp>
 #include <linum/core/ops/conv.hpp>
+#include <linum/core/ops/einsum.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/linalg.hpp>
 #include <linum/core/ops/normalization.hpp>

@@ -11,6 +11,7 @@
 
 #include <Eigen/Core>
 
+#include <algorithm>
 #include <limits>
 #include <optional>
 #include <numeric>
@@ -187,6 +188,27 @@ Array sum(const Array& x, const std::vector<int>& axes_in, bool keepdims) {
   return sum_as(x, axes_in, keepdims, x.dtype());
 }
 Array sum(const Array& x) { return sum(x, all_axes(x.rank()), false); }
+
+Array prod(const Array& x, const std::vector<int>& axes_in, bool keepdims) {
+  ops::detail::require_float(x, "prod");
+  const std::vector<int> axes = ops::detail::normalize_axes(axes_in, x.rank(), "prod");
+  const Shape kept = reduced_shape(x.shape(), axes, true);
+  std::int64_t count = 1;
+  for (int a : axes) count *= x.dim(a);
+  if (count == 0) return astype(Array::ones(reduced_shape(x.shape(), axes, keepdims)), x.dtype());
+  // The reduced axes last, flattened into one: [kept..., count]; its last running product.
+  std::vector<int> perm;
+  for (int i = 0; i < x.rank(); ++i)
+    if (std::find(axes.begin(), axes.end(), i) == axes.end()) perm.push_back(i);
+  perm.insert(perm.end(), axes.begin(), axes.end());
+  std::vector<std::int64_t> rows;
+  for (std::size_t i = 0; i + axes.size() < perm.size(); ++i) rows.push_back(x.dim(perm[i]));
+  rows.push_back(count);
+  const Array running = cumprod(reshape(transpose(x, perm), rows), -1);
+  const Array last = slice_axis(running, -1, count - 1, count);
+  return reshape(last, (keepdims ? kept : reduced_shape(x.shape(), axes, false)).vec());
+}
+Array prod(const Array& x) { return prod(x, all_axes(x.rank()), false); }
 
 Array mean(const Array& x, const std::vector<int>& axes_in, bool keepdims) {
   ops::detail::require_float(x, "mean");

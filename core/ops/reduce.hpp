@@ -17,6 +17,10 @@ Array max(const Array& x);
 Array max(const Array& x, const std::vector<int>& axes, bool keepdims = false);
 Array min(const Array& x);
 Array min(const Array& x, const std::vector<int>& axes, bool keepdims = false);
+// Product (jnp.prod; 1 over no elements). The last running product of cumprod along the reduced
+// axes, so its gradient is exact with zeros in x, as JAX's (no division by x).
+Array prod(const Array& x);
+Array prod(const Array& x, const std::vector<int>& axes, bool keepdims = false);
 // Population variance (ddof = 0), as jnp.var.
 Array var(const Array& x);
 Array var(const Array& x, const std::vector<int>& axes, bool keepdims = false);

@@ -8,6 +8,7 @@
 #include <linum/core/ops/shape_ops.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/kernel_util.hpp>
+#include <linum/core/ops/reduce.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -758,6 +759,87 @@ Array cumsum(const Array& x, int axis_in) {
                    // d/dx_j sum_k>=j... : the cotangent summed from the end (ops: differentiable again)
                    autodiff::higher_order([axis](Cotangents& c, autodiff::Saved) {
                      c.set(0, flip(cumsum(flip(c.out(), {axis}), axis), {axis}));
+                   }));
+}
+
+namespace {
+
+// cumprod's gradient along the last axis of [rows, n] arrays, written with ops so create-graph mode
+// differentiates it again: dx_j = (prod_{i<j} x_i) * sum_{k>=j} g_k * prod_{j<i<=k} x_i. The inner
+// products are cumprod of x masked to 1 outside (j, k], one row of n per j: O(n^2) per row, used only
+// for derivatives of derivatives.
+Array cumprod_grad_ops(const Array& x, const Array& y, const Array& g) {
+  const std::int64_t n = x.dim(1);
+  std::vector<float> after(static_cast<std::size_t>(n * n)), from(static_cast<std::size_t>(n * n));
+  for (std::int64_t j = 0; j < n; ++j)
+    for (std::int64_t i = 0; i < n; ++i) {
+      after[static_cast<std::size_t>(j * n + i)] = i > j ? 1.0f : 0.0f;
+      from[static_cast<std::size_t>(j * n + i)] = i >= j ? 1.0f : 0.0f;
+    }
+  const Array mask = astype(Array::from(Shape{n, n}, after), x.dtype());   // [j, i]: i > j
+  const Array upper = astype(Array::from(Shape{n, n}, from), x.dtype());   // [j, k]: k >= j
+  const Array xs = expand_dims(x, 1);                                      // [rows, 1, n]
+  const Array between = cumprod(xs * mask + (1.0f - mask), 2);             // [rows, j, k]
+  const Array tail = sum(between * expand_dims(g, 1) * upper, {2});        // [rows, j]
+  const Array before = concatenate({astype(Array::ones(Shape{x.dim(0), 1}), x.dtype()), slice_axis(y, 1, 0, n - 1)}, 1);
+  return before * tail;
+}
+
+}  // namespace
+
+Array cumprod(const Array& x, int axis_in) {
+  ops::detail::require_float(x, "cumprod");
+  const int axis = x.shape().normalize_axis(axis_in, "cumprod");
+  if (x.batched()) [[unlikely]]  // vmap: the same axis of every example
+    return ops::batching::wrap(cumprod(x.physical(), axis + static_cast<int>(x.batch_levels().size())), x.batch_levels());
+  std::int64_t outer = 1, inner = 1;
+  for (int i = 0; i < axis; ++i) outer *= x.dim(i);
+  for (int i = axis + 1; i < x.rank(); ++i) inner *= x.dim(i);
+  const std::int64_t n = x.dim(axis);
+  return primitive("cumprod", {&x},
+                   [&](Residuals& r) {
+                     const Array xf = x.dtype() == DType::f32 ? x : linum::detail::convert_float(x, DType::f32);
+                     Array y = Array::empty(x.shape());
+                     const float* px = xf.data();
+                     float* py = y.mutable_data();
+                     for (std::int64_t o = 0; o < outer; ++o)
+                       for (std::int64_t i = 0; i < inner; ++i) {
+                         float acc = 1.0f;
+                         for (std::int64_t k = 0; k < n; ++k) {
+                           const std::int64_t at = (o * n + k) * inner + i;
+                           acc *= px[at];
+                           py[at] = acc;
+                         }
+                       }
+                     Array out = x.dtype() == DType::f32 ? y : linum::detail::convert_float(y, x.dtype());
+                     r.keep(x, out);
+                     return out;
+                   },
+                   autodiff::higher_order([axis, outer, inner, n](Cotangents& c, autodiff::Saved s) {
+                     const Array& x = s[0];
+                     const Array& y = s[1];
+                     if (autodiff::creating_graph()) {  // ops on [rows, n], the axis last
+                       auto rows = [&](const Array& a) { return reshape(moveaxis(a, axis, -1), {-1, n}); };
+                       Array dx = cumprod_grad_ops(rows(x), rows(y), rows(c.out()));
+                       std::vector<std::int64_t> moved = moveaxis(x, axis, -1).shape().vec();
+                       return c.set(0, moveaxis(reshape(dx, moved), -1, axis));
+                     }
+                     // r_j = g_j + x_{j+1} r_{j+1} from the end; dx_j = y_{j-1} r_j (y_{-1} = 1).
+                     auto f32 = [](const Array& a) { return a.dtype() == DType::f32 ? a : linum::detail::convert_float(a, DType::f32); };
+                     const Array xf = f32(x), yf = f32(y), gf = f32(c.out());
+                     Array dx = Array::empty(x.shape());
+                     const float *px = xf.data(), *py = yf.data(), *pg = gf.data();
+                     float* pd = dx.mutable_data();
+                     for (std::int64_t o = 0; o < outer; ++o)
+                       for (std::int64_t i = 0; i < inner; ++i) {
+                         float tail = 0.0f;
+                         for (std::int64_t k = n - 1; k >= 0; --k) {
+                           const std::int64_t at = (o * n + k) * inner + i;
+                           tail = k + 1 < n ? pg[at] + px[at + inner] * tail : pg[at];
+                           pd[at] = (k > 0 ? py[at - inner] : 1.0f) * tail;
+                         }
+                       }
+                     c.set(0, x.dtype() == DType::f32 ? dx : linum::detail::convert_float(dx, x.dtype()));
                    }));
 }
 

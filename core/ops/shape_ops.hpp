@@ -63,6 +63,10 @@ Array repeat(const Array& x, std::int64_t repeats, std::optional<int> axis = std
 // jnp.cumsum(x, axis): running sums along `axis` (float32 or bf16; summed in float32, each output
 // rounded once). Its gradient is the reversed running sum of the cotangent.
 Array cumsum(const Array& x, int axis);
+// jnp.cumprod(x, axis): running products along `axis` (float32 or bf16; multiplied in float32, each
+// output rounded once). Its gradient is exact with zeros in x (no division): dx_j is the product of
+// the x_i before j times the reversed running sum of g_k * (the x_i between j and k].
+Array cumprod(const Array& x, int axis);
 // jnp.take_along_axis(x, indices, axis): out[..., j, ...] = x[..., indices[..., j, ...], ...]; int32
 // `indices` of x's rank, the same shape as x except along `axis`. Differentiable in x (through take).
 Array take_along_axis(const Array& x, const Array& indices, int axis);

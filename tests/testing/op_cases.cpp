@@ -79,6 +79,9 @@ std::vector<OpCase> op_cases() {
       {"data movement", "pad", {4, 6}, {5, 9}, [](const Array& z, const Array& w) { return pad(z, {{0, 1}, {1, 2}}) * w; }, true},
       {"data movement", "flip", {4, 6}, {4, 6}, [](const Array& z, const Array& w) { return flip(z, {1}) * w; }, true},
       {"scan", "cumsum", {4, 6}, {6}, [](const Array& z, const Array& w) { return cumsum(z, 1) * w; }, true},
+      {"scan", "cumprod", {4, 6}, {6}, [](const Array& z, const Array& w) { return cumprod(z * 0.5f + 1.0f, 1) * w; }, false},
+      {"prod: the last of a cumprod", "cumprod", {4, 6}, {6}, [](const Array& z, const Array& w) { return prod(z * 0.5f + 1.0f, {0}) * w; }, false},
+      {"product", "matmul", {4, 6}, {4, 5}, [](const Array& z, const Array& w) { return einsum("ij,ik->jk", z, w); }, false},  // einsum: its product
       {"data movement", "unstack", {3, 6}, {6}, [](const Array& z, const Array& w) {
          std::vector<Array> rows = unstack(z);
          return rows[0] * w + rows[2];
