@@ -7,6 +7,7 @@
 #include <linum/rng/key.hpp>
 
 #include <algorithm>
+#include <mutex>
 
 namespace linum::lift::detail {
 namespace {
@@ -131,6 +132,58 @@ void after_iteration(ScanPlan& plan, const ScopeState& st, bool discarded) {
 bool drew_keys(const ScanPlan& plan, const ScopeState& st) { return Pack::counters_of(st) != plan.counters; }
 
 void continue_counters(ScanPlan& plan, const ScopeState& st) { plan.counters = Pack::counters_of(st); }
+
+namespace {
+
+struct Prediction {
+  std::string body, path;
+  RngCounters entry, after_first_run;
+};
+
+std::mutex g_predictions_mutex;
+std::vector<Prediction> g_predictions;  // the most recent last; a few per process
+constexpr std::size_t kMaxPredictions = 64;
+
+std::uint64_t count_at(const RngCounters& c, const linum::detail::RngCounterKey& k) {
+  auto it = c.find(k);
+  return it == c.end() ? 0 : it->second;
+}
+
+}  // namespace
+
+std::optional<RngCounters> predicted_counters(const std::string& body, const ScanPlan& plan) {
+  const std::string path = join(plan.path);
+  std::lock_guard<std::mutex> lock(g_predictions_mutex);
+  for (auto it = g_predictions.rbegin(); it != g_predictions.rend(); ++it)
+    if (it->body == body && it->path == path && it->entry == plan.counters) return it->after_first_run;
+  return std::nullopt;
+}
+
+void remember_counters(const std::string& body, const ScanPlan& plan, const RngCounters& entry,
+                       const RngCounters& after_first_run) {
+  const std::string path = join(plan.path);
+  std::lock_guard<std::mutex> lock(g_predictions_mutex);
+  std::erase_if(g_predictions, [&](const Prediction& p) { return p.body == body && p.path == path && p.entry == entry; });
+  if (g_predictions.size() >= kMaxPredictions) g_predictions.erase(g_predictions.begin());
+  g_predictions.push_back({body, path, entry, after_first_run});
+}
+
+bool prediction_held(const RngCounters& entry, const RngCounters& predicted, const RngCounters& after_iteration) {
+  // Every key any of the three names: entry + (what iteration 0 drew) must be the prediction.
+  std::vector<linum::detail::RngCounterKey> keys;
+  for (const RngCounters* c : {&entry, &predicted, &after_iteration})
+    for (const auto& [k, _] : *c) keys.push_back(k);
+  for (const auto& k : keys) {
+    const std::uint64_t start = count_at(predicted, k), end = count_at(after_iteration, k);
+    if (end < start || count_at(entry, k) + (end - start) != start) return false;
+  }
+  return true;
+}
+
+void forget_predicted_counters() {
+  std::lock_guard<std::mutex> lock(g_predictions_mutex);
+  g_predictions.clear();
+}
 
 void finish_scan(const ScanPlan& plan, const std::vector<ScopeState>& states) {
   const std::string prefix = join(plan.path);

@@ -31,10 +31,15 @@
 // make_rng hashes the full module path and a per-scope counter into the iteration's stream key,
 // exactly as Flax. Like Flax's default (the body traced twice, with shared counters), the counters
 // the iterations use continue from one full run of the body: when the body draws keys, the first
-// iteration is run once more (so at apply with dropout, one extra iteration's forward pass).
+// call runs the first iteration once more to learn them; later calls with the same body, path and
+// counters on entry reuse them (checked against what the iteration draws), so a training step with
+// dropout runs each iteration once. (Under a schedule, the first iteration still runs once more per
+// call, as a forward pass without recording.)
 // `reverse` runs the slices from last to first; slice i keeps its keys, variables, input and
 // output position, as in Flax.
 #pragma once
+
+#include <typeinfo>
 
 #include <linum/core/autodiff/pytree.hpp>
 #include <linum/core/ops/shape_ops.hpp>
@@ -105,6 +110,15 @@ void after_iteration(ScanPlan& plan, const ScopeState& st, bool discarded = fals
 // final counters (Flax's second trace), and it is run again.
 bool drew_keys(const ScanPlan& plan, const ScopeState& st);
 void continue_counters(ScanPlan& plan, const ScopeState& st);
+// That extra run is needed once per body, not on every call: the counters it ends at are remembered
+// per (body type, scan path, counters on entry), and a later call predicts them and runs iteration 0
+// only once. Each prediction is checked against what iteration 0 then draws: with the predicted
+// counters C1, entry C0 and iteration 0's end E, a first run would have ended at C0 + (E - C1), which
+// must be C1 (else the call falls back to the extra run and the new counters are remembered).
+std::optional<RngCounters> predicted_counters(const std::string& body, const ScanPlan& plan);
+void remember_counters(const std::string& body, const ScanPlan& plan, const RngCounters& entry, const RngCounters& after_first_run);
+bool prediction_held(const RngCounters& entry, const RngCounters& predicted, const RngCounters& after_iteration);
+void forget_predicted_counters();  // tests
 // Stacks the axis collections of the iterations (in slice order) and publishes every mutable
 // collection, the counters and the touched variables.
 void finish_scan(const ScanPlan& plan, const std::vector<ScopeState>& states);
@@ -261,12 +275,27 @@ struct scan {
     using Y = typename detail::YsOf<Result, kWithYs>::type;
     std::vector<Y> ys(static_cast<std::size_t>(n));
     Carry h = carry;
+    // Flax's counters continue from a first run of the body; predicted when a call like this one
+    // ran before (not at init, where that run also creates the broadcast variables).
+    const std::string body_id = typeid(Body).name();
+    const detail::RngCounters entry = plan.counters;
+    std::optional<detail::RngCounters> predicted;
+    if (!s.is_initializing() && (!plan.split_keys.empty() || !plan.broadcast_keys.empty()))
+      predicted = detail::predicted_counters(body_id, plan);
+    if (predicted) plan.counters = *predicted;
     for (int step = 0; step < n; ++step) {
       const int i = reverse ? n - 1 - step : step;
       ScopeState st = detail::iteration_state(plan, i);
       Result r = run_at(i, h, st);
-      if (step == 0 && detail::drew_keys(plan, st)) {  // Flax's second trace: counters continue
+      if (step == 0 && predicted && !detail::prediction_held(entry, *predicted, detail::Pack::counters_of(st))) {
+        predicted.reset();  // the body draws differently now: run it from the entry counters
+        plan.counters = entry;
+        st = detail::iteration_state(plan, i);
+        r = run_at(i, h, st);
+      }
+      if (step == 0 && !predicted && detail::drew_keys(plan, st)) {  // Flax's second trace: counters continue
         detail::continue_counters(plan, st);
+        if (!s.is_initializing()) detail::remember_counters(body_id, plan, entry, plan.counters);
         detail::after_iteration(plan, st, /*discarded=*/true);  // broadcast variables it created stay
         st = detail::iteration_state(plan, i);
         r = run_at(i, h, st);

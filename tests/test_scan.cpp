@@ -133,6 +133,65 @@ TEST_CASE("scan init keys as Flax derives them: split per layer, counters contin
 
 namespace {
 
+int g_layer_calls = 0;
+
+// Layer, counting its runs; with `extra` it draws one more dropout key (a body that draws differently).
+struct CountedLayer {
+  bool extra = false;
+  Array operator()(Scope& s, const Array& x, bool train) const {
+    ++g_layer_calls;
+    if (extra && train) (void)s.make_rng("dropout");
+    return Layer{}(s, x, train);
+  }
+};
+struct CountedNet {
+  bool extra = false;
+  Array operator()(Scope& s, const Array& x, bool train) const {
+    return s("ScanLayer_0", lift::scan<CountedLayer>{.body = CountedLayer{extra}, .length = 4}, x, train);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("scan with dropout: one run per layer once the body's counters are known (Flax's keys, no extra iteration)") {
+  lift::detail::forget_predicted_counters();
+  const Array x = random_array(Shape{3, 6}, 5);
+  const Tree vars = init(CountedNet{}, rng::key(7), x, false);
+  auto run = [&](const CountedNet& net, rng::Key key) {
+    g_layer_calls = 0;
+    return apply(net, vars, {.rngs = {{"dropout", key}}, .mutable_collections = {"stats"}}, x, true).first;
+  };
+  // The first call runs the first layer once more to learn where Flax's counters continue from.
+  const Array first = run(CountedNet{}, rng::key(3));
+  CHECK(g_layer_calls == 5);
+  CHECK(first.bitwise_equal(manual(vars, x, 4, rng::key(3), true)));
+  // Later calls (any key: the counters do not depend on it) run each layer once, with the same keys.
+  const Array again = run(CountedNet{}, rng::key(3));
+  CHECK(g_layer_calls == 4);
+  CHECK(again.bitwise_equal(first));
+  const Array other = run(CountedNet{}, rng::key(11));
+  CHECK(g_layer_calls == 4);
+  CHECK(other.bitwise_equal(manual(vars, x, 4, rng::key(11), true)));
+  // Under grad too: 4 runs forward (and no recomputation without remat).
+  g_layer_calls = 0;
+  (void)grad([&](const Tree& p) {
+    Tree v = vars;
+    v.set("params", p);
+    return sum(apply(CountedNet{}, v, {.rngs = {{"dropout", rng::key(3)}}, .mutable_collections = {"stats"}}, x, true).first);
+  })(vars.at("params"));
+  CHECK(g_layer_calls == 4);
+  // A body that now draws differently (same type and path): the prediction fails the check, the call
+  // falls back to the extra run and gives what a first call would.
+  const Array changed = run(CountedNet{.extra = true}, rng::key(3));
+  CHECK(g_layer_calls == 6);  // iteration 0 from the stale prediction, the first run, iteration 0 again, 1..3
+  lift::detail::forget_predicted_counters();
+  const Array fresh = run(CountedNet{.extra = true}, rng::key(3));
+  CHECK(g_layer_calls == 5);
+  CHECK(changed.bitwise_equal(fresh));
+}
+
+namespace {
+
 // An RNN-style cell: carry (h, steps), input x_t, output y_t.
 struct Cell {
   Array operator()(Scope& s, const Array& h, const Array& x) const { return tanh(s(nn::Dense{.features = 4}, h) + x); }
