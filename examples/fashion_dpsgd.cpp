@@ -1,4 +1,4 @@
-// Differentially private training (DP-SGD, Abadi et al. 2016) of the main example's CNN on
+// Differentially private training (DP-SGD, Abadi et al. 2016) of a small CNN on
 // Fashion-MNIST: every example's gradient is computed on its own (vmap of grad: per-example
 // gradients in one batched call, through the model's rematerialized blocks), clipped to an L2 norm,
 // and the clipped gradients are summed with Gaussian noise (optim::dpsgd, optax's dpsgd).
@@ -6,8 +6,9 @@
 //   fashion_dpsgd [--epochs 1] [--batch 256] [--lr 0.25] [--momentum 0.9] [--clip 1.5] [--noise 1.1]
 //                 [--limit N] [--seed 0] [--data DIR] [--synthetic N]
 //
-// The CNN is the main example's without BatchNorm and dropout (batch statistics mix the examples,
-// which per-example clipping must not). --noise 0 --clip 1e9 is plain SGD on the same gradients.
+// The CNN (fashion::CNN, examples/fashion_mnist/model.hpp: two conv blocks and a dense head, Flax's
+// MNIST example) has no BatchNorm (batch statistics mix the examples, which per-example clipping
+// must not). --noise 0 --clip 1e9 is plain SGD on the same gradients.
 // The last line is one JSON object for scripts.
 #include <linum/linum.hpp>
 

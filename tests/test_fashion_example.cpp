@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <memory>
 #include <string>
 
@@ -83,7 +84,7 @@ TEST_CASE("fashion_mnist trains, resumes to the same result, evaluates, and repo
   fs::create_directories(data);
   make_split(data, "train", 512, 1);
   make_split(data, "t10k", 256, 2);
-  const std::string common = "--data " + data.string() + " --batch 64 --lr 0.003 ";
+  const std::string common = "--data " + data.string() + " --batch 64 --lr 0.003 --depth 3 --width 12 --memory-plot none ";
 
   Run full = run(common + "--epochs 2 --checkpoint " + (tmp.path / "full.msgpack").string());
   INFO(full.output);
@@ -92,8 +93,25 @@ TEST_CASE("fashion_mnist trains, resumes to the same result, evaluates, and repo
   CHECK(result["epochs"] == 2);
   CHECK(result["remat"] == "full");
   CHECK(result["test_accuracy"].get<double>() > 0.9);  // the bands are easy to learn
+  // What remat buys, measured on one training step: less memory than the plain step.
   CHECK(result["peak_activation_bytes"].get<long>() > 0);
-  CHECK(result["peak_activation_bytes_plain"].get<long>() > 0);
+  CHECK(result["peak_activation_bytes"].get<long>() < result["peak_activation_bytes_plain"].get<long>());
+  CHECK(result["step_seconds"].get<double>() > 0);
+  CHECK(result["step_seconds_plain"].get<double>() > 0);
+
+  // By default it draws the step's memory timeline, with and without remat, into the working directory.
+  const fs::path plot_dir = tmp.path / "plot";
+  fs::create_directories(plot_dir);
+  Run plotted = run_command("cd " + plot_dir.string() + " && " + g_binary + " --data " + data.string() +
+                            " --batch 64 --depth 3 --width 12 --epochs 0");
+  INFO(plotted.output);
+  REQUIRE(plotted.status == 0);
+  CHECK(plotted.output.find("less activation memory for") != std::string::npos);
+  std::ifstream svg(plot_dir / "fashion_mnist_memory.svg");
+  const std::string picture((std::istreambuf_iterator<char>(svg)), std::istreambuf_iterator<char>());
+  CHECK(picture.find("<svg") == 0);
+  CHECK(picture.find("no remat") != std::string::npos);
+  CHECK(picture.find("remat per block, full") != std::string::npos);
 
   // One epoch, then --resume for the second: the same model as the uninterrupted run, bit for bit.
   const std::string ck = (tmp.path / "resumed.msgpack").string();
@@ -177,7 +195,7 @@ TEST_CASE("fashion_mnist under mpirun: any rank count trains bitwise the same mo
   fs::create_directories(data);
   make_split(data, "train", 384, 1);
   make_split(data, "t10k", 128, 2);
-  const std::string common = "--data " + data.string() + " --batch 64 --lr 0.003 --batchnorm --dropout 0.2 ";
+  const std::string common = "--data " + data.string() + " --batch 64 --lr 0.003 --depth 3 --width 12 --dropout 0.2 --memory-plot none ";
   auto on = [&](int ranks, const std::string& args) {
     // (Open MPI's own allocations are alive at exit: no leak report from the sanitizer build.)
     const std::string launcher = "ASAN_OPTIONS=detect_leaks=0 " + std::string(mpirun) + " --allow-run-as-root --oversubscribe -np " + std::to_string(ranks) + " ";

@@ -1,11 +1,20 @@
-// Linum's main example: a CNN learns Fashion-MNIST, with its blocks rematerialized.
+// Linum's main example: a residual CNN learns Fashion-MNIST, with its blocks rematerialized.
 //
 //   fashion_mnist [--epochs 3] [--remat full|dots|none] [--batch 128] [--lr 0.001] [--optimizer adam|sgd]
-//                 [--dropout 0.0] [--batchnorm] [--seed 0] [--data DIR] [--checkpoint FILE] [--resume]
-//                 [--checkpoint-dir DIR]
+//                 [--depth 8] [--width 24] [--no-batchnorm] [--dropout 0.0] [--seed 0] [--data DIR]
+//                 [--checkpoint FILE] [--resume] [--checkpoint-dir DIR] [--memory-plot FILE.svg|none]
 //                 [--eval] [--limit N] [--dtype f32|bf16] [--param-dtype f32|bf16]
 //                 [--micro-batches 4] [--reduction reproducible|fast] [--batch-stats average|per-rank]
 //                 [--residuals ram|bf16|int8|fp8_e4m3|disk|disk+int8|...]
+//
+// The model (model.hpp): a convolution block at full resolution pooled to 14x14, --depth residual
+// blocks (Flax's ResNet block, BatchNorm by default) of --width channels, and a dense head. With
+// --remat full (the default) every block but the last is lift::remat<...>: its forward keeps only its
+// input, the backward pass runs it again. Before training, the example measures what that buys: the
+// activation memory of one forward and backward pass with remat and without (exact, from the memory
+// accounting), the time of one training step with and without, and draws the pass's memory timeline
+// for each remat choice to --memory-plot (fashion_mnist_memory.svg by default). The learning rate
+// halves every epoch.
 //
 // --residuals keeps what the training step saves for its backward pass compressed or in the spill
 // file (lift::ResidualScope, core/storage/): with --remat none, every residual; with remat, what the
@@ -33,7 +42,7 @@
 
 #include "model.hpp"
 
-using fashion::CNN;
+using fashion::ResNet;
 using fashion::Remat;
 
 #include <nlohmann/json.hpp>
@@ -45,6 +54,7 @@ using fashion::Remat;
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <optional>
 #include <string>
@@ -61,7 +71,9 @@ struct Options {
   std::string optimizer = "adam";
   Remat remat = Remat::full;
   double dropout = 0.0;
-  bool batch_norm = false;
+  bool batch_norm = true;
+  int depth = 8;
+  std::int64_t width = 24;
   int seed = 0;
   fs::path data = "/usr/share/datasets/fashion-mnist";
   fs::path checkpoint = "fashion_mnist.msgpack";
@@ -74,7 +86,8 @@ struct Options {
   int micro_batches = 4;
   dist::Reduction reduction = dist::Reduction::reproducible;
   dist::Sync batch_stats_sync = dist::Sync::average;
-  fs::path memory_plot;  // --memory-plot FILE.svg: the memory timeline of one step, with and without remat
+  // --memory-plot FILE.svg: the memory timeline of one step, with and without remat ("none": no plot)
+  fs::path memory_plot = "fashion_mnist_memory.svg";
   storage::Placement residuals;  // --residuals: where the step's residuals live (default: RAM, as they are)
 };
 
@@ -92,8 +105,8 @@ const char* remat_name(Remat r) { return r == Remat::none ? "none" : r == Remat:
 [[noreturn]] void usage_error(const std::string& message) {
   std::cerr << "fashion_mnist: " << message << "\n"
             << "usage: fashion_mnist [--epochs N] [--remat full|dots|none] [--batch N] [--lr X] [--optimizer adam|sgd]\n"
-            << "                     [--memory-plot FILE.svg] [--residuals ram|bf16|int8|fp8_e4m3|disk|disk+<codec>]\n"
-            << "                     [--dropout X] [--batchnorm] [--seed N] [--data DIR] [--checkpoint FILE] [--resume]\n"
+            << "                     [--memory-plot FILE.svg|none] [--residuals ram|bf16|int8|fp8_e4m3|disk|disk+<codec>]\n"
+            << "                     [--dropout X] [--depth N] [--width N] [--no-batchnorm] [--seed N] [--data DIR] [--checkpoint FILE] [--resume]\n"
             << "                     [--checkpoint-dir DIR]\n"
             << "                     [--eval] [--limit N] [--dtype f32|bf16] [--param-dtype f32|bf16]\n"
             << "                     [--micro-batches N] [--reduction reproducible|fast] [--batch-stats average|per-rank]\n";
@@ -135,12 +148,18 @@ Options parse(int argc, char** argv) {
       else usage_error("--batch-stats must be average or per-rank, got '" + r + "'");
     }
     else if (a == "--batchnorm") o.batch_norm = true;
+    else if (a == "--no-batchnorm") o.batch_norm = false;
+    else if (a == "--depth") o.depth = static_cast<int>(number(1, 64));
+    else if (a == "--width") o.width = static_cast<std::int64_t>(number(1, 1024));
     else if (a == "--resume") o.resume = true;
     else if (a == "--eval") o.eval_only = true;
     else if (a == "--data") o.data = value();
     else if (a == "--checkpoint") o.checkpoint = value();
     else if (a == "--checkpoint-dir") o.checkpoint_dir = value();
-    else if (a == "--memory-plot") o.memory_plot = value();
+    else if (a == "--memory-plot") {
+      o.memory_plot = value();
+      if (o.memory_plot == "none") o.memory_plot.clear();
+    }
     else if (a == "--optimizer") {
       o.optimizer = value();
       if (o.optimizer != "adam" && o.optimizer != "sgd") usage_error("--optimizer must be adam or sgd");
@@ -189,7 +208,7 @@ std::int64_t correct(const Array& logits, const Array& labels) {
 }
 
 struct Trainer {
-  CNN model;
+  ResNet model;
   optim::GradientTransformation optimizer;
   Tree params, batch_stats, opt_state;
   std::optional<lift::Policy> residuals;  // --residuals
@@ -239,11 +258,12 @@ struct Trainer {
   }
 };
 
-// Peak activation bytes of one training step of `model` on a batch: the peak of live bytes during
-// the step beyond what was alive before, minus the gradients the step returns.
-std::int64_t step_activation_bytes(const CNN& model, const Tree& params, const Tree& batch_stats, const Array& x,
-                                   const Array& y, const std::optional<lift::Policy>& residuals,
-                                   memory::Timeline* timeline = nullptr, const std::string& label = "") {
+// Peak activation bytes of one forward and backward pass of `model` on (x, y): the peak of live array
+// bytes during the pass beyond what was alive before, minus the gradients it returns (exact, from
+// linum::memory's accounting). With `timeline`, the pass is also recorded op by op for the plot.
+std::int64_t activation_peak(const ResNet& model, const Tree& params, const Tree& batch_stats, const Array& x,
+                             const Array& y, const std::optional<lift::Policy>& residuals,
+                             memory::Timeline* timeline = nullptr, const std::string& label = "") {
   auto loss_fn = [&](const Tree& p) {
     std::optional<lift::ResidualScope> placed;
     if (residuals) placed.emplace(*residuals);
@@ -259,6 +279,20 @@ std::int64_t step_activation_bytes(const CNN& model, const Tree& params, const T
   Tree grads = grad(loss_fn)(params);
   if (timeline != nullptr) *timeline = recorder->finish();
   return scope.peak_growth() - byte_count(grads);
+}
+
+// The wall time of one whole training step (every micro-batch, the reduction across ranks, the
+// optimizer), the best of `repeats` runs after a warm-up. `probe` is a copy of the trainer, so the
+// model being trained is untouched.
+double step_seconds(Trainer probe, dist::DataParallel& dp, const Array& x, const Array& y, int repeats) {
+  probe.step(dp, x, y, rng::key(0));
+  double best = std::numeric_limits<double>::infinity();
+  for (int r = 0; r < repeats; ++r) {
+    const auto start = Clock::now();
+    probe.step(dp, x, y, rng::key(0));
+    best = std::min(best, since(start));
+  }
+  return best;
 }
 
 class Progress {
@@ -325,10 +359,13 @@ int run(const Options& o) {
   }
   dist::DataParallel dp({.reduction = o.reduction, .micro_batches = o.micro_batches, .aux = o.batch_stats_sync});
 
-  Trainer t{CNN{.remat = o.remat, .batch_norm = o.batch_norm, .dropout = o.dropout,
-                .dtype = o.dtype == DType::f32 ? std::nullopt : std::optional<DType>(o.dtype), .param_dtype = o.param_dtype},
-            o.optimizer == "adam" ? optim::adam(o.lr) : optim::sgd(o.lr, 0.9), {}, {}, {}, residual_policy(o.residuals)};
   const std::int64_t batch = std::min<std::int64_t>(o.batch, n);
+  // The learning rate halves every epoch: a function of the step count alone (kept in the optimizer
+  // state), so a resumed run continues the same schedule.
+  const optim::Schedule lr = optim::exponential_decay(static_cast<float>(o.lr), n / batch, 0.5f);
+  Trainer t{ResNet{.remat = o.remat, .depth = o.depth, .features = o.width, .batch_norm = o.batch_norm, .dropout = o.dropout,
+                .dtype = o.dtype == DType::f32 ? std::nullopt : std::optional<DType>(o.dtype), .param_dtype = o.param_dtype},
+            o.optimizer == "adam" ? optim::adam(lr) : optim::sgd(lr, 0.9), {}, {}, {}, residual_policy(o.residuals)};
   const Array& train_images = train.columns().at("image").array();
   const Array& train_labels = train.columns().at("label").array();
   const Array sample = slice_axis(train_images, 0, 0, batch);
@@ -362,7 +399,7 @@ int run(const Options& o) {
       if (progress.at("seed").array().item() != o.seed ||
           static_cast<bool>(progress.at("batch_norm").array().item()) != o.batch_norm ||
           progress.at("dropout").array().item() != static_cast<float>(o.dropout))
-        throw ValueError("the checkpoint was trained with other --seed/--batchnorm/--dropout; pass the same flags");
+        throw ValueError("the checkpoint was trained with other --seed/--no-batchnorm/--dropout; pass the same flags");
       if (!same_structure(c.at("params"), t.params)) throw ValueError("the checkpoint's parameters do not fit this model");
     }
     c = dist::broadcast(c);
@@ -378,32 +415,37 @@ int run(const Options& o) {
   }
   dist::check_replicated(t.params, "the parameters at the start");
 
-  // Activation memory of one training step (one process, the whole batch), with the chosen remat and
-  // without.
+  // What remat buys: the activation memory of one forward and backward pass (the rows one pass
+  // takes: a micro-batch, or the rank's shard with --reduction fast) and the time of one whole
+  // training step, with the chosen remat and without; for the plot, each choice's pass op by op.
   const Array mx = slice_axis(train_images, 0, 0, batch);
   const Array my = slice_axis(train_labels, 0, 0, batch);
-  std::int64_t peak_plain = 0, peak = 0;
-  if (lead) {
-    CNN plain_model = t.model;
-    plain_model.remat = Remat::none;
-    peak_plain = step_activation_bytes(plain_model, t.params, t.batch_stats, mx, my, std::nullopt);
-    peak = step_activation_bytes(t.model, t.params, t.batch_stats, mx, my, t.residuals);
+  const std::int64_t pass_rows =
+      std::max<std::int64_t>(1, batch / (o.reduction == dist::Reduction::reproducible ? o.micro_batches : ranks));
+  const Array px = slice_axis(mx, 0, 0, pass_rows), py = slice_axis(my, 0, 0, pass_rows);
+  const bool plot = lead && !o.memory_plot.empty();
+  std::map<Remat, std::int64_t> peaks;
+  std::map<Remat, double> seconds;
+  std::vector<memory::Timeline> runs;
+  for (Remat r : {Remat::none, Remat::dots, Remat::full}) {
+    if (r != Remat::none && r != o.remat && !plot) continue;
+    Trainer probe = t;
+    probe.model.remat = r;
+    if (r == Remat::none) probe.residuals.reset();  // the plain step keeps every residual in RAM
+    if (plot) runs.emplace_back();
+    if (lead)
+      peaks[r] = activation_peak(probe.model, probe.params, probe.batch_stats, px, py, probe.residuals,
+                                 plot ? &runs.back() : nullptr,
+                                 r == Remat::none ? "no remat"
+                                                  : std::string("remat per block, ") + remat_name(r) +
+                                                        (r == Remat::dots ? " (convolutions saved)" : " (nothing saved)"));
+    if (r == Remat::none || r == o.remat) seconds[r] = step_seconds(probe, dp, mx, my, /*repeats=*/3);
   }
-  if (lead && !o.memory_plot.empty()) {
-    // The same step recorded op by op, for each remat choice, as one SVG plot.
-    std::vector<memory::Timeline> runs;
-    for (Remat r : {Remat::none, Remat::dots, Remat::full}) {
-      CNN m = t.model;
-      m.remat = r;
-      runs.emplace_back();
-      step_activation_bytes(m, t.params, t.batch_stats, mx, my, t.residuals, &runs.back(),
-                            r == Remat::none ? "no remat" : std::string("remat per block, ") + remat_name(r) +
-                                                                (r == Remat::dots ? " (dots saved)" : " (nothing saved)"));
-    }
+  if (plot) {
     memory::save_svg(o.memory_plot, runs,
-                     {.title = "Fashion-MNIST CNN: live array memory over one training step (batch " +
-                               std::to_string(mx.dim(0)) + ")"});
-    std::printf("wrote the memory timeline of a training step to '%s'\n", o.memory_plot.c_str());
+                     {.title = "Fashion-MNIST ResNet, " + std::to_string(o.depth) + " blocks: live array memory over a forward and backward pass (" +
+                               std::to_string(pass_rows) + " images)"});
+    std::printf("wrote the memory timeline of a forward and backward pass to '%s'\n", o.memory_plot.c_str());
   }
 
   double train_seconds = 0, final_train_loss = 0;
@@ -445,10 +487,16 @@ int run(const Options& o) {
   const double per_epoch = epochs_run ? train_seconds / epochs_run : 0.0;
   std::printf("test accuracy %.4f", accuracy);
   if (epochs_run) std::printf(", %.1f s per epoch", per_epoch);
-  std::printf("\npeak activation memory of a training step (batch %lld): %.1f MiB with remat=%s%s, %.1f MiB without remat",
-              static_cast<long long>(mx.dim(0)), peak / 1048576.0, remat_name(o.remat),
+  const std::int64_t peak = peaks.at(o.remat), peak_plain = peaks.at(Remat::none);
+  const double step = seconds.at(o.remat), step_plain = seconds.at(Remat::none);
+  std::printf("\nactivation memory of a forward and backward pass (%lld images): %.1f MiB with remat=%s%s, %.1f MiB without remat\n",
+              static_cast<long long>(pass_rows), peak / 1048576.0, remat_name(o.remat),
               o.residuals == storage::Placement{} ? "" : (" and residuals=" + o.residuals.str()).c_str(), peak_plain / 1048576.0);
-  if (peak_plain > 0) std::printf(" (%.0f%% saved)", 100.0 * (1.0 - static_cast<double>(peak) / static_cast<double>(peak_plain)));
+  std::printf("time of a training step (batch %lld): %.3f s with remat=%s, %.3f s without remat", static_cast<long long>(batch),
+              step, remat_name(o.remat), step_plain);
+  if (o.remat != Remat::none && peak > 0)
+    std::printf("\nremat: %.1fx less activation memory for %.2fx the step time",
+                static_cast<double>(peak_plain) / static_cast<double>(peak), step / step_plain);
   std::printf("\n");
   const nlohmann::json result = {{"test_accuracy", accuracy},
                                  {"epochs", o.eval_only ? first_epoch : o.epochs},
@@ -462,8 +510,12 @@ int run(const Options& o) {
                                  {"reduction", o.reduction == dist::Reduction::reproducible ? "reproducible" : "fast"},
                                  {"micro_batches", o.micro_batches},
                                  {"params_checksum", dist::checksum_hex(t.params)},
+                                 {"depth", o.depth},
+                                 {"width", o.width},
                                  {"peak_activation_bytes", peak},
-                                 {"peak_activation_bytes_plain", peak_plain}};
+                                 {"peak_activation_bytes_plain", peak_plain},
+                                 {"step_seconds", step},
+                                 {"step_seconds_plain", step_plain}};
   std::printf("%s\n", result.dump().c_str());
   return 0;
 }

@@ -1,5 +1,6 @@
-// The main example's model (examples/fashion_mnist/main.cpp), shared with the examples that train
-// it in other ways (fashion_dpsgd: differentially private training with per-example gradients).
+// The main example's model (examples/fashion_mnist/main.cpp: ResNet below) and a small CNN of the
+// same blocks for the examples that train in other ways (fashion_dpsgd: differentially private
+// training with per-example gradients).
 #pragma once
 
 #include <linum/linum.hpp>
@@ -62,6 +63,71 @@ struct CNN {
       case Remat::dots: x = run<lift::remat<ConvBlock, lift::policy<policies::dots_saveable>>>(s, images, train); break;
     }
     return s(Head{.dropout = dropout, .dtype = dtype, .param_dtype = param_dtype}, x, train);
+  }
+};
+
+// Flax's ResNet block (examples/imagenet/models.py): conv -> BatchNorm -> ReLU -> conv -> BatchNorm,
+// plus the input, then ReLU. The convolutions have no bias when BatchNorm follows them (the norm's
+// own bias takes its place); the second norm's scale starts at zero, so each block starts as the
+// identity and a deep stack trains from the first step.
+struct ResidualBlock {
+  std::int64_t features = 32;
+  bool batch_norm = true;
+  std::optional<DType> dtype;
+  DType param_dtype = DType::f32;
+  Array operator()(Scope& s, const Array& x, bool train) const {
+    const nn::Conv conv{.features = features, .kernel_size = {3, 3}, .use_bias = !batch_norm, .dtype = dtype,
+                        .param_dtype = param_dtype};
+    Array y = s(conv, x);
+    if (batch_norm) y = s(nn::BatchNorm{.momentum = 0.9, .dtype = dtype, .param_dtype = param_dtype}, y, !train);
+    y = relu(y);
+    y = s(conv, y);
+    if (batch_norm)
+      y = s(nn::BatchNorm{.momentum = 0.9, .dtype = dtype, .param_dtype = param_dtype}, y, !train);
+    return relu(x + y);
+  }
+};
+
+template <class M>
+using NoRemat = M;
+template <class M>
+using RematFull = lift::remat<M>;
+template <class M>
+using RematDots = lift::remat<M, lift::policy<policies::dots_saveable>>;
+
+// The main example's model: a convolution block at full resolution pooled to 14x14, `depth`
+// residual blocks at that size, and the head. Every residual block's activations are the same size,
+// so what remat keeps (each block's input) is a small part of what the plain model keeps (about six
+// arrays per block): the deeper the stack, the larger the saving.
+struct ResNet {
+  Remat remat = Remat::full;
+  int depth = 8;
+  std::int64_t features = 24;
+  bool batch_norm = true;
+  double dropout = 0.0;
+  std::optional<DType> dtype;
+  DType param_dtype = DType::f32;
+
+  // Wrap<M> is M itself or lift::remat<M, ...>; the parameter names are the same either way. The
+  // last block runs plain whatever `remat` says: its backward comes right after its forward, so
+  // recomputing it would cost time and save nothing (the peak is in an earlier block's backward).
+  template <template <class> class Wrap>
+  Array run(Scope& s, const Array& images, bool train) const {
+    const ConvBlock stem{.features = features, .batch_norm = batch_norm, .dtype = dtype, .param_dtype = param_dtype};
+    const ResidualBlock block{.features = features, .batch_norm = batch_norm, .dtype = dtype, .param_dtype = param_dtype};
+    Array x = s(Wrap<ConvBlock>{stem}, images, train);  // [N, 14, 14, features]
+    for (int i = 0; i + 1 < depth; ++i) x = s(Wrap<ResidualBlock>{block}, x, train);
+    x = s(block, x, train);
+    x = avg_pool(x, {.window = {2, 2}, .strides = {2, 2}});  // [N, 7, 7, features]
+    return s(Head{.dropout = dropout, .dtype = dtype, .param_dtype = param_dtype}, x, train);
+  }
+  Array operator()(Scope& s, const Array& images, bool train) const {
+    switch (remat) {
+      case Remat::none: return run<NoRemat>(s, images, train);
+      case Remat::full: return run<RematFull>(s, images, train);
+      case Remat::dots: return run<RematDots>(s, images, train);
+    }
+    throw ValueError("ResNet: unknown remat choice");
   }
 };
 
