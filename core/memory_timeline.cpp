@@ -228,11 +228,15 @@ std::string render_svg(const std::vector<Timeline>& runs, const SvgOptions& o) {
   const double height = std::max<double>(o.height, top + 160 + axis_label_h + strip_h * n_runs + legend_h);
   const double plot_h = height - top - axis_label_h - strip_h * n_runs - legend_h - 14;
   const double plot_w = o.width - left - right;
+  // With above_start, each run's bytes are drawn above its first point's live bytes.
+  auto base_of = [&](const Timeline& t) -> std::int64_t {
+    return o.above_start && !t.points.empty() ? t.points.front().live_bytes : 0;
+  };
   std::size_t max_points = 1;
   std::int64_t max_bytes = 1;
   for (const auto& t : runs) {
     max_points = std::max(max_points, t.points.size());
-    max_bytes = std::max({max_bytes, t.peak_bytes(), t.offloaded_peak_bytes()});
+    max_bytes = std::max({max_bytes, t.peak_bytes() - base_of(t), t.offloaded_peak_bytes()});
   }
   const double y_max_mib = static_cast<double>(max_bytes) / (1024.0 * 1024.0) * 1.08;
   const double y_step = tick_step(y_max_mib, 6);
@@ -254,7 +258,8 @@ std::string render_svg(const std::vector<Timeline>& runs, const SvgOptions& o) {
          fmt(v, y_step < 1 ? 1 : 0) + "</text>\n";
   }
   s += "<text transform=\"translate(18," + fmt(top + plot_h / 2) +
-       ") rotate(-90)\" text-anchor=\"middle\">live array memory (MiB)</text>\n";
+       ") rotate(-90)\" text-anchor=\"middle\">" + std::string(o.above_start ? "array memory above the start (MiB)" : "live array memory (MiB)") +
+       "</text>\n";
   s += "<rect x=\"" + fmt(left) + "\" y=\"" + fmt(top) + "\" width=\"" + fmt(plot_w) + "\" height=\"" + fmt(plot_h) +
        "\" fill=\"none\" stroke=\"#888\"/>\n";
   // x ticks.
@@ -287,9 +292,10 @@ std::string render_svg(const std::vector<Timeline>& runs, const SvgOptions& o) {
   // Curves and peak markers.
   for (int r = 0; r < n_runs; ++r) {
     const auto& t = runs[static_cast<std::size_t>(r)];
+    const std::int64_t base = base_of(t);
     std::string pts;
-    for (std::size_t i = 0; i < t.points.size(); ++i) pts += fmt(x_of(i)) + "," + fmt(y_of(t.points[i].peak_bytes)) + " ";
-    s += "<polyline data-label=\"" + xml_escape(t.label) + "\" data-peak-bytes=\"" + std::to_string(t.peak_bytes()) +
+    for (std::size_t i = 0; i < t.points.size(); ++i) pts += fmt(x_of(i)) + "," + fmt(y_of(t.points[i].peak_bytes - base)) + " ";
+    s += "<polyline data-label=\"" + xml_escape(t.label) + "\" data-peak-bytes=\"" + std::to_string(t.peak_bytes() - base) +
          "\" fill=\"none\" stroke=\"" + std::string(kColors[r % 8]) + "\" stroke-width=\"1.6\" points=\"" + pts + "\"/>\n";
     if (t.offloaded_peak_bytes() > 0) {  // the spill file, dashed
       std::string off;
@@ -300,7 +306,7 @@ std::string render_svg(const std::vector<Timeline>& runs, const SvgOptions& o) {
     }
     if (const TimelinePoint* p = t.peak_point()) {
       const std::size_t i = static_cast<std::size_t>(p - t.points.data());
-      s += "<circle cx=\"" + fmt(x_of(i)) + "\" cy=\"" + fmt(y_of(p->peak_bytes)) + "\" r=\"4.5\" fill=\"" + kColors[r % 8] +
+      s += "<circle cx=\"" + fmt(x_of(i)) + "\" cy=\"" + fmt(y_of(p->peak_bytes - base)) + "\" r=\"4.5\" fill=\"" + kColors[r % 8] +
            "\" stroke=\"white\"/>\n";
     }
   }
@@ -309,7 +315,7 @@ std::string render_svg(const std::vector<Timeline>& runs, const SvgOptions& o) {
   for (int r = 0; r < n_runs; ++r, ly += 18) {
     const auto& t = runs[static_cast<std::size_t>(r)];
     const TimelinePoint* p = t.peak_point();
-    std::string text = t.label + ": peak " + mib(t.peak_bytes());
+    std::string text = t.label + ": peak " + mib(t.peak_bytes() - base_of(t));
     if (p != nullptr && !p->op.empty())
       text += " at " + (p->path.empty() ? std::string() : p->path + " / ") + p->op + " (" + p->phase + ")";
     s += "<rect x=\"" + fmt(left) + "\" y=\"" + fmt(ly - 10) + "\" width=\"14\" height=\"4\" fill=\"" + kColors[r % 8] + "\"/>\n";

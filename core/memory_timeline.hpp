@@ -76,6 +76,9 @@ struct SvgOptions {
   int width = 960;
   int height = 420;
   std::string title = "Live array memory over one training step";
+  // Plot each run's bytes above what was live when its recording started (its first point): what
+  // the recorded work itself holds, without the model, the data and whatever else the program keeps.
+  bool above_start = false;
 };
 
 // The runs as one SVG plot: live bytes (the within-op peaks) over op index, one curve per run, each

@@ -179,6 +179,14 @@ TEST_CASE("memory timeline: the peak of a recorded step is the accounting's peak
   CHECK(svg.find("data-label=\"plain\" data-peak-bytes=\"" + std::to_string(plain_peak) + "\"") != std::string::npos);
   CHECK(svg.find("data-label=\"remat\" data-peak-bytes=\"" + std::to_string(remat_peak) + "\"") != std::string::npos);
   CHECK(svg.find("plain: peak ") != std::string::npos);
+  // above_start: each curve drawn above what was live when its recording started.
+  const std::string above = memory::render_svg({plain, remat}, {.above_start = true});
+  CHECK(well_formed_xml(above));
+  CHECK(above.find("data-label=\"plain\" data-peak-bytes=\"" + std::to_string(plain_peak - plain.points.front().live_bytes) + "\"") !=
+        std::string::npos);
+  CHECK(above.find("data-label=\"remat\" data-peak-bytes=\"" + std::to_string(remat_peak - remat.points.front().live_bytes) + "\"") !=
+        std::string::npos);
+  CHECK(above.find("array memory above the start (MiB)") != std::string::npos);
   CHECK_FALSE(well_formed_xml("<svg><g></svg></g>"));  // the checker itself can fail
   CHECK_THROWS_AS(memory::Timeline::from_json(nlohmann::json{{"label", "x"}}), IoError);
 }

@@ -33,7 +33,7 @@
 //
 // It shows what Linum is for: a compact model (modules in a Scope), remat on its blocks
 // (lift::remat, which keeps parameter names, so checkpoints load into either model), init/apply
-// with variable dicts, data from linum::data (the IDX files read into an ArrayDataset, a DataLoader
+// with variable dicts, data from linum::datasets (the IDX files read into an ArrayDataset, a DataLoader
 // shuffling per epoch with an explicit key and preparing the next batches on a background thread),
 // training with value_and_grad and an optax-style optimizer, checkpoints written atomically after
 // each epoch (with the loader's position), and the activation memory remat saved, measured with the
@@ -244,11 +244,11 @@ struct Trainer {
   }
 
   // Test accuracy; each rank takes its shard of every test batch and the ranks add up their hits.
-  double evaluate(const data::ArrayDataset& test, std::int64_t batch) const {
+  double evaluate(const datasets::ArrayDataset& test, std::int64_t batch) const {
     autodiff::NoGradGuard no_grad;
-    data::DataLoader batches(test, {.batch_size = batch, .shuffle = false, .shard = data::ShardOptions::by_process()});
+    datasets::DataLoader batches(test, {.batch_size = batch, .shuffle = false, .shard = datasets::ShardOptions::by_process()});
     std::int64_t hits = 0;
-    for (const data::Batch& b : batches) {
+    for (const datasets::Batch& b : batches) {
       const Array& labels = b.data.at("label").array();
       if (labels.numel() == 0) continue;
       hits += correct(apply(model, variables(), b.data.at("image").array(), false), labels);
@@ -323,7 +323,7 @@ class Progress {
   bool tty_, shown_;
 };
 
-Tree checkpoint_tree(const Trainer& t, int epochs_done, const Options& o, const data::DataLoader& loader) {
+Tree checkpoint_tree(const Trainer& t, int epochs_done, const Options& o, const datasets::DataLoader& loader) {
   Tree c{{"params", t.params}, {"opt_state", t.opt_state}, {"data", loader.state_tree()}};
   if (!t.batch_stats.empty()) c.set("batch_stats", t.batch_stats);
   c.set("progress", Tree{{"epochs_done", Array::full_i32(Shape{}, epochs_done)},
@@ -336,10 +336,10 @@ Tree checkpoint_tree(const Trainer& t, int epochs_done, const Options& o, const 
 int run(const Options& o) {
   const int rank = dist::rank(), ranks = dist::size();
   const bool lead = rank == 0;  // rank 0 prints, plots and writes the checkpoint
-  data::ArrayDataset train, test;  // columns "image" f32[N, 28, 28, 1] in [0, 1], "label" i32[N]
+  datasets::ArrayDataset train, test;  // columns "image" f32[N, 28, 28, 1] in [0, 1], "label" i32[N]
   try {
-    train = data::load_mnist(o.data, "train");
-    test = data::load_mnist(o.data, "t10k");
+    train = datasets::load_mnist(o.data, "train");
+    test = datasets::load_mnist(o.data, "t10k");
   } catch (const IoError& e) {
     throw IoError(std::string("cannot read the dataset: ") + e.what() +
                   "\nInstall it with `apt-get install dataset-fashion-mnist` (files in /usr/share/datasets/fashion-mnist),\n"
@@ -378,7 +378,7 @@ int run(const Options& o) {
   int first_epoch = 0;
   // Every rank reads the same global batches (dist::DataParallel takes its rows of each): epoch e in
   // the order permutation(fold_in(key(seed), e)), the next batches gathered on the loader's thread.
-  data::DataLoader loader(train, {.batch_size = batch, .seed = rng::key(o.seed), .drop_remainder = true,
+  datasets::DataLoader loader(train, {.batch_size = batch, .seed = rng::key(o.seed), .drop_remainder = true,
                                   .num_epochs = o.epochs});
 
   // With --checkpoint-dir, checkpoints go through a CheckpointManager: one directory per epoch, the
@@ -444,7 +444,8 @@ int run(const Options& o) {
   if (plot) {
     memory::save_svg(o.memory_plot, runs,
                      {.title = "Fashion-MNIST ResNet, " + std::to_string(o.depth) + " blocks: live array memory over a forward and backward pass (" +
-                               std::to_string(pass_rows) + " images)"});
+                               std::to_string(pass_rows) + " images)",
+                      .above_start = true});
     std::printf("wrote the memory timeline of a forward and backward pass to '%s'\n", o.memory_plot.c_str());
   }
 
@@ -458,7 +459,7 @@ int run(const Options& o) {
       double loss_sum = 0, accuracy_sum = 0;
       std::int64_t seen = 0, steps = 0;
       for (std::int64_t k = 0; k < loader.batches_per_epoch(); ++k) {
-        const data::Batch b = *loader.next();
+        const datasets::Batch b = *loader.next();
         const std::int64_t count = b.global_rows;
         auto [loss, accuracy] = t.step(dp, b.data.at("image").array(), b.data.at("label").array(),
                                        rng::fold_in(epoch_key, static_cast<std::uint32_t>(b.index)));
