@@ -46,8 +46,8 @@ Array cast(const Array& a, const std::optional<DType>& dtype) { return dtype ? a
 }  // namespace
 
 std::pair<LSTMCell::Carry, Array> LSTMCell::operator()(Scope& s, const Carry& carry, const Array& x) const {
-  const Array& c = carry.first;  // (not a structured binding: the lambda below captures h, which clang 14 refuses)
-  const Array& h = carry.second;
+  const Array& c = carry.c;  // (not a structured binding: the lambda below captures h, which clang 14 refuses)
+  const Array& h = carry.h;
   check_carry(h, x, features, "nn::LSTMCell");
   const Dense in{.features = features, .use_bias = false, .kernel_init = kernel_init, .dtype = dtype, .param_dtype = param_dtype};
   const Dense rec{.features = features, .use_bias = true, .kernel_init = recurrent_kernel_init, .bias_init = bias_init,

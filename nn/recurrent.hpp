@@ -12,6 +12,7 @@
 #pragma once
 
 #include <linum/core/array.hpp>
+#include <linum/core/autodiff/pytree.hpp>
 #include <linum/core/ops/all.hpp>
 #include <linum/lift/remat.hpp>
 #include <linum/lift/scan.hpp>
@@ -21,6 +22,8 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <span>
+#include <tuple>
 #include <utility>
 
 namespace linum::nn {
@@ -28,9 +31,16 @@ namespace linum::nn {
 // A cell's gate or activation function (Flax's gate_fn / activation_fn), e.g. nn::relu.
 using CellFunction = std::function<Array(const Array&)>;
 
+// An LSTM's carry: the cell state c and the hidden state h, by name. Flax's carry is the tuple
+// (c, h) and PyTorch's nn.LSTM returns (h, c): named members keep the two apart. It is a pytree
+// (scan, grad and checkpoint see both arrays) and unpacks as `auto [c, h] = carry`.
+struct LSTMCarry {
+  Array c, h;
+};
+
 // Long short-term memory (flax.linen.LSTMCell): i = sigmoid(ii(x) + hi(h)), f, g = tanh(...), o
 // likewise, c' = f c + i g, h' = o tanh(c') (sigmoid is gate_fn, tanh activation_fn). Input kernels ii, if, ig, io have no bias; the
-// recurrent ones hi, hf, hg, ho have one. Carry (c, h).
+// recurrent ones hi, hf, hg, ho have one. Carry: LSTMCarry{c, h}.
 struct LSTMCell {
   std::int64_t features = 0;
   CellFunction gate_fn = [](const Array& x) { return sigmoid(x); };
@@ -41,7 +51,7 @@ struct LSTMCell {
   std::optional<DType> dtype;
   DType param_dtype = DType::f32;
 
-  using Carry = std::pair<Array, Array>;  // (c, h)
+  using Carry = LSTMCarry;
   std::pair<Carry, Array> operator()(Scope& s, const Carry& carry, const Array& x) const;
   Carry initialize_carry(const Shape& input_shape) const;
 };
@@ -61,7 +71,7 @@ struct OptimizedLSTMCell {
   std::optional<DType> dtype;
   DType param_dtype = DType::f32;
 
-  using Carry = std::pair<Array, Array>;
+  using Carry = LSTMCarry;
   std::pair<Carry, Array> operator()(Scope& s, const Carry& carry, const Array& x) const;
   Carry initialize_carry(const Shape& input_shape) const;
 };
@@ -122,11 +132,10 @@ struct RNNStep {
     const Array active = reshape(astype(less(astype(t, DType::f32), astype(lengths, DType::f32)), DType::f32),
                                  {lengths.dim(0), 1});
     auto keep = [&](const Array& n, const Array& o) { return where(active, n, o); };
-    if constexpr (std::is_same_v<typename Cell::Carry, Array>) {
-      return {keep(next, carry), y};
-    } else {
-      return {typename Cell::Carry{keep(next.first, carry.first), keep(next.second, carry.second)}, y};
-    }
+    const std::vector<Array> n = pytree::flatten(next), o = pytree::flatten(carry);
+    std::vector<Array> kept;
+    for (std::size_t k = 0; k < n.size(); ++k) kept.push_back(keep(n[k], o[k]));
+    return {pytree::rebuild(carry, std::span<const Array>(kept)), y};
   }
 };
 
@@ -214,3 +223,9 @@ struct RNN {
 };
 
 }  // namespace linum::nn
+
+template <>
+struct linum::pytree::Fields<linum::nn::LSTMCarry> {
+  static auto of(linum::nn::LSTMCarry& carry) { return std::tie(carry.c, carry.h); }
+};
+

@@ -32,7 +32,7 @@ TEST_CASE("LSTMCell: Flax's parameter names and shapes, and its equations") {
   const Array x = random_array(Shape{2, 3}, 1);
   const nn::LSTMCell cell{.features = 4};
   const auto carry0 = cell.initialize_carry(x.shape());
-  CHECK(carry0.first.shape() == Shape{2, 4});
+  CHECK(carry0.c.shape() == Shape{2, 4});
   const Tree vars = init(cell, rng::key(0), carry0, x);
   const Tree& p = vars.at("params");
   CHECK(p.keys() == std::vector<std::string>{"ii", "hi", "if", "hf", "ig", "hg", "io", "ho"});
@@ -47,23 +47,23 @@ TEST_CASE("LSTMCell: Flax's parameter names and shapes, and its equations") {
 
   const nn::LSTMCell::Carry carry{random_array(Shape{2, 4}, 2), random_array(Shape{2, 4}, 3)};
   auto [next, y] = apply(cell, vars, carry, x);
-  const Array& c = carry.first;
-  const Array& h = carry.second;
+  const Array& c = carry.c;
+  const Array& h = carry.h;
   const Array i = sigmoid(dense(p.at("ii"), x) + dense(p.at("hi"), h));
   const Array f = sigmoid(dense(p.at("if"), x) + dense(p.at("hf"), h));
   const Array g = tanh(dense(p.at("ig"), x) + dense(p.at("hg"), h));
   const Array o = sigmoid(dense(p.at("io"), x) + dense(p.at("ho"), h));
   const Array want_c = f * c + i * g;
-  CHECK(max_diff(next.first, want_c) < 1e-6f);
-  CHECK(max_diff(next.second, o * tanh(want_c)) < 1e-6f);
-  CHECK(y.bitwise_equal(next.second));
+  CHECK(max_diff(next.c, want_c) < 1e-6f);
+  CHECK(max_diff(next.h, o * tanh(want_c)) < 1e-6f);
+  CHECK(y.bitwise_equal(next.h));
 
   // OptimizedLSTMCell: the same variables and the same results (one product per side).
   const nn::OptimizedLSTMCell fast{.features = 4};
   const Tree fast_vars = init(fast, rng::key(0), carry0, x);
   CHECK(same_structure(fast_vars, vars));
   auto [fast_next, fast_y] = apply(fast, vars, carry, x);
-  CHECK(max_diff(fast_next.first, next.first) < 1e-5f);
+  CHECK(max_diff(fast_next.c, next.c) < 1e-5f);
   CHECK(max_diff(fast_y, y) < 1e-5f);
 }
 
@@ -101,7 +101,7 @@ TEST_CASE("cells take Flax's gate_fn and activation_fn") {
   auto [next, y] = apply(lstm, Tree{{"params", lp}}, nn::LSTMCell::Carry{c, h}, x);
   auto both = [&](const char* a, const char* b) { return dense(lp.at(a), x) + dense(lp.at(b), h); };
   const Array want_c = hard_sigmoid(both("if", "hf")) * c + hard_sigmoid(both("ii", "hi")) * relu(both("ig", "hg"));
-  CHECK(max_diff(next.first, want_c) < 1e-6f);
+  CHECK(max_diff(next.c, want_c) < 1e-6f);
   CHECK(max_diff(y, hard_sigmoid(both("io", "ho")) * relu(want_c)) < 1e-6f);
   const nn::OptimizedLSTMCell fast{.features = 4, .gate_fn = hard_sigmoid, .activation_fn = relu_fn};
   auto [fast_next, fast_y] = apply(fast, Tree{{"params", lp}}, nn::LSTMCell::Carry{c, h}, x);
@@ -141,7 +141,7 @@ TEST_CASE("nn::RNN is the cell looped over time: names under cell, reverse, seq_
     carries.push_back(next);
   }
   auto [final_carry, ys2] = apply(rnn, vars, xs, nn::RNNOptions{.return_carry = true});
-  CHECK(max_diff(final_carry.second, carry.second) < 1e-6f);
+  CHECK(max_diff(final_carry.h, carry.h) < 1e-6f);
   CHECK(ys2.bitwise_equal(ys));
 
   // seq_lengths: row b's carry stops after lengths[b] steps.
@@ -149,8 +149,8 @@ TEST_CASE("nn::RNN is the cell looped over time: names under cell, reverse, seq_
   auto [len_carry, len_ys] = apply(rnn, vars, xs, nn::RNNOptions{.return_carry = true, .seq_lengths = lengths});
   for (int b = 0; b < 3; ++b) {
     const int len = lengths.data_i32()[b];
-    const Array want = slice_axis(carries[len - 1].second, 0, b, b + 1);
-    CHECK(max_diff(slice_axis(len_carry.second, 0, b, b + 1), want) < 1e-6f);
+    const Array want = slice_axis(carries[len - 1].h, 0, b, b + 1);
+    CHECK(max_diff(slice_axis(len_carry.h, 0, b, b + 1), want) < 1e-6f);
   }
 
   // reverse: the same as running the time-reversed sequence; keep_order puts outputs back in place.
