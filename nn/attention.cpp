@@ -146,11 +146,19 @@ Array make_attention_mask(const Array& query_input, const Array& key_input, int 
 }
 
 Array make_causal_mask(const Array& x, int extra_batch_dims) {
-  if (x.rank() < 1) throw ShapeError("make_causal_mask: x must be [batch..., length]");
-  const std::int64_t n = x.dim(-1);
+  if (!x.defined()) throw ValueError("make_causal_mask: x is undefined; pass an array [batch..., length] or its Shape");
+  return make_causal_mask(x.shape(), extra_batch_dims);
+}
+
+Array make_causal_mask(const Shape& shape, int extra_batch_dims) {
+  if (shape.rank() < 1)
+    throw ShapeError("make_causal_mask: the shape must be [batch..., length], got " + shape.str());
+  if (extra_batch_dims < 0)
+    throw ValueError("make_causal_mask: extra_batch_dims must be >= 0, got " + std::to_string(extra_batch_dims));
+  const std::int64_t n = shape[shape.rank() - 1];
   Array idx = Array::arange(n);
   Array causal = greater_equal(expand_dims(idx, -1), expand_dims(idx, 0));  // [len, len], q >= k
-  Shape out = x.shape();
+  Shape out = shape;
   out[out.rank() - 1] = 1;  // becomes the heads axis
   out.push_back(n);
   out.push_back(n);

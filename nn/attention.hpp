@@ -57,6 +57,9 @@ Array make_attention_mask(const Array& query_input, const Array& key_input, int 
 // Flax's make_causal_mask: for x of shape [batch..., len] (only the shape is used), the float32
 // mask [batch..., 1, len, len] with 1 where key position <= query position.
 Array make_causal_mask(const Array& x, int extra_batch_dims = 0);
+// The same from the shape alone, no array needed: make_causal_mask(Shape{batch, len}) is [batch, 1,
+// len, len]; make_causal_mask(Shape{len}) is [1, len, len].
+Array make_causal_mask(const Shape& shape, int extra_batch_dims = 0);
 
 // Elementwise logical AND of the defined masks (all of the same rank) as float32 0/1; undefined
 // if none is defined.

@@ -496,8 +496,12 @@ TEST_CASE("dot_product_attention against loops; masks; fully masked rows are uni
   CHECK(y.shape() == Shape{B, L, H, D});
   check_close(y, attention_ref(as_double(q), as_double(k), as_double(v), B, L, L, H, D, all), 1e-5);
 
-  Array causal = nn::make_causal_mask(Array::zeros(Shape{B, L}));
+  Array causal = nn::make_causal_mask(Shape{B, L});  // from the shape alone, as from an array of it
   CHECK(causal.shape() == Shape{B, 1, L, L});
+  CHECK(causal.bitwise_equal(nn::make_causal_mask(Array::zeros(Shape{B, L}))));
+  CHECK(nn::make_causal_mask(Shape{L}, 1).shape() == Shape{1, 1, L, L});
+  CHECK_THROWS_AS(nn::make_causal_mask(Shape{}), ShapeError);
+  CHECK_THROWS_AS(nn::make_causal_mask(Array()), ValueError);
   check_close(slice_axis(causal, 0, 0, 1), {1, 0, 0, 1, 1, 0, 1, 1, 1});
   check_close(nn::dot_product_attention(q, k, v, {.mask = causal}),
               attention_ref(as_double(q), as_double(k), as_double(v), B, L, L, H, D,
