@@ -78,6 +78,30 @@ TEST_CASE("rmsprop, centered rmsprop with momentum, adagrad: optax's rules") {
     }));
   }
   {
+    // eps_in_sqrt = false: eps added to the root (PyTorch's RMSprop), centered or not.
+    std::vector<float> nu(3, 0.0f);
+    check_same(run(optim::rmsprop(lr, 0.9, 1e-3, 0.0, false, 0.0, false, /*eps_in_sqrt=*/false)),
+               reference([&](int, const auto& g, const auto&) {
+                 std::vector<float> u(3);
+                 for (int i = 0; i < 3; ++i) {
+                   nu[i] = 0.1f * g[i] * g[i] + 0.9f * nu[i];
+                   u[i] = -lr * ((1.0f / (std::sqrt(nu[i]) + 1e-3f)) * g[i]);
+                 }
+                 return u;
+               }));
+    std::vector<float> mu(3, 0.0f), nu2(3, 0.0f);
+    check_same(run(optim::rmsprop(lr, 0.9, 1e-3, 0.0, /*centered=*/true, 0.0, false, /*eps_in_sqrt=*/false)),
+               reference([&](int, const auto& g, const auto&) {
+                 std::vector<float> u(3);
+                 for (int i = 0; i < 3; ++i) {
+                   mu[i] = 0.1f * g[i] + 0.9f * mu[i];
+                   nu2[i] = 0.1f * g[i] * g[i] + 0.9f * nu2[i];
+                   u[i] = -lr * ((1.0f / (std::sqrt(nu2[i] - mu[i] * mu[i]) + 1e-3f)) * g[i]);
+                 }
+                 return u;
+               }));
+  }
+  {
     std::vector<float> mu(3, 0.0f), nu(3, 0.0f), tr(3, 0.0f);
     check_same(run(optim::rmsprop(lr, 0.9, 1e-8, 0.0, /*centered=*/true, /*momentum=*/0.5)),
                reference([&](int, const auto& g, const auto&) {

@@ -339,10 +339,12 @@ GradientTransformation dpsgd(LearningRate learning_rate, double l2_norm_clip, do
 Tree incremental_update(const Tree& new_tree, const Tree& old_tree, double step_size);
 
 // RMSProp (optax.rmsprop): chain(scale_by_rms or, centered, scale_by_stddev; scale_by_learning_rate;
-// trace(momentum, nesterov) when momentum > 0, identity otherwise).
+// trace(momentum, nesterov) when momentum > 0, identity otherwise). eps_in_sqrt as optax's: g /
+// sqrt(nu + eps) (the default) or g / (sqrt(nu) + eps) (PyTorch's RMSprop). It comes last, after
+// the arguments Linum had before it, so no existing positional call changes meaning.
 GradientTransformation rmsprop(LearningRate learning_rate, double decay = 0.9, double eps = 1e-8,
                                double initial_scale = 0.0, bool centered = false, double momentum = 0.0,
-                               bool nesterov = false);
+                               bool nesterov = false, bool eps_in_sqrt = true);
 // Adagrad (optax.adagrad): chain(scale_by_rss(initial_accumulator_value, eps), scale_by_learning_rate).
 GradientTransformation adagrad(LearningRate learning_rate, double initial_accumulator_value = 0.1, double eps = 1e-7);
 // Lion (optax.lion): chain(scale_by_lion(b1, b2), add_decayed_weights(weight_decay), scale_by_learning_rate).

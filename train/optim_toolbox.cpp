@@ -553,10 +553,10 @@ Tree incremental_update(const Tree& new_tree, const Tree& old_tree, double step_
 // ---- optimizers ----------------------------------------------------------------------------------
 
 GradientTransformation rmsprop(LearningRate learning_rate, double decay, double eps, double initial_scale, bool centered,
-                               double momentum, bool nesterov) {
+                               double momentum, bool nesterov, bool eps_in_sqrt) {
   if (!(momentum >= 0) || !std::isfinite(momentum))
     throw ValueError(detail::cat("optim::rmsprop: momentum must be a finite number >= 0, got ", momentum));
-  return chain(centered ? scale_by_stddev(decay, eps, initial_scale) : scale_by_rms(decay, eps, initial_scale),
+  return chain(centered ? scale_by_stddev(decay, eps, initial_scale, eps_in_sqrt) : scale_by_rms(decay, eps, initial_scale, eps_in_sqrt),
                scale_by_learning_rate(std::move(learning_rate)), momentum > 0 ? trace(momentum, nesterov) : identity());
 }
 
