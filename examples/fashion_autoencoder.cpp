@@ -1,6 +1,6 @@
 // A convolutional autoencoder on Fashion-MNIST: two strided convolutions down to 7 x 7 x 32, two
 // transposed convolutions (nn::ConvTranspose) back up to 28 x 28, trained on reconstruction error
-// with batches from linum::data's loader. It prints the test reconstruction error before and after
+// with batches from linum::datasets's loader. It prints the test reconstruction error before and after
 // training, writes originals above their reconstructions as a PGM image, and ends with a JSON line.
 //
 //   fashion_autoencoder [--data DIR] [--steps 600] [--batch 64] [--lr 0.002] [--seed 0]
@@ -80,14 +80,14 @@ void write_pgm(const std::string& path, const Array& originals, const Array& rec
 }
 
 int run(const Options& o) {
-  data::ArrayDataset train, test;
+  datasets::ArrayDataset train, test;
   if (o.synthetic > 0) {
     train = examples::synthetic(o.synthetic, 1);
     test = examples::synthetic(256, 2);
   } else {
     try {
-      train = data::load_mnist(o.data, "train");
-      test = data::load_mnist(o.data, "t10k").slice(0, 1000);
+      train = datasets::load_mnist(o.data, "train");
+      test = datasets::load_mnist(o.data, "t10k").slice(0, 1000);
     } catch (const IoError& e) {
       throw IoError(std::string(e.what()) +
                     "\nInstall the dataset with `apt-get install dataset-fashion-mnist`, pass --data DIR, or use --synthetic N");
@@ -107,12 +107,12 @@ int run(const Options& o) {
   Tree state = opt.init(params);
   // As many epochs as the steps need; the loader shuffles each one with its own key.
   const std::int64_t per_epoch = std::max<std::int64_t>(1, train.size() / o.batch);
-  data::DataLoader loader(train, {.batch_size = std::min<std::int64_t>(o.batch, train.size()), .seed = rng::key(o.seed),
+  datasets::DataLoader loader(train, {.batch_size = std::min<std::int64_t>(o.batch, train.size()), .seed = rng::key(o.seed),
                                   .drop_remainder = true, .num_epochs = (o.steps + per_epoch - 1) / per_epoch + 1});
   const auto start = std::chrono::steady_clock::now();
   float last = 0;
   for (long step = 0; step < o.steps; ++step) {
-    const data::Batch b = *loader.next();
+    const datasets::Batch b = *loader.next();
     const Array& x = b.data.at("image").array();
     auto [loss, grads] = value_and_grad([&](const Tree& p) { return mean(square(apply(model, Tree{{"params", p}}, x) - x)); })(params);
     auto [p2, s2] = opt.step(std::move(params), grads, std::move(state));

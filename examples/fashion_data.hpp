@@ -14,7 +14,7 @@
 namespace examples {
 
 // n images of class-dependent bands plus noise, in [0, 1].
-inline linum::data::ArrayDataset synthetic(std::int64_t n, std::uint32_t seed) {
+inline linum::datasets::ArrayDataset synthetic(std::int64_t n, std::uint32_t seed) {
   const linum::Array labels = linum::rng::randint(linum::rng::key(seed), linum::Shape{n}, 0, 10);
   const linum::Array noise = linum::rng::uniform(linum::rng::key(seed + 1), linum::Shape{n, 28, 28, 1}, 0.0f, 0.25f);
   linum::Array images = linum::Array::empty(linum::Shape{n, 28, 28, 1});
@@ -25,16 +25,16 @@ inline linum::data::ArrayDataset synthetic(std::int64_t n, std::uint32_t seed) {
         const std::int64_t at = (i * 28 + r) * 28 + c;
         images.mutable_data()[at] = (r >= 2 * k + 2 && r < 2 * k + 6 ? 0.7f : 0.0f) + noise.data()[at];
       }
-  return linum::data::ArrayDataset(linum::Tree{{"image", images}, {"label", labels}});
+  return linum::datasets::ArrayDataset(linum::Tree{{"image", images}, {"label", labels}});
 }
 
 // The (train, test) splits: Fashion-MNIST from `dir`, or `synthetic` generated training images (and
 // 1000 test images) when synthetic > 0; the training split cut to its first `limit` images if given.
-inline std::pair<linum::data::ArrayDataset, linum::data::ArrayDataset> fashion_or_synthetic(const std::filesystem::path& dir,
+inline std::pair<linum::datasets::ArrayDataset, linum::datasets::ArrayDataset> fashion_or_synthetic(const std::filesystem::path& dir,
                                                                                           std::int64_t synthetic,
                                                                                           std::int64_t limit) {
-  linum::data::ArrayDataset train = synthetic > 0 ? examples::synthetic(synthetic, 1) : linum::data::load_mnist(dir, "train");
-  linum::data::ArrayDataset test = synthetic > 0 ? examples::synthetic(1000, 2) : linum::data::load_mnist(dir, "t10k");
+  linum::datasets::ArrayDataset train = synthetic > 0 ? examples::synthetic(synthetic, 1) : linum::datasets::load_mnist(dir, "train");
+  linum::datasets::ArrayDataset test = synthetic > 0 ? examples::synthetic(1000, 2) : linum::datasets::load_mnist(dir, "t10k");
   if (limit > 0 && limit < train.size()) train = train.slice(0, limit);
   return {std::move(train), std::move(test)};
 }
@@ -54,7 +54,7 @@ struct DataFlags {
     else return false;
     return true;
   }
-  std::pair<linum::data::ArrayDataset, linum::data::ArrayDataset> load() const { return fashion_or_synthetic(dir, synthetic, limit); }
+  std::pair<linum::datasets::ArrayDataset, linum::datasets::ArrayDataset> load() const { return fashion_or_synthetic(dir, synthetic, limit); }
 };
 
 }  // namespace examples

@@ -72,14 +72,14 @@ int main(int argc, char** argv) {
     std::printf("DP-SGD on %lld images, batch %lld: per-example gradients clipped to %.3g, noise %.3g x clip; %s\n",
                 static_cast<long long>(train.size()), static_cast<long long>(batch), clip, noise,
                 data.synthetic ? "generated images" : data.dir.c_str());
-    data::DataLoader loader(train, {.batch_size = batch, .seed = rng::key(seed), .drop_remainder = true, .num_epochs = epochs});
+    datasets::DataLoader loader(train, {.batch_size = batch, .seed = rng::key(seed), .drop_remainder = true, .num_epochs = epochs});
     double train_seconds = 0, last_loss = 0;
     std::int64_t steps = 0;
     for (int epoch = 0; epoch < epochs; ++epoch) {
       const auto start = std::chrono::steady_clock::now();
       double loss_sum = 0;
       for (std::int64_t k = 0; k < loader.batches_per_epoch(); ++k) {
-        const data::Batch b = *loader.next();
+        const datasets::Batch b = *loader.next();
         auto [losses, grads] = per_example_grads(params, b.data.at("image").array(), b.data.at("label").array());
         auto [updates, state] = optimizer.update(grads, opt_state, params);
         params = optim::apply_updates(params, updates);
@@ -94,8 +94,8 @@ int main(int argc, char** argv) {
     }
     autodiff::NoGradGuard no_grad;
     std::int64_t hits = 0;
-    data::DataLoader batches(test, {.batch_size = 500, .shuffle = false});
-    for (const data::Batch& b : batches) {
+    datasets::DataLoader batches(test, {.batch_size = 500, .shuffle = false});
+    for (const datasets::Batch& b : batches) {
       const Array predicted = argmax(apply(model, Tree{{"params", params}}, b.data.at("image").array(), false), -1);
       const Array& labels = b.data.at("label").array();
       for (std::int64_t i = 0; i < labels.numel(); ++i) hits += predicted.data_i32()[i] == labels.data_i32()[i];

@@ -105,14 +105,14 @@ int main(int argc, char** argv) {
       return std::make_pair(sum(losses), losses);
     };
     std::vector<double> member_losses(static_cast<std::size_t>(members), 0.0);
-    data::DataLoader loader(train, {.batch_size = batch, .seed = rng::key(seed), .drop_remainder = true, .num_epochs = epochs});
+    datasets::DataLoader loader(train, {.batch_size = batch, .seed = rng::key(seed), .drop_remainder = true, .num_epochs = epochs});
     double train_seconds = 0;
     std::int64_t steps = 0;
     for (int epoch = 0; epoch < epochs; ++epoch) {
       const auto start = std::chrono::steady_clock::now();
       double loss_sum = 0;
       for (std::int64_t k = 0; k < loader.batches_per_epoch(); ++k) {
-        const data::Batch b = *loader.next();
+        const datasets::Batch b = *loader.next();
         const rng::Key key = rng::fold_in(rng::key(seed + 1), static_cast<std::uint32_t>(steps));
         auto [loss, losses, grads] = value_and_grad(loss_fn)(params, b.data.at("image").array(), b.data.at("label").array(), key);
         if (epoch == epochs - 1)
@@ -133,8 +133,8 @@ int main(int argc, char** argv) {
     autodiff::NoGradGuard no_grad;
     std::vector<std::int64_t> hits(static_cast<std::size_t>(members), 0);
     std::int64_t ensemble_hits = 0;
-    data::DataLoader batches(test, {.batch_size = 500, .shuffle = false});
-    for (const data::Batch& b : batches) {
+    datasets::DataLoader batches(test, {.batch_size = 500, .shuffle = false});
+    for (const datasets::Batch& b : batches) {
       const Array logits = apply(model, Tree{{"params", params}}, b.data.at("image").array(), false);  // [members, n, 10]
       const Array labels = b.data.at("label").array();
       const Array predicted = argmax(logits, -1);                                                  // [members, n]

@@ -270,7 +270,7 @@ TEST_CASE("row 7: a gzip IDX file that inflates past its header is refused befor
   deflate(&zs, Z_FINISH);
   packed.resize(zs.total_out);
   deflateEnd(&zs);
-  const std::string msg = error_of<IoError>([&] { data::idx_bytes(packed, "labels.gz"); });
+  const std::string msg = error_of<IoError>([&] { datasets::idx_bytes(packed, "labels.gz"); });
   CHECK(contains(msg, "labels.gz"));
   CHECK(contains(msg, "inflates to more than the 12 bytes"));
 }

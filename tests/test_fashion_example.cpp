@@ -63,7 +63,7 @@ void make_split(const fs::path& dir, const std::string& prefix, std::int64_t n, 
         const float band = (r >= 2 * k + 2 && r < 2 * k + 6) ? 180.0f : 0.0f;
         images.mutable_data()[(i * 28 + r) * 28 + c] = std::floor(band + noise.data()[(i * 28 + r) * 28 + c]);
       }
-  data::write_mnist(dir, prefix, images, labels);
+  datasets::write_mnist(dir, prefix, images, labels);
 }
 
 struct TempDir {

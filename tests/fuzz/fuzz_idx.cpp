@@ -1,4 +1,4 @@
-// Fuzz target: the IDX reader (linum::data, used by the main example) (Fashion-MNIST files, plain or gzip).
+// Fuzz target: the IDX reader (linum::datasets, used by the main example) (Fashion-MNIST files, plain or gzip).
 // The input is split in two at a position given by its first two bytes: the image file and the
 // label file. Properties: bad files are refused with linum::IoError only (gzip bombs included:
 // nothing inflates past what the IDX header promises); a split that loads has images in [0, 1],
@@ -20,9 +20,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::size_t cut = std::min<std::size_t>(size - 2, (std::size_t{data[0]} << 8) | data[1]);
   const std::span<const std::uint8_t> image_file(data + 2, cut), label_file(data + 2 + cut, size - 2 - cut);
   try {
-    const auto images = data::idx_bytes(image_file, "images.gz");
-    const auto labels = data::idx_bytes(label_file, "labels.gz");
-    const data::ArrayDataset d = data::parse_mnist(images, labels, "images.gz", "labels.gz");
+    const auto images = datasets::idx_bytes(image_file, "images.gz");
+    const auto labels = datasets::idx_bytes(label_file, "labels.gz");
+    const datasets::ArrayDataset d = datasets::parse_mnist(images, labels, "images.gz", "labels.gz");
     const Array& image = d.columns().at("image").array();
     const Array& label = d.columns().at("label").array();
     if (image.dim(0) != label.dim(0)) fuzz::fail("images and labels differ in number");

@@ -5,7 +5,7 @@
 #include <cstring>
 #include <vector>
 
-namespace linum::data {
+namespace linum::datasets {
 namespace {
 
 using linum::detail::cat;
@@ -76,4 +76,4 @@ ArrayDataset ArrayDataset::slice(std::int64_t begin, std::int64_t end) const {
   return out;
 }
 
-}  // namespace linum::data
+}  // namespace linum::datasets

@@ -1,7 +1,7 @@
 // A dataset of records held in memory: a Tree of arrays ("columns") whose leading dimension is the
 // record index, like a dict of NumPy arrays handed to grain or tf.data.Dataset.from_tensor_slices.
 //
-//   data::ArrayDataset train(Tree{{"image", images}, {"label", labels}});   // images [N, 28, 28, 1]
+//   datasets::ArrayDataset train(Tree{{"image", images}, {"label", labels}});   // images [N, 28, 28, 1]
 //   Tree first = train.record(0);                                            // image [28, 28, 1]
 //   Tree batch = train.gather(std::vector<std::int64_t>{4, 2, 7});           // image [3, 28, 28, 1]
 #pragma once
@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <span>
 
-namespace linum::data {
+namespace linum::datasets {
 
 class ArrayDataset {
  public:
@@ -37,4 +37,4 @@ class ArrayDataset {
   std::int64_t size_ = 0;
 };
 
-}  // namespace linum::data
+}  // namespace linum::datasets

@@ -12,7 +12,7 @@
 #include <memory>
 #include <vector>
 
-namespace linum::data {
+namespace linum::datasets {
 namespace {
 
 using linum::detail::cat;
@@ -209,4 +209,4 @@ void write_mnist(const std::filesystem::path& dir, const std::string& split, con
   write_idx(dir / (split + "-labels-idx1-ubyte.gz"), labels);
 }
 
-}  // namespace linum::data
+}  // namespace linum::datasets

@@ -1,9 +1,9 @@
 // IDX files (the format of MNIST, Fashion-MNIST, EMNIST, KMNIST), plain or gzip-compressed, as
-// arrays; and the MNIST layout of a split (images + labels) as a data::ArrayDataset.
+// arrays; and the MNIST layout of a split (images + labels) as a datasets::ArrayDataset.
 //
-//   data::ArrayDataset train = data::load_mnist("/usr/share/datasets/fashion-mnist", "train");
+//   datasets::ArrayDataset train = datasets::load_mnist("/usr/share/datasets/fashion-mnist", "train");
 //   // columns "image": f32[60000, 28, 28, 1] in [0, 1], "label": i32[60000]
-//   Array a = data::read_idx("t10k-labels-idx1-ubyte.gz", DType::i32);
+//   Array a = datasets::read_idx("t10k-labels-idx1-ubyte.gz", DType::i32);
 //
 // Only unsigned-byte IDX files (type code 0x08) are read: every published dataset in the format
 // uses it. Errors are linum::IoError naming the file and what is wrong; nothing inflates past the
@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-namespace linum::data {
+namespace linum::datasets {
 
 // The file `path` as an array of its header's shape: bytes as int32 (dtype i32) or as float32
 // times `scale` (dtype f32; scale 1/255 maps pixels to [0, 1]).
@@ -52,4 +52,4 @@ ArrayDataset parse_mnist(std::span<const unsigned char> images, std::span<const 
 // 0..255, `labels` int32 [N]. For tests and for converting other data.
 void write_mnist(const std::filesystem::path& dir, const std::string& split, const Array& images, const Array& labels);
 
-}  // namespace linum::data
+}  // namespace linum::datasets

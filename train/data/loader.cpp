@@ -12,7 +12,7 @@
 #include <thread>
 #include <vector>
 
-namespace linum::data {
+namespace linum::datasets {
 namespace {
 
 using linum::detail::cat;
@@ -203,4 +203,4 @@ void DataLoader::restore(const Tree& state) {
   seek({epoch.data_i32()[0], index.data_i32()[0]});
 }
 
-}  // namespace linum::data
+}  // namespace linum::datasets

@@ -1,10 +1,10 @@
-// data::DataLoader: batches of an ArrayDataset for training, as grain's DataLoader or PyTorch's
+// datasets::DataLoader: batches of an ArrayDataset for training, as grain's DataLoader or PyTorch's
 // DataLoader give them: shuffled per epoch with an explicit PRNG key, batched, sharded across
 // processes, prepared ahead on a background thread, and resumable from a saved position.
 //
-//   data::DataLoader loader(train, {.batch_size = 128, .seed = rng::key(0), .drop_remainder = true,
+//   datasets::DataLoader loader(train, {.batch_size = 128, .seed = rng::key(0), .drop_remainder = true,
 //                                   .num_epochs = 3});
-//   for (const data::Batch& b : loader) {               // 3 epochs of 468 batches
+//   for (const datasets::Batch& b : loader) {               // 3 epochs of 468 batches
 //     step(b.data.at("image").array(), b.data.at("label").array());
 //     if (b.last_in_epoch) save(..., loader.state_tree());   // resume: loader.restore(tree)
 //   }
@@ -37,7 +37,7 @@
 #include <optional>
 #include <vector>
 
-namespace linum::data {
+namespace linum::datasets {
 
 // This process's part of every global batch (see the file comment).
 struct ShardOptions {
@@ -151,4 +151,4 @@ class DataLoader {
   mutable std::vector<std::int32_t> order_;
 };
 
-}  // namespace linum::data
+}  // namespace linum::datasets
