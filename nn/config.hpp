@@ -10,7 +10,7 @@
 //
 // Only plain fields are reflected: initializers (std::function) are code, not configuration, and
 // keep their defaults when a module is loaded. Fields may be bool, integers, floating point,
-// std::string, std::optional (JSON null when empty), std::vector, std::pair, nn::ConvPadding and
+// std::string, std::optional (JSON null when empty), std::vector, std::pair, linum::Padding and
 // other Hana-adapted structs (nested objects). This is the one header that includes
 // <boost/hana.hpp>; include it only where configurations are needed.
 #pragma once
@@ -187,8 +187,8 @@ nlohmann::json to_value(const T& v) {
     return a;
   } else if constexpr (is_pair<T>::value) {
     return nlohmann::json::array({to_value(v.first), to_value(v.second)});
-  } else if constexpr (std::is_same_v<T, ConvPadding>) {
-    return v.mode.empty() ? to_value(v.pairs) : nlohmann::json(v.mode);
+  } else if constexpr (std::is_same_v<T, linum::Padding>) {
+    return v.mode().empty() ? to_value(v.pairs) : nlohmann::json(v.mode());
   } else if constexpr (ReflectedModule<T> || is_sequential<T>::value) {
     return module_config(v);
   } else if constexpr (std::is_pointer_v<T> || std::is_function_v<T>) {
@@ -247,11 +247,16 @@ T from_value(const nlohmann::json& j, const std::string& where) {
   } else if constexpr (is_pair<T>::value) {
     if (!j.is_array() || j.size() != 2) bad_field(where, "a pair [a, b]", j);
     return T{from_value<typename T::first_type>(j.at(0), where), from_value<typename T::second_type>(j.at(1), where)};
-  } else if constexpr (std::is_same_v<T, ConvPadding>) {
-    if (j.is_string()) return ConvPadding(j.get<std::string>());
-    if (j.is_number_integer()) return ConvPadding(j.get<int>());
-    if (!j.is_array()) bad_field(where, "\"SAME\", \"VALID\", \"CAUSAL\", an int or [[low, high], ...]", j);
-    return ConvPadding(from_value<std::vector<std::pair<std::int64_t, std::int64_t>>>(j, where));
+  } else if constexpr (std::is_same_v<T, linum::Padding>) {
+    const char* expected = "\"SAME\", \"VALID\", \"CAUSAL\", an int >= 0 or [[low, high], ...]";
+    try {
+      if (j.is_string()) return linum::Padding(j.get<std::string>());
+      if (j.is_number_integer()) return linum::Padding(j.get<int>());
+    } catch (const ValueError&) {
+      bad_field(where, expected, j);
+    }
+    if (!j.is_array()) bad_field(where, expected, j);
+    return linum::Padding(from_value<std::vector<std::pair<std::int64_t, std::int64_t>>>(j, where));
   } else if constexpr (ReflectedModule<T> || is_sequential<T>::value) {
     return module_from_config<T>(j);
   } else {

@@ -85,22 +85,44 @@ Array restore_batch_axes(const Array& y, const Array& x_in, int batch_axes) {
 
 
 // The padding field: a mode this layer knows, or one (low, high) pair or one per spatial axis.
-void check_padding(const char* layer, const ConvPadding& padding, std::size_t nsp, bool causal_ok) {
-  const std::string& m = padding.mode;
-  if (m.empty()) {
-    if (padding.pairs.size() != 1 && padding.pairs.size() != nsp)
-      throw ValueError(detail::cat(layer, ": padding has ", padding.pairs.size(), " (low, high) pairs but the kernel has ",
-                                   nsp, " spatial axes"));
-    return;
+void check_padding(const char* layer, const Padding& padding, std::size_t nsp, bool causal_ok) {
+  switch (padding.kind) {
+    case Padding::Kind::same:
+    case Padding::Kind::valid:
+      return;
+    case Padding::Kind::causal:
+      if (!causal_ok)
+        throw ValueError(detail::cat(layer, ": unknown padding 'CAUSAL'; use \"SAME\", \"VALID\", an int or (low, high) pairs "
+                                            "(CAUSAL is Conv's, CIRCULAR is not supported)"));
+      if (nsp != 1) throw ValueError(detail::cat(layer, ": CAUSAL padding is only implemented for 1-D convolutions (as in Flax)"));
+      return;
+    case Padding::Kind::explicit_pairs:
+      if (padding.pairs.size() != 1 && padding.pairs.size() != nsp)
+        throw ValueError(detail::cat(layer, ": padding has ", padding.pairs.size(), " (low, high) pairs but the kernel has ",
+                                     nsp, " spatial axes"));
+      for (const auto& [lo, hi] : padding.pairs)
+        if (lo < 0 || hi < 0)
+          throw ValueError(detail::cat(layer, ": padding (", lo, ", ", hi, ") is negative; pad with 0 or more"));
+      return;
   }
-  if (m == "SAME" || m == "VALID") return;
-  if (m == "CAUSAL" && causal_ok) {
-    if (nsp != 1) throw ValueError(detail::cat(layer, ": CAUSAL padding is only implemented for 1-D convolutions (as in Flax)"));
-    return;
+}
+
+// The 2-D op's padding for this layer's `nsp` spatial axes (a 1-D layer runs as 2-D with a leading
+// axis of size 1, unpadded), after check_padding.
+Padding op_padding(const Padding& padding, std::size_t nsp, std::int64_t causal_left) {
+  switch (padding.kind) {
+    case Padding::Kind::same:
+    case Padding::Kind::valid:
+      return padding;
+    case Padding::Kind::causal:
+      return Padding::explicit_pads(0, 0, causal_left, 0);
+    case Padding::Kind::explicit_pairs:
+      break;
   }
-  throw ValueError(detail::cat(layer, ": unknown padding '", m, "'; use \"SAME\", \"VALID\", ",
-                               causal_ok ? "\"CAUSAL\", " : "", "an int or (low, high) pairs (CIRCULAR is not supported",
-                               causal_ok ? ", nor REFLECT)" : ")"));
+  const auto first = padding.pair(0);
+  if (nsp == 1) return Padding::explicit_pads(0, 0, first.first, first.second);
+  const auto second = padding.pair(1);
+  return Padding::explicit_pads(first.first, first.second, second.first, second.second);
 }
 
 }  // namespace
@@ -137,27 +159,7 @@ Array Conv::operator()(Scope& s, const Array& x_in) const {
   const auto strides_v = per_axis(strides, nsp, "strides");
   const auto dilation_v = per_axis(kernel_dilation, nsp, "kernel_dilation");
 
-  Padding pad = Padding::same();
-  if (padding.mode == "SAME") {
-    pad = Padding::same();
-  } else if (padding.mode == "VALID") {
-    pad = Padding::valid();
-  } else if (padding.mode == "CAUSAL") {
-    if (nsp != 1) throw ValueError("Conv: CAUSAL padding is only implemented for 1-D convolutions (as in Flax)");
-    pad = Padding::explicit_pads(0, 0, dilation_v[0] * (kernel_size[0] - 1), 0);
-  } else if (padding.mode.empty()) {
-    auto pairs = padding.pairs;
-    if (pairs.size() == 1) pairs.assign(nsp, pairs[0]);
-    if (pairs.size() != nsp)
-      throw ValueError(detail::cat("Conv: padding has ", padding.pairs.size(), " (low, high) pairs but the kernel has ",
-                                   nsp, " spatial axes"));
-    pad = nsp == 2 ? Padding::explicit_pads(pairs[0].first, pairs[0].second, pairs[1].first, pairs[1].second)
-                   : Padding::explicit_pads(0, 0, pairs[0].first, pairs[0].second);
-  } else {
-    throw ValueError(detail::cat("Conv: unknown padding '", padding.mode,
-                                 "'; use \"SAME\", \"VALID\", \"CAUSAL\", an int or (low, high) pairs "
-                                 "(CIRCULAR and REFLECT are not supported)"));
-  }
+  const Padding pad = op_padding(padding, nsp, dilation_v[0] * (kernel_size[0] - 1));
 
   Operands p = conv_operands(s, x, kernel_size, in_features / feature_group_count, features, features, use_bias,
                              kernel_init, bias_init, dtype, param_dtype);
@@ -197,22 +199,7 @@ Array ConvTranspose::operator()(Scope& s, const Array& x_in) const {
 
   ConvTransposeOptions opt;
   opt.transpose_kernel = transpose_kernel;
-  if (padding.mode == "SAME") {
-    opt.padding = Padding::same();
-  } else if (padding.mode == "VALID") {
-    opt.padding = Padding::valid();
-  } else if (padding.mode.empty()) {
-    auto pairs = padding.pairs;
-    if (pairs.size() == 1) pairs.assign(nsp, pairs[0]);
-    if (pairs.size() != nsp)
-      throw ValueError(detail::cat("ConvTranspose: padding has ", padding.pairs.size(),
-                                   " (low, high) pairs but the kernel has ", nsp, " spatial axes"));
-    opt.padding = nsp == 2 ? Padding::explicit_pads(pairs[0].first, pairs[0].second, pairs[1].first, pairs[1].second)
-                           : Padding::explicit_pads(0, 0, pairs[0].first, pairs[0].second);
-  } else {
-    throw ValueError(detail::cat("ConvTranspose: unknown padding '", padding.mode,
-                                 "'; use \"SAME\", \"VALID\", an int or (low, high) pairs (CIRCULAR is not supported)"));
-  }
+  opt.padding = op_padding(padding, nsp, 0);
 
   Operands p = conv_operands(s, x, kernel_size, transpose_kernel ? features : in_features,
                              transpose_kernel ? in_features : features, features, use_bias, kernel_init, bias_init,

@@ -25,36 +25,16 @@
 
 namespace linum::nn {
 
-// Flax's conv `padding`: "SAME", "VALID", "CAUSAL" (1-D only: left padding of (k - 1) * dilation),
-// an int (the same padding on both sides of every spatial axis) or explicit (low, high) pairs, one
-// per spatial axis (a single pair applies to every axis).
-struct ConvPadding {
-  std::string mode = "SAME";                                  // "SAME", "VALID", "CAUSAL", or "" for explicit pairs
-  std::vector<std::pair<std::int64_t, std::int64_t>> pairs;   // explicit (low, high) pairs when mode is ""
-
-  // SAME padding (Flax's default).
-  ConvPadding() = default;
-  // "SAME", "VALID" or "CAUSAL" (checked when the layer runs).
-  ConvPadding(const char* m) : mode(m) {}            // NOLINT(google-explicit-constructor)
-  // "SAME", "VALID" or "CAUSAL" (checked when the layer runs).
-  ConvPadding(std::string m) : mode(std::move(m)) {}  // NOLINT(google-explicit-constructor)
-  // `p` zeros on both sides of every spatial axis.
-  ConvPadding(int p) : mode(), pairs{{p, p}} {}       // NOLINT(google-explicit-constructor)
-  // Explicit (low, high) pairs: `.padding = {{1, 1}, {2, 2}}`.
-  ConvPadding(std::initializer_list<std::pair<std::int64_t, std::int64_t>> p) : mode(), pairs(p) {}
-  // Explicit (low, high) pairs.
-  explicit ConvPadding(std::vector<std::pair<std::int64_t, std::int64_t>> p) : mode(), pairs(std::move(p)) {}
-
-  // Same mode and pairs.
-  friend bool operator==(const ConvPadding&, const ConvPadding&) = default;
-};
+// The Conv layers' padding is linum::Padding (core/ops/conv.hpp), the one type pooling and the conv
+// ops take too: "SAME", "VALID", "CAUSAL" (1-D Conv only), an int, or (low, high) pairs, one per
+// spatial axis or one for all.
 
 // A 1-D or 2-D convolution (lax.conv_general_dilated with NHWC/HWIO layouts).
 struct Conv {
   std::int64_t features = 0;                                  // output channels (required, > 0)
   std::vector<std::int64_t> kernel_size;                      // {kh, kw} for images, {k} for sequences (required)
   std::vector<std::int64_t> strides;                          // per spatial axis; empty = 1, one value = all axes
-  ConvPadding padding;                                        // "SAME" by default
+  Padding padding = Padding::same();                          // "SAME" by default (Flax's)
   std::vector<std::int64_t> kernel_dilation;                  // per spatial axis; empty = 1, one value = all axes
   std::int64_t feature_group_count = 1;                       // C and features must be divisible by it
   bool use_bias = true;                                       // add the "bias" param
@@ -81,7 +61,7 @@ struct ConvTranspose {
   std::int64_t features = 0;                                  // output channels (required, > 0)
   std::vector<std::int64_t> kernel_size;                      // {kh, kw} for images, {k} for sequences (required)
   std::vector<std::int64_t> strides;                          // per spatial axis; empty = 1, one value = all axes
-  ConvPadding padding;                                        // "SAME", "VALID" or explicit pairs
+  Padding padding = Padding::same();                          // "SAME", "VALID" or explicit pairs
   std::vector<std::int64_t> kernel_dilation;                  // per spatial axis; empty = 1
   bool use_bias = true;
   Initializer kernel_init = initializers::lecun_normal();

@@ -148,7 +148,7 @@ TEST_CASE("row 3: configurations and hyperparameters a layer cannot hold are ref
   refused([] { nn::module_from_config<nn::MultiHeadDotProductAttention>(J{{"num_heads", 2}, {"dropout_rate", -0.1}}); },
           "dropout_rate must be in [0, 1]");
   // The same layers with valid values load.
-  CHECK(nn::module_from_config<nn::Conv>(J{{"features", 4}, {"kernel_size", {3}}, {"padding", "CAUSAL"}}).padding.mode == "CAUSAL");
+  CHECK(nn::module_from_config<nn::Conv>(J{{"features", 4}, {"kernel_size", {3}}, {"padding", "CAUSAL"}}).padding.mode() == "CAUSAL");
   CHECK(nn::module_from_config<nn::MultiHeadDotProductAttention>(J{{"num_heads", 2}, {"qkv_features", 8}}).num_heads == 2);
   const Array x = random_array(Shape{4, 3}, 2);
   CHECK(contains(error_of<ValueError>([&] { init(nn::BatchNorm{.use_running_average = false, .momentum = -0.5}, rng::key(0), x); }), "momentum"));

@@ -802,12 +802,12 @@ TEST_CASE("module_config / module_from_config round trips") {
   CHECK(conv2.feature_group_count == 2);
   CHECK(nn::module_config(nn::Conv{.features = 1, .kernel_size = {3}, .padding = "CAUSAL"}).at("padding") == "CAUSAL");
   CHECK(nn::module_from_config<nn::Conv>(nlohmann::json{{"features", 2}, {"kernel_size", {3}}, {"padding", 2}}).padding ==
-        nn::ConvPadding(2));
+        Padding(2));
   const nn::ConvTranspose up = nn::module_from_config<nn::ConvTranspose>(
       nn::module_config(nn::ConvTranspose{.features = 3, .kernel_size = {4, 4}, .strides = {2, 2}, .padding = "VALID",
                                           .transpose_kernel = true}));
   CHECK(up.strides == std::vector<std::int64_t>{2, 2});
-  CHECK(up.padding == nn::ConvPadding("VALID"));
+  CHECK(up.padding == Padding("VALID"));
   CHECK(up.transpose_kernel);
 
   nlohmann::json ln = nn::module_config(nn::LayerNorm{});
@@ -1018,7 +1018,7 @@ TEST_CASE("ConvTranspose with transpose_kernel is the gradient of the strided co
     return std::string("no error");
   };
   CHECK(error([&] { init(nn::ConvTranspose{.features = 2, .kernel_size = {3, 3}, .padding = "CIRCULAR"}, rng::key(0), x); })
-            .find("CIRCULAR is not supported") != std::string::npos);
+            .find("CIRCULAR and REFLECT are not supported") != std::string::npos);
   CHECK(error([&] { init(nn::ConvTranspose{.features = 0, .kernel_size = {3, 3}}, rng::key(0), x); }).find("features must be positive") !=
         std::string::npos);
   CHECK(error([&] { conv_transpose2d(x, random_array(Shape{3, 3, 5, 4}, 1)); }).find("takes 5 input channels") != std::string::npos);

@@ -126,6 +126,38 @@ TEST_CASE("conv2d and pooling") {
   check_close(conv2d(x2, w2, {.feature_group_count = 2}), {30, 500});
 }
 
+TEST_CASE("one Padding type for conv ops, pooling and the Conv layers: modes, ints and pairs spelled as Flax spells them") {
+  const Array x = linum::testing::random_array(Shape{2, 5, 4, 3}, 1);
+  const Array w = linum::testing::random_array(Shape{3, 2, 3, 4}, 2);
+  // Strings (any case) are the named modes; an int pads every side; one pair stands for every axis.
+  CHECK(conv2d(x, w, {.padding = "SAME"}).bitwise_equal(conv2d(x, w, {.padding = Padding::same()})));
+  CHECK(conv2d(x, w, {.padding = "valid"}).bitwise_equal(conv2d(x, w, {.padding = Padding::valid()})));
+  CHECK(conv2d(x, w, {.padding = 1}).bitwise_equal(conv2d(x, w, {.padding = Padding::explicit_pads(1, 1, 1, 1)})));
+  CHECK(conv2d(x, w, {.padding = {{2, 1}}}).bitwise_equal(conv2d(x, w, {.padding = Padding::explicit_pads(2, 1, 2, 1)})));
+  CHECK(avg_pool(x, {.window = {2, 2}, .padding = "SAME"}).bitwise_equal(avg_pool(x, {.window = {2, 2}, .padding = Padding::same()})));
+  CHECK(max_pool(x, {.window = {3, 3}, .padding = 1}).shape() == Shape{2, 5, 4, 3});
+  // The layers take the same values: pooling modules and Conv.
+  const Array pooled = apply(nn::MaxPool{.window = {3, 3}, .padding = {{1, 1}, {1, 1}}}, Tree{}, x);
+  CHECK(pooled.bitwise_equal(max_pool(x, {.window = {3, 3}, .padding = 1})));
+  const nn::Conv conv{.features = 4, .kernel_size = {3, 2}, .padding = 1, .use_bias = false};
+  const Tree vars = init(conv, rng::key(0), x);
+  CHECK(apply(conv, vars, x).bitwise_equal(conv2d(x, vars.at_path("params/kernel").array(), {.padding = 1})));
+  // Mode names: one spelling for reading and writing.
+  CHECK(Padding("same").mode() == "SAME");
+  CHECK(Padding(3).mode().empty());
+  CHECK(Padding("CAUSAL") == Padding::causal());
+  // Errors name the op and say what to use.
+  CHECK_THROWS_WITH_AS(Padding("CIRCULAR"), doctest::Contains("use \"SAME\", \"VALID\""), ValueError);
+  CHECK_THROWS_WITH_AS(Padding(-1), doctest::Contains("negative"), ValueError);
+  CHECK_THROWS_WITH_AS(max_pool(x, {.window = {2, 2}, .padding = "CAUSAL"}), doctest::Contains("max_pool: CAUSAL padding is for 1-D"),
+                       ShapeError);
+  CHECK_THROWS_WITH_AS(conv2d(x, w, {.padding = {{1, 1}, {1, 1}, {1, 1}}}), doctest::Contains("3 padding pairs for 2 spatial axes"),
+                       ShapeError);
+  CHECK_THROWS_WITH_AS(avg_pool(x, {.window = {2, 2}, .padding = {{1, -1}}}), doctest::Contains("negative"), ShapeError);
+  CHECK_THROWS_WITH_AS(apply(nn::Conv{.features = 2, .kernel_size = {3, 3}, .padding = "CAUSAL"}, vars, x),
+                       doctest::Contains("CAUSAL padding is only implemented for 1-D"), ValueError);
+}
+
 TEST_CASE("every op rejects bad shapes, naming the op and the shapes") {
   Array a = Array::zeros(Shape{2, 3});
   Array b = Array::zeros(Shape{4});

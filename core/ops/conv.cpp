@@ -19,10 +19,58 @@
 #include <Eigen/Core>
 
 #include <algorithm>
+#include <cctype>
 #include <limits>
 #include <cstring>
 
 namespace linum {
+
+namespace {
+Padding::Kind kind_of_mode(const std::string& mode) {
+  std::string upper;
+  for (char c : mode) upper.push_back(static_cast<char>(std::toupper(static_cast<unsigned char>(c))));
+  if (upper == "SAME") return Padding::Kind::same;
+  if (upper == "VALID") return Padding::Kind::valid;
+  if (upper == "CAUSAL") return Padding::Kind::causal;
+  throw ValueError("unknown padding '" + mode +
+                   "'; use \"SAME\", \"VALID\", \"CAUSAL\" (1-D convolutions), an int or (low, high) pairs "
+                   "(CIRCULAR and REFLECT are not supported)");
+}
+}  // namespace
+
+Padding::Padding(const char* mode) : Padding(std::string(mode == nullptr ? "" : mode)) {}
+Padding::Padding(const std::string& mode) : kind(kind_of_mode(mode)) {}
+Padding::Padding(int p) : kind(Kind::explicit_pairs), pairs{{p, p}} {
+  if (p < 0) throw ValueError(detail::cat("padding: ", p, " zeros is negative; use 0 or more"));
+}
+
+std::string Padding::mode() const {
+  switch (kind) {
+    case Kind::same: return "SAME";
+    case Kind::valid: return "VALID";
+    case Kind::causal: return "CAUSAL";
+    case Kind::explicit_pairs: return "";
+  }
+  return "";
+}
+
+std::pair<std::int64_t, std::int64_t> Padding::pair(int axis) const {
+  if (pairs.empty()) return {0, 0};
+  return pairs.size() == 1 ? pairs.front() : pairs.at(static_cast<std::size_t>(axis));
+}
+
+void Padding::check(const char* op, int spatial_axes, bool causal_ok) const {
+  if (kind == Kind::causal && !causal_ok)
+    throw ShapeError(detail::cat(op, ": CAUSAL padding is for 1-D convolutions (one spatial axis); use \"SAME\", \"VALID\" "
+                                     "or explicit pairs"));
+  if (kind != Kind::explicit_pairs) return;
+  if (pairs.size() != 1 && pairs.size() != static_cast<std::size_t>(spatial_axes))
+    throw ShapeError(detail::cat(op, ": ", pairs.size(), " padding pairs for ", spatial_axes,
+                                 " spatial axes; give one (low, high) pair per spatial axis, or one for all"));
+  for (const auto& [lo, hi] : pairs)
+    if (lo < 0 || hi < 0)
+      throw ShapeError(detail::cat(op, ": padding (", lo, ", ", hi, ") is negative; pad with 0 or more"));
+}
 
 detail::AxisPlan detail::plan_axis(std::int64_t in, std::int64_t window, std::int64_t stride, std::int64_t dilation,
                                    const Padding& padding, int axis, const char* op) {
@@ -55,10 +103,14 @@ detail::AxisPlan detail::plan_axis(std::int64_t in, std::int64_t window, std::in
       break;
     }
     case Padding::Kind::explicit_pairs:
-      p.pad_lo = padding.pairs[static_cast<std::size_t>(axis)].first;
-      p.pad_hi = padding.pairs[static_cast<std::size_t>(axis)].second;
+      padding.check(op, 2, false);
+      p.pad_lo = padding.pair(axis).first;
+      p.pad_hi = padding.pair(axis).second;
       if (p.pad_lo < 0 || p.pad_hi < 0)
         throw ShapeError(detail::cat(op, ": negative padding on spatial axis ", axis));
+      break;
+    case Padding::Kind::causal:
+      padding.check(op, 2, false);  // throws: 2-D ops have two spatial axes
       break;
   }
   std::int64_t padded = 0;
@@ -353,7 +405,11 @@ Array conv_transpose2d(const Array& x, const Array& w, const ConvTransposeOption
         break;
       }
       case Padding::Kind::explicit_pairs:
-        pads[i] = o.padding.pairs[i];
+        o.padding.check("conv_transpose2d", 2, false);
+        pads[i] = o.padding.pair(a);
+        break;
+      case Padding::Kind::causal:
+        o.padding.check("conv_transpose2d", 2, false);  // throws
         break;
     }
   }

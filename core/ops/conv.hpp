@@ -5,22 +5,55 @@
 #include <linum/core/array.hpp>
 
 #include <array>
+#include <initializer_list>
+#include <string>
+#include <vector>
 #include <cstdint>
 #include <utility>
 
 namespace linum {
 
-// Padding: SAME (output size ceil(in / stride), extra padding at the end), VALID (none), or
-// explicit (low, high) pairs per spatial axis.
+// Padding of the spatial axes, one type for convolutions (ops and nn::Conv) and pooling, spelled
+// as Flax and lax spell it:
+//   "SAME"   output size ceil(in / stride), the extra padding at the end (Padding::same())
+//   "VALID"  none (Padding::valid(); also Padding{})
+//   "CAUSAL" (k - 1) * dilation zeros before the only spatial axis, none after: 1-D nn::Conv only
+//   p        p zeros on both sides of every spatial axis
+//   {{lo, hi}, ...}  explicit (low, high) pairs, one per spatial axis (one pair: every axis)
+// e.g. nn::Conv{.padding = "VALID"}, avg_pool(x, {.padding = "SAME"}), conv2d(x, w, {.padding = 1}).
 struct Padding {
-  enum class Kind { same, valid, explicit_pairs } kind = Kind::valid;
-  std::array<std::pair<std::int64_t, std::int64_t>, 2> pairs{};
+  enum class Kind { same, valid, causal, explicit_pairs } kind = Kind::valid;
+  std::vector<std::pair<std::int64_t, std::int64_t>> pairs;  // explicit_pairs only
 
-  static Padding same() { return {Kind::same, {}}; }
-  static Padding valid() { return {Kind::valid, {}}; }
+  Padding() = default;  // VALID
+  // "SAME", "VALID" or "CAUSAL" (in any case); anything else throws ValueError.
+  Padding(const char* mode);         // NOLINT(google-explicit-constructor)
+  Padding(const std::string& mode);  // NOLINT(google-explicit-constructor)
+  // `p` zeros on both sides of every spatial axis (p >= 0).
+  Padding(int p);  // NOLINT(google-explicit-constructor)
+  // Explicit (low, high) pairs: `.padding = {{1, 1}, {2, 2}}`.
+  Padding(std::initializer_list<std::pair<std::int64_t, std::int64_t>> p) : kind(Kind::explicit_pairs), pairs(p) {}
+  explicit Padding(std::vector<std::pair<std::int64_t, std::int64_t>> p) : kind(Kind::explicit_pairs), pairs(std::move(p)) {}
+
+  static Padding same() { return Padding(Kind::same); }
+  static Padding valid() { return Padding(); }
+  static Padding causal() { return Padding(Kind::causal); }
   static Padding explicit_pads(std::int64_t top, std::int64_t bottom, std::int64_t left, std::int64_t right) {
-    return {Kind::explicit_pairs, {{{top, bottom}, {left, right}}}};
+    return Padding{{top, bottom}, {left, right}};
   }
+
+  // "SAME", "VALID", "CAUSAL", or "" for explicit pairs.
+  std::string mode() const;
+  // The explicit (low, high) pair of spatial axis `axis` (one pair stands for every axis).
+  std::pair<std::int64_t, std::int64_t> pair(int axis) const;
+  // Throws ShapeError (naming `op`) unless this padding fits `spatial_axes` spatial axes: explicit
+  // pairs one or one per axis, none negative; CAUSAL only where `causal_ok`.
+  void check(const char* op, int spatial_axes, bool causal_ok) const;
+
+  friend bool operator==(const Padding&, const Padding&) = default;
+
+ private:
+  explicit Padding(Kind k) : kind(k) {}
 };
 
 struct ConvOptions {
