@@ -10,6 +10,18 @@
 using namespace linum;
 using linum::testing::random_array;
 
+namespace {
+// An aux of a user's own type: a registered pytree (its array is detached), an int carried along.
+struct Stats {
+  Array mean;
+  int count = 0;
+};
+}  // namespace
+template <>
+struct linum::pytree::Fields<Stats> {
+  static auto of(Stats& s) { return std::tie(s.mean); }
+};
+
 TEST_CASE("value_and_grad of a simple function") {
   Array x = Array::from(Shape{3}, {1, 2, 3});
   auto [v, g] = value_and_grad([](const Array& a) { return sum(a * a); })(x);
@@ -22,8 +34,7 @@ TEST_CASE("gradients with respect to several arguments, others pass through") {
   Array w = Array::from(Shape{2, 2}, {1, 2, 3, 4});
   Array x = Array::from(Shape{1, 2}, {1, -1});
   auto f = [](const Array& w, const Array& x, float scale) { return sum(matmul(x, w)) * scale; };
-  auto [v, grads] = value_and_grad<0, 1>(f)(w, x, 2.0f);
-  auto [dw, dx] = grads;
+  auto [v, dw, dx] = value_and_grad<0, 1>(f)(w, x, 2.0f);  // one flat structure
   CHECK(v.item() == doctest::Approx(2 * ((1 - 3) + (2 - 4))));
   CHECK(dw.to_vector() == std::vector<float>{2, 2, -2, -2});
   CHECK(dx.to_vector() == std::vector<float>{2 * 3, 2 * 7});
@@ -55,12 +66,35 @@ TEST_CASE("has_aux: any pytree aux comes back detached (vectors, tuples, nested,
   CHECK(g.to_vector() == std::vector<float>{6, 8});
 }
 
+TEST_CASE("several argnums with an aux: one flat structure (value, aux, one gradient per argnum), any pytree aux") {
+  const Array w = Array::from(Shape{2}, {1, 2}), x = Array::from(Shape{2}, {3, 4});
+  auto f = [](const Array& w, const Array& x) { return std::make_pair(sum(w * x), Stats{mean(x * w), 2}); };
+  auto [v, stats, dw, dx] = value_and_grad<0, 1>(f)(w, x);
+  CHECK(v.item() == doctest::Approx(11));
+  CHECK(stats.mean.item() == doctest::Approx(5.5));
+  CHECK(stats.count == 2);
+  CHECK(stats.mean.node() == nullptr);
+  CHECK(dw.to_vector() == std::vector<float>{3, 4});
+  CHECK(dx.to_vector() == std::vector<float>{1, 2});
+  // grad drops value and aux: the gradients alone, a tuple with several argnums.
+  auto [gw, gx] = grad<0, 1>(f)(w, x);
+  CHECK(gw.bitwise_equal(dw));
+  CHECK(gx.bitwise_equal(dx));
+  // Nested in another transformation, the same flat structure, linked to the outer graph.
+  const Array outer = grad([&](const Array& s) {
+    auto [inner_v, inner_stats, inner_dw, inner_dx] = value_and_grad<0, 1>(f)(w * s, x);
+    return sum(inner_dw) * inner_v + inner_stats.mean;
+  })(Array::full(Shape{}, 1.0f));
+  // d/ds [sum(x) * s * (w.x) + s * mean(x * w)] at s = 1 = 7 * 11 + 5.5
+  CHECK(outer.item() == doctest::Approx(7 * 11 + 5.5));
+}
+
 TEST_CASE("unused arguments get zero gradients; a variable used twice accumulates") {
   Array x = Array::from(Shape{2}, {1, 2});
   Array y = Array::from(Shape{2}, {5, 5});
-  auto [v, grads] = value_and_grad<0, 1>([](const Array& a, const Array&) { return sum(a * a + a); })(x, y);
-  CHECK(std::get<0>(grads).to_vector() == std::vector<float>{3, 5});
-  CHECK(std::get<1>(grads).to_vector() == std::vector<float>{0, 0});
+  auto [v, gx, gy] = value_and_grad<0, 1>([](const Array& a, const Array&) { return sum(a * a + a); })(x, y);
+  CHECK(gx.to_vector() == std::vector<float>{3, 5});
+  CHECK(gy.to_vector() == std::vector<float>{0, 0});
 }
 
 TEST_CASE("vjp keeps its graph and can be pulled back several times") {

@@ -157,21 +157,21 @@ TEST_CASE("gradients come back in the dtype of the value they belong to") {
   const Array x = bf(random_array(Shape{4, 6}, 21));
   // Flax's dtype=bf16, param_dtype=float32: the parameter is cast for the computation.
   auto loss = [](const Array& w, const Array& x) { return mean(square(gelu(matmul(x, astype(w, DType::bf16))))); };
-  auto [value, grads] = value_and_grad<0, 1>(loss)(w, x);
+  auto [value, gw, gx] = value_and_grad<0, 1>(loss)(w, x);
   CHECK(value.dtype() == DType::bf16);
-  CHECK(std::get<0>(grads).dtype() == DType::f32);
-  CHECK(std::get<1>(grads).dtype() == DType::bf16);
+  CHECK(gw.dtype() == DType::f32);
+  CHECK(gx.dtype() == DType::bf16);
   // And the values agree with the float32 computation within bf16 tolerance.
   auto loss32 = [](const Array& w, const Array& x) {
     return mean(square(gelu(matmul(x, astype(astype(w, DType::bf16), DType::f32)))));
   };
   auto g32 = grad<0>(loss32)(w, astype(x, DType::f32));
-  CHECK(max_rel_diff(std::get<0>(grads), g32) < 0.02);
+  CHECK(max_rel_diff(gw, g32) < 0.02);
   // A bf16 value mixed into a float32 computation gets a bf16 gradient.
   auto mixed = [](const Array& x) { return sum(x * Array::full(Shape{6}, 2.0f)); };  // promotes to f32
-  Array gx = grad(mixed)(x);
-  CHECK(gx.dtype() == DType::bf16);
-  CHECK(gx.to_vector() == std::vector<float>(24, 2.0f));
+  Array g_mixed = grad(mixed)(x);
+  CHECK(g_mixed.dtype() == DType::bf16);
+  CHECK(g_mixed.to_vector() == std::vector<float>(24, 2.0f));
 }
 
 TEST_CASE("float32 gradient checks pass through astype round trips") {
@@ -192,19 +192,18 @@ TEST_CASE("remat in bf16: values and gradients bitwise equal to the plain model"
     auto c = checkpoint(layer, {.policy = policies::dots_saveable{}});
     return mean(square(c(c(x, a), b)));
   };
-  auto [v1, g1] = value_and_grad<0, 1, 2>(plain)(w1, w2, x);
-  auto [v2, g2] = value_and_grad<0, 1, 2>(every)(w1, w2, x);
-  auto [v3, g3] = value_and_grad<0, 1, 2>(dots)(w1, w2, x);
+  auto [v1, a1, b1, x1] = value_and_grad<0, 1, 2>(plain)(w1, w2, x);
+  auto [v2, a2, b2, x2] = value_and_grad<0, 1, 2>(every)(w1, w2, x);
+  auto [v3, a3, b3, x3] = value_and_grad<0, 1, 2>(dots)(w1, w2, x);
   CHECK(v1.bitwise_equal(v2));
   CHECK(v1.bitwise_equal(v3));
-  CHECK(std::get<0>(g1).dtype() == DType::f32);
-  CHECK(std::get<2>(g1).dtype() == DType::bf16);
-  CHECK(std::get<0>(g1).bitwise_equal(std::get<0>(g2)));
-  CHECK(std::get<1>(g1).bitwise_equal(std::get<1>(g2)));
-  CHECK(std::get<2>(g1).bitwise_equal(std::get<2>(g2)));
-  CHECK(std::get<0>(g1).bitwise_equal(std::get<0>(g3)));
-  CHECK(std::get<1>(g1).bitwise_equal(std::get<1>(g3)));
-  CHECK(std::get<2>(g1).bitwise_equal(std::get<2>(g3)));
+  CHECK(a1.dtype() == DType::f32);
+  CHECK(x1.dtype() == DType::bf16);
+  for (const auto& [a, b, g] : {std::tuple{a2, b2, x2}, std::tuple{a3, b3, x3}}) {
+    CHECK(a1.bitwise_equal(a));
+    CHECK(b1.bitwise_equal(b));
+    CHECK(x1.bitwise_equal(g));
+  }
 }
 
 TEST_CASE("remat policies and residual reports see dtypes and count 2 bytes per bf16 element") {

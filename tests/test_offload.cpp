@@ -441,7 +441,7 @@ TEST_CASE("save_and_offload_only_these_names keeps one name in RAM, sends the ot
     return tanh(matmul(g, k));
   };
   auto loss = [&](auto f) { return [f](const Array& a, const Array& k) { return sum(square(f(a, k))); }; };
-  const auto [v0, g0] = value_and_grad<0, 1>(loss(block))(x, w);
+  const auto [v0, gx0, gw0] = value_and_grad<0, 1>(loss(block))(x, w);
   const lift::Policy policy = policies::save_and_offload_only_these_names({"kept"}, {"spilled"});
   CHECK(policy.description() == "save_and_offload_only_these_names(kept; spilled)");
   CHECK(policies::from_description(policy.description()).description() == policy.description());
@@ -452,10 +452,10 @@ TEST_CASE("save_and_offload_only_these_names keeps one name in RAM, sends the ot
   CHECK(policy.decide(spilled) == storage::Placement{storage::Where::disk});
   CHECK_FALSE(policy.decide(other).has_value());
   lift::reset_recompute_stats();
-  const auto [v, g] = value_and_grad<0, 1>(loss(checkpoint(block, {.policy = policy})))(x, w);
+  const auto [v, gx, gw] = value_and_grad<0, 1>(loss(checkpoint(block, {.policy = policy})))(x, w);
   CHECK(v.bitwise_equal(v0));
-  CHECK(std::get<0>(g).bitwise_equal(std::get<0>(g0)));
-  CHECK(std::get<1>(g).bitwise_equal(std::get<1>(g0)));
+  CHECK(gx.bitwise_equal(gx0));
+  CHECK(gw.bitwise_equal(gw0));
   CHECK(lift::recompute_stats().values_saved == 2);
   CHECK(lift::recompute_stats().ops_replayed == 2);  // both kept values reused, from RAM and from disk
 }
@@ -740,14 +740,14 @@ TEST_CASE("an array several ops save is placed once: one copy in the spill file,
     const Array x = tanh(in);
     return sum(matmul(x, w0) + matmul(x, w1) + matmul(x, w2));
   };
-  const auto [v0, g0] = value_and_grad<0, 1, 2, 3>(loss)(a, w[0], w[1], w[2]);
+  const auto r0 = value_and_grad<0, 1, 2, 3>(loss)(a, w[0], w[1], w[2]);
   const std::int64_t before = memory::stats().offload_written_bytes;
   lift::ResidualScope scope(policies::offload(policies::everything_saveable{}));
-  const auto [v, g] = value_and_grad<0, 1, 2, 3>(loss)(a, w[0], w[1], w[2]);
-  CHECK(v.bitwise_equal(v0));
-  CHECK(std::get<0>(g).bitwise_equal(std::get<0>(g0)));
-  CHECK(std::get<1>(g).bitwise_equal(std::get<1>(g0)));
-  CHECK(std::get<2>(g).bitwise_equal(std::get<2>(g0)));
-  CHECK(std::get<3>(g).bitwise_equal(std::get<3>(g0)));
+  const auto r = value_and_grad<0, 1, 2, 3>(loss)(a, w[0], w[1], w[2]);
+  CHECK(std::get<0>(r).bitwise_equal(std::get<0>(r0)));  // the value, then the four gradients
+  CHECK(std::get<1>(r).bitwise_equal(std::get<1>(r0)));
+  CHECK(std::get<2>(r).bitwise_equal(std::get<2>(r0)));
+  CHECK(std::get<3>(r).bitwise_equal(std::get<3>(r0)));
+  CHECK(std::get<4>(r).bitwise_equal(std::get<4>(r0)));
   CHECK(memory::stats().offload_written_bytes - before == 64 * 32 * 4);  // x once, not four times
 }

@@ -43,8 +43,8 @@ Run run_case(const Case& c, const std::optional<lift::Policy>& policy, bool veri
     Array y = policy ? checkpoint(block, {.policy = *policy, .verify = verify})(x, w) : block(x, w);
     return sum(square(astype(y, DType::f32)));
   };
-  auto [v, g] = value_and_grad<0, 1>(loss)(x, w);
-  return {v, std::get<0>(g), std::get<1>(g), lift::recompute_stats()};
+  auto [v, gx, gw] = value_and_grad<0, 1>(loss)(x, w);
+  return {v, gx, gw, lift::recompute_stats()};
 }
 
 }  // namespace

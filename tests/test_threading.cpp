@@ -140,10 +140,10 @@ TEST_CASE("convolution gradients do not depend on how many threads run them (dat
         const Array x = astype(rng::normal(rng::key(3), Shape{64, hw, hw, c}), dt);
         const Array w = astype(rng::normal(rng::key(4), Shape{3, 3, c, o}), dt);
         auto f = [](const Array& x, const Array& w) { return sum(square(astype(conv2d(x, w), DType::f32))); };
-        auto [value, grads] = value_and_grad<0, 1>(f)(x, w);
+        auto [value, gx, gw] = value_and_grad<0, 1>(f)(x, w);
         out.push_back(conv2d(x, w));
-        out.push_back(std::get<0>(grads));
-        out.push_back(std::get<1>(grads));
+        out.push_back(gx);
+        out.push_back(gw);
       }
     }
     return out;

@@ -3,7 +3,8 @@
 //
 //   auto loss = [](const Array& w, const Array& x) { return linum::mean(linum::square(linum::matmul(x, w))); };
 //   auto [value, dw] = linum::value_and_grad(loss)(w, x);            // gradient w.r.t. argument 0
-//   auto [v, grads] = linum::value_and_grad<0, 1>(loss)(w, x);       // std::tuple of both gradients
+//   auto [v, dw, dx] = linum::value_and_grad<0, 1>(loss)(w, x);      // one flat tuple: value, then each gradient
+//   auto [v, aux, dw, dx] = linum::value_and_grad<0, 1>(loss_and_aux)(w, x);  // f returns std::pair(loss, aux)
 //   auto [y, pullback] = linum::vjp(f, w, x);  auto [dw, dx] = pullback(ct);
 //
 // Differentiated arguments may be Arrays or any type with a `Differentiable<T>` specialisation
@@ -119,6 +120,19 @@ auto collect_gradients(const Tuple& tracked) {
   } else {
     return std::make_tuple(
         Differentiable<std::decay_t<std::tuple_element_t<Nums, Tuple>>>::gradient(std::get<Nums>(tracked))...);
+  }
+}
+
+// value_and_grad's result, one flat structure: the value, the aux (when f returns one), then one
+// gradient per argnum. One argnum without aux stays a std::pair (value, gradient).
+template <std::size_t kArgnums, class Head, class Grads>
+auto flat_result(Head head, Grads grads) {
+  if constexpr (kArgnums > 1) {  // grads: a std::tuple, one per argnum (a tuple-valued argument's gradient is one)
+    return std::tuple_cat(std::move(head), std::move(grads));
+  } else if constexpr (std::tuple_size_v<Head> == 1) {
+    return std::make_pair(std::get<0>(std::move(head)), std::move(grads));
+  } else {
+    return std::tuple_cat(std::move(head), std::make_tuple(std::move(grads)));
   }
 }
 
@@ -257,14 +271,14 @@ struct ValueAndGrad {
       Array value = check_scalar_loss(result, "value_and_grad");
       Array one = Array::full(value.shape(), 1.0f, value.dtype());
       autodiff::backward(std::span<const Array>(&value, 1), std::span<const Array>(&one, 1));
-      return std::make_pair(value.detached(), collect_gradients<decltype(tracked), Nums...>(tracked));
+      return flat_result<sizeof...(Nums)>(std::make_tuple(value.detached()), collect_gradients<decltype(tracked), Nums...>(tracked));
     } else {
       // has_aux: f returns (loss, aux); aux comes back detached from the graph.
       Array value = check_scalar_loss(std::get<0>(result), "value_and_grad");
       auto aux = detach_value(std::get<1>(result));
       Array one = Array::full(value.shape(), 1.0f, value.dtype());
       autodiff::backward(std::span<const Array>(&value, 1), std::span<const Array>(&one, 1));
-      return std::make_tuple(value.detached(), std::move(aux), collect_gradients<decltype(tracked), Nums...>(tracked));
+      return flat_result<sizeof...(Nums)>(std::make_tuple(value.detached(), std::move(aux)), collect_gradients<decltype(tracked), Nums...>(tracked));
     }
   }
 
@@ -281,11 +295,11 @@ struct ValueAndGrad {
     if constexpr (std::is_same_v<std::decay_t<decltype(result)>, Array>) {
       Array value = check_scalar_loss(result, "value_and_grad");
       std::vector<Array> sums = nested_sweep<decltype(tracked), Nums...>(value, tracked);
-      return std::make_pair(value, collect_nested<decltype(tracked), Nums...>(tracked, sums));
+      return flat_result<sizeof...(Nums)>(std::make_tuple(value), collect_nested<decltype(tracked), Nums...>(tracked, sums));
     } else {
       Array value = check_scalar_loss(std::get<0>(result), "value_and_grad");
       std::vector<Array> sums = nested_sweep<decltype(tracked), Nums...>(value, tracked);
-      return std::make_tuple(value, std::get<1>(result), collect_nested<decltype(tracked), Nums...>(tracked, sums));
+      return flat_result<sizeof...(Nums)>(std::make_tuple(value, std::get<1>(result)), collect_nested<decltype(tracked), Nums...>(tracked, sums));
     }
   }
 };
@@ -293,24 +307,34 @@ struct ValueAndGrad {
 }  // namespace detail
 }  // namespace autodiff
 
-// value_and_grad<argnums...>(f)(args...) -> (value, gradient) with one argnum (default 0), or
-// (value, std::tuple of gradients) with several. If f returns std::pair<Array, Aux> the result is
-// (value, aux, gradients): the auxiliary output (e.g. updated batch statistics) is not differentiated.
-// The graph is freed as the backward sweep runs.
+// value_and_grad<argnums...>(f)(args...) -> one flat structure: (value, gradient) with one argnum
+// (default 0), (value, gradient_0, gradient_1, ...) with several. If f returns std::pair<Array, Aux>
+// (Aux any pytree: an Array, a Tree, a struct registered with pytree::Fields, containers, plain
+// values) the aux follows the value: (value, aux, gradient...). The aux (e.g. updated batch
+// statistics) is not differentiated. The graph is freed as the backward sweep runs.
+//   auto [loss, stats, dparams, dx] = value_and_grad<0, 1>(loss_with_stats)(params, x);
 template <std::size_t... Argnums, class F>
 auto value_and_grad(F f) {
   if constexpr (sizeof...(Argnums) == 0) return autodiff::detail::ValueAndGrad<F, 0>{std::move(f), false};
   else return autodiff::detail::ValueAndGrad<F, Argnums...>{std::move(f), false};
 }
 
-// grad<argnums...>(f)(args...) -> the gradient(s) only.
+// grad<argnums...>(f)(args...) -> the gradient with one argnum, a std::tuple of them with several
+// (no value; an aux returned by f is dropped).
 template <std::size_t... Argnums, class F>
 auto grad(F f) {
   auto vg = value_and_grad<Argnums...>(std::move(f));
   return [vg](const auto&... args) {
     auto r = vg(args...);
-    if constexpr (std::tuple_size_v<decltype(r)> == 2) return std::get<1>(std::move(r));
-    else return std::get<2>(std::move(r));
+    constexpr std::size_t n = sizeof...(Argnums) == 0 ? 1 : sizeof...(Argnums);
+    constexpr std::size_t first = std::tuple_size_v<decltype(r)> - n;
+    if constexpr (n == 1) {
+      return std::get<first>(std::move(r));
+    } else {
+      return [&]<std::size_t... I>(std::index_sequence<I...>) {
+        return std::make_tuple(std::get<first + I>(std::move(r))...);
+      }(std::make_index_sequence<n>{});
+    }
   };
 }
 
