@@ -39,18 +39,19 @@ struct Descs {
   memory::dims strides, dilates, pad_l, pad_r;
 };
 
+// Our kernel layout, [KH, KW, Cg, O] with O = G * Og, row-major, with elements of type `dt`.
+memory::desc kernel_desc(const ConvShape& s, memory::data_type dt) {
+  const memory::dim og = s.o / s.groups;
+  if (s.groups == 1) return memory::desc({s.o, s.cg, s.kh, s.kw}, dt, memory::dims{1, s.o, s.kw * s.cg * s.o, s.cg * s.o});
+  return memory::desc({s.groups, og, s.cg, s.kh, s.kw}, dt, memory::dims{og, 1, s.o, s.kw * s.cg * s.o, s.cg * s.o});
+}
+
 Descs descs_of(const ConvShape& s) {
   const auto dt = to_dnnl(s.dtype);
   Descs d;
   d.x = memory::desc({s.n, s.c, s.h, s.w}, dt, tag::nhwc);
   d.y = memory::desc({s.n, s.o, s.oh, s.ow}, dt, tag::nhwc);
-  const memory::dim og = s.o / s.groups;
-  // Our kernel is [KH, KW, Cg, O] with O = G * Og, row-major.
-  if (s.groups == 1)
-    d.w_user = memory::desc({s.o, s.cg, s.kh, s.kw}, dt, memory::dims{1, s.o, s.kw * s.cg * s.o, s.cg * s.o});
-  else
-    d.w_user = memory::desc({s.groups, og, s.cg, s.kh, s.kw}, dt,
-                            memory::dims{og, 1, s.o, s.kw * s.cg * s.o, s.cg * s.o});
+  d.w_user = kernel_desc(s, dt);
   d.strides = {s.sh, s.sw};
   d.dilates = {s.dh - 1, s.dw - 1};
   d.pad_l = {s.pad_top, s.pad_left};
@@ -185,8 +186,9 @@ Array conv_backward_data_onednn(const Array& gy, const Array& w, const ConvShape
 
 namespace {
 
-// One single-threaded weight gradient of images [n0, n0 + count), in Linum's kernel layout: a
-// primitive with a user scratchpad, so pieces of the same shape can run on several threads at once.
+// One single-threaded weight gradient of images [n0, n0 + count), in Linum's kernel layout but
+// always in float32 (bf16 pieces are summed in float32 and rounded once): a primitive with a user
+// scratchpad, so pieces of the same shape can run on several threads at once.
 struct WeightPiece {
   ConvShape shape;
   dnnl::convolution_backward_weights::primitive_desc pd;
@@ -203,10 +205,13 @@ WeightPiece& weight_piece_for(const ConvShape& s) {
       Primitives& p = primitives_for(s, 1);
       dnnl::primitive_attr attr;
       attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
-      dnnl::convolution_backward_weights::desc desc(dnnl::algorithm::convolution_direct, p.d.x, any_weights(p.d), p.d.y,
+      // The user kernel layout with float32 elements (the same strides: Linum's [KH, KW, Cg, O]).
+      const memory::desc w_f32 = kernel_desc(s, memory::data_type::f32);
+      const memory::desc any_f32(p.d.w_user.dims(), memory::data_type::f32, tag::any);
+      dnnl::convolution_backward_weights::desc desc(dnnl::algorithm::convolution_direct, p.d.x, any_f32, p.d.y,
                                                     p.d.strides, p.d.dilates, p.d.pad_l, p.d.pad_r);
       dnnl::convolution_backward_weights::primitive_desc pd(desc, attr, cpu_engine(), p.fwd_pd);
-      WeightPiece piece{s, pd, dnnl::convolution_backward_weights(pd), p.d.x, p.d.y, p.d.w_user};
+      WeightPiece piece{s, pd, dnnl::convolution_backward_weights(pd), p.d.x, p.d.y, w_f32};
       return &pieces.emplace(s, std::move(piece)).first->second;
     } catch (const dnnl::error& e) {
       refused(s, e);
@@ -231,17 +236,18 @@ void run_piece(const WeightPiece& piece, const void* x, const void* gy, void* dw
 
 }  // namespace
 
-// The weight gradient sums over the batch. oneDNN's float32 kernel sums per thread, so its bits would depend on the
-// thread count (the team adapts to a busy machine; ranks of a data-parallel job run different
-// counts). Large convolutions are therefore cut into pieces of the batch fixed by the shape, each
-// computed on one thread, and the pieces summed in index order: the same bits on any team.
+// The weight gradient sums over the batch. oneDNN's kernels sum per thread (float32 everywhere,
+// bfloat16 on CPUs with AMX), so their bits would depend on the thread count (the team adapts to a
+// busy machine; ranks of a data-parallel job run different counts). Large convolutions are
+// therefore cut into pieces of the batch fixed by the shape, each computed on one thread in
+// float32, and the pieces summed in index order (bf16 rounded once at the end): the same bits on
+// any team.
 Array conv_backward_weights_onednn(const Array& x, const Array& gy, const ConvShape& s) {
   constexpr std::int64_t kPieces = 8;
   const std::int64_t pieces = std::min<std::int64_t>(s.n, kPieces);
 #ifdef _OPENMP
   const double macs = static_cast<double>(s.n) * s.oh * s.ow * s.o * s.kh * s.kw * s.cg;
-  // (bfloat16 weight gradients already come out the same on any team: tests/test_threading.cpp.)
-  const bool split = s.dtype == DType::f32 && pieces > 1 && macs >= kParallelGemmWork && !omp_in_parallel();
+  const bool split = pieces > 1 && macs >= kParallelGemmWork && !omp_in_parallel();
 #else
   const bool split = false;
 #endif
@@ -259,7 +265,7 @@ Array conv_backward_weights_onednn(const Array& x, const Array& gy, const ConvSh
       }
     }
     const std::int64_t w_elems = s.kh * s.kw * s.cg * s.o;
-    constexpr std::size_t item = sizeof(float);
+    const std::size_t item = dtype_size(s.dtype);  // of x and gy; the pieces' outputs are float32
     const std::int64_t x_image = s.h * s.w * s.c, y_image = s.oh * s.ow * s.o;
     Array piece_out = Array::empty(Shape{pieces, w_elems});
     const auto* xb = static_cast<const char*>(x.raw());
@@ -269,7 +275,8 @@ Array conv_backward_weights_onednn(const Array& x, const Array& gy, const ConvSh
 #pragma omp parallel for schedule(dynamic, 1) num_threads(linum::team_size())
     for (std::int64_t i = 0; i < pieces; ++i) {
       try {
-        run_piece(*plan[i], xb + first[i] * x_image * item, gb + first[i] * y_image * item, ob + i * w_elems * item);
+        run_piece(*plan[i], xb + first[i] * x_image * item, gb + first[i] * y_image * item,
+                  ob + i * w_elems * sizeof(float));
       } catch (...) {
 #pragma omp critical(linum_conv_piece_failure)
         failure = std::current_exception();
@@ -283,7 +290,10 @@ Array conv_backward_weights_onednn(const Array& x, const Array& gy, const ConvSh
     for (std::int64_t e = 0; e < w_elems; ++e) out[e] = in[e];
     for (std::int64_t i = 1; i < pieces; ++i)
       for (std::int64_t e = 0; e < w_elems; ++e) out[e] += in[i * w_elems + e];
-    return total;
+    if (s.dtype == DType::f32) return total;
+    Array rounded = Array::empty(total.shape(), s.dtype);
+    f32_to_bf16(out, static_cast<bfloat16*>(rounded.mutable_raw()), w_elems);
+    return rounded;
   }
   const int threads = threads_for(s);
   return with_threads(threads, [&] {
