@@ -1,0 +1,335 @@
+#!/usr/bin/env python3
+"""Writes the oracle fixtures Linum's test suite compares against: values computed by the real
+JAX, Flax and optax (the versions pinned below), stored as Flax MessagePack files in fixtures/.
+
+    pip install jax==0.10.2 flax==0.12.8 optax==0.2.8
+    python3 tests/oracles/make_fixtures.py            # rewrites tests/oracles/fixtures/*.msgpack
+
+The suite itself never runs Python: it reads the committed files (tests/test_oracles.cpp). Re-run
+this script to refresh them after changing a case; the files are deterministic (same bytes on every
+run of the same versions on a CPU).
+
+Files (each a nested dict of numpy arrays, written with flax.serialization.msgpack_serialize):
+  prng.msgpack           jax.random: keys, split, fold_in, bits and every sampler Linum has, in
+                         both threefry modes (partitionable, JAX's default, and legacy)
+  initializers.msgpack   jax.nn.initializers from one key (shapes with several fans)
+  layers.msgpack         flax.linen layers: init from one key (names, shapes, dtypes, values), apply
+                         outputs and gradients (of sum(outputs * cotangents)) with respect to the
+                         params and float inputs, f32 and bf16 computation; mutable collections
+  optax.msgpack          optax optimizers over 5 steps (params after each step, the final state as
+                         flax.serialization.to_state_dict gives it) and schedules at steps 0..N
+  serialization.msgpack  flax.serialization.msgpack_serialize of a tree with every dtype Linum keeps
+                         (Linum must write the same bytes and read it back bit for bit)
+
+Integers that do not fit int32 (uint32 key words and bits) are stored as int32 with the same bits.
+"""
+import argparse
+import os
+import sys
+
+import numpy as np
+
+PINNED = {"jax": "0.10.2", "flax": "0.12.8", "optax": "0.2.8"}
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import flax  # noqa: E402
+import flax.linen as nn  # noqa: E402
+import flax.serialization  # noqa: E402
+import optax  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def np_tree(tree):
+    """The tree with every leaf a numpy array (jax arrays and Python numbers converted)."""
+    if isinstance(tree, dict) or hasattr(tree, "items"):
+        return {str(k): np_tree(v) for k, v in tree.items()}
+    return np.asarray(tree)
+
+
+def u32_as_i32(x):
+    return np.asarray(x, dtype=np.uint32).view(np.int32)
+
+
+def key_words(key):
+    return u32_as_i32(jax.random.key_data(key))
+
+
+def write(name, tree):
+    data = flax.serialization.msgpack_serialize(np_tree(tree))
+    path = os.path.join(HERE, "fixtures", name)
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(path + ".tmp", path)
+    print(f"{path}: {len(data)} bytes")
+
+
+def fixed_normal(seed, shape, dtype=np.float32):
+    """Inputs and cotangents: numpy's generator, so they do not depend on jax.random."""
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+# ---- jax.random ---------------------------------------------------------------------------------
+
+def prng_values():
+    out = {}
+    for mode, partitionable in (("partitionable", True), ("legacy", False)):
+        jax.config.update("jax_threefry_partitionable", partitionable)
+        m = {}
+        for seed in (0, 42, -7, 2**40 + 3):
+            k = jax.random.key(seed)
+            name = f"seed_{seed}".replace("-", "m")
+            c = {"key": key_words(k), "split3": key_words(jax.random.split(k, 3)),
+                 "split2": key_words(jax.random.split(k)), "fold_in_7": key_words(jax.random.fold_in(k, 7)),
+                 "fold_in_big": key_words(jax.random.fold_in(k, 0xDEADBEEF)),
+                 "bits_u32_13": u32_as_i32(jax.random.bits(k, (13,), jnp.uint32)),
+                 "bits_u32_2x3": u32_as_i32(jax.random.bits(k, (2, 3), jnp.uint32)),
+                 "uniform_7": jax.random.uniform(k, (7,)),
+                 "uniform_m2_3_2x5": jax.random.uniform(k, (2, 5), minval=-2.0, maxval=3.0),
+                 "normal_9": jax.random.normal(k, (9,)),
+                 "normal_3x4": jax.random.normal(k, (3, 4)),
+                 "truncated_normal_m2_2_9": jax.random.truncated_normal(k, -2.0, 2.0, (9,)),
+                 "truncated_normal_m1_3_9": jax.random.truncated_normal(k, -1.0, 3.0, (9,)),
+                 "bernoulli_03_17": jax.random.bernoulli(k, 0.3, (17,)).astype(np.int32),
+                 "randint_m5_9_11": jax.random.randint(k, (11,), -5, 9).astype(np.int32),
+                 "permutation_10": jax.random.permutation(k, 10).astype(np.int32),
+                 "gumbel_6": jax.random.gumbel(k, (6,)),
+                 "categorical_4x5": jax.random.categorical(k, jnp.asarray(fixed_normal(5, (4, 5)))).astype(np.int32),
+                 }
+            m[name] = c
+        with jax.enable_x64(True):  # seeds as 64 bits: [hi, lo] = [seed >> 32, seed & 0xffffffff]
+            for seed in (0, 42, -7, 2**40 + 3):
+                m[f"seed_{seed}".replace("-", "m")]["key_x64"] = key_words(jax.random.key(seed))
+        m["categorical_logits_4x5"] = fixed_normal(5, (4, 5))
+        out[mode] = m
+    jax.config.update("jax_threefry_partitionable", True)
+    return out
+
+
+# ---- jax.nn.initializers ------------------------------------------------------------------------
+
+def initializer_values():
+    init = jax.nn.initializers
+    k = jax.random.key(3)
+    cases = {
+        "lecun_normal": init.lecun_normal(), "lecun_uniform": init.lecun_uniform(),
+        "he_normal": init.he_normal(), "he_uniform": init.he_uniform(),
+        "glorot_normal": init.glorot_normal(), "glorot_uniform": init.glorot_uniform(),
+        "normal_002": init.normal(0.02), "uniform_005": init.uniform(0.05),
+        "truncated_normal_01": init.truncated_normal(0.1),
+        "orthogonal": init.orthogonal(), "orthogonal_2": init.orthogonal(scale=2.0),
+    }
+    out = {}
+    for name, f in cases.items():
+        out[name] = {"shape_5x7": f(k, (5, 7), jnp.float32), "shape_3x3x4x6": f(k, (3, 3, 4, 6), jnp.float32)}
+    # flax's default embedding init: variance_scaling(1.0, 'fan_in', 'normal', out_axis=0)
+    out["embed_default"] = {"shape_10x4": nn.linear.default_embed_init(k, (10, 4), jnp.float32)}
+    return out
+
+
+# ---- flax.linen layers --------------------------------------------------------------------------
+
+def float_leaf(x):
+    return jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
+
+
+def layer_case(module, inputs, *, init_rngs=None, apply_rngs=None, mutable=None, call=None):
+    """init from key(0) ('params'; extra streams in init_rngs), apply on those variables, gradients of
+    sum(output_i * cotangent_i) with respect to the params and every float input."""
+    rngs = {"params": jax.random.key(0), **(init_rngs or {})}
+    call = call or (lambda mdl, *xs: mdl(*xs))
+    variables = module.init(rngs, *inputs, method=lambda mdl, *xs: call(mdl, *xs))
+    variables = flax.core.unfreeze(variables)
+    params = variables.get("params", {})
+    rest = {k: v for k, v in variables.items() if k != "params"}
+
+    def run(p, *xs):
+        kwargs = {"rngs": apply_rngs} if apply_rngs else {}
+        vars_ = {**rest, "params": p} if p or "params" in variables else dict(rest)
+        if mutable:
+            out, upd = module.apply(vars_, *xs, mutable=mutable, method=lambda mdl, *a: call(mdl, *a), **kwargs)
+        else:
+            out, upd = module.apply(vars_, *xs, method=lambda mdl, *a: call(mdl, *a), **kwargs), {}
+        return out, upd
+
+    out, updates = run(params, *inputs)
+    leaves = jax.tree_util.tree_leaves(out)
+    cots = [fixed_normal(100 + i, np.shape(l)) for i, l in enumerate(leaves)]
+    diff = [i for i, x in enumerate(inputs) if float_leaf(x)]
+
+    def loss(p, *diff_xs):
+        xs = list(inputs)
+        for i, x in zip(diff, diff_xs):
+            xs[i] = x
+        o, _ = run(p, *xs)
+        return sum(jnp.sum(l.astype(jnp.float32) * c) for l, c in zip(jax.tree_util.tree_leaves(o), cots))
+
+    grads = jax.grad(loss, argnums=tuple(range(1 + len(diff))))(params, *[inputs[i] for i in diff])
+    case = {
+        "inputs": {str(i): x for i, x in enumerate(inputs)},
+        "variables": variables,
+        "outputs": {str(i): l for i, l in enumerate(leaves)},
+        "cotangents": {str(i): c for i, c in enumerate(cots)},
+        "grad_params": grads[0],
+        "grad_inputs": {str(i): g for i, g in zip(diff, grads[1:])},
+    }
+    if updates:
+        case["updates"] = flax.core.unfreeze(updates)
+    return case
+
+
+def layer_values():
+    bf16 = jnp.bfloat16
+    x24 = fixed_normal(1, (2, 4))
+    img = fixed_normal(2, (2, 6, 6, 3))
+    seq = fixed_normal(3, (2, 5, 6))
+    feat = fixed_normal(4, (3, 6))
+    ids = np.array([[1, 5, 9], [0, 3, 3]], dtype=np.int32)
+    cases = {
+        "dense": layer_case(nn.Dense(3), [x24]),
+        "dense_no_bias": layer_case(nn.Dense(5, use_bias=False), [x24]),
+        "dense_general": layer_case(nn.DenseGeneral(features=(2, 3), axis=-1), [seq]),
+        "dense_general_axes": layer_case(nn.DenseGeneral(features=4, axis=(-2, -1)), [seq]),
+        "conv_same": layer_case(nn.Conv(4, (3, 3)), [img]),
+        "conv_valid_strided": layer_case(nn.Conv(5, (3, 2), strides=(2, 1), padding="VALID"), [img]),
+        "conv_dilated_pairs": layer_case(nn.Conv(2, (2, 2), kernel_dilation=(2, 1), padding=((1, 2), (0, 1))), [img]),
+        "conv_grouped": layer_case(nn.Conv(6, (3, 3), feature_group_count=3, use_bias=False), [img]),
+        "conv1d_causal": layer_case(nn.Conv(3, (3,), padding="CAUSAL"), [seq]),
+        "conv_transpose": layer_case(nn.ConvTranspose(3, (3, 3), strides=(2, 2)), [img]),
+        "conv_transpose_valid": layer_case(nn.ConvTranspose(2, (2, 3), strides=(2, 1), padding="VALID"), [img]),
+        "embed": layer_case(nn.Embed(10, 4), [ids]),
+        "layer_norm": layer_case(nn.LayerNorm(), [seq]),
+        "rms_norm": layer_case(nn.RMSNorm(), [seq]),
+        "group_norm": layer_case(nn.GroupNorm(num_groups=3), [fixed_normal(5, (2, 4, 4, 6))]),
+        "batch_norm_train": layer_case(nn.BatchNorm(use_running_average=False), [feat], mutable=["batch_stats"]),
+        "batch_norm_eval": layer_case(nn.BatchNorm(use_running_average=True), [feat]),
+        "attention": layer_case(nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8), [seq]),
+        "attention_cross": layer_case(nn.MultiHeadDotProductAttention(num_heads=3, qkv_features=6, out_features=5),
+                                      [seq, fixed_normal(6, (2, 7, 4))],
+                                      call=lambda m, q, kv: m(q, inputs_kv=kv)),
+        "lstm_cell": layer_case(nn.LSTMCell(5), [(fixed_normal(7, (2, 5)), fixed_normal(8, (2, 5))), x24]),
+        "optimized_lstm_cell": layer_case(nn.OptimizedLSTMCell(5), [(fixed_normal(7, (2, 5)), fixed_normal(8, (2, 5))), x24]),
+        "gru_cell": layer_case(nn.GRUCell(5), [fixed_normal(9, (2, 5)), x24]),
+        "simple_cell": layer_case(nn.SimpleCell(5), [fixed_normal(9, (2, 5)), x24]),
+        "rnn_lstm": layer_case(nn.RNN(nn.LSTMCell(4)), [seq]),
+        "rnn_gru_reverse": layer_case(nn.RNN(nn.GRUCell(3), reverse=True, keep_order=True), [seq]),
+        "dropout": layer_case(nn.Dropout(0.5, deterministic=False), [fixed_normal(10, (4, 6))],
+                              apply_rngs={"dropout": jax.random.key(1)}),
+        "dropout_broadcast": layer_case(nn.Dropout(0.3, broadcast_dims=(0,), deterministic=False),
+                                        [fixed_normal(10, (4, 6))], apply_rngs={"dropout": jax.random.key(2)}),
+        # bf16 computation, float32 params (Flax's dtype / param_dtype)
+        "dense_bf16": layer_case(nn.Dense(3, dtype=bf16), [x24]),
+        "conv_bf16": layer_case(nn.Conv(4, (3, 3), dtype=bf16), [img]),
+        "layer_norm_bf16": layer_case(nn.LayerNorm(dtype=bf16), [seq]),
+        "attention_bf16": layer_case(nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8, dtype=bf16), [seq]),
+        "lstm_cell_bf16": layer_case(nn.LSTMCell(5, dtype=bf16), [(fixed_normal(7, (2, 5)), fixed_normal(8, (2, 5))), x24]),
+    }
+    return cases
+
+
+def tuples_to_dicts(tree):
+    if isinstance(tree, dict):
+        return {k: tuples_to_dicts(v) for k, v in tree.items()}
+    if isinstance(tree, (tuple, list)):
+        return {str(i): tuples_to_dicts(v) for i, v in enumerate(tree)}
+    return tree
+
+
+# ---- optax --------------------------------------------------------------------------------------
+
+SCHEDULES = {
+    "constant": lambda: optax.constant_schedule(0.3),
+    "linear": lambda: optax.linear_schedule(1.0, 0.1, transition_steps=7, transition_begin=2),
+    "cosine_decay": lambda: optax.cosine_decay_schedule(0.5, decay_steps=9, alpha=0.1),
+    "warmup_cosine_decay": lambda: optax.warmup_cosine_decay_schedule(0.0, 1.0, warmup_steps=3, decay_steps=10,
+                                                                      end_value=0.05),
+    "exponential_decay": lambda: optax.exponential_decay(1.0, transition_steps=3, decay_rate=0.5),
+    "exponential_decay_staircase": lambda: optax.exponential_decay(1.0, transition_steps=3, decay_rate=0.5,
+                                                                   transition_begin=1, staircase=True, end_value=0.2),
+    "piecewise_constant": lambda: optax.piecewise_constant_schedule(1.0, {3: 0.5, 7: 0.1}),
+    "polynomial": lambda: optax.polynomial_schedule(1.0, 0.01, power=2.0, transition_steps=8, transition_begin=1),
+    "join": lambda: optax.join_schedules([optax.constant_schedule(0.1), optax.linear_schedule(0.1, 1.0, 5)], [4]),
+    "cosine_onecycle": lambda: optax.cosine_onecycle_schedule(12, peak_value=1.0),
+}
+
+OPTIMIZERS = {
+    "sgd": lambda: optax.sgd(0.1),
+    "sgd_momentum": lambda: optax.sgd(0.1, momentum=0.9),
+    "sgd_nesterov": lambda: optax.sgd(0.1, momentum=0.9, nesterov=True),
+    "adam": lambda: optax.adam(1e-2),
+    "adam_eps_root": lambda: optax.adam(1e-2, b1=0.8, b2=0.95, eps=1e-6, eps_root=1e-8),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+    "rmsprop": lambda: optax.rmsprop(1e-2),
+    "rmsprop_centered": lambda: optax.rmsprop(1e-2, centered=True),
+    "rmsprop_eps_outside": lambda: optax.rmsprop(1e-2, eps_in_sqrt=False),
+    "adagrad": lambda: optax.adagrad(0.1),
+    "lion": lambda: optax.lion(1e-2),
+    "lamb": lambda: optax.lamb(1e-2),
+    "adabelief": lambda: optax.adabelief(1e-2),
+    "adafactor": lambda: optax.adafactor(1e-2),
+    "clip_adam": lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2)),
+    "adam_schedule": lambda: optax.adam(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 5)),
+}
+
+STEPS = 5
+
+
+def optax_values():
+    params = {"b": fixed_normal(20, (4,)), "w": fixed_normal(21, (3, 4))}
+    grads = [{"b": fixed_normal(30 + 2 * s, (4,)), "w": fixed_normal(31 + 2 * s, (3, 4))} for s in range(STEPS)]
+    out = {"params0": params, "grads": {str(s): g for s, g in enumerate(grads)}, "optimizers": {}, "schedules": {}}
+    for name, make in OPTIMIZERS.items():
+        opt = make()
+        p = jax.tree_util.tree_map(jnp.asarray, params)
+        state = opt.init(p)
+        traj = {}
+        for s in range(STEPS):
+            updates, state = opt.update(jax.tree_util.tree_map(jnp.asarray, grads[s]), state, p)
+            p = optax.apply_updates(p, updates)
+            traj[str(s)] = p
+        out["optimizers"][name] = {"params": traj, "state": flax.serialization.to_state_dict(state)}
+    for name, make in SCHEDULES.items():
+        f = make()
+        out["schedules"][name] = np.asarray([f(s) for s in range(15)], dtype=np.float32)
+    return out
+
+
+# ---- flax.serialization -------------------------------------------------------------------------
+
+def serialization_tree():
+    return {
+        "params": {
+            "Dense_0": {"kernel": fixed_normal(40, (3, 2)), "bias": np.zeros((2,), np.float32)},
+            "Embed_0": {"embedding": fixed_normal(41, (5, 3)).astype(jnp.bfloat16)},
+        },
+        "batch_stats": {"mean": np.arange(4, dtype=np.float32) / 3, "var": np.ones((4,), np.float32)},
+        "step": np.array(7, dtype=np.int32),
+        "ids": np.array([[1, -2], [2**31 - 1, -(2**31)]], dtype=np.int32),
+        "specials": np.array([np.inf, -np.inf, np.nan, -0.0, 1e-45, 3.4028235e38], dtype=np.float32),
+        "empty": np.zeros((0, 3), np.float32),
+        "nested": {"a": {"b": {"c": np.float32(1.5) * np.ones((1, 1, 1), np.float32)}}},
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--any-version", action="store_true", help="run with other versions than the pinned ones")
+    args = ap.parse_args()
+    found = {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__}
+    if found != PINNED and not args.any_version:
+        sys.exit(f"pinned {PINNED}, found {found}: pip install jax=={PINNED['jax']} flax=={PINNED['flax']} "
+                 f"optax=={PINNED['optax']} (or --any-version to compare)")
+    jax.config.update("jax_platforms", "cpu")
+    os.makedirs(os.path.join(HERE, "fixtures"), exist_ok=True)
+    write("prng.msgpack", {"versions": {k: np.frombuffer(v.encode(), np.uint8).astype(np.int32) for k, v in found.items()},
+                           **prng_values()})
+    write("initializers.msgpack", initializer_values())
+    # Tuples (LSTM carries (c, h)) are stored as {"0": c, "1": h}.
+    write("layers.msgpack", tuples_to_dicts(layer_values()))
+    write("optax.msgpack", optax_values())
+    write("serialization.msgpack", serialization_tree())
+
+
+if __name__ == "__main__":
+    main()

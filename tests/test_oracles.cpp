@@ -1,0 +1,482 @@
+// Linum against the real JAX, Flax and optax: the values tests/oracles/make_fixtures.py computed
+// with the pinned versions (jax 0.10.2, flax 0.12.8, optax 0.2.8) and committed as MessagePack
+// files in tests/oracles/fixtures/. Where the two may round differently (XLA's kernels sum in
+// another order than oneDNN's or Eigen's) a comparison has a tolerance, and says so; everything
+// that is exact by construction (PRNG bits, samplers, initializers from normal/uniform draws,
+// serialized bytes, variable names, shapes and dtypes) is compared bit for bit.
+#include <doctest/doctest.h>
+#include <linum/linum.hpp>
+#include <linum/train/io/serialization.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+using namespace linum;
+namespace ser = linum::serialization;
+
+namespace {
+
+const std::filesystem::path kFixtures = LINUM_ORACLE_DIR;
+
+const Tree& fixture(const std::string& name) {
+  static std::map<std::string, Tree> cache;
+  auto it = cache.find(name);
+  if (it == cache.end()) it = cache.emplace(name, ser::load_msgpack(kFixtures / name)).first;
+  return it->second;
+}
+
+// How far `got` is from `want`: the largest |got - want| / (atol + rtol |want|) (<= 1 passes), with
+// NaNs equal to NaNs and infinities to the same infinity. Both as float32 (bf16 widened exactly).
+struct Closeness {
+  double worst_ratio = 0;  // <= 1: within tolerance
+  double max_abs = 0;      // largest |got - want|
+  bool bitwise = true;
+};
+
+Closeness closeness(const Array& got, const Array& want, double rtol, double atol) {
+  Closeness c;
+  const Array g = got.dtype() == DType::i32 ? got : astype(got, DType::f32);
+  const Array w = want.dtype() == DType::i32 ? want : astype(want, DType::f32);
+  c.bitwise = got.dtype() == want.dtype() && got.bitwise_equal(want);
+  if (g.dtype() == DType::i32 || w.dtype() == DType::i32) {
+    c.worst_ratio = c.bitwise ? 0 : 2;
+    return c;
+  }
+  const std::vector<float> gv = g.to_vector(), wv = w.to_vector();
+  for (std::size_t i = 0; i < gv.size(); ++i) {
+    const double a = gv[i], b = wv[i];
+    if (std::isnan(a) && std::isnan(b)) continue;
+    if (std::isinf(b) || std::isnan(a) || std::isnan(b)) {
+      if (a != b) c.worst_ratio = 2;
+      continue;
+    }
+    const double d = std::abs(a - b);
+    c.max_abs = std::max(c.max_abs, d);
+    c.worst_ratio = std::max(c.worst_ratio, d / (atol + rtol * std::abs(b)));
+  }
+  return c;
+}
+
+// Every comparison made, for the summary the suite prints (what matched bit for bit, what within
+// which tolerance).
+struct Summary {
+  int bitwise = 0, close = 0, failed = 0;
+  double max_abs_close = 0;
+  std::string worst;
+};
+std::map<std::string, Summary>& summaries() {
+  static std::map<std::string, Summary> s;
+  return s;
+}
+
+// Checks one array against the oracle's; `what` names the case and path.
+void check_array(const std::string& group, const std::string& what, const Array& got, const Array& want, double rtol,
+                 double atol) {
+  INFO(what);
+  REQUIRE(got.defined());
+  CHECK(got.shape() == want.shape());
+  CHECK(dtype_name(got.dtype()) == dtype_name(want.dtype()));
+  if (got.shape() != want.shape()) return;
+  const Closeness c = closeness(got, want, rtol, atol);
+  Summary& s = summaries()[group];
+  if (c.bitwise) {
+    ++s.bitwise;
+  } else if (c.worst_ratio <= 1) {
+    ++s.close;
+    if (c.max_abs > s.max_abs_close) {
+      s.max_abs_close = c.max_abs;
+      s.worst = what;
+    }
+  } else {
+    ++s.failed;
+  }
+  INFO("max |got - want| = " << c.max_abs << ", tolerance ratio " << c.worst_ratio << " (rtol " << rtol << ", atol "
+                             << atol << ")");
+  CHECK(c.worst_ratio <= 1);
+}
+
+// Both trees have the same paths, and each leaf is close.
+void check_tree(const std::string& group, const std::string& what, const Tree& got, const Tree& want, double rtol,
+                double atol) {
+  std::map<std::string, Array> g, w;
+  for (auto& [p, a] : flatten(got)) g.emplace(p, a);
+  for (auto& [p, a] : flatten(want)) w.emplace(p, a);
+  std::string missing, extra;
+  for (auto& [p, a] : w)
+    if (!g.count(p)) missing += " " + p;
+  for (auto& [p, a] : g)
+    if (!w.count(p)) extra += " " + p;
+  INFO(what << ": missing" << missing << "; not in the oracle" << extra);
+  CHECK(missing.empty());
+  CHECK(extra.empty());
+  for (auto& [p, a] : w)
+    if (g.count(p)) check_array(group, what + "/" + p, g.at(p), a, rtol, atol);
+}
+
+std::vector<Array> leaves_of(const Tree& t) { return leaves(t); }
+
+Array key_words(const rng::Key& k) {
+  return Array::from_i32(Shape{2}, {static_cast<std::int32_t>(k.hi), static_cast<std::int32_t>(k.lo)});
+}
+Array key_words(const std::vector<rng::Key>& ks) {
+  std::vector<std::int32_t> v;
+  for (const auto& k : ks) {
+    v.push_back(static_cast<std::int32_t>(k.hi));
+    v.push_back(static_cast<std::int32_t>(k.lo));
+  }
+  return Array::from_i32(Shape{static_cast<std::int64_t>(ks.size()), 2}, v);
+}
+Array u32_words(const std::vector<std::uint32_t>& w) {
+  std::vector<std::int32_t> v(w.begin(), w.end());
+  return Array::from_i32(Shape{static_cast<std::int64_t>(w.size())}, v);
+}
+
+}  // namespace
+
+// ---- jax.random ---------------------------------------------------------------------------------
+
+TEST_CASE("jax.random: keys, split, fold_in, bits and every sampler equal JAX's bit for bit, in both threefry modes") {
+  const std::vector<std::pair<std::string, std::int64_t>> seeds = {
+      {"seed_0", 0}, {"seed_42", 42}, {"seed_m7", -7}, {"seed_1099511627779", (std::int64_t{1} << 40) + 3}};
+  for (const rng::Mode mode : {rng::Mode::partitionable, rng::Mode::legacy}) {
+    const Tree& m = fixture("prng.msgpack").at(rng::mode_name(mode));
+    const Array logits = m.at("categorical_logits_4x5").array();
+    for (const auto& [name, seed] : seeds) {
+      const std::string mode_name = rng::mode_name(mode);
+      CAPTURE(mode_name);
+      CAPTURE(name);
+      const Tree& c = m.at(name);
+      // jax.random.key(seed) with JAX's default jax_enable_x64=False is key_x32 (the seed taken
+      // modulo 2^32); with x64 enabled it is rng::key (all 64 bits). The draws use the default.
+      const rng::Key k = rng::key_x32(seed);
+      const std::string g = "prng";
+      auto same = [&](const char* what, const Array& got, double rtol = 0) {
+        check_array(g, name + "/" + what, got, c.at(what).array(), rtol, 0);
+      };
+      same("key", key_words(k));
+      same("key_x64", key_words(rng::key(seed)));
+      same("split3", key_words(rng::split(k, 3, mode)));
+      same("split2", key_words(rng::split(k, 2, mode)));
+      same("fold_in_7", key_words(rng::fold_in(k, 7)));
+      same("fold_in_big", key_words(rng::fold_in(k, 0xDEADBEEFu)));
+      same("bits_u32_13", u32_words(rng::bits_u32(k, 13, mode)));
+      same("bits_u32_2x3", rng::bits(k, Shape{2, 3}, mode));
+      same("uniform_7", rng::uniform(k, Shape{7}, 0.0f, 1.0f, mode));
+      same("uniform_m2_3_2x5", rng::uniform(k, Shape{2, 5}, -2.0f, 3.0f, mode));
+      // normal and truncated_normal: sqrt(2) erf_inv(u), whose log1p XLA computes to within an ulp
+      // (ours is correctly rounded): 2 ulps at most.
+      same("normal_9", rng::normal(k, Shape{9}, mode), 2.4e-7);
+      same("normal_3x4", rng::normal(k, Shape{3, 4}, mode), 2.4e-7);
+      same("truncated_normal_m2_2_9", rng::truncated_normal(k, -2.0f, 2.0f, Shape{9}, mode), 2.4e-7);
+      same("truncated_normal_m1_3_9", rng::truncated_normal(k, -1.0f, 3.0f, Shape{9}, mode), 2.4e-7);
+      same("bernoulli_03_17", astype(rng::bernoulli(k, 0.3f, Shape{17}, mode), DType::i32));
+      same("randint_m5_9_11", astype(rng::randint(k, Shape{11}, -5, 9, mode), DType::i32));
+      same("permutation_10", astype(rng::permutation(k, 10, mode), DType::i32));
+      // -log(-log(u)): XLA's float32 log is not correctly rounded, ours is (an ulp apart at times).
+      same("gumbel_6", rng::gumbel(k, Shape{6}, mode), 2.4e-7);
+      same("categorical_4x5", astype(rng::categorical(k, logits, -1, mode), DType::i32));
+    }
+  }
+}
+
+// ---- jax.nn.initializers ------------------------------------------------------------------------
+
+TEST_CASE("jax.nn.initializers from one key equal JAX's (bitwise; orthogonal within float32 rounding of its QR)") {
+  namespace I = initializers;
+  const std::vector<std::pair<std::string, Initializer>> cases = {
+      {"lecun_normal", I::lecun_normal()},   {"lecun_uniform", I::lecun_uniform()},
+      {"he_normal", I::he_normal()},         {"he_uniform", I::he_uniform()},
+      {"glorot_normal", I::glorot_normal()}, {"glorot_uniform", I::glorot_uniform()},
+      {"normal_002", I::normal(0.02f)},      {"uniform_005", I::uniform(0.05f)},
+      {"truncated_normal_01", I::truncated_normal(0.1f)},
+      {"orthogonal", I::orthogonal()},       {"orthogonal_2", I::orthogonal(2.0f)},
+  };
+  const Tree& f = fixture("initializers.msgpack");
+  const rng::Key k = rng::key(3);
+  for (const auto& [name, init] : cases) {
+    CAPTURE(name);
+    // QR in another library: orthogonal matrices agree to float32 rounding, not bit for bit. The
+    // normal draws go through erf_inv, whose log1p XLA computes to within an ulp: 2 ulps at most.
+    const bool qr = name.rfind("orthogonal", 0) == 0;
+    const double rtol = qr ? 2e-6 : 2.4e-7, atol = qr ? 2e-6 : 0;
+    check_array("initializers", name + "/5x7", init(k, Shape{5, 7}), f.at(name).at("shape_5x7").array(), rtol, atol);
+    check_array("initializers", name + "/3x3x4x6", init(k, Shape{3, 3, 4, 6}), f.at(name).at("shape_3x3x4x6").array(),
+                rtol, atol);
+  }
+  check_array("initializers", "embed_default", nn::default_embed_init()(k, Shape{10, 4}),
+              f.at("embed_default").at("shape_10x4").array(), 0, 0);
+}
+
+// ---- flax.linen layers --------------------------------------------------------------------------
+
+namespace {
+
+// A layer case: how Linum initializes and applies the same layer, on the fixture's inputs (the
+// arrays of its "inputs" dict, flattened: an LSTM carry {"0": c, "1": h} is two arrays).
+struct LayerCase {
+  std::string name;
+  std::function<Tree(const std::vector<Array>&)> init;
+  // (variables, inputs) -> (output arrays flattened, updated mutable collections)
+  std::function<std::pair<std::vector<Array>, Tree>(const Tree&, const std::vector<Array>&)> apply;
+  bool bf16 = false;
+};
+
+// A layer of one array input, one pytree output.
+template <class M>
+LayerCase one_input(std::string name, M m, ApplyOptions options = {}, rng::Streams init_rngs = rng::Streams(rng::key(0))) {
+  const bool bf16 = name.size() > 5 && name.substr(name.size() - 5) == "_bf16";
+  return {std::move(name), [m, init_rngs](const std::vector<Array>& x) { return init(m, init_rngs, x.at(0)); },
+          [m, options](const Tree& vars, const std::vector<Array>& x) {
+            auto [y, upd] = apply(m, vars, options, x.at(0));
+            return std::make_pair(pytree::flatten(y), Tree(upd));
+          },
+          bf16};
+}
+
+// An LSTM cell: inputs (carry {c, h}, x).
+template <class Cell>
+LayerCase lstm_cell(std::string name, Cell cell) {
+  const bool bf16 = name.size() > 5 && name.substr(name.size() - 5) == "_bf16";
+  return {std::move(name),
+          [cell](const std::vector<Array>& x) { return init(cell, rng::key(0), nn::LSTMCarry{x.at(0), x.at(1)}, x.at(2)); },
+          [cell](const Tree& vars, const std::vector<Array>& x) {
+            return std::make_pair(pytree::flatten(apply(cell, vars, nn::LSTMCarry{x.at(0), x.at(1)}, x.at(2))), Tree{});
+          },
+          bf16};
+}
+
+// A cell whose carry is one array: inputs (carry, x).
+template <class Cell>
+LayerCase array_cell(std::string name, Cell cell) {
+  return {std::move(name), [cell](const std::vector<Array>& x) { return init(cell, rng::key(0), x.at(0), x.at(1)); },
+          [cell](const Tree& vars, const std::vector<Array>& x) {
+            return std::make_pair(pytree::flatten(apply(cell, vars, x.at(0), x.at(1))), Tree{});
+          }};
+}
+
+std::vector<LayerCase> layer_cases() {
+  const rng::Streams dropout_init{{"params", rng::key(0)}, {"dropout", rng::key(1)}};
+  return {
+      one_input("dense", nn::Dense{.features = 3}),
+      one_input("dense_no_bias", nn::Dense{.features = 5, .use_bias = false}),
+      one_input("dense_general", nn::DenseGeneral{.features = {2, 3}, .axis = {-1}}),
+      one_input("dense_general_axes", nn::DenseGeneral{.features = {4}, .axis = {-2, -1}}),
+      one_input("conv_same", nn::Conv{.features = 4, .kernel_size = {3, 3}}),
+      one_input("conv_valid_strided", nn::Conv{.features = 5, .kernel_size = {3, 2}, .strides = {2, 1}, .padding = "VALID"}),
+      one_input("conv_dilated_pairs",
+                nn::Conv{.features = 2, .kernel_size = {2, 2}, .padding = {{1, 2}, {0, 1}}, .kernel_dilation = {2, 1}}),
+      one_input("conv_grouped", nn::Conv{.features = 6, .kernel_size = {3, 3}, .feature_group_count = 3, .use_bias = false}),
+      one_input("conv1d_causal", nn::Conv{.features = 3, .kernel_size = {3}, .padding = "CAUSAL"}),
+      one_input("conv_transpose", nn::ConvTranspose{.features = 3, .kernel_size = {3, 3}, .strides = {2, 2}}),
+      one_input("conv_transpose_valid",
+                nn::ConvTranspose{.features = 2, .kernel_size = {2, 3}, .strides = {2, 1}, .padding = "VALID"}),
+      one_input("embed", nn::Embed{.num_embeddings = 10, .features = 4}),
+      one_input("layer_norm", nn::LayerNorm{}),
+      one_input("rms_norm", nn::RMSNorm{}),
+      one_input("group_norm", nn::GroupNorm{.num_groups = 3}),
+      one_input("batch_norm_train", nn::BatchNorm{.use_running_average = false}, {.mutable_collections = {"batch_stats"}}),
+      one_input("batch_norm_eval", nn::BatchNorm{.use_running_average = true}),
+      one_input("attention", nn::MultiHeadDotProductAttention{.num_heads = 2, .qkv_features = 8}),
+      LayerCase{"attention_cross",
+                [](const std::vector<Array>& x) {
+                  return init(nn::MultiHeadDotProductAttention{.num_heads = 3, .qkv_features = 6, .out_features = 5},
+                              rng::key(0), x.at(0), x.at(1));
+                },
+                [](const Tree& vars, const std::vector<Array>& x) {
+                  const nn::MultiHeadDotProductAttention m{.num_heads = 3, .qkv_features = 6, .out_features = 5};
+                  return std::make_pair(std::vector<Array>{apply(m, vars, x.at(0), x.at(1))}, Tree{});
+                }},
+      lstm_cell("lstm_cell", nn::LSTMCell{.features = 5}),
+      lstm_cell("optimized_lstm_cell", nn::OptimizedLSTMCell{.features = 5}),
+      array_cell("gru_cell", nn::GRUCell{.features = 5}),
+      array_cell("simple_cell", nn::SimpleCell{.features = 5}),
+      one_input("rnn_lstm", nn::RNN<nn::LSTMCell>{.cell = {.features = 4}}),
+      one_input("rnn_gru_reverse", nn::RNN<nn::GRUCell>{.cell = {.features = 3}, .reverse = true, .keep_order = true}),
+      one_input("dropout", nn::Dropout{.rate = 0.5, .deterministic = false}, {.rngs = {{"dropout", rng::key(1)}}},
+                dropout_init),
+      one_input("dropout_broadcast", nn::Dropout{.rate = 0.3, .broadcast_dims = {0}, .deterministic = false},
+                {.rngs = {{"dropout", rng::key(2)}}}, dropout_init),
+      one_input("dense_bf16", nn::Dense{.features = 3, .dtype = DType::bf16}),
+      one_input("conv_bf16", nn::Conv{.features = 4, .kernel_size = {3, 3}, .dtype = DType::bf16}),
+      one_input("layer_norm_bf16", nn::LayerNorm{.dtype = DType::bf16}),
+      one_input("attention_bf16", nn::MultiHeadDotProductAttention{.num_heads = 2, .qkv_features = 8, .dtype = DType::bf16}),
+      lstm_cell("lstm_cell_bf16", nn::LSTMCell{.features = 5, .dtype = DType::bf16}),
+  };
+}
+
+Tree with_params(const Tree& variables, const Tree& params) {
+  Tree v = variables;
+  if (variables.contains("params")) v.set("params", params);
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("flax.linen layers: init from the same key gives Flax's variables (names, shapes, dtypes, values)") {
+  const Tree& f = fixture("layers.msgpack");
+  for (const LayerCase& c : layer_cases()) {
+    CAPTURE(c.name);
+    const Tree& want = f.at(c.name);
+    const std::vector<Array> inputs = leaves_of(want.at("inputs"));
+    // Orthogonal recurrent kernels come from a QR: float32 rounding; everything else bitwise.
+    check_tree("init", c.name, c.init(inputs), want.at("variables"), 2e-6, 2e-6);
+  }
+}
+
+TEST_CASE("flax.linen layers: apply on Flax's variables gives Flax's outputs, mutable updates and gradients") {
+  const Tree& f = fixture("layers.msgpack");
+  for (const LayerCase& c : layer_cases()) {
+    CAPTURE(c.name);
+    const Tree& want = f.at(c.name);
+    const Tree& variables = want.at("variables");
+    const std::vector<Array> inputs = leaves_of(want.at("inputs"));
+    const std::vector<Array> cots = leaves_of(want.at("cotangents"));
+    // float32: XLA and oneDNN/Eigen sum products in different orders (a few float32 ulps of the
+    // largest terms). bf16 computation: outputs within a bf16 rounding or two (2^-8 relative each)
+    // of either side's value; gradients pass several bf16 roundings, which Flax places after each
+    // op and Linum after each fused kernel (attention's softmax and its products): 5%.
+    const double rtol = c.bf16 ? 2e-2 : 1e-4, atol = c.bf16 ? 2e-2 : 1e-5;
+    const double grad_tol = c.bf16 ? 5e-2 : 1e-4, grad_atol = c.bf16 ? 5e-2 : 1e-5;
+    const std::string group = c.bf16 ? "apply bf16" : "apply f32";
+
+    auto [outputs, updates] = c.apply(variables, inputs);
+    const std::vector<Array> want_out = leaves_of(want.at("outputs"));
+    REQUIRE(outputs.size() == want_out.size());
+    for (std::size_t i = 0; i < outputs.size(); ++i)
+      check_array(group, c.name + "/output_" + std::to_string(i), outputs[i], want_out[i], rtol, atol);
+    if (want.contains("updates")) check_tree(group, c.name + "/updates", updates, want.at("updates"), rtol, atol);
+
+    // Gradients of sum(output_i * cotangent_i) with respect to the params and the float inputs.
+    std::vector<std::size_t> float_at;
+    std::vector<Array> float_inputs;
+    for (std::size_t i = 0; i < inputs.size(); ++i)
+      if (is_floating(inputs[i].dtype())) {
+        float_at.push_back(i);
+        float_inputs.push_back(inputs[i]);
+      }
+    const Tree params = variables.contains("params") ? variables.at("params") : Tree{};
+    auto loss = [&](const Tree& p, const std::vector<Array>& fx) {
+      std::vector<Array> xs = inputs;
+      for (std::size_t j = 0; j < float_at.size(); ++j) xs[float_at[j]] = fx[j];
+      const std::vector<Array> out = c.apply(with_params(variables, p), xs).first;
+      Array total = Array::zeros(Shape{});
+      for (std::size_t i = 0; i < out.size(); ++i) total = total + sum(astype(out[i], DType::f32) * cots[i]);
+      return total;
+    };
+    auto [gp, gx] = grad<0, 1>(loss)(params, float_inputs);
+    if (want.contains("grad_params") && !want.at("grad_params").empty())
+      check_tree(group, c.name + "/grad_params", gp, want.at("grad_params"), grad_tol, grad_atol);
+    const std::vector<Array> want_gx = leaves_of(want.at("grad_inputs"));
+    REQUIRE(gx.size() == want_gx.size());
+    for (std::size_t j = 0; j < gx.size(); ++j)
+      check_array(group, c.name + "/grad_input_" + std::to_string(j), gx[j], want_gx[j], grad_tol, grad_atol);
+  }
+}
+
+// ---- optax --------------------------------------------------------------------------------------
+
+TEST_CASE("optax: every optimizer's parameters over 5 steps and its final state tree equal optax's") {
+  const Tree& f = fixture("optax.msgpack");
+  const std::vector<std::pair<std::string, optim::GradientTransformation>> cases = {
+      {"sgd", optim::sgd(0.1)},
+      {"sgd_momentum", optim::sgd(0.1, 0.9)},
+      {"sgd_nesterov", optim::sgd(0.1, 0.9, true)},
+      {"adam", optim::adam(1e-2)},
+      {"adam_eps_root", optim::adam(1e-2, 0.8, 0.95, 1e-6, 1e-8)},
+      {"adamw", optim::adamw(1e-2, 0.9, 0.999, 1e-8, 0.1)},
+      {"rmsprop", optim::rmsprop(1e-2)},
+      {"rmsprop_centered", optim::rmsprop(1e-2, 0.9, 1e-8, 0.0, true)},
+      {"rmsprop_eps_outside", optim::rmsprop(1e-2, 0.9, 1e-8, 0.0, false, 0.0, false, false)},
+      {"adagrad", optim::adagrad(0.1)},
+      {"lion", optim::lion(1e-2)},
+      {"lamb", optim::lamb(1e-2)},
+      {"adabelief", optim::adabelief(1e-2)},
+      {"adafactor", optim::adafactor(1e-2)},
+      {"clip_adam", optim::chain(optim::clip_by_global_norm(0.5), optim::adam(1e-2))},
+      {"adam_schedule", optim::adam(optim::warmup_cosine_decay_schedule(0.0f, 1e-2f, 2, 5))},
+  };
+  const Tree& grads = f.at("grads");
+  for (const auto& [name, opt] : cases) {
+    CAPTURE(name);
+    const Tree& want = f.at("optimizers").at(name);
+    Tree params = f.at("params0");
+    Tree state = opt.init(params);
+    for (std::size_t s = 0; s < grads.size(); ++s) {
+      auto [updates, next] = opt.update(grads.at(std::to_string(s)), state, params);
+      params = optim::apply_updates(params, updates);
+      state = next;
+      // optax evaluates the same float32 formulas; XLA may fuse a multiply-add where Linum rounds
+      // twice (or the reverse): a few ulps, growing slowly over the steps.
+      check_tree("optax", name + "/params_" + std::to_string(s), params, want.at("params").at(std::to_string(s)), 1e-5,
+                 1e-6);
+    }
+    check_tree("optax", name + "/state", state, want.at("state"), 1e-5, 1e-6);
+  }
+}
+
+TEST_CASE("optax schedules at steps 0..14 equal optax's") {
+  const Tree& f = fixture("optax.msgpack").at("schedules");
+  const std::vector<std::pair<std::string, optim::Schedule>> cases = {
+      {"constant", optim::constant_schedule(0.3f)},
+      {"linear", optim::linear_schedule(1.0f, 0.1f, 7, 2)},
+      {"cosine_decay", optim::cosine_decay_schedule(0.5f, 9, 0.1f)},
+      {"warmup_cosine_decay", optim::warmup_cosine_decay_schedule(0.0f, 1.0f, 3, 10, 0.05f)},
+      {"exponential_decay", optim::exponential_decay(1.0f, 3, 0.5f)},
+      {"exponential_decay_staircase", optim::exponential_decay(1.0f, 3, 0.5f, 1, true, 0.2f)},
+      {"piecewise_constant", optim::piecewise_constant_schedule(1.0f, {{3, 0.5f}, {7, 0.1f}})},
+      {"polynomial", optim::polynomial_schedule(1.0f, 0.01f, 2.0, 8, 1)},
+      {"join", optim::join_schedules({optim::constant_schedule(0.1f), optim::linear_schedule(0.1f, 1.0f, 5)}, {4})},
+      {"cosine_onecycle", optim::cosine_onecycle_schedule(12, 1.0f)},
+  };
+  for (const auto& [name, schedule] : cases) {
+    CAPTURE(name);
+    std::vector<float> got;
+    for (std::int64_t s = 0; s < 15; ++s) got.push_back(schedule(s));
+    // Schedules are evaluated in double and rounded once; JAX evaluates them in float32.
+    check_array("schedules", name, Array::from(Shape{15}, got), f.at(name).array(), 1e-6, 1e-7);
+  }
+}
+
+// ---- flax.serialization -------------------------------------------------------------------------
+
+TEST_CASE("flax.serialization: a file Flax wrote loads, and Linum writes it back byte for byte") {
+  std::ifstream in(kFixtures / "serialization.msgpack", std::ios::binary);
+  const std::vector<std::uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  REQUIRE(!bytes.empty());
+  const Tree t = ser::from_msgpack(bytes, "serialization.msgpack");
+  CHECK(ser::to_msgpack(t) == bytes);
+  CHECK(t.at_path("params/Embed_0/embedding").array().dtype() == DType::bf16);
+  CHECK(t.at("step").array().dtype() == DType::i32);
+  CHECK(t.at("step").array().shape() == Shape{});
+  CHECK(t.at("ids").array().to_vector_i32() == std::vector<std::int32_t>{1, -2, 2147483647, -2147483647 - 1});
+  const std::vector<float> specials = t.at("specials").array().to_vector();
+  CHECK(std::isinf(specials[0]));
+  CHECK(std::isnan(specials[2]));
+  CHECK(std::signbit(specials[3]));
+  std::uint32_t subnormal_bits = 0;
+  std::memcpy(&subnormal_bits, t.at("specials").array().data() + 4, 4);
+  CHECK(subnormal_bits == 1u);  // the smallest subnormal survives (compared as bits: Linum flushes denormals in arithmetic)
+  CHECK(t.at("empty").array().shape() == Shape{0, 3});
+  // The variable dicts of every layer fixture (Flax's init output, as Flax wrote them) round trip too.
+  for (const auto& [name, c] : fixture("layers.msgpack")) {
+    CAPTURE(name);
+    const std::vector<std::uint8_t> b = ser::to_msgpack(c.at("variables"));
+    CHECK(bitwise_equal(ser::from_msgpack(b), c.at("variables")));
+  }
+}
+
+TEST_CASE("oracle summary: what matched bit for bit and what within tolerance") {
+  // Runs last (doctest orders test cases by file and line): prints one line per group.
+  for (const auto& [group, s] : summaries())
+    MESSAGE(group << ": " << s.bitwise << " arrays bitwise, " << s.close << " within tolerance (largest difference "
+                  << s.max_abs_close << (s.worst.empty() ? "" : " at " + s.worst) << "), " << s.failed << " failed");
+}
