@@ -9,6 +9,7 @@
 #include <linum/train/io/serialization.hpp>
 
 #include <cmath>
+#include <concepts>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -323,20 +324,25 @@ Tree with_params(const Tree& variables, const Tree& params) {
 
 }  // namespace
 
-TEST_CASE("flax.linen layers: init from the same key gives Flax's variables (names, shapes, dtypes, values)") {
-  const Tree& f = fixture("layers.msgpack");
-  for (const LayerCase& c : layer_cases()) {
+namespace {
+
+// init from the same keys: Flax's variables (names, shapes, dtypes, values). Orthogonal recurrent
+// kernels come from a QR and normal draws pass XLA's log1p: within 2e-6; everything else bitwise.
+void check_init(const std::string& file, const std::vector<LayerCase>& cases) {
+  const Tree& f = fixture(file);
+  for (const LayerCase& c : cases) {
     CAPTURE(c.name);
     const Tree& want = f.at(c.name);
     const std::vector<Array> inputs = leaves_of(want.at("inputs"));
-    // Orthogonal recurrent kernels come from a QR: float32 rounding; everything else bitwise.
     check_tree("init", c.name, c.init(inputs), want.at("variables"), 2e-6, 2e-6);
   }
 }
 
-TEST_CASE("flax.linen layers: apply on Flax's variables gives Flax's outputs, mutable updates and gradients") {
-  const Tree& f = fixture("layers.msgpack");
-  for (const LayerCase& c : layer_cases()) {
+// apply on Flax's variables: Flax's outputs, mutable updates, and gradients of
+// sum(output_i * cotangent_i) with respect to the params and the float inputs.
+void check_apply(const std::string& file, const std::vector<LayerCase>& cases) {
+  const Tree& f = fixture(file);
+  for (const LayerCase& c : cases) {
     CAPTURE(c.name);
     const Tree& want = f.at(c.name);
     const Tree& variables = want.at("variables");
@@ -357,7 +363,6 @@ TEST_CASE("flax.linen layers: apply on Flax's variables gives Flax's outputs, mu
       check_array(group, c.name + "/output_" + std::to_string(i), outputs[i], want_out[i], rtol, atol);
     if (want.contains("updates")) check_tree(group, c.name + "/updates", updates, want.at("updates"), rtol, atol);
 
-    // Gradients of sum(output_i * cotangent_i) with respect to the params and the float inputs.
     std::vector<std::size_t> float_at;
     std::vector<Array> float_inputs;
     for (std::size_t i = 0; i < inputs.size(); ++i)
@@ -382,6 +387,109 @@ TEST_CASE("flax.linen layers: apply on Flax's variables gives Flax's outputs, mu
     for (std::size_t j = 0; j < gx.size(); ++j)
       check_array(group, c.name + "/grad_input_" + std::to_string(j), gx[j], want_gx[j], grad_tol, grad_atol);
   }
+}
+
+}  // namespace
+
+TEST_CASE("flax.linen layers: init from the same key gives Flax's variables (names, shapes, dtypes, values)") {
+  check_init("layers.msgpack", layer_cases());
+}
+
+TEST_CASE("flax.linen layers: apply on Flax's variables gives Flax's outputs, mutable updates and gradients") {
+  check_apply("layers.msgpack", layer_cases());
+}
+
+// ---- lifted transforms with dropout -------------------------------------------------------------
+
+namespace {
+
+// carry, x -> (tanh(h), h) with h = dropout(Dense(carry) + x): keys drawn inside the lift.
+struct DropBlock {
+  std::pair<Array, Array> operator()(Scope& s, const Array& c, const Array& x) const {
+    Array h = s(nn::Dense{.features = 5}, c) + x;
+    h = s(nn::Dropout{.rate = 0.5, .deterministic = false}, h);
+    return {tanh(h), h};
+  }
+};
+
+struct ScanStacked {
+  auto operator()(Scope& s, const Array& c, const Array& xs) const {
+    return s(lift::scan<DropBlock>{.variable_axes = {{"params", 0}}, .split_rngs = {{"params", true}, {"dropout", true}}}, c,
+             lift::scanned(xs));
+  }
+};
+
+struct ScanShared {
+  auto operator()(Scope& s, const Array& c, const Array& xs) const {
+    return s(lift::scan<DropBlock>{.variable_broadcast = {"params"}, .split_rngs = {{"params", false}, {"dropout", true}}},
+             c, lift::scanned(xs));
+  }
+};
+
+struct ScanReverse {
+  auto operator()(Scope& s, const Array& c, const Array& xs) const {
+    return s(lift::scan<DropBlock>{.reverse = true, .variable_axes = {{"params", 0}},
+                                   .split_rngs = {{"params", true}, {"dropout", true}}},
+             c, lift::scanned(xs));
+  }
+};
+
+// Flax names a class-form nn.remat(DropBlock) instance CheckpointDropBlock_<n>; lift::remat keeps
+// the body's name (so remat and plain dicts are interchangeable). A port of a Flax model names
+// them as Flax did, and then the layout, the masks and the gradients are Flax's.
+struct RematBlocks {
+  std::pair<Array, Array> operator()(Scope& s, const Array& c, const Array& x) const {
+    auto [c1, h1] = s("CheckpointDropBlock_0", lift::remat<DropBlock>{}, c, x);
+    auto [c2, h2] = s("CheckpointDropBlock_1", lift::remat<DropBlock>{}, c1, x);
+    auto [c3, h3] = s(DropBlock{}, c2, x);
+    return {c3, h1 + h2 + h3};
+  }
+};
+
+// carry -> carry + dropout(tanh(Dense(carry))).
+struct ResBlock {
+  Array operator()(Scope& s, const Array& c) const {
+    return c + s(nn::Dropout{.rate = 0.25, .deterministic = false}, tanh(s(nn::Dense{.features = 5}, c)));
+  }
+};
+
+struct RematScan {
+  Array operator()(Scope& s, const Array& c) const { return s(lift::remat_scan<ResBlock>{.lengths = {2, 3}}, c); }
+};
+
+// A model of one or two array inputs, initialized with params key 0 and dropout key 8, applied with
+// dropout key 7 (as make_fixtures.py's lifted cases).
+template <class M>
+LayerCase lifted_case(std::string name, M m) {
+  const rng::Streams init_rngs{{"params", rng::key(0)}, {"dropout", rng::key(8)}};
+  const ApplyOptions options{.rngs = {{"dropout", rng::key(7)}}};
+  return {std::move(name),
+          [m, init_rngs](const std::vector<Array>& x) {
+            if constexpr (std::invocable<const M&, Scope&, const Array&>) return init(m, init_rngs, x.at(0));
+            else return init(m, init_rngs, x.at(0), x.at(1));
+          },
+          [m, options](const Tree& vars, const std::vector<Array>& x) {
+            if constexpr (std::invocable<const M&, Scope&, const Array&>) {
+              auto [y, upd] = apply(m, vars, options, x.at(0));
+              return std::make_pair(pytree::flatten(y), Tree(upd));
+            } else {
+              auto [y, upd] = apply(m, vars, options, x.at(0), x.at(1));
+              return std::make_pair(pytree::flatten(y), Tree(upd));
+            }
+          }};
+}
+
+std::vector<LayerCase> lifted_cases() {
+  return {lifted_case("scan_stacked", ScanStacked{}), lifted_case("scan_shared", ScanShared{}),
+          lifted_case("scan_reverse", ScanReverse{}), lifted_case("remat_blocks", RematBlocks{}),
+          lifted_case("remat_scan", RematScan{})};
+}
+
+}  // namespace
+
+TEST_CASE("nn.scan, nn.remat, nn.remat_scan with dropout: Flax's variable layouts, masks drawn inside the lift, gradients") {
+  check_init("lifted.msgpack", lifted_cases());
+  check_apply("lifted.msgpack", lifted_cases());
 }
 
 // ---- optax --------------------------------------------------------------------------------------

@@ -18,6 +18,9 @@ Files (each a nested dict of numpy arrays, written with flax.serialization.msgpa
                          params and float inputs, f32 and bf16 computation; mutable collections
   optax.msgpack          optax optimizers over 5 steps (params after each step, the final state as
                          flax.serialization.to_state_dict gives it) and schedules at steps 0..N
+  lifted.msgpack         nn.scan (stacked and broadcast params, reverse), nn.remat and nn.remat_scan
+                         over blocks that draw dropout masks: variable layouts, outputs (the masks
+                         drawn inside the lifted transforms) and gradients
   serialization.msgpack  flax.serialization.msgpack_serialize of a tree with every dtype Linum keeps
                          (Linum must write the same bytes and read it back bit for bit)
 
@@ -236,6 +239,77 @@ def tuples_to_dicts(tree):
     return tree
 
 
+# ---- lifted transforms: nn.scan, nn.remat, nn.remat_scan with dropout ----------------------------
+
+class DropBlock(nn.Module):
+    """carry, x -> (tanh(h), h) with h = dropout(Dense(carry) + x): keys drawn inside the lift."""
+    @nn.compact
+    def __call__(self, c, x):
+        h = nn.Dense(5)(c) + x
+        h = nn.Dropout(0.5, deterministic=False)(h)
+        return jnp.tanh(h), h
+
+
+class ScanStacked(nn.Module):
+    """Layers: params stacked along axis 0, params and dropout keys split per iteration."""
+    @nn.compact
+    def __call__(self, c, xs):
+        return nn.scan(DropBlock, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True})()(c, xs)
+
+
+class ScanShared(nn.Module):
+    """An RNN: params broadcast (one set), dropout keys split per step."""
+    @nn.compact
+    def __call__(self, c, xs):
+        return nn.scan(DropBlock, variable_broadcast="params", split_rngs={"params": False, "dropout": True})()(c, xs)
+
+
+class ScanReverse(nn.Module):
+    @nn.compact
+    def __call__(self, c, xs):
+        return nn.scan(DropBlock, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
+                       reverse=True)()(c, xs)
+
+
+class RematBlocks(nn.Module):
+    """Two rematted blocks and a plain one, each drawing its dropout mask."""
+    @nn.compact
+    def __call__(self, c, x):
+        RB = nn.remat(DropBlock)
+        c, h1 = RB()(c, x)
+        c, h2 = RB()(c, x)
+        c, h3 = DropBlock()(c, x)
+        return c, h1 + h2 + h3
+
+
+class ResBlock(nn.Module):
+    """carry -> carry + dropout(tanh(Dense(carry)))."""
+    @nn.compact
+    def __call__(self, c):
+        return c + nn.Dropout(0.25, deterministic=False)(jnp.tanh(nn.Dense(5)(c)))
+
+
+class RematScan(nn.Module):
+    @nn.compact
+    def __call__(self, c):
+        return nn.remat_scan(ResBlock, lengths=(2, 3))()(c)
+
+
+def lifted_values():
+    c = fixed_normal(50, (2, 5))
+    xs = fixed_normal(51, (4, 2, 5))
+    x = fixed_normal(52, (2, 5))
+    drop = {"dropout": jax.random.key(7)}
+    init_rngs = {"dropout": jax.random.key(8)}
+    return {
+        "scan_stacked": layer_case(ScanStacked(), [c, xs], init_rngs=init_rngs, apply_rngs=drop),
+        "scan_shared": layer_case(ScanShared(), [c, xs], init_rngs=init_rngs, apply_rngs=drop),
+        "scan_reverse": layer_case(ScanReverse(), [c, xs], init_rngs=init_rngs, apply_rngs=drop),
+        "remat_blocks": layer_case(RematBlocks(), [c, x], init_rngs=init_rngs, apply_rngs=drop),
+        "remat_scan": layer_case(RematScan(), [c], init_rngs=init_rngs, apply_rngs=drop),
+    }
+
+
 # ---- optax --------------------------------------------------------------------------------------
 
 SCHEDULES = {
@@ -315,6 +389,7 @@ def serialization_tree():
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--any-version", action="store_true", help="run with other versions than the pinned ones")
+    ap.add_argument("--only", choices=["lifted"], help="write only this fixture")
     args = ap.parse_args()
     found = {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__}
     if found != PINNED and not args.any_version:
@@ -322,6 +397,9 @@ def main():
                  f"optax=={PINNED['optax']} (or --any-version to compare)")
     jax.config.update("jax_platforms", "cpu")
     os.makedirs(os.path.join(HERE, "fixtures"), exist_ok=True)
+    if args.only == "lifted":
+        write("lifted.msgpack", tuples_to_dicts(lifted_values()))
+        return
     write("prng.msgpack", {"versions": {k: np.frombuffer(v.encode(), np.uint8).astype(np.int32) for k, v in found.items()},
                            **prng_values()})
     write("initializers.msgpack", initializer_values())
@@ -329,6 +407,7 @@ def main():
     write("layers.msgpack", tuples_to_dicts(layer_values()))
     write("optax.msgpack", optax_values())
     write("serialization.msgpack", serialization_tree())
+    write("lifted.msgpack", tuples_to_dicts(lifted_values()))
 
 
 if __name__ == "__main__":
