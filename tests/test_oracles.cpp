@@ -17,6 +17,7 @@
 #include <functional>
 #include <iterator>
 #include <map>
+#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -490,6 +491,51 @@ std::vector<LayerCase> lifted_cases() {
 TEST_CASE("nn.scan, nn.remat, nn.remat_scan with dropout: Flax's variable layouts, masks drawn inside the lift, gradients") {
   check_init("lifted.msgpack", lifted_cases());
   check_apply("lifted.msgpack", lifted_cases());
+}
+
+// ---- jax.checkpoint policies --------------------------------------------------------------------
+
+TEST_CASE("jax.checkpoint policies save what JAX's saved_residuals lists: arguments, named values, products") {
+  const Tree& f = fixture("residuals.msgpack");
+  const std::vector<Array> in = leaves_of(f.at("inputs"));
+  // make_fixtures.py's residual_block: two plain products, a named value, a batched product.
+  auto block = [](const Array& x, const Array& w1, const Array& w2, const Array& w3) {
+    const Array h = checkpoint_name(tanh(matmul(x, w1)), "h");
+    const Array g = sin(matmul(h, w2));
+    return exp(einsum("bij,bjk->bik", reshape(g, {2, 2, 3}), w3));
+  };
+  const std::vector<std::pair<std::string, lift::Policy>> cases = {
+      {"nothing_saveable", policies::nothing_saveable{}},
+      {"dots_saveable", policies::dots_saveable{}},
+      {"dots_with_no_batch_dims_saveable", policies::dots_with_no_batch_dims_saveable{}},
+      {"save_only_these_names_h", policies::save_only_these_names({"h"})},
+      {"save_any_names_but_these_h", policies::save_any_names_but_these({"h"})},
+  };
+  // Each residual as (kind, shape): 0 an argument, 1 a named value, 2 a product's output, 3 other.
+  auto key_of = [](int kind, const Shape& shape) {
+    std::ostringstream os;
+    os << kind << " " << shape;
+    return os.str();
+  };
+  for (const auto& [name, policy] : cases) {
+    CAPTURE(name);
+    const auto loss = [&](const Array& x, const Array& w1, const Array& w2, const Array& w3) {
+      return sum(checkpoint(block, {.policy = policy})(x, w1, w2, w3));
+    };
+    std::multiset<std::string> got, want;
+    std::string listing;
+    for (const lift::Residual& r : lift::saved_residuals(loss, in[0], in[1], in[2], in[3])) {
+      const int kind = r.kind == "argument" ? 0 : r.name == "h" ? 1 : (r.op == "matmul" || r.op == "batched_matmul" || r.op == "dot_general") ? 2 : 3;
+      got.insert(key_of(kind, r.shape));
+      listing += "\n  " + r.str();
+    }
+    for (const auto& [i, e] : f.at(name)) {
+      const std::vector<std::int32_t> dims = e.at("shape").array().to_vector_i32();
+      want.insert(key_of(e.at("kind").array().to_vector_i32().at(0), Shape(std::vector<std::int64_t>(dims.begin(), dims.end()))));
+    }
+    INFO("Linum saves:" << listing);
+    CHECK(got == want);
+  }
 }
 
 // ---- optax --------------------------------------------------------------------------------------

@@ -21,6 +21,8 @@ Files (each a nested dict of numpy arrays, written with flax.serialization.msgpa
   lifted.msgpack         nn.scan (stacked and broadcast params, reverse), nn.remat and nn.remat_scan
                          over blocks that draw dropout masks: variable layouts, outputs (the masks
                          drawn inside the lifted transforms) and gradients
+  residuals.msgpack      jax.checkpoint under each policy: the residuals saved (shape and kind:
+                         argument, named value, product output), from jax's saved_residuals
   serialization.msgpack  flax.serialization.msgpack_serialize of a tree with every dtype Linum keeps
                          (Linum must write the same bytes and read it back bit for bit)
 
@@ -310,6 +312,39 @@ def lifted_values():
     }
 
 
+# ---- jax.checkpoint policies: what is saved ------------------------------------------------------
+
+def residual_block(x, w1, w2, w3):
+    """Two plain products and a batched one, a named value, elementwise ops between."""
+    from jax.ad_checkpoint import checkpoint_name
+    h = checkpoint_name(jnp.tanh(x @ w1), "h")
+    g = jnp.sin(h @ w2)
+    b = jnp.einsum("bij,bjk->bik", g.reshape(2, 2, 3), w3)  # a dot_general with a batch dimension
+    return jnp.exp(b)
+
+
+def residual_values():
+    from jax._src.ad_checkpoint import saved_residuals
+    pol = jax.checkpoint_policies
+    x, w1, w2, w3 = fixed_normal(60, (4, 3)), fixed_normal(61, (3, 5)), fixed_normal(62, (5, 3)), fixed_normal(63, (2, 3, 2))
+    policies = {"nothing_saveable": pol.nothing_saveable, "dots_saveable": pol.dots_saveable,
+                "dots_with_no_batch_dims_saveable": pol.dots_with_no_batch_dims_saveable,
+                "save_only_these_names_h": pol.save_only_these_names("h"),
+                "save_any_names_but_these_h": pol.save_any_names_but_these("h")}
+    out = {"inputs": {"0": x, "1": w1, "2": w2, "3": w3}}
+    for name, p in policies.items():
+        f = jax.checkpoint(residual_block, policy=p)
+        res = saved_residuals(lambda *a: jnp.sum(f(*a)), x, w1, w2, w3)
+        # Each residual: its shape and a kind: 0 an argument, 1 a named value, 2 a product's output.
+        entries = {}
+        for i, (aval, desc) in enumerate(res):
+            kind = 0 if desc.startswith("from the argument") else 1 if desc.startswith("named") else \
+                2 if "dot_general" in desc else 3
+            entries[str(i)] = {"shape": np.asarray(aval.shape, np.int32), "kind": np.int32(kind)}
+        out[name] = entries
+    return out
+
+
 # ---- optax --------------------------------------------------------------------------------------
 
 SCHEDULES = {
@@ -389,7 +424,8 @@ def serialization_tree():
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--any-version", action="store_true", help="run with other versions than the pinned ones")
-    ap.add_argument("--only", choices=["lifted"], help="write only this fixture")
+    ap.add_argument("--only", choices=["prng", "initializers", "layers", "lifted", "residuals", "optax", "serialization"],
+                    help="write only this fixture")
     args = ap.parse_args()
     found = {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__}
     if found != PINNED and not args.any_version:
@@ -397,17 +433,22 @@ def main():
                  f"optax=={PINNED['optax']} (or --any-version to compare)")
     jax.config.update("jax_platforms", "cpu")
     os.makedirs(os.path.join(HERE, "fixtures"), exist_ok=True)
-    if args.only == "lifted":
-        write("lifted.msgpack", tuples_to_dicts(lifted_values()))
-        return
-    write("prng.msgpack", {"versions": {k: np.frombuffer(v.encode(), np.uint8).astype(np.int32) for k, v in found.items()},
-                           **prng_values()})
-    write("initializers.msgpack", initializer_values())
-    # Tuples (LSTM carries (c, h)) are stored as {"0": c, "1": h}.
-    write("layers.msgpack", tuples_to_dicts(layer_values()))
-    write("optax.msgpack", optax_values())
-    write("serialization.msgpack", serialization_tree())
-    write("lifted.msgpack", tuples_to_dicts(lifted_values()))
+    for name, values in FIXTURES.items():
+        if args.only in (None, name):
+            write(name + ".msgpack", values(found))
+
+
+# Each fixture file and what computes it. Tuples (LSTM carries (c, h)) are stored as {"0": c, "1": h}.
+FIXTURES = {
+    "prng": lambda found: {"versions": {k: np.frombuffer(v.encode(), np.uint8).astype(np.int32)
+                                        for k, v in found.items()}, **prng_values()},
+    "initializers": lambda found: initializer_values(),
+    "layers": lambda found: tuples_to_dicts(layer_values()),
+    "lifted": lambda found: tuples_to_dicts(lifted_values()),
+    "residuals": lambda found: residual_values(),
+    "optax": lambda found: optax_values(),
+    "serialization": lambda found: serialization_tree(),
+}
 
 
 if __name__ == "__main__":
