@@ -379,7 +379,25 @@ OPTIMIZERS = {
     "adafactor": lambda: optax.adafactor(1e-2),
     "clip_adam": lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2)),
     "adam_schedule": lambda: optax.adam(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 5)),
+    # the toolbox Linum has, each in a chain where it is not a whole optimizer
+    "trace_nesterov": lambda: optax.chain(optax.trace(0.9, nesterov=True), optax.scale(-0.1)),
+    "scale_by_rss": lambda: optax.chain(optax.scale_by_rss(), optax.scale(-0.1)),
+    "scale_by_stddev": lambda: optax.chain(optax.scale_by_stddev(), optax.scale(-0.01)),
+    "trust_ratio": lambda: optax.chain(optax.scale_by_adam(), optax.scale_by_trust_ratio(), optax.scale(-0.01)),
+    "adafactor_factored": lambda: optax.adafactor(1e-2, min_dim_size_to_factor=2),
+    "clip_by_block_rms": lambda: optax.chain(optax.clip_by_block_rms(0.5), optax.scale(-0.1)),
+    "param_block_rms": lambda: optax.chain(optax.scale_by_param_block_rms(), optax.scale(-0.1)),
+    "ema": lambda: optax.chain(optax.ema(0.9), optax.scale(-0.1)),
+    "ema_no_debias": lambda: optax.chain(optax.ema(0.8, debias=False), optax.scale(-0.1)),
+    "masked_adam": lambda: optax.masked(optax.adam(1e-2), {"b": False, "w": True}),
+    "decay_masked": lambda: optax.chain(optax.add_decayed_weights(0.1, mask={"b": False, "w": True}), optax.sgd(0.1)),
+    "scale_by_schedule": lambda: optax.chain(optax.scale_by_schedule(optax.linear_schedule(-0.1, -0.01, 4))),
+    "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(1e-2), 2),
+    "multi_steps": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2).gradient_transformation(),
 }
+
+# Optimizers whose trajectory takes the gradients with a NaN at step 2 (the others take "grads").
+WITH_NAN = {"apply_if_finite"}
 
 STEPS = 5
 
@@ -387,14 +405,18 @@ STEPS = 5
 def optax_values():
     params = {"b": fixed_normal(20, (4,)), "w": fixed_normal(21, (3, 4))}
     grads = [{"b": fixed_normal(30 + 2 * s, (4,)), "w": fixed_normal(31 + 2 * s, (3, 4))} for s in range(STEPS)]
-    out = {"params0": params, "grads": {str(s): g for s, g in enumerate(grads)}, "optimizers": {}, "schedules": {}}
+    grads_nan = [dict(g) for g in grads]
+    grads_nan[2] = {"b": np.array([1.0, np.nan, 0.5, 2.0], np.float32), "w": grads[2]["w"]}
+    out = {"params0": params, "grads": {str(s): g for s, g in enumerate(grads)},
+           "grads_nan": {str(s): g for s, g in enumerate(grads_nan)}, "optimizers": {}, "schedules": {}}
     for name, make in OPTIMIZERS.items():
         opt = make()
+        gs = grads_nan if name in WITH_NAN else grads
         p = jax.tree_util.tree_map(jnp.asarray, params)
         state = opt.init(p)
         traj = {}
         for s in range(STEPS):
-            updates, state = opt.update(jax.tree_util.tree_map(jnp.asarray, grads[s]), state, p)
+            updates, state = opt.update(jax.tree_util.tree_map(jnp.asarray, gs[s]), state, p)
             p = optax.apply_updates(p, updates)
             traj[str(s)] = p
         out["optimizers"][name] = {"params": traj, "state": flax.serialization.to_state_dict(state)}
