@@ -24,6 +24,7 @@
 #include <linum/core/ops/all.hpp>
 #include <linum/core/tree.hpp>
 #include <linum/train/io/serialization.hpp>
+#include <linum/train/io/safetensors.hpp>
 #include <linum/train/io/checkpoint_manager.hpp>
 #include <linum/train/data/array_dataset.hpp>
 #include <linum/train/data/idx.hpp>

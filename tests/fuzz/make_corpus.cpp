@@ -87,6 +87,8 @@ int main(int argc, char** argv) {
     write(root / "msgpack" / ("seed-" + std::to_string(i) + ".msgpack"), serialization::to_msgpack(t));
     write(root / "msgpack" / ("seed-" + std::to_string(i) + "-chunked.msgpack"), serialization::to_msgpack(t, 8));
     write(root / "json" / ("seed-" + std::to_string(i) + ".json"), text(serialization::to_json(t).dump()));
+    write(root / "safetensors" / ("seed-" + std::to_string(i) + ".safetensors"),
+          safetensors::to_bytes(t, {{"format", "linum"}}, '/'));
     ++i;
   }
   // Module configs: each layer type's default and one with fields set.
