@@ -25,6 +25,7 @@
 #include <linum/core/tree.hpp>
 #include <linum/train/io/serialization.hpp>
 #include <linum/train/io/safetensors.hpp>
+#include <linum/train/io/torch_layouts.hpp>
 #include <linum/train/io/checkpoint_manager.hpp>
 #include <linum/train/data/array_dataset.hpp>
 #include <linum/train/data/idx.hpp>
