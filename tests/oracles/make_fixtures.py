@@ -23,6 +23,7 @@ Files (each a nested dict of numpy arrays, written with flax.serialization.msgpa
                          drawn inside the lifted transforms) and gradients
   residuals.msgpack      jax.checkpoint under each policy: the residuals saved (shape and kind:
                          argument, named value, product output), from jax's saved_residuals
+  flax_bytes.msgpack     flax.serialization.to_bytes of every layer case's variables (uint8 arrays)
   serialization.msgpack  flax.serialization.msgpack_serialize of a tree with every dtype Linum keeps
                          (Linum must write the same bytes and read it back bit for bit)
 
@@ -446,7 +447,7 @@ def serialization_tree():
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--any-version", action="store_true", help="run with other versions than the pinned ones")
-    ap.add_argument("--only", choices=["prng", "initializers", "layers", "lifted", "residuals", "optax", "serialization"],
+    ap.add_argument("--only", choices=list(FIXTURES),
                     help="write only this fixture")
     args = ap.parse_args()
     found = {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__}
@@ -470,6 +471,9 @@ FIXTURES = {
     "residuals": lambda found: residual_values(),
     "optax": lambda found: optax_values(),
     "serialization": lambda found: serialization_tree(),
+    # flax.serialization.to_bytes of Flax's own init output for every layer case, as uint8 arrays.
+    "flax_bytes": lambda found: {name: np.frombuffer(flax.serialization.to_bytes(c["variables"]), np.uint8)
+                                 for name, c in tuples_to_dicts(layer_values()).items()},
 }
 
 
