@@ -597,11 +597,12 @@ TEST_CASE("optax: every optimizer and wrapper: parameters over 5 steps and the f
       {"scale_by_schedule", optim::chain(optim::scale_by_schedule(optim::linear_schedule(-0.1f, -0.01f, 4)))},
       {"apply_if_finite", optim::apply_if_finite(optim::adam(1e-2), 2)},
       {"multi_steps", optim::multi_steps(optim::adam(1e-2), 2)},
+      {"dpsgd", optim::dpsgd(0.1, 1.0, 0.5, 3)},
   };
   for (const auto& [name, opt] : cases) {
     CAPTURE(name);
-    // apply_if_finite's trajectory has a NaN in the gradients of step 2.
-    const Tree& grads = f.at(name == "apply_if_finite" ? "grads_nan" : "grads");
+    // apply_if_finite's trajectory has a NaN in the gradients of step 2; DP-SGD takes per-example ones.
+    const Tree& grads = f.at(name == "apply_if_finite" ? "grads_nan" : name == "dpsgd" ? "grads_per_example" : "grads");
     const Tree& want = f.at("optimizers").at(name);
     Tree params = f.at("params0");
     Tree state = opt.init(params);

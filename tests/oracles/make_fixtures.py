@@ -51,6 +51,8 @@ def np_tree(tree):
     """The tree with every leaf a numpy array (jax arrays and Python numbers converted)."""
     if isinstance(tree, dict) or hasattr(tree, "items"):
         return {str(k): np_tree(v) for k, v in tree.items()}
+    if hasattr(tree, "dtype") and jax.dtypes.issubdtype(tree.dtype, jax.dtypes.prng_key):
+        return key_words(tree)  # a typed PRNG key (optax's DP state): its words, as int32 bits
     return np.asarray(tree)
 
 
@@ -395,10 +397,12 @@ OPTIMIZERS = {
     "scale_by_schedule": lambda: optax.chain(optax.scale_by_schedule(optax.linear_schedule(-0.1, -0.01, 4))),
     "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(1e-2), 2),
     "multi_steps": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2).gradient_transformation(),
+    "dpsgd": lambda: optax.contrib.dpsgd(0.1, l2_norm_clip=1.0, noise_multiplier=0.5, seed=3),
 }
 
-# Optimizers whose trajectory takes the gradients with a NaN at step 2 (the others take "grads").
-WITH_NAN = {"apply_if_finite"}
+# Which gradients a trajectory takes: "grads" by default, with a NaN at step 2, or per example
+# (3 examples; DP-SGD clips each).
+GRADS_OF = {"apply_if_finite": "grads_nan", "dpsgd": "grads_per_example"}
 
 STEPS = 5
 
@@ -408,11 +412,14 @@ def optax_values():
     grads = [{"b": fixed_normal(30 + 2 * s, (4,)), "w": fixed_normal(31 + 2 * s, (3, 4))} for s in range(STEPS)]
     grads_nan = [dict(g) for g in grads]
     grads_nan[2] = {"b": np.array([1.0, np.nan, 0.5, 2.0], np.float32), "w": grads[2]["w"]}
-    out = {"params0": params, "grads": {str(s): g for s, g in enumerate(grads)},
-           "grads_nan": {str(s): g for s, g in enumerate(grads_nan)}, "optimizers": {}, "schedules": {}}
+    grads_per_example = [{"b": fixed_normal(70 + 2 * s, (3, 4)), "w": fixed_normal(71 + 2 * s, (3, 3, 4))}
+                         for s in range(STEPS)]
+    sets = {"grads": grads, "grads_nan": grads_nan, "grads_per_example": grads_per_example}
+    out = {"params0": params, "optimizers": {}, "schedules": {},
+           **{k: {str(s): g for s, g in enumerate(v)} for k, v in sets.items()}}
     for name, make in OPTIMIZERS.items():
         opt = make()
-        gs = grads_nan if name in WITH_NAN else grads
+        gs = sets[GRADS_OF.get(name, "grads")]
         p = jax.tree_util.tree_map(jnp.asarray, params)
         state = opt.init(p)
         traj = {}
