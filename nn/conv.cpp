@@ -159,7 +159,13 @@ Array Conv::operator()(Scope& s, const Array& x_in) const {
   const auto strides_v = per_axis(strides, nsp, "strides");
   const auto dilation_v = per_axis(kernel_dilation, nsp, "kernel_dilation");
 
-  const Padding pad = op_padding(padding, nsp, dilation_v[0] * (kernel_size[0] - 1));
+  // CAUSAL pads (k - 1) * dilation zeros on the left; computed only for it (sizes may be huge).
+  std::int64_t causal_left = 0;
+  if (padding.kind == Padding::Kind::causal &&
+      __builtin_mul_overflow(dilation_v[0], kernel_size[0] - 1, &causal_left))
+    throw ShapeError(detail::cat("Conv: CAUSAL padding of (kernel_size - 1) * kernel_dilation = (", kernel_size[0], " - 1) * ",
+                                 dilation_v[0], " overflows 64 bits"));
+  const Padding pad = op_padding(padding, nsp, causal_left);
 
   Operands p = conv_operands(s, x, kernel_size, in_features / feature_group_count, features, features, use_bias,
                              kernel_init, bias_init, dtype, param_dtype);

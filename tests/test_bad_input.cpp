@@ -95,6 +95,12 @@ TEST_CASE("row 2: size arithmetic that overflows is a ShapeError naming the op a
   });
   CHECK(contains(wide, "in module '<root>' (Conv): conv2d: on spatial axis 1 the effective window (1216512776002624563)"));
   CHECK(contains(wide, "exceeds 2^31 - 1"));
+  // CAUSAL padding's left zeros, (k - 1) * dilation, computed with the same care.
+  const std::string causal = error_of<ShapeError>([] {
+    init(nn::Conv{.features = 1, .kernel_size = {3}, .padding = "CAUSAL", .kernel_dilation = {std::int64_t{1} << 62}},
+         rng::key(0), Array::ones(Shape{1, 5, 1}));
+  });
+  CHECK(contains(causal, "CAUSAL padding of (kernel_size - 1) * kernel_dilation = (3 - 1) * 4611686018427387904 overflows"));
 }
 
 TEST_CASE("row 3: configurations and hyperparameters a layer cannot hold are refused, not narrowed") {
