@@ -15,7 +15,7 @@ std::string name_of(std::string_view prefix, std::string_view tensor) {
   return prefix.empty() ? std::string(tensor) : std::string(prefix) + "." + std::string(tensor);
 }
 
-// The tensor `prefix.tensor` as float32 (bf16 files widened), of rank `rank`.
+// The tensor `prefix.tensor` (in the dtype the file holds), of rank `rank`.
 Array get(const Tree& sd, std::string_view prefix, std::string_view tensor, int rank, const char* what) {
   const std::string name = name_of(prefix, tensor);
   if (!sd.is_dict() || !sd.contains(name) || !sd.at(name).is_leaf())
