@@ -156,7 +156,7 @@ Array gumbel(Key key, const Shape& shape, Mode mode) {
   Array out = Array::empty(shape);
   float* p = out.mutable_data();
   uniform_into(key, shape.numel(), std::numeric_limits<float>::min(), 1.0f, mode, p);
-  for (std::int64_t i = 0; i < shape.numel(); ++i) p[i] = -std::log(-std::log(p[i]));
+  for (std::int64_t i = 0; i < shape.numel(); ++i) p[i] = -log_f32(-log_f32(p[i]));  // XLA's log: JAX's bits
   return out;
 }
 

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstdint>
 #include <set>
 #include <string>
@@ -301,6 +302,21 @@ TEST_CASE("xla erf and erf_inv agree with the C library to float32 accuracy") {
   for (float x = -5.0f; x < 5.0f; x += 0.173f) CHECK(rng::erf_f32(x) == doctest::Approx(std::erf(x)).epsilon(2e-6));
   CHECK(std::isinf(rng::erf_inv_f32(1.0f)));
   CHECK(rng::erf_inv_f32(-1.0f) < 0);
+}
+
+TEST_CASE("xla log and log1p: within 2 float32 ulps of the exact values, special values as the C library's") {
+  auto ulps = [](float got, double exact) { return std::abs(double(got) - exact) / std::abs(std::nextafter(float(exact), 1e30f) - float(exact)); };
+  for (float x = 1e-30f; x < 1e30f; x *= 1.37f) CHECK(ulps(rng::log_f32(x), std::log(double(x))) <= 2.0);
+  for (float x = -0.999f; x < 3.0f; x += 0.0071f)
+    if (std::abs(x) > 1e-3f) CHECK(ulps(rng::log1p_f32(x), std::log1p(double(x))) <= 2.0);
+  CHECK(rng::log_f32(1.0f) == 0.0f);
+  CHECK(std::isinf(rng::log_f32(0.0f)));
+  CHECK(rng::log_f32(0.0f) < 0);
+  CHECK(std::isnan(rng::log_f32(-1.0f)));
+  CHECK(std::isnan(rng::log_f32(std::nanf(""))));
+  CHECK(std::isinf(rng::log_f32(std::numeric_limits<float>::infinity())));
+  CHECK(rng::log1p_f32(0.0f) == 0.0f);
+  CHECK(std::isinf(rng::log1p_f32(-1.0f)));
 }
 
 TEST_CASE("bernoulli rate and values") {
