@@ -149,14 +149,6 @@ struct Mapping {
   }
 };
 
-void join_paths(const Tree& t, const std::string& prefix, char separator, std::vector<std::pair<std::string, Array>>& out) {
-  for (const auto& [k, v] : t) {
-    const std::string name = prefix.empty() ? k : prefix + separator + k;
-    if (v.is_leaf()) out.emplace_back(name, v.array());
-    else join_paths(v, name, separator, out);
-  }
-}
-
 }  // namespace
 
 Contents from_bytes(std::span<const std::uint8_t> bytes, std::string_view source, const LoadOptions& options) {
@@ -242,8 +234,9 @@ Contents load(const std::filesystem::path& path, const LoadOptions& options) {
 std::vector<std::uint8_t> to_bytes(const Tree& tensors, const std::map<std::string, std::string>& metadata, char separator) {
   if (tensors.is_leaf())
     throw ValueError("safetensors::to_bytes: give a dict of tensors ({\"name\": array, ...}), not a single array");
-  std::vector<std::pair<std::string, Array>> flat;
-  join_paths(tensors, "", separator, flat);
+  // Tree paths join keys with '/', which no key contains: the separator takes its place.
+  std::vector<std::pair<std::string, Array>> flat = flatten(tensors);
+  for (auto& [name, a] : flat) std::replace(name.begin(), name.end(), '/', separator);
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) {
     nlohmann::ordered_json meta = nlohmann::ordered_json::object();

@@ -92,36 +92,51 @@ Tree embedding(const Tree& sd, std::string_view prefix) {
   return params_of({{"embedding", get(sd, prefix, "weight", 2, "embedding")}});
 }
 
-Tree lstm(const Tree& sd, std::string_view prefix, int layer) {
+namespace {
+// One layer of a PyTorch RNN: its input and recurrent weights, `gates` stacked on axis 0, the
+// hidden size, and its two biases (zeros where the module has none).
+struct RecurrentWeights {
+  Array wi, wh, bi, bh;
+  std::int64_t hidden = 0;
+};
+
+RecurrentWeights recurrent_weights(const Tree& sd, std::string_view prefix, int layer, int gates, const char* what) {
   const std::string l = std::to_string(layer);
-  const Array wi = get(sd, prefix, "weight_ih_l" + l, 2, "lstm"), wh = get(sd, prefix, "weight_hh_l" + l, 2, "lstm");
-  const std::int64_t h = wh.dim(1);
-  require(wi.dim(0) == 4 * h && wh.dim(0) == 4 * h,
-          linum::detail::cat("lstm: weight_ih_l", l, " ", wi.shape(), " and weight_hh_l", l, " ", wh.shape(),
-                             " are not four gates of hidden size ", h));
-  Array bias = Array::zeros(Shape{4 * h});
-  if (has(sd, prefix, "bias_ih_l" + l)) bias = bias + get(sd, prefix, "bias_ih_l" + l, 1, "lstm");
-  if (has(sd, prefix, "bias_hh_l" + l)) bias = bias + get(sd, prefix, "bias_hh_l" + l, 1, "lstm");
+  RecurrentWeights r;
+  r.wi = get(sd, prefix, "weight_ih_l" + l, 2, what);
+  r.wh = get(sd, prefix, "weight_hh_l" + l, 2, what);
+  r.hidden = r.wh.dim(1);
+  require(r.wi.dim(0) == gates * r.hidden && r.wh.dim(0) == gates * r.hidden,
+          linum::detail::cat(what, ": weight_ih_l", l, " ", r.wi.shape(), " and weight_hh_l", l, " ", r.wh.shape(), " are not ",
+                             gates == 4 ? "four" : "three", " gates of hidden size ", r.hidden));
+  auto bias = [&](const std::string& name) {
+    return has(sd, prefix, name + l) ? get(sd, prefix, name + l, 1, what) : Array::zeros(Shape{gates * r.hidden});
+  };
+  r.bi = bias("bias_ih_l");
+  r.bh = bias("bias_hh_l");
+  return r;
+}
+}  // namespace
+
+Tree lstm(const Tree& sd, std::string_view prefix, int layer) {
+  const RecurrentWeights r = recurrent_weights(sd, prefix, layer, 4, "lstm");
+  const std::int64_t h = r.hidden;
+  const Array bias = r.bi + r.bh;
   Tree p;
   const char* gates[] = {"i", "f", "g", "o"};  // PyTorch's order
   for (int g = 0; g < 4; ++g) {
-    p.set(std::string("i") + gates[g], Tree{{"kernel", Tree((transpose(gate(wi, g, h), {1, 0})))}});
-    p.set(std::string("h") + gates[g], Tree{{"kernel", Tree((transpose(gate(wh, g, h), {1, 0})))},
-                                            {"bias", Tree((gate(bias, g, h)))}});
+    p.set(std::string("i") + gates[g], Tree{{"kernel", Tree(transpose(gate(r.wi, g, h), {1, 0}))}});
+    p.set(std::string("h") + gates[g], Tree{{"kernel", Tree(transpose(gate(r.wh, g, h), {1, 0}))},
+                                            {"bias", Tree(gate(bias, g, h))}});
   }
   return Tree{{"params", p}};
 }
 
 Tree gru(const Tree& sd, std::string_view prefix, int layer) {
-  const std::string l = std::to_string(layer);
-  const Array wi = get(sd, prefix, "weight_ih_l" + l, 2, "gru"), wh = get(sd, prefix, "weight_hh_l" + l, 2, "gru");
-  const std::int64_t h = wh.dim(1);
-  require(wi.dim(0) == 3 * h && wh.dim(0) == 3 * h,
-          linum::detail::cat("gru: weight_ih_l", l, " ", wi.shape(), " and weight_hh_l", l, " ", wh.shape(),
-                             " are not three gates of hidden size ", h));
-  const Array bi = has(sd, prefix, "bias_ih_l" + l) ? get(sd, prefix, "bias_ih_l" + l, 1, "gru") : Array::zeros(Shape{3 * h});
-  const Array bh = has(sd, prefix, "bias_hh_l" + l) ? get(sd, prefix, "bias_hh_l" + l, 1, "gru") : Array::zeros(Shape{3 * h});
-  auto kernel = [&](const Array& w, int g) { return Tree((transpose(gate(w, g, h), {1, 0}))); };
+  const RecurrentWeights r = recurrent_weights(sd, prefix, layer, 3, "gru");
+  const std::int64_t h = r.hidden;
+  const Array &wi = r.wi, &wh = r.wh, &bi = r.bi, &bh = r.bh;
+  auto kernel = [&](const Array& w, int g) { return Tree(transpose(gate(w, g, h), {1, 0})); };
   Tree p;
   // r and z: one bias each (input and recurrent biases add); n keeps them apart (r multiplies b_hn).
   p.set("ir", Tree{{"kernel", kernel(wi, 0)}, {"bias", Tree(gate(bi, 0, h) + gate(bh, 0, h))}});
