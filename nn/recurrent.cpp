@@ -1,7 +1,10 @@
 #include <linum/nn/recurrent.hpp>
 #include <linum/nn/dense.hpp>
+#include <linum/nn/dtypes.hpp>
 #include <linum/core/ops/all.hpp>
 
+#include <algorithm>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -138,5 +141,65 @@ std::pair<SimpleCell::Carry, Array> SimpleCell::operator()(Scope& s, const Carry
 SimpleCell::Carry SimpleCell::initialize_carry(const Shape& input_shape) const {
   return Array::zeros(carry_shape(input_shape, features, "nn::SimpleCell"), param_dtype);
 }
+
+namespace recurrent_detail {
+
+std::vector<Array> LSTMWeights::operator()(Scope& s, const Array& inputs) const {
+  std::vector<Array> in_kernels, rec_kernels, rec_biases;
+  const Array h_example = Array::zeros(Shape{1, features}, param_dtype);  // only its shape is read
+  for (const char* gate : {"i", "f", "g", "o"}) {
+    in_kernels.push_back(s(std::string("i") + gate, DenseParams{features, false, kernel_init, bias_init, param_dtype}, inputs)[0]);
+    auto hp = s(std::string("h") + gate, DenseParams{features, true, recurrent_kernel_init, bias_init, param_dtype}, h_example);
+    rec_kernels.push_back(hp[0]);
+    rec_biases.push_back(hp[1]);
+  }
+  // The computation dtype of the cell's Dense layers (Flax's promote_dtype over inputs and params).
+  const Array& k0 = in_kernels[0];
+  const DType dt = computation_dtype({&inputs, &k0}, dtype);
+  return {astype(concatenate(in_kernels, -1), dt), astype(concatenate(rec_kernels, -1), dt),
+          astype(concatenate(rec_biases, -1), dt)};
+}
+
+bool fusable_lstm(const CellFunction& gate_fn, const CellFunction& activation_fn) {
+  using Fn = Array (*)(const Array&);
+  auto is = [](const CellFunction& f, auto named, Fn fn) {
+    if (f.target<decltype(named)>() != nullptr) return true;
+    const Fn* p = f.target<Fn>();
+    return p != nullptr && *p == fn;
+  };
+  return is(gate_fn, Sigmoid{}, static_cast<Fn>(&linum::sigmoid)) && is(activation_fn, Tanh{}, static_cast<Fn>(&linum::tanh));
+}
+
+std::pair<LSTMCarry, Array> FusedLSTMStep::operator()(Scope&, const LSTMCarry& carry, const Array& x, const Array& t,
+                                                      const Array& lengths, const Array& input_kernel, const Array& bias,
+                                                      const Array& recurrent_kernel) const {
+  check_carry(carry.h, x, recurrent_kernel.dim(0), "nn::LSTMCell");
+  const Array h = carry.h.dtype() == recurrent_kernel.dtype() ? carry.h : astype(carry.h, recurrent_kernel.dtype());
+  Array x_gates = matmul(x, input_kernel);
+  x_gates = x_gates + bias;
+  auto [c_next, h_next] = lstm_cell(x_gates, matmul(h, recurrent_kernel), carry.c);
+  LSTMCarry next{std::move(c_next), h_next};
+  if (masked) next = keep_active(next, carry, t, lengths);
+  return {std::move(next), std::move(h_next)};
+}
+
+std::int64_t lstm_recompute_segment(bool remat, const lift::ScanSchedule& schedule, std::int64_t steps) {
+  constexpr std::int64_t chunk = kLSTMLayerChunk;
+  switch (schedule.kind) {
+    case lift::ScanSchedule::Kind::none:
+      return remat ? chunk : 0;
+    case lift::ScanSchedule::Kind::every:
+      return chunk;
+    case lift::ScanSchedule::Kind::sqrt:
+      return chunk * std::max<std::int64_t>(1, std::llround(std::sqrt(static_cast<double>(steps)) / chunk));
+    case lift::ScanSchedule::Kind::binomial: {
+      const std::int64_t s = std::max(1, schedule.snapshots);
+      return chunk * std::max<std::int64_t>(1, (steps + chunk * s - 1) / (chunk * s));
+    }
+  }
+  return chunk;
+}
+
+}  // namespace recurrent_detail
 
 }  // namespace linum::nn

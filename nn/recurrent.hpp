@@ -24,12 +24,24 @@
 #include <optional>
 #include <span>
 #include <tuple>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace linum::nn {
 
 // A cell's gate or activation function (Flax's gate_fn / activation_fn), e.g. nn::relu.
 using CellFunction = std::function<Array(const Array&)>;
+
+// The cells' default gate and activation functions, as named types: nn::RNN recognizes them (and
+// linum::sigmoid / linum::tanh given as functions) and runs an LSTM's steps on the fused
+// lstm_cell op.
+struct Sigmoid {
+  Array operator()(const Array& x) const { return sigmoid(x); }
+};
+struct Tanh {
+  Array operator()(const Array& x) const { return tanh(x); }
+};
 
 // An LSTM's carry: the cell state c and the hidden state h, by name. Flax's carry is the tuple
 // (c, h) and PyTorch's nn.LSTM returns (h, c): named members keep the two apart. It is a pytree
@@ -43,8 +55,8 @@ struct LSTMCarry {
 // recurrent ones hi, hf, hg, ho have one. Carry: LSTMCarry{c, h}.
 struct LSTMCell {
   std::int64_t features = 0;
-  CellFunction gate_fn = [](const Array& x) { return sigmoid(x); };
-  CellFunction activation_fn = [](const Array& x) { return tanh(x); };
+  CellFunction gate_fn = Sigmoid{};
+  CellFunction activation_fn = Tanh{};
   Initializer kernel_init = initializers::lecun_normal();
   Initializer recurrent_kernel_init = initializers::orthogonal();
   Initializer bias_init = initializers::zeros();
@@ -63,8 +75,8 @@ struct LSTMCell {
 // sequences prefer LSTMCell, or remat.
 struct OptimizedLSTMCell {
   std::int64_t features = 0;
-  CellFunction gate_fn = [](const Array& x) { return sigmoid(x); };
-  CellFunction activation_fn = [](const Array& x) { return tanh(x); };
+  CellFunction gate_fn = Sigmoid{};
+  CellFunction activation_fn = Tanh{};
   Initializer kernel_init = initializers::lecun_normal();
   Initializer recurrent_kernel_init = initializers::orthogonal();
   Initializer bias_init = initializers::zeros();
@@ -81,8 +93,8 @@ struct OptimizedLSTMCell {
 // recurrent ones only hn. Carry h.
 struct GRUCell {
   std::int64_t features = 0;
-  CellFunction gate_fn = [](const Array& x) { return sigmoid(x); };
-  CellFunction activation_fn = [](const Array& x) { return tanh(x); };
+  CellFunction gate_fn = Sigmoid{};
+  CellFunction activation_fn = Tanh{};
   Initializer kernel_init = initializers::lecun_normal();
   Initializer recurrent_kernel_init = initializers::orthogonal();
   Initializer bias_init = initializers::zeros();
@@ -98,7 +110,7 @@ struct GRUCell {
 // activation_fn); i has a bias.
 struct SimpleCell {
   std::int64_t features = 0;
-  CellFunction activation_fn = [](const Array& x) { return tanh(x); };
+  CellFunction activation_fn = Tanh{};
   Initializer kernel_init = initializers::lecun_normal();
   Initializer recurrent_kernel_init = initializers::orthogonal();
   Initializer bias_init = initializers::zeros();
@@ -119,6 +131,18 @@ struct RNNOptions {
 
 namespace recurrent_detail {
 
+// The next carry where t < lengths[b], the old one elsewhere (seq_lengths).
+template <class Carry>
+Carry keep_active(const Carry& next, const Carry& carry, const Array& t, const Array& lengths) {
+  // active[b] = t < lengths[b], as a float column broadcast over the features.
+  const Array active = reshape(astype(less(astype(t, DType::f32), astype(lengths, DType::f32)), DType::f32),
+                               {lengths.dim(0), 1});
+  const std::vector<Array> n = pytree::flatten(next), o = pytree::flatten(carry);
+  std::vector<Array> kept;
+  for (std::size_t k = 0; k < n.size(); ++k) kept.push_back(where(active, n[k], o[k]));
+  return pytree::rebuild(carry, std::span<const Array>(kept));
+}
+
 // One time step inside the scan: the cell on (carry, x), the carry kept where t >= length.
 template <class Cell>
 struct RNNStep {
@@ -128,16 +152,41 @@ struct RNNStep {
                                                     const Array& t, const Array& lengths) const {
     auto [next, y] = cell(s, carry, x);  // the cell's params live in this (the "cell") scope
     if (!masked) return {next, y};
-    // active[b] = t < lengths[b], as a float column broadcast over the features.
-    const Array active = reshape(astype(less(astype(t, DType::f32), astype(lengths, DType::f32)), DType::f32),
-                                 {lengths.dim(0), 1});
-    auto keep = [&](const Array& n, const Array& o) { return where(active, n, o); };
-    const std::vector<Array> n = pytree::flatten(next), o = pytree::flatten(carry);
-    std::vector<Array> kept;
-    for (std::size_t k = 0; k < n.size(); ++k) kept.push_back(keep(n[k], o[k]));
-    return {pytree::rebuild(carry, std::span<const Array>(kept)), y};
+    return {keep_active(next, carry, t, lengths), y};
   }
 };
+
+// An LSTM's parameters under Flax's names, created (at init) in Flax's order ii, hi, if, hf, ig,
+// hg, io, ho, and returned concatenated in gate order i, f, g, o and cast to the computation
+// dtype: the input kernel [in, 4 features], the recurrent kernel [features, 4 features] and the
+// recurrent biases [4 features]. Called in the cell's scope.
+struct LSTMWeights {
+  std::int64_t features = 0;
+  Initializer kernel_init, recurrent_kernel_init, bias_init;
+  std::optional<DType> dtype;
+  DType param_dtype = DType::f32;
+  std::vector<Array> operator()(Scope& s, const Array& inputs) const;
+};
+
+// Whether an LSTM cell's functions are those the fused op computes (sigmoid gates, tanh).
+bool fusable_lstm(const CellFunction& gate_fn, const CellFunction& activation_fn);
+
+// nn::RNN's LSTM step where the whole-layer op does not apply (bf16 computation, seq_lengths): the
+// input and recurrent products, then the fused cell.
+struct FusedLSTMStep {
+  bool masked = false;
+  std::pair<LSTMCarry, Array> operator()(Scope& s, const LSTMCarry& carry, const Array& x, const Array& t,
+                                         const Array& lengths, const Array& input_kernel, const Array& bias,
+                                         const Array& recurrent_kernel) const;
+};
+
+// The recompute segment of lstm_layer for nn::RNN's remat and schedule settings (0: keep every
+// step): remat per step and sqrt_segments() keep the cell state every 16 or about sqrt(T) steps,
+// binomial(s) at most s of them.
+std::int64_t lstm_recompute_segment(bool remat, const lift::ScanSchedule& schedule, std::int64_t steps);
+
+template <class Cell>
+inline constexpr bool kLSTM = std::is_same_v<Cell, LSTMCell> || std::is_same_v<Cell, OptimizedLSTMCell>;
 
 }  // namespace recurrent_detail
 
@@ -189,6 +238,9 @@ struct RNN {
     const Array lengths = masked ? *options.seq_lengths : Array::full_i32(Shape{batch}, static_cast<std::int32_t>(steps));
     if (masked && !(lengths.shape() == Shape{batch}))
       throw ShapeError(detail_cat_shape("nn::RNN: seq_lengths must be int32 [batch], got ", lengths));
+    if constexpr (recurrent_detail::kLSTM<Cell>)
+      if (recurrent_detail::fusable_lstm(cell.gate_fn, cell.activation_fn))
+        return finish(run_fused(s, xs, carry, t, lengths, masked));
     using Step = recurrent_detail::RNNStep<Cell>;
     auto scan_with = [&](auto body_type) {
       using Body = decltype(body_type);
@@ -201,12 +253,54 @@ struct RNN {
       scan.schedule = schedule;
       return s("cell", scan, carry, lift::scanned(xs), lift::scanned(t), lengths);
     };
-    std::pair<typename Cell::Carry, Array> out =
-        remat ? scan_with(lift::remat<Step>{}) : scan_with(Step{});
-    Array ys = out.second;  // [time, batch, ...], in input order
-    if (reverse && !keep_order) ys = flip_time(ys);
-    if (!time_major) ys = swapaxes(ys, 0, 1);
-    return {out.first, ys};
+    return finish(remat ? scan_with(lift::remat<Step>{}) : scan_with(Step{}));
+  }
+  // The scan's (carry, ys [time, batch, ...] in input order) as the caller asked for them.
+  std::pair<typename Cell::Carry, Array> finish(std::pair<typename Cell::Carry, Array> out) const {
+    if (reverse && !keep_order) out.second = flip_time(out.second);
+    if (!time_major) out.second = swapaxes(out.second, 0, 1);
+    return out;
+  }
+  // An LSTM with sigmoid gates and tanh. Computed in float32 without seq_lengths, the whole layer
+  // is one op (lstm_layer: input products per chunk of steps, one recurrent product per step, the
+  // weights' gradients per chunk; remat and schedules become its recompute segments, with gradients
+  // bitwise those without). Otherwise the scan runs the fused cell per step. The parameters are the
+  // cell's (same names, shapes and initial values); results equal the cell's within float rounding.
+  std::pair<LSTMCarry, Array> run_fused(Scope& s, const Array& xs, const LSTMCarry& carry, const Array& t,
+                                        const Array& lengths, bool masked) const {
+    const std::vector<Array> w =
+        s("cell", recurrent_detail::LSTMWeights{cell.features, cell.kernel_init, cell.recurrent_kernel_init,
+                                                cell.bias_init, cell.dtype, cell.param_dtype},
+          xs);
+    const DType dt = w[0].dtype();
+    const Array x = xs.dtype() == dt ? xs : astype(xs, dt);
+    const std::int64_t steps = xs.dim(0);
+    if (!masked && dt == DType::f32 && carry.c.dtype() == DType::f32 && carry.h.dtype() == DType::f32) {
+      // [time, rows, in] with every batch axis in rows.
+      const std::vector<std::int64_t> dims = x.shape().vec();
+      const std::int64_t in = dims.back(), rows = steps == 0 ? 0 : x.numel() / (steps * std::max<std::int64_t>(in, 1));
+      const Array c0 = reshape(carry.c, {rows, cell.features}), h0 = reshape(carry.h, {rows, cell.features});
+      Array x3 = reshape(x, {steps, rows, in});
+      if (reverse) x3 = flip(x3, {0});
+      auto [ys, c, h] = lstm_layer(x3, w[0], w[2], w[1], c0, h0,
+                                   {.recompute_segment = recurrent_detail::lstm_recompute_segment(remat, schedule, steps)});
+      if (reverse) ys = flip(ys, {0});  // ys in input order, as the scan's
+      std::vector<std::int64_t> y_dims = dims;
+      y_dims.back() = cell.features;
+      return {LSTMCarry{reshape(c, carry.c.shape().vec()), reshape(h, carry.h.shape().vec())}, reshape(ys, y_dims)};
+    }
+    using Step = recurrent_detail::FusedLSTMStep;
+    auto scan_with = [&](auto body_type) {
+      using Body = decltype(body_type);
+      lift::scan<Body> scan{};
+      scan.body = Body{Step{masked}};
+      scan.variable_broadcast = {"params"};
+      scan.split_rngs = {{"params", false}};
+      scan.reverse = reverse;
+      scan.schedule = schedule;
+      return s("cell", scan, carry, lift::scanned(x), lift::scanned(t), lengths, w[0], w[2], w[1]);
+    };
+    return remat ? scan_with(lift::remat<Step>{}) : scan_with(Step{});
   }
   static std::string detail_cat_shape(const char* what, const Array& a) { return std::string(what) + a.type_str(); }
   static Array swapaxes(const Array& x, int a, int b) {

@@ -215,3 +215,239 @@ TEST_CASE("remat over time: gradients bitwise those of the plain RNN, with less 
   binomial.schedule = lift::ScanSchedule::binomial(3);
   CHECK(bitwise_equal(with_lengths(binomial), with_lengths(plain)));
 }
+
+namespace {
+
+// The LSTM cell written with ops, for comparison with the fused op.
+std::pair<Array, Array> composed_lstm(const Array& xg, const Array& hg, const Array& c) {
+  const std::int64_t h = c.dim(-1);
+  const Array z = xg + hg;
+  auto gate = [&](int k) { return slice_axis(z, -1, k * h, (k + 1) * h); };
+  const Array i = sigmoid(gate(0)), f = sigmoid(gate(1)), g = tanh(gate(2)), o = sigmoid(gate(3));
+  const Array c_next = f * c + i * g;
+  return {c_next, o * tanh(c_next)};
+}
+
+float max_diff_any(const Array& a, const Array& b) {
+  return linum::testing::max_abs_diff(astype(a, DType::f32), astype(b, DType::f32));
+}
+
+// An LSTM whose gate function is sigmoid but not recognizably so: nn::RNN takes the cell path.
+template <class Cell>
+Cell unfused(Cell cell) {
+  cell.gate_fn = [](const Array& x) { return sigmoid(x); };
+  return cell;
+}
+
+}  // namespace
+
+TEST_CASE("lstm_cell: the LSTM equations in one op, values and gradients, any hidden size, float32 and bf16") {
+  for (std::int64_t hidden : {1, 5, 16, 37}) {
+    CAPTURE(hidden);
+    const Array xg = random_array(Shape{2, 3, 4 * hidden}, 1, -2.0f, 2.0f);
+    const Array hg = random_array(Shape{2, 3, 4 * hidden}, 2, -2.0f, 2.0f);
+    const Array c = random_array(Shape{2, 3, hidden}, 3, -2.0f, 2.0f);
+    auto [c1, h1] = lstm_cell(xg, hg, c);
+    auto [c2, h2] = composed_lstm(xg, hg, c);
+    CHECK(max_diff(c1, c2) < 1e-6f);
+    CHECK(max_diff(h1, h2) < 1e-6f);
+    // Gradients: finite differences of a function of both outputs (and of each alone: an output
+    // that gets no gradient).
+    for (int which = 0; which < 3; ++which) {
+      CAPTURE(which);
+      auto f = [which](const std::vector<Array>& in) {
+        auto [cn, hn] = lstm_cell(in[0], in[1], in[2]);
+        return which == 0 ? cn + hn * 3.0f : which == 1 ? cn : hn;
+      };
+      CHECK(linum::testing::check_gradients("lstm_cell", f, {xg, hg, c}));
+    }
+    // The same gradients as the composed cell's.
+    auto loss = [](auto cell) {
+      return [cell](const Array& a, const Array& b, const Array& cc) {
+        auto [cn, hn] = cell(a, b, cc);
+        return sum(square(hn) + cn * 0.5f);
+      };
+    };
+    auto [fa, fb, fc] = grad<0, 1, 2>(loss([](const Array& a, const Array& b, const Array& cc) { return lstm_cell(a, b, cc); }))(xg, hg, c);
+    auto [ca, cb, cc] = grad<0, 1, 2>(loss(composed_lstm))(xg, hg, c);
+    CHECK(max_diff(fa, ca) < 1e-5f);
+    CHECK(max_diff(fb, cb) < 1e-5f);
+    CHECK(max_diff(fc, cc) < 1e-5f);
+    // bf16: computed in float32 and rounded once.
+    const Array xb = astype(xg, DType::bf16), hb = astype(hg, DType::bf16), cb16 = astype(c, DType::bf16);
+    auto [cbn, hbn] = lstm_cell(xb, hb, cb16);
+    CHECK(cbn.dtype() == DType::bf16);
+    auto [cwant, hwant] = lstm_cell(astype(xb, DType::f32), astype(hb, DType::f32), astype(cb16, DType::f32));
+    CHECK(max_diff_any(cbn, astype(astype(cwant, DType::bf16), DType::f32)) == 0.0f);
+    CHECK(max_diff_any(hbn, astype(astype(hwant, DType::bf16), DType::f32)) == 0.0f);
+  }
+}
+
+TEST_CASE("lstm_cell: bad shapes and dtypes are errors naming the op and the shapes") {
+  const Array g8 = Array::zeros(Shape{2, 8}), c2 = Array::zeros(Shape{2, 2});
+  CHECK_THROWS_WITH_AS(lstm_cell(g8, g8, Array::zeros(Shape{2, 3})), doctest::Contains("lstm_cell"), ShapeError);
+  CHECK_THROWS_WITH_AS(lstm_cell(g8, Array::zeros(Shape{2, 4}), c2), doctest::Contains("f32[2,4]"), ShapeError);
+  CHECK_THROWS_WITH_AS(lstm_cell(Array::zeros(Shape{2, 6}), Array::zeros(Shape{2, 6}), c2), doctest::Contains("4 * hidden"), ShapeError);
+  CHECK_THROWS_AS(lstm_cell(Array::full_i32(Shape{2, 8}, 1), g8, c2), ShapeError);
+  CHECK_THROWS_AS(lstm_cell(Array::scalar(1.0f), Array::scalar(1.0f), Array::scalar(1.0f)), ShapeError);
+}
+
+TEST_CASE("nn::RNN runs LSTMs on hoisted input products and the fused cell: the cell's parameters and results") {
+  const Array xs = random_array(Shape{3, 7, 5}, 21);
+  const Array lengths = Array::from_i32(Shape{3}, {7, 2, 5});
+  for (bool optimized : {false, true}) {
+    CAPTURE(optimized);
+    auto check = [&](auto fused, bool reverse, bool masked) {
+      CAPTURE(reverse);
+      CAPTURE(masked);
+      fused.reverse = reverse;
+      fused.keep_order = true;
+      auto slow = fused;
+      slow.cell = unfused(fused.cell);
+      // Same parameters (names, order and values), created by the fused path's init.
+      const Tree vars = init(fused, rng::key(5), xs);
+      const Tree slow_vars = init(slow, rng::key(5), xs);
+      CHECK(vars.at_path("params/cell").keys() == slow_vars.at_path("params/cell").keys());
+      CHECK(bitwise_equal(vars, slow_vars));
+      auto loss = [&](const auto& model) {
+        return [&](const Tree& p) {
+          const nn::RNNOptions o{.return_carry = true, .seq_lengths = masked ? std::optional<Array>(lengths) : std::nullopt};
+          auto [carry, ys] = apply(model, Tree{{"params", p}}, xs, o);
+          return mean(square(ys)) + mean(carry.c) + mean(carry.h * 0.5f);
+        };
+      };
+      auto [v_fast, g_fast] = value_and_grad(loss(fused))(vars.at("params"));
+      auto [v_slow, g_slow] = value_and_grad(loss(slow))(vars.at("params"));
+      CHECK(std::abs(v_fast.item() - v_slow.item()) < 1e-6f);
+      const auto fast_leaves = flatten(g_fast), slow_leaves = flatten(g_slow);
+      REQUIRE(fast_leaves.size() == slow_leaves.size());
+      for (std::size_t k = 0; k < fast_leaves.size(); ++k) {
+        CAPTURE(fast_leaves[k].first);
+        CHECK(max_diff(fast_leaves[k].second, slow_leaves[k].second) < 1e-6f);
+      }
+      // Remat per step and schedules over time: the fused path's gradients, bitwise.
+      auto rematted = fused;
+      rematted.remat = true;
+      CHECK(bitwise_equal(grad(loss(rematted))(vars.at("params")), g_fast));
+      auto scheduled = fused;
+      scheduled.schedule = lift::ScanSchedule::binomial(2);
+      CHECK(bitwise_equal(grad(loss(scheduled))(vars.at("params")), g_fast));
+    };
+    for (bool reverse : {false, true})
+      for (bool masked : {false, true}) {
+        if (optimized) check(nn::RNN<nn::OptimizedLSTMCell>{.cell = {.features = 6}}, reverse, masked);
+        else check(nn::RNN<nn::LSTMCell>{.cell = {.features = 6}}, reverse, masked);
+      }
+  }
+  // Mixed precision (bf16 compute, float32 parameters): within bf16 rounding of the cell path.
+  const nn::RNN<nn::LSTMCell> mixed{.cell = {.features = 6, .dtype = DType::bf16}};
+  auto slow = mixed;
+  slow.cell = unfused(mixed.cell);
+  const Tree vars = init(mixed, rng::key(6), xs);
+  const Array y_fast = apply(mixed, vars, xs), y_slow = apply(slow, vars, xs);
+  CHECK(y_fast.dtype() == y_slow.dtype());
+  CHECK(max_diff_any(y_fast, y_slow) < 0.05f);
+  const Tree g = grad([&](const Tree& p) { return mean(square(astype(apply(mixed, Tree{{"params", p}}, xs), DType::f32))); })(vars.at("params"));
+  CHECK(g.at_path("cell/hi/kernel").array().dtype() == DType::f32);
+  CHECK(linum::testing::max_abs(g.at_path("cell/hi/kernel").array()) > 0.0f);
+}
+
+TEST_CASE("lstm_layer: the cell over time; gradients equal finite differences; recompute segments bitwise") {
+  // hidden 70: unit blocks of 64 and 6; 37 steps: chunks of 16, 16 and 5.
+  for (auto [T, N, I, H] : {std::array<std::int64_t, 4>{37, 3, 5, 70}, {5, 2, 3, 4}, {1, 1, 1, 1}}) {
+    CAPTURE(T);
+    CAPTURE(H);
+    const Array x = random_array(Shape{T, N, I}, 31);
+    const Array wi = random_array(Shape{I, 4 * H}, 32) * 0.5f, wh = random_array(Shape{H, 4 * H}, 33) * 0.3f;
+    const Array b = random_array(Shape{4 * H}, 34), c0 = random_array(Shape{N, H}, 35), h0 = random_array(Shape{N, H}, 36);
+    auto [ys, c, h] = lstm_layer(x, wi, b, wh, c0, h0);
+    REQUIRE(ys.shape() == Shape{T, N, H});
+    // Step by step with ops.
+    Array cc = c0, hh = h0;
+    float worst = 0;
+    for (std::int64_t t = 0; t < T; ++t) {
+      auto [cn, hn] = composed_lstm(matmul(reshape(slice_axis(x, 0, t, t + 1), {N, I}), wi) + b, matmul(hh, wh), cc);
+      cc = cn;
+      hh = hn;
+      worst = std::max(worst, max_diff(reshape(slice_axis(ys, 0, t, t + 1), {N, H}), hn));
+    }
+    CHECK(worst < 1e-5f);
+    CHECK(max_diff(c, cc) < 1e-5f);
+    CHECK(max_diff(h, hh) < 1e-5f);
+    auto loss = [](std::int64_t segment) {
+      return [segment](const Array& x, const Array& wi, const Array& b, const Array& wh, const Array& c0, const Array& h0) {
+        auto [ys, c, h] = lstm_layer(x, wi, b, wh, c0, h0, {.recompute_segment = segment});
+        return sum(square(ys)) * 0.5f + sum(c) + sum(h * 0.25f);
+      };
+    };
+    auto plain = value_and_grad<0, 1, 2, 3, 4, 5>(loss(0))(x, wi, b, wh, c0, h0);
+    for (std::int64_t segment : {1, 16, 20, 32, 1000}) {
+      CAPTURE(segment);
+      auto again = value_and_grad<0, 1, 2, 3, 4, 5>(loss(segment))(x, wi, b, wh, c0, h0);
+      CHECK(std::get<0>(again).bitwise_equal(std::get<0>(plain)));
+      CHECK(std::get<1>(again).bitwise_equal(std::get<1>(plain)));
+      CHECK(std::get<2>(again).bitwise_equal(std::get<2>(plain)));
+      CHECK(std::get<3>(again).bitwise_equal(std::get<3>(plain)));
+      CHECK(std::get<4>(again).bitwise_equal(std::get<4>(plain)));
+      CHECK(std::get<5>(again).bitwise_equal(std::get<5>(plain)));
+      CHECK(std::get<6>(again).bitwise_equal(std::get<6>(plain)));
+    }
+    if (T <= 5) {
+      const auto f = [](const std::vector<Array>& in) {
+        auto [ys, c, h] = lstm_layer(in[0], in[1], in[2], in[3], in[4], in[5]);
+        return ys * 2.0f + c + h * 3.0f;
+      };
+      CHECK(linum::testing::check_gradients("lstm_layer", f, {x, wi, b, wh, c0, h0}));
+    }
+  }
+  // Bad arguments: typed errors naming the op and the shapes.
+  const Array x = Array::zeros(Shape{4, 2, 3}), wi = Array::zeros(Shape{3, 8}), wh = Array::zeros(Shape{2, 8});
+  const Array b = Array::zeros(Shape{8}), c0 = Array::zeros(Shape{2, 2});
+  CHECK_THROWS_WITH_AS(lstm_layer(x, wi, b, wh, c0, Array::zeros(Shape{3, 2})), doctest::Contains("lstm_layer"), ShapeError);
+  CHECK_THROWS_WITH_AS(lstm_layer(x, Array::zeros(Shape{4, 8}), b, wh, c0, c0), doctest::Contains("input_kernel f32[4,8]"), ShapeError);
+  CHECK_THROWS_AS(lstm_layer(reshape(x, {8, 3}), wi, b, wh, c0, c0), ShapeError);
+  CHECK_THROWS_AS(lstm_layer(x, wi, b, Array::zeros(Shape{2, 6}), c0, c0), ShapeError);
+  CHECK_THROWS_AS(lstm_layer(x, wi, b, wh, c0, c0, {.recompute_segment = -1}), ValueError);
+  // Zero steps: the initial carry back, ys empty.
+  auto [ys0, c_0, h_0] = lstm_layer(Array::zeros(Shape{0, 2, 3}), wi, b, wh, c0 + 1.0f, c0 + 2.0f);
+  CHECK(ys0.shape() == Shape{0, 2, 2});
+  CHECK(c_0.bitwise_equal(c0 + 1.0f));
+  CHECK(h_0.bitwise_equal(c0 + 2.0f));
+}
+
+TEST_CASE("nn::RNN over many steps: the layer op's remat and schedules keep less, with the plain gradients bitwise") {
+  const Array xs = random_array(Shape{4, 50, 6}, 41);
+  const nn::RNN<nn::LSTMCell> plain{.cell = {.features = 70}};
+  const Tree vars = init(plain, rng::key(7), xs);
+  auto step = [&](const nn::RNN<nn::LSTMCell>& model, std::int64_t& peak) {
+    memory::PeakScope scope;
+    Tree g = grad([&](const Tree& p) { return mean(square(apply(model, Tree{{"params", p}}, xs))); })(vars.at("params"));
+    peak = scope.peak_growth() - byte_count(g);
+    return g;
+  };
+  std::int64_t plain_peak = 0;
+  const Tree g_plain = step(plain, plain_peak);
+  // Against the cell path (a gate function nn::RNN does not recognize): the same within rounding.
+  auto slow = plain;
+  slow.cell = unfused(plain.cell);
+  std::int64_t slow_peak = 0;
+  const Tree g_slow = step(slow, slow_peak);
+  const auto a = flatten(g_plain), b = flatten(g_slow);
+  for (std::size_t k = 0; k < a.size(); ++k) CHECK(max_diff(a[k].second, b[k].second) < 1e-5f);
+  MESSAGE("peak bytes, 50 steps: layer op ", plain_peak, ", cell path ", slow_peak);
+  for (int variant = 0; variant < 4; ++variant) {
+    CAPTURE(variant);
+    auto model = plain;
+    if (variant == 0) model.remat = true;
+    if (variant == 1) model.schedule = lift::ScanSchedule::sqrt_segments();
+    if (variant == 2) model.schedule = lift::ScanSchedule::binomial(2);
+    if (variant == 3) model.reverse = true;
+    std::int64_t peak = 0;
+    const Tree g = step(model, peak);
+    if (variant < 3) {
+      CHECK(bitwise_equal(g, g_plain));
+      CHECK(peak < plain_peak);
+      MESSAGE("peak bytes: ", peak);
+    }
+  }
+}

@@ -103,6 +103,19 @@ TEST_CASE("results do not depend on how many threads run them (what adaptive tea
       out.push_back(sum(a, {1}));
       out.push_back(logsumexp(a, {1}));
       out.push_back(gelu(a) * a + a);
+      {  // the fused LSTM layer, hidden units in three blocks, forward and every gradient
+        const Array xs = astype(rng::normal(rng::key(6), Shape{40, 16, 24}), dt);
+        const Array wi = astype(rng::normal(rng::key(7), Shape{24, 640}) * 0.2f, dt);
+        const Array wh = astype(rng::normal(rng::key(8), Shape{160, 640}) * 0.1f, dt);
+        const Array b = astype(rng::normal(rng::key(9), Shape{640}), dt);
+        const Array c0 = astype(rng::normal(rng::key(10), Shape{16, 160}), dt), h0 = c0 * 0.5f;
+        auto [v, g_x, g_wi, g_b, g_wh, g_c0, g_h0] =
+            value_and_grad<0, 1, 2, 3, 4, 5>([](const Array& x, const Array& i, const Array& bb, const Array& h, const Array& c, const Array& hh) {
+              auto [ys, cl, hl] = lstm_layer(x, i, bb, h, c, hh);
+              return sum(astype(square(ys), DType::f32)) + sum(astype(cl, DType::f32));
+            })(xs, wi, b, wh, c0, h0);
+        for (const Array* g : {&v, &g_x, &g_wi, &g_b, &g_wh, &g_c0, &g_h0}) out.push_back(*g);
+      }
       // Products with a narrow output, reached through gradients (the backward pass hands the
       // transposes to the kernel): weight gradients of thin layers and logits layers, whose sums
       // oneDNN would split over threads.

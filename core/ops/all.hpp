@@ -1,4 +1,5 @@
-// Every op: elementwise, reductions, data movement, matrix products, softmax, convolution, pooling.
+// Every op: elementwise, reductions, data movement, matrix products, softmax, convolution, pooling,
+// the fused attention and LSTM cell.
 #pragma once
 
 #include <linum/core/ops/attention.hpp>
@@ -7,6 +8,7 @@
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/linalg.hpp>
 #include <linum/core/ops/normalization.hpp>
+#include <linum/core/ops/recurrent.hpp>
 #include <linum/core/ops/reduce.hpp>
 #include <linum/core/ops/shape_ops.hpp>
 #include <linum/core/ops/softmax.hpp>

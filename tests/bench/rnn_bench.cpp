@@ -3,7 +3,7 @@
 // (nn::RNN{.schedule = sqrt_segments() / binomial(s)}).
 //
 //   linum-bench rnn [--lengths 64,256,1024] [--batch 32] [--features 256] [--inputs 64] [--steps 3]
-//                   [--snapshots 8]
+//                   [--snapshots 8] [--variants none,per_step,sqrt,binomial]
 //
 // One JSON line per (length, remat): peak_activation_bytes (the exact accounting's peak of a
 // training step above what was alive before it, minus the gradients), step_s_min and the step
@@ -32,17 +32,19 @@ int bench_rnn(const Flags& f) {
   const long B = f.get("batch", 32), H = f.get("features", 256), I = f.get("inputs", 64), steps = f.get("steps", 3);
   const int snapshots = static_cast<int>(f.get("snapshots", 8));
   struct Variant {
-    std::string name;
+    std::string key, name;
     bool remat;
     lift::ScanSchedule schedule;
   };
-  const std::vector<Variant> variants{{"none", false, {}},
-                                      {"per_step", true, {}},
-                                      {"sqrt", false, lift::ScanSchedule::sqrt_segments()},
-                                      {"binomial_" + std::to_string(snapshots), false, lift::ScanSchedule::binomial(snapshots)}};
+  const std::vector<Variant> variants{{"none", "none", false, {}},
+                                      {"per_step", "per_step", true, {}},
+                                      {"sqrt", "sqrt", false, lift::ScanSchedule::sqrt_segments()},
+                                      {"binomial", "binomial_" + std::to_string(snapshots), false, lift::ScanSchedule::binomial(snapshots)}};
+  const std::string chosen = "," + f.text("variants", "none,per_step,sqrt,binomial") + ",";
   for (long T : lengths) {
     const Array xs = random_normal(Shape{B, T, I}, 3u, 1.0f);
     for (const Variant& v : variants) {
+      if (chosen.find("," + v.key + ",") == std::string::npos) continue;
       const nn::RNN<nn::LSTMCell> rnn{.cell = {.features = H}, .remat = v.remat, .schedule = v.schedule};
       const Tree params = init(rnn, rng::key(0), xs).at("params");
       auto loss = [&](const Tree& p) { return mean(square(apply(rnn, Tree{{"params", p}}, xs))); };

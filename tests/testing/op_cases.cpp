@@ -60,6 +60,16 @@ std::vector<OpCase> op_cases() {
       {"attention", "attention", {2, 5, 2, 4}, {2, 5, 2, 4}, [](const Array& z, const Array& w) {
          return scaled_dot_product_attention(z, w, w);
        }, false},
+      {"recurrent", "lstm_cell", {4, 8}, {4, 2}, [](const Array& z, const Array& w) {
+         auto [c, h] = lstm_cell(z, z * 0.5f, w);
+         return h * 2.0f + c;
+       }, false},
+      {"recurrent", "lstm_layer", {3, 2, 2}, {2, 8}, [](const Array& z, const Array& w) {
+         // time 3, batch 2, inputs 2, hidden 2: z's first step is also c0 and h0's source.
+         const Array first = reshape(slice_axis(z, 0, 0, 1), {2, 2});
+         auto [ys, c, h] = lstm_layer(z, w * 0.5f, sum(w, {0}) * 0.25f, w, first, tanh(first));
+         return ys * 2.0f + c + h;
+       }, false},
       {"normalization", "layer_norm", {4, 6}, {6}, [](const Array& z, const Array& w) {
          return layer_norm(z, w, Array::zeros(Shape{6}));
        }, false},

@@ -1,0 +1,303 @@
+#include <linum/core/kernels/lstm.hpp>
+
+#include <linum/core/array.hpp>
+
+#include <linum/core/kernels/gemm.hpp>
+#include <linum/core/fp_mode.hpp>
+#include <linum/core/threading.hpp>
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cstring>
+#include <exception>
+#include <vector>
+
+namespace linum::kernels::lstm {
+
+namespace {
+
+using Run = Eigen::Map<Eigen::ArrayXf>;
+using ConstRun = Eigen::Map<const Eigen::ArrayXf>;
+
+constexpr std::int64_t kUnitBlock = 64;
+
+struct Blocks {
+  std::int64_t hidden, unit, count;
+  std::int64_t first(std::int64_t b) const { return b * unit; }
+  std::int64_t width(std::int64_t b) const { return std::min(unit, hidden - b * unit); }
+  std::int64_t base(std::int64_t b) const { return 4 * first(b); }  // the block's first interleaved column
+};
+
+Blocks blocks_of(std::int64_t hidden) {
+  const std::int64_t u = unit_block(hidden);
+  return {hidden, u, (hidden + u - 1) / u};
+}
+
+// The first exception a worker thread raised (the others keep running the passes' barriers).
+struct Failure {
+  std::exception_ptr first;
+  template <class F>
+  void run(F&& f) {
+    try {
+      f();
+    } catch (...) {
+#pragma omp critical(linum_lstm_failure)
+      if (!first) first = std::current_exception();
+    }
+  }
+  void rethrow() const {
+    if (first) std::rethrow_exception(first);
+  }
+};
+
+// One step of the cell on one row of one unit block: `gates` holds the block's pre-activations
+// [i | f | g | o] (w each), replaced by the activations; c = f * c_prev + i * g, h = o * tanh(c).
+// Not inlined, so the forward pass and its recomputation run the same instructions.
+[[gnu::noinline]] void cell_row(float* gates, std::int64_t w, const float* c_prev, float* c, float* h) {
+  Run i(gates, w), f(gates + w, w), g(gates + 2 * w, w), o(gates + 3 * w, w);
+  i = i.logistic();
+  f = f.logistic();
+  g = g.tanh();
+  o = o.logistic();
+  Run cr(c, w);
+  cr = f * ConstRun(c_prev, w) + i * g;
+  if (h != nullptr) Run(h, w) = o * cr.tanh();
+}
+
+// The backward step of one row of one unit block: from the activations, c_prev and c, the
+// cotangents of h (dh) and c (dc, replaced by the cotangent of c_prev), the gates' cotangents.
+[[gnu::noinline]] void cell_row_backward(const float* acts, std::int64_t w, const float* c_prev, const float* c,
+                                         const float* dh_in, float* dc, float* d_gates, float* scratch) {
+  ConstRun i(acts, w), f(acts + w, w), g(acts + 2 * w, w), o(acts + 3 * w, w);
+  Run tc(scratch, w), dct(scratch + w, w);
+  const ConstRun dh(dh_in, w);
+  tc = ConstRun(c, w).tanh();
+  Run dcr(dc, w);
+  dct = dcr + dh * o * (1.0f - tc.square());
+  Run(d_gates, w) = dct * g * i * (1.0f - i);
+  Run(d_gates + w, w) = dct * ConstRun(c_prev, w) * f * (1.0f - f);
+  Run(d_gates + 2 * w, w) = dct * i * (1.0f - g.square());
+  Run(d_gates + 3 * w, w) = dh * tc * o * (1.0f - o);
+  dcr = dct * f;
+}
+
+struct Pass {
+  const Forward& f;
+  Blocks bl;
+  std::int64_t T, N, I, H, H4;
+  explicit Pass(const Forward& fw)
+      : f(fw), bl(blocks_of(fw.d.hidden)), T(fw.d.steps), N(fw.d.rows), I(fw.d.inputs), H(fw.d.hidden),
+        H4(4 * fw.d.hidden) {}
+  const float* h_prev(std::int64_t t) const { return t == 0 ? f.h0 : f.ys + (t - 1) * N * H; }
+
+  // The input products of steps [t0, t0 + g) for unit block b, into acts (row stride 4H, the chunk's
+  // first step at acts), biases added.
+  void project(std::int64_t b, std::int64_t t0, std::int64_t g, float* acts) const {
+    const std::int64_t base = bl.base(b), w4 = 4 * bl.width(b);
+    gemm_f32_serial(false, false, g * N, w4, I, 1.0f, f.x + t0 * N * I, I, f.wi + base, H4, 0.0f, acts + base, H4);
+    for (std::int64_t r = 0; r < g * N; ++r) Run(acts + r * H4 + base, w4) += ConstRun(f.b + base, w4);
+  }
+  // Step t for unit block b: the recurrent product added to the step's gates, then the cell.
+  void step(std::int64_t b, std::int64_t t, float* acts_t, const float* c_prev, float* c, float* h) const {
+    const std::int64_t base = bl.base(b), w = bl.width(b), u0 = bl.first(b);
+    gemm_f32_serial(false, false, N, 4 * w, H, 1.0f, h_prev(t), H, f.wh + base, H4, 1.0f, acts_t + base, H4);
+    for (std::int64_t n = 0; n < N; ++n)
+      cell_row(acts_t + n * H4 + base, w, c_prev + n * H + u0, c + n * H + u0, h == nullptr ? nullptr : h + n * H + u0);
+  }
+  // The forward pass over steps [t_begin, t_end) (chunk-aligned), inside a parallel region.
+  // acts_of(t) / c_of(t): where step t's activations and cell state go; c_before: the cell state
+  // before t_begin. write_h: whether ys are written (the recomputation reads them instead).
+  template <class ActsOf, class COf>
+  void run(std::int64_t t_begin, std::int64_t t_end, const float* c_before, ActsOf acts_of, COf c_of, bool write_h,
+           Failure& failure) const {
+    for (std::int64_t t0 = t_begin; t0 < t_end; t0 += kChunk) {
+      const std::int64_t g = std::min(kChunk, t_end - t0);
+#pragma omp for schedule(static) nowait
+      for (std::int64_t b = 0; b < bl.count; ++b) failure.run([&] { project(b, t0, g, acts_of(t0)); });
+      // Each step needs every block's h of the step before: one barrier per step (the loop's end).
+      for (std::int64_t t = t0; t < t0 + g; ++t) {
+        const float* c_prev = t == t_begin ? c_before : c_of(t - 1);
+#pragma omp for schedule(static)
+        for (std::int64_t b = 0; b < bl.count; ++b)
+          failure.run([&] { step(b, t, acts_of(t), c_prev, c_of(t), write_h ? f.ys + t * N * H : nullptr); });
+      }
+    }
+  }
+};
+
+// Workspace as Arrays, so that the memory accounting (peaks, timelines) sees it.
+float* workspace(Array& a, std::int64_t floats) {
+  a = Array::empty(Shape{floats});
+  return a.mutable_data();
+}
+
+}  // namespace
+
+std::int64_t unit_block(std::int64_t hidden) { return std::min(hidden, kUnitBlock); }
+
+std::int64_t interleaved_column(std::int64_t hidden, int gate, std::int64_t unit) {
+  const Blocks bl = blocks_of(hidden);
+  const std::int64_t b = unit / bl.unit;
+  return bl.base(b) + gate * bl.width(b) + (unit - bl.first(b));
+}
+
+void interleave(const float* in, float* out, std::int64_t rows, std::int64_t hidden) {
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (int k = 0; k < 4; ++k)
+      for (std::int64_t j = 0; j < hidden; ++j)
+        out[r * 4 * hidden + interleaved_column(hidden, k, j)] = in[r * 4 * hidden + k * hidden + j];
+}
+
+void deinterleave(const float* in, float* out, std::int64_t rows, std::int64_t hidden) {
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (int k = 0; k < 4; ++k)
+      for (std::int64_t j = 0; j < hidden; ++j)
+        out[r * 4 * hidden + k * hidden + j] = in[r * 4 * hidden + interleaved_column(hidden, k, j)];
+}
+
+void forward(const Forward& f) {
+  const Pass p(f);
+  const std::int64_t T = p.T, N = p.N, H = p.H, H4 = p.H4;
+  if (T == 0) {
+    std::memcpy(f.c_last, f.c0, static_cast<std::size_t>(N * H) * sizeof(float));
+    return;
+  }
+  const bool keep_all = f.segment == 0;
+  // Recompute mode: a chunk's activations and cell states (slot 0: the state before the chunk).
+  Array chunk_acts_buf, chunk_cs_buf;
+  float* chunk_acts = keep_all ? nullptr : workspace(chunk_acts_buf, kChunk * N * H4);
+  float* chunk_cs = keep_all ? nullptr : workspace(chunk_cs_buf, (kChunk + 1) * N * H);
+  Failure failure;
+#pragma omp parallel num_threads(linum::team_size())
+  {
+    linum::detail::enter_compute();
+    if (keep_all) {
+      p.run(0, T, f.c0, [&](std::int64_t t) { return f.acts + t * N * H4; }, [&](std::int64_t t) { return f.cs + t * N * H; },
+            true, failure);
+    } else {
+      for (std::int64_t t0 = 0; t0 < T; t0 += kChunk) {
+        const std::int64_t g = std::min(kChunk, T - t0);
+        const float* c_before = t0 == 0 ? f.c0 : chunk_cs + kChunk * N * H;  // the last chunk's final state
+        if (t0 % f.segment == 0) {
+#pragma omp single
+          std::memcpy(f.cs + (t0 / f.segment) * N * H, c_before, static_cast<std::size_t>(N * H) * sizeof(float));
+        }
+#pragma omp single
+        if (t0 > 0) std::memcpy(chunk_cs, c_before, static_cast<std::size_t>(N * H) * sizeof(float));
+        const float* start = t0 == 0 ? f.c0 : chunk_cs;
+        p.run(t0, t0 + g, start, [&](std::int64_t t) { return chunk_acts + (t - t0) * N * H4; },
+              [&](std::int64_t t) { return chunk_cs + (t - t0 + 1) * N * H; }, true, failure);
+        if (t0 + g < T) {
+          // The chunk's final state must be in the last slot for the next chunk (g < kChunk only at the end).
+#pragma omp barrier
+        }
+      }
+    }
+  }
+  failure.rethrow();
+  const float* last = keep_all ? f.cs + (T - 1) * N * H : chunk_cs + ((T - 1) % kChunk + 1) * N * H;
+  std::memcpy(f.c_last, last, static_cast<std::size_t>(N * H) * sizeof(float));
+}
+
+void backward(const Backward& bw) {
+  const Forward& f = bw.fw;
+  const Pass p(f);
+  const std::int64_t T = p.T, N = p.N, I = p.I, H = p.H, H4 = p.H4;
+  const Blocks& bl = p.bl;
+  const bool keep_all = f.segment == 0;
+  const std::int64_t S = keep_all ? std::max<std::int64_t>(T, 1) : f.segment;
+  Array dh_buf, dc_buf, dz_buf, h_first_buf, seg_acts_buf, seg_cs_buf;
+  float* dh = workspace(dh_buf, N * H);
+  float* dc = workspace(dc_buf, N * H);
+  const std::size_t carry_bytes = static_cast<std::size_t>(N * H) * sizeof(float);
+  if (bw.d_h_last) std::memcpy(dh, bw.d_h_last, carry_bytes);
+  else std::fill(dh, dh + N * H, 0.0f);
+  if (bw.d_c_last) std::memcpy(dc, bw.d_c_last, carry_bytes);
+  else std::fill(dc, dc + N * H, 0.0f);
+  for (float* g : {bw.d_wi, bw.d_wh, bw.d_b})
+    if (g != nullptr) std::fill(g, g + (g == bw.d_wi ? I * H4 : g == bw.d_wh ? H * H4 : H4), 0.0f);
+  float* dz = workspace(dz_buf, kChunk * N * H4);
+  // h before each step of the first chunk: h0, then the chunk's ys but the last.
+  const std::int64_t first_len = std::min(kChunk, T);
+  float* h_first = workspace(h_first_buf, first_len * N * H);
+  if (T > 0) {
+    std::memcpy(h_first, f.h0, carry_bytes);
+    if (first_len > 1) std::memcpy(h_first + N * H, f.ys, static_cast<std::size_t>(first_len - 1) * carry_bytes);
+  }
+  // Recompute mode: a segment's activations and cell states (slot 0: the state before it).
+  float* seg_acts = keep_all ? nullptr : workspace(seg_acts_buf, std::min(S, T) * N * H4);
+  float* seg_cs = keep_all ? nullptr : workspace(seg_cs_buf, (std::min(S, T) + 1) * N * H);
+  Failure failure;
+#pragma omp parallel num_threads(linum::team_size())
+  {
+    linum::detail::enter_compute();
+    std::vector<float> scratch(static_cast<std::size_t>(3 * bl.unit));
+    const std::int64_t segments = T == 0 ? 0 : (T + S - 1) / S;
+    for (std::int64_t k = segments - 1; k >= 0; --k) {
+      const std::int64_t s0 = k * S, s1 = std::min(T, s0 + S);
+      auto acts_of = [&](std::int64_t t) { return keep_all ? f.acts + t * N * H4 : seg_acts + (t - s0) * N * H4; };
+      auto c_of = [&](std::int64_t t) { return keep_all ? f.cs + t * N * H : seg_cs + (t - s0 + 1) * N * H; };
+      auto c_prev_of = [&](std::int64_t t) -> const float* {
+        if (t == 0) return f.c0;
+        return keep_all ? f.cs + (t - 1) * N * H : seg_cs + (t - s0) * N * H;
+      };
+      if (!keep_all) {
+#pragma omp single
+        std::memcpy(seg_cs, f.cs + k * N * H, static_cast<std::size_t>(N * H) * sizeof(float));
+        p.run(s0, s1, seg_cs, acts_of, c_of, false, failure);
+#pragma omp barrier
+      }
+      const std::int64_t last_chunk = s0 + (s1 - s0 - 1) / kChunk * kChunk;
+      for (std::int64_t t0 = last_chunk; t0 >= s0; t0 -= kChunk) {
+        const std::int64_t g = std::min(kChunk, s1 - t0);
+        for (std::int64_t t = t0 + g - 1; t >= t0; --t) {
+          float* dz_t = dz + (t - t0) * N * H4;
+#pragma omp for schedule(static)
+          for (std::int64_t b = 0; b < bl.count; ++b) {
+            const std::int64_t u0 = bl.first(b), w = bl.width(b), base = bl.base(b);
+            for (std::int64_t n = 0; n < N; ++n) {
+              float* dh_in = scratch.data() + 2 * bl.unit;
+              Run dhr(dh_in, w);
+              dhr = ConstRun(dh + n * H + u0, w);
+              if (bw.d_ys) dhr += ConstRun(bw.d_ys + t * N * H + n * H + u0, w);
+              cell_row_backward(acts_of(t) + n * H4 + base, w, c_prev_of(t) + n * H + u0, c_of(t) + n * H + u0, dh_in,
+                                dc + n * H + u0, dz_t + n * H4 + base, scratch.data());
+            }
+          }
+          // dh = dz_t . wh^T, by blocks of h's units (each reads every block's gates: after the barrier).
+#pragma omp for schedule(static)
+          for (std::int64_t b = 0; b < bl.count; ++b)
+            failure.run([&] {
+              gemm_f32_serial(false, true, N, bl.width(b), H4, 1.0f, dz_t, H4, f.wh + bl.first(b) * H4, H4, 0.0f,
+                              dh + bl.first(b), H);
+            });
+        }
+        // The chunk's weight gradients (one product each) and its inputs' gradients.
+        const float* hp = t0 == 0 ? h_first : f.ys + (t0 - 1) * N * H;
+#pragma omp for schedule(static) nowait
+        for (std::int64_t b = 0; b < bl.count; ++b)
+          failure.run([&] {
+            const std::int64_t base = bl.base(b), w4 = 4 * bl.width(b);
+            if (bw.d_wh) gemm_f32_serial(true, false, H, w4, g * N, 1.0f, hp, H, dz + base, H4, 1.0f, bw.d_wh + base, H4);
+            if (bw.d_wi)
+              gemm_f32_serial(true, false, I, w4, g * N, 1.0f, f.x + t0 * N * I, I, dz + base, H4, 1.0f, bw.d_wi + base, H4);
+            if (bw.d_b)
+              for (std::int64_t r = 0; r < g * N; ++r) Run(bw.d_b + base, w4) += ConstRun(dz + r * H4 + base, w4);
+          });
+#pragma omp for schedule(static)
+        for (std::int64_t t = t0; t < t0 + g; ++t)
+          if (bw.d_x)
+            failure.run([&] {
+              gemm_f32_serial(false, true, N, I, H4, 1.0f, dz + (t - t0) * N * H4, H4, f.wi, H4, 0.0f,
+                              bw.d_x + t * N * I, I);
+            });
+      }
+    }
+  }
+  failure.rethrow();
+  if (bw.d_c0) std::memcpy(bw.d_c0, dc, carry_bytes);
+  if (bw.d_h0) std::memcpy(bw.d_h0, dh, carry_bytes);
+}
+
+}  // namespace linum::kernels::lstm

@@ -1,0 +1,54 @@
+// Internal: the fused LSTM layer's kernels (the op is lstm_layer, core/ops/recurrent.hpp), float32,
+// row-major, time-major.
+//
+// Work is cut the same way on every run, whatever the thread count, so results are bitwise
+// reproducible: the hidden units in fixed blocks (each block's four gates are adjacent columns of
+// the interleaved weights below), the time steps in fixed chunks of kChunk (the input products and
+// the weight gradients are one product per chunk). A forward pass that keeps its activations and
+// one that keeps the cell state every `segment` steps and computes a segment again in the backward
+// pass run the same products on the same operands, so their gradients are bitwise equal.
+#pragma once
+
+#include <cstdint>
+
+namespace linum::kernels::lstm {
+
+inline constexpr std::int64_t kChunk = 16;  // time steps per input product and weight-gradient product
+
+struct Dims {
+  std::int64_t steps = 0, rows = 0, inputs = 0, hidden = 0;  // T, N, I, H
+};
+
+// The interleaved gate layout: column blocks of `unit_block(h)` hidden units, each block holding
+// its units' i, f, g, o columns side by side. `column(k, j)` is gate k of unit j.
+std::int64_t unit_block(std::int64_t hidden);
+std::int64_t interleaved_column(std::int64_t hidden, int gate, std::int64_t unit);
+// Copies a [rows, 4H] matrix with columns in gate order [i | f | g | o] into the interleaved
+// layout, and back.
+void interleave(const float* in, float* out, std::int64_t rows, std::int64_t hidden);
+void deinterleave(const float* in, float* out, std::int64_t rows, std::int64_t hidden);
+
+// Everything the passes read and write. wi [I, 4H], wh [H, 4H] and b [4H] interleaved; x [T, N, I];
+// c0, h0 [N, H]; ys [T, N, H] (the h of every step). acts [T', N, 4H] and cs [T', N, H] hold the
+// gate activations and cell states of the steps kept (T' = T when keeping all, else a segment).
+struct Forward {
+  Dims d;
+  const float *x, *wi, *wh, *b, *c0, *h0;
+  float* ys;
+  float* acts;       // T steps (keep all) or null (recompute mode)
+  float* cs;         // T steps (keep all), or the cell state at each segment's start (recompute mode)
+  std::int64_t segment = 0;  // 0: keep all; else a multiple of kChunk
+  float* c_last;     // [N, H]: the final cell state
+};
+void forward(const Forward& f);
+
+struct Backward {
+  Forward fw;            // the forward's operands and what it kept (acts / cs as above)
+  const float* d_ys;     // [T, N, H] or null
+  const float* d_c_last; // [N, H] or null
+  const float* d_h_last; // [N, H] or null
+  float *d_x, *d_wi, *d_wh, *d_b, *d_c0, *d_h0;  // outputs (interleaved weights' gradients); any may be null
+};
+void backward(const Backward& b);
+
+}  // namespace linum::kernels::lstm

@@ -1,0 +1,372 @@
+#include <linum/core/ops/recurrent.hpp>
+
+#include <linum/core/autodiff/primitive.hpp>
+#include <linum/core/ops/batching.hpp>
+#include <linum/core/dtype.hpp>
+#include <linum/core/error.hpp>
+#include <linum/core/kernels/lstm.hpp>
+#include <linum/core/ops/elementwise.hpp>
+#include <linum/core/ops/linalg.hpp>
+#include <linum/core/ops/kernel_util.hpp>
+#include <linum/core/ops/kind.hpp>
+#include <linum/core/ops/shape_ops.hpp>
+#include <linum/core/threading.hpp>
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace linum {
+
+namespace {
+
+using autodiff::Cotangents;
+using Vec = Eigen::Map<Eigen::ArrayXf, Eigen::Aligned64>;
+
+constexpr std::int64_t kLanes = 16;  // a multiple of every packet width (AVX-512: 16 floats)
+constexpr std::int64_t kRowsPerBlock = 16;
+
+// The gates of a row are computed on runs padded to whole packets (the padding repeats the first
+// element), so every element takes Eigen's packet path wherever it sits: a row gives the same bits
+// in a batch of any size, and an example under vmap (which runs the op per example) the same bits
+// as in the batch.
+std::int64_t padded(std::int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
+
+// Elements [start, start + n) of a float array into dst as float32, padded to `width`.
+void load_row(const Array& a, std::int64_t start, std::int64_t n, std::int64_t width, float* dst) {
+  if (a.dtype() == DType::f32)
+    std::memcpy(dst, static_cast<const float*>(a.raw()) + start, static_cast<std::size_t>(n) * sizeof(float));
+  else
+    bf16_to_f32(static_cast<const bfloat16*>(a.raw()) + start, dst, n);
+  for (std::int64_t j = n; j < width; ++j) dst[j] = dst[0];
+}
+
+void store_row(Array& out, std::int64_t start, std::int64_t n, const float* src) {
+  if (out.dtype() == DType::f32)
+    std::memcpy(static_cast<float*>(out.mutable_raw()) + start, src, static_cast<std::size_t>(n) * sizeof(float));
+  else
+    f32_to_bf16(src, static_cast<bfloat16*>(out.mutable_raw()) + start, n);
+}
+
+struct Geometry {
+  std::int64_t rows = 0, hidden = 0, width = 0;  // width: hidden padded to whole packets
+};
+
+// Runs f(row, scratch) for every row, row blocks in parallel for large inputs; scratch holds
+// `floats` floats per thread, 64-byte aligned.
+template <class F>
+void for_rows(const Geometry& g, std::int64_t floats, F&& f) {
+  const std::int64_t blocks = (g.rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  [[maybe_unused]] const bool parallel = g.rows * 4 * g.hidden >= ops::detail::kParallelMin && blocks > 1;
+#pragma omp parallel if (parallel) num_threads(linum::team_size())
+  {
+    linum::detail::enter_compute();
+    ops::detail::AlignedScratch scratch(floats);
+#pragma omp for schedule(static)
+    for (std::int64_t b = 0; b < blocks; ++b)
+      for (std::int64_t r = b * kRowsPerBlock; r < std::min(g.rows, (b + 1) * kRowsPerBlock); ++r) f(r, scratch.data());
+  }
+}
+
+// The gates of row r: z = x_gates + h_gates into four padded runs i, f, g, o (pre-activation),
+// and c's row into a fifth.
+void load_gates(const Geometry& g, const Array& xg, const Array& hg, const Array& c, std::int64_t r, float* z, float* tmp) {
+  const std::int64_t w = g.width, h = g.hidden;
+  for (int k = 0; k < 4; ++k) {
+    float* zk = z + k * w;
+    load_row(xg, r * 4 * h + k * h, h, w, zk);
+    load_row(hg, r * 4 * h + k * h, h, w, tmp);
+    Vec(zk, w) += Vec(tmp, w);
+  }
+  load_row(c, r * h, h, w, z + 4 * w);
+}
+
+Geometry geometry_of(const Array& xg, const Array& hg, const Array& c) {
+  auto fail = [&](const std::string& why) -> Geometry {
+    throw ShapeError("lstm_cell: " + why + "; got x_gates " + xg.type_str() + ", h_gates " + hg.type_str() + ", c " +
+                     c.type_str() + " (x_gates and h_gates [..., 4 * hidden], c [..., hidden])");
+  };
+  for (const Array* a : {&xg, &hg, &c}) {
+    if (!a->defined()) fail("an input is undefined");
+    if (!is_floating(a->dtype()) || (a->dtype() != DType::f32 && a->dtype() != DType::bf16))
+      fail("inputs must be float32 or bfloat16");
+    if (a->rank() < 1) fail("inputs need a feature axis");
+  }
+  if (!(xg.shape() == hg.shape())) fail("x_gates and h_gates must have the same shape");
+  const std::int64_t four_h = xg.dim(-1);
+  if (four_h % 4 != 0 || four_h == 0) fail("the gates' last axis must be 4 * hidden, hidden > 0");
+  const std::int64_t h = four_h / 4;
+  Shape want = xg.shape();
+  want[want.rank() - 1] = h;
+  if (!(c.shape() == want)) fail("c must be the gates' shape with hidden = " + std::to_string(h) + " features");
+  return {c.numel() / h, h, padded(h)};
+}
+
+void forward(const Geometry& g, const Array& xg, const Array& hg, const Array& c, Array& c_next, Array& h_next) {
+  const std::int64_t w = g.width, h = g.hidden;
+  for_rows(g, 7 * w, [&](std::int64_t r, float* s) {
+    float* z = s;  // i f g o c: 5 runs
+    float* tmp = s + 5 * w;
+    load_gates(g, xg, hg, c, r, z, tmp);
+    Vec i(z, w), f(z + w, w), gg(z + 2 * w, w), o(z + 3 * w, w), cr(z + 4 * w, w);
+    i = i.logistic();
+    f = f.logistic();
+    gg = gg.tanh();
+    o = o.logistic();
+    Vec nc(tmp, w), nh(s + 6 * w, w);
+    nc = f * cr + i * gg;
+    nh = o * nc.tanh();
+    store_row(c_next, r * h, h, tmp);
+    store_row(h_next, r * h, h, s + 6 * w);
+  });
+}
+
+// Gradients of z (the gates, for both products) and c from those of c_next and h_next (either may
+// be undefined: no gradient reached it).
+void backward(const Geometry& g, const Array& xg, const Array& hg, const Array& c, const Array& d_c_next,
+              const Array& d_h_next, Array& dz, Array& dc) {
+  const std::int64_t w = g.width, h = g.hidden;
+  for_rows(g, 9 * w, [&](std::int64_t r, float* s) {
+    float* z = s;
+    float* tmp = s + 5 * w;
+    load_gates(g, xg, hg, c, r, z, tmp);
+    Vec i(z, w), f(z + w, w), gg(z + 2 * w, w), o(z + 3 * w, w), cr(z + 4 * w, w);
+    i = i.logistic();
+    f = f.logistic();
+    gg = gg.tanh();
+    o = o.logistic();
+    Vec tc(s + 6 * w, w), dh(s + 7 * w, w), dct(s + 8 * w, w);
+    tc = (f * cr + i * gg).tanh();
+    if (d_h_next.defined()) load_row(d_h_next, r * h, h, w, dh.data());
+    else dh.setZero();
+    if (d_c_next.defined()) load_row(d_c_next, r * h, h, w, dct.data());
+    else dct.setZero();
+    dct += dh * o * (1.0f - tc.square());
+    Vec dzr(tmp, w);
+    // dz_o first (it reads o, then o's run is free), then the others in place of their gates.
+    dzr = dh * tc * o * (1.0f - o);
+    store_row(dz, r * 4 * h + 3 * h, h, tmp);
+    dzr = dct * gg * i * (1.0f - i);
+    store_row(dz, r * 4 * h, h, tmp);
+    dzr = dct * cr * f * (1.0f - f);
+    store_row(dz, r * 4 * h + h, h, tmp);
+    dzr = dct * i * (1.0f - gg.square());
+    store_row(dz, r * 4 * h + 2 * h, h, tmp);
+    dzr = dct * f;
+    store_row(dc, r * h, h, tmp);
+  });
+}
+
+// The same cell written with differentiable ops (create-graph mode differentiates it).
+std::vector<Array> composed(std::int64_t h, const std::vector<Array>& in) {
+  const Array z = in[0] + in[1];
+  auto gate = [&](int k) { return slice_axis(z, -1, k * h, (k + 1) * h); };
+  const Array i = sigmoid(gate(0)), f = sigmoid(gate(1)), g = tanh(gate(2)), o = sigmoid(gate(3));
+  Array c_next = f * in[2] + i * g;
+  Array h_next = o * tanh(c_next);
+  return {std::move(c_next), std::move(h_next)};
+}
+
+}  // namespace
+
+std::pair<Array, Array> lstm_cell(const Array& x_gates, const Array& h_gates, const Array& c) {
+  if (x_gates.batched() || h_gates.batched() || c.batched()) [[unlikely]] {
+    // vmap: rows are independent, so the levels become leading axes of all three inputs.
+    const std::vector<BatchLevel> levels = ops::batching::levels_of({&x_gates, &h_gates, &c}, "lstm_cell");
+    auto [c_next, h_next] = lstm_cell(ops::batching::materialized(x_gates, levels),
+                                      ops::batching::materialized(h_gates, levels), ops::batching::materialized(c, levels));
+    return {ops::batching::wrap(c_next, levels), ops::batching::wrap(h_next, levels)};
+  }
+  const Geometry g = geometry_of(x_gates, h_gates, c);
+  const DType dt = promote_types(promote_types(x_gates.dtype(), h_gates.dtype()), c.dtype());
+  const Array* const ins[] = {&x_gates, &h_gates, &c};
+  std::vector<Array> out = autodiff::primitive_multi(
+      "lstm_cell", std::span<const Array* const>(ins),
+      [&](autodiff::Residuals& r) {
+        Array c_next = Array::empty(c.shape(), dt), h_next = Array::empty(c.shape(), dt);
+        forward(g, x_gates, h_gates, c, c_next, h_next);
+        r.keep(x_gates, h_gates, c);
+        return std::vector<Array>{std::move(c_next), std::move(h_next)};
+      },
+      autodiff::higher_order([g, dt](Cotangents& cot, autodiff::Saved s) {
+        if (autodiff::creating_graph())
+          return autodiff::composite_rule(cot, {s[0], s[1], s[2]},
+                                          [h = g.hidden](const std::vector<Array>& in) { return composed(h, in); });
+        Array dz = Array::empty(s[0].shape(), dt), dc = Array::empty(s[2].shape(), dt);
+        backward(g, s[0], s[1], s[2], cot.out(0), cot.out(1), dz, dc);
+        if (cot.needs(2)) cot.set(2, std::move(dc));
+        if (cot.needs(1)) cot.set(1, dz);
+        if (cot.needs(0)) cot.set(0, std::move(dz));
+      }));
+  return {std::move(out[0]), std::move(out[1])};
+}
+
+namespace {
+
+namespace lk = kernels::lstm;
+static_assert(kLSTMLayerChunk == lk::kChunk);
+
+struct LayerShape {
+  lk::Dims d;
+};
+
+LayerShape layer_shape(const Array& x, const Array& wi, const Array& b, const Array& wh, const Array& c0, const Array& h0) {
+  auto fail = [&](const std::string& why) -> LayerShape {
+    throw ShapeError("lstm_layer: " + why + "; got x " + x.type_str() + ", input_kernel " + wi.type_str() + ", bias " +
+                     b.type_str() + ", recurrent_kernel " + wh.type_str() + ", c0 " + c0.type_str() + ", h0 " + h0.type_str() +
+                     " (x [time, batch, in], input_kernel [in, 4 * hidden], bias [4 * hidden], recurrent_kernel "
+                     "[hidden, 4 * hidden], c0 and h0 [batch, hidden])");
+  };
+  for (const Array* a : {&x, &wi, &b, &wh, &c0, &h0}) {
+    if (!a->defined()) fail("an argument is undefined");
+    if (a->dtype() != DType::f32 && a->dtype() != DType::bf16) fail("arguments must be float32 or bfloat16");
+  }
+  if (x.rank() != 3 || wi.rank() != 2 || b.rank() != 1 || wh.rank() != 2 || c0.rank() != 2 || h0.rank() != 2)
+    fail("wrong ranks");
+  const std::int64_t T = x.dim(0), N = x.dim(1), I = x.dim(2), H = wh.dim(0);
+  if (H == 0 || wh.dim(1) != 4 * H) fail("recurrent_kernel must be [hidden, 4 * hidden] with hidden > 0");
+  if (wi.dim(0) != I || wi.dim(1) != 4 * H) fail("input_kernel must be [in, 4 * hidden]");
+  if (b.dim(0) != 4 * H) fail("bias must be [4 * hidden]");
+  if (!(c0.shape() == Shape{N, H}) || !(h0.shape() == Shape{N, H})) fail("c0 and h0 must be [batch, hidden]");
+  return {{T, N, I, H}};
+}
+
+Array interleaved(const Array& w, std::int64_t hidden) {
+  Array out = Array::empty(w.shape());
+  lk::interleave(w.data(), out.mutable_data(), w.numel() / (4 * hidden), hidden);
+  return out;
+}
+
+Array deinterleaved(const Array& w, std::int64_t hidden) {
+  Array out = Array::empty(w.shape());
+  lk::deinterleave(w.data(), out.mutable_data(), w.numel() / (4 * hidden), hidden);
+  return out;
+}
+
+// The layer written with ops (create-graph mode differentiates it).
+std::vector<Array> composed_layer(const std::vector<Array>& in) {
+  const Array &x = in[0], &wi = in[1], &b = in[2], &wh = in[3];
+  Array c = in[4], h = in[5];
+  std::vector<Array> ys;
+  for (std::int64_t t = 0; t < x.dim(0); ++t) {
+    const Array xt = reshape(slice_axis(x, 0, t, t + 1), {x.dim(1), x.dim(2)});
+    auto [cn, hn] = lstm_cell(matmul(xt, wi) + b, matmul(h, wh), c);
+    c = cn;
+    h = hn;
+    ys.push_back(hn);
+  }
+  Array y = ys.empty() ? Array::zeros(Shape{0, x.dim(1), wh.dim(0)}) : stack(ys);
+  return {y, c, h};
+}
+
+}  // namespace
+
+std::tuple<Array, Array, Array> lstm_layer(const Array& x, const Array& wi, const Array& b, const Array& wh, const Array& c0,
+                                           const Array& h0, const LSTMLayerOptions& options) {
+  const LayerShape shape = layer_shape(x, wi, b, wh, c0, h0);
+  const lk::Dims d = shape.d;
+  if (options.recompute_segment < 0)
+    throw ValueError("lstm_layer: recompute_segment must be >= 0 (0 keeps every step), got " +
+                     std::to_string(options.recompute_segment));
+  if (x.batched() || wi.batched() || b.batched() || wh.batched() || c0.batched() || h0.batched()) [[unlikely]] {
+    // vmap: the layer once per example (each example may have its own weights), results stacked.
+    const std::vector<BatchLevel> levels = ops::batching::levels_of({&x, &wi, &b, &wh, &c0, &h0}, "lstm_layer");
+    std::int64_t examples = 1;
+    for (const BatchLevel& l : levels) examples *= l.size;
+    std::vector<Array> flat;
+    for (const Array* a : {&x, &wi, &b, &wh, &c0, &h0}) {
+      std::vector<std::int64_t> dims{examples};
+      for (std::int64_t v : a->shape().vec()) dims.push_back(v);
+      flat.push_back(reshape(ops::batching::materialized(*a, levels), dims));
+    }
+    std::vector<Array> ys, cs, hs;
+    for (std::int64_t e = 0; e < examples; ++e) {
+      auto one = [&](std::size_t k) {
+        const std::vector<std::int64_t> dims = flat[k].shape().vec();
+        return reshape(slice_axis(flat[k], 0, e, e + 1), std::vector<std::int64_t>(dims.begin() + 1, dims.end()));
+      };
+      auto [y, c, h] = lstm_layer(one(0), one(1), one(2), one(3), one(4), one(5), options);
+      ys.push_back(y);
+      cs.push_back(c);
+      hs.push_back(h);
+    }
+    auto unflat = [&](const std::vector<Array>& parts) {
+      const Array st = stack(parts);
+      std::vector<std::int64_t> dims;
+      for (const BatchLevel& l : levels) dims.push_back(l.size);
+      for (std::int64_t v : parts[0].shape().vec()) dims.push_back(v);
+      return ops::batching::wrap(reshape(st, dims), levels);
+    };
+    return {unflat(ys), unflat(cs), unflat(hs)};
+  }
+  const DType dt = promote_types(promote_types(promote_types(x.dtype(), wi.dtype()), promote_types(b.dtype(), wh.dtype())),
+                                 promote_types(c0.dtype(), h0.dtype()));
+  if (dt != DType::f32 || x.dtype() != DType::f32 || wi.dtype() != DType::f32 || b.dtype() != DType::f32 ||
+      wh.dtype() != DType::f32 || c0.dtype() != DType::f32 || h0.dtype() != DType::f32) {
+    auto f32 = [](const Array& a) { return a.dtype() == DType::f32 ? a : astype(a, DType::f32); };
+    auto [y, c, h] = lstm_layer(f32(x), f32(wi), f32(b), f32(wh), f32(c0), f32(h0), options);
+    return {astype(y, dt), astype(c, dt), astype(h, dt)};
+  }
+  const std::int64_t segment =
+      options.recompute_segment == 0 ? 0 : (options.recompute_segment + lk::kChunk - 1) / lk::kChunk * lk::kChunk;
+  const Array* const ins[] = {&x, &wi, &b, &wh, &c0, &h0};
+  std::vector<Array> out = autodiff::primitive_multi(
+      ops::kind::lstm_layer, std::span<const Array* const>(ins),
+      [&](autodiff::Residuals& r) {
+        const Array wi_i = interleaved(wi, d.hidden), wh_i = interleaved(wh, d.hidden), b_i = interleaved(b, d.hidden);
+        Array ys = Array::empty(Shape{d.steps, d.rows, d.hidden});
+        Array c_last = Array::empty(Shape{d.rows, d.hidden});
+        // What the backward pass reads: every step's activations and cell states, or the cell state
+        // at each segment's start (not recording: one segment, nothing kept).
+        const std::int64_t seg = r.recording() ? segment : (d.steps + lk::kChunk - 1) / lk::kChunk * lk::kChunk;
+        const bool keep_all = seg == 0;
+        Array acts = keep_all ? Array::empty(Shape{d.steps, d.rows, 4 * d.hidden}) : Array();
+        Array cs = keep_all ? Array::empty(Shape{d.steps, d.rows, d.hidden})
+                            : Array::empty(Shape{std::max<std::int64_t>(1, (d.steps + seg - 1) / seg), d.rows, d.hidden});
+        lk::forward({d, x.data(), wi_i.data(), wh_i.data(), b_i.data(), c0.data(), h0.data(), ys.mutable_data(),
+                     keep_all ? acts.mutable_data() : nullptr, cs.mutable_data(), seg, c_last.mutable_data()});
+        Array h_last = Array::empty(Shape{d.rows, d.hidden});
+        std::memcpy(h_last.mutable_data(), d.steps == 0 ? h0.data() : ys.data() + (d.steps - 1) * d.rows * d.hidden,
+                    static_cast<std::size_t>(d.rows * d.hidden) * sizeof(float));
+        r.keep(x, wi, b, wh, c0, h0, wi_i, wh_i, b_i, ys, acts, cs);
+        return std::vector<Array>{std::move(ys), std::move(c_last), std::move(h_last)};
+      },
+      autodiff::higher_order([d, segment](Cotangents& cot, autodiff::Saved s) {
+        if (autodiff::creating_graph())
+          return autodiff::composite_rule(cot, {s[0], s[1], s[2], s[3], s[4], s[5]}, composed_layer);
+        const Array &x = s[0], &c0 = s[4], &h0 = s[5], &wi_i = s[6], &wh_i = s[7], &b_i = s[8], &ys = s[9], &acts = s[10],
+                    &cs = s[11];
+        auto f32_or_null = [](const Array& a) -> const float* {
+          if (!a.defined()) return nullptr;
+          return a.data();
+        };
+        const Array d_ys = cot.out(0).defined() ? linum::detail::convert_float(cot.out(0), DType::f32) : Array();
+        const Array d_c = cot.out(1).defined() ? linum::detail::convert_float(cot.out(1), DType::f32) : Array();
+        const Array d_h = cot.out(2).defined() ? linum::detail::convert_float(cot.out(2), DType::f32) : Array();
+        Array dx = cot.needs(0) ? Array::empty(x.shape()) : Array();
+        Array dwi = cot.needs(1) ? Array::empty(wi_i.shape()) : Array();
+        Array db = cot.needs(2) ? Array::empty(b_i.shape()) : Array();
+        Array dwh = cot.needs(3) ? Array::empty(wh_i.shape()) : Array();
+        Array dc0 = cot.needs(4) ? Array::empty(c0.shape()) : Array();
+        Array dh0 = cot.needs(5) ? Array::empty(h0.shape()) : Array();
+        auto out_ptr = [](Array& a) -> float* { return a.defined() ? a.mutable_data() : nullptr; };
+        const bool keep_all = acts.defined();
+        lk::backward({{d, x.data(), wi_i.data(), wh_i.data(), b_i.data(), c0.data(), h0.data(), const_cast<float*>(ys.data()),
+                       keep_all ? const_cast<float*>(acts.data()) : nullptr, const_cast<float*>(cs.data()),
+                       keep_all ? 0 : segment, nullptr},
+                      f32_or_null(d_ys), f32_or_null(d_c), f32_or_null(d_h), out_ptr(dx), out_ptr(dwi), out_ptr(dwh),
+                      out_ptr(db), out_ptr(dc0), out_ptr(dh0)});
+        if (cot.needs(0)) cot.set(0, std::move(dx));
+        if (cot.needs(1)) cot.set(1, deinterleaved(dwi, d.hidden));
+        if (cot.needs(2)) cot.set(2, deinterleaved(db, d.hidden));
+        if (cot.needs(3)) cot.set(3, deinterleaved(dwh, d.hidden));
+        if (cot.needs(4)) cot.set(4, std::move(dc0));
+        if (cot.needs(5)) cot.set(5, std::move(dh0));
+      }));
+  return {std::move(out[0]), std::move(out[1]), std::move(out[2])};
+}
+
+}  // namespace linum

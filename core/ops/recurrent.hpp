@@ -1,0 +1,54 @@
+// Fused LSTM ops: the cell (the gate nonlinearities and the state update of one time step in one op,
+// one pass forward, one pass backward) and the whole layer over time, as PyTorch's and oneDNN's
+// LSTM kernels fuse them.
+//
+//   auto [c_next, h_next] = lstm_cell(x_gates, h_gates, c);
+//
+// x_gates and h_gates are the two products feeding the gates ([..., 4 * hidden]: the input's and
+// the recurrent state's, biases added to either); their sum z is laid out [i | f | g | o] along the
+// last axis (the order of Flax's OptimizedLSTMCell and of PyTorch's nn.LSTM):
+//   i = sigmoid(z_i), f = sigmoid(z_f), g = tanh(z_g), o = sigmoid(z_o),
+//   c_next = f * c + i * g,  h_next = o * tanh(c_next).
+// c is [..., hidden] with the gates' leading axes. Computed in float32 (bf16 widened on load), the
+// results rounded once to the promoted dtype of the three inputs. The backward rule keeps only the
+// inputs and computes the gates again (no activations kept per step); it is one pass that gives
+// the gates' gradient (the same array for both products) and c's.
+#pragma once
+
+#include <linum/core/array.hpp>
+
+#include <cstdint>
+#include <tuple>
+#include <utility>
+
+namespace linum {
+
+// (c_next, h_next); see above.
+std::pair<Array, Array> lstm_cell(const Array& x_gates, const Array& h_gates, const Array& c);
+
+// A whole LSTM layer over time in one op, as PyTorch's nn.LSTM and cuDNN run it:
+//
+//   auto [ys, c_last, h_last] = lstm_layer(x, input_kernel, bias, recurrent_kernel, c0, h0);
+//
+// x [time, batch, in] (time-major); input_kernel [in, 4 * hidden], recurrent_kernel [hidden,
+// 4 * hidden] and bias [4 * hidden] in gate order [i | f | g | o]; c0, h0 [batch, hidden]. Step t
+// computes the gates x_t . input_kernel + h . recurrent_kernel + bias and then lstm_cell's
+// equations; ys [time, batch, hidden] are the h of every step. float32 (bf16 arguments are widened,
+// results rounded back).
+//
+// The input products run as one product per chunk of 16 steps, and the backward pass computes the
+// weights' gradients as one product per chunk (not one per step), the hidden units split into
+// fixed blocks among the threads: results are bitwise the same for any thread count.
+// What the forward pass keeps: every step's gate activations and cell state (4 + 1 floats per
+// hidden unit and row), or, with `recompute_segment` S > 0 (rounded up to a multiple of 16), only
+// the cell state every S steps; the backward pass then computes each segment's steps again from
+// it (remat over time inside the op). Both give bitwise the same gradients.
+struct LSTMLayerOptions {
+  std::int64_t recompute_segment = 0;
+};
+inline constexpr std::int64_t kLSTMLayerChunk = 16;  // steps per input product and weight-gradient product
+std::tuple<Array, Array, Array> lstm_layer(const Array& x, const Array& input_kernel, const Array& bias,
+                                           const Array& recurrent_kernel, const Array& c0, const Array& h0,
+                                           const LSTMLayerOptions& options = {});
+
+}  // namespace linum

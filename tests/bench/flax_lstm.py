@@ -1,0 +1,53 @@
+"""Peer for `linum-bench rnn`: an LSTM (input 64, hidden 256, batch 32) over T steps, loss mean(h_t^2)
+over all outputs, jax.jit(jax.value_and_grad) of it, as Flax users write it (pip: jax, flax).
+Prints one JSON line per (length, variant); compile_s is the first call (tracing and XLA
+compilation), step_s_min the steady state.
+
+Variants:
+  lstm            nn.RNN(nn.LSTMCell(256))
+  optimized       nn.RNN(nn.OptimizedLSTMCell(256))
+  optimized_remat nn.RNN(nn.remat(nn.OptimizedLSTMCell)(256)): remat per time step
+
+  python3 tests/bench/flax_lstm.py [--lengths 64,256,1024] [--variants ...]
+Threads: XLA's CPU backend uses every core it sees (2 on the project's machines).
+"""
+import argparse, json, time
+import jax
+import jax.numpy as jnp
+import flax
+import flax.linen as nn
+
+p = argparse.ArgumentParser()
+p.add_argument("--lengths", default="64,256,1024")
+p.add_argument("--batch", type=int, default=32)
+p.add_argument("--features", type=int, default=256)
+p.add_argument("--inputs", type=int, default=64)
+p.add_argument("--steps", type=int, default=3)
+p.add_argument("--variants", default="lstm,optimized,optimized_remat")
+a = p.parse_args()
+B, H, I = a.batch, a.features, a.inputs
+
+cells = {"lstm": lambda: nn.LSTMCell(H), "optimized": lambda: nn.OptimizedLSTMCell(H),
+         "optimized_remat": lambda: nn.remat(nn.OptimizedLSTMCell)(H)}
+
+for T in [int(t) for t in a.lengths.split(",")]:
+    xs = jax.random.normal(jax.random.key(1), (B, T, I))
+    for v in a.variants.split(","):
+        model = nn.RNN(cells[v]())
+        params = model.init(jax.random.key(0), xs)
+
+        @jax.jit
+        def step(params, xs):
+            return jax.value_and_grad(lambda p: jnp.mean(jnp.square(model.apply(p, xs))))(params)
+
+        t0 = time.perf_counter()
+        jax.block_until_ready(step(params, xs))
+        first = time.perf_counter() - t0
+        times = []
+        for _ in range(a.steps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(step(params, xs))
+            times.append(time.perf_counter() - t0)
+        print(json.dumps({"peer": f"jax-{jax.__version__}+flax-{flax.__version__}", "bench": "rnn", "variant": v,
+                          "length": T, "batch": B, "features": H, "inputs": I, "compile_s": first,
+                          "step_s_min": min(times)}), flush=True)

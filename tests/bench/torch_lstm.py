@@ -1,0 +1,79 @@
+"""Peer for `linum-bench rnn`: an LSTM (input 64, hidden 256, batch 32) over T steps, loss mean(h_t^2)
+over all outputs, forward + backward, as PyTorch users write it. Runs in PyTorch 2.x (pip's torch)
+and in Debian's 1.13 (/usr/bin/python3). Prints one JSON line per (length, variant).
+
+Variants:
+  nn_lstm        torch.nn.LSTM (batch_first, as Linum's [batch, time, features]): oneDNN's or ATen's
+                 fused LSTM kernel
+  nn_lstm_compile  the same module under torch.compile (default mode; PyTorch 2 only): compile time
+                 reported separately (compile_s: the first step's time)
+  cell_loop      torch.nn.LSTMCell in a Python loop
+  cell_ckpt      the same loop with torch.utils.checkpoint around every step (remat per time step)
+
+  python3 tests/bench/torch_lstm.py [--lengths 64,256,1024] [--variants ...] [--threads 2]
+"""
+import argparse, json, time
+import torch
+from torch.utils.checkpoint import checkpoint
+
+p = argparse.ArgumentParser()
+p.add_argument("--lengths", default="64,256,1024")
+p.add_argument("--batch", type=int, default=32)
+p.add_argument("--features", type=int, default=256)
+p.add_argument("--inputs", type=int, default=64)
+p.add_argument("--steps", type=int, default=3)
+p.add_argument("--threads", type=int, default=2)
+p.add_argument("--variants", default="nn_lstm,nn_lstm_compile,cell_loop,cell_ckpt")
+a = p.parse_args()
+torch.set_num_threads(a.threads)
+torch.manual_seed(0)
+B, H, I = a.batch, a.features, a.inputs
+lstm = torch.nn.LSTM(I, H, batch_first=True)
+cell = torch.nn.LSTMCell(I, H)
+compiled = None
+
+
+def step_module(module, xs):
+    out, _ = module(xs)
+    loss = (out * out).mean()
+    loss.backward()
+
+
+def step_cells(xs, ckpt):
+    h = torch.zeros(B, H)
+    c = torch.zeros(B, H)
+    outs = []
+    for t in range(xs.shape[1]):
+        if ckpt:
+            h, c = checkpoint(cell, xs[:, t], (h, c), use_reentrant=False)
+        else:
+            h, c = cell(xs[:, t], (h, c))
+        outs.append(h)
+    out = torch.stack(outs, 1)
+    loss = (out * out).mean()
+    loss.backward()
+
+
+variants = a.variants.split(",")
+if not hasattr(torch, "compile"):
+    variants = [v for v in variants if v != "nn_lstm_compile"]
+for T in [int(t) for t in a.lengths.split(",")]:
+    xs = torch.randn(B, T, I)
+    for v in variants:
+        if v == "nn_lstm_compile" and compiled is None:
+            compiled = torch.compile(lstm)
+        f = {"nn_lstm": lambda: step_module(lstm, xs), "nn_lstm_compile": lambda: step_module(compiled, xs),
+             "cell_loop": lambda: step_cells(xs, False), "cell_ckpt": lambda: step_cells(xs, True)}[v]
+        t0 = time.perf_counter()
+        f()  # warm-up (and compilation)
+        first = time.perf_counter() - t0
+        times = []
+        for _ in range(a.steps):
+            t0 = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t0)
+        out = {"peer": "torch-" + torch.__version__, "bench": "rnn", "variant": v, "length": T, "batch": B,
+               "features": H, "inputs": I, "step_s_min": min(times)}
+        if v == "nn_lstm_compile":
+            out["compile_s"] = first
+        print(json.dumps(out), flush=True)
