@@ -59,6 +59,28 @@ void gemm_f32_serial(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int6
 #endif
   gemm_f32_serial_eigen(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
+
+PackedProduct::PackedProduct(std::int64_t m, std::int64_t n, std::int64_t k, const float* b, std::int64_t ldb, bool tb,
+                             std::int64_t lda, std::int64_t ldc, bool accumulate)
+    : m_(m), n_(n), k_(k), ldb_(ldb), lda_(lda), ldc_(ldc), b_(b), tb_(tb), accumulate_(accumulate) {
+#if LINUM_HAVE_ONEDNN
+  if (engine() == Engine::onednn && m > 0 && n > 0 && k > 0) onednn_ = onednn_pack(m, n, k, b, ldb, tb, lda, ldc, accumulate);
+#endif
+}
+
+PackedProduct::~PackedProduct() {
+#if LINUM_HAVE_ONEDNN
+  if (onednn_ != nullptr) onednn_free(onednn_);
+#endif
+}
+
+void PackedProduct::run(const float* a, float* c) const {
+#if LINUM_HAVE_ONEDNN
+  if (onednn_ != nullptr) return onednn_run(onednn_, a, c);
+#endif
+  gemm_f32_serial(false, tb_, m_, n_, k_, 1.0f, a, lda_, b_, ldb_, accumulate_ ? 1.0f : 0.0f, c, ldc_);
+}
+
 }  // namespace kernels
 
 }  // namespace linum

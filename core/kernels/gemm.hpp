@@ -33,6 +33,37 @@ void gemm_f32_serial_onednn(bool ta, bool tb, std::int64_t m, std::int64_t n, st
                             std::int64_t ldc);
 #endif
 
+// Repeated serial products with one fixed right operand, for fused kernels that multiply by the same
+// weights many times (the LSTM layer, once per time step): c = a . op(b) (+ c when accumulate),
+// a [m, k] row-major with row stride lda, c [m, n] with row stride ldc, b [k, n] (row stride ldb;
+// [n, k] when tb). b is packed once, on construction, into the engine's layout for it (oneDNN: a
+// matmul on pre-packed weights, which spares packing b on every call; Eigen: gemm_f32_serial on b
+// as it is; b must stay alive). run() computes on the calling thread only; one object must not run
+// on two threads at once. The result depends only on the operands.
+class PackedProduct {
+ public:
+  PackedProduct(std::int64_t m, std::int64_t n, std::int64_t k, const float* b, std::int64_t ldb, bool tb, std::int64_t lda,
+                std::int64_t ldc, bool accumulate);
+  ~PackedProduct();
+  PackedProduct(const PackedProduct&) = delete;
+  PackedProduct& operator=(const PackedProduct&) = delete;
+  void run(const float* a, float* c) const;
+
+  struct Onednn;  // gemm_onednn.cpp
+
+ private:
+  std::int64_t m_, n_, k_, ldb_, lda_, ldc_;
+  const float* b_;
+  bool tb_, accumulate_;
+  Onednn* onednn_ = nullptr;
+};
+#if LINUM_HAVE_ONEDNN
+PackedProduct::Onednn* onednn_pack(std::int64_t m, std::int64_t n, std::int64_t k, const float* b, std::int64_t ldb, bool tb,
+                                   std::int64_t lda, std::int64_t ldc, bool accumulate);
+void onednn_run(PackedProduct::Onednn* p, const float* a, float* c);
+void onednn_free(PackedProduct::Onednn* p);
+#endif
+
 // bfloat16 products with float32 accumulation, serial, for the same fused kernels: C = alpha * A B
 // + beta * C, where A is bf16 [m, k] row-major (row stride lda) and B was packed once by
 // pack_bf16_pairs (ldp words per pair of B's rows), so a kernel that multiplies many row blocks by

@@ -144,6 +144,50 @@ Array batched_gemm_onednn(const Array& a, const Array& b, bool ta, bool tb) {
   return y;
 }
 
+struct PackedProduct::Onednn {
+  dnnl::matmul primitive;
+  memory a, b, c, scratchpad;
+  dnnl::stream stream;
+};
+
+PackedProduct::Onednn* onednn_pack(std::int64_t m, std::int64_t n, std::int64_t k, const float* b, std::int64_t ldb, bool tb,
+                                   std::int64_t lda, std::int64_t ldc, bool accumulate) {
+  const auto f32 = memory::data_type::f32;
+  const memory::desc a_md(memory::dims{m, k}, f32, memory::dims{lda, 1});
+  const memory::desc b_any(memory::dims{k, n}, f32, memory::format_tag::any);
+  const memory::desc c_md(memory::dims{m, n}, f32, memory::dims{ldc, 1});
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);  // each object its own: runs need no lock
+  if (accumulate) {
+    dnnl::post_ops ops;
+    ops.append_sum(1.0f);
+    attr.set_post_ops(ops);
+  }
+  const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, b_any, c_md), attr, cpu_engine());
+  auto* p = new PackedProduct::Onednn{dnnl::matmul(pd), memory(a_md, cpu_engine(), DNNL_MEMORY_NONE),
+                                      memory(pd.weights_desc(), cpu_engine()), memory(c_md, cpu_engine(), DNNL_MEMORY_NONE),
+                                      memory(pd.scratchpad_desc(), cpu_engine()), dnnl::stream(cpu_engine())};
+  try {
+    const memory::desc b_md(memory::dims{k, n}, f32, tb ? memory::dims{1, ldb} : memory::dims{ldb, 1});
+    memory source(b_md, cpu_engine(), const_cast<float*>(b));
+    dnnl::reorder(source, p->b).execute(p->stream, source, p->b);
+    p->stream.wait();
+  } catch (...) {
+    delete p;
+    throw;
+  }
+  return p;
+}
+
+void onednn_run(PackedProduct::Onednn* p, const float* a, float* c) {
+  p->a.set_data_handle(const_cast<float*>(a));
+  p->c.set_data_handle(c);
+  p->primitive.execute(p->stream, {{DNNL_ARG_SRC, p->a}, {DNNL_ARG_WEIGHTS, p->b}, {DNNL_ARG_DST, p->c},
+                                   {DNNL_ARG_SCRATCHPAD, p->scratchpad}});
+}
+
+void onednn_free(PackedProduct::Onednn* p) { delete p; }
+
 void gemm_f32_serial_onednn(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
                             const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c,
                             std::int64_t ldc) {

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <vector>
 
 namespace linum::kernels::lstm {
@@ -20,7 +21,7 @@ namespace {
 using Run = Eigen::Map<Eigen::ArrayXf>;
 using ConstRun = Eigen::Map<const Eigen::ArrayXf>;
 
-constexpr std::int64_t kUnitBlock = 64;
+constexpr std::int64_t kUnitBlock = 128;
 
 struct Blocks {
   std::int64_t hidden, unit, count;
@@ -82,13 +83,20 @@ struct Failure {
   dcr = dct * f;
 }
 
+using Products = std::vector<std::unique_ptr<PackedProduct>>;
+
 struct Pass {
   const Forward& f;
   Blocks bl;
   std::int64_t T, N, I, H, H4;
-  explicit Pass(const Forward& fw)
+  Products recurrent;  // per unit block: gates[:, block] += h . wh[:, block]
+  Pass(const Forward& fw, bool steps)
       : f(fw), bl(blocks_of(fw.d.hidden)), T(fw.d.steps), N(fw.d.rows), I(fw.d.inputs), H(fw.d.hidden),
-        H4(4 * fw.d.hidden) {}
+        H4(4 * fw.d.hidden) {
+    if (steps && T > 0 && N > 0)
+      for (std::int64_t b = 0; b < bl.count; ++b)
+        recurrent.push_back(std::make_unique<PackedProduct>(N, 4 * bl.width(b), H, f.wh + bl.base(b), H4, false, H, H4, true));
+  }
   const float* h_prev(std::int64_t t) const { return t == 0 ? f.h0 : f.ys + (t - 1) * N * H; }
 
   // The input products of steps [t0, t0 + g) for unit block b, into acts (row stride 4H, the chunk's
@@ -101,7 +109,7 @@ struct Pass {
   // Step t for unit block b: the recurrent product added to the step's gates, then the cell.
   void step(std::int64_t b, std::int64_t t, float* acts_t, const float* c_prev, float* c, float* h) const {
     const std::int64_t base = bl.base(b), w = bl.width(b), u0 = bl.first(b);
-    gemm_f32_serial(false, false, N, 4 * w, H, 1.0f, h_prev(t), H, f.wh + base, H4, 1.0f, acts_t + base, H4);
+    recurrent[static_cast<std::size_t>(b)]->run(h_prev(t), acts_t + base);
     for (std::int64_t n = 0; n < N; ++n)
       cell_row(acts_t + n * H4 + base, w, c_prev + n * H + u0, c + n * H + u0, h == nullptr ? nullptr : h + n * H + u0);
   }
@@ -143,21 +151,25 @@ std::int64_t interleaved_column(std::int64_t hidden, int gate, std::int64_t unit
 }
 
 void interleave(const float* in, float* out, std::int64_t rows, std::int64_t hidden) {
+  const Blocks bl = blocks_of(hidden);
   for (std::int64_t r = 0; r < rows; ++r)
-    for (int k = 0; k < 4; ++k)
-      for (std::int64_t j = 0; j < hidden; ++j)
-        out[r * 4 * hidden + interleaved_column(hidden, k, j)] = in[r * 4 * hidden + k * hidden + j];
+    for (std::int64_t b = 0; b < bl.count; ++b)
+      for (int k = 0; k < 4; ++k)
+        std::memcpy(out + r * 4 * hidden + bl.base(b) + k * bl.width(b), in + r * 4 * hidden + k * hidden + bl.first(b),
+                    static_cast<std::size_t>(bl.width(b)) * sizeof(float));
 }
 
 void deinterleave(const float* in, float* out, std::int64_t rows, std::int64_t hidden) {
+  const Blocks bl = blocks_of(hidden);
   for (std::int64_t r = 0; r < rows; ++r)
-    for (int k = 0; k < 4; ++k)
-      for (std::int64_t j = 0; j < hidden; ++j)
-        out[r * 4 * hidden + k * hidden + j] = in[r * 4 * hidden + interleaved_column(hidden, k, j)];
+    for (std::int64_t b = 0; b < bl.count; ++b)
+      for (int k = 0; k < 4; ++k)
+        std::memcpy(out + r * 4 * hidden + k * hidden + bl.first(b), in + r * 4 * hidden + bl.base(b) + k * bl.width(b),
+                    static_cast<std::size_t>(bl.width(b)) * sizeof(float));
 }
 
 void forward(const Forward& f) {
-  const Pass p(f);
+  const Pass p(f, true);
   const std::int64_t T = p.T, N = p.N, H = p.H, H4 = p.H4;
   if (T == 0) {
     std::memcpy(f.c_last, f.c0, static_cast<std::size_t>(N * H) * sizeof(float));
@@ -202,7 +214,7 @@ void forward(const Forward& f) {
 
 void backward(const Backward& bw) {
   const Forward& f = bw.fw;
-  const Pass p(f);
+  const Pass p(f, /*steps=*/f.segment != 0);  // the recomputation runs steps
   const std::int64_t T = p.T, N = p.N, I = p.I, H = p.H, H4 = p.H4;
   const Blocks& bl = p.bl;
   const bool keep_all = f.segment == 0;
@@ -228,6 +240,11 @@ void backward(const Backward& bw) {
   // Recompute mode: a segment's activations and cell states (slot 0: the state before it).
   float* seg_acts = keep_all ? nullptr : workspace(seg_acts_buf, std::min(S, T) * N * H4);
   float* seg_cs = keep_all ? nullptr : workspace(seg_cs_buf, (std::min(S, T) + 1) * N * H);
+  // Per unit block of h: dh[:, block] = dz . wh[block, :]^T.
+  Products transposed;
+  if (T > 0 && N > 0)
+    for (std::int64_t b = 0; b < bl.count; ++b)
+      transposed.push_back(std::make_unique<PackedProduct>(N, bl.width(b), H4, f.wh + bl.first(b) * H4, H4, true, H4, H, false));
   Failure failure;
 #pragma omp parallel num_threads(linum::team_size())
   {
@@ -268,10 +285,7 @@ void backward(const Backward& bw) {
           // dh = dz_t . wh^T, by blocks of h's units (each reads every block's gates: after the barrier).
 #pragma omp for schedule(static)
           for (std::int64_t b = 0; b < bl.count; ++b)
-            failure.run([&] {
-              gemm_f32_serial(false, true, N, bl.width(b), H4, 1.0f, dz_t, H4, f.wh + bl.first(b) * H4, H4, 0.0f,
-                              dh + bl.first(b), H);
-            });
+            failure.run([&] { transposed[static_cast<std::size_t>(b)]->run(dz_t, dh + bl.first(b)); });
         }
         // The chunk's weight gradients (one product each) and its inputs' gradients.
         const float* hp = t0 == 0 ? h_first : f.ys + (t0 - 1) * N * H;

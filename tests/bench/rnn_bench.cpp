@@ -1,13 +1,17 @@
 // linum-bench rnn: an LSTM over sequences of growing length, trained without remat, with remat per
 // time step (nn::RNN{.remat = true}) and with checkpointing schedules over time
-// (nn::RNN{.schedule = sqrt_segments() / binomial(s)}).
+// (nn::RNN{.schedule = sqrt_segments() / binomial(s)}). A float32 LSTM runs on the fused layer op
+// (lstm_layer), where remat and the schedules are its recompute segments (each step computed once
+// more in the backward pass); `--cell scan` runs the same model step by step (the fused cell in
+// lift::scan, as for bf16 or seq_lengths), where the schedules are lift's.
 //
 //   linum-bench rnn [--lengths 64,256,1024] [--batch 32] [--features 256] [--inputs 64] [--steps 3]
-//                   [--snapshots 8] [--variants none,per_step,sqrt,binomial]
+//                   [--snapshots 8] [--variants none,per_step,sqrt,binomial] [--cell layer|scan]
 //
 // One JSON line per (length, remat): peak_activation_bytes (the exact accounting's peak of a
 // training step above what was alive before it, minus the gradients), step_s_min and the step
-// evaluations the schedule made (forward + recomputations; the plain scan makes `length`).
+// evaluations (forward + recomputations: the plain pass makes `length`; the layer op's recompute
+// segments twice that; lift's schedules count theirs).
 #include <linum/linum.hpp>
 
 #include <nlohmann/json.hpp>
@@ -41,11 +45,20 @@ int bench_rnn(const Flags& f) {
                                       {"sqrt", "sqrt", false, lift::ScanSchedule::sqrt_segments()},
                                       {"binomial", "binomial_" + std::to_string(snapshots), false, lift::ScanSchedule::binomial(snapshots)}};
   const std::string chosen = "," + f.text("variants", "none,per_step,sqrt,binomial") + ",";
+  const std::string path = f.text("cell", "layer");
+  if (path != "layer" && path != "scan") {
+    std::cerr << "linum-bench rnn: --cell is layer or scan\n";
+    return 2;
+  }
+  // The scan path: the same LSTM with a gate function nn::RNN does not take for the layer op.
+  const nn::CellFunction gate = path == "layer" ? nn::CellFunction(nn::Sigmoid{})
+                                                : nn::CellFunction([](const Array& x) { return sigmoid(x); });
   for (long T : lengths) {
     const Array xs = random_normal(Shape{B, T, I}, 3u, 1.0f);
     for (const Variant& v : variants) {
       if (chosen.find("," + v.key + ",") == std::string::npos) continue;
-      const nn::RNN<nn::LSTMCell> rnn{.cell = {.features = H}, .remat = v.remat, .schedule = v.schedule};
+      const nn::RNN<nn::LSTMCell> rnn{.cell = {.features = H, .gate_fn = gate}, .remat = v.remat, .schedule = v.schedule};
+      const std::int64_t segment = nn::recurrent_detail::lstm_recompute_segment(v.remat, v.schedule, T);
       const Tree params = init(rnn, rng::key(0), xs).at("params");
       auto loss = [&](const Tree& p) { return mean(square(apply(rnn, Tree{{"params", p}}, xs))); };
       double best = 1e30;
@@ -59,10 +72,13 @@ int bench_rnn(const Flags& f) {
         peak = scope.peak_growth() - byte_count(g);
         evaluations = lift::step_evaluations();
       }
-      const nlohmann::json out = {{"bench", "rnn"}, {"cell", "LSTMCell"}, {"length", T}, {"batch", B},
+      if (path == "layer") evaluations = segment > 0 ? 2 * T : T;
+      else if (v.schedule.kind == lift::ScanSchedule::Kind::none) evaluations = T;
+      nlohmann::json out = {{"bench", "rnn"}, {"cell", "LSTMCell"}, {"path", path}, {"length", T}, {"batch", B},
                                   {"features", H}, {"inputs", I}, {"remat", v.name},
-                                  {"step_evaluations", v.schedule.kind == lift::ScanSchedule::Kind::none ? T : evaluations},
+                                  {"step_evaluations", evaluations},
                                   {"peak_activation_bytes", peak}, {"step_s_min", best}};
+      if (path == "layer") out["recompute_segment"] = segment;
       std::cout << out.dump() << std::endl;
     }
   }

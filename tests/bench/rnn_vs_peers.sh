@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The LSTM training step (linum-bench rnn: input 64, hidden 256, batch 32), Linum next to its peers in
+# one sitting: for each sequence length and round, Linum (plain and remat per step), PyTorch 2
+# (pip's torch: nn.LSTM eager and under torch.compile, LSTMCell with checkpoint per step), Debian's
+# PyTorch 1.13 when /usr/bin/python3 has torch, and Flax on JAX jit (nn.LSTMCell, OptimizedLSTMCell,
+# nn.remat per step), alternating. Every line is JSON; compare the minimum per variant over rounds.
+#
+#   bash tests/bench/rnn_vs_peers.sh [BUILD_DIR]      (LENGTHS=64,256,1024 ROUNDS=3 STEPS=5)
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+build="${1:-build}"
+bench="$build/tests/bench/linum-bench"
+lengths="${LENGTHS:-64,256,1024}"
+rounds="${ROUNDS:-3}"
+steps="${STEPS:-5}"
+for round in $(seq "$rounds"); do
+  for T in ${lengths//,/ }; do
+    "$bench" rnn --lengths "$T" --steps "$steps" --variants none,per_step,sqrt
+    python3 "$here/torch_lstm.py" --lengths "$T" --steps "$steps" --variants nn_lstm,nn_lstm_compile,cell_ckpt
+    if /usr/bin/python3 -c 'import torch' 2>/dev/null; then
+      /usr/bin/python3 "$here/torch_lstm.py" --lengths "$T" --steps "$steps" --variants nn_lstm,cell_ckpt
+    fi
+    python3 "$here/flax_lstm.py" --lengths "$T" --steps "$steps" 2>/dev/null
+  done
+done
