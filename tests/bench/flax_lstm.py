@@ -1,7 +1,8 @@
 """Peer for `linum-bench rnn`: an LSTM (input 64, hidden 256, batch 32) over T steps, loss mean(h_t^2)
 over all outputs, jax.jit(jax.value_and_grad) of it, as Flax users write it (pip: jax, flax).
 Prints one JSON line per (length, variant); compile_s is the first call (tracing and XLA
-compilation), step_s_min the steady state.
+compilation), step_s_min the steady state, xla_temp_bytes the compiled step's temporary buffers
+(XLA's memory analysis: activations and workspace).
 
 Variants:
   lstm            nn.RNN(nn.LSTMCell(256))
@@ -48,6 +49,8 @@ for T in [int(t) for t in a.lengths.split(",")]:
             t0 = time.perf_counter()
             jax.block_until_ready(step(params, xs))
             times.append(time.perf_counter() - t0)
+        # XLA's buffer assignment for the compiled step: its temporaries (activations and workspace).
+        temp = step.lower(params, xs).compile().memory_analysis().temp_size_in_bytes
         print(json.dumps({"peer": f"jax-{jax.__version__}+flax-{flax.__version__}", "bench": "rnn", "variant": v,
                           "length": T, "batch": B, "features": H, "inputs": I, "compile_s": first,
-                          "step_s_min": min(times)}), flush=True)
+                          "step_s_min": min(times), "xla_temp_bytes": temp}), flush=True)

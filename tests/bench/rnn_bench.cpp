@@ -2,8 +2,8 @@
 // time step (nn::RNN{.remat = true}) and with checkpointing schedules over time
 // (nn::RNN{.schedule = sqrt_segments() / binomial(s)}). A float32 LSTM runs on the fused layer op
 // (lstm_layer), where remat and the schedules are its recompute segments (each step computed once
-// more in the backward pass); `--cell scan` runs the same model step by step (the fused cell in
-// lift::scan, as for bf16 or seq_lengths), where the schedules are lift's.
+// more in the backward pass); `--cell scan` runs the same model step by step, the cell's own ops in
+// lift::scan (a gate function nn::RNN does not recognize as sigmoid), where the schedules are lift's.
 //
 //   linum-bench rnn [--lengths 64,256,1024] [--batch 32] [--features 256] [--inputs 64] [--steps 3]
 //                   [--snapshots 8] [--variants none,per_step,sqrt,binomial] [--cell layer|scan]

@@ -16,7 +16,7 @@ steps="${STEPS:-5}"
 for round in $(seq "$rounds"); do
   for T in ${lengths//,/ }; do
     "$bench" rnn --lengths "$T" --steps "$steps" --variants none,per_step,sqrt
-    python3 "$here/torch_lstm.py" --lengths "$T" --steps "$steps" --variants nn_lstm,nn_lstm_compile,cell_ckpt
+    python3 "$here/torch_lstm.py" --lengths "$T" --steps "$steps" --variants nn_lstm,nn_lstm_compile,cell_ckpt --memory
     if /usr/bin/python3 -c 'import torch' 2>/dev/null; then
       /usr/bin/python3 "$here/torch_lstm.py" --lengths "$T" --steps "$steps" --variants nn_lstm,cell_ckpt
     fi

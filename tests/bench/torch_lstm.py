@@ -24,6 +24,8 @@ p.add_argument("--inputs", type=int, default=64)
 p.add_argument("--steps", type=int, default=3)
 p.add_argument("--threads", type=int, default=2)
 p.add_argument("--variants", default="nn_lstm,nn_lstm_compile,cell_loop,cell_ckpt")
+p.add_argument("--memory", action="store_true",
+               help="one extra untimed step under the profiler: peak of live tensor bytes (PyTorch 2)")
 a = p.parse_args()
 torch.set_num_threads(a.threads)
 torch.manual_seed(0)
@@ -54,6 +56,23 @@ def step_cells(xs, ckpt):
     loss.backward()
 
 
+def peak_bytes(f, module):
+    """Peak of live tensor bytes during one step, from the profiler's allocation events, minus the
+    parameters' gradients (as linum-bench rnn's peak excludes the gradients)."""
+    from torch.profiler import ProfilerActivity, profile
+    for prm in module.parameters():
+        prm.grad = None
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        f()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns() if hasattr(e, "start_ns") else e.start_us())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak - sum(prm.numel() * prm.element_size() for prm in module.parameters())
+
+
 variants = a.variants.split(",")
 if not hasattr(torch, "compile"):
     variants = [v for v in variants if v != "nn_lstm_compile"]
@@ -76,4 +95,6 @@ for T in [int(t) for t in a.lengths.split(",")]:
                "features": H, "inputs": I, "step_s_min": min(times)}
         if v == "nn_lstm_compile":
             out["compile_s"] = first
+        if a.memory and v != "nn_lstm_compile":
+            out["peak_activation_bytes"] = peak_bytes(f, lstm if v == "nn_lstm" else cell)
         print(json.dumps(out), flush=True)
