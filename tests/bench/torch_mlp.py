@@ -8,7 +8,8 @@ Usage: /usr/bin/python3 torch_mlp.py MODE [DTYPE]
   DTYPE  fp32 (default) or bf16: torch.autocast("cpu", dtype=torch.bfloat16) around the forward,
          parameters stay float32 (PyTorch's mixed precision; on CPUs with AMX or AVX512-BF16 its
          matrix products run through oneDNN's bf16 kernels).
-Environment: L, W, B, STEPS, THREADS (defaults 24, 512, 2048, 5, 2).
+Environment: L, W, B, STEPS, THREADS (defaults 24, 512, 2048, 5, 2); COMPILE=1 runs the model under
+torch.compile (default mode; PyTorch 2 only), the first step's time reported as compile_s.
 Prints one JSON line. Run it with Debian's interpreter (/usr/bin/python3), where python3-torch is.
 
 Memory: peak_rss_growth_mib is the growth of the process's peak RSS over its RSS before the first
@@ -31,12 +32,14 @@ assert dtype in ("fp32", "bf16"), dtype
 layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(W, W), torch.nn.GELU()) for _ in range(L)])
 # checkpoint_sequential (reentrant in 1.13) needs an input that requires grad to reach the params.
 x = torch.randn(B, W).requires_grad_(mode == "sqrt")
+compiled = os.environ.get("COMPILE", "0") == "1"
+model = torch.compile(layers) if compiled else layers
 
 
 def step():
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=(dtype == "bf16")):
         if mode == "none":
-            h = layers(x)
+            h = model(x)
         elif mode == "every":
             h = x
             for block in layers:
@@ -56,14 +59,17 @@ def status_kib(field):
 base = status_kib("VmRSS")
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # reset the peak-RSS mark
-step()  # warm-up
+t0 = time.perf_counter()
+step()  # warm-up (and compilation)
+first = time.perf_counter() - t0
 times = []
 for _ in range(STEPS):
     t = time.perf_counter()
     step()
     times.append(time.perf_counter() - t)
 flops = 3 * 2 * B * W * W * L
-print(json.dumps({"peer": "torch-" + torch.__version__, "mode": mode, "dtype": dtype, "L": L, "W": W, "B": B,
+print(json.dumps({"peer": "torch-" + torch.__version__ + ("+compile" if compiled else ""), "mode": mode, "dtype": dtype,
+                  "L": L, "W": W, "B": B, "compile_s": first if compiled else None,
                   "threads": torch.get_num_threads(),
                   "step_s_min": min(times), "step_s_median": sorted(times)[len(times) // 2],
                   "model_gflops": flops / min(times) / 1e9,
