@@ -276,9 +276,16 @@ struct RNN {
     const Array x = xs.dtype() == dt ? xs : astype(xs, dt);
     const std::int64_t steps = xs.dim(0);
     if (!masked && dt == DType::f32 && carry.c.dtype() == DType::f32 && carry.h.dtype() == DType::f32) {
-      // [time, rows, in] with every batch axis in rows.
+      // [time, rows, in] with every batch axis in rows; the carry [batch..., features].
       const std::vector<std::int64_t> dims = x.shape().vec();
-      const std::int64_t in = dims.back(), rows = steps == 0 ? 0 : x.numel() / (steps * std::max<std::int64_t>(in, 1));
+      const std::int64_t in = dims.back();
+      std::int64_t rows = 1;
+      for (std::size_t k = 1; k + 1 < dims.size(); ++k) rows *= dims[k];
+      std::vector<std::int64_t> carry_dims(dims.begin() + 1, dims.end());
+      carry_dims.back() = cell.features;
+      if (!(carry.c.shape() == Shape(carry_dims)) || !(carry.h.shape() == Shape(carry_dims)))
+        throw ShapeError("nn::RNN: the LSTM carry must be " + Shape(carry_dims).str() + " for inputs " + xs.type_str() +
+                         " (time-major here), got c " + carry.c.type_str() + ", h " + carry.h.type_str());
       const Array c0 = reshape(carry.c, {rows, cell.features}), h0 = reshape(carry.h, {rows, cell.features});
       Array x3 = reshape(x, {steps, rows, in});
       if (reverse) x3 = flip(x3, {0});

@@ -103,7 +103,7 @@ TEST_CASE("results do not depend on how many threads run them (what adaptive tea
       out.push_back(sum(a, {1}));
       out.push_back(logsumexp(a, {1}));
       out.push_back(gelu(a) * a + a);
-      {  // the fused LSTM layer, hidden units in three blocks, forward and every gradient
+      {  // the fused LSTM layer, hidden units in two blocks (128 and 32), forward and every gradient
         const Array xs = astype(rng::normal(rng::key(6), Shape{40, 16, 24}), dt);
         const Array wi = astype(rng::normal(rng::key(7), Shape{24, 640}) * 0.2f, dt);
         const Array wh = astype(rng::normal(rng::key(8), Shape{160, 640}) * 0.1f, dt);

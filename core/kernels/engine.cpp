@@ -78,7 +78,9 @@ void PackedProduct::run(const float* a, float* c) const {
 #if LINUM_HAVE_ONEDNN
   if (onednn_ != nullptr) return onednn_run(onednn_, a, c);
 #endif
-  gemm_f32_serial(false, tb_, m_, n_, k_, 1.0f, a, lda_, b_, ldb_, accumulate_ ? 1.0f : 0.0f, c, ldc_);
+  // Eigen (the engine at construction, or an empty product): not the current engine, which a
+  // set_engine between a forward pass and its recomputation could change.
+  gemm_f32_serial_eigen(false, tb_, m_, n_, k_, 1.0f, a, lda_, b_, ldb_, accumulate_ ? 1.0f : 0.0f, c, ldc_);
 }
 
 }  // namespace kernels

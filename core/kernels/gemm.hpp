@@ -37,8 +37,8 @@ void gemm_f32_serial_onednn(bool ta, bool tb, std::int64_t m, std::int64_t n, st
 // weights many times (the LSTM layer, once per time step): c = a . op(b) (+ c when accumulate),
 // a [m, k] row-major with row stride lda, c [m, n] with row stride ldc, b [k, n] (row stride ldb;
 // [n, k] when tb). b is packed once, on construction, into the engine's layout for it (oneDNN: a
-// matmul on pre-packed weights, which spares packing b on every call; Eigen: gemm_f32_serial on b
-// as it is; b must stay alive). run() computes on the calling thread only; one object must not run
+// matmul on pre-packed weights made for one thread, which spares packing b on every call; Eigen:
+// gemm_f32_serial_eigen on b as it is, which must then stay alive). run() computes on the calling thread only; one object must not run
 // on two threads at once. The result depends only on the operands.
 class PackedProduct {
  public:

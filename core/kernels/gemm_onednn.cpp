@@ -163,6 +163,15 @@ PackedProduct::Onednn* onednn_pack(std::int64_t m, std::int64_t n, std::int64_t 
     ops.append_sum(1.0f);
     attr.set_post_ops(ops);
   }
+  // Made for one thread, as it runs (a plan made for a team could depend on its size).
+#ifdef _OPENMP
+  const int saved_threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  struct Restore {
+    int n;
+    ~Restore() { omp_set_num_threads(n); }
+  } restore{saved_threads};
+#endif
   const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, b_any, c_md), attr, cpu_engine());
   auto* p = new PackedProduct::Onednn{dnnl::matmul(pd), memory(a_md, cpu_engine(), DNNL_MEMORY_NONE),
                                       memory(pd.weights_desc(), cpu_engine()), memory(c_md, cpu_engine(), DNNL_MEMORY_NONE),
@@ -184,6 +193,7 @@ void onednn_run(PackedProduct::Onednn* p, const float* a, float* c) {
   p->c.set_data_handle(c);
   p->primitive.execute(p->stream, {{DNNL_ARG_SRC, p->a}, {DNNL_ARG_WEIGHTS, p->b}, {DNNL_ARG_DST, p->c},
                                    {DNNL_ARG_SCRATCHPAD, p->scratchpad}});
+  p->stream.wait();
 }
 
 void onednn_free(PackedProduct::Onednn* p) { delete p; }

@@ -1,6 +1,7 @@
 #include <linum/core/kernels/lstm.hpp>
 
 #include <linum/core/array.hpp>
+#include <linum/core/error.hpp>
 
 #include <linum/core/kernels/gemm.hpp>
 #include <linum/core/fp_mode.hpp>
@@ -13,6 +14,10 @@
 #include <exception>
 #include <memory>
 #include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 namespace linum::kernels::lstm {
 
@@ -52,36 +57,99 @@ struct Failure {
   }
 };
 
+// The cell's rows are computed in aligned per-thread scratch, each run padded to whole packets
+// (padding repeats the run's first element): Eigen then takes the same packet path for every
+// element whatever the address it is stored at, so the forward pass, its recomputation in another
+// buffer and any thread give the same bits.
+constexpr std::int64_t kLanes = 16;
+std::int64_t padded(std::int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
+using Aligned = Eigen::Map<Eigen::ArrayXf, Eigen::Aligned64>;
+
+void load(const float* src, std::int64_t n, std::int64_t width, float* dst) {
+  std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(float));
+  for (std::int64_t j = n; j < width; ++j) dst[j] = dst[0];
+}
+void store(const float* src, std::int64_t n, float* dst) { std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(float)); }
+
+// Floats of scratch a thread needs for rows of unit blocks of at most `unit` units.
+std::int64_t scratch_floats(std::int64_t unit) { return 10 * padded(unit); }
+
 // One step of the cell on one row of one unit block: `gates` holds the block's pre-activations
-// [i | f | g | o] (w each), replaced by the activations; c = f * c_prev + i * g, h = o * tanh(c).
-// Not inlined, so the forward pass and its recomputation run the same instructions.
-[[gnu::noinline]] void cell_row(float* gates, std::int64_t w, const float* c_prev, float* c, float* h) {
-  Run i(gates, w), f(gates + w, w), g(gates + 2 * w, w), o(gates + 3 * w, w);
+// [i | f | g | o] (w each), replaced by the activations; c = f * c_prev + i * g, h = o * tanh(c)
+// (h null: not written).
+void cell_row(float* gates, std::int64_t w, const float* c_prev, float* c, float* h, float* scratch) {
+  const std::int64_t p = padded(w);
+  for (int k = 0; k < 4; ++k) load(gates + k * w, w, p, scratch + k * p);
+  load(c_prev, w, p, scratch + 4 * p);
+  Aligned i(scratch, p), f(scratch + p, p), g(scratch + 2 * p, p), o(scratch + 3 * p, p), cr(scratch + 4 * p, p);
+  Aligned cn(scratch + 5 * p, p), hn(scratch + 6 * p, p);
   i = i.logistic();
   f = f.logistic();
   g = g.tanh();
   o = o.logistic();
-  Run cr(c, w);
-  cr = f * ConstRun(c_prev, w) + i * g;
-  if (h != nullptr) Run(h, w) = o * cr.tanh();
+  cn = f * cr + i * g;
+  for (int k = 0; k < 4; ++k) store(scratch + k * p, w, gates + k * w);
+  store(cn.data(), w, c);
+  if (h != nullptr) {
+    hn = o * cn.tanh();
+    store(hn.data(), w, h);
+  }
 }
 
 // The backward step of one row of one unit block: from the activations, c_prev and c, the
-// cotangents of h (dh) and c (dc, replaced by the cotangent of c_prev), the gates' cotangents.
-[[gnu::noinline]] void cell_row_backward(const float* acts, std::int64_t w, const float* c_prev, const float* c,
-                                         const float* dh_in, float* dc, float* d_gates, float* scratch) {
-  ConstRun i(acts, w), f(acts + w, w), g(acts + 2 * w, w), o(acts + 3 * w, w);
-  Run tc(scratch, w), dct(scratch + w, w);
-  const ConstRun dh(dh_in, w);
-  tc = ConstRun(c, w).tanh();
-  Run dcr(dc, w);
-  dct = dcr + dh * o * (1.0f - tc.square());
-  Run(d_gates, w) = dct * g * i * (1.0f - i);
-  Run(d_gates + w, w) = dct * ConstRun(c_prev, w) * f * (1.0f - f);
-  Run(d_gates + 2 * w, w) = dct * i * (1.0f - g.square());
-  Run(d_gates + 3 * w, w) = dh * tc * o * (1.0f - o);
-  dcr = dct * f;
+// cotangents of h (dh, already including the step's output cotangent) and of c (dc, replaced by
+// the cotangent of c_prev), the gates' cotangents.
+void cell_row_backward(const float* acts, std::int64_t w, const float* c_prev, const float* c, const float* dh_in, float* dc,
+                       float* d_gates, float* scratch) {
+  const std::int64_t p = padded(w);
+  for (int k = 0; k < 4; ++k) load(acts + k * w, w, p, scratch + k * p);
+  load(c_prev, w, p, scratch + 4 * p);
+  load(c, w, p, scratch + 5 * p);
+  load(dh_in, w, p, scratch + 6 * p);
+  load(dc, w, p, scratch + 7 * p);
+  Aligned i(scratch, p), f(scratch + p, p), g(scratch + 2 * p, p), o(scratch + 3 * p, p), cp(scratch + 4 * p, p);
+  Aligned tc(scratch + 5 * p, p), dh(scratch + 6 * p, p), dct(scratch + 7 * p, p), out(scratch + 8 * p, p);
+  tc = tc.tanh();
+  dct = dct + dh * o * (1.0f - tc.square());
+  out = dct * g * i * (1.0f - i);
+  store(out.data(), w, d_gates);
+  out = dct * cp * f * (1.0f - f);
+  store(out.data(), w, d_gates + w);
+  out = dct * i * (1.0f - g.square());
+  store(out.data(), w, d_gates + 2 * w);
+  out = dh * tc * o * (1.0f - o);
+  store(out.data(), w, d_gates + 3 * w);
+  out = dct * f;
+  store(out.data(), w, dc);
 }
+
+// Inside the passes' parallel regions: oneDNN's products (and anything else) called from a worker
+// run on that thread alone, also when the team has one thread (an inactive region, where oneDNN
+// would otherwise start a team of its own): the results then never depend on the team's size.
+void single_threaded_calls() {
+#ifdef _OPENMP
+  omp_set_num_threads(1);
+#endif
+}
+
+int thread_index() {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
+// Per-thread scratch for the cell rows, allocated before a parallel region (an allocation failure
+// inside one would end the process).
+struct Scratch {
+  Array buffer;
+  std::int64_t per_thread;
+  Scratch(int threads, std::int64_t unit) : per_thread(scratch_floats(unit)) {
+    buffer = Array::empty(Shape{std::max(1, threads) * per_thread});
+  }
+  float* of_this_thread() { return buffer.mutable_data() + thread_index() * per_thread; }
+};
 
 using Products = std::vector<std::unique_ptr<PackedProduct>>;
 
@@ -93,7 +161,7 @@ struct Pass {
   Pass(const Forward& fw, bool steps)
       : f(fw), bl(blocks_of(fw.d.hidden)), T(fw.d.steps), N(fw.d.rows), I(fw.d.inputs), H(fw.d.hidden),
         H4(4 * fw.d.hidden) {
-    if (steps && T > 0 && N > 0)
+    if (steps && T > 0)
       for (std::int64_t b = 0; b < bl.count; ++b)
         recurrent.push_back(std::make_unique<PackedProduct>(N, 4 * bl.width(b), H, f.wh + bl.base(b), H4, false, H, H4, true));
   }
@@ -107,18 +175,19 @@ struct Pass {
     for (std::int64_t r = 0; r < g * N; ++r) Run(acts + r * H4 + base, w4) += ConstRun(f.b + base, w4);
   }
   // Step t for unit block b: the recurrent product added to the step's gates, then the cell.
-  void step(std::int64_t b, std::int64_t t, float* acts_t, const float* c_prev, float* c, float* h) const {
+  void step(std::int64_t b, std::int64_t t, float* acts_t, const float* c_prev, float* c, float* h, float* scratch) const {
     const std::int64_t base = bl.base(b), w = bl.width(b), u0 = bl.first(b);
     recurrent[static_cast<std::size_t>(b)]->run(h_prev(t), acts_t + base);
     for (std::int64_t n = 0; n < N; ++n)
-      cell_row(acts_t + n * H4 + base, w, c_prev + n * H + u0, c + n * H + u0, h == nullptr ? nullptr : h + n * H + u0);
+      cell_row(acts_t + n * H4 + base, w, c_prev + n * H + u0, c + n * H + u0, h == nullptr ? nullptr : h + n * H + u0,
+               scratch);
   }
   // The forward pass over steps [t_begin, t_end) (chunk-aligned), inside a parallel region.
   // acts_of(t) / c_of(t): where step t's activations and cell state go; c_before: the cell state
   // before t_begin. write_h: whether ys are written (the recomputation reads them instead).
   template <class ActsOf, class COf>
   void run(std::int64_t t_begin, std::int64_t t_end, const float* c_before, ActsOf acts_of, COf c_of, bool write_h,
-           Failure& failure) const {
+           Failure& failure, Scratch& scratch) const {
     for (std::int64_t t0 = t_begin; t0 < t_end; t0 += kChunk) {
       const std::int64_t g = std::min(kChunk, t_end - t0);
 #pragma omp for schedule(static) nowait
@@ -128,7 +197,9 @@ struct Pass {
         const float* c_prev = t == t_begin ? c_before : c_of(t - 1);
 #pragma omp for schedule(static)
         for (std::int64_t b = 0; b < bl.count; ++b)
-          failure.run([&] { step(b, t, acts_of(t), c_prev, c_of(t), write_h ? f.ys + t * N * H : nullptr); });
+          failure.run([&] {
+            step(b, t, acts_of(t), c_prev, c_of(t), write_h ? f.ys + t * N * H : nullptr, scratch.of_this_thread());
+          });
       }
     }
   }
@@ -168,7 +239,13 @@ void deinterleave(const float* in, float* out, std::int64_t rows, std::int64_t h
                     static_cast<std::size_t>(bl.width(b)) * sizeof(float));
 }
 
+void check(const Forward& f) {
+  if (f.d.hidden <= 0 || f.segment < 0 || f.segment % kChunk != 0)
+    throw Error("lstm kernels: hidden must be positive and the segment a multiple of 16 steps");
+}
+
 void forward(const Forward& f) {
+  check(f);
   const Pass p(f, true);
   const std::int64_t T = p.T, N = p.N, H = p.H, H4 = p.H4;
   if (T == 0) {
@@ -180,13 +257,16 @@ void forward(const Forward& f) {
   Array chunk_acts_buf, chunk_cs_buf;
   float* chunk_acts = keep_all ? nullptr : workspace(chunk_acts_buf, kChunk * N * H4);
   float* chunk_cs = keep_all ? nullptr : workspace(chunk_cs_buf, (kChunk + 1) * N * H);
+  const int team = linum::team_size();
+  Scratch scratch(team, p.bl.unit);
   Failure failure;
-#pragma omp parallel num_threads(linum::team_size())
+#pragma omp parallel num_threads(team)
   {
     linum::detail::enter_compute();
+    single_threaded_calls();
     if (keep_all) {
       p.run(0, T, f.c0, [&](std::int64_t t) { return f.acts + t * N * H4; }, [&](std::int64_t t) { return f.cs + t * N * H; },
-            true, failure);
+            true, failure, scratch);
     } else {
       for (std::int64_t t0 = 0; t0 < T; t0 += kChunk) {
         const std::int64_t g = std::min(kChunk, T - t0);
@@ -199,7 +279,7 @@ void forward(const Forward& f) {
         if (t0 > 0) std::memcpy(chunk_cs, c_before, static_cast<std::size_t>(N * H) * sizeof(float));
         const float* start = t0 == 0 ? f.c0 : chunk_cs;
         p.run(t0, t0 + g, start, [&](std::int64_t t) { return chunk_acts + (t - t0) * N * H4; },
-              [&](std::int64_t t) { return chunk_cs + (t - t0 + 1) * N * H; }, true, failure);
+              [&](std::int64_t t) { return chunk_cs + (t - t0 + 1) * N * H; }, true, failure, scratch);
         if (t0 + g < T) {
           // The chunk's final state must be in the last slot for the next chunk (g < kChunk only at the end).
 #pragma omp barrier
@@ -214,6 +294,7 @@ void forward(const Forward& f) {
 
 void backward(const Backward& bw) {
   const Forward& f = bw.fw;
+  check(f);
   const Pass p(f, /*steps=*/f.segment != 0);  // the recomputation runs steps
   const std::int64_t T = p.T, N = p.N, I = p.I, H = p.H, H4 = p.H4;
   const Blocks& bl = p.bl;
@@ -242,14 +323,17 @@ void backward(const Backward& bw) {
   float* seg_cs = keep_all ? nullptr : workspace(seg_cs_buf, (std::min(S, T) + 1) * N * H);
   // Per unit block of h: dh[:, block] = dz . wh[block, :]^T.
   Products transposed;
-  if (T > 0 && N > 0)
+  if (T > 0)
     for (std::int64_t b = 0; b < bl.count; ++b)
       transposed.push_back(std::make_unique<PackedProduct>(N, bl.width(b), H4, f.wh + bl.first(b) * H4, H4, true, H4, H, false));
+  const int team = linum::team_size();
+  Scratch scratch(team, bl.unit);
+  Array dh_in_buf = Array::empty(Shape{std::max(1, team) * padded(bl.unit)});
   Failure failure;
-#pragma omp parallel num_threads(linum::team_size())
+#pragma omp parallel num_threads(team)
   {
     linum::detail::enter_compute();
-    std::vector<float> scratch(static_cast<std::size_t>(3 * bl.unit));
+    single_threaded_calls();
     const std::int64_t segments = T == 0 ? 0 : (T + S - 1) / S;
     for (std::int64_t k = segments - 1; k >= 0; --k) {
       const std::int64_t s0 = k * S, s1 = std::min(T, s0 + S);
@@ -262,7 +346,7 @@ void backward(const Backward& bw) {
       if (!keep_all) {
 #pragma omp single
         std::memcpy(seg_cs, f.cs + k * N * H, static_cast<std::size_t>(N * H) * sizeof(float));
-        p.run(s0, s1, seg_cs, acts_of, c_of, false, failure);
+        p.run(s0, s1, seg_cs, acts_of, c_of, false, failure, scratch);
 #pragma omp barrier
       }
       const std::int64_t last_chunk = s0 + (s1 - s0 - 1) / kChunk * kChunk;
@@ -273,13 +357,13 @@ void backward(const Backward& bw) {
 #pragma omp for schedule(static)
           for (std::int64_t b = 0; b < bl.count; ++b) {
             const std::int64_t u0 = bl.first(b), w = bl.width(b), base = bl.base(b);
+            float* dh_in = dh_in_buf.mutable_data() + thread_index() * padded(bl.unit);
             for (std::int64_t n = 0; n < N; ++n) {
-              float* dh_in = scratch.data() + 2 * bl.unit;
-              Run dhr(dh_in, w);
-              dhr = ConstRun(dh + n * H + u0, w);
-              if (bw.d_ys) dhr += ConstRun(bw.d_ys + t * N * H + n * H + u0, w);
+              // The cotangent reaching h: from the next step, plus the step's output's.
+              for (std::int64_t j = 0; j < w; ++j)
+                dh_in[j] = dh[n * H + u0 + j] + (bw.d_ys != nullptr ? bw.d_ys[t * N * H + n * H + u0 + j] : 0.0f);
               cell_row_backward(acts_of(t) + n * H4 + base, w, c_prev_of(t) + n * H + u0, c_of(t) + n * H + u0, dh_in,
-                                dc + n * H + u0, dz_t + n * H4 + base, scratch.data());
+                                dc + n * H + u0, dz_t + n * H4 + base, scratch.of_this_thread());
             }
           }
           // dh = dz_t . wh^T, by blocks of h's units (each reads every block's gates: after the barrier).

@@ -20,7 +20,7 @@ struct Dims {
 };
 
 // The interleaved gate layout: column blocks of `unit_block(h)` hidden units, each block holding
-// its units' i, f, g, o columns side by side. `column(k, j)` is gate k of unit j.
+// its units' i, f, g, o columns side by side. `interleaved_column(h, k, j)` is gate k of unit j.
 std::int64_t unit_block(std::int64_t hidden);
 std::int64_t interleaved_column(std::int64_t hidden, int gate, std::int64_t unit);
 // Copies a [rows, 4H] matrix with columns in gate order [i | f | g | o] into the interleaved

@@ -283,6 +283,15 @@ std::tuple<Array, Array, Array> lstm_layer(const Array& x, const Array& wi, cons
       flat.push_back(reshape(ops::batching::materialized(*a, levels), dims));
     }
     std::vector<Array> ys, cs, hs;
+    if (examples == 0) {  // a level of size 0: empty results of the right shapes
+      auto empty = [&](const Shape& example) {
+        std::vector<std::int64_t> dims;
+        for (const BatchLevel& l : levels) dims.push_back(l.size);
+        for (std::int64_t v : example.vec()) dims.push_back(v);
+        return ops::batching::wrap(Array::zeros(Shape(dims)), levels);
+      };
+      return {empty(Shape{d.steps, d.rows, d.hidden}), empty(Shape{d.rows, d.hidden}), empty(Shape{d.rows, d.hidden})};
+    }
     for (std::int64_t e = 0; e < examples; ++e) {
       auto one = [&](std::size_t k) {
         const std::vector<std::int64_t> dims = flat[k].shape().vec();
