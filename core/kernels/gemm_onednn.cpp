@@ -203,10 +203,20 @@ void gemm_f32_serial_onednn(bool ta, bool tb, std::int64_t m, std::int64_t n, st
                             std::int64_t ldc) {
   if (m == 0 || n == 0) return;
   if (k == 0) return gemm_f32_serial_eigen(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-  // dnnl_sgemm is row-major, JIT-compiled for this CPU, and runs on the calling thread when called
-  // from inside a parallel region (the fused kernels call it once per work item).
+  // dnnl_sgemm is row-major and JIT-compiled for this CPU. It starts a team of its own unless it is
+  // called from an active parallel region, so the calling thread's team size is set to one around
+  // it: the fused kernels call it once per work item from regions that may have one thread (an
+  // adaptive team on a busy machine, or a region below its size threshold), where a team per call
+  // cost seconds per step and results could depend on the team.
+#ifdef _OPENMP
+  const int saved_threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+#endif
   const dnnl_status_t status =
       dnnl_sgemm(ta ? 'T' : 'N', tb ? 'T' : 'N', m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+#ifdef _OPENMP
+  omp_set_num_threads(saved_threads);
+#endif
   if (status != dnnl_success)
     throw Error(linum::detail::cat("oneDNN sgemm failed (status ", static_cast<int>(status), ") on a ", m, "x", k, " by ", k,
                             "x", n, " product"));
