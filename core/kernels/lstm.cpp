@@ -71,8 +71,11 @@ void load(const float* src, std::int64_t n, std::int64_t width, float* dst) {
 }
 void store(const float* src, std::int64_t n, float* dst) { std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(float)); }
 
-// Floats of scratch a thread needs for rows of unit blocks of at most `unit` units.
-std::int64_t scratch_floats(std::int64_t unit) { return 10 * padded(unit); }
+
+
+}  // namespace
+
+std::int64_t cell_scratch_floats(std::int64_t units) { return 10 * padded(units); }
 
 // One step of the cell on one row of one unit block: `gates` holds the block's pre-activations
 // [i | f | g | o] (w each), replaced by the activations; c = f * c_prev + i * g, h = o * tanh(c)
@@ -123,6 +126,8 @@ void cell_row_backward(const float* acts, std::int64_t w, const float* c_prev, c
   store(out.data(), w, dc);
 }
 
+namespace {
+
 // Inside the passes' parallel regions: oneDNN's products (and anything else) called from a worker
 // run on that thread alone, also when the team has one thread (an inactive region, where oneDNN
 // would otherwise start a team of its own): the results then never depend on the team's size.
@@ -145,7 +150,7 @@ int thread_index() {
 struct Scratch {
   Array buffer;
   std::int64_t per_thread;
-  Scratch(int threads, std::int64_t unit) : per_thread(scratch_floats(unit)) {
+  Scratch(int threads, std::int64_t unit) : per_thread(cell_scratch_floats(unit)) {
     buffer = Array::empty(Shape{std::max(1, threads) * per_thread});
   }
   float* of_this_thread() { return buffer.mutable_data() + thread_index() * per_thread; }

@@ -28,6 +28,18 @@ std::int64_t interleaved_column(std::int64_t hidden, int gate, std::int64_t unit
 void interleave(const float* in, float* out, std::int64_t rows, std::int64_t hidden);
 void deinterleave(const float* in, float* out, std::int64_t rows, std::int64_t hidden);
 
+// One row of the cell over `w` hidden units (also lstm_cell's kernel): `gates` holds the
+// pre-activations [i | f | g | o] (w each) and is replaced by the activations; c = f * c_prev + i *
+// g, h = o * tanh(c) (h null: not written). Computed in `scratch` (cell_scratch_floats(w) floats,
+// 64-byte aligned) on runs padded to whole packets, so the bits never depend on where the row is
+// stored.
+std::int64_t cell_scratch_floats(std::int64_t w);
+void cell_row(float* gates, std::int64_t w, const float* c_prev, float* c, float* h, float* scratch);
+// Its backward step: from the activations, c_prev and c, the cotangent of h (dh) and of c (dc,
+// replaced by c_prev's), the gates' cotangents [i | f | g | o] into d_gates.
+void cell_row_backward(const float* acts, std::int64_t w, const float* c_prev, const float* c, const float* dh, float* dc,
+                       float* d_gates, float* scratch);
+
 // Everything the passes read and write. wi [I, 4H], wh [H, 4H] and b [4H] interleaved; x [T, N, I];
 // c0, h0 [N, H]; ys [T, N, H] (the h of every step). acts [T', N, 4H] and cs [T', N, H] hold the
 // gate activations and cell states of the steps kept (T' = T when keeping all, else a segment).

@@ -12,7 +12,6 @@
 #include <linum/core/ops/shape_ops.hpp>
 #include <linum/core/threading.hpp>
 
-#include <Eigen/Core>
 
 #include <algorithm>
 #include <cstring>
@@ -24,24 +23,16 @@ namespace linum {
 namespace {
 
 using autodiff::Cotangents;
-using Vec = Eigen::Map<Eigen::ArrayXf, Eigen::Aligned64>;
+namespace lk = kernels::lstm;
 
-constexpr std::int64_t kLanes = 16;  // a multiple of every packet width (AVX-512: 16 floats)
 constexpr std::int64_t kRowsPerBlock = 16;
 
-// The gates of a row are computed on runs padded to whole packets (the padding repeats the first
-// element), so every element takes Eigen's packet path wherever it sits: a row gives the same bits
-// in a batch of any size, and an example under vmap (which runs the op per example) the same bits
-// as in the batch.
-std::int64_t padded(std::int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
-
-// Elements [start, start + n) of a float array into dst as float32, padded to `width`.
-void load_row(const Array& a, std::int64_t start, std::int64_t n, std::int64_t width, float* dst) {
+// Elements [start, start + n) of a float array into dst as float32.
+void load_row(const Array& a, std::int64_t start, std::int64_t n, float* dst) {
   if (a.dtype() == DType::f32)
     std::memcpy(dst, static_cast<const float*>(a.raw()) + start, static_cast<std::size_t>(n) * sizeof(float));
   else
     bf16_to_f32(static_cast<const bfloat16*>(a.raw()) + start, dst, n);
-  for (std::int64_t j = n; j < width; ++j) dst[j] = dst[0];
 }
 
 void store_row(Array& out, std::int64_t start, std::int64_t n, const float* src) {
@@ -52,11 +43,13 @@ void store_row(Array& out, std::int64_t start, std::int64_t n, const float* src)
 }
 
 struct Geometry {
-  std::int64_t rows = 0, hidden = 0, width = 0;  // width: hidden padded to whole packets
+  std::int64_t rows = 0, hidden = 0;
 };
 
 // Runs f(row, scratch) for every row, row blocks in parallel for large inputs; scratch holds
-// `floats` floats per thread, 64-byte aligned.
+// `floats` floats per thread, 64-byte aligned. The row's computation (the layer kernel's cell row)
+// does not depend on where the row sits: a row gives the same bits in a batch of any size, and an
+// example under vmap the same bits as in the batch.
 template <class F>
 void for_rows(const Geometry& g, std::int64_t floats, F&& f) {
   const std::int64_t blocks = (g.rows + kRowsPerBlock - 1) / kRowsPerBlock;
@@ -71,17 +64,24 @@ void for_rows(const Geometry& g, std::int64_t floats, F&& f) {
   }
 }
 
-// The gates of row r: z = x_gates + h_gates into four padded runs i, f, g, o (pre-activation),
-// and c's row into a fifth.
-void load_gates(const Geometry& g, const Array& xg, const Array& hg, const Array& c, std::int64_t r, float* z, float* tmp) {
-  const std::int64_t w = g.width, h = g.hidden;
-  for (int k = 0; k < 4; ++k) {
-    float* zk = z + k * w;
-    load_row(xg, r * 4 * h + k * h, h, w, zk);
-    load_row(hg, r * 4 * h + k * h, h, w, tmp);
-    Vec(zk, w) += Vec(tmp, w);
-  }
-  load_row(c, r * h, h, w, z + 4 * w);
+// Row r's cell, forward, in scratch: z = x_gates + h_gates [4h] (replaced by the activations),
+// c's row, c_next's, h_next's, the cotangents' rows; the cell kernel's own scratch first (aligned).
+struct RowScratch {
+  float *z, *c, *c_next, *h_next, *dh, *dc, *dz, *kernel;
+  RowScratch(float* s, std::int64_t h)
+      : z(s + lk::cell_scratch_floats(h)), c(z + 4 * h), c_next(c + h), h_next(c_next + h), dh(h_next + h), dc(dh + h),
+        dz(dc + h), kernel(s) {}
+  static std::int64_t floats(std::int64_t h) { return lk::cell_scratch_floats(h) + 13 * h; }
+};
+
+void cell_forward(const Geometry& g, const Array& xg, const Array& hg, const Array& c, std::int64_t r, RowScratch& rs,
+                  bool write_h) {
+  const std::int64_t h = g.hidden;
+  load_row(xg, r * 4 * h, 4 * h, rs.z);
+  load_row(hg, r * 4 * h, 4 * h, rs.dz);  // dz as a temporary
+  for (std::int64_t j = 0; j < 4 * h; ++j) rs.z[j] += rs.dz[j];
+  load_row(c, r * h, h, rs.c);
+  lk::cell_row(rs.z, h, rs.c, rs.c_next, write_h ? rs.h_next : nullptr, rs.kernel);
 }
 
 Geometry geometry_of(const Array& xg, const Array& hg, const Array& c) {
@@ -102,61 +102,34 @@ Geometry geometry_of(const Array& xg, const Array& hg, const Array& c) {
   Shape want = xg.shape();
   want[want.rank() - 1] = h;
   if (!(c.shape() == want)) fail("c must be the gates' shape with hidden = " + std::to_string(h) + " features");
-  return {c.numel() / h, h, padded(h)};
+  return {c.numel() / h, h};
 }
 
 void forward(const Geometry& g, const Array& xg, const Array& hg, const Array& c, Array& c_next, Array& h_next) {
-  const std::int64_t w = g.width, h = g.hidden;
-  for_rows(g, 7 * w, [&](std::int64_t r, float* s) {
-    float* z = s;  // i f g o c: 5 runs
-    float* tmp = s + 5 * w;
-    load_gates(g, xg, hg, c, r, z, tmp);
-    Vec i(z, w), f(z + w, w), gg(z + 2 * w, w), o(z + 3 * w, w), cr(z + 4 * w, w);
-    i = i.logistic();
-    f = f.logistic();
-    gg = gg.tanh();
-    o = o.logistic();
-    Vec nc(tmp, w), nh(s + 6 * w, w);
-    nc = f * cr + i * gg;
-    nh = o * nc.tanh();
-    store_row(c_next, r * h, h, tmp);
-    store_row(h_next, r * h, h, s + 6 * w);
+  const std::int64_t h = g.hidden;
+  for_rows(g, RowScratch::floats(h), [&](std::int64_t r, float* s) {
+    RowScratch rs(s, h);
+    cell_forward(g, xg, hg, c, r, rs, true);
+    store_row(c_next, r * h, h, rs.c_next);
+    store_row(h_next, r * h, h, rs.h_next);
   });
 }
 
 // Gradients of z (the gates, for both products) and c from those of c_next and h_next (either may
-// be undefined: no gradient reached it).
+// be undefined: no gradient reached it). The forward is computed again for the activations.
 void backward(const Geometry& g, const Array& xg, const Array& hg, const Array& c, const Array& d_c_next,
               const Array& d_h_next, Array& dz, Array& dc) {
-  const std::int64_t w = g.width, h = g.hidden;
-  for_rows(g, 9 * w, [&](std::int64_t r, float* s) {
-    float* z = s;
-    float* tmp = s + 5 * w;
-    load_gates(g, xg, hg, c, r, z, tmp);
-    Vec i(z, w), f(z + w, w), gg(z + 2 * w, w), o(z + 3 * w, w), cr(z + 4 * w, w);
-    i = i.logistic();
-    f = f.logistic();
-    gg = gg.tanh();
-    o = o.logistic();
-    Vec tc(s + 6 * w, w), dh(s + 7 * w, w), dct(s + 8 * w, w);
-    tc = (f * cr + i * gg).tanh();
-    if (d_h_next.defined()) load_row(d_h_next, r * h, h, w, dh.data());
-    else dh.setZero();
-    if (d_c_next.defined()) load_row(d_c_next, r * h, h, w, dct.data());
-    else dct.setZero();
-    dct += dh * o * (1.0f - tc.square());
-    Vec dzr(tmp, w);
-    // dz_o first (it reads o, then o's run is free), then the others in place of their gates.
-    dzr = dh * tc * o * (1.0f - o);
-    store_row(dz, r * 4 * h + 3 * h, h, tmp);
-    dzr = dct * gg * i * (1.0f - i);
-    store_row(dz, r * 4 * h, h, tmp);
-    dzr = dct * cr * f * (1.0f - f);
-    store_row(dz, r * 4 * h + h, h, tmp);
-    dzr = dct * i * (1.0f - gg.square());
-    store_row(dz, r * 4 * h + 2 * h, h, tmp);
-    dzr = dct * f;
-    store_row(dc, r * h, h, tmp);
+  const std::int64_t h = g.hidden;
+  for_rows(g, RowScratch::floats(h), [&](std::int64_t r, float* s) {
+    RowScratch rs(s, h);
+    cell_forward(g, xg, hg, c, r, rs, false);
+    if (d_h_next.defined()) load_row(d_h_next, r * h, h, rs.dh);
+    else std::fill(rs.dh, rs.dh + h, 0.0f);
+    if (d_c_next.defined()) load_row(d_c_next, r * h, h, rs.dc);
+    else std::fill(rs.dc, rs.dc + h, 0.0f);
+    lk::cell_row_backward(rs.z, h, rs.c, rs.c_next, rs.dh, rs.dc, rs.dz, rs.kernel);
+    store_row(dz, r * 4 * h, 4 * h, rs.dz);
+    store_row(dc, r * h, h, rs.dc);
   });
 }
 
@@ -206,7 +179,6 @@ std::pair<Array, Array> lstm_cell(const Array& x_gates, const Array& h_gates, co
 
 namespace {
 
-namespace lk = kernels::lstm;
 static_assert(kLSTMLayerChunk == lk::kChunk);
 
 struct LayerShape {
