@@ -34,6 +34,8 @@
 #include <linum/train/metrics.hpp>
 #include <linum/train/distributed/communicator.hpp>
 #include <linum/train/distributed/data_parallel.hpp>
+#include <linum/train/distributed/sharded_data_parallel.hpp>
+#include <linum/train/distributed/sharding.hpp>
 #include <linum/modules/initializers.hpp>
 #include <linum/modules/scope.hpp>
 #include <linum/modules/module.hpp>

@@ -102,6 +102,26 @@ const Array& Tree::array() const {
   return *leaf_;
 }
 
+const std::vector<std::string>& Tree::axis_names() const {
+  static const std::vector<std::string> none;
+  return axis_names_ ? *axis_names_ : none;
+}
+
+Tree Tree::with_axis_names(std::vector<std::string> names) const {
+  if (!is_leaf())
+    throw ShapeError(detail::cat("Tree::with_axis_names: axis names belong to a leaf; this node is a dict with keys ",
+                                 quoted_keys(entries_)));
+  if (static_cast<int>(names.size()) != leaf_->rank()) {
+    std::string listed;
+    for (const auto& n : names) listed += (listed.empty() ? "\"" : ", \"") + n + "\"";
+    throw ShapeError(detail::cat("axis names (", listed, ") do not fit a ", leaf_desc(*leaf_), " leaf: give one name per axis (",
+                                 leaf_->rank(), "), \"\" for an axis without one"));
+  }
+  Tree out = *this;
+  out.axis_names_ = std::make_shared<const std::vector<std::string>>(std::move(names));
+  return out;
+}
+
 const Tree* Tree::find(std::string_view key) const {
   for (const auto& e : entries_)
     if (e.first == key) return &e.second;

@@ -21,6 +21,7 @@
 #include <functional>
 #include <initializer_list>
 #include <iosfwd>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -110,6 +111,16 @@ class Tree {
   // component of the path is an existing leaf, the path is empty, or a component is empty.
   void set_path(std::string_view path, Tree value);
 
+  // --- partitioning metadata (Flax's nn.Partitioned box) ----------------------------------------
+  // The logical names of this leaf's axes, one per axis (e.g. {"embed", "mlp"}; "" for an axis
+  // without a name, Flax's None), as nn::with_partitioning gives them at init; empty when the leaf
+  // carries none (a dict, or a leaf built from an Array). Copies of the tree keep them; functions
+  // that build new leaves (tree_map, with_leaves, loading from a file) do not.
+  const std::vector<std::string>& axis_names() const;
+  // This leaf with `names` as its axis names. Throws ShapeError unless this is a leaf and `names`
+  // has one entry per axis.
+  Tree with_axis_names(std::vector<std::string> names) const;
+
   // --- printing --------------------------------------------------------------------------------
   // An indented listing of the tree with each leaf's dtype and shape, e.g.
   //   {
@@ -133,6 +144,7 @@ class Tree {
 
   std::optional<Array> leaf_;
   std::vector<Entry> entries_;
+  std::shared_ptr<const std::vector<std::string>> axis_names_;  // shared: copies stay cheap
 };
 
 // Writes tree.str() to `os`.

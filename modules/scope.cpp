@@ -1,5 +1,8 @@
 #include <linum/modules/scope.hpp>
 
+#include <optional>
+#include <utility>
+
 #include <linum/core/memory.hpp>
 
 #include <cxxabi.h>
@@ -76,6 +79,13 @@ void ScopeState::check_collection_visible(std::string_view collection, std::stri
                                lift_note, " (lifted collections: [", lifted, "]); add it to lift::variables<...>"));
 }
 
+}  // namespace detail
+
+namespace detail {
+namespace {
+thread_local std::optional<std::vector<std::string>> pending_axis_names;
+}
+void set_pending_param_axis_names(std::vector<std::string> names) { pending_axis_names = std::move(names); }
 }  // namespace detail
 
 namespace {
@@ -193,11 +203,21 @@ Array Scope::param(std::string_view name, const Initializer& init, const Shape& 
                                                : detail::cat(full, " ", shape));
     return Array::zeros(shape);
   }
+  detail::pending_axis_names.reset();
   Array value = init(make_rng("params"), shape);
+  std::optional<std::vector<std::string>> names = std::exchange(detail::pending_axis_names, std::nullopt);
   if (!(value.shape() == shape))
     throw ShapeError(detail::cat("the initializer of param '", full, "' returned shape ", value.shape(), " for shape ", shape));
-  vars["params"].set_path(path, Tree(value));
-  state_->created["params"].set_path(path, Tree(value));
+  Tree leaf(value);
+  if (names) {
+    try {
+      leaf = leaf.with_axis_names(std::move(*names));
+    } catch (const ShapeError& e) {
+      throw ShapeError(detail::cat("param '", full, "': ", e.what()));
+    }
+  }
+  vars["params"].set_path(path, leaf);
+  state_->created["params"].set_path(path, leaf);
   return value;
 }
 

@@ -58,6 +58,10 @@ class Variable;
 
 namespace detail {
 
+// Axis names for the param an initializer is creating (nn::with_partitioning calls it from inside
+// the initializer; Scope::param attaches them to the new leaf, Tree::axis_names).
+void set_pending_param_axis_names(std::vector<std::string> names);
+
 // How many keys a module at `path` drew from `stream` so far (Scope::make_rng's counter).
 struct RngCounterKey {
   std::string stream;

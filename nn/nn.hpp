@@ -12,6 +12,7 @@
 #include <linum/nn/embed.hpp>
 #include <linum/nn/losses.hpp>
 #include <linum/nn/normalization.hpp>
+#include <linum/nn/partitioning.hpp>
 #include <linum/nn/recurrent.hpp>
 #include <linum/nn/sequential.hpp>
 #include <linum/nn/tabulate.hpp>

@@ -4,6 +4,7 @@
 #pragma GCC optimize("fp-contract=off")
 
 #include <linum/train/optim.hpp>
+#include <linum/train/square_sums.hpp>
 #include <linum/train/optim_internal.hpp>
 #include <linum/core/ops/kernel_util.hpp>
 
@@ -133,14 +134,11 @@ Tree apply_updates(const Tree& params, const Tree& updates) {
 
 float global_norm(const Tree& tree) {
   check_f32("optim::global_norm", "tree", tree);
-  double total = 0.0;
-  for (const Array& leaf : leaves(tree)) {
-    const Array a = leaf.dtype() == DType::f32 ? leaf : astype(leaf, DType::f32);
-    const float* p = a.data();
-    const std::int64_t n = a.numel();
-    for (std::int64_t i = 0; i < n; ++i) total += static_cast<double>(p[i]) * p[i];
-  }
-  return static_cast<float>(std::sqrt(total));
+  // Exact sums of squares (train/square_sums.hpp): the same bits for any split of the leaves among
+  // threads or shards; merged across shards inside a sharded optimizer step.
+  SquareSum total;
+  for (const SquareSum& leaf : leaf_square_sums(leaves(tree))) total.merge(leaf);
+  return static_cast<float>(std::sqrt(total.value()));
 }
 
 // ---- transformations ---------------------------------------------------------------------------

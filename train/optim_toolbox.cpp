@@ -5,6 +5,7 @@
 #pragma GCC optimize("fp-contract=off")
 
 #include <linum/train/optim.hpp>
+#include <linum/train/square_sums.hpp>
 #include <linum/train/optim_internal.hpp>
 #include <linum/core/ops/all.hpp>
 
@@ -101,13 +102,12 @@ Tree full_like(const Tree& params, float value) {
   return tree_map([value](const Array& a) { return Array::full(a.shape(), value, a.dtype()); }, params);
 }
 
-// A leaf's root-mean-square and L2 norm, accumulated in double.
-double sum_of_squares(const Array& leaf) {
-  const Array a = leaf.dtype() == DType::f32 ? leaf : astype(leaf, DType::f32);
-  double total = 0;
-  const float* p = a.data();
-  for (std::int64_t i = 0; i < a.numel(); ++i) total += static_cast<double>(p[i]) * p[i];
-  return total;
+// Each leaf's sum of squares and element count, exact and merged across shards (square_sums.hpp).
+std::vector<SquareSum> square_sums(const Tree& tree) { return leaf_square_sums(leaves(tree)); }
+
+// A leaf's root-mean-square from its (whole-parameter) sum of squares.
+float rms_of(const SquareSum& s) {
+  return static_cast<float>(std::sqrt(s.value() / static_cast<double>(std::max<std::int64_t>(s.count(), 1))));
 }
 
 // Leaf-by-leaf f(update, param) -> update, with one float per leaf computed from both.
@@ -266,9 +266,16 @@ GradientTransformation scale_by_trust_ratio(double min_norm, double trust_coeffi
         if (!params) throw ValueError(who + ": the trust ratio needs the parameters; call update(grads, state, params)");
         check_same_structure(who, "grads", updates, "params", *params);
         const float mn = f32(min_norm), tc = f32(trust_coefficient), e = f32(eps);
-        Tree out = map_leaves(updates, params, [=](const Array& u, const Array& p) {
-          const float param_norm = std::max(static_cast<float>(std::sqrt(sum_of_squares(p))), mn);
-          const float update_norm = std::max(static_cast<float>(std::sqrt(sum_of_squares(u))), mn);
+        // Both norms of every leaf in one exchange when the leaves are shards.
+        std::vector<Array> both = leaves(*params);
+        const std::size_t count = both.size();
+        for (const Array& u : leaves(updates)) both.push_back(u);
+        const std::vector<SquareSum> sums = leaf_square_sums(both);
+        std::size_t at = 0;
+        Tree out = map_leaves(updates, params, [&](const Array& u, const Array&) {
+          const std::size_t i = at++;
+          const float param_norm = std::max(static_cast<float>(std::sqrt(sums[i].value())), mn);
+          const float update_norm = std::max(static_cast<float>(std::sqrt(sums[count + i].value())), mn);
           const float ratio = (param_norm == 0.0f || update_norm == 0.0f) ? 1.0f : tc * param_norm / (update_norm + e);
           return scaled(u, ratio);
         });
@@ -301,7 +308,9 @@ Shape without_axis(const Shape& s, int axis) {
 GradientTransformation scale_by_factored_rms(bool factored, double decay_rate, std::int64_t step_offset,
                                              std::int64_t min_dim_size_to_factor, double eps) {
   const std::string who = "optim::scale_by_factored_rms.update";
+  const std::string whole = "factored second moments depend on each parameter's whole shape (factored = false works)";
   auto init = [=](const Tree& params) {
+    if (factored) require_whole_leaves("optim::scale_by_factored_rms.init", whole);
     Tree v_row, v_col, v;
     std::vector<std::pair<std::string, Array>> rows, cols, fulls;
     for (const auto& [path, p] : flatten(params)) {
@@ -334,6 +343,7 @@ GradientTransformation scale_by_factored_rms(bool factored, double decay_rate, s
   };
   return GradientTransformation(
       "optim::scale_by_factored_rms", init, [=](const Tree& grads, const Tree& state, const Tree* params) {
+        if (factored) require_whole_leaves(who, whole);
         check_state_keys(who, state, {"count", "v_row", "v_col", "v"});
         if (!params) throw ValueError(who + ": Adafactor needs the parameters; call update(grads, state, params)");
         check_same_structure(who, "grads", grads, "params", *params);
@@ -389,8 +399,10 @@ GradientTransformation clip_by_block_rms(double threshold) {
       "optim::clip_by_block_rms", [](const Tree&) { return empty_state(); },
       [=](const Tree& updates, const Tree& state, const Tree*) {
         check_state_keys(who, state, {});
-        Tree out = map_leaves(updates, nullptr, [th](const Array& u, const Array&) {
-          const float rms = static_cast<float>(std::sqrt(sum_of_squares(u) / static_cast<double>(std::max<std::int64_t>(u.numel(), 1))));
+        const std::vector<SquareSum> sums = square_sums(updates);
+        std::size_t at = 0;
+        Tree out = map_leaves(updates, nullptr, [&](const Array& u, const Array&) {
+          const float rms = rms_of(sums[at++]);
           const float denom = std::max(1.0f, rms / th);
           autodiff::NoGradGuard constants;
           return map1(Tree(u), [denom](float x) { return x / denom; }).array();
@@ -408,8 +420,10 @@ GradientTransformation scale_by_param_block_rms(double min_scale) {
         check_state_keys(who, state, {});
         if (!params) throw ValueError(who + ": needs the parameters; call update(grads, state, params)");
         check_same_structure(who, "grads", updates, "params", *params);
-        Tree out = map_leaves(updates, params, [ms](const Array& u, const Array& p) {
-          const float rms = static_cast<float>(std::sqrt(sum_of_squares(p) / static_cast<double>(std::max<std::int64_t>(p.numel(), 1))));
+        const std::vector<SquareSum> sums = square_sums(*params);
+        std::size_t at = 0;
+        Tree out = map_leaves(updates, params, [&](const Array& u, const Array&) {
+          const float rms = rms_of(sums[at++]);
           return scaled(u, std::max(rms, ms));
         });
         return UpdateResult{std::move(out), empty_state()};
@@ -481,7 +495,7 @@ GradientTransformation apply_if_finite(GradientTransformation inner, std::int64_
       [shared, who, max_consecutive_errors](const Tree& updates, const Tree& state, const Tree* params) {
         const std::string w = who + ".update";
         check_state_keys(w, state, {"notfinite_count", "last_finite", "total_notfinite", "inner_state"});
-        const bool finite = all_finite(updates);
+        const bool finite = all_across_shards(all_finite(updates));  // every shard skips, or none
         const std::int64_t notfinite = finite ? 0 : safe_increment(read_scalar(w, state, "notfinite_count"));
         const std::int64_t total = read_scalar(w, state, "total_notfinite");
         Tree out, inner_state;

@@ -11,15 +11,21 @@ int main(int argc, char** argv) {
   dist::Session mpi(argc, argv);
   return dist::run_or_abort([&] {
     const Tree params{{"w", rng::normal(rng::key(0), Shape{256, 256})}};
-    const bool fast = argc > 1 && std::string(argv[1]) == "fast";
-    dist::DataParallel dp({.reduction = fast ? dist::Reduction::fast : dist::Reduction::reproducible,
-                           .micro_batches = dist::size()});
+    const std::string mode = argc > 1 ? argv[1] : "reproducible";
+    const dist::DataParallelOptions options{.reduction = mode == "fast" ? dist::Reduction::fast : dist::Reduction::reproducible,
+                                            .micro_batches = dist::size()};
     const Tree batch{{"x", rng::normal(rng::key(1), Shape{64, 256})}};
-    for (int step = 0; step < 3; ++step) {
-      dp.value_and_grad(dist::Loss([&](const Tree& p, const Tree& b, rng::Key) {
-        if (step == 1 && dist::rank() == 1) throw ValueError("injected failure in the loss (step 2)");
-        return mean(square(matmul(b.at("x").array(), p.at("w").array())));
-      }), params, batch, rng::key(2));
+    int step = 0;
+    const dist::Loss loss = [&](const Tree& p, const Tree& b, rng::Key) {
+      if (step == 1 && dist::rank() == 1) throw ValueError("injected failure in the loss (step 2)");
+      return mean(square(matmul(b.at("x").array(), p.at("w").array())));
+    };
+    if (mode == "sharded") {  // ZeRO stage 2: the others wait in the gradient all-to-all
+      dist::ShardedDataParallel zero(params, optim::adam(1e-3), {.stage = 2, .data = options});
+      for (; step < 3; ++step) zero.step(loss, batch, rng::key(2));
+    } else {
+      dist::DataParallel dp(options);
+      for (; step < 3; ++step) dp.value_and_grad(loss, params, batch, rng::key(2));
     }
     std::printf("rank %d finished (should not happen on rank 0 with 2+ ranks)\n", dist::rank());
     return 0;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A rank that throws ends the whole job within seconds with an error naming the rank.
-#   rank_failure.sh MPIRUN DIST_RANK_FAILURE [fast]
+#   rank_failure.sh MPIRUN DIST_RANK_FAILURE [reproducible|fast|sharded]
 set -uo pipefail
 start=$(date +%s)
 out=$(timeout 60 "$1" --allow-run-as-root --oversubscribe -np 3 "$2" ${3:-} 2>&1)

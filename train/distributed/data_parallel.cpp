@@ -1,4 +1,5 @@
 #include <linum/train/distributed/data_parallel.hpp>
+#include <linum/train/distributed/data_parallel_internal.hpp>
 #include <linum/core/autodiff/grad.hpp>
 #include <linum/core/ops/all.hpp>
 #include <linum/core/threading.hpp>
@@ -20,20 +21,17 @@
 #endif
 
 namespace linum::dist {
-namespace {
+namespace internal {
 
-using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
-
+void check_mpi([[maybe_unused]] int code, [[maybe_unused]] const char* call) {
 #if LINUM_HAVE_MPI
-void check_mpi(int code, const char* call) {
   if (code == MPI_SUCCESS) return;
   char text[MPI_MAX_ERROR_STRING] = {};
   int length = 0;
   MPI_Error_string(code, text, &length);
-  throw DistError(detail::cat("linum::dist::DataParallel: ", call, " failed: ", std::string(text, static_cast<std::size_t>(length))));
-}
+  throw DistError(detail::cat("linum::dist: ", call, " failed: ", std::string(text, static_cast<std::size_t>(length))));
 #endif
+}
 
 // The batch size: the leading dimension every leaf of the batch shares.
 std::int64_t batch_rows(const Tree& batch) {
@@ -90,7 +88,14 @@ void add(const float* a, const float* b, float* out, std::size_t n) {
   for (std::int64_t i = 0; i < count; ++i) out[i] = a[i] + b[i];
 }
 
+namespace {
 void add_into(std::vector<float>& a, const std::vector<float>& b) { add(a.data(), b.data(), a.data(), a.size()); }
+std::uint64_t hash_of(const std::string& text) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : text) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+}  // namespace
 
 // Leaves of `structure` read from flat[offset...] in order, each in its leaf's dtype (sums are
 // float32; a bf16 parameter's gradient is rounded once, after the sum).
@@ -133,23 +138,19 @@ std::string layout_of(const Tree& tree) {
   return s.str();
 }
 
-std::uint64_t hash_of(const std::string& text) {
-  std::uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : text) h = (h ^ c) * 1099511628211ull;
-  return h;
-}
-
 // Every rank must have the same aux structure (the messages are laid out by it).
 void check_same_layout(const std::string& layout, const Communicator& comm, const char* what) {
   if (comm.size() == 1) return;
   const auto hashes = allgather(hash_of(layout), comm);
   for (std::size_t r = 1; r < hashes.size(); ++r)
     if (hashes[r] != hashes[0])
-      throw DistError(detail::cat("linum::dist::DataParallel: rank ", r, "'s ", what, " has another structure or shapes than rank 0's",
+      throw DistError(detail::cat("linum::dist: rank ", r, "'s ", what, " has another structure or shapes than rank 0's",
                                   " (this rank's: ", layout.substr(0, 300), "); every rank must run the same model and loss"));
 }
 
-}  // namespace
+}  // namespace internal
+
+using namespace internal;
 
 // ---- the communication thread (fast mode) --------------------------------------------------------
 
@@ -261,23 +262,17 @@ StepResult DataParallel::value_and_grad(const LossWithAux& loss, const Tree& par
 
 // ---- reproducible: a fixed pairwise tree over micro-batches ----------------------------------------
 
-StepResult DataParallel::reproducible(const LossWithAux& loss, const Tree& params, const Tree& batch, rng::Key key,
-                                      std::int64_t rows) {
-  const Communicator& comm = options_.comm;
-  const int ranks = comm.size(), me = comm.rank(), M = options_.micro_batches;
-  const std::pair<int, int> my_pieces = pieces_of_rank(me, ranks, M);
-  const int first_piece = my_pieces.first, last_piece = my_pieces.second;
-  StepResult result;
-  result.stats.ranks = ranks;
-  result.stats.local_pieces = last_piece - first_piece;
-  const auto compute_start = Clock::now();
+namespace internal {
 
+LocalSubtrees local_subtrees(const LossWithAux& loss, const Tree& params, const Tree& batch, rng::Key key, std::int64_t rows,
+                             int micro_batches, const Communicator& comm, Sync aux_sync) {
+  const int ranks = comm.size(), me = comm.rank(), M = micro_batches;
+  const std::pair<int, int> my_pieces = pieces_of_rank(me, ranks, M);
+  LocalSubtrees out;
+  out.row_lo = rows * my_pieces.first / M;
+  out.row_hi = rows * my_pieces.second / M;
   std::optional<Tree> aux_structure;
-  std::vector<float> local_aux;  // Sync::per_rank: the aux mean over this rank's rows
-  // (Plain variables, not a structured binding: clang 14 cannot capture those in a lambda.)
-  const std::pair<std::int64_t, std::int64_t> local = local_rows(rows);
-  const std::int64_t row_lo = local.first, row_hi = local.second;
-  result.stats.local_rows = row_hi - row_lo;
+  const std::int64_t row_lo = out.row_lo, row_hi = out.row_hi;
   const std::vector<Array> param_leaves = leaves(params);
 
   // Piece m's flat [loss, grads, aux], weighted by its share of the global batch.
@@ -300,11 +295,11 @@ StepResult DataParallel::reproducible(const LossWithAux& loss, const Tree& param
     append_scaled(flat, astype(value, DType::f32), w);
     for (const Array& g : grads) append_scaled(flat, g.dtype() == DType::f32 ? g : astype(g, DType::f32), w);
     for (const Array& a : leaves(aux)) append_scaled(flat, a, w);
-    if (options_.aux == Sync::per_rank) {
+    if (aux_sync == Sync::per_rank) {
       std::vector<float> mine;
       for (const Array& a : leaves(aux)) append_scaled(mine, a, weight_of(lo, hi, row_hi - row_lo));
-      if (local_aux.empty()) local_aux = std::move(mine);
-      else add_into(local_aux, mine);
+      if (out.local_aux.empty()) out.local_aux = std::move(mine);
+      else add_into(out.local_aux, mine);
     }
     return flat;
   };
@@ -317,27 +312,56 @@ StepResult DataParallel::reproducible(const LossWithAux& loss, const Tree& param
     add_into(left, right);
     return left;
   };
+  cover(0, M, my_pieces.first, my_pieces.second, out.nodes);
+  for (const auto& [lo, hi] : out.nodes) out.sums.push_back(local_sum(lo, hi));
+  out.aux_structure = *aux_structure;
+  return out;
+}
 
-  std::vector<std::pair<int, int>> mine;
-  cover(0, M, first_piece, last_piece, mine);
-  std::vector<std::vector<float>> my_sums;
-  for (const auto& [lo, hi] : mine) my_sums.push_back(local_sum(lo, hi));
+const float* complete_tree(int micro_batches, const std::map<std::pair<int, int>, const float*>& have, std::size_t length,
+                           std::deque<std::vector<float>>& scratch) {
+  std::function<const float*(int, int)> sum = [&](int lo, int hi) -> const float* {
+    if (auto it = have.find({lo, hi}); it != have.end()) return it->second;
+    if (hi - lo <= 1)
+      throw DistError(detail::cat("linum::dist: micro-batch ", lo, " was computed by no rank (internal error)"));
+    const int mid = lo + (hi - lo) / 2;
+    const float* left = sum(lo, mid);
+    const float* right = sum(mid, hi);
+    scratch.emplace_back(length);
+    add(left, right, scratch.back().data(), length);
+    return scratch.back().data();
+  };
+  return sum(0, micro_batches);
+}
+
+}  // namespace internal
+
+StepResult DataParallel::reproducible(const LossWithAux& loss, const Tree& params, const Tree& batch, rng::Key key,
+                                      std::int64_t rows) {
+  const Communicator& comm = options_.comm;
+  const int ranks = comm.size(), M = options_.micro_batches;
+  StepResult result;
+  result.stats.ranks = ranks;
+  const auto compute_start = Clock::now();
+  LocalSubtrees local = local_subtrees(loss, params, batch, key, rows, M, comm, options_.aux);
+  for (const auto& [lo, hi] : local.nodes) result.stats.local_pieces += hi - lo;
+  result.stats.local_rows = local.row_hi - local.row_lo;
   result.stats.compute_s = seconds_since(compute_start);
-  [[maybe_unused]] const std::size_t L = my_sums.front().size();  // used with MPI only
+  [[maybe_unused]] const std::size_t L = local.sums.front().size();  // used with MPI only
 
   std::vector<float> total;
   std::vector<float> gathered;
   std::deque<std::vector<float>> sums;  // the tree's nodes summed here
   const float* total_values = nullptr;
   if (ranks == 1) {
-    total = std::move(my_sums.front());
+    total = std::move(local.sums.front());
     total_values = total.data();
   } else {
 #if LINUM_HAVE_MPI
-    check_same_layout(layout_of(params) + "|" + layout_of(*aux_structure), comm, "parameters and aux tree");
+    check_same_layout(layout_of(params) + "|" + layout_of(local.aux_structure), comm, "parameters and aux tree");
     // Every rank's subtrees, in rank order, gathered on every rank.
     std::vector<int> counts(static_cast<std::size_t>(ranks)), displs(static_cast<std::size_t>(ranks));
-    std::map<std::pair<int, int>, std::size_t> where;  // subtree -> offset in `gathered`
+    std::vector<std::pair<std::pair<int, int>, std::size_t>> where;  // subtree -> offset in `gathered`
     std::int64_t at = 0;
     for (int r = 0; r < ranks; ++r) {
       std::vector<std::pair<int, int>> theirs;
@@ -348,17 +372,17 @@ StepResult DataParallel::reproducible(const LossWithAux& loss, const Tree& param
         throw DistError("linum::dist::DataParallel: the partial sums exceed MPI's 2^31-element message limit; use fewer micro-batches");
       counts[static_cast<std::size_t>(r)] = static_cast<int>(count);
       displs[static_cast<std::size_t>(r)] = static_cast<int>(at);
-      for (std::size_t i = 0; i < theirs.size(); ++i) where[theirs[i]] = static_cast<std::size_t>(at) + i * L;
+      for (std::size_t i = 0; i < theirs.size(); ++i) where.emplace_back(theirs[i], static_cast<std::size_t>(at) + i * L);
       at += count;
     }
     std::vector<float> send;
-    if (my_sums.size() == 1) {
-      send = std::move(my_sums.front());
+    if (local.sums.size() == 1) {
+      send = std::move(local.sums.front());
     } else {
-      send.reserve(mine.size() * L);
-      for (const auto& s : my_sums) send.insert(send.end(), s.begin(), s.end());
+      send.reserve(local.nodes.size() * L);
+      for (const auto& s : local.sums) send.insert(send.end(), s.begin(), s.end());
     }
-    my_sums.clear();
+    local.sums.clear();
     gathered.resize(static_cast<std::size_t>(at));
     const auto comm_start = Clock::now();
     check_mpi(MPI_Allgatherv(send.data(), static_cast<int>(send.size()), MPI_FLOAT, gathered.data(), counts.data(),
@@ -370,16 +394,9 @@ StepResult DataParallel::reproducible(const LossWithAux& loss, const Tree& param
     result.stats.wire_bytes = at * static_cast<std::int64_t>(sizeof(float)) * (ranks - 1) / ranks;
     result.stats.messages = 3;  // two layout checks + the gather
     // The rest of the tree, from the gathered subtrees (read in place).
-    std::function<const float*(int, int)> full_sum = [&](int lo, int hi) -> const float* {
-      if (auto it = where.find({lo, hi}); it != where.end()) return gathered.data() + it->second;
-      const int mid = lo + (hi - lo) / 2;
-      const float* left = full_sum(lo, mid);
-      const float* right = full_sum(mid, hi);
-      sums.emplace_back(L);
-      add(left, right, sums.back().data(), L);
-      return sums.back().data();
-    };
-    total_values = full_sum(0, M);
+    std::map<std::pair<int, int>, const float*> have;
+    for (const auto& [node, offset] : where) have[node] = gathered.data() + offset;
+    total_values = complete_tree(M, have, L, sums);
 #else
     throw DistError("linum::dist: built without MPI");
 #endif
@@ -388,10 +405,10 @@ StepResult DataParallel::reproducible(const LossWithAux& loss, const Tree& param
   result.loss = Array::full(Shape{}, total_values[0]);
   result.grads = unflat(params, total_values, offset);
   if (options_.aux == Sync::average) {
-    result.aux = unflat(*aux_structure, total_values, offset);
+    result.aux = unflat(local.aux_structure, total_values, offset);
   } else {
-    std::size_t local = 0;
-    result.aux = unflat(*aux_structure, local_aux.data(), local);
+    std::size_t at = 0;
+    result.aux = unflat(local.aux_structure, local.local_aux.data(), at);
   }
   return result;
 }

@@ -1,0 +1,290 @@
+// Sharded data parallelism (ZeRO stages 0-2) under mpirun -np 1, 2 and 3: every stage ends with
+// bitwise the parameters and optimizer state one process computes, for every optimizer whose norms
+// run across shards; checkpoints restore on the same and on another rank count (zero_resume.sh).
+#define DOCTEST_CONFIG_IMPLEMENT
+#include <doctest/doctest.h>
+
+#include "dist_model.hpp"
+
+#include <linum/train/distributed/mpi.hpp>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+
+#include <unistd.h>
+
+using namespace linum;
+
+namespace {
+
+dist::Communicator self() { return dist::from_mpi(MPI_COMM_SELF); }
+
+struct Block {
+  Array operator()(Scope& s, const Array& x, bool train) const {
+    Array h = gelu(s(nn::Dense{.features = 19}, x));
+    return s(nn::Dropout{.rate = 0.25}, h, /*deterministic=*/!train);
+  }
+};
+
+// Odd sizes (slices start anywhere), an annotated kernel, a remat block with dropout, a scalar.
+struct ZeroNet {
+  Array operator()(Scope& s, const Array& x, bool train) const {
+    Array h = s(nn::Dense{.features = 23, .kernel_init = nn::with_partitioning(initializers::lecun_normal(), {"embed", "mlp"})}, x);
+    h = s(lift::remat<Block>{}, gelu(h), train);
+    Array logits = s(nn::Dense{.features = 7}, h);
+    return logits * s.param("temperature", initializers::constant(1.5f), Shape{});
+  }
+};
+
+Tree zero_params() { return init(ZeroNet{}, rng::key(3), Array::zeros(Shape{2, 13}), false).at("params"); }
+
+Tree zero_batch(std::int64_t rows, std::uint32_t seed) {
+  return Tree{{"x", rng::normal(rng::key(seed), Shape{rows, 13})}, {"y", rng::randint(rng::key(seed + 1), Shape{rows}, 0, 7)}};
+}
+
+Array zero_loss(const Tree& params, const Tree& batch, rng::Key key) {
+  Array logits = apply(ZeroNet{}, Tree{{"params", params}}, {.rngs = {{"dropout", key}}}, batch.at("x").array(), true);
+  return mean(nn::softmax_cross_entropy_with_integer_labels(logits, batch.at("y").array()));
+}
+
+struct Trained {
+  Tree params, state;
+};
+
+// What one process computes: DataParallel on this process alone, the optimizer on whole leaves.
+Trained one_process(const optim::GradientTransformation& opt, int steps, int micro_batches) {
+  dist::DataParallel dp({.micro_batches = micro_batches, .comm = self()});
+  Tree params = zero_params(), state = opt.init(params);
+  for (int step = 0; step < steps; ++step) {
+    auto r = dp.value_and_grad(dist::Loss(zero_loss), params, zero_batch(30, 50 + static_cast<std::uint32_t>(step)),
+                               rng::fold_in(rng::key(4), static_cast<std::uint32_t>(step)));
+    auto next = opt.step(std::move(params), r.grads, std::move(state));
+    params = std::move(next.params);
+    state = std::move(next.state);
+  }
+  return {params, state};
+}
+
+void train(dist::ShardedDataParallel& z, int from, int to) {
+  for (int step = from; step < to; ++step)
+    z.step(dist::Loss(zero_loss), zero_batch(30, 50 + static_cast<std::uint32_t>(step)),
+           rng::fold_in(rng::key(4), static_cast<std::uint32_t>(step)));
+}
+
+// The first leaf where two trees differ in structure, shape, dtype or bits ("" when equal).
+std::string first_difference(const Tree& a, const Tree& b) {
+  if (auto d = structure_difference(a, b)) return *d;
+  const auto fa = flatten(a), fb = flatten(b);
+  for (std::size_t i = 0; i < fa.size(); ++i)
+    if (!fa[i].second.bitwise_equal(fb[i].second)) return fa[i].first + " differs";
+  return "";
+}
+
+float max_abs_difference(const Tree& a, const Tree& b) {
+  float worst = 0;
+  const auto la = leaves(a), lb = leaves(b);
+  for (std::size_t i = 0; i < la.size(); ++i)
+    for (std::int64_t e = 0; e < la[i].numel(); ++e) worst = std::max(worst, std::abs(la[i].data()[e] - lb[i].data()[e]));
+  return worst;
+}
+
+struct Case {
+  const char* name;
+  optim::GradientTransformation opt;
+};
+
+std::vector<Case> optimizers() {
+  return {
+      {"adam", optim::adam(1e-2)},
+      {"clip_by_global_norm + adamw", optim::chain(optim::clip_by_global_norm(0.05), optim::adamw(1e-2))},
+      {"lamb (trust ratio per leaf)", optim::lamb(1e-2, 0.9, 0.999, 1e-6, 0.0, 0.01)},
+      {"sgd with momentum", optim::sgd(0.1, 0.9)},
+      {"apply_if_finite(adam)", optim::apply_if_finite(optim::adam(1e-2), 3)},
+      {"block rms (adafactor, unfactored)", optim::adafactor(1e-2, 128, 0.8, 0, true, 1.0, 0.0, 1e-30, false)},
+  };
+}
+
+}  // namespace
+
+TEST_CASE("the layout: rules pick the annotated axis, others their largest axis, scalars go to rank 0") {
+  const Tree vars = init(ZeroNet{}, rng::key(3), Array::zeros(Shape{2, 13}), false);
+  const Tree& params = vars.at("params");
+  CHECK(params.at_path("Dense_0/kernel").axis_names() == std::vector<std::string>{"embed", "mlp"});
+  CHECK(params.at_path("Dense_1/kernel").axis_names().empty());
+  const auto listed = nn::logical_axes(vars);
+  REQUIRE(listed.size() == 1);
+  CHECK(listed[0].first == "params/Dense_0/kernel");
+
+  const dist::ShardLayout by_rules(params, 3, {.rules = {{"embed", "data"}, {"mlp", ""}}});
+  const dist::ShardLayout by_default(params, 3);
+  auto axis_of = [](const dist::ShardLayout& l, const std::string& path) {
+    for (const auto& leaf : l.leaves())
+      if (leaf.path == path) return leaf.axis;
+    FAIL("no leaf ", path);
+    return -1;
+  };
+  CHECK(axis_of(by_rules, "Dense_0/kernel") == 0);    // "embed" (13) by the rule
+  CHECK(axis_of(by_default, "Dense_0/kernel") == 1);  // the largest axis (23)
+  CHECK(axis_of(by_default, "Dense_1/kernel") == 0);  // [19, 7]: its largest axis
+  // Slices tile the parameter; joined again they are the parameter, bit for bit.
+  std::vector<Tree> shards;
+  for (int r = 0; r < 3; ++r) shards.push_back(by_rules.shard(params, r));
+  CHECK(shards[2].at("temperature").array().shape() == Shape{1});  // held as [1]: the last rank's
+  CHECK(shards[0].at("temperature").array().shape() == Shape{0});
+  CHECK(shards[2].at_path("Dense_0/kernel").array().shape() == Shape{5, 23});  // 13 = 4 + 4 + 5
+  CHECK(bitwise_equal(by_rules.assemble(shards), params));
+  CHECK(by_rules.shard_numel(0) + by_rules.shard_numel(1) + by_rules.shard_numel(2) == by_rules.numel());
+
+  struct Misnamed {
+    Array operator()(Scope& s, const Array& x) const {
+      return x * s.param("w", nn::with_partitioning(initializers::ones(), {"a", "b", "c"}), Shape{x.dim(1)});
+    }
+  };
+  CHECK_THROWS_WITH_AS(init(Misnamed{}, rng::key(3), Array::zeros(Shape{2, 13})), doctest::Contains("one name per axis"),
+                       ShapeError);
+}
+
+TEST_CASE("every stage, reproducible mode: the parameters and optimizer state one process computes, bit for bit") {
+  for (const Case& c : optimizers()) {
+    const Trained want = one_process(c.opt, 3, 6);
+    for (int stage : {0, 1, 2}) {
+      CAPTURE(c.name);
+      CAPTURE(stage);
+      dist::ShardedDataParallel z(zero_params(), c.opt, {.stage = stage, .data = {.micro_batches = 6}});
+      train(z, 0, 3);
+      CHECK(first_difference(z.params(), want.params) == "");
+      CHECK(first_difference(z.optimizer_state(), want.state) == "");
+      dist::check_replicated(z.params(), "the parameters after sharded steps");
+    }
+  }
+}
+
+TEST_CASE("stage 2 with an aux tree (BatchNorm statistics) averages it as DataParallel does") {
+  const auto opt = optim::adam(1e-2);
+  const dist_test::State s = dist_test::init_state(opt);
+  const Tree batch = dist_test::make_batch(24, 5);
+  dist::DataParallel alone({.micro_batches = 4, .comm = self()});
+  const auto want = alone.value_and_grad(dist::LossWithAux(dist_test::loss_of(s.batch_stats)), s.params, batch, rng::key(1));
+  dist::ShardedDataParallel z(s.params, opt, {.stage = 2, .data = {.micro_batches = 4}});
+  const auto got = z.step(dist::LossWithAux(dist_test::loss_of(s.batch_stats)), batch, rng::key(1));
+  CHECK(got.loss.bitwise_equal(want.loss));
+  CHECK(bitwise_equal(got.aux, want.aux));
+  const auto next = opt.step(s.params, want.grads, opt.init(s.params));
+  CHECK(bitwise_equal(z.params(), next.params));
+}
+
+TEST_CASE("fast mode: every stage within float rounding of one process") {
+  const auto opt = optim::chain(optim::clip_by_global_norm(0.05), optim::adamw(1e-2));
+  const Tree params = zero_params();
+  // The fast mode's pieces are the ranks' rows with keys fold_in(key, rank): compare with dropout
+  // off by evaluating the same loss deterministically.
+  auto loss = [](const Tree& p, const Tree& b, rng::Key) {
+    Array logits = apply(ZeroNet{}, Tree{{"params", p}}, b.at("x").array(), false);
+    return mean(nn::softmax_cross_entropy_with_integer_labels(logits, b.at("y").array()));
+  };
+  Tree want = params, state = opt.init(params);
+  for (int step = 0; step < 3; ++step) {
+    auto [value, grads] = value_and_grad([&](const Tree& p) { return loss(p, zero_batch(30, 50 + step), rng::key(0)); })(want);
+    auto next = opt.step(std::move(want), grads, std::move(state));
+    want = next.params;
+    state = next.state;
+  }
+  for (int stage : {0, 1, 2}) {
+    CAPTURE(stage);
+    dist::ShardedDataParallel z(params, opt, {.stage = stage, .data = {.reduction = dist::Reduction::fast}});
+    for (int step = 0; step < 3; ++step) z.step(dist::Loss(loss), zero_batch(30, 50 + static_cast<std::uint32_t>(step)), rng::key(0));
+    CHECK(max_abs_difference(z.params(), want) < 1e-5f);
+    dist::check_replicated(z.params(), "the parameters after fast sharded steps");
+  }
+}
+
+TEST_CASE("per-rank bytes: stages 1 and 2 keep about 1/P of the optimizer state; stage 2 no summed whole gradient") {
+  const auto opt = optim::adam(1e-2);
+  dist::ShardedDataParallel z0(zero_params(), opt, {.stage = 0, .data = {.micro_batches = 6}});
+  dist::ShardedDataParallel z1(zero_params(), opt, {.stage = 1, .data = {.micro_batches = 6}});
+  dist::ShardedDataParallel z2(zero_params(), opt, {.stage = 2, .data = {.micro_batches = 6}});
+  train(z0, 0, 1);
+  train(z1, 0, 1);
+  train(z2, 0, 1);
+  const int P = dist::size();
+  const double whole = static_cast<double>(z0.memory().optimizer_state);
+  const auto mine = z1.memory().optimizer_state;
+  const std::int64_t params_bytes = z1.layout().numel() * 4;
+  // adam: mu and nu of the slices (+ a count); a slice is within one index of 1/P of its parameter.
+  double slack = 64;
+  for (const auto& l : z1.layout().leaves()) slack += 8.0 * static_cast<double>(l.held_shape().numel() / l.held_shape()[l.axis]);
+  CHECK(std::abs(static_cast<double>(mine) - whole / P) <= slack);
+  CHECK(static_cast<double>(mine) < whole / P + slack);
+  CHECK(z2.memory().optimizer_state == mine);
+  CHECK(z0.memory().params == params_bytes);
+  CHECK(z1.memory().params == params_bytes + z1.layout().shard_numel(dist::rank()) * 4);
+  CHECK(z0.memory().gradients >= params_bytes);
+}
+
+TEST_CASE("optimizers that need whole leaves, stage 3 and bad options are refused with a clear error") {
+  const Tree params = zero_params();
+  if (dist::size() > 1) {  // one rank holds whole leaves: factoring works there
+    CHECK_THROWS_WITH_AS(dist::ShardedDataParallel(params, optim::adafactor(1e-2, 4), {.stage = 1}),
+                         doctest::Contains("whole shape"), ValueError);
+  }
+  CHECK_NOTHROW(dist::ShardedDataParallel(params, optim::adafactor(1e-2, 4), {.stage = 0}));
+  CHECK_THROWS_WITH_AS(dist::ShardedDataParallel(params, optim::adam(1e-3), {.stage = 3}), doctest::Contains("stage 3"), ValueError);
+  CHECK_THROWS_AS(dist::ShardedDataParallel(params, optim::adam(1e-3), {.stage = 5}), ValueError);
+  CHECK_THROWS_WITH_AS(dist::ShardedDataParallel(params, optim::dpsgd(0.1, 1.0, 0.5, 0), {.stage = 2}),
+                       doctest::Contains("per-example"), ValueError);
+}
+
+TEST_CASE("a checkpoint restores on the same rank count and training goes on bit for bit") {
+  const auto opt = optim::chain(optim::clip_by_global_norm(0.05), optim::adamw(1e-2));
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / ("linum_zero_" + std::to_string(dist::size()) + "_" +
+                                                                             std::to_string(dist::allgather(static_cast<std::uint64_t>(::getpid()))[0]));
+  dist::ShardedDataParallel a(zero_params(), opt, {.stage = 2, .data = {.micro_batches = 6}});
+  train(a, 0, 2);
+  a.save(dir);
+  dist::ShardedDataParallel b(zero_params(), opt, {.stage = 2, .data = {.micro_batches = 6}});
+  b.restore(dir);
+  CHECK(bitwise_equal(b.params(), a.params()));
+  train(a, 2, 3);
+  train(b, 2, 3);
+  CHECK(bitwise_equal(b.params(), a.params()));
+  CHECK(bitwise_equal(b.optimizer_state(), a.optimizer_state()));
+  // Another optimizer's state does not load.
+  dist::ShardedDataParallel c(zero_params(), optim::sgd(0.1, 0.9), {.stage = 2, .data = {.micro_batches = 6}});
+  CHECK_THROWS_AS(c.restore(dir), ValueError);
+  dist::barrier();
+  if (dist::rank() == 0) std::filesystem::remove_all(dir);
+}
+
+// zero_resume.sh: `-np 3 ... --save DIR` (2 steps), then `-np 2 ... --resume DIR` (1 more step) must
+// print the checksum that 3 steps on one process print.
+TEST_CASE("resume across rank counts (driven by zero_resume.sh)") {
+  const char* save = std::getenv("LINUM_ZERO_SAVE");
+  const char* resume = std::getenv("LINUM_ZERO_RESUME");
+  const auto opt = optim::chain(optim::clip_by_global_norm(0.05), optim::adamw(1e-2));
+  if (save) {
+    dist::ShardedDataParallel z(zero_params(), opt, {.stage = 2, .data = {.micro_batches = 6}});
+    train(z, 0, 2);
+    z.save(save);
+  } else if (resume) {
+    dist::ShardedDataParallel z(zero_params(), opt, {.stage = 1, .data = {.micro_batches = 6}});  // another stage, too
+    z.restore(resume);
+    train(z, 2, 3);
+    if (dist::rank() == 0) std::printf("zero_checksum %s\n", dist::checksum_hex(z.params()).c_str());
+  } else if (dist::rank() == 0) {
+    const Trained want = one_process(opt, 3, 6);
+    std::printf("zero_checksum %s\n", dist::checksum_hex(want.params).c_str());
+  }
+}
+
+int main(int argc, char** argv) {
+  dist::Session mpi(argc, argv);
+  doctest::Context context(argc, argv);
+  if (dist::rank() != 0) context.setOption("minimal", true);
+  const int failed = context.run();
+  // Every rank's verdict: the job fails if any rank failed.
+  const auto verdicts = dist::allgather(static_cast<std::uint64_t>(failed != 0));
+  int any = 0;
+  for (auto v : verdicts) any |= static_cast<int>(v);
+  return any;
+}

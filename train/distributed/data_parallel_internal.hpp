@@ -1,0 +1,63 @@
+// The pieces of data_parallel.cpp that sharded_data_parallel.cpp builds on: the batch split, the
+// fixed pairwise tree over micro-batches, and the flat [loss, gradients, aux] vectors it sums.
+#pragma once
+
+#include <linum/train/distributed/data_parallel.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace linum::dist::internal {
+
+using Clock = std::chrono::steady_clock;
+inline double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+// Throws DistError naming `call` unless `code` is MPI_SUCCESS (a no-op without MPI).
+void check_mpi(int code, const char* call);
+
+// The batch size: the leading dimension every leaf of the batch shares (ShapeError otherwise).
+std::int64_t batch_rows(const Tree& batch);
+// Rows [lo, hi) of every leaf.
+Tree rows_of(const Tree& batch, std::int64_t lo, std::int64_t hi);
+void require_float(const Tree& tree, const char* what);
+void require_f32(const Tree& tree, const char* what);
+// out += a * weight, elementwise (appended).
+void append_scaled(std::vector<float>& out, const Array& a, float weight);
+// out[i] = a[i] + b[i] (bits independent of the thread count).
+void add(const float* a, const float* b, float* out, std::size_t n);
+// Leaves of `structure` read from flat[offset...], each rounded once to its leaf's dtype.
+Tree unflat(const Tree& structure, const float* flat, std::size_t& offset);
+// The weight of rows [lo, hi) in a batch of `rows`.
+float weight_of(std::int64_t lo, std::int64_t hi, std::int64_t rows);
+// The canonical subtrees of [lo, hi) that cover [a, b), left to right.
+void cover(int lo, int hi, int a, int b, std::vector<std::pair<int, int>>& out);
+// The micro-batches [first, last) rank r of `ranks` computes.
+std::pair<int, int> pieces_of_rank(int r, int ranks, int pieces);
+// "path:dtype[shape];..." of every leaf, and a hash of it: ranks compare layouts before exchanging.
+std::string layout_of(const Tree& tree);
+void check_same_layout(const std::string& layout, const Communicator& comm, const char* what);
+
+// What a rank computes in reproducible mode before any exchange: the sums over its canonical
+// subtrees of micro-batches, each a flat [loss, gradient leaves..., aux leaves...] vector weighted
+// by the pieces' shares of the global batch.
+struct LocalSubtrees {
+  std::vector<std::pair<int, int>> nodes;
+  std::vector<std::vector<float>> sums;
+  Tree aux_structure;
+  std::vector<float> local_aux;  // Sync::per_rank: the aux mean over this rank's rows
+  std::int64_t row_lo = 0, row_hi = 0;
+};
+LocalSubtrees local_subtrees(const LossWithAux& loss, const Tree& params, const Tree& batch, rng::Key key, std::int64_t rows,
+                             int micro_batches, const Communicator& comm, Sync aux);
+
+// The sum over all M pieces in the fixed tree, from the nodes in `have` (each a vector of `length`
+// floats); nodes not there are summed into `scratch`.
+const float* complete_tree(int micro_batches, const std::map<std::pair<int, int>, const float*>& have, std::size_t length,
+                           std::deque<std::vector<float>>& scratch);
+
+}  // namespace linum::dist::internal

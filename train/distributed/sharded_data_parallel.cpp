@@ -1,0 +1,633 @@
+#include <linum/train/distributed/sharded_data_parallel.hpp>
+#include <linum/train/distributed/data_parallel_internal.hpp>
+#include <linum/core/autodiff/grad.hpp>
+#include <linum/core/memory.hpp>
+#include <linum/core/ops/all.hpp>
+#include <linum/train/io/serialization.hpp>
+#include <linum/train/square_sums.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <cstring>
+#include <limits>
+#include <span>
+#include <sstream>
+
+#if LINUM_HAVE_MPI
+#include <linum/train/distributed/mpi.hpp>
+#endif
+
+namespace linum::dist {
+
+using namespace internal;
+
+namespace {
+
+std::int64_t tree_bytes(const Tree& t) {
+  std::int64_t n = 0;
+  for (const Array& a : leaves(t)) n += static_cast<std::int64_t>(a.nbytes());
+  return n;
+}
+
+int checked_count(std::int64_t n, const char* what) {
+  if (n > std::numeric_limits<int>::max())
+    throw DistError(detail::cat("linum::dist::ShardedDataParallel: ", what, " of ", n,
+                                " elements exceeds MPI's 2^31-element message limit; use more ranks or a smaller model per job"));
+  return static_cast<int>(n);
+}
+
+// Copies the rows [begin, end) of `axis` of a row-major array of shape `shape` (flat `src`) to
+// `dst`, contiguous.
+template <class T>
+void copy_slice(const T* src, const Shape& shape, int axis, std::int64_t begin, std::int64_t end, T* dst) {
+  std::int64_t outer = 1, inner = 1;
+  for (int i = 0; i < axis; ++i) outer *= shape[i];
+  for (int i = axis + 1; i < shape.rank(); ++i) inner *= shape[i];
+  const std::int64_t d = shape[axis], run = (end - begin) * inner;
+  for (std::int64_t o = 0; o < outer; ++o) std::memcpy(dst + o * run, src + (o * d + begin) * inner, static_cast<std::size_t>(run) * sizeof(T));
+}
+
+// Norms of sliced leaves: every rank's exact sums merged (optim::SquareSum).
+class RankReductions final : public optim::ShardReductions {
+ public:
+  explicit RankReductions(Communicator comm) : comm_(comm) {}
+  void merge_across_shards(std::vector<optim::SquareSum>& sums) const override {
+    const int ranks = comm_.size();
+    if (ranks == 1) return;
+#if LINUM_HAVE_MPI
+    const auto counts = allgather(static_cast<std::uint64_t>(sums.size()), comm_);
+    for (int r = 1; r < ranks; ++r)
+      if (counts[static_cast<std::size_t>(r)] != counts[0])
+        throw DistError(detail::cat("linum::dist::ShardedDataParallel: rank ", r, " reduces ", counts[static_cast<std::size_t>(r)],
+                                    " norms where rank 0 reduces ", counts[0], "; every rank must run the same optimizer"));
+    if (sums.empty()) return;
+    constexpr int W = optim::SquareSum::kWords;
+    const std::size_t n = sums.size();
+    std::vector<std::uint64_t> mine(n * W), all(n * W * static_cast<std::size_t>(ranks));
+    for (std::size_t i = 0; i < n; ++i) sums[i].to_words(mine.data() + i * W);
+    check_mpi(MPI_Allgather(mine.data(), checked_count(static_cast<std::int64_t>(n * W), "a norm exchange"), MPI_UINT64_T,
+                            all.data(), static_cast<int>(n * W), MPI_UINT64_T, to_mpi(comm_)),
+              "MPI_Allgather");
+    for (std::size_t i = 0; i < n; ++i) {
+      optim::SquareSum merged;
+      for (int r = 0; r < ranks; ++r) merged.merge(optim::SquareSum::from_words(all.data() + (static_cast<std::size_t>(r) * n + i) * W));
+      sums[i] = merged;
+    }
+#endif
+  }
+  bool all_across_shards(bool value) const override {
+    if (comm_.size() == 1) return value;
+    int v = value ? 1 : 0;
+#if LINUM_HAVE_MPI
+    check_mpi(MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_INT, MPI_LAND, to_mpi(comm_)), "MPI_Allreduce");
+#endif
+    return v != 0;
+  }
+
+ private:
+  Communicator comm_;
+};
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0 &&
+         (s.size() == suffix.size() || s[s.size() - suffix.size() - 1] == '/');
+}
+
+}  // namespace
+
+struct ShardedDataParallel::Impl {
+  ShardedDataParallelOptions options;
+  optim::GradientTransformation optimizer;
+  Communicator comm;
+  int me = 0;
+  ShardLayout layout;       // over the ranks (stage >= 1) or one rank (stage 0)
+  Tree params, local, state;
+  std::vector<int> state_owner;  // per optimizer-state leaf: the parameter it mirrors, or -1 (held whole)
+  DataParallel data;
+  RankReductions reductions;
+  std::int64_t gradient_bytes = 0, activation_bytes = 0;
+
+  Impl(optim::GradientTransformation opt, ShardedDataParallelOptions o)
+      : options(std::move(o)), optimizer(std::move(opt)), comm(options.data.comm), me(comm.rank()),
+        data(options.data), reductions(comm) {}
+
+  int shards() const { return layout.ranks(); }
+  int my_shard() const { return shards() == 1 ? 0 : me; }
+
+  // Which optimizer-state leaves are slices of a parameter (adam's mu and nu) and which are held
+  // whole (counts, adafactor's [1] placeholders): a leaf mirrors parameter i when its path ends
+  // with i's and it follows i's shape -- also when that shape grows (a second init on slices one
+  // index longer along the cut axis), which placeholders do not.
+  void map_state(const Tree& grown_state, const Tree& grown) {
+    state_owner.clear();
+    const auto items = flatten(state);
+    const auto grown_items = flatten(grown_state);
+    const std::vector<Array> mine = leaves(local), longer = leaves(grown);
+    if (grown_items.size() != items.size())
+      throw ValueError(detail::cat("linum::dist::ShardedDataParallel: ", optimizer.name(),
+                                   "'s state has another structure for other parameter shapes; sharding needs one that "
+                                   "follows the parameters' structure"));
+    for (std::size_t k = 0; k < items.size(); ++k) {
+      const auto& [path, a] = items[k];
+      int owner = -1;
+      for (std::size_t i = 0; i < layout.leaves().size() && owner < 0; ++i)
+        if (ends_with(path, layout.leaves()[i].path) && a.shape() == mine[i].shape() &&
+            grown_items[k].second.shape() == longer[i].shape())
+          owner = static_cast<int>(i);
+      state_owner.push_back(owner);
+    }
+  }
+
+  // Every rank's slices, gathered into the whole parameters.
+  Tree gather(const Tree& slices, StepStats* stats, double* seconds) {
+    if (shards() == 1) return layout.assemble({slices});
+    const int ranks = comm.size();
+    const auto& ls = layout.leaves();
+    auto bytes_of = [&](int r) {
+      std::int64_t n = 0;
+      for (const auto& l : ls) n += l.shard_numel(r, ranks) * static_cast<std::int64_t>(dtype_size(l.dtype));
+      return n;
+    };
+    std::vector<int> counts(static_cast<std::size_t>(ranks)), displs(static_cast<std::size_t>(ranks));
+    std::int64_t at = 0;
+    for (int r = 0; r < ranks; ++r) {
+      counts[static_cast<std::size_t>(r)] = checked_count(bytes_of(r), "a parameter gather");
+      displs[static_cast<std::size_t>(r)] = checked_count(at, "a parameter gather");
+      at += bytes_of(r);
+    }
+    std::vector<unsigned char> send(static_cast<std::size_t>(bytes_of(me))), all(static_cast<std::size_t>(at));
+    std::size_t offset = 0;
+    for (const Array& a : leaves(slices)) {
+      if (a.nbytes() > 0) std::memcpy(send.data() + offset, a.raw(), a.nbytes());
+      offset += a.nbytes();
+    }
+    const auto start = Clock::now();
+#if LINUM_HAVE_MPI
+    check_mpi(MPI_Allgatherv(send.data(), static_cast<int>(send.size()), MPI_BYTE, all.data(), counts.data(), displs.data(),
+                             MPI_BYTE, to_mpi(comm)),
+              "MPI_Allgatherv");
+#endif
+    if (seconds) *seconds = seconds_since(start);
+    if (stats) {
+      stats->messages += 1;
+      stats->bytes_sent += static_cast<std::int64_t>(send.size());
+      stats->wire_bytes += at * (ranks - 1) / ranks;
+    }
+    std::vector<Array> whole;
+    for (std::size_t i = 0; i < ls.size(); ++i) {
+      std::vector<Array> parts;
+      for (int r = 0; r < ranks; ++r) {
+        std::size_t o = static_cast<std::size_t>(displs[static_cast<std::size_t>(r)]);
+        for (std::size_t j = 0; j < i; ++j) o += static_cast<std::size_t>(ls[j].shard_numel(r, ranks)) * dtype_size(ls[j].dtype);
+        Array part = Array::empty(ls[i].shard_shape(r, ranks), ls[i].dtype);
+        if (part.nbytes() > 0) std::memcpy(part.mutable_raw(), all.data() + o, part.nbytes());
+        parts.push_back(std::move(part));
+      }
+      whole.push_back(layout.join(i, parts));
+    }
+    return with_leaves(layout.structure(), whole);
+  }
+
+  // Stage 2, reproducible: the fixed tree's partial sums, each rank receiving only its slices.
+  std::pair<std::vector<float>, LocalSubtrees> reduce_scatter_tree(const LossWithAux& loss, const Tree& batch, rng::Key key,
+                                                                   std::int64_t rows, StepResult& out) {
+    const int ranks = comm.size(), M = options.data.micro_batches;
+    const auto compute_start = Clock::now();
+    LocalSubtrees local_sums = local_subtrees(loss, params, batch, key, rows, M, comm, options.data.aux);
+    out.stats.compute_s = seconds_since(compute_start);
+    for (const auto& [lo, hi] : local_sums.nodes) out.stats.local_pieces += hi - lo;
+    out.stats.local_rows = local_sums.row_hi - local_sums.row_lo;
+    const auto& ls = layout.leaves();
+    const std::int64_t aux_n = [&] {
+      std::int64_t n = 0;
+      for (const Array& a : leaves(local_sums.aux_structure)) n += a.numel();
+      return n;
+    }();
+    // Destination q's view of a flat [loss, grads, aux]: [loss, aux, q's slice of each gradient].
+    auto projected_length = [&](int q) { return 1 + aux_n + layout.shard_numel(q); };
+    auto project = [&](const float* flat, int q, float* dst) {
+      std::int64_t grads_n = 0;
+      for (const auto& l : ls) grads_n += l.held_shape().numel();
+      dst[0] = flat[0];
+      std::memcpy(dst + 1, flat + 1 + grads_n, static_cast<std::size_t>(aux_n) * sizeof(float));
+      float* d = dst + 1 + aux_n;
+      const float* g = flat + 1;
+      for (const auto& l : ls) {
+        copy_slice(g, l.held_shape(), l.axis, l.begin(q, ranks), l.end(q, ranks), d);
+        d += l.shard_numel(q, ranks);
+        g += l.held_shape().numel();
+      }
+    };
+    gradient_bytes = 0;
+    for (const auto& s : local_sums.sums) gradient_bytes += static_cast<std::int64_t>(s.size() * sizeof(float));
+    const std::size_t Lme = static_cast<std::size_t>(projected_length(me));
+    std::vector<float> total(Lme);
+    if (ranks == 1) {
+      project(local_sums.sums.front().data(), 0, total.data());
+      return {std::move(total), std::move(local_sums)};
+    }
+#if LINUM_HAVE_MPI
+    check_same_layout(layout_of(params) + "|" + layout_of(local_sums.aux_structure), comm, "parameters and aux tree");
+    std::vector<int> send_counts(static_cast<std::size_t>(ranks)), send_displs(static_cast<std::size_t>(ranks));
+    std::vector<int> recv_counts(static_cast<std::size_t>(ranks)), recv_displs(static_cast<std::size_t>(ranks));
+    std::int64_t send_at = 0, recv_at = 0;
+    std::vector<std::vector<std::pair<int, int>>> nodes_of(static_cast<std::size_t>(ranks));
+    for (int r = 0; r < ranks; ++r) {
+      const auto [a, b] = pieces_of_rank(r, ranks, M);
+      cover(0, M, a, b, nodes_of[static_cast<std::size_t>(r)]);
+      const std::int64_t out_n = static_cast<std::int64_t>(local_sums.nodes.size()) * projected_length(r);
+      const std::int64_t in_n = static_cast<std::int64_t>(nodes_of[static_cast<std::size_t>(r)].size()) * projected_length(me);
+      send_counts[static_cast<std::size_t>(r)] = checked_count(out_n, "a gradient exchange");
+      send_displs[static_cast<std::size_t>(r)] = checked_count(send_at, "a gradient exchange");
+      recv_counts[static_cast<std::size_t>(r)] = checked_count(in_n, "a gradient exchange");
+      recv_displs[static_cast<std::size_t>(r)] = checked_count(recv_at, "a gradient exchange");
+      send_at += out_n;
+      recv_at += in_n;
+    }
+    std::vector<float> send(static_cast<std::size_t>(send_at)), recv(static_cast<std::size_t>(recv_at));
+    for (int q = 0; q < ranks; ++q) {
+      float* d = send.data() + send_displs[static_cast<std::size_t>(q)];
+      for (const auto& s : local_sums.sums) {
+        project(s.data(), q, d);
+        d += projected_length(q);
+      }
+    }
+    local_sums.sums.clear();
+    gradient_bytes += static_cast<std::int64_t>((send.size() + recv.size()) * sizeof(float));
+    const auto comm_start = Clock::now();
+    check_mpi(MPI_Alltoallv(send.data(), send_counts.data(), send_displs.data(), MPI_FLOAT, recv.data(), recv_counts.data(),
+                            recv_displs.data(), MPI_FLOAT, to_mpi(comm)),
+              "MPI_Alltoallv");
+    out.stats.communication_s = out.stats.exposed_s = seconds_since(comm_start);
+    out.stats.bytes_sent = send_at * static_cast<std::int64_t>(sizeof(float));
+    // What leaves this rank for the others (its own block stays).
+    out.stats.wire_bytes = (send_at - send_counts[static_cast<std::size_t>(me)]) * static_cast<std::int64_t>(sizeof(float));
+    out.stats.messages = 3;  // two layout checks + the all-to-all
+    std::map<std::pair<int, int>, const float*> have;
+    for (int r = 0; r < ranks; ++r) {
+      const float* p = recv.data() + recv_displs[static_cast<std::size_t>(r)];
+      for (const auto& node : nodes_of[static_cast<std::size_t>(r)]) {
+        have[node] = p;
+        p += Lme;
+      }
+    }
+    std::deque<std::vector<float>> scratch;
+    const float* root = complete_tree(M, have, Lme, scratch);
+    std::memcpy(total.data(), root, Lme * sizeof(float));
+    return {std::move(total), std::move(local_sums)};
+#else
+    throw DistError("linum::dist: built without MPI");
+#endif
+  }
+
+  // Stage 2, fast: each rank's rows in one pass, then MPI_Reduce_scatter of [loss, aux, slices].
+  std::vector<float> reduce_scatter_fast(const LossWithAux& loss, const Tree& batch, rng::Key key, std::int64_t rows,
+                                         StepResult& out, Tree& aux_structure, Tree& my_aux) {
+    const int ranks = comm.size();
+    const auto [lo, hi] = data.local_rows(rows);
+    const float w = weight_of(lo, hi, rows);
+    const auto compute_start = Clock::now();
+    auto [value, aux, grads] = linum::value_and_grad([&](const std::vector<Array>& p) {
+      return loss(with_leaves(params, p), rows_of(batch, lo, hi), rng::fold_in(key, static_cast<std::uint32_t>(me)));
+    })(leaves(params));
+    require_f32(aux, "aux");
+    out.stats.compute_s = seconds_since(compute_start);
+    out.stats.local_pieces = 1;
+    out.stats.local_rows = hi - lo;
+    aux_structure = aux;
+    my_aux = aux;
+    std::vector<float> aux_flat;
+    for (const Array& a : leaves(aux)) append_scaled(aux_flat, a, w);
+    const auto& ls = layout.leaves();
+    std::vector<Array> g32;
+    for (const Array& g : grads) g32.push_back(g.dtype() == DType::f32 ? g : astype(g, DType::f32));
+    auto length = [&](int q) { return 1 + static_cast<std::int64_t>(aux_flat.size()) + layout.shard_numel(q); };
+    std::vector<int> counts(static_cast<std::size_t>(ranks));
+    std::int64_t total_n = 0;
+    for (int q = 0; q < ranks; ++q) {
+      counts[static_cast<std::size_t>(q)] = checked_count(length(q), "a gradient exchange");
+      total_n += length(q);
+    }
+    std::vector<float> send(static_cast<std::size_t>(total_n));
+    float* d = send.data();
+    for (int q = 0; q < ranks; ++q) {
+      *d++ = astype(value, DType::f32).data()[0] * w;
+      std::memcpy(d, aux_flat.data(), aux_flat.size() * sizeof(float));
+      d += aux_flat.size();
+      for (std::size_t i = 0; i < ls.size(); ++i) {
+        const std::int64_t n = ls[i].shard_numel(q, ranks);
+        copy_slice(g32[i].data(), ls[i].held_shape(), ls[i].axis, ls[i].begin(q, ranks), ls[i].end(q, ranks), d);
+        for (std::int64_t e = 0; e < n; ++e) d[e] *= w;
+        d += n;
+      }
+    }
+    std::vector<float> mine(static_cast<std::size_t>(length(me)));
+    gradient_bytes = static_cast<std::int64_t>((send.size() + mine.size()) * sizeof(float));
+    for (const Array& g : g32) gradient_bytes += static_cast<std::int64_t>(g.nbytes());
+    if (ranks == 1) {
+      std::memcpy(mine.data(), send.data(), mine.size() * sizeof(float));
+      return mine;
+    }
+#if LINUM_HAVE_MPI
+    check_same_layout(layout_of(params) + "|" + layout_of(aux), comm, "parameters and aux tree");
+    const auto comm_start = Clock::now();
+    check_mpi(MPI_Reduce_scatter(send.data(), mine.data(), counts.data(), MPI_FLOAT, MPI_SUM, to_mpi(comm)), "MPI_Reduce_scatter");
+    out.stats.communication_s = out.stats.exposed_s = seconds_since(comm_start);
+    out.stats.bytes_sent = total_n * static_cast<std::int64_t>(sizeof(float));
+    out.stats.wire_bytes = total_n * static_cast<std::int64_t>(sizeof(float)) * (ranks - 1) / ranks;  // a ring reduce-scatter
+    out.stats.messages = 3;
+    return mine;
+#else
+    throw DistError("linum::dist: built without MPI");
+#endif
+  }
+};
+
+ShardedDataParallel::ShardedDataParallel(const Tree& params, optim::GradientTransformation optimizer,
+                                         ShardedDataParallelOptions options)
+    : impl_(std::make_unique<Impl>(std::move(optimizer), std::move(options))) {
+  Impl& s = *impl_;
+  if (s.options.stage == 3)
+    throw ValueError("linum::dist::ShardedDataParallel: stage 3 (parameters sharded and gathered per module call) is not "
+                     "available yet; use stage 2 (gradients and optimizer state sharded)");
+  if (s.options.stage < 0 || s.options.stage > 2)
+    throw ValueError(detail::cat("linum::dist::ShardedDataParallel: stage must be 0, 1 or 2, got ", s.options.stage));
+  if (s.optimizer.takes_per_example_gradients())
+    throw ValueError(detail::cat("linum::dist::ShardedDataParallel: ", s.optimizer.name(),
+                                 " takes per-example gradients; sharded data parallelism gives the batch's gradient"));
+  require_float(params, "parameter");
+  check_replicated(params, "the initial parameters (broadcast them from rank 0 with dist::broadcast)", s.comm);
+  s.layout = ShardLayout(params, s.options.stage == 0 ? 1 : s.comm.size(), s.options.rules);
+  s.params = with_leaves(params, leaves(params));  // the values (axis names stay in the layout)
+  s.local = s.layout.shard(s.params, s.my_shard());
+  {
+    optim::ShardReductionsScope sharded(s.options.stage == 0 ? nullptr : &s.reductions);
+    s.state = s.optimizer.init(s.local);
+    std::vector<Array> longer;
+    for (std::size_t i = 0; i < s.layout.leaves().size(); ++i) {
+      const auto& l = s.layout.leaves()[i];
+      std::vector<std::int64_t> dims = l.shard_shape(s.my_shard(), s.layout.ranks()).vec();
+      dims[static_cast<std::size_t>(l.axis)] += 1;
+      longer.push_back(Array::zeros(Shape(dims), l.dtype));
+    }
+    const Tree grown = with_leaves(s.layout.structure(), longer);
+    s.map_state(s.optimizer.init(grown), grown);
+  }
+}
+
+ShardedDataParallel::~ShardedDataParallel() = default;
+ShardedDataParallel::ShardedDataParallel(ShardedDataParallel&&) noexcept = default;
+ShardedDataParallel& ShardedDataParallel::operator=(ShardedDataParallel&&) noexcept = default;
+
+ShardedStepResult ShardedDataParallel::step(const Loss& loss, const Tree& batch, rng::Key key) {
+  return step([&](const Tree& p, const Tree& b, rng::Key k) { return std::make_pair(loss(p, b, k), Tree()); }, batch, key);
+}
+
+ShardedStepResult ShardedDataParallel::step(const LossWithAux& loss, const Tree& batch, rng::Key key) {
+  Impl& s = *impl_;
+  ShardedStepResult result;
+  memory::reset_peak();
+  const std::int64_t live_before = memory::stats().live_bytes;
+  Tree grads;  // this rank's slices (whole in stage 0)
+  if (s.options.stage <= 1) {
+    StepResult r = s.data.value_and_grad(loss, s.params, batch, key);
+    s.gradient_bytes = tree_bytes(r.grads);
+    grads = s.layout.shard(r.grads, s.my_shard());  // (stage 0: the whole leaves, scalars as [1])
+    result.loss = r.loss;
+    result.aux = r.aux;
+    result.stats = r.stats;
+  } else {
+    const std::int64_t rows = batch_rows(batch);
+    StepResult r;
+    r.stats.ranks = s.comm.size();
+    std::vector<float> mine;
+    Tree aux_structure, my_aux;
+    std::vector<float> local_aux;
+    if (s.options.data.reduction == Reduction::reproducible) {
+      if (rows < s.options.data.micro_batches)
+        throw ShapeError(detail::cat("linum::dist::ShardedDataParallel: a global batch of ", rows, " rows cannot be cut into ",
+                                     s.options.data.micro_batches, " micro-batches; use a larger batch or fewer micro-batches"));
+      auto [total, local] = s.reduce_scatter_tree(loss, batch, key, rows, r);
+      mine = std::move(total);
+      aux_structure = local.aux_structure;
+      local_aux = std::move(local.local_aux);
+    } else {
+      if (rows < s.comm.size())
+        throw ShapeError(detail::cat("linum::dist::ShardedDataParallel: a global batch of ", rows, " rows cannot be shared by ",
+                                     s.comm.size(), " ranks"));
+      mine = s.reduce_scatter_fast(loss, batch, key, rows, r, aux_structure, my_aux);
+    }
+    result.loss = Array::full(Shape{}, mine[0]);
+    std::size_t offset = 1;
+    Tree averaged = unflat(aux_structure, mine.data(), offset);
+    if (s.options.data.aux == Sync::average) {
+      result.aux = averaged;
+    } else if (s.options.data.reduction == Reduction::reproducible) {
+      std::size_t at = 0;
+      result.aux = unflat(aux_structure, local_aux.data(), at);
+    } else {
+      result.aux = my_aux;
+    }
+    std::vector<Array> slices;
+    for (const auto& l : s.layout.leaves()) {
+      Array a = Array::empty(l.shard_shape(s.me, s.comm.size()));
+      if (a.nbytes() > 0) std::memcpy(a.mutable_data(), mine.data() + offset, a.nbytes());
+      offset += static_cast<std::size_t>(a.numel());
+      slices.push_back(l.dtype == DType::f32 ? std::move(a) : astype(a, l.dtype));
+    }
+    grads = with_leaves(s.layout.structure(), slices);
+    result.stats = r.stats;
+  }
+  s.activation_bytes = std::max<std::int64_t>(0, memory::stats().peak_bytes - live_before);
+
+  const auto opt_start = Clock::now();
+  {
+    autodiff::NoGradGuard constants;
+    optim::ShardReductionsScope sharded(s.options.stage == 0 ? nullptr : &s.reductions);
+    Tree local = std::move(s.local), state = std::move(s.state);
+    s.local = Tree();
+    s.state = Tree();
+    optim::StepResult next = s.optimizer.step(std::move(local), grads, std::move(state));
+    s.local = std::move(next.params);
+    s.state = std::move(next.state);
+  }
+  result.optimizer_s = seconds_since(opt_start);
+  s.params = s.gather(s.local, &result.stats, &result.gather_s);
+  result.stats.communication_s += result.gather_s;
+  return result;
+}
+
+const Tree& ShardedDataParallel::params() const { return impl_->params; }
+const Tree& ShardedDataParallel::local_params() const { return impl_->local; }
+const Tree& ShardedDataParallel::local_optimizer_state() const { return impl_->state; }
+const ShardLayout& ShardedDataParallel::layout() const { return impl_->layout; }
+int ShardedDataParallel::stage() const { return impl_->options.stage; }
+
+RankBytes ShardedDataParallel::memory() const {
+  const Impl& s = *impl_;
+  RankBytes b;
+  b.params = tree_bytes(s.params) + (s.options.stage == 0 ? 0 : tree_bytes(s.local));
+  b.gradients = s.gradient_bytes;
+  b.optimizer_state = tree_bytes(s.state);
+  b.activations = s.activation_bytes;
+  return b;
+}
+
+Tree ShardedDataParallel::optimizer_state() const {
+  const Impl& s = *impl_;
+  // Each parameter-shaped leaf gathered through the parameters' layout; the rest is the same everywhere.
+  const auto items = flatten(s.state);
+  std::vector<Array> out;
+  for (const auto& [path, a] : items) out.push_back(a);
+  // Gather the mirrored leaves one parameter-structure at a time.
+  std::vector<std::size_t> pending;
+  for (std::size_t k = 0; k < items.size(); ++k)
+    if (s.state_owner[k] >= 0) pending.push_back(k);
+  Impl& self = const_cast<Impl&>(s);
+  while (!pending.empty()) {
+    // One round: at most one state leaf per parameter, the others filled with that rank's params.
+    std::vector<Array> round = leaves(s.local);
+    std::vector<std::size_t> taken(round.size(), static_cast<std::size_t>(-1));
+    std::vector<std::size_t> later;
+    for (std::size_t k : pending) {
+      const auto i = static_cast<std::size_t>(s.state_owner[k]);
+      if (taken[i] == static_cast<std::size_t>(-1)) {
+        taken[i] = k;
+        round[i] = out[k].dtype() == round[i].dtype() ? out[k] : astype(out[k], round[i].dtype());
+      } else {
+        later.push_back(k);
+      }
+    }
+    const Tree whole = self.gather(with_leaves(s.layout.structure(), round), nullptr, nullptr);
+    const std::vector<Array> whole_leaves = leaves(whole);
+    for (std::size_t i = 0; i < taken.size(); ++i)
+      if (taken[i] != static_cast<std::size_t>(-1))
+        out[taken[i]] = whole_leaves[i].dtype() == out[taken[i]].dtype() ? whole_leaves[i] : astype(whole_leaves[i], out[taken[i]].dtype());
+    pending = std::move(later);
+  }
+  return with_leaves(s.state, out);  // (scalars' state whole again: join reshapes [1] to [])
+}
+
+// ---- checkpoints -------------------------------------------------------------------------------
+
+namespace {
+
+std::filesystem::path shard_file(const std::filesystem::path& dir, int rank, int ranks) {
+  return dir / detail::cat("shard-", rank, "-of-", ranks, ".msgpack");
+}
+
+nlohmann::ordered_json layout_json(const ShardLayout& layout, int stage) {
+  nlohmann::ordered_json j;
+  j["format"] = "linum.sharded/1";
+  j["ranks"] = layout.ranks();
+  j["stage"] = stage;
+  auto& ls = j["leaves"] = nlohmann::ordered_json::array();
+  for (const auto& l : layout.leaves())
+    ls.push_back({{"path", l.path}, {"dtype", dtype_name(l.dtype)}, {"shape", l.shape.vec()}, {"axis", l.axis}});
+  return j;
+}
+
+}  // namespace
+
+void ShardedDataParallel::save(const std::filesystem::path& dir) const {
+  const Impl& s = *impl_;
+  std::filesystem::create_directories(dir);
+  if (s.me < s.shards())
+    serialization::save_msgpack(shard_file(dir, s.me, s.shards()), Tree{{"params", s.local}, {"opt_state", s.state}});
+  if (s.me == 0) {
+    const std::string text = layout_json(s.layout, s.options.stage).dump(1) + "\n";
+    serialization::write_file_atomic(dir / "layout.json",
+                                     std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(text.data()), text.size()));
+  }
+  barrier(s.comm);
+}
+
+void ShardedDataParallel::restore(const std::filesystem::path& dir) {
+  Impl& s = *impl_;
+  const auto text = serialization::read_file(dir / "layout.json");
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text.begin(), text.end());
+  } catch (const std::exception& e) {
+    throw IoError(detail::cat("linum::dist::ShardedDataParallel::restore: ", (dir / "layout.json").string(), " is not JSON: ", e.what()));
+  }
+  if (!j.is_object() || j.value("format", "") != "linum.sharded/1" || !j.contains("ranks") || !j.contains("leaves"))
+    throw IoError(detail::cat("linum::dist::ShardedDataParallel::restore: ", (dir / "layout.json").string(),
+                              " is not a layout written by ShardedDataParallel::save"));
+  const int saved_ranks = j["ranks"].get<int>();
+  const auto& saved = j["leaves"];
+  const auto& ls = s.layout.leaves();
+  if (saved_ranks < 1 || !saved.is_array() || saved.size() != ls.size())
+    throw ValueError(detail::cat("linum::dist::ShardedDataParallel::restore: the checkpoint in ", dir.string(), " has ",
+                                 saved.is_array() ? saved.size() : 0, " parameters, this model ", ls.size()));
+  for (std::size_t i = 0; i < ls.size(); ++i) {
+    const auto& e = saved[i];
+    if (e.value("path", "") != ls[i].path || e.value("dtype", "") != dtype_name(ls[i].dtype) ||
+        e.value("shape", std::vector<std::int64_t>{}) != ls[i].shape.vec() || e.value("axis", -1) != ls[i].axis)
+      throw ValueError(detail::cat("linum::dist::ShardedDataParallel::restore: parameter ", i, " of the checkpoint (",
+                                   e.dump(), ") differs from this model's '", ls[i].path, "' ", dtype_name(ls[i].dtype),
+                                   ls[i].shape.str(), " cut along axis ", ls[i].axis,
+                                   "; restore with the model, rules and optimizer that saved it"));
+  }
+  // Every saved shard (only this rank's when the rank counts agree).
+  const int now = s.shards();
+  std::vector<Tree> files;
+  if (saved_ranks == now) {
+    files.push_back(serialization::load_msgpack(shard_file(dir, s.my_shard(), now)));
+  } else {
+    for (int r = 0; r < saved_ranks; ++r) files.push_back(serialization::load_msgpack(shard_file(dir, r, saved_ranks)));
+  }
+  for (std::size_t f = 0; f < files.size(); ++f) {
+    if (!files[f].contains("params") || !files[f].contains("opt_state"))
+      throw IoError(detail::cat("linum::dist::ShardedDataParallel::restore: a shard file in ", dir.string(),
+                                " lacks 'params' or 'opt_state'"));
+    if (auto diff = structure_difference(s.state, files[f].at("opt_state"), false))
+      throw ValueError(detail::cat("linum::dist::ShardedDataParallel::restore: the saved optimizer state differs from this "
+                                   "optimizer's: ", *diff, "; restore with the optimizer that saved it"));
+  }
+  // The old layout: the same axes over the saved number of ranks.
+  const ShardLayout old(s.params, saved_ranks, s.options.rules);
+  auto reslice = [&](std::size_t i, const std::vector<Array>& parts, DType dtype) {
+    const Array whole = old.join(i, parts);
+    Array mine = s.layout.slice(i, whole, s.my_shard());
+    return mine.dtype() == dtype ? mine : astype(mine, dtype);
+  };
+  std::vector<Array> local;
+  std::vector<Array> state_out;
+  if (saved_ranks == now) {
+    local = leaves(files[0].at("params"));
+    state_out = leaves(files[0].at("opt_state"));
+    const std::vector<Array> expect = leaves(s.local);
+    for (std::size_t i = 0; i < local.size(); ++i)
+      if (!(local[i].shape() == expect[i].shape()) || local[i].dtype() != expect[i].dtype())
+        throw ValueError(detail::cat("linum::dist::ShardedDataParallel::restore: the saved slice of '", ls[i].path, "' is ",
+                                     local[i].type_str(), ", expected ", expect[i].type_str()));
+  } else {
+    std::vector<std::vector<Array>> params_of, state_of;
+    for (const Tree& f : files) {
+      params_of.push_back(leaves(f.at("params")));
+      state_of.push_back(leaves(f.at("opt_state")));
+    }
+    for (std::size_t i = 0; i < ls.size(); ++i) {
+      std::vector<Array> parts;
+      for (const auto& p : params_of) parts.push_back(p.at(i));
+      local.push_back(reslice(i, parts, ls[i].dtype));
+    }
+    const std::vector<Array> current = leaves(s.state);
+    for (std::size_t k = 0; k < current.size(); ++k) {
+      if (s.state_owner[k] < 0) {
+        state_out.push_back(state_of[0].at(k));
+        continue;
+      }
+      const auto i = static_cast<std::size_t>(s.state_owner[k]);
+      std::vector<Array> parts;
+      for (const auto& st : state_of) parts.push_back(st.at(k).dtype() == ls[i].dtype ? st.at(k) : astype(st.at(k), ls[i].dtype));
+      state_out.push_back(reslice(i, parts, current[k].dtype()));
+    }
+  }
+  s.local = with_leaves(s.layout.structure(), local);
+  s.state = with_leaves(s.state, state_out);
+  s.params = s.gather(s.local, nullptr, nullptr);
+}
+
+}  // namespace linum::dist

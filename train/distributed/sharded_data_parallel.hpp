@@ -1,0 +1,109 @@
+// Sharded data parallelism (DeepSpeed's ZeRO stages, PyTorch FSDP's SHARD_GRAD_OP): each rank keeps
+// the optimizer state -- and from stage 2 the gradients -- of its own slice of every parameter.
+//
+//   dist::ShardedDataParallel trainer(params, optim::adamw(1e-3), {.stage = 2, .data = {.micro_batches = 8}});
+//   for (...) {
+//     auto step = trainer.step(loss, batch, key);     // loss(params, batch piece, key), as DataParallel's
+//     ...
+//   }
+//   Tree params = trainer.params();                   // the whole parameters, the same on every rank
+//   trainer.save("ckpt/step_100");                    // every rank writes its slices
+//
+// Stages (what each rank holds between steps; P ranks, n parameters):
+//  0  everything whole: plain data parallelism with the optimizer on every rank (for comparison);
+//  1  the optimizer state of its slices only (adam: 8n/P bytes instead of 8n); the whole gradient
+//     is summed on every rank as DataParallel does, each rank updates its slices, and the updated
+//     slices are gathered (one allgather of n parameters);
+//  2  as 1, and the gradients are reduce-scattered: each rank receives only the sums for its slices
+//     (reproducible mode: the partial sums of the fixed micro-batch tree, cut by destination, one
+//     all-to-all; fast mode: MPI_Reduce_scatter), so no rank holds a summed whole gradient.
+// Stage 3 (parameters sharded, gathered per module call) is not built yet: asking for it throws.
+//
+// Which slice: dist::ShardLayout (sharding.hpp) cuts every parameter along one axis, chosen by the
+// logical axis names the init dict carries (nn::with_partitioning) and ShardingRules.
+//
+// Reproducible for any rank count: in Reduction::reproducible the summed gradient slices are the
+// bits of DataParallel's fixed tree, elementwise optimizer steps do not depend on where a slice
+// starts, and norms (clip_by_global_norm, lamb's trust ratio, adafactor's block rms) are exact sums
+// merged across ranks (optim::SquareSum): every stage on 1, 2 or 3 ranks ends with bitwise the
+// parameters one process computes with DataParallel and the same optimizer. Reduction::fast sums in
+// the order the ranks give (within float rounding of it).
+//
+// Optimizers must not need a parameter's whole shape: adafactor's factored moments and per-example
+// (DP-SGD) aggregation throw a ValueError on shards (use stage 0 for them).
+#pragma once
+
+#include <linum/train/distributed/data_parallel.hpp>
+#include <linum/train/distributed/sharding.hpp>
+#include <linum/train/optim.hpp>
+
+#include <filesystem>
+#include <memory>
+
+namespace linum::dist {
+
+struct ShardedDataParallelOptions {
+  int stage = 2;                  // 0, 1 or 2 (see above)
+  DataParallelOptions data;       // reduction, micro-batches, communicator, aux sync, ...
+  ShardingRules rules;            // which axis of each parameter is cut
+};
+
+// Bytes this rank holds, by kind.
+struct RankBytes {
+  std::int64_t params = 0;           // parameters (whole ones in stages 0-2) and this rank's slices
+  std::int64_t gradients = 0;        // the gradient buffers of the last step (whole or slices, and partial sums)
+  std::int64_t optimizer_state = 0;  // this rank's optimizer state
+  std::int64_t activations = 0;      // the peak of Linum's live array bytes during the last step's compute
+  std::int64_t state() const { return params + gradients + optimizer_state; }
+};
+
+struct ShardedStepResult {
+  Array loss;        // mean loss over the global batch (every rank)
+  Tree aux;          // as DataParallel's (Sync)
+  StepStats stats;   // the gradient exchange (and, in wire_bytes, the parameter gather)
+  double optimizer_s = 0;   // the optimizer's update of this rank's slices
+  double gather_s = 0;      // the allgather of updated slices
+};
+
+class ShardedDataParallel {
+ public:
+  // `params`: the whole initial parameters, the same on every rank (checked), float32 or bfloat16,
+  // axis names (Tree::axis_names) read for the layout. The optimizer state is built for this rank's
+  // slices.
+  ShardedDataParallel(const Tree& params, optim::GradientTransformation optimizer, ShardedDataParallelOptions options = {});
+  ~ShardedDataParallel();
+  ShardedDataParallel(ShardedDataParallel&&) noexcept;
+  ShardedDataParallel& operator=(ShardedDataParallel&&) noexcept;
+
+  // One training step on the global `batch` (every rank passes all of it and the same key):
+  // gradients as DataParallel::value_and_grad, then the optimizer on this rank's slices.
+  ShardedStepResult step(const LossWithAux& loss, const Tree& batch, rng::Key key);
+  ShardedStepResult step(const Loss& loss, const Tree& batch, rng::Key key);
+
+  // The whole parameters (every rank holds them in stages 0-2).
+  const Tree& params() const;
+  // This rank's slices of the parameters and its optimizer state.
+  const Tree& local_params() const;
+  const Tree& local_optimizer_state() const;
+  // The whole optimizer state, as optimizer.init(params) lays it out (a collective call).
+  Tree optimizer_state() const;
+
+  const ShardLayout& layout() const;
+  int stage() const;
+  // What this rank holds now (gradients and activations: during the last step).
+  RankBytes memory() const;
+
+  // Writes this rank's slices and optimizer state to dir/shard-<rank>-of-<P>.msgpack and, from
+  // rank 0, the layout to dir/layout.json (each file written atomically; a collective call).
+  void save(const std::filesystem::path& dir) const;
+  // Reads a directory written by save() on any number of ranks (the layout is checked against this
+  // trainer's parameters: same paths, shapes, dtypes and axes); with another rank count, each rank
+  // rebuilds its slices from the saved ones. A collective call.
+  void restore(const std::filesystem::path& dir);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace linum::dist
