@@ -31,6 +31,7 @@
 #include <linum/train/data/idx.hpp>
 #include <linum/train/data/loader.hpp>
 #include <linum/train/optim.hpp>
+#include <linum/train/square_sums.hpp>
 #include <linum/train/metrics.hpp>
 #include <linum/train/distributed/communicator.hpp>
 #include <linum/train/distributed/data_parallel.hpp>

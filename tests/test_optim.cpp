@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -436,4 +437,74 @@ TEST_CASE("step(): parameters the caller still holds are not modified; schedules
   auto [p4, s4] = opt.step(params16, grads16, opt.init(params16));
   CHECK(p4.at("w").array().dtype() == DType::bf16);
   CHECK_THROWS_AS(opt.step(params, make_tree(1, 2, 3).at("b"), state), ValueError);
+}
+
+TEST_CASE("SquareSum: exact sums of squares, the same bits for any split and merge order") {
+  // Values over the whole float32 range: tiny (subnormal), huge, negative, zeros.
+  std::vector<float> x;
+  std::uint32_t state = 12345u;
+  auto next = [&] { return state = state * 1664525u + 1013904223u; };
+  for (int i = 0; i < 5000; ++i) {
+    const float mantissa = static_cast<float>(next() % 100000u) / 50000.0f - 1.0f;
+    const int exponent = static_cast<int>(next() % 120u) - 60;
+    x.push_back(std::ldexp(mantissa, exponent));
+  }
+  x.push_back(1e-45f);   // the smallest subnormal
+  x.push_back(3e38f);    // near the largest float
+  x.push_back(0.0f);
+  optim::SquareSum whole;
+  whole.add(x.data(), static_cast<std::int64_t>(x.size()));
+  CHECK(whole.count() == static_cast<std::int64_t>(x.size()));
+  // Against a long-double sum in order (double-rounding differences only in the last bits).
+  long double reference = 0;
+  for (float v : x) reference += static_cast<long double>(v) * v;
+  CHECK(std::abs(static_cast<double>(reference) - whole.value()) <= 1e-15 * whole.value());
+  // Any split, merged in any order: bitwise the same value.
+  for (std::size_t cut : {std::size_t{1}, std::size_t{7}, std::size_t{2500}, x.size() - 1}) {
+    optim::SquareSum a, b, ab, ba;
+    a.add(x.data(), static_cast<std::int64_t>(cut));
+    b.add(x.data() + cut, static_cast<std::int64_t>(x.size() - cut));
+    ab.merge(a);
+    ab.merge(b);
+    ba.merge(b);
+    ba.merge(a);
+    CHECK(ab.value() == whole.value());
+    CHECK(ba.value() == whole.value());
+    // Through the words a rank sends.
+    std::vector<std::uint64_t> words(optim::SquareSum::kWords);
+    b.to_words(words.data());
+    optim::SquareSum c = optim::SquareSum::from_words(words.data());
+    c.merge(a);
+    CHECK(c.value() == whole.value());
+  }
+  // Reversed order, and a large array summed by threads.
+  std::vector<float> reversed(x.rbegin(), x.rend());
+  optim::SquareSum r;
+  r.add(reversed.data(), static_cast<std::int64_t>(reversed.size()));
+  CHECK(r.value() == whole.value());
+  const Array big = rng::normal(rng::key(5), Shape{300001});
+  optim::SquareSum threaded, serial;
+  threaded.add(big);
+  for (std::int64_t i = 0; i < big.numel(); ++i) serial.add(big.data() + i, 1);
+  CHECK(threaded.value() == serial.value());
+  CHECK(optim::global_norm(Tree{{"a", big}}) == static_cast<float>(std::sqrt(serial.value())));
+  // bf16 leaves are widened exactly; NaN and infinity propagate.
+  optim::SquareSum h;
+  h.add(astype(Array::from(Shape{2}, {0.5f, -3.0f}), DType::bf16));
+  CHECK(h.value() == 9.25);
+  optim::SquareSum nan_sum, inf_sum;
+  const float bad[] = {1.0f, std::numeric_limits<float>::infinity()};
+  inf_sum.add(bad, 2);
+  CHECK(std::isinf(inf_sum.value()));
+  const float worse[] = {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()};
+  nan_sum.add(worse, 2);
+  CHECK(std::isnan(nan_sum.value()));
+  // Transformations that need a whole leaf refuse to run while a ShardReductions is installed.
+  struct Alone final : optim::ShardReductions {
+    void merge_across_shards(std::vector<optim::SquareSum>&) const override {}
+    bool all_across_shards(bool v) const override { return v; }
+  } alone;
+  optim::ShardReductionsScope sharded(&alone);
+  CHECK_THROWS_WITH_AS(optim::adafactor(1e-2, 2).init(Tree{{"w", Array::zeros(Shape{4, 4})}}),
+                       doctest::Contains("whole shape"), ValueError);
 }

@@ -245,3 +245,38 @@ TEST_CASE("an error raised inside a module keeps its type and names the innermos
     CHECK(std::string(e.what()) == "plain");
   }
 }
+
+TEST_CASE("nn::with_partitioning: logical axis names on the init dict's leaves, through lifted transforms") {
+  struct Inner {
+    Array operator()(Scope& s, const Array& x) const {
+      return s(nn::Dense{.features = 3, .kernel_init = nn::with_partitioning(initializers::lecun_normal(), {"embed", "mlp"}),
+                         .bias_init = nn::with_partitioning(initializers::zeros(), {"mlp"})},
+               x);
+    }
+  };
+  struct Outer {
+    Array operator()(Scope& s, const Array& x) const { return s(lift::remat<Inner>{}, s(Inner{}, x)); }
+  };
+  const Array x = Array::ones(Shape{2, 3});
+  const Tree vars = init(Outer{}, rng::key(0), x);
+  CHECK(vars.at_path("params/Inner_0/Dense_0/kernel").axis_names() == std::vector<std::string>{"embed", "mlp"});
+  CHECK(vars.at_path("params/Inner_0/Dense_0/bias").axis_names() == std::vector<std::string>{"mlp"});
+  CHECK(vars.at_path("params/Inner_1/Dense_0/kernel").axis_names() == std::vector<std::string>{"embed", "mlp"});  // under remat
+  CHECK(nn::logical_axes(vars).size() == 4);
+  // The values are the wrapped initializer's, bit for bit.
+  struct Plain {
+    Array operator()(Scope& s, const Array& x) const { return s(nn::Dense{.features = 3}, x); }
+  };
+  struct Named {
+    Array operator()(Scope& s, const Array& x) const {
+      return s(nn::Dense{.features = 3, .kernel_init = nn::with_partitioning(initializers::lecun_normal(), {"a", "b"})}, x);
+    }
+  };
+  CHECK(bitwise_equal(init(Plain{}, rng::key(1), x), init(Named{}, rng::key(1), x)));
+  // Copies keep the names; a leaf rebuilt from its array has none; wrong counts are errors.
+  const Tree copy = vars;
+  CHECK(copy.at_path("params/Inner_0/Dense_0/kernel").axis_names().size() == 2);
+  CHECK(Tree(vars.at_path("params/Inner_0/Dense_0/kernel").array()).axis_names().empty());
+  CHECK_THROWS_AS(Tree(x).with_axis_names({"a"}), ShapeError);
+  CHECK_THROWS_AS(vars.with_axis_names({"a", "b"}), ShapeError);
+}

@@ -1,8 +1,16 @@
 // linum-bench dp: the deep-MLP training step data-parallel over the ranks of an MPI job.
 //
 //   linum-bench dp [--layers 24] [--width 512] [--batch 2048] [--steps 5] [--threads T]
-//                  [--reduction fast|reproducible] [--micro-batches M] [--bucket-mib 4] [--overlap 1|0]
+//                  [--reduction fast|reproducible] [--micro-batches 8] [--bucket-mib 4] [--overlap 1|0]
+//                  [--zero 0|1|2] [--optimizer sgd|adam]
 //   mpirun -np 2 linum-bench dp --threads 1 ...
+//
+// The micro-batch count defaults to 8 (the library's default) whatever the rank count, so
+// reproducible runs print the same params_checksum on 1, 2 and 3 ranks (M >= ranks is required).
+// With --zero S the step runs through dist::ShardedDataParallel at stage S (0: everything whole,
+// the optimizer on every rank; 1: optimizer state sharded; 2: gradients reduce-scattered too) with
+// adam by default, and the line adds this rank's bytes by kind (params, gradients,
+// optimizer_state, activations; the largest over ranks) and the parameter gather's time.
 //
 // The model of linum-bench mlp (L x Dense(W) + GELU, loss mean(h * h), float32) trained with SGD on
 // a global batch of B split across the ranks by dist::DataParallel. Rank 0 prints one JSON line:
@@ -31,6 +39,94 @@
 
 using namespace linum_bench;
 
+namespace {
+
+Tree mlp_params(long L, long W) {
+  Tree params;
+  for (long l = 0; l < L; ++l)
+    params.set("layer_" + std::to_string(l),
+               Tree{{"kernel", random_normal(Shape{W, W}, static_cast<unsigned>(2 * l + 1), 1.0f / std::sqrt(static_cast<float>(W)))},
+                    {"bias", Array::zeros(Shape{W})}});
+  return dist::broadcast(params);
+}
+
+auto mlp_loss(long L) {
+  return [L](const Tree& p, const Tree& b, rng::Key) {
+    Array h = b.at("x").array();
+    for (long l = 0; l < L; ++l) {
+      const Tree& layer = p.at("layer_" + std::to_string(l));
+      h = gelu(matmul(h, layer.at("kernel").array()) + layer.at("bias").array());
+    }
+    return mean(h * h);
+  };
+}
+
+std::int64_t max_over_ranks(std::int64_t v) {
+  std::int64_t m = 0;
+  for (auto x : dist::allgather(static_cast<std::uint64_t>(v))) m = std::max(m, static_cast<std::int64_t>(x));
+  return m;
+}
+
+int bench_zero(const Flags& f, const dist::DataParallelOptions& options, int stage, const std::string& optimizer, int threads) {
+  const long L = f.get("layers", 24), W = f.get("width", 512), B = f.get("batch", 2048), steps = f.get("steps", 5);
+  const auto opt = optimizer == "adam" ? optim::adam(1e-3) : optim::sgd(1e-3);
+  dist::ShardedDataParallel trainer(mlp_params(L, W), opt, {.stage = stage, .data = options});
+  const Tree batch{{"x", random_normal(Shape{B, W}, 7u, 1.0f)}};
+  const auto loss = mlp_loss(L);
+  std::vector<double> times;
+  dist::StepStats last;
+  double compute = 0, comm = 0, gather = 0, optimizer_s = 0;
+  for (long s = 0; s < steps + 1; ++s) {  // the first step warms up
+    dist::barrier();
+    const auto start = std::chrono::steady_clock::now();
+    auto r = trainer.step(dist::Loss(loss), batch, rng::key(0));
+    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (s == 0) continue;
+    times.push_back(took);
+    compute += r.stats.compute_s;
+    comm += r.stats.communication_s;
+    gather += r.gather_s;
+    optimizer_s += r.optimizer_s;
+    last = r.stats;
+  }
+  dist::check_replicated(trainer.params(), "the parameters after the benchmark's steps");
+  std::vector<double> sorted = times;
+  std::sort(sorted.begin(), sorted.end());
+  const double n = static_cast<double>(times.size());
+  const dist::RankBytes bytes = trainer.memory();
+  nlohmann::json out = {{"bench", "dp"},
+                        {"zero_stage", stage},
+                        {"ranks", dist::size()},
+                        {"threads_per_rank", threads},
+                        {"reduction", options.reduction == dist::Reduction::fast ? "fast" : "reproducible"},
+                        {"optimizer", optimizer},
+                        {"micro_batches", options.reduction == dist::Reduction::fast ? 0 : options.micro_batches},
+                        {"layers", L},
+                        {"width", W},
+                        {"batch", B},
+                        {"steps", steps},
+                        {"step_s_min", sorted.front()},
+                        {"step_s_median", sorted[sorted.size() / 2]},
+                        {"compute_s", compute / n},
+                        {"communication_s", comm / n},
+                        {"gather_s", gather / n},
+                        {"optimizer_s", optimizer_s / n},
+                        {"param_bytes", byte_count(trainer.params())},
+                        {"rank_params_bytes", max_over_ranks(bytes.params)},
+                        {"rank_gradient_bytes", max_over_ranks(bytes.gradients)},
+                        {"rank_optimizer_state_bytes", max_over_ranks(bytes.optimizer_state)},
+                        {"rank_activation_bytes", max_over_ranks(bytes.activations)},
+                        {"rank_state_bytes", max_over_ranks(bytes.state())},
+                        {"bytes_sent", last.bytes_sent},
+                        {"wire_bytes", last.wire_bytes},
+                        {"messages", last.messages},
+                        {"params_checksum", dist::checksum_hex(trainer.params())}};
+  if (dist::rank() == 0) std::cout << out.dump() << std::endl;
+  return 0;
+}
+
+}  // namespace
+
 int bench_dp(const Flags& f) {
   const long L = f.get("layers", 24), W = f.get("width", 512), B = f.get("batch", 2048), steps = f.get("steps", 5);
   const int threads = static_cast<int>(f.get("threads", 2));
@@ -41,27 +137,19 @@ int bench_dp(const Flags& f) {
   if (reduction != "fast" && reduction != "reproducible") throw ValueError("--reduction must be fast or reproducible");
   dist::DataParallelOptions options;
   options.reduction = reduction == "fast" ? dist::Reduction::fast : dist::Reduction::reproducible;
-  options.micro_batches = static_cast<int>(f.get("micro-batches", std::max(2, dist::size())));
+  options.micro_batches = static_cast<int>(f.get("micro-batches", 8));
   options.bucket_bytes = f.get("bucket-mib", 4) << 20;
   options.overlap = f.get("overlap", 1) != 0;
+  const long zero = f.get("zero", -1);
+  const std::string optimizer = f.text("optimizer", zero >= 0 ? "adam" : "sgd");
+  if (optimizer != "sgd" && optimizer != "adam") throw ValueError("--optimizer must be sgd or adam");
+  if (zero >= 0) return bench_zero(f, options, static_cast<int>(zero), optimizer, threads);
   dist::DataParallel dp(options);
 
-  Tree params;
-  for (long l = 0; l < L; ++l)
-    params.set("layer_" + std::to_string(l),
-               Tree{{"kernel", random_normal(Shape{W, W}, static_cast<unsigned>(2 * l + 1), 1.0f / std::sqrt(static_cast<float>(W)))},
-                    {"bias", Array::zeros(Shape{W})}});
-  params = dist::broadcast(params);
+  Tree params = mlp_params(L, W);
   const Tree batch{{"x", random_normal(Shape{B, W}, 7u, 1.0f)}};
-  auto loss = [L](const Tree& p, const Tree& b, rng::Key) {
-    Array h = b.at("x").array();
-    for (long l = 0; l < L; ++l) {
-      const Tree& layer = p.at("layer_" + std::to_string(l));
-      h = gelu(matmul(h, layer.at("kernel").array()) + layer.at("bias").array());
-    }
-    return mean(h * h);
-  };
-  const auto sgd = optim::sgd(1e-3);
+  const auto loss = mlp_loss(L);
+  const auto sgd = optimizer == "adam" ? optim::adam(1e-3) : optim::sgd(1e-3);
   Tree opt_state = sgd.init(params);
 
   std::vector<double> times;
@@ -90,6 +178,7 @@ int bench_dp(const Flags& f) {
                         {"ranks", dist::size()},
                         {"threads_per_rank", threads},
                         {"reduction", reduction},
+                        {"optimizer", optimizer},
                         {"overlap", options.overlap && options.reduction == dist::Reduction::fast && dist::size() > 1 &&
                                         dist::Session::threads_supported()},
                         {"micro_batches", options.reduction == dist::Reduction::fast ? 0 : options.micro_batches},
