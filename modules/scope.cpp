@@ -184,6 +184,14 @@ Array Scope::param(std::string_view name, const Initializer& init, const Shape& 
     if (!entry.is_leaf())
       throw ValueError(detail::cat("param '", full, "' is a dict in the variable dict, not an array"));
     const Array& value = entry.array();
+    if (const auto* hook = detail::ContextStack<detail::ParamReadHookContext>::top()) {
+      if (std::optional<Array> seen = (*hook)->read(full, value, shape)) {
+        if (!(seen->shape() == shape))
+          throw ShapeError(detail::cat("param '", full, "': the param-read hook returned shape ", seen->shape(),
+                                       " where the module asks for ", shape));
+        return *seen;
+      }
+    }
     if (!(value.shape() == shape))
       throw ShapeError(detail::cat("param '", full, "' has shape ", value.shape(), " in the variable dict but the module asks for ",
                                    shape, "; the inputs differ from those used at init (or the dict belongs to another model)"));

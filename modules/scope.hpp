@@ -175,6 +175,25 @@ std::vector<ModuleCallHook*> hooks_for(const ModuleCall& call);
 std::vector<Array> run_hooks(Scope& scope, const ModuleCall& call, const std::vector<ModuleCallHook*>& hooks,
                              const ModuleCallBody& body);
 
+// ---- param-read hooks (Flax's nn.map_variables on the way in) -----------------------------------
+// While installed, every Scope::param that finds its param in the variable dict hands it to the
+// hook first: `read(full_path, stored, wanted_shape)` returns the array the module gets instead
+// (of shape `wanted`), or nothing to keep the stored one. dist::ShardedDataParallel's stage 3 keeps
+// slices in the dict and gathers each whole parameter here, when its module reads it.
+class ParamReadHook {
+ public:
+  virtual ~ParamReadHook() = default;
+  virtual std::optional<Array> read(const std::string& full_path, const Array& stored, const Shape& wanted) = 0;
+};
+struct ParamReadHookContext { using Value = ParamReadHook*; };
+class ParamReadHookGuard {
+ public:
+  explicit ParamReadHookGuard(ParamReadHook* hook) : installed_(hook) {}
+
+ private:
+  ContextStack<ParamReadHookContext>::Entry installed_;
+};
+
 struct ModulePathContext { using Value = const std::vector<std::string>*; };
 // Sets the current module path for its lifetime.
 class ModulePathGuard {

@@ -1,14 +1,22 @@
 #include <linum/train/distributed/sharded_data_parallel.hpp>
 #include <linum/train/distributed/data_parallel_internal.hpp>
+#include <linum/core/autodiff/custom_vjp.hpp>
 #include <linum/core/autodiff/grad.hpp>
+#include <linum/core/autodiff/saved_hooks.hpp>
 #include <linum/core/memory.hpp>
 #include <linum/core/ops/all.hpp>
+#include <linum/modules/scope.hpp>
 #include <linum/train/io/serialization.hpp>
 #include <linum/train/square_sums.hpp>
 
 #include <nlohmann/json.hpp>
 
+#include <any>
 #include <cstring>
+#include <map>
+#include <optional>
+#include <tuple>
+#include <unordered_map>
 #include <limits>
 #include <span>
 #include <sstream>
@@ -110,6 +118,10 @@ struct ShardedDataParallel::Impl {
   Impl(optim::GradientTransformation opt, ShardedDataParallelOptions o)
       : options(std::move(o)), optimizer(std::move(opt)), comm(options.data.comm), me(comm.rank()),
         data(options.data), reductions(comm) {}
+
+  struct Stage3;
+  // Stage 3's forward and backward passes: this rank's gradient slices (and the step's loss, aux, stats).
+  std::pair<ShardedStepResult, Tree> stage3_gradients(const LossWithAux& loss, const Tree& batch, rng::Key key);
 
   int shards() const { return layout.ranks(); }
   int my_shard() const { return shards() == 1 ? 0 : me; }
@@ -343,15 +355,357 @@ struct ShardedDataParallel::Impl {
   }
 };
 
+// ---- stage 3: parameters sliced between steps, gathered when a module reads them --------------------
+
+namespace {
+
+constexpr const char* kGatherOp = "linum::dist::gather_param";
+
+// The fixed pairwise tree over micro-batches (DataParallel's), evaluated left to right as the
+// pieces arrive in order: at most one partial sum per level is alive.
+class TreeFold {
+ public:
+  explicit TreeFold(int pieces) : pieces_(pieces) {}
+  int next() const { return next_; }
+  void push(int piece, Array value) {
+    if (piece != next_)
+      throw DistError(detail::cat("linum::dist::ShardedDataParallel: micro-batch ", piece, " arrived where ", next_,
+                                  " was due (internal error)"));
+    ++next_;
+    stack_.push_back({piece, piece + 1, std::move(value)});
+    while (stack_.size() >= 2) {
+      Node& a = stack_[stack_.size() - 2];
+      const Node& b = stack_.back();
+      if (!splits_at(a.lo, b.hi, a.hi)) break;
+      Array sum = Array::empty(a.value.shape());
+      add(a.value.data(), b.value.data(), sum.mutable_data(), static_cast<std::size_t>(sum.numel()));
+      a.hi = b.hi;
+      a.value = std::move(sum);
+      stack_.pop_back();
+    }
+  }
+  const Array& result() const {
+    if (stack_.size() != 1 || stack_[0].lo != 0 || stack_[0].hi != pieces_)
+      throw DistError("linum::dist::ShardedDataParallel: a gradient missed micro-batches (internal error)");
+    return stack_[0].value;
+  }
+  std::int64_t bytes() const {
+    std::int64_t n = 0;
+    for (const Node& s : stack_) n += static_cast<std::int64_t>(s.value.nbytes());
+    return n;
+  }
+
+ private:
+  struct Node {
+    int lo, hi;
+    Array value;
+  };
+  // Whether [lo, hi) is a node of the tree over [0, pieces) whose children meet at `mid`.
+  bool splits_at(int lo, int hi, int mid) const {
+    int a = 0, b = pieces_;
+    for (;;) {
+      const int c = a + (b - a) / 2;
+      if (a == lo && b == hi) return c == mid;
+      if (b - a <= 1) return false;
+      if (hi <= c) b = c;
+      else if (lo >= c) a = c;
+      else return false;
+    }
+  }
+  int pieces_, next_ = 0;
+  std::vector<Node> stack_;
+};
+
+struct Regather {
+  std::size_t index;
+};
+
+}  // namespace
+
+// One stage-3 step's state: which round runs, the folds of this rank's gradient slices, and the
+// hook that gathers a parameter when a module reads it.
+struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
+  Impl& s;
+  int pieces, round = 0;
+  float weight = 0;
+  bool fast;
+  std::vector<TreeFold> folds;          // reproducible: per parameter, this rank's slice
+  std::vector<Array> sums;              // fast: per parameter, this rank's slice
+  std::vector<int> deposited;           // the round each parameter's gradient last arrived in
+  std::unordered_map<const void*, std::size_t> gathered;  // whole arrays' buffers -> parameter
+  std::map<std::string, std::size_t, std::less<>> index_of;
+  std::vector<Array> slices;            // this rank's parameter slices (unchanged during the step)
+  double communication_s = 0;
+  std::int64_t bytes_sent = 0, wire_bytes = 0, peak_fold_bytes = 0;
+  int messages = 0;
+
+  Stage3(Impl& impl, int m, bool is_fast) : s(impl), pieces(m), fast(is_fast), deposited(impl.layout.leaves().size(), -1) {
+    for (std::size_t i = 0; i < s.layout.leaves().size(); ++i) {
+      index_of[s.layout.leaves()[i].path] = i;
+      folds.emplace_back(m);
+    }
+    sums.resize(s.layout.leaves().size());
+    slices = linum::leaves(s.local);
+  }
+
+  // The whole parameter i from every rank's slice (a collective call; not recorded).
+  Array gather_whole(std::size_t i) {
+    const LeafSharding& l = s.layout.leaves()[i];
+    const int ranks = s.comm.size();
+    const Array& mine = slices[i];
+    std::vector<Array> parts;
+    if (ranks == 1) {
+      parts.push_back(mine);
+    } else {
+      const auto elem = static_cast<std::int64_t>(dtype_size(l.dtype));
+      std::vector<int> counts(static_cast<std::size_t>(ranks)), displs(static_cast<std::size_t>(ranks));
+      std::int64_t at = 0;
+      for (int r = 0; r < ranks; ++r) {
+        counts[static_cast<std::size_t>(r)] = checked_count(l.shard_numel(r, ranks) * elem, "a parameter gather");
+        displs[static_cast<std::size_t>(r)] = checked_count(at, "a parameter gather");
+        at += l.shard_numel(r, ranks) * elem;
+      }
+      std::vector<unsigned char> all(static_cast<std::size_t>(at));
+      const auto start = Clock::now();
+#if LINUM_HAVE_MPI
+      check_mpi(MPI_Allgatherv(mine.raw(), static_cast<int>(mine.nbytes()), MPI_BYTE, all.data(), counts.data(), displs.data(),
+                               MPI_BYTE, to_mpi(s.comm)),
+                "MPI_Allgatherv");
+#endif
+      communication_s += seconds_since(start);
+      ++messages;
+      bytes_sent += static_cast<std::int64_t>(mine.nbytes());
+      wire_bytes += at * (ranks - 1) / ranks;
+      for (int r = 0; r < ranks; ++r) {
+        Array part = Array::empty(l.shard_shape(r, ranks), l.dtype);
+        if (part.nbytes() > 0) std::memcpy(part.mutable_raw(), all.data() + displs[static_cast<std::size_t>(r)], part.nbytes());
+        parts.push_back(std::move(part));
+      }
+    }
+    Array whole = s.layout.join(i, parts);
+    if (whole.nbytes() > 0) gathered[whole.raw()] = i;
+    return whole;
+  }
+
+  // This rank's piece's gradient of parameter i (the whole cotangent): each rank's slice goes to
+  // its owner, which adds the round's pieces to its fold in piece order.
+  void deposit(std::size_t i, const Array& g) {
+    if (deposited[i] == round)
+      throw DistError(detail::cat("linum::dist::ShardedDataParallel: parameter '", s.layout.leaves()[i].path,
+                                  "' was read twice in one step (tied or shared weights); stage 3 gathers each parameter "
+                                  "once per module read and cannot sum two reads yet: use stage 2"));
+    deposited[i] = round;
+    const LeafSharding& l = s.layout.leaves()[i];
+    const int ranks = s.comm.size(), me = s.comm.rank();
+    const Array g32 = g.dtype() == DType::f32 ? g : astype(g, DType::f32);
+    std::vector<float> send(static_cast<std::size_t>(l.held_shape().numel()));
+    std::vector<int> send_counts(static_cast<std::size_t>(ranks)), send_displs(static_cast<std::size_t>(ranks));
+    std::vector<int> recv_counts(static_cast<std::size_t>(ranks)), recv_displs(static_cast<std::size_t>(ranks));
+    const std::int64_t mine = l.shard_numel(me, ranks);
+    std::int64_t at = 0;
+    for (int q = 0; q < ranks; ++q) {
+      const std::int64_t n = l.shard_numel(q, ranks);
+      copy_slice(g32.data(), l.held_shape(), l.axis, l.begin(q, ranks), l.end(q, ranks), send.data() + at);
+      for (std::int64_t e = 0; e < n; ++e) send[static_cast<std::size_t>(at + e)] *= weight;  // as DataParallel: g * w
+      send_counts[static_cast<std::size_t>(q)] = checked_count(n, "a gradient exchange");
+      send_displs[static_cast<std::size_t>(q)] = checked_count(at, "a gradient exchange");
+      recv_counts[static_cast<std::size_t>(q)] = checked_count(mine, "a gradient exchange");
+      recv_displs[static_cast<std::size_t>(q)] = checked_count(mine * q, "a gradient exchange");
+      at += n;
+    }
+    const auto start = Clock::now();
+    if (fast) {
+      Array sum = Array::empty(Shape{mine});
+      if (ranks == 1) {
+        if (mine > 0) std::memcpy(sum.mutable_data(), send.data(), static_cast<std::size_t>(mine) * sizeof(float));
+      } else {
+#if LINUM_HAVE_MPI
+        check_mpi(MPI_Reduce_scatter(send.data(), sum.mutable_data(), send_counts.data(), MPI_FLOAT, MPI_SUM, to_mpi(s.comm)),
+                  "MPI_Reduce_scatter");
+#endif
+      }
+      sums[i] = std::move(sum);
+    } else {
+      Array recv = Array::empty(Shape{mine * ranks});
+      if (ranks == 1) {
+        if (mine > 0) std::memcpy(recv.mutable_data(), send.data(), static_cast<std::size_t>(mine) * sizeof(float));
+      } else {
+#if LINUM_HAVE_MPI
+        check_mpi(MPI_Alltoallv(send.data(), send_counts.data(), send_displs.data(), MPI_FLOAT, recv.mutable_data(),
+                                recv_counts.data(), recv_displs.data(), MPI_FLOAT, to_mpi(s.comm)),
+                  "MPI_Alltoallv");
+#endif
+      }
+      for (int r = 0; r < ranks; ++r) {
+        const int piece = round * ranks + r;
+        if (piece >= pieces) continue;  // a rank with no piece left ran a stand-in
+        folds[i].push(piece, ranks == 1 ? recv : slice_axis(recv, 0, mine * r, mine * (r + 1)));
+      }
+      std::int64_t held = 0;
+      for (const TreeFold& f : folds) held += f.bytes();
+      peak_fold_bytes = std::max(peak_fold_bytes, held);
+    }
+    communication_s += seconds_since(start);
+    ++messages;
+    bytes_sent += at * static_cast<std::int64_t>(sizeof(float));
+    wire_bytes += (at - mine) * static_cast<std::int64_t>(sizeof(float));
+  }
+
+  // Parameters no module read this round: zero gradients for the round's pieces.
+  void fill_unread() {
+    const int ranks = s.comm.size();
+    for (std::size_t i = 0; i < deposited.size(); ++i) {
+      if (deposited[i] == round) continue;
+      const std::int64_t mine = s.layout.leaves()[i].shard_numel(s.comm.rank(), ranks);
+      if (fast) {
+        sums[i] = Array::zeros(Shape{mine});
+        continue;
+      }
+      for (int r = 0; r < ranks; ++r)
+        if (round * ranks + r < pieces) folds[i].push(round * ranks + r, Array::zeros(Shape{mine}));
+    }
+  }
+
+  Array gather_op(std::size_t i, const Array& slice) {
+    const Shape shape = slice.shape();
+    const DType dtype = slice.dtype();
+    auto op = linum::custom_vjp(
+        kGatherOp, [this, i](const Array&) { return std::make_pair(gather_whole(i), std::vector<Array>{}); },
+        [this, i, shape, dtype](const std::vector<Array>&, const Array& g) {
+          deposit(i, g);
+          return Array::zeros(shape, dtype);
+        });
+    return op(slice);
+  }
+
+  std::optional<Array> read(const std::string& full_path, const Array& stored, const Shape& wanted) override {
+    if (full_path.rfind("params/", 0) != 0) return std::nullopt;
+    const auto it = index_of.find(std::string_view(full_path).substr(7));
+    if (it == index_of.end()) return std::nullopt;
+    const std::size_t i = it->second;
+    const LeafSharding& l = s.layout.leaves()[i];
+    if (!(wanted == l.shape) || !(stored.shape() == l.shard_shape(s.comm.rank(), s.comm.size())))
+      throw DistError(detail::cat("linum::dist::ShardedDataParallel (stage 3): param '", full_path, "' is read as ", wanted,
+                                  " from a dict entry of shape ", stored.shape(), "; pass the params tree the loss receives "
+                                  "unchanged as the \"params\" collection of apply"));
+    return gather_op(i, stored);
+  }
+};
+
+std::pair<ShardedStepResult, Tree> ShardedDataParallel::Impl::stage3_gradients(const LossWithAux& loss, const Tree& batch,
+                                                                               rng::Key key) {
+  const int ranks = comm.size(), me = comm.rank();
+  const bool fast = options.data.reduction == Reduction::fast;
+  const std::int64_t rows = batch_rows(batch);
+  const int M = fast ? ranks : options.data.micro_batches;
+  if (rows < M)
+    throw ShapeError(detail::cat("linum::dist::ShardedDataParallel: a global batch of ", rows, " rows cannot be cut into ", M,
+                                 fast ? " ranks' shares" : " micro-batches", "; use a larger batch or fewer micro-batches"));
+  if (options.data.aux == Sync::per_rank)
+    throw ValueError("linum::dist::ShardedDataParallel: stage 3 averages the aux tree over the batch (Sync::average); "
+                     "Sync::per_rank needs stage 0-2");
+  Stage3 ctx(*this, M, fast);
+  const int rounds = (M + ranks - 1) / ranks;
+  ShardedStepResult result;
+  result.stats.ranks = ranks;
+  TreeFold small(M);
+  std::optional<Tree> aux_structure;
+  std::vector<float> small_sum;
+  const auto compute_start = Clock::now();
+  for (int j = 0; j < rounds; ++j) {
+    ctx.round = j;
+    const int m = j * ranks + me;
+    const bool real = m < M;
+    const int piece = real ? m : M - 1;  // a stand-in keeps the collectives in step; its values are dropped
+    const std::int64_t lo = rows * piece / M, hi = rows * (piece + 1) / M;
+    ctx.weight = weight_of(lo, hi, rows);
+    if (real) {
+      ++result.stats.local_pieces;
+      result.stats.local_rows += hi - lo;
+    }
+    const Tree part = rows_of(batch, lo, hi);
+    const rng::Key piece_key = rng::fold_in(key, static_cast<std::uint32_t>(piece));
+    std::optional<std::tuple<Array, Tree, std::vector<Array>>> out;
+    {
+      linum::detail::ParamReadHookGuard reads(&ctx);
+      autodiff::SavedValueHooksGuard regather({
+          .pack = [&ctx](const Array& a, const autodiff::SavedValueInfo& info) -> std::any {
+            if (info.producer_op != nullptr && std::string_view(info.producer_op) == kGatherOp && a.nbytes() > 0)
+              if (auto it = ctx.gathered.find(a.raw()); it != ctx.gathered.end()) return Regather{it->second};
+            return a;
+          },
+          .unpack = [&ctx](const std::any& p) -> Array {
+            if (const auto* r = std::any_cast<Regather>(&p)) return ctx.gather_whole(r->index);
+            return std::any_cast<const Array&>(p);
+          }});
+      auto [value, aux, grads] = linum::value_and_grad([&](const std::vector<Array>& p) {
+        return loss(with_leaves(layout.structure(), p), part, piece_key);
+      })(linum::leaves(local));
+      out.emplace(value, aux, std::move(grads));
+    }
+    ctx.fill_unread();
+    const Array& value = std::get<0>(*out);
+    const Tree& aux = std::get<1>(*out);
+    require_f32(aux, "aux");
+    if (!aux_structure) {
+      aux_structure = aux;
+      if (ranks > 1) check_same_layout(layout_of(aux), comm, "aux tree");
+    } else if (auto diff = structure_difference(*aux_structure, aux)) {
+      throw ShapeError(detail::cat("linum::dist::ShardedDataParallel: the loss's aux tree changed between micro-batches: ", *diff));
+    }
+    std::vector<float> mine;
+    append_scaled(mine, astype(value, DType::f32), ctx.weight);
+    for (const Array& a : linum::leaves(aux)) append_scaled(mine, a, ctx.weight);
+    std::vector<float> all(mine.size() * static_cast<std::size_t>(ranks));
+    if (ranks == 1) {
+      all = mine;
+    } else {
+#if LINUM_HAVE_MPI
+      check_mpi(MPI_Allgather(mine.data(), static_cast<int>(mine.size()), MPI_FLOAT, all.data(), static_cast<int>(mine.size()),
+                              MPI_FLOAT, to_mpi(comm)),
+                "MPI_Allgather");
+#endif
+    }
+    for (int r = 0; r < ranks; ++r) {
+      const int p = j * ranks + r;
+      if (p >= M) continue;
+      Array v = Array::empty(Shape{static_cast<std::int64_t>(mine.size())});
+      std::memcpy(v.mutable_data(), all.data() + static_cast<std::size_t>(r) * mine.size(), mine.size() * sizeof(float));
+      if (fast) {
+        if (small_sum.empty()) small_sum.assign(mine.size(), 0.0f);
+        for (std::size_t e = 0; e < mine.size(); ++e) small_sum[e] += v.data()[e];  // rank order, as a fast sum may
+      } else {
+        small.push(p, std::move(v));
+      }
+    }
+  }
+  result.stats.compute_s = seconds_since(compute_start) - ctx.communication_s;
+  result.stats.communication_s = ctx.communication_s;
+  result.stats.bytes_sent = ctx.bytes_sent;
+  result.stats.wire_bytes = ctx.wire_bytes;
+  result.stats.messages = ctx.messages;
+  const float* totals = fast ? small_sum.data() : small.result().data();
+  result.loss = Array::full(Shape{}, totals[0]);
+  std::size_t offset = 1;
+  result.aux = unflat(*aux_structure, totals, offset);
+  std::vector<Array> slices;
+  for (std::size_t i = 0; i < layout.leaves().size(); ++i) {
+    const LeafSharding& l = layout.leaves()[i];
+    Array g = reshape(fast ? ctx.sums[i] : ctx.folds[i].result(), l.shard_shape(me, ranks).vec());
+    slices.push_back(l.dtype == DType::f32 ? g : astype(g, l.dtype));
+  }
+  std::int64_t slice_bytes = 0;
+  for (const Array& g : slices) slice_bytes += static_cast<std::int64_t>(g.nbytes());
+  gradient_bytes = std::max(ctx.peak_fold_bytes, slice_bytes);
+  return {std::move(result), with_leaves(layout.structure(), slices)};
+}
+
 ShardedDataParallel::ShardedDataParallel(const Tree& params, optim::GradientTransformation optimizer,
                                          ShardedDataParallelOptions options)
     : impl_(std::make_unique<Impl>(std::move(optimizer), std::move(options))) {
   Impl& s = *impl_;
-  if (s.options.stage == 3)
-    throw ValueError("linum::dist::ShardedDataParallel: stage 3 (parameters sharded and gathered per module call) is not "
-                     "available yet; use stage 2 (gradients and optimizer state sharded)");
-  if (s.options.stage < 0 || s.options.stage > 2)
-    throw ValueError(detail::cat("linum::dist::ShardedDataParallel: stage must be 0, 1 or 2, got ", s.options.stage));
+  if (s.options.stage < 0 || s.options.stage > 3)
+    throw ValueError(detail::cat("linum::dist::ShardedDataParallel: stage must be 0, 1, 2 or 3, got ", s.options.stage));
   if (s.optimizer.takes_per_example_gradients())
     throw ValueError(detail::cat("linum::dist::ShardedDataParallel: ", s.optimizer.name(),
                                  " takes per-example gradients; sharded data parallelism gives the batch's gradient"));
@@ -373,6 +727,7 @@ ShardedDataParallel::ShardedDataParallel(const Tree& params, optim::GradientTran
     const Tree grown = with_leaves(s.layout.structure(), longer);
     s.map_state(s.optimizer.init(grown), grown);
   }
+  if (s.options.stage == 3) s.params = Tree();  // only the slices stay
 }
 
 ShardedDataParallel::~ShardedDataParallel() = default;
@@ -389,7 +744,11 @@ ShardedStepResult ShardedDataParallel::step(const LossWithAux& loss, const Tree&
   memory::reset_peak();
   const std::int64_t live_before = memory::stats().live_bytes;
   Tree grads;  // this rank's slices (whole in stage 0)
-  if (s.options.stage <= 1) {
+  if (s.options.stage == 3) {
+    auto [r, slices] = s.stage3_gradients(loss, batch, key);
+    result = std::move(r);
+    grads = std::move(slices);
+  } else if (s.options.stage <= 1) {
     StepResult r = s.data.value_and_grad(loss, s.params, batch, key);
     s.gradient_bytes = tree_bytes(r.grads);
     grads = s.layout.shard(r.grads, s.my_shard());  // (stage 0: the whole leaves, scalars as [1])
@@ -452,12 +811,17 @@ ShardedStepResult ShardedDataParallel::step(const LossWithAux& loss, const Tree&
     s.state = std::move(next.state);
   }
   result.optimizer_s = seconds_since(opt_start);
-  s.params = s.gather(s.local, &result.stats, &result.gather_s);
-  result.stats.communication_s += result.gather_s;
+  if (s.options.stage <= 2) {
+    s.params = s.gather(s.local, &result.stats, &result.gather_s);
+    result.stats.communication_s += result.gather_s;
+  }
   return result;
 }
 
-const Tree& ShardedDataParallel::params() const { return impl_->params; }
+Tree ShardedDataParallel::params() const {
+  if (impl_->options.stage == 3) return const_cast<Impl&>(*impl_).gather(impl_->local, nullptr, nullptr);
+  return impl_->params;
+}
 const Tree& ShardedDataParallel::local_params() const { return impl_->local; }
 const Tree& ShardedDataParallel::local_optimizer_state() const { return impl_->state; }
 const ShardLayout& ShardedDataParallel::layout() const { return impl_->layout; }
@@ -466,7 +830,7 @@ int ShardedDataParallel::stage() const { return impl_->options.stage; }
 RankBytes ShardedDataParallel::memory() const {
   const Impl& s = *impl_;
   RankBytes b;
-  b.params = tree_bytes(s.params) + (s.options.stage == 0 ? 0 : tree_bytes(s.local));
+  b.params = (s.options.stage == 3 ? 0 : tree_bytes(s.params)) + (s.options.stage == 0 ? 0 : tree_bytes(s.local));
   b.gradients = s.gradient_bytes;
   b.optimizer_state = tree_bytes(s.state);
   b.activations = s.activation_bytes;
@@ -627,7 +991,7 @@ void ShardedDataParallel::restore(const std::filesystem::path& dir) {
   }
   s.local = with_leaves(s.layout.structure(), local);
   s.state = with_leaves(s.state, state_out);
-  s.params = s.gather(s.local, nullptr, nullptr);
+  if (s.options.stage <= 2) s.params = s.gather(s.local, nullptr, nullptr);
 }
 
 }  // namespace linum::dist

@@ -17,7 +17,17 @@
 //  2  as 1, and the gradients are reduce-scattered: each rank receives only the sums for its slices
 //     (reproducible mode: the partial sums of the fixed micro-batch tree, cut by destination, one
 //     all-to-all; fast mode: MPI_Reduce_scatter), so no rank holds a summed whole gradient.
-// Stage 3 (parameters sharded, gathered per module call) is not built yet: asking for it throws.
+//  3  as 2, and the parameters too: between steps a rank holds only its slices; a parameter is
+//     gathered (one allgather) when a module reads it (Scope::param, through a param-read hook),
+//     released after the module's ops used it (the ops' saved inputs become handles, and backward
+//     gathers again; remat's recomputation gathers again too), and its gradient is sent to the
+//     owners of its slices as soon as backward has it. Ranks take micro-batches round-robin (piece
+//     m on rank m % P), so each round's pieces arrive in order and the owner adds them into the
+//     fixed tree left to right, keeping one partial sum per tree level: no rank ever holds a whole
+//     gradient or all parameters. The same bits as stages 0-2. Needs the loss to pass its params
+//     tree unchanged as apply's "params" collection, to read each parameter once per step (tied
+//     weights: use stage 2) and the same control flow on every micro-batch (a rank with no piece
+//     left runs a stand-in so that every rank makes the same collective calls).
 //
 // Which slice: dist::ShardLayout (sharding.hpp) cuts every parameter along one axis, chosen by the
 // logical axis names the init dict carries (nn::with_partitioning) and ShardingRules.
@@ -43,14 +53,14 @@
 namespace linum::dist {
 
 struct ShardedDataParallelOptions {
-  int stage = 2;                  // 0, 1 or 2 (see above)
+  int stage = 2;                  // 0, 1, 2 or 3 (see above)
   DataParallelOptions data;       // reduction, micro-batches, communicator, aux sync, ...
   ShardingRules rules;            // which axis of each parameter is cut
 };
 
 // Bytes this rank holds, by kind.
 struct RankBytes {
-  std::int64_t params = 0;           // parameters (whole ones in stages 0-2) and this rank's slices
+  std::int64_t params = 0;           // parameters kept between steps: whole ones (stages 0-2) and this rank's slices
   std::int64_t gradients = 0;        // the gradient buffers of the last step (whole or slices, and partial sums)
   std::int64_t optimizer_state = 0;  // this rank's optimizer state
   std::int64_t activations = 0;      // the peak of Linum's live array bytes during the last step's compute
@@ -80,8 +90,8 @@ class ShardedDataParallel {
   ShardedStepResult step(const LossWithAux& loss, const Tree& batch, rng::Key key);
   ShardedStepResult step(const Loss& loss, const Tree& batch, rng::Key key);
 
-  // The whole parameters (every rank holds them in stages 0-2).
-  const Tree& params() const;
+  // The whole parameters (every rank holds them in stages 0-2; stage 3 gathers them: a collective call).
+  Tree params() const;
   // This rank's slices of the parameters and its optimizer state.
   const Tree& local_params() const;
   const Tree& local_optimizer_state() const;
