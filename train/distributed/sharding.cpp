@@ -32,7 +32,10 @@ const std::string* rule_for(const ShardingRules& rules, const std::string& name)
 
 }  // namespace
 
-ShardLayout::ShardLayout(const Tree& params, int ranks, const ShardingRules& rules) : ranks_(ranks), structure_(params) {
+ShardLayout::ShardLayout(const Tree& params, int ranks, const ShardingRules& rules) : ranks_(ranks) {
+  // The structure only: one shared empty array per leaf, so the layout keeps no parameter alive.
+  const Array placeholder = Array::empty(Shape{0});
+  structure_ = tree_map([&](const Array&) { return placeholder; }, params);
   if (ranks < 1) throw ValueError(detail::cat("dist::ShardLayout: the number of ranks must be at least 1, got ", ranks));
   std::vector<std::pair<std::string, const Tree*>> nodes;
   std::function<void(const Tree&, const std::string&)> walk = [&](const Tree& t, const std::string& path) {

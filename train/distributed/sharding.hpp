@@ -62,6 +62,7 @@ class ShardLayout {
 
   int ranks() const { return ranks_; }
   const std::vector<LeafSharding>& leaves() const { return leaves_; }
+  // The parameters' tree structure (its leaves are empty placeholders: use with_leaves).
   const Tree& structure() const { return structure_; }
 
   // Rank r's slices of the whole `params` (same structure; scalars as [1] on the last rank, [0] elsewhere).
