@@ -18,10 +18,18 @@ int main(int argc, char** argv) {
     int step = 0;
     const dist::Loss loss = [&](const Tree& p, const Tree& b, rng::Key) {
       if (step == 1 && dist::rank() == 1) throw ValueError("injected failure in the loss (step 2)");
+      if (mode == "sharded") {  // read through a module, as stage 3 gathers parameters on module reads
+        struct Linear {
+          Array operator()(Scope& s, const Array& x) const {
+            return matmul(x, s.param("w", initializers::zeros(), Shape{x.dim(1), x.dim(1)}));
+          }
+        };
+        return mean(square(apply(Linear{}, Tree{{"params", p}}, b.at("x").array())));
+      }
       return mean(square(matmul(b.at("x").array(), p.at("w").array())));
     };
-    if (mode == "sharded") {  // ZeRO stage 2: the others wait in the gradient all-to-all
-      dist::ShardedDataParallel zero(params, optim::adam(1e-3), {.stage = 2, .data = options});
+    if (mode == "sharded") {  // ZeRO stage 3: the others wait in a parameter gather inside the forward pass
+      dist::ShardedDataParallel zero(params, optim::adam(1e-3), {.stage = 3, .data = options});
       for (; step < 3; ++step) zero.step(loss, batch, rng::key(2));
     } else {
       dist::DataParallel dp(options);

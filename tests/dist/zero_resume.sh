@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A sharded checkpoint saved on 3 ranks (stage 2, after 2 steps) restores on 2 ranks (stage 1) and
+# A sharded checkpoint saved on 3 ranks (stage 2, after 2 steps) restores on 2 ranks (stage 3) and
 # the third step ends with bitwise the parameters 3 steps on one process give.
 #   zero_resume.sh MPIRUN TEST_ZERO
 set -euo pipefail

@@ -950,7 +950,7 @@ void ShardedDataParallel::restore(const std::filesystem::path& dir) {
                                    "optimizer's: ", *diff, "; restore with the optimizer that saved it"));
   }
   // The old layout: the same axes over the saved number of ranks.
-  const ShardLayout old(s.params, saved_ranks, s.options.rules);
+  const ShardLayout old = s.layout.with_ranks(saved_ranks);
   auto reslice = [&](std::size_t i, const std::vector<Array>& parts, DType dtype) {
     const Array whole = old.join(i, parts);
     Array mine = s.layout.slice(i, whole, s.my_shard());

@@ -81,6 +81,13 @@ ShardLayout::ShardLayout(const Tree& params, int ranks, const ShardingRules& rul
   }
 }
 
+ShardLayout ShardLayout::with_ranks(int ranks) const {
+  if (ranks < 1) throw ValueError(detail::cat("dist::ShardLayout: the number of ranks must be at least 1, got ", ranks));
+  ShardLayout out = *this;
+  out.ranks_ = ranks;
+  return out;
+}
+
 Array ShardLayout::slice(std::size_t i, const Array& whole, int rank) const {
   const LeafSharding& leaf = leaves_.at(i);
   autodiff::NoGradGuard constants;

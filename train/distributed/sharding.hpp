@@ -61,6 +61,8 @@ class ShardLayout {
   ShardLayout(const Tree& params, int ranks, const ShardingRules& rules = {});
 
   int ranks() const { return ranks_; }
+  // The same cuts over another number of ranks.
+  ShardLayout with_ranks(int ranks) const;
   const std::vector<LeafSharding>& leaves() const { return leaves_; }
   // The parameters' tree structure (its leaves are empty placeholders: use with_leaves).
   const Tree& structure() const { return structure_; }
