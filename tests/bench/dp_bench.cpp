@@ -2,13 +2,14 @@
 //
 //   linum-bench dp [--layers 24] [--width 512] [--batch 2048] [--steps 5] [--threads T]
 //                  [--reduction fast|reproducible] [--micro-batches 8] [--bucket-mib 4] [--overlap 1|0]
-//                  [--zero 0|1|2] [--optimizer sgd|adam]
+//                  [--zero 0|1|2|3] [--optimizer sgd|adam]
 //   mpirun -np 2 linum-bench dp --threads 1 ...
 //
 // The micro-batch count defaults to 8 (the library's default) whatever the rank count, so
 // reproducible runs print the same params_checksum on 1, 2 and 3 ranks (M >= ranks is required).
 // With --zero S the step runs through dist::ShardedDataParallel at stage S (0: everything whole,
-// the optimizer on every rank; 1: optimizer state sharded; 2: gradients reduce-scattered too) with
+// the optimizer on every rank; 1: optimizer state sharded; 2: gradients reduce-scattered too; 3:
+// parameters sliced too, gathered when a module reads them; the MLP runs as modules at every stage) with
 // adam by default, and the line adds this rank's bytes by kind (params, gradients,
 // optimizer_state, activations; the largest over ranks) and the parameter gather's time.
 //
@@ -61,6 +62,22 @@ auto mlp_loss(long L) {
   };
 }
 
+// The same MLP as modules (stage 3 gathers a parameter when a module reads it).
+struct BenchLayer {
+  Array operator()(Scope& s, const Array& h) const {
+    const Array kernel = s.param("kernel", initializers::zeros(), Shape{h.dim(1), h.dim(1)});
+    return gelu(matmul(h, kernel) + s.param("bias", initializers::zeros(), Shape{h.dim(1)}));
+  }
+};
+struct BenchMlp {
+  long layers = 0;
+  Array operator()(Scope& s, const Array& x) const {
+    Array h = x;
+    for (long l = 0; l < layers; ++l) h = s("layer_" + std::to_string(l), BenchLayer{}, h);
+    return h;
+  }
+};
+
 std::int64_t max_over_ranks(std::int64_t v) {
   std::int64_t m = 0;
   for (auto x : dist::allgather(static_cast<std::uint64_t>(v))) m = std::max(m, static_cast<std::int64_t>(x));
@@ -72,7 +89,10 @@ int bench_zero(const Flags& f, const dist::DataParallelOptions& options, int sta
   const auto opt = optimizer == "adam" ? optim::adam(1e-3) : optim::sgd(1e-3);
   dist::ShardedDataParallel trainer(mlp_params(L, W), opt, {.stage = stage, .data = options});
   const Tree batch{{"x", random_normal(Shape{B, W}, 7u, 1.0f)}};
-  const auto loss = mlp_loss(L);
+  const auto loss = [L](const Tree& p, const Tree& b, rng::Key) {
+    const Array h = apply(BenchMlp{L}, Tree{{"params", p}}, b.at("x").array());
+    return mean(h * h);
+  };
   std::vector<double> times;
   dist::StepStats last;
   double compute = 0, comm = 0, gather = 0, optimizer_s = 0;

@@ -296,7 +296,9 @@ struct ShardedDataParallel::Impl {
   std::vector<float> reduce_scatter_fast(const LossWithAux& loss, const Tree& batch, rng::Key key, std::int64_t rows,
                                          StepResult& out, Tree& aux_structure, Tree& my_aux) {
     const int ranks = comm.size();
-    const auto [lo, hi] = data.local_rows(rows);
+    // (Plain variables, not a structured binding: clang 14 cannot capture those in a lambda.)
+    const std::pair<std::int64_t, std::int64_t> mine_rows = data.local_rows(rows);
+    const std::int64_t lo = mine_rows.first, hi = mine_rows.second;
     const float w = weight_of(lo, hi, rows);
     const auto compute_start = Clock::now();
     auto [value, aux, grads] = linum::value_and_grad([&](const std::vector<Array>& p) {
