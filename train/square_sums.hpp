@@ -47,8 +47,9 @@ class SquareSum {
   // Adds another sum's terms.
   void merge(const SquareSum& other);
 
-  // The sum: NaN if a NaN was added, +infinity if an infinity was, else the exact sum rounded to
-  // double (each bin rounded once, added from the largest: a fixed function of the bins).
+  // The sum: NaN if a NaN was added, +infinity if an infinity was, else each bin rounded to double
+  // and the bins added from the largest (within a few ulps of the exact sum; a fixed function of
+  // the bins, so the same bits for the same terms in any order).
   double value() const;
   // How many values were added.
   std::int64_t count() const { return count_; }

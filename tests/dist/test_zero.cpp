@@ -108,7 +108,7 @@ std::vector<Case> optimizers() {
 
 }  // namespace
 
-TEST_CASE("the layout: rules pick the annotated axis, others their largest axis, scalars go to rank 0") {
+TEST_CASE("the layout: rules pick the annotated axis, others their largest axis, scalars go to the last rank") {
   const Tree vars = init(ZeroNet{}, rng::key(3), Array::zeros(Shape{2, 13}), false);
   const Tree& params = vars.at("params");
   CHECK(params.at_path("Dense_0/kernel").axis_names() == std::vector<std::string>{"embed", "mlp"});
@@ -233,6 +233,20 @@ TEST_CASE("optimizers that need whole leaves, stage 3 and bad options are refuse
                          doctest::Contains("whole shape"), ValueError);
   }
   CHECK_NOTHROW(dist::ShardedDataParallel(params, optim::adafactor(1e-2, 4), {.stage = 0}));
+  // Ranks that would cut a parameter differently (here: only rank 0 has the axis names) are told so.
+  if (dist::size() > 1) {
+    const Tree unnamed = with_leaves(params, leaves(params));
+    CHECK_THROWS_WITH_AS(dist::ShardedDataParallel(dist::rank() == 0 ? params : unnamed, optim::adam(1e-3),
+                                                   {.stage = 2, .rules = {.rules = {{"embed", "data"}}}}),
+                         doctest::Contains("parameter layout"), dist::DistError);
+  }
+  // An optimizer step that throws leaves the trainer unusable, and says so, until restore().
+  const optim::GradientTransformation failing(
+      "failing", [](const Tree&) { return Tree(); },
+      [](const Tree&, const Tree&, const Tree*) -> optim::UpdateResult { throw ValueError("injected optimizer failure"); });
+  dist::ShardedDataParallel broken(params, failing, {.stage = 2, .data = {.micro_batches = 3}});
+  CHECK_THROWS_WITH_AS(train(broken, 0, 1), doctest::Contains("injected"), ValueError);
+  CHECK_THROWS_WITH_AS(broken.params(), doctest::Contains("restore()"), ValueError);
   // Stage 3 gathers a parameter per read: a loss that reads one twice (tied weights) is told to use stage 2.
   struct Tied {
     Array operator()(Scope& s, const Array& x) const {

@@ -52,6 +52,7 @@ void copy_slice(const T* src, const Shape& shape, int axis, std::int64_t begin, 
   for (int i = 0; i < axis; ++i) outer *= shape[i];
   for (int i = axis + 1; i < shape.rank(); ++i) inner *= shape[i];
   const std::int64_t d = shape[axis], run = (end - begin) * inner;
+  if (run == 0) return;
   for (std::int64_t o = 0; o < outer; ++o) std::memcpy(dst + o * run, src + (o * d + begin) * inner, static_cast<std::size_t>(run) * sizeof(T));
 }
 
@@ -113,6 +114,12 @@ struct ShardedDataParallel::Impl {
   std::vector<int> state_owner;  // per optimizer-state leaf: the parameter it mirrors, or -1 (held whole)
   DataParallel data;
   RankReductions reductions;
+  std::string broken;  // why the state was lost (an optimizer step that threw), or empty
+  void require_intact(const char* call) const {
+    if (!broken.empty())
+      throw ValueError(detail::cat("linum::dist::ShardedDataParallel::", call, ": ", broken,
+                                   "; restore() a checkpoint or build a new trainer"));
+  }
   std::int64_t gradient_bytes = 0, activation_bytes = 0;
 
   Impl(optim::GradientTransformation opt, ShardedDataParallelOptions o)
@@ -141,11 +148,17 @@ struct ShardedDataParallel::Impl {
                                    "follows the parameters' structure"));
     for (std::size_t k = 0; k < items.size(); ++k) {
       const auto& [path, a] = items[k];
+      // The longest parameter path the state path ends with (with "b" and "enc/b", "mu/enc/b" is enc/b's).
       int owner = -1;
-      for (std::size_t i = 0; i < layout.leaves().size() && owner < 0; ++i)
-        if (ends_with(path, layout.leaves()[i].path) && a.shape() == mine[i].shape() &&
-            grown_items[k].second.shape() == longer[i].shape())
+      std::size_t matched = 0;
+      for (std::size_t i = 0; i < layout.leaves().size(); ++i) {
+        const std::string& p = layout.leaves()[i].path;
+        if (p.size() > matched && ends_with(path, p) && a.shape() == mine[i].shape() &&
+            grown_items[k].second.shape() == longer[i].shape()) {
           owner = static_cast<int>(i);
+          matched = p.size();
+        }
+      }
       state_owner.push_back(owner);
     }
   }
@@ -169,7 +182,15 @@ struct ShardedDataParallel::Impl {
     }
     std::vector<unsigned char> send(static_cast<std::size_t>(bytes_of(me))), all(static_cast<std::size_t>(at));
     std::size_t offset = 0;
-    for (const Array& a : leaves(slices)) {
+    const std::vector<Array> mine = leaves(slices);
+    if (mine.size() != ls.size())
+      throw DistError(detail::cat("linum::dist::ShardedDataParallel: ", mine.size(), " slices for ", ls.size(), " parameters"));
+    for (std::size_t i = 0; i < ls.size(); ++i) {
+      const Array& a = mine[i];
+      if (!(a.shape() == ls[i].shard_shape(me, ranks)) || a.dtype() != ls[i].dtype)
+        throw DistError(detail::cat("linum::dist::ShardedDataParallel: the slice of '", ls[i].path, "' is ", a.type_str(),
+                                    ", the layout says ", dtype_name(ls[i].dtype), ls[i].shard_shape(me, ranks).str(),
+                                    " (did the optimizer change a parameter's shape or dtype?)"));
       if (a.nbytes() > 0) std::memcpy(send.data() + offset, a.raw(), a.nbytes());
       offset += a.nbytes();
     }
@@ -221,7 +242,7 @@ struct ShardedDataParallel::Impl {
       std::int64_t grads_n = 0;
       for (const auto& l : ls) grads_n += l.held_shape().numel();
       dst[0] = flat[0];
-      std::memcpy(dst + 1, flat + 1 + grads_n, static_cast<std::size_t>(aux_n) * sizeof(float));
+      if (aux_n > 0) std::memcpy(dst + 1, flat + 1 + grads_n, static_cast<std::size_t>(aux_n) * sizeof(float));
       float* d = dst + 1 + aux_n;
       const float* g = flat + 1;
       for (const auto& l : ls) {
@@ -326,7 +347,7 @@ struct ShardedDataParallel::Impl {
     float* d = send.data();
     for (int q = 0; q < ranks; ++q) {
       *d++ = astype(value, DType::f32).data()[0] * w;
-      std::memcpy(d, aux_flat.data(), aux_flat.size() * sizeof(float));
+      if (!aux_flat.empty()) std::memcpy(d, aux_flat.data(), aux_flat.size() * sizeof(float));
       d += aux_flat.size();
       for (std::size_t i = 0; i < ls.size(); ++i) {
         const std::int64_t n = ls[i].shard_numel(q, ranks);
@@ -730,6 +751,15 @@ ShardedDataParallel::ShardedDataParallel(const Tree& params, optim::GradientTran
     s.map_state(s.optimizer.init(grown), grown);
   }
   if (s.options.stage == 3) s.params = Tree();  // only the slices stay
+  // Every rank must cut every parameter the same way (axis names live in the init dict; a tree that
+  // went through dist::broadcast or a file has none) and map the optimizer state the same way.
+  if (s.comm.size() > 1) {
+    std::string owners;
+    for (int o : s.state_owner) owners += std::to_string(o) + ",";
+    check_same_layout(s.layout.describe() + "|" + owners, s.comm,
+                      "parameter layout (axis names and rules choose the cut: give every rank the init dict with its "
+                      "axis names, or the same ShardingRules) or optimizer state");
+  }
 }
 
 ShardedDataParallel::~ShardedDataParallel() = default;
@@ -742,6 +772,7 @@ ShardedStepResult ShardedDataParallel::step(const Loss& loss, const Tree& batch,
 
 ShardedStepResult ShardedDataParallel::step(const LossWithAux& loss, const Tree& batch, rng::Key key) {
   Impl& s = *impl_;
+  s.require_intact("step");
   ShardedStepResult result;
   memory::reset_peak();
   const std::int64_t live_before = memory::stats().live_bytes;
@@ -808,9 +839,15 @@ ShardedStepResult ShardedDataParallel::step(const LossWithAux& loss, const Tree&
     Tree local = std::move(s.local), state = std::move(s.state);
     s.local = Tree();
     s.state = Tree();
-    optim::StepResult next = s.optimizer.step(std::move(local), grads, std::move(state));
-    s.local = std::move(next.params);
-    s.state = std::move(next.state);
+    try {
+      optim::StepResult next = s.optimizer.step(std::move(local), grads, std::move(state));
+      s.local = std::move(next.params);
+      s.state = std::move(next.state);
+    } catch (const std::exception& e) {
+      // The fused step may have updated the buffers in place: the state is gone.
+      s.broken = detail::cat("the optimizer step failed (", e.what(), ")");
+      throw;
+    }
   }
   result.optimizer_s = seconds_since(opt_start);
   if (s.options.stage <= 2) {
@@ -821,6 +858,7 @@ ShardedStepResult ShardedDataParallel::step(const LossWithAux& loss, const Tree&
 }
 
 Tree ShardedDataParallel::params() const {
+  impl_->require_intact("params");
   if (impl_->options.stage == 3) return const_cast<Impl&>(*impl_).gather(impl_->local, nullptr, nullptr);
   return impl_->params;
 }
@@ -841,6 +879,7 @@ RankBytes ShardedDataParallel::memory() const {
 
 Tree ShardedDataParallel::optimizer_state() const {
   const Impl& s = *impl_;
+  s.require_intact("optimizer_state");
   // Each parameter-shaped leaf gathered through the parameters' layout; the rest is the same everywhere.
   const auto items = flatten(s.state);
   std::vector<Array> out;
@@ -895,20 +934,45 @@ nlohmann::ordered_json layout_json(const ShardLayout& layout, int stage) {
 
 }  // namespace
 
+// Runs `body` on every rank and agrees on the outcome: a rank that failed rethrows its error, the
+// others throw a DistError naming it (instead of waiting for it in the next collective call).
+template <class F>
+void on_every_rank(const Communicator& comm, const char* what, F&& body) {
+  std::exception_ptr error;
+  try {
+    body();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  const auto failed = allgather(error ? 1u : 0u, comm);
+  if (error) std::rethrow_exception(error);
+  for (std::size_t r = 0; r < failed.size(); ++r)
+    if (failed[r] != 0) throw DistError(detail::cat("linum::dist::ShardedDataParallel::", what, ": rank ", r, " failed (see its error)"));
+}
+
 void ShardedDataParallel::save(const std::filesystem::path& dir) const {
   const Impl& s = *impl_;
-  std::filesystem::create_directories(dir);
-  if (s.me < s.shards())
-    serialization::save_msgpack(shard_file(dir, s.me, s.shards()), Tree{{"params", s.local}, {"opt_state", s.state}});
-  if (s.me == 0) {
-    const std::string text = layout_json(s.layout, s.options.stage).dump(1) + "\n";
-    serialization::write_file_atomic(dir / "layout.json",
-                                     std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(text.data()), text.size()));
-  }
-  barrier(s.comm);
+  s.require_intact("save");
+  on_every_rank(s.comm, "save", [&] {
+    std::filesystem::create_directories(dir);
+    if (s.me < s.shards())
+      serialization::save_msgpack(shard_file(dir, s.me, s.shards()), Tree{{"params", s.local}, {"opt_state", s.state}});
+    if (s.me == 0) {
+      const std::string text = layout_json(s.layout, s.options.stage).dump(1) + "\n";
+      serialization::write_file_atomic(dir / "layout.json",
+                                       std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(text.data()), text.size()));
+    }
+  });
 }
 
 void ShardedDataParallel::restore(const std::filesystem::path& dir) {
+  Impl& s = *impl_;
+  on_every_rank(s.comm, "restore", [&] { restore_local(dir); });
+  s.broken.clear();
+  if (s.options.stage <= 2) s.params = s.gather(s.local, nullptr, nullptr);
+}
+
+void ShardedDataParallel::restore_local(const std::filesystem::path& dir) {
   Impl& s = *impl_;
   const auto text = serialization::read_file(dir / "layout.json");
   nlohmann::json j;
@@ -987,13 +1051,12 @@ void ShardedDataParallel::restore(const std::filesystem::path& dir) {
       }
       const auto i = static_cast<std::size_t>(s.state_owner[k]);
       std::vector<Array> parts;
-      for (const auto& st : state_of) parts.push_back(st.at(k).dtype() == ls[i].dtype ? st.at(k) : astype(st.at(k), ls[i].dtype));
+      for (const auto& st : state_of) parts.push_back(st.at(k));  // joined in the state's own dtype
       state_out.push_back(reslice(i, parts, current[k].dtype()));
     }
   }
   s.local = with_leaves(s.layout.structure(), local);
   s.state = with_leaves(s.state, state_out);
-  if (s.options.stage <= 2) s.params = s.gather(s.local, nullptr, nullptr);
 }
 
 }  // namespace linum::dist

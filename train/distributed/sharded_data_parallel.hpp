@@ -40,7 +40,11 @@
 // the order the ranks give (within float rounding of it).
 //
 // Optimizers must not need a parameter's whole shape: adafactor's factored moments and per-example
-// (DP-SGD) aggregation throw a ValueError on shards (use stage 0 for them).
+// (DP-SGD) aggregation throw a ValueError on shards (use stage 0 for them); optim::masked's masks see
+// slices, so they must select by path, not by shape. Every rank must build the same layout: pass
+// each rank the init dict with its axis names (dist::broadcast and files do not carry them; give
+// ShardingRules-free trees or init on every rank with the same key) -- a mismatch is a DistError.
+// An optimizer step that throws leaves the trainer unusable until restore().
 #pragma once
 
 #include <linum/train/distributed/data_parallel.hpp>
@@ -112,6 +116,7 @@ class ShardedDataParallel {
   void restore(const std::filesystem::path& dir);
 
  private:
+  void restore_local(const std::filesystem::path& dir);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -108,7 +108,8 @@ Array ShardLayout::join(std::size_t i, const std::vector<Array>& slices) const {
   std::vector<Array> nonempty;
   for (const Array& s : slices)
     if (s.numel() > 0) nonempty.push_back(s);
-  Array whole = nonempty.size() == 1 ? nonempty.front() : concatenate(nonempty, leaf.axis);
+  Array whole = nonempty.empty() ? Array::zeros(leaf.held_shape(), slices.front().dtype())
+                : nonempty.size() == 1 ? nonempty.front() : concatenate(nonempty, leaf.axis);
   return leaf.scalar ? reshape(whole, std::vector<std::int64_t>{}) : whole;
 }
 
