@@ -5,6 +5,8 @@
 
 #include <linum/linum.hpp>
 
+#include <doctest/doctest.h>
+
 #include <utility>
 
 namespace dist_test {
@@ -71,6 +73,19 @@ inline State train(dist::DataParallel& dp, int steps, std::int64_t batch_rows) {
     s.batch_stats = r.aux;
   }
   return s;
+}
+
+// The doctest cases of a test program run under mpirun (the program defines
+// DOCTEST_CONFIG_IMPLEMENT): rank 0 reports, the job fails if any rank failed.
+inline int run_doctest(int argc, char** argv) {
+  dist::Session mpi(argc, argv);
+  doctest::Context context(argc, argv);
+  if (dist::rank() != 0) context.setOption("minimal", true);
+  const int failed = context.run();
+  const auto verdicts = dist::allgather(static_cast<std::uint64_t>(failed != 0));
+  int any = 0;
+  for (auto v : verdicts) any |= static_cast<int>(v);
+  return any;
 }
 
 }  // namespace dist_test

@@ -136,14 +136,4 @@ TEST_CASE("bad data-parallel settings are refused with what to do") {
                        doctest::Contains("disagree on the batch size"), ShapeError);
 }
 
-int main(int argc, char** argv) {
-  dist::Session mpi(argc, argv);
-  doctest::Context context(argc, argv);
-  if (dist::rank() != 0) context.setOption("minimal", true);
-  const int failed = context.run();
-  // Every rank's verdict: the job fails if any rank failed.
-  const auto verdicts = dist::allgather(static_cast<std::uint64_t>(failed != 0));
-  int any = 0;
-  for (auto v : verdicts) any |= static_cast<int>(v);
-  return any;
-}
+int main(int argc, char** argv) { return dist_test::run_doctest(argc, argv); }

@@ -384,14 +384,4 @@ TEST_CASE("resume across rank counts (driven by zero_resume.sh)") {
   }
 }
 
-int main(int argc, char** argv) {
-  dist::Session mpi(argc, argv);
-  doctest::Context context(argc, argv);
-  if (dist::rank() != 0) context.setOption("minimal", true);
-  const int failed = context.run();
-  // Every rank's verdict: the job fails if any rank failed.
-  const auto verdicts = dist::allgather(static_cast<std::uint64_t>(failed != 0));
-  int any = 0;
-  for (auto v : verdicts) any |= static_cast<int>(v);
-  return any;
-}
+int main(int argc, char** argv) { return dist_test::run_doctest(argc, argv); }
