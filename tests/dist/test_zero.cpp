@@ -103,6 +103,15 @@ std::vector<Case> optimizers() {
       {"sgd with momentum", optim::sgd(0.1, 0.9)},
       {"apply_if_finite(adam)", optim::apply_if_finite(optim::adam(1e-2), 3)},
       {"block rms (adafactor, unfactored)", optim::adafactor(1e-2, 128, 0.8, 0, true, 1.0, 0.0, 1e-30, false)},
+      {"rmsprop (centered, momentum)", optim::rmsprop(1e-2, 0.9, 1e-8, 0.0, true, 0.9)},
+      {"adagrad", optim::adagrad(1e-2)},
+      {"lion", optim::lion(1e-3)},
+      {"adabelief", optim::adabelief(1e-2)},
+      {"multi_steps(adam, 2)", optim::multi_steps(optim::adam(1e-2), 2)},
+      {"masked decay (by path) + ema", optim::chain(optim::add_decayed_weights(1e-2, [](const std::string& path, const Array&) {
+                                                      return path.find("kernel") != std::string::npos;
+                                                    }),
+                                                    optim::ema(0.9), optim::sgd(0.1))},
   };
 }
 
