@@ -13,6 +13,7 @@
 #include <optional>
 #include <set>
 #include <span>
+#include <type_traits>
 #include <sstream>
 
 namespace linum::lift {
@@ -490,6 +491,45 @@ RematPlan make_plan(const Profile& pr, const Option& best, std::int64_t budget) 
   return plan;
 }
 
+// Processes planning together (PlanOptions::agree): every figure the solver reads becomes its maximum
+// over them (an upper bound of each one's peak, so the plan fits all), and all solve the same.
+template <class F>
+void each_figure(Profile& pr, F&& f) {
+  auto run = [&](LevelRun& r) {
+    f(r.step_seconds);
+    f(r.transfer_seconds);
+    for (auto& [key, s] : r.segments) {
+      f(s.kept);
+      f(s.own);
+      f(s.recompute);
+    }
+  };
+  for (auto& level : pr.runs)
+    for (LevelRun& r : level) run(r);
+  for (auto& level : pr.nested)
+    for (auto& entry : level) run(entry.second);
+}
+
+void agree_on(Profile& pr, std::int64_t& plain_peak, const PlanOptions& o) {
+  if (!o.agree) return;
+  std::vector<double> figures{static_cast<double>(plain_peak)};
+  each_figure(pr, [&](auto& x) { figures.push_back(static_cast<double>(x)); });
+  std::string what;
+  for (const auto& level : pr.runs)
+    for (const auto& unit : level.front().units) what += unit + ";";
+  o.agree(what, figures);
+  std::size_t at = 0;
+  plain_peak = static_cast<std::int64_t>(figures.at(at++));
+  each_figure(pr, [&](auto& x) { x = static_cast<std::remove_reference_t<decltype(x)>>(figures.at(at++)); });
+}
+
+std::int64_t agreed(std::int64_t value, const char* what, const PlanOptions& o) {
+  if (!o.agree) return value;
+  std::vector<double> figure{static_cast<double>(value)};
+  o.agree(what, figure);
+  return static_cast<std::int64_t>(figure.at(0));
+}
+
 std::int64_t measured_peak(const std::function<void()>& step, const Rule& rule) {
   detail::RematRuleScope scope(remat_rule(rule));
   memory::PeakScope peak;
@@ -518,8 +558,9 @@ RematPlan plan_remat(const std::function<void()>& step, std::int64_t budget_byte
   const storage::SpillWindows user_windows = places ? storage::spill_file().windows() : storage::SpillWindows{};
   std::optional<storage::SpillWindowsScope> closed;
   if (places) closed.emplace(storage::SpillWindows{0, 0});
-  const std::int64_t plain_peak = measured_peak(step, [](const std::vector<std::string>&) { return std::nullopt; });
-  const Profile pr = profile(step, options);
+  std::int64_t plain_peak = measured_peak(step, [](const std::vector<std::string>&) { return std::nullopt; });
+  Profile pr = profile(step, options);
+  agree_on(pr, plain_peak, options);
   const storage::TransferStats& profiled = pr.transfers;
   if (pr.runs[0][0].units.empty())
     throw ValueError(linum::detail::cat("lift::plan_remat: the step made no module calls at depth ", pr.depths[0],
@@ -548,7 +589,7 @@ RematPlan plan_remat(const std::function<void()>& step, std::int64_t budget_byte
     best.transfer_rates = {profiled.write_bytes_per_s(), profiled.read_bytes_per_s(), profiled.encode_bytes_per_s(),
                            profiled.decode_bytes_per_s()};
     if (!options.verify) break;
-    best.measured_peak_bytes = measured_peak(step, plan_rule(best));
+    best.measured_peak_bytes = agreed(measured_peak(step, plan_rule(best)), "measured peak", options);
     if (best.measured_peak_bytes <= budget_bytes) break;
     target -= best.measured_peak_bytes - budget_bytes;  // the model missed this much: plan with less
   }

@@ -60,6 +60,12 @@ struct PlanOptions {
   std::vector<int> depths = {1};
   int profile_steps = 2;          // recorded steps per profiling run (times: the minimum)
   bool verify = true;             // run the plan once and re-solve if it exceeds the budget
+  // Processes that plan one step together and must follow the same plan (sharded data parallelism:
+  // dist::ShardedDataParallel::plan_remat sets it): called with every figure the solver reads
+  // (bytes and seconds per profiled segment, the measured peaks) and `what`, a text naming the
+  // profiled calls, it must replace each figure by its maximum over the processes. The plan then
+  // fits every process's budget and is the same on all. Empty: one process.
+  std::function<void(const std::string& what, std::vector<double>& figures)> agree;
 };
 
 struct PlannedCall {

@@ -8,7 +8,9 @@
 
 #include <linum/train/distributed/mpi.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <cstdlib>
 #include <filesystem>
 #include <optional>
@@ -168,6 +170,32 @@ TEST_CASE("every stage, reproducible mode: the parameters and optimizer state on
       dist::check_replicated(z.params(), "the parameters after sharded steps");
     }
   }
+}
+
+TEST_CASE("stage 3 with and without overlap (prefetch, gradients sent from a thread): the same bits as one process") {
+  const auto opt = optim::adam(1e-2);
+  const Trained want = one_process(opt, 3, 6);
+  for (bool overlap : {false, true}) {
+    CAPTURE(overlap);
+    dist::ShardedDataParallel z(zero_params(), opt, {.stage = 3, .data = {.micro_batches = 6, .overlap = overlap}});
+    int prefetched = 0;
+    for (int step = 0; step < 3; ++step)
+      prefetched += z.step(dist::Loss(zero_loss), zero_batch(30, 50 + static_cast<std::uint32_t>(step)),
+                           rng::fold_in(rng::key(4), static_cast<std::uint32_t>(step)))
+                        .prefetched_gathers;
+    CHECK(first_difference(z.params(), want.params) == "");
+    // Gathers are prefetched when a thread communicates (several ranks, overlap on).
+    if (overlap && dist::size() > 1) CHECK(prefetched > 0);
+    else CHECK(prefetched == 0);
+  }
+  // Fast mode with overlap: within rounding of one process without it.
+  dist::ShardedDataParallel a(zero_params(), opt, {.stage = 3, .data = {.reduction = dist::Reduction::fast, .overlap = false}});
+  dist::ShardedDataParallel b(zero_params(), opt, {.stage = 3, .data = {.reduction = dist::Reduction::fast, .overlap = true}});
+  for (int step = 0; step < 2; ++step) {
+    a.step(dist::Loss(zero_loss), zero_batch(30, 50 + static_cast<std::uint32_t>(step)), rng::key(9));
+    b.step(dist::Loss(zero_loss), zero_batch(30, 50 + static_cast<std::uint32_t>(step)), rng::key(9));
+  }
+  CHECK(max_abs_difference(a.params(), b.params()) < 1e-5f);
 }
 
 TEST_CASE("stages 2 and 3 with an aux tree (BatchNorm statistics) average it as DataParallel does") {
@@ -369,6 +397,80 @@ TEST_CASE("stage 3 trains a GPT whose parameters + gradients + adam state exceed
                 static_cast<long long>(peak));
   if (dist::size() >= 3) CHECK(peak <= cap);
   CHECK(dist::checksum_hex(z->params()) == want);
+}
+
+// The same GPT with plain blocks: the remat planner decides which to remat.
+struct GptPlain {
+  Array operator()(Scope& s, const Array& tokens) const {
+    Array h = s(nn::Embed{.num_embeddings = 64, .features = 48}, tokens);
+    for (int b = 0; b < 4; ++b) h = s(GptBlock{}, h);
+    return s(nn::Dense{.features = 64}, s(nn::LayerNorm{}, h));
+  }
+};
+
+Array gpt_plain_loss(const Tree& params, const Tree& batch, rng::Key) {
+  const Array logits = apply(GptPlain{}, Tree{{"params", params}}, batch.at("x").array());
+  return mean(nn::softmax_cross_entropy_with_integer_labels(logits, batch.at("y").array()));
+}
+
+// 48 sequences: micro-batches of 16 rows, whose activations outweigh the gradient slices.
+Tree gpt_long_batch(int step) {
+  const Array t = rng::randint(rng::key(80 + static_cast<std::uint32_t>(step)), Shape{48, 17}, 0, 64);
+  return Tree{{"x", slice_axis(t, 1, 0, 16)}, {"y", slice_axis(t, 1, 1, 17)}};
+}
+
+TEST_CASE("the remat planner meets a per-rank budget at stage 3: one plan on every rank, under it, bit for bit") {
+  const auto opt = optim::adamw(1e-3);
+  constexpr int kSteps = 2, kPieces = 3;
+  const Tree params = init(GptPlain{}, rng::key(21), Array::full_i32(Shape{2, 16}, 0)).at("params");
+  std::string want;
+  {
+    dist::DataParallel alone({.micro_batches = kPieces, .comm = self()});
+    Tree p = params, state = opt.init(params);
+    for (int step = 0; step < kSteps; ++step) {
+      auto r = alone.value_and_grad(dist::Loss(gpt_plain_loss), p, gpt_long_batch(step), rng::key(0));
+      auto next = opt.step(std::move(p), r.grads, std::move(state));
+      p = std::move(next.params);
+      state = std::move(next.state);
+    }
+    want = dist::checksum_hex(p);
+  }
+  dist::ShardedDataParallel z(params, opt, {.stage = 3, .data = {.micro_batches = kPieces}});
+  // Without a tight budget the plan remats nothing; it tells the step's plain peak (the ranks' largest).
+  const std::int64_t base = memory::stats().live_bytes;
+  const lift::RematPlan loose = z.plan_remat(dist::Loss(gpt_plain_loss), gpt_long_batch(0), rng::key(0), std::int64_t{1} << 40);
+  CHECK(std::none_of(loose.calls.begin(), loose.calls.end(), [](const lift::PlannedCall& c) { return c.policy.has_value(); }));
+  const std::int64_t plain = loose.plain_peak_bytes;
+  REQUIRE(plain > base);
+  // A budget that leaves 65% of what the step adds: the plain step does not fit.
+  const std::int64_t budget = base + (plain - base) * 65 / 100;
+  const lift::RematPlan plan = z.plan_remat(dist::Loss(gpt_plain_loss), gpt_long_batch(0), rng::key(0), budget);
+  CHECK(std::any_of(plan.calls.begin(), plan.calls.end(), [](const lift::PlannedCall& c) { return c.policy.has_value(); }));
+  CHECK(plan.measured_peak_bytes <= budget);
+  // Every rank holds the same plan.
+  const std::string text = plan.to_json().dump();
+  const auto hash = static_cast<unsigned long long>(std::hash<std::string>{}(text));
+  std::vector<unsigned long long> hashes(static_cast<std::size_t>(dist::size()));
+  MPI_Allgather(&hash, 1, MPI_UNSIGNED_LONG_LONG, hashes.data(), 1, MPI_UNSIGNED_LONG_LONG, MPI_COMM_WORLD);
+  for (unsigned long long h : hashes) CHECK(h == hash);
+  if (dist::rank() == 0)
+    std::printf("{\"test\":\"zero3_plan_per_rank_budget\",\"ranks\":%d,\"base_bytes\":%lld,\"plain_peak_bytes\":%lld,"
+                "\"budget_bytes\":%lld,\"measured_peak_bytes\":%lld}\n%s",
+                dist::size(), static_cast<long long>(base), static_cast<long long>(plain), static_cast<long long>(budget),
+                static_cast<long long>(plan.measured_peak_bytes), plan.str().c_str());
+  // Training under the plan: the forward and backward passes stay within the budget on this rank,
+  // and the parameters are one process's without remat.
+  {
+    lift::PlanScope apply_plan(plan);
+    for (int step = 0; step < kSteps; ++step) {
+      const std::int64_t before = memory::stats().live_bytes;
+      z.step(dist::Loss(gpt_plain_loss), gpt_long_batch(step), rng::key(0));
+      CHECK(before + z.memory().activations <= budget);
+    }
+  }
+  CHECK(dist::checksum_hex(z.params()) == want);
+  // No plan fits a budget below what the rank holds: a ValueError on every rank.
+  CHECK_THROWS_AS(z.plan_remat(dist::Loss(gpt_plain_loss), gpt_long_batch(0), rng::key(0), base / 2), ValueError);
 }
 
 // zero_resume.sh: `-np 3` saves at stage 2 (2 steps), then `-np 2` resumes at stage 3 (1 more step) and must

@@ -152,72 +152,101 @@ void check_same_layout(const std::string& layout, const Communicator& comm, cons
 
 using namespace internal;
 
-// ---- the communication thread (fast mode) --------------------------------------------------------
+// ---- the communication thread ---------------------------------------------------------------------
 
-struct DataParallel::Overlap {
-  std::thread worker;
-  std::mutex mutex;
-  std::condition_variable wake, idle;
-  std::deque<std::function<void()>> jobs;
-  int running = 0;
-  bool stop = false;
-  std::exception_ptr error;
-  double busy_s = 0;
+namespace internal {
 
-  Overlap() {
-    worker = std::thread([this] {
-      std::unique_lock<std::mutex> lock(mutex);
-      for (;;) {
-        wake.wait(lock, [&] { return stop || !jobs.empty(); });
-        if (jobs.empty()) return;
-        auto job = std::move(jobs.front());
-        jobs.pop_front();
-        ++running;
-        lock.unlock();
-        const auto start = Clock::now();
-        try {
-          job();
-        } catch (...) {
-          std::lock_guard<std::mutex> g(mutex);
-          if (!error) error = std::current_exception();
-        }
-        const double took = seconds_since(start);
-        lock.lock();
-        busy_s += took;
-        --running;
-        if (jobs.empty() && running == 0) idle.notify_all();
+CommThread::CommThread() {
+  worker_ = std::thread([this] {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      wake_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;
+      auto job = std::move(jobs_.front());
+      jobs_.pop_front();
+      lock.unlock();
+      const auto start = Clock::now();
+      try {
+        job();
+      } catch (...) {
+        std::lock_guard<std::mutex> g(mutex_);
+        if (!error_) error_ = std::current_exception();
       }
-    });
-  }
-  ~Overlap() {
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      stop = true;
+      const double took = seconds_since(start);
+      lock.lock();
+      busy_s_ += took;
+      ++finished_;
+      progress_.notify_all();
     }
-    wake.notify_all();
-    worker.join();
+  });
+}
+
+CommThread::~CommThread() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
   }
-  void submit(std::function<void()> job) {
-    {
-      std::lock_guard<std::mutex> lock(mutex);
-      jobs.push_back(std::move(job));
-    }
-    wake.notify_one();
+  wake_.notify_all();
+  worker_.join();
+}
+
+std::uint64_t CommThread::submit(std::function<void()> job) {
+  std::uint64_t ticket = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    jobs_.push_back(std::move(job));
+    ticket = ++submitted_;
   }
-  // Waits for every submitted job; returns the time the jobs took, rethrows the first failure.
-  double wait() {
-    std::unique_lock<std::mutex> lock(mutex);
-    idle.wait(lock, [&] { return jobs.empty() && running == 0; });
-    const double busy = busy_s;
-    busy_s = 0;
-    if (error) {
-      auto e = error;
-      error = nullptr;
-      std::rethrow_exception(e);
-    }
-    return busy;
+  wake_.notify_one();
+  return ticket;
+}
+
+void CommThread::rethrow_locked() {
+  if (!error_) return;
+  auto e = error_;
+  error_ = nullptr;
+  std::rethrow_exception(e);
+}
+
+void CommThread::wait_for(std::uint64_t ticket) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  progress_.wait(lock, [&] { return finished_ >= ticket; });
+  rethrow_locked();
+}
+
+double CommThread::wait() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  progress_.wait(lock, [&] { return finished_ == submitted_; });
+  const double busy = busy_s_;
+  busy_s_ = 0;
+  rethrow_locked();
+  return busy;
+}
+
+bool CommThread::idle() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return finished_ == submitted_;
+}
+
+#if LINUM_HAVE_MPI
+void wait_request(void* mpi_request, bool polite, const char* call) {
+  auto* request = static_cast<MPI_Request*>(mpi_request);
+  if (!polite) {
+    check_mpi(MPI_Wait(request, MPI_STATUS_IGNORE), call);
+    return;
   }
-};
+  for (int done = 0;;) {
+    check_mpi(MPI_Test(request, &done, MPI_STATUS_IGNORE), call);
+    if (done) return;
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+#endif
+
+}  // namespace internal
+
+// Fast mode's buckets go out from a communication thread during the backward pass.
+struct DataParallel::Overlap : CommThread {};
 
 DataParallel::DataParallel(DataParallelOptions options) : options_(std::move(options)) {
   if (options_.micro_batches < 1)
@@ -484,11 +513,7 @@ StepResult DataParallel::fast(const LossWithAux& loss, const Tree& params, const
         MPI_Request request;
         check_mpi(MPI_Iallreduce(MPI_IN_PLACE, b.values.data() + at, count, MPI_FLOAT, MPI_SUM, to_mpi(comm), &request),
                   "MPI_Iallreduce");
-        for (int done = 0;;) {
-          check_mpi(MPI_Test(&request, &done, MPI_STATUS_IGNORE), "MPI_Test");
-          if (done) break;
-          std::this_thread::sleep_for(std::chrono::microseconds(50));
-        }
+        wait_request(&request, true, "MPI_Iallreduce");
       } else {
         check_mpi(MPI_Allreduce(MPI_IN_PLACE, b.values.data() + at, count, MPI_FLOAT, MPI_SUM, to_mpi(comm)), "MPI_Allreduce");
       }

@@ -129,6 +129,11 @@ struct ShardedDataParallel::Impl {
   struct Stage3;
   // Stage 3's forward and backward passes: this rank's gradient slices (and the step's loss, aux, stats).
   std::pair<ShardedStepResult, Tree> stage3_gradients(const LossWithAux& loss, const Tree& batch, rng::Key key);
+  // Any stage's forward and backward passes and gradient exchange: this rank's gradient slices
+  // (whole leaves at stage 0), the loss, aux and stats; no update.
+  std::pair<ShardedStepResult, Tree> gradients(const LossWithAux& loss, const Tree& batch, rng::Key key);
+  std::unique_ptr<CommThread> comm_thread;  // stage 3 with overlap (made on first use)
+  std::vector<std::size_t> gather_order;    // stage 3: the parameters one micro-batch gathers, in order
 
   int shards() const { return layout.ranks(); }
   int my_shard() const { return shards() == 1 ? 0 : me; }
@@ -446,23 +451,37 @@ struct Regather {
 }  // namespace
 
 // One stage-3 step's state: which round runs, the folds of this rank's gradient slices, and the
-// hook that gathers a parameter when a module reads it.
+// hook that gathers a parameter when a module reads it. With a communication thread (overlap), the
+// gathers and gradient exchanges run there in the order this thread submits them (the same on
+// every rank), the next parameter's gather starts when one is requested, and gradient exchanges
+// are not waited for until the round ends; without one, each runs here when it is needed.
 struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
   Impl& s;
   int pieces, round = 0;
   float weight = 0;
   bool fast;
+  CommThread* thread = nullptr;         // the communication thread, or null (inline)
   std::vector<TreeFold> folds;          // reproducible: per parameter, this rank's slice
   std::vector<Array> sums;              // fast: per parameter, this rank's slice
   std::vector<int> deposited;           // the round each parameter's gradient last arrived in
   std::unordered_map<const void*, std::size_t> gathered;  // whole arrays' buffers -> parameter
   std::map<std::string, std::size_t, std::less<>> index_of;
   std::vector<Array> slices;            // this rank's parameter slices (unchanged during the step)
-  double communication_s = 0;
+  // A gather under way: every rank's slice bytes of one parameter.
+  struct Gather {
+    std::uint64_t ticket = 0;
+    std::vector<int> counts, displs;
+    std::vector<unsigned char> bytes;
+  };
+  std::map<std::size_t, std::shared_ptr<Gather>> ahead;  // prefetched, not yet requested
+  std::vector<std::size_t> order_now;   // this round's gather requests, in order
+  std::size_t next_in_order = 0;        // where in s.gather_order the last request was, plus one
+  double communication_s = 0, exposed_s = 0;
   std::int64_t bytes_sent = 0, wire_bytes = 0, peak_fold_bytes = 0;
-  int messages = 0;
+  int messages = 0, prefetched = 0;
 
-  Stage3(Impl& impl, int m, bool is_fast) : s(impl), pieces(m), fast(is_fast), deposited(impl.layout.leaves().size(), -1) {
+  Stage3(Impl& impl, int m, bool is_fast, CommThread* comm_thread)
+      : s(impl), pieces(m), fast(is_fast), thread(comm_thread), deposited(impl.layout.leaves().size(), -1) {
     for (std::size_t i = 0; i < s.layout.leaves().size(); ++i) {
       index_of[s.layout.leaves()[i].path] = i;
       folds.emplace_back(m);
@@ -470,38 +489,105 @@ struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
     sums.resize(s.layout.leaves().size());
     slices = linum::leaves(s.local);
   }
+  ~Stage3() {
+    // Normally every job has run (end_round); after a failure with jobs in flight the job was
+    // aborted before getting here.
+    if (thread != nullptr) try {
+        thread->wait();
+      } catch (...) {
+      }
+  }
+  Stage3(const Stage3&) = delete;
+  Stage3& operator=(const Stage3&) = delete;
+
+  // Runs a communication job: on the thread (returns its ticket) or here, timed (returns 0).
+  std::uint64_t communicate(std::function<void()> job) {
+    ++messages;
+    if (thread != nullptr) return thread->submit(std::move(job));
+    const auto start = Clock::now();
+    job();
+    const double took = seconds_since(start);
+    communication_s += took;
+    exposed_s += took;
+    return 0;
+  }
+
+  // Starts gathering parameter i's slices from every rank (a collective call).
+  std::shared_ptr<Gather> start_gather(std::size_t i) {
+    const LeafSharding& l = s.layout.leaves()[i];
+    const int ranks = s.comm.size();
+    const auto elem = static_cast<std::int64_t>(dtype_size(l.dtype));
+    auto g = std::make_shared<Gather>();
+    g->counts.resize(static_cast<std::size_t>(ranks));
+    g->displs.resize(static_cast<std::size_t>(ranks));
+    std::int64_t at = 0;
+    for (int r = 0; r < ranks; ++r) {
+      g->counts[static_cast<std::size_t>(r)] = checked_count(l.shard_numel(r, ranks) * elem, "a parameter gather");
+      g->displs[static_cast<std::size_t>(r)] = checked_count(at, "a parameter gather");
+      at += l.shard_numel(r, ranks) * elem;
+    }
+    g->bytes.resize(static_cast<std::size_t>(at));
+    const Array& mine = slices[i];
+    bytes_sent += static_cast<std::int64_t>(mine.nbytes());
+    wire_bytes += at * (ranks - 1) / ranks;
+    g->ticket = communicate([this, g, &mine] {
+#if LINUM_HAVE_MPI
+      MPI_Request request;
+      check_mpi(MPI_Iallgatherv(mine.raw(), static_cast<int>(mine.nbytes()), MPI_BYTE, g->bytes.data(), g->counts.data(),
+                                g->displs.data(), MPI_BYTE, to_mpi(s.comm), &request),
+                "MPI_Iallgatherv");
+      wait_request(&request, thread != nullptr, "MPI_Iallgatherv");
+#else
+      (void)g;
+      (void)mine;
+#endif
+    });
+    return g;
+  }
+
+  // Starts the gather the recorded order says follows a request for parameter i (overlap only).
+  void prefetch_after(std::size_t i) {
+    const std::vector<std::size_t>& order = s.gather_order;
+    std::size_t at = order.size();
+    for (std::size_t k = next_in_order; k < order.size() && at == order.size(); ++k)
+      if (order[k] == i) at = k;
+    for (std::size_t k = 0; k < std::min(next_in_order, order.size()) && at == order.size(); ++k)
+      if (order[k] == i) at = k;
+    if (at == order.size()) return;  // not in the recorded order: no guess
+    next_in_order = at + 1;
+    if (at + 1 < order.size()) prefetch(order[at + 1]);
+  }
+  void prefetch(std::size_t j) {
+    if (thread != nullptr && ahead.count(j) == 0) ahead[j] = start_gather(j);
+  }
 
   // The whole parameter i from every rank's slice (a collective call; not recorded).
   Array gather_whole(std::size_t i) {
     const LeafSharding& l = s.layout.leaves()[i];
     const int ranks = s.comm.size();
-    const Array& mine = slices[i];
     std::vector<Array> parts;
     if (ranks == 1) {
-      parts.push_back(mine);
+      parts.push_back(slices[i]);
     } else {
-      const auto elem = static_cast<std::int64_t>(dtype_size(l.dtype));
-      std::vector<int> counts(static_cast<std::size_t>(ranks)), displs(static_cast<std::size_t>(ranks));
-      std::int64_t at = 0;
-      for (int r = 0; r < ranks; ++r) {
-        counts[static_cast<std::size_t>(r)] = checked_count(l.shard_numel(r, ranks) * elem, "a parameter gather");
-        displs[static_cast<std::size_t>(r)] = checked_count(at, "a parameter gather");
-        at += l.shard_numel(r, ranks) * elem;
+      order_now.push_back(i);
+      std::shared_ptr<Gather> g;
+      if (auto it = ahead.find(i); it != ahead.end()) {
+        g = it->second;
+        ahead.erase(it);
+        ++prefetched;
+      } else {
+        g = start_gather(i);
       }
-      std::vector<unsigned char> all(static_cast<std::size_t>(at));
-      const auto start = Clock::now();
-#if LINUM_HAVE_MPI
-      check_mpi(MPI_Allgatherv(mine.raw(), static_cast<int>(mine.nbytes()), MPI_BYTE, all.data(), counts.data(), displs.data(),
-                               MPI_BYTE, to_mpi(s.comm)),
-                "MPI_Allgatherv");
-#endif
-      communication_s += seconds_since(start);
-      ++messages;
-      bytes_sent += static_cast<std::int64_t>(mine.nbytes());
-      wire_bytes += at * (ranks - 1) / ranks;
+      if (thread != nullptr) {
+        prefetch_after(i);
+        const auto start = Clock::now();
+        thread->wait_for(g->ticket);
+        exposed_s += seconds_since(start);
+      }
       for (int r = 0; r < ranks; ++r) {
         Array part = Array::empty(l.shard_shape(r, ranks), l.dtype);
-        if (part.nbytes() > 0) std::memcpy(part.mutable_raw(), all.data() + displs[static_cast<std::size_t>(r)], part.nbytes());
+        if (part.nbytes() > 0)
+          std::memcpy(part.mutable_raw(), g->bytes.data() + g->displs[static_cast<std::size_t>(r)], part.nbytes());
         parts.push_back(std::move(part));
       }
     }
@@ -513,68 +599,100 @@ struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
   // This rank's piece's gradient of parameter i (the whole cotangent): each rank's slice goes to
   // its owner, which adds the round's pieces to its fold in piece order.
   void deposit(std::size_t i, const Array& g) {
-    if (deposited[i] == round)
+    if (deposited[i] == round) {
+      // Every rank reaches this read at the same point: let the communication already handed over
+      // finish (the other ranks take part in it), then refuse.
+      if (thread != nullptr) thread->wait();
       throw DistError(detail::cat("linum::dist::ShardedDataParallel: parameter '", s.layout.leaves()[i].path,
                                   "' was read twice in one step (tied or shared weights); stage 3 gathers each parameter "
                                   "once per module read and cannot sum two reads yet: use stage 2"));
+    }
     deposited[i] = round;
     const LeafSharding& l = s.layout.leaves()[i];
     const int ranks = s.comm.size(), me = s.comm.rank();
     const Array g32 = g.dtype() == DType::f32 ? g : astype(g, DType::f32);
-    std::vector<float> send(static_cast<std::size_t>(l.held_shape().numel()));
-    std::vector<int> send_counts(static_cast<std::size_t>(ranks)), send_displs(static_cast<std::size_t>(ranks));
-    std::vector<int> recv_counts(static_cast<std::size_t>(ranks)), recv_displs(static_cast<std::size_t>(ranks));
+    auto send = std::make_shared<std::vector<float>>(static_cast<std::size_t>(l.held_shape().numel()));
+    auto counts = std::make_shared<std::vector<int>>(static_cast<std::size_t>(4 * ranks));  // send counts, displs; receive counts, displs
+    int* send_counts = counts->data();
+    int* send_displs = send_counts + ranks;
+    int* recv_counts = send_displs + ranks;
+    int* recv_displs = recv_counts + ranks;
     const std::int64_t mine = l.shard_numel(me, ranks);
     std::int64_t at = 0;
     for (int q = 0; q < ranks; ++q) {
       const std::int64_t n = l.shard_numel(q, ranks);
-      copy_slice(g32.data(), l.held_shape(), l.axis, l.begin(q, ranks), l.end(q, ranks), send.data() + at);
-      for (std::int64_t e = 0; e < n; ++e) send[static_cast<std::size_t>(at + e)] *= weight;  // as DataParallel: g * w
-      send_counts[static_cast<std::size_t>(q)] = checked_count(n, "a gradient exchange");
-      send_displs[static_cast<std::size_t>(q)] = checked_count(at, "a gradient exchange");
-      recv_counts[static_cast<std::size_t>(q)] = checked_count(mine, "a gradient exchange");
-      recv_displs[static_cast<std::size_t>(q)] = checked_count(mine * q, "a gradient exchange");
+      copy_slice(g32.data(), l.held_shape(), l.axis, l.begin(q, ranks), l.end(q, ranks), send->data() + at);
+      for (std::int64_t e = 0; e < n; ++e) (*send)[static_cast<std::size_t>(at + e)] *= weight;  // as DataParallel: g * w
+      send_counts[q] = checked_count(n, "a gradient exchange");
+      send_displs[q] = checked_count(at, "a gradient exchange");
+      recv_counts[q] = checked_count(mine, "a gradient exchange");
+      recv_displs[q] = checked_count(mine * q, "a gradient exchange");
       at += n;
     }
-    const auto start = Clock::now();
-    if (fast) {
-      Array sum = Array::empty(Shape{mine});
+    bytes_sent += at * static_cast<std::int64_t>(sizeof(float));
+    wire_bytes += (at - mine) * static_cast<std::int64_t>(sizeof(float));
+    const int this_round = round;
+    communicate([this, i, send, counts, mine, ranks, this_round] {
+      const bool polite = thread != nullptr;
+      const int* sc = counts->data();
+      if (fast) {
+        Array sum = Array::empty(Shape{mine});
+        if (ranks == 1) {
+          if (mine > 0) std::memcpy(sum.mutable_data(), send->data(), static_cast<std::size_t>(mine) * sizeof(float));
+        } else {
+#if LINUM_HAVE_MPI
+          MPI_Request request;
+          check_mpi(MPI_Ireduce_scatter(send->data(), sum.mutable_data(), sc, MPI_FLOAT, MPI_SUM, to_mpi(s.comm), &request),
+                    "MPI_Ireduce_scatter");
+          wait_request(&request, polite, "MPI_Ireduce_scatter");
+#endif
+        }
+        sums[i] = std::move(sum);
+        return;
+      }
+      std::vector<float> recv(static_cast<std::size_t>(mine * ranks));
       if (ranks == 1) {
-        if (mine > 0) std::memcpy(sum.mutable_data(), send.data(), static_cast<std::size_t>(mine) * sizeof(float));
+        if (mine > 0) std::memcpy(recv.data(), send->data(), static_cast<std::size_t>(mine) * sizeof(float));
       } else {
 #if LINUM_HAVE_MPI
-        check_mpi(MPI_Reduce_scatter(send.data(), sum.mutable_data(), send_counts.data(), MPI_FLOAT, MPI_SUM, to_mpi(s.comm)),
-                  "MPI_Reduce_scatter");
+        MPI_Request request;
+        check_mpi(MPI_Ialltoallv(send->data(), sc, sc + ranks, MPI_FLOAT, recv.data(), sc + 2 * ranks, sc + 3 * ranks, MPI_FLOAT,
+                                 to_mpi(s.comm), &request),
+                  "MPI_Ialltoallv");
+        wait_request(&request, polite, "MPI_Ialltoallv");
 #endif
       }
-      sums[i] = std::move(sum);
-    } else {
-      Array recv = Array::empty(Shape{mine * ranks});
-      if (ranks == 1) {
-        if (mine > 0) std::memcpy(recv.mutable_data(), send.data(), static_cast<std::size_t>(mine) * sizeof(float));
-      } else {
-#if LINUM_HAVE_MPI
-        check_mpi(MPI_Alltoallv(send.data(), send_counts.data(), send_displs.data(), MPI_FLOAT, recv.mutable_data(),
-                                recv_counts.data(), recv_displs.data(), MPI_FLOAT, to_mpi(s.comm)),
-                  "MPI_Alltoallv");
-#endif
-      }
+      (void)polite;
+      (void)sc;
       for (int r = 0; r < ranks; ++r) {
-        const int piece = round * ranks + r;
+        const int piece = this_round * ranks + r;
         if (piece >= pieces) continue;  // a rank with no piece left ran a stand-in
-        folds[i].push(piece, ranks == 1 ? recv : slice_axis(recv, 0, mine * r, mine * (r + 1)));
+        Array part = Array::empty(Shape{mine});
+        if (mine > 0)
+          std::memcpy(part.mutable_data(), recv.data() + static_cast<std::size_t>(mine * r), static_cast<std::size_t>(mine) * sizeof(float));
+        folds[i].push(piece, std::move(part));
       }
       std::int64_t held = 0;
       for (const TreeFold& f : folds) held += f.bytes();
       peak_fold_bytes = std::max(peak_fold_bytes, held);
-    }
-    communication_s += seconds_since(start);
-    ++messages;
-    bytes_sent += at * static_cast<std::int64_t>(sizeof(float));
-    wire_bytes += (at - mine) * static_cast<std::int64_t>(sizeof(float));
+    });
   }
 
-  // Parameters no module read this round: zero gradients for the round's pieces.
+  // The round's communication is done (every gradient exchange arrived); guesses not used are
+  // dropped; the order of this round's gathers is what the next rounds (and steps) prefetch by.
+  void end_round() {
+    if (thread != nullptr) {
+      const auto start = Clock::now();
+      communication_s += thread->wait();
+      exposed_s += seconds_since(start);
+    }
+    ahead.clear();
+    if (!order_now.empty()) s.gather_order = std::move(order_now);
+    order_now.clear();
+    next_in_order = 0;
+  }
+
+  // Parameters no module read this round: zero gradients for the round's pieces (after end_round).
   void fill_unread() {
     const int ranks = s.comm.size();
     for (std::size_t i = 0; i < deposited.size(); ++i) {
@@ -627,7 +745,8 @@ std::pair<ShardedStepResult, Tree> ShardedDataParallel::Impl::stage3_gradients(c
   if (options.data.aux == Sync::per_rank)
     throw ValueError("linum::dist::ShardedDataParallel: stage 3 averages the aux tree over the batch (Sync::average); "
                      "Sync::per_rank needs stage 0-2");
-  Stage3 ctx(*this, M, fast);
+  if (options.data.overlap && ranks > 1 && Session::threads_supported() && !comm_thread) comm_thread = std::make_unique<CommThread>();
+  Stage3 ctx(*this, M, fast, options.data.overlap ? comm_thread.get() : nullptr);
   const int rounds = (M + ranks - 1) / ranks;
   ShardedStepResult result;
   result.stats.ranks = ranks;
@@ -635,7 +754,7 @@ std::pair<ShardedStepResult, Tree> ShardedDataParallel::Impl::stage3_gradients(c
   std::optional<Tree> aux_structure;
   std::vector<float> small_sum;
   const auto compute_start = Clock::now();
-  for (int j = 0; j < rounds; ++j) {
+  for (int j = 0; j < rounds; ++j) try {
     ctx.round = j;
     const int m = j * ranks + me;
     const bool real = m < M;
@@ -666,6 +785,7 @@ std::pair<ShardedStepResult, Tree> ShardedDataParallel::Impl::stage3_gradients(c
       })(linum::leaves(local));
       out.emplace(value, aux, std::move(grads));
     }
+    ctx.end_round();
     ctx.fill_unread();
     const Array& value = std::get<0>(*out);
     const Tree& aux = std::get<1>(*out);
@@ -701,9 +821,18 @@ std::pair<ShardedStepResult, Tree> ShardedDataParallel::Impl::stage3_gradients(c
         small.push(p, std::move(v));
       }
     }
+    if (j + 1 < rounds && !ctx.s.gather_order.empty()) ctx.prefetch(ctx.s.gather_order.front());  // the next round's first read
+  } catch (const std::exception& e) {
+    // Gathers and exchanges already handed to the communication thread are collectives the other
+    // ranks take part in; MPI cannot cancel them, and this step's buffers are about to go.
+    if (ctx.thread != nullptr && !ctx.thread->idle())
+      abort_job(detail::cat(e.what(), " (in a stage-3 step whose parameters or gradients were being communicated)"), 1, comm);
+    throw;
   }
-  result.stats.compute_s = seconds_since(compute_start) - ctx.communication_s;
+  result.stats.compute_s = seconds_since(compute_start) - ctx.exposed_s;
   result.stats.communication_s = ctx.communication_s;
+  result.stats.exposed_s = ctx.exposed_s;
+  result.prefetched_gathers = ctx.prefetched;
   result.stats.bytes_sent = ctx.bytes_sent;
   result.stats.wire_bytes = ctx.wire_bytes;
   result.stats.messages = ctx.messages;
@@ -770,12 +899,9 @@ ShardedStepResult ShardedDataParallel::step(const Loss& loss, const Tree& batch,
   return step([&](const Tree& p, const Tree& b, rng::Key k) { return std::make_pair(loss(p, b, k), Tree()); }, batch, key);
 }
 
-ShardedStepResult ShardedDataParallel::step(const LossWithAux& loss, const Tree& batch, rng::Key key) {
-  Impl& s = *impl_;
-  s.require_intact("step");
+std::pair<ShardedStepResult, Tree> ShardedDataParallel::Impl::gradients(const LossWithAux& loss, const Tree& batch, rng::Key key) {
+  Impl& s = *this;
   ShardedStepResult result;
-  memory::reset_peak();
-  const std::int64_t live_before = memory::stats().live_bytes;
   Tree grads;  // this rank's slices (whole in stage 0)
   if (s.options.stage == 3) {
     auto [r, slices] = s.stage3_gradients(loss, batch, key);
@@ -830,6 +956,15 @@ ShardedStepResult ShardedDataParallel::step(const LossWithAux& loss, const Tree&
     grads = with_leaves(s.layout.structure(), slices);
     result.stats = r.stats;
   }
+  return {std::move(result), std::move(grads)};
+}
+
+ShardedStepResult ShardedDataParallel::step(const LossWithAux& loss, const Tree& batch, rng::Key key) {
+  Impl& s = *impl_;
+  s.require_intact("step");
+  memory::reset_peak();
+  const std::int64_t live_before = memory::stats().live_bytes;
+  auto [result, grads] = s.gradients(loss, batch, key);
   s.activation_bytes = std::max<std::int64_t>(0, memory::stats().peak_bytes - live_before);
 
   const auto opt_start = Clock::now();
@@ -855,6 +990,35 @@ ShardedStepResult ShardedDataParallel::step(const LossWithAux& loss, const Tree&
     result.stats.communication_s += result.gather_s;
   }
   return result;
+}
+
+lift::RematPlan ShardedDataParallel::plan_remat(const Loss& loss, const Tree& batch, rng::Key key, std::int64_t budget_bytes,
+                                                lift::PlanOptions options) {
+  return plan_remat([&](const Tree& p, const Tree& b, rng::Key k) { return std::make_pair(loss(p, b, k), Tree()); }, batch, key,
+                    budget_bytes, std::move(options));
+}
+
+lift::RematPlan ShardedDataParallel::plan_remat(const LossWithAux& loss, const Tree& batch, rng::Key key, std::int64_t budget_bytes,
+                                                lift::PlanOptions options) {
+  Impl& s = *impl_;
+  s.require_intact("plan_remat");
+  options.agree = [&s](const std::string& what, std::vector<double>& figures) {
+    if (s.comm.size() == 1) return;
+    check_same_layout(detail::cat(figures.size(), " figures of ", what), s.comm,
+                      "remat plan's profile (every rank must make the same module calls in a step)");
+#if LINUM_HAVE_MPI
+    check_mpi(MPI_Allreduce(MPI_IN_PLACE, figures.data(), checked_count(static_cast<std::int64_t>(figures.size()), "a plan's profile"),
+                            MPI_DOUBLE, MPI_MAX, to_mpi(s.comm)),
+              "MPI_Allreduce");
+#endif
+  };
+  // One plan for all: within the smallest budget any rank gives.
+  std::int64_t budget = budget_bytes;
+#if LINUM_HAVE_MPI
+  if (s.comm.size() > 1)
+    check_mpi(MPI_Allreduce(&budget_bytes, &budget, 1, MPI_INT64_T, MPI_MIN, to_mpi(s.comm)), "MPI_Allreduce");
+#endif
+  return lift::plan_remat([&] { (void)s.gradients(loss, batch, key); }, budget, options);
 }
 
 Tree ShardedDataParallel::params() const {

@@ -28,6 +28,18 @@
 //     tree unchanged as apply's "params" collection, to read each parameter once per step (tied
 //     weights: use stage 2) and the same control flow on every micro-batch (a rank with no piece
 //     left runs a stand-in so that every rank makes the same collective calls).
+//     With options.data.overlap (the default; MPI with MPI_THREAD_SERIALIZED, more than one rank),
+//     stage 3 communicates from a thread while the computation goes on: it records the order in
+//     which a micro-batch gathers parameters (forward reads, remat's recomputations, backward's
+//     regathers) and, whenever it gathers one, starts the gather of the next in that order
+//     (FSDP's forward and backward prefetch: one parameter ahead), and it sends gradient slices
+//     to their owners without waiting. The bits do not change. A rank that fails while
+//     communication is in flight aborts the job (dist::abort_job), as DataParallel's overlap does.
+//
+// Remat under a per-rank budget: plan_remat() runs lift::plan_remat on the step's forward and
+// backward passes (gathers, gradient exchange and the rank's slices and optimizer state included
+// in the live bytes it measures) on every rank together, each figure the maximum over the ranks,
+// so every rank gets the same plan; apply it around step() with lift::PlanScope.
 //
 // Which slice: dist::ShardLayout (sharding.hpp) cuts every parameter along one axis, chosen by the
 // logical axis names the init dict carries (nn::with_partitioning) and ShardingRules.
@@ -47,6 +59,7 @@
 // An optimizer step that throws leaves the trainer unusable until restore().
 #pragma once
 
+#include <linum/lift/plan.hpp>
 #include <linum/train/distributed/data_parallel.hpp>
 #include <linum/train/distributed/sharding.hpp>
 #include <linum/train/optim.hpp>
@@ -77,6 +90,7 @@ struct ShardedStepResult {
   StepStats stats;   // the gradient exchange (and, in wire_bytes, the parameter gather)
   double optimizer_s = 0;   // the optimizer's update of this rank's slices
   double gather_s = 0;      // the allgather of updated slices
+  int prefetched_gathers = 0;  // stage 3 with overlap: parameter gathers started before the read that used them
 };
 
 class ShardedDataParallel {
@@ -93,6 +107,17 @@ class ShardedDataParallel {
   // gradients as DataParallel::value_and_grad, then the optimizer on this rank's slices.
   ShardedStepResult step(const LossWithAux& loss, const Tree& batch, rng::Key key);
   ShardedStepResult step(const Loss& loss, const Tree& batch, rng::Key key);
+
+  // A remat plan for step(loss, batch, key) whose peak of live bytes stays within `budget_bytes` on
+  // every rank (the smallest budget any rank gives; this rank's parameters, optimizer state and
+  // gradient buffers count: they are live),
+  // the same plan on every rank (lift::plan_remat, profiling the step's gradient computation
+  // without an update; options.agree is set here). Run steps under lift::PlanScope(plan). A
+  // collective call; ValueError on every rank when no plan fits.
+  lift::RematPlan plan_remat(const LossWithAux& loss, const Tree& batch, rng::Key key, std::int64_t budget_bytes,
+                             lift::PlanOptions options = {});
+  lift::RematPlan plan_remat(const Loss& loss, const Tree& batch, rng::Key key, std::int64_t budget_bytes,
+                             lift::PlanOptions options = {});
 
   // The whole parameters (every rank holds them in stages 0-2; stage 3 gathers them: a collective call).
   Tree params() const;
