@@ -11,7 +11,10 @@
 // the optimizer on every rank; 1: optimizer state sharded; 2: gradients reduce-scattered too; 3:
 // parameters sliced too, gathered when a module reads them; the MLP runs as modules at every stage) with
 // adam by default, and the line adds this rank's bytes by kind (params, gradients,
-// optimizer_state, activations; the largest over ranks) and the parameter gather's time.
+// optimizer_state, activations; the largest over ranks) and the parameter gather's time; at stage 3
+// with --overlap 1 (the default) exposed_s is the time the computation waited for gathers and
+// exchanges running on the communication thread and prefetched_gathers the gathers per step that
+// started ahead of their read.
 //
 // The model of linum-bench mlp (L x Dense(W) + GELU, loss mean(h * h), float32) trained with SGD on
 // a global batch of B split across the ranks by dist::DataParallel. Rank 0 prints one JSON line:
@@ -95,7 +98,8 @@ int bench_zero(const Flags& f, const dist::DataParallelOptions& options, int sta
   };
   std::vector<double> times;
   dist::StepStats last;
-  double compute = 0, comm = 0, gather = 0, optimizer_s = 0;
+  double compute = 0, comm = 0, exposed = 0, gather = 0, optimizer_s = 0;
+  long prefetched = 0;
   for (long s = 0; s < steps + 1; ++s) {  // the first step warms up
     dist::barrier();
     const auto start = std::chrono::steady_clock::now();
@@ -105,6 +109,8 @@ int bench_zero(const Flags& f, const dist::DataParallelOptions& options, int sta
     times.push_back(took);
     compute += r.stats.compute_s;
     comm += r.stats.communication_s;
+    exposed += r.stats.exposed_s;
+    prefetched += r.prefetched_gathers;
     gather += r.gather_s;
     optimizer_s += r.optimizer_s;
     last = r.stats;
@@ -129,6 +135,9 @@ int bench_zero(const Flags& f, const dist::DataParallelOptions& options, int sta
                         {"step_s_median", sorted[sorted.size() / 2]},
                         {"compute_s", compute / n},
                         {"communication_s", comm / n},
+                        {"exposed_s", exposed / n},
+                        {"overlap", options.overlap},
+                        {"prefetched_gathers", static_cast<double>(prefetched) / n},
                         {"gather_s", gather / n},
                         {"optimizer_s", optimizer_s / n},
                         {"param_bytes", byte_count(trainer.params())},

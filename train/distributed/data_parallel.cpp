@@ -164,6 +164,7 @@ CommThread::CommThread() {
       if (jobs_.empty()) return;
       auto job = std::move(jobs_.front());
       jobs_.pop_front();
+      ++running_;
       lock.unlock();
       const auto start = Clock::now();
       try {
@@ -175,8 +176,8 @@ CommThread::CommThread() {
       const double took = seconds_since(start);
       lock.lock();
       busy_s_ += took;
-      ++finished_;
-      progress_.notify_all();
+      --running_;
+      if (jobs_.empty() && running_ == 0) idle_.notify_all();
     }
   });
 }
@@ -190,52 +191,37 @@ CommThread::~CommThread() {
   worker_.join();
 }
 
-std::uint64_t CommThread::submit(std::function<void()> job) {
-  std::uint64_t ticket = 0;
+void CommThread::submit(std::function<void()> job) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     jobs_.push_back(std::move(job));
-    ticket = ++submitted_;
   }
   wake_.notify_one();
-  return ticket;
-}
-
-void CommThread::rethrow_locked() {
-  if (!error_) return;
-  auto e = error_;
-  error_ = nullptr;
-  std::rethrow_exception(e);
-}
-
-void CommThread::wait_for(std::uint64_t ticket) {
-  std::unique_lock<std::mutex> lock(mutex_);
-  progress_.wait(lock, [&] { return finished_ >= ticket; });
-  rethrow_locked();
 }
 
 double CommThread::wait() {
   std::unique_lock<std::mutex> lock(mutex_);
-  progress_.wait(lock, [&] { return finished_ == submitted_; });
+  ++waiting_;
+  idle_.wait(lock, [&] { return jobs_.empty() && running_ == 0; });
+  --waiting_;
   const double busy = busy_s_;
   busy_s_ = 0;
-  rethrow_locked();
+  if (error_) {
+    auto e = error_;
+    error_ = nullptr;
+    std::rethrow_exception(e);
+  }
   return busy;
 }
 
-bool CommThread::idle() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return finished_ == submitted_;
-}
-
 #if LINUM_HAVE_MPI
-void wait_request(void* mpi_request, bool polite, const char* call) {
+void wait_request(void* mpi_request, const CommThread* thread, const char* call) {
   auto* request = static_cast<MPI_Request*>(mpi_request);
-  if (!polite) {
-    check_mpi(MPI_Wait(request, MPI_STATUS_IGNORE), call);
-    return;
-  }
   for (int done = 0;;) {
+    if (thread == nullptr || thread->caller_waiting()) {
+      check_mpi(MPI_Wait(request, MPI_STATUS_IGNORE), call);
+      return;
+    }
     check_mpi(MPI_Test(request, &done, MPI_STATUS_IGNORE), call);
     if (done) return;
     std::this_thread::sleep_for(std::chrono::microseconds(50));
@@ -513,7 +499,7 @@ StepResult DataParallel::fast(const LossWithAux& loss, const Tree& params, const
         MPI_Request request;
         check_mpi(MPI_Iallreduce(MPI_IN_PLACE, b.values.data() + at, count, MPI_FLOAT, MPI_SUM, to_mpi(comm), &request),
                   "MPI_Iallreduce");
-        wait_request(&request, true, "MPI_Iallreduce");
+        wait_request(&request, overlap_.get(), "MPI_Iallreduce");
       } else {
         check_mpi(MPI_Allreduce(MPI_IN_PLACE, b.values.data() + at, count, MPI_FLOAT, MPI_SUM, to_mpi(comm)), "MPI_Allreduce");
       }

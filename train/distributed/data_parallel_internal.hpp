@@ -4,6 +4,7 @@
 
 #include <linum/train/distributed/data_parallel.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -50,37 +51,37 @@ void check_same_layout(const std::string& layout, const Communicator& comm, cons
 // A thread that runs communication jobs one at a time, in the order they were submitted (so every
 // rank's collectives keep the order its program gave them). With MPI_THREAD_SERIALIZED the caller
 // makes no MPI call of its own while jobs are pending (wait() first). A job that throws: the
-// first failure is rethrown by the next wait or wait_for.
+// first failure is rethrown by the next wait().
 class CommThread {
  public:
   CommThread();
   ~CommThread();  // waits for the pending jobs
   CommThread(const CommThread&) = delete;
   CommThread& operator=(const CommThread&) = delete;
-  // Queues `job`; returns its ticket (1, 2, ...).
-  std::uint64_t submit(std::function<void()> job);
-  // Waits until the job with `ticket` (and every one before it) has run.
-  void wait_for(std::uint64_t ticket);
+  void submit(std::function<void()> job);
   // Waits for every submitted job; returns the seconds the jobs ran since the last wait().
   double wait();
-  bool idle();
+  // Whether the caller is blocked in wait() (a job may then wait the fast way: spinning costs
+  // nothing the caller needs).
+  bool caller_waiting() const { return waiting_.load(std::memory_order_relaxed) > 0; }
 
  private:
-  void rethrow_locked();
   std::thread worker_;
   std::mutex mutex_;
-  std::condition_variable wake_, progress_;
+  std::condition_variable wake_, idle_;
   std::deque<std::function<void()>> jobs_;
-  std::uint64_t submitted_ = 0, finished_ = 0;
+  int running_ = 0;
   bool stop_ = false;
   std::exception_ptr error_;
   double busy_s_ = 0;
+  std::atomic<int> waiting_{0};
 };
 
 #if LINUM_HAVE_MPI
-// Waits for a nonblocking MPI request. On a communication thread (`polite`) it looks in between
-// short sleeps, since a blocking wait spins on a core the computation needs (Open MPI polls).
-void wait_request(void* mpi_request, bool polite, const char* call);
+// Waits for a nonblocking MPI request. On a communication thread (`thread`) it looks in between
+// short sleeps while the computation goes on, since a blocking wait spins on a core the computation
+// needs (Open MPI polls), and waits outright once the caller waits for the thread.
+void wait_request(void* mpi_request, const CommThread* thread, const char* call);
 #endif
 
 // What a rank computes in reproducible mode before any exchange: the sums over its canonical

@@ -12,6 +12,8 @@
 #include <nlohmann/json.hpp>
 
 #include <any>
+#include <deque>
+#include <functional>
 #include <cstring>
 #include <map>
 #include <optional>
@@ -132,7 +134,6 @@ struct ShardedDataParallel::Impl {
   // Any stage's forward and backward passes and gradient exchange: this rank's gradient slices
   // (whole leaves at stage 0), the loss, aux and stats; no update.
   std::pair<ShardedStepResult, Tree> gradients(const LossWithAux& loss, const Tree& batch, rng::Key key);
-  std::unique_ptr<CommThread> comm_thread;  // stage 3 with overlap (made on first use)
   std::vector<std::size_t> gather_order;    // stage 3: the parameters one micro-batch gathers, in order
 
   int shards() const { return layout.ranks(); }
@@ -451,37 +452,45 @@ struct Regather {
 }  // namespace
 
 // One stage-3 step's state: which round runs, the folds of this rank's gradient slices, and the
-// hook that gathers a parameter when a module reads it. With a communication thread (overlap), the
-// gathers and gradient exchanges run there in the order this thread submits them (the same on
-// every rank), the next parameter's gather starts when one is requested, and gradient exchanges
-// are not waited for until the round ends; without one, each runs here when it is needed.
+// hook that gathers a parameter when a module reads it. With overlap, communication is started
+// and finished at different points of this thread (MPI's nonblocking collectives, started in the
+// same order on every rank): the gather of the parameter that the recorded order says comes next
+// starts when one is requested, and a gradient exchange is finished at later hook calls (at most
+// kExchangesInFlight pending, each holding one parameter's gradient). Without overlap each is
+// started and finished where it is needed.
 struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
+  static constexpr std::size_t kExchangesInFlight = 2;
   Impl& s;
   int pieces, round = 0;
   float weight = 0;
-  bool fast;
-  CommThread* thread = nullptr;         // the communication thread, or null (inline)
+  bool fast, overlap;
   std::vector<TreeFold> folds;          // reproducible: per parameter, this rank's slice
   std::vector<Array> sums;              // fast: per parameter, this rank's slice
   std::vector<int> deposited;           // the round each parameter's gradient last arrived in
   std::unordered_map<const void*, std::size_t> gathered;  // whole arrays' buffers -> parameter
   std::map<std::string, std::size_t, std::less<>> index_of;
   std::vector<Array> slices;            // this rank's parameter slices (unchanged during the step)
-  // A gather under way: every rank's slice bytes of one parameter.
-  struct Gather {
-    std::uint64_t ticket = 0;
-    std::vector<int> counts, displs;
-    std::vector<unsigned char> bytes;
+  // A collective under way, and what to do with its result once it is complete.
+  struct Transfer {
+#if LINUM_HAVE_MPI
+    MPI_Request request = MPI_REQUEST_NULL;
+#endif
+    std::vector<int> counts, displs;    // gathers: bytes per rank; exchanges: send counts, displs, receive counts, displs
+    std::vector<unsigned char> bytes;   // gathers: every rank's slice bytes
+    std::vector<float> send, recv;      // exchanges
+    std::function<void(Transfer&)> finish;
+    bool done = false;
   };
-  std::map<std::size_t, std::shared_ptr<Gather>> ahead;  // prefetched, not yet requested
+  std::map<std::size_t, std::unique_ptr<Transfer>> ahead;  // prefetched gathers, not yet requested
+  std::deque<std::unique_ptr<Transfer>> exchanges;         // gradient exchanges under way, in start order
   std::vector<std::size_t> order_now;   // this round's gather requests, in order
   std::size_t next_in_order = 0;        // where in s.gather_order the last request was, plus one
   double communication_s = 0, exposed_s = 0;
   std::int64_t bytes_sent = 0, wire_bytes = 0, peak_fold_bytes = 0;
   int messages = 0, prefetched = 0;
 
-  Stage3(Impl& impl, int m, bool is_fast, CommThread* comm_thread)
-      : s(impl), pieces(m), fast(is_fast), thread(comm_thread), deposited(impl.layout.leaves().size(), -1) {
+  Stage3(Impl& impl, int m, bool is_fast, bool overlap_communication)
+      : s(impl), pieces(m), fast(is_fast), overlap(overlap_communication), deposited(impl.layout.leaves().size(), -1) {
     for (std::size_t i = 0; i < s.layout.leaves().size(); ++i) {
       index_of[s.layout.leaves()[i].path] = i;
       folds.emplace_back(m);
@@ -489,60 +498,74 @@ struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
     sums.resize(s.layout.leaves().size());
     slices = linum::leaves(s.local);
   }
-  ~Stage3() {
-    // Normally every job has run (end_round); after a failure with jobs in flight the job was
-    // aborted before getting here.
-    if (thread != nullptr) try {
-        thread->wait();
-      } catch (...) {
-      }
-  }
   Stage3(const Stage3&) = delete;
   Stage3& operator=(const Stage3&) = delete;
 
-  // Runs a communication job: on the thread (returns its ticket) or here, timed (returns 0).
-  std::uint64_t communicate(std::function<void()> job) {
-    ++messages;
-    if (thread != nullptr) return thread->submit(std::move(job));
+  // Whether collectives are under way (a failure now cannot leave them: their buffers are here).
+  bool in_flight() const { return !ahead.empty() || !exchanges.empty(); }
+
+  // Waits for a transfer (the time counts as communication the computation waited for).
+  void complete(Transfer& t) {
+    if (t.done) return;
     const auto start = Clock::now();
-    job();
+#if LINUM_HAVE_MPI
+    check_mpi(MPI_Wait(&t.request, MPI_STATUS_IGNORE), "MPI_Wait");
+#endif
     const double took = seconds_since(start);
     communication_s += took;
     exposed_s += took;
-    return 0;
+    t.done = true;
+    if (t.finish) t.finish(t);
+  }
+  // Whether a transfer has completed (moves it along; does not wait).
+  bool test(Transfer& t) {
+    if (t.done) return true;
+#if LINUM_HAVE_MPI
+    int flag = 0;
+    const auto start = Clock::now();
+    check_mpi(MPI_Test(&t.request, &flag, MPI_STATUS_IGNORE), "MPI_Test");
+    communication_s += seconds_since(start);
+    if (!flag) return false;
+#endif
+    t.done = true;
+    if (t.finish) t.finish(t);
+    return true;
+  }
+  // Finishes the exchanges that have arrived, in order; keeps at most `keep` under way.
+  void progress(std::size_t keep) {
+    while (!exchanges.empty() && (exchanges.size() > keep || test(*exchanges.front()))) {
+      complete(*exchanges.front());
+      exchanges.pop_front();
+    }
   }
 
   // Starts gathering parameter i's slices from every rank (a collective call).
-  std::shared_ptr<Gather> start_gather(std::size_t i) {
+  std::unique_ptr<Transfer> start_gather(std::size_t i) {
     const LeafSharding& l = s.layout.leaves()[i];
     const int ranks = s.comm.size();
     const auto elem = static_cast<std::int64_t>(dtype_size(l.dtype));
-    auto g = std::make_shared<Gather>();
-    g->counts.resize(static_cast<std::size_t>(ranks));
-    g->displs.resize(static_cast<std::size_t>(ranks));
+    auto t = std::make_unique<Transfer>();
+    t->counts.resize(static_cast<std::size_t>(ranks));
+    t->displs.resize(static_cast<std::size_t>(ranks));
     std::int64_t at = 0;
     for (int r = 0; r < ranks; ++r) {
-      g->counts[static_cast<std::size_t>(r)] = checked_count(l.shard_numel(r, ranks) * elem, "a parameter gather");
-      g->displs[static_cast<std::size_t>(r)] = checked_count(at, "a parameter gather");
+      t->counts[static_cast<std::size_t>(r)] = checked_count(l.shard_numel(r, ranks) * elem, "a parameter gather");
+      t->displs[static_cast<std::size_t>(r)] = checked_count(at, "a parameter gather");
       at += l.shard_numel(r, ranks) * elem;
     }
-    g->bytes.resize(static_cast<std::size_t>(at));
+    t->bytes.resize(static_cast<std::size_t>(at));
     const Array& mine = slices[i];
+    ++messages;
     bytes_sent += static_cast<std::int64_t>(mine.nbytes());
     wire_bytes += at * (ranks - 1) / ranks;
-    g->ticket = communicate([this, g, &mine] {
 #if LINUM_HAVE_MPI
-      MPI_Request request;
-      check_mpi(MPI_Iallgatherv(mine.raw(), static_cast<int>(mine.nbytes()), MPI_BYTE, g->bytes.data(), g->counts.data(),
-                                g->displs.data(), MPI_BYTE, to_mpi(s.comm), &request),
-                "MPI_Iallgatherv");
-      wait_request(&request, thread != nullptr, "MPI_Iallgatherv");
-#else
-      (void)g;
-      (void)mine;
+    const auto start = Clock::now();
+    check_mpi(MPI_Iallgatherv(mine.raw(), static_cast<int>(mine.nbytes()), MPI_BYTE, t->bytes.data(), t->counts.data(),
+                              t->displs.data(), MPI_BYTE, to_mpi(s.comm), &t->request),
+              "MPI_Iallgatherv");
+    communication_s += seconds_since(start);
 #endif
-    });
-    return g;
+    return t;
   }
 
   // Starts the gather the recorded order says follows a request for parameter i (overlap only).
@@ -558,7 +581,7 @@ struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
     if (at + 1 < order.size()) prefetch(order[at + 1]);
   }
   void prefetch(std::size_t j) {
-    if (thread != nullptr && ahead.count(j) == 0) ahead[j] = start_gather(j);
+    if (overlap && s.comm.size() > 1 && ahead.count(j) == 0) ahead[j] = start_gather(j);
   }
 
   // The whole parameter i from every rank's slice (a collective call; not recorded).
@@ -570,24 +593,23 @@ struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
       parts.push_back(slices[i]);
     } else {
       order_now.push_back(i);
-      std::shared_ptr<Gather> g;
+      std::unique_ptr<Transfer> t;
       if (auto it = ahead.find(i); it != ahead.end()) {
-        g = it->second;
+        t = std::move(it->second);
         ahead.erase(it);
         ++prefetched;
       } else {
-        g = start_gather(i);
+        t = start_gather(i);
       }
-      if (thread != nullptr) {
+      if (overlap) {
         prefetch_after(i);
-        const auto start = Clock::now();
-        thread->wait_for(g->ticket);
-        exposed_s += seconds_since(start);
+        progress(kExchangesInFlight);
       }
+      complete(*t);
       for (int r = 0; r < ranks; ++r) {
         Array part = Array::empty(l.shard_shape(r, ranks), l.dtype);
         if (part.nbytes() > 0)
-          std::memcpy(part.mutable_raw(), g->bytes.data() + g->displs[static_cast<std::size_t>(r)], part.nbytes());
+          std::memcpy(part.mutable_raw(), t->bytes.data() + t->displs[static_cast<std::size_t>(r)], part.nbytes());
         parts.push_back(std::move(part));
       }
     }
@@ -600,9 +622,9 @@ struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
   // its owner, which adds the round's pieces to its fold in piece order.
   void deposit(std::size_t i, const Array& g) {
     if (deposited[i] == round) {
-      // Every rank reaches this read at the same point: let the communication already handed over
-      // finish (the other ranks take part in it), then refuse.
-      if (thread != nullptr) thread->wait();
+      // Every rank reaches this read at the same point: let the communication under way finish
+      // (the other ranks take part in it), then refuse.
+      drain();
       throw DistError(detail::cat("linum::dist::ShardedDataParallel: parameter '", s.layout.leaves()[i].path,
                                   "' was read twice in one step (tied or shared weights); stage 3 gathers each parameter "
                                   "once per module read and cannot sum two reads yet: use stage 2"));
@@ -611,9 +633,10 @@ struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
     const LeafSharding& l = s.layout.leaves()[i];
     const int ranks = s.comm.size(), me = s.comm.rank();
     const Array g32 = g.dtype() == DType::f32 ? g : astype(g, DType::f32);
-    auto send = std::make_shared<std::vector<float>>(static_cast<std::size_t>(l.held_shape().numel()));
-    auto counts = std::make_shared<std::vector<int>>(static_cast<std::size_t>(4 * ranks));  // send counts, displs; receive counts, displs
-    int* send_counts = counts->data();
+    auto t = std::make_unique<Transfer>();
+    t->send.resize(static_cast<std::size_t>(l.held_shape().numel()));
+    t->counts.resize(static_cast<std::size_t>(4 * ranks));  // send counts, displs; receive counts, displs
+    int* send_counts = t->counts.data();
     int* send_displs = send_counts + ranks;
     int* recv_counts = send_displs + ranks;
     int* recv_displs = recv_counts + ranks;
@@ -621,72 +644,73 @@ struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
     std::int64_t at = 0;
     for (int q = 0; q < ranks; ++q) {
       const std::int64_t n = l.shard_numel(q, ranks);
-      copy_slice(g32.data(), l.held_shape(), l.axis, l.begin(q, ranks), l.end(q, ranks), send->data() + at);
-      for (std::int64_t e = 0; e < n; ++e) (*send)[static_cast<std::size_t>(at + e)] *= weight;  // as DataParallel: g * w
+      copy_slice(g32.data(), l.held_shape(), l.axis, l.begin(q, ranks), l.end(q, ranks), t->send.data() + at);
+      for (std::int64_t e = 0; e < n; ++e) t->send[static_cast<std::size_t>(at + e)] *= weight;  // as DataParallel: g * w
       send_counts[q] = checked_count(n, "a gradient exchange");
       send_displs[q] = checked_count(at, "a gradient exchange");
       recv_counts[q] = checked_count(mine, "a gradient exchange");
       recv_displs[q] = checked_count(mine * q, "a gradient exchange");
       at += n;
     }
+    ++messages;
     bytes_sent += at * static_cast<std::int64_t>(sizeof(float));
     wire_bytes += (at - mine) * static_cast<std::int64_t>(sizeof(float));
+    t->recv.resize(static_cast<std::size_t>(fast ? mine : mine * ranks));
     const int this_round = round;
-    communicate([this, i, send, counts, mine, ranks, this_round] {
-      const bool polite = thread != nullptr;
-      const int* sc = counts->data();
+    t->finish = [this, i, mine, ranks, this_round](Transfer& done) {
       if (fast) {
         Array sum = Array::empty(Shape{mine});
-        if (ranks == 1) {
-          if (mine > 0) std::memcpy(sum.mutable_data(), send->data(), static_cast<std::size_t>(mine) * sizeof(float));
-        } else {
-#if LINUM_HAVE_MPI
-          MPI_Request request;
-          check_mpi(MPI_Ireduce_scatter(send->data(), sum.mutable_data(), sc, MPI_FLOAT, MPI_SUM, to_mpi(s.comm), &request),
-                    "MPI_Ireduce_scatter");
-          wait_request(&request, polite, "MPI_Ireduce_scatter");
-#endif
-        }
+        if (mine > 0) std::memcpy(sum.mutable_data(), done.recv.data(), static_cast<std::size_t>(mine) * sizeof(float));
         sums[i] = std::move(sum);
         return;
       }
-      std::vector<float> recv(static_cast<std::size_t>(mine * ranks));
-      if (ranks == 1) {
-        if (mine > 0) std::memcpy(recv.data(), send->data(), static_cast<std::size_t>(mine) * sizeof(float));
-      } else {
-#if LINUM_HAVE_MPI
-        MPI_Request request;
-        check_mpi(MPI_Ialltoallv(send->data(), sc, sc + ranks, MPI_FLOAT, recv.data(), sc + 2 * ranks, sc + 3 * ranks, MPI_FLOAT,
-                                 to_mpi(s.comm), &request),
-                  "MPI_Ialltoallv");
-        wait_request(&request, polite, "MPI_Ialltoallv");
-#endif
-      }
-      (void)polite;
-      (void)sc;
       for (int r = 0; r < ranks; ++r) {
         const int piece = this_round * ranks + r;
         if (piece >= pieces) continue;  // a rank with no piece left ran a stand-in
         Array part = Array::empty(Shape{mine});
         if (mine > 0)
-          std::memcpy(part.mutable_data(), recv.data() + static_cast<std::size_t>(mine * r), static_cast<std::size_t>(mine) * sizeof(float));
+          std::memcpy(part.mutable_data(), done.recv.data() + static_cast<std::size_t>(mine * r),
+                      static_cast<std::size_t>(mine) * sizeof(float));
         folds[i].push(piece, std::move(part));
       }
       std::int64_t held = 0;
       for (const TreeFold& f : folds) held += f.bytes();
       peak_fold_bytes = std::max(peak_fold_bytes, held);
-    });
+      done.send = {};
+      done.recv = {};
+    };
+    if (ranks == 1) {
+      if (mine > 0) std::memcpy(t->recv.data(), t->send.data(), static_cast<std::size_t>(mine) * sizeof(float));
+      t->done = true;
+      t->finish(*t);
+      return;
+    }
+#if LINUM_HAVE_MPI
+    const auto start = Clock::now();
+    if (fast)
+      check_mpi(MPI_Ireduce_scatter(t->send.data(), t->recv.data(), send_counts, MPI_FLOAT, MPI_SUM, to_mpi(s.comm), &t->request),
+                "MPI_Ireduce_scatter");
+    else
+      check_mpi(MPI_Ialltoallv(t->send.data(), send_counts, send_displs, MPI_FLOAT, t->recv.data(), recv_counts, recv_displs,
+                               MPI_FLOAT, to_mpi(s.comm), &t->request),
+                "MPI_Ialltoallv");
+    communication_s += seconds_since(start);
+#endif
+    exchanges.push_back(std::move(t));
+    progress(overlap ? kExchangesInFlight : 0);
+  }
+
+  // Finishes everything under way (gathers guessed and not used included).
+  void drain() {
+    progress(0);
+    for (auto& [i, t] : ahead) complete(*t);
+    ahead.clear();
   }
 
   // The round's communication is done (every gradient exchange arrived); guesses not used are
   // dropped; the order of this round's gathers is what the next rounds (and steps) prefetch by.
   void end_round() {
-    if (thread != nullptr) {
-      const auto start = Clock::now();
-      communication_s += thread->wait();
-      exposed_s += seconds_since(start);
-    }
-    ahead.clear();
+    drain();
     if (!order_now.empty()) s.gather_order = std::move(order_now);
     order_now.clear();
     next_in_order = 0;
@@ -745,8 +769,7 @@ std::pair<ShardedStepResult, Tree> ShardedDataParallel::Impl::stage3_gradients(c
   if (options.data.aux == Sync::per_rank)
     throw ValueError("linum::dist::ShardedDataParallel: stage 3 averages the aux tree over the batch (Sync::average); "
                      "Sync::per_rank needs stage 0-2");
-  if (options.data.overlap && ranks > 1 && Session::threads_supported() && !comm_thread) comm_thread = std::make_unique<CommThread>();
-  Stage3 ctx(*this, M, fast, options.data.overlap ? comm_thread.get() : nullptr);
+  Stage3 ctx(*this, M, fast, options.data.overlap);
   const int rounds = (M + ranks - 1) / ranks;
   ShardedStepResult result;
   result.stats.ranks = ranks;
@@ -823,13 +846,13 @@ std::pair<ShardedStepResult, Tree> ShardedDataParallel::Impl::stage3_gradients(c
     }
     if (j + 1 < rounds && !ctx.s.gather_order.empty()) ctx.prefetch(ctx.s.gather_order.front());  // the next round's first read
   } catch (const std::exception& e) {
-    // Gathers and exchanges already handed to the communication thread are collectives the other
-    // ranks take part in; MPI cannot cancel them, and this step's buffers are about to go.
-    if (ctx.thread != nullptr && !ctx.thread->idle())
+    // Gathers and exchanges under way are collectives the other ranks take part in; MPI cannot
+    // cancel them, and this step's buffers are about to go.
+    if (ctx.in_flight())
       abort_job(detail::cat(e.what(), " (in a stage-3 step whose parameters or gradients were being communicated)"), 1, comm);
     throw;
   }
-  result.stats.compute_s = seconds_since(compute_start) - ctx.exposed_s;
+  result.stats.compute_s = seconds_since(compute_start) - ctx.communication_s;
   result.stats.communication_s = ctx.communication_s;
   result.stats.exposed_s = ctx.exposed_s;
   result.prefetched_gathers = ctx.prefetched;

@@ -28,13 +28,14 @@
 //     tree unchanged as apply's "params" collection, to read each parameter once per step (tied
 //     weights: use stage 2) and the same control flow on every micro-batch (a rank with no piece
 //     left runs a stand-in so that every rank makes the same collective calls).
-//     With options.data.overlap (the default; MPI with MPI_THREAD_SERIALIZED, more than one rank),
-//     stage 3 communicates from a thread while the computation goes on: it records the order in
-//     which a micro-batch gathers parameters (forward reads, remat's recomputations, backward's
+//     With options.data.overlap (the default), stage 3 overlaps its communication with compute
+//     (MPI's nonblocking collectives, on the calling thread): it records the order in which a
+//     micro-batch gathers parameters (forward reads, remat's recomputations, backward's
 //     regathers) and, whenever it gathers one, starts the gather of the next in that order
-//     (FSDP's forward and backward prefetch: one parameter ahead), and it sends gradient slices
-//     to their owners without waiting. The bits do not change. A rank that fails while
-//     communication is in flight aborts the job (dist::abort_job), as DataParallel's overlap does.
+//     (FSDP's forward and backward prefetch: one parameter ahead); gradient slices are sent
+//     without waiting (at most two parameters' exchanges under way). The bits do not change. A
+//     rank that fails while collectives are under way aborts the job (dist::abort_job), as
+//     DataParallel's overlap does.
 //
 // Remat under a per-rank budget: plan_remat() runs lift::plan_remat on the step's forward and
 // backward passes (gathers, gradient exchange and the rank's slices and optimizer state included
@@ -91,6 +92,7 @@ struct ShardedStepResult {
   double optimizer_s = 0;   // the optimizer's update of this rank's slices
   double gather_s = 0;      // the allgather of updated slices
   int prefetched_gathers = 0;  // stage 3 with overlap: parameter gathers started before the read that used them
+                               // (stats.exposed_s: the time spent waiting for gathers and exchanges)
 };
 
 class ShardedDataParallel {
@@ -108,12 +110,12 @@ class ShardedDataParallel {
   ShardedStepResult step(const LossWithAux& loss, const Tree& batch, rng::Key key);
   ShardedStepResult step(const Loss& loss, const Tree& batch, rng::Key key);
 
-  // A remat plan for step(loss, batch, key) whose peak of live bytes stays within `budget_bytes` on
-  // every rank (the smallest budget any rank gives; this rank's parameters, optimizer state and
-  // gradient buffers count: they are live),
-  // the same plan on every rank (lift::plan_remat, profiling the step's gradient computation
+  // A remat plan for step(loss, batch, key) whose forward and backward passes keep the peak of
+  // live bytes within `budget_bytes` on every rank (the smallest budget any rank gives; the rank's
+  // parameter slices, optimizer state, gathered parameters and gradient buffers count: they are
+  // live), the same plan on every rank (lift::plan_remat profiling the step's gradient computation
   // without an update; options.agree is set here). Run steps under lift::PlanScope(plan). A
-  // collective call; ValueError on every rank when no plan fits.
+  // collective call; a ValueError on every rank when no plan fits.
   lift::RematPlan plan_remat(const LossWithAux& loss, const Tree& batch, rng::Key key, std::int64_t budget_bytes,
                              lift::PlanOptions options = {});
   lift::RematPlan plan_remat(const Loss& loss, const Tree& batch, rng::Key key, std::int64_t budget_bytes,
