@@ -3,6 +3,7 @@
 #include <linum/core/autodiff/custom_vjp.hpp>
 #include <linum/core/autodiff/grad.hpp>
 #include <linum/core/autodiff/saved_hooks.hpp>
+#include <linum/core/debug_nans.hpp>
 #include <linum/core/memory.hpp>
 #include <linum/core/ops/all.hpp>
 #include <linum/modules/scope.hpp>
@@ -466,7 +467,11 @@ struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
   bool fast, overlap;
   std::vector<TreeFold> folds;          // reproducible: per parameter, this rank's slice
   std::vector<Array> sums;              // fast: per parameter, this rank's slice
-  std::vector<int> deposited;           // the round each parameter's gradient last arrived in
+  std::vector<int> deposited;           // the round each parameter's gradient last went out in
+  // Parameters read more than once per micro-batch (tied weights): the reads' cotangents are added
+  // here, in the order they arrive (as autodiff adds a leaf's), and go out with the last one.
+  std::vector<int> forward_reads, arrived;
+  std::vector<Array> partial;
   std::unordered_map<const void*, std::size_t> gathered;  // whole arrays' buffers -> parameter
   std::map<std::string, std::size_t, std::less<>> index_of;
   std::vector<Array> slices;            // this rank's parameter slices (unchanged during the step)
@@ -490,7 +495,9 @@ struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
   int messages = 0, prefetched = 0;
 
   Stage3(Impl& impl, int m, bool is_fast, bool overlap_communication)
-      : s(impl), pieces(m), fast(is_fast), overlap(overlap_communication), deposited(impl.layout.leaves().size(), -1) {
+      : s(impl), pieces(m), fast(is_fast), overlap(overlap_communication), deposited(impl.layout.leaves().size(), -1),
+        forward_reads(impl.layout.leaves().size(), 0), arrived(impl.layout.leaves().size(), 0),
+        partial(impl.layout.leaves().size()) {
     for (std::size_t i = 0; i < s.layout.leaves().size(); ++i) {
       index_of[s.layout.leaves()[i].path] = i;
       folds.emplace_back(m);
@@ -618,16 +625,40 @@ struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
     return whole;
   }
 
+  // The cotangent of one read of parameter i (from its gather's backward). A parameter read once
+  // per micro-batch sends it at once; one read k times (tied weights) adds the k cotangents as they
+  // arrive -- the sum autodiff forms for a leaf used k times, in the same order -- and sends the sum.
+  void deposit(std::size_t i, const Array& g) {
+    if (forward_reads[i] <= 1) {
+      send_gradient(i, g);
+      return;
+    }
+    partial[i] = arrived[i] == 0 ? g : linum::add(partial[i], g);
+    if (++arrived[i] < forward_reads[i]) return;
+    send_gradient(i, partial[i]);
+    partial[i] = Array();
+    arrived[i] = 0;
+  }
+  // Sums of tied parameters some of whose reads got no cotangent (an unused read): they go out now.
+  void send_partial_sums() {
+    for (std::size_t i = 0; i < partial.size(); ++i)
+      if (arrived[i] > 0) {
+        send_gradient(i, partial[i]);
+        partial[i] = Array();
+        arrived[i] = 0;
+      }
+  }
+
   // This rank's piece's gradient of parameter i (the whole cotangent): each rank's slice goes to
   // its owner, which adds the round's pieces to its fold in piece order.
-  void deposit(std::size_t i, const Array& g) {
+  void send_gradient(std::size_t i, const Array& g) {
     if (deposited[i] == round) {
-      // Every rank reaches this read at the same point: let the communication under way finish
-      // (the other ranks take part in it), then refuse.
+      // Every rank reaches this point together: let the communication under way finish (the
+      // other ranks take part in it), then refuse.
       drain();
       throw DistError(detail::cat("linum::dist::ShardedDataParallel: parameter '", s.layout.leaves()[i].path,
-                                  "' was read twice in one step (tied or shared weights); stage 3 gathers each parameter "
-                                  "once per module read and cannot sum two reads yet: use stage 2"));
+                                  "' got a second gradient in one micro-batch from a read the forward pass did not "
+                                  "count (a read outside the forward pass?); stage 3 cannot place it: use stage 2"));
     }
     deposited[i] = round;
     const LeafSharding& l = s.layout.leaves()[i];
@@ -710,7 +741,9 @@ struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
   // The round's communication is done (every gradient exchange arrived); guesses not used are
   // dropped; the order of this round's gathers is what the next rounds (and steps) prefetch by.
   void end_round() {
+    send_partial_sums();
     drain();
+    std::fill(forward_reads.begin(), forward_reads.end(), 0);
     if (!order_now.empty()) s.gather_order = std::move(order_now);
     order_now.clear();
     next_in_order = 0;
@@ -748,6 +781,7 @@ struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
     const auto it = index_of.find(std::string_view(full_path).substr(7));
     if (it == index_of.end()) return std::nullopt;
     const std::size_t i = it->second;
+    if (linum::detail::current_phase() == linum::detail::Phase::forward) ++forward_reads[i];
     const LeafSharding& l = s.layout.leaves()[i];
     if (!(wanted == l.shape) || !(stored.shape() == l.shard_shape(s.comm.rank(), s.comm.size())))
       throw DistError(detail::cat("linum::dist::ShardedDataParallel (stage 3): param '", full_path, "' is read as ", wanted,

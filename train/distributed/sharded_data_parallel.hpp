@@ -24,10 +24,12 @@
 //     owners of its slices as soon as backward has it. Ranks take micro-batches round-robin (piece
 //     m on rank m % P), so each round's pieces arrive in order and the owner adds them into the
 //     fixed tree left to right, keeping one partial sum per tree level: no rank ever holds a whole
-//     gradient or all parameters. The same bits as stages 0-2. Needs the loss to pass its params
-//     tree unchanged as apply's "params" collection, to read each parameter once per step (tied
-//     weights: use stage 2) and the same control flow on every micro-batch (a rank with no piece
-//     left runs a stand-in so that every rank makes the same collective calls).
+//     gradient or all parameters. The same bits as stages 0-2. A parameter read several times in
+//     a micro-batch (tied weights, e.g. an embedding also used as the output layer) is gathered
+//     per read; its reads' cotangents are added on the rank as they arrive, as autodiff adds a
+//     leaf's, and the sum goes out with the last. Needs the loss to pass its params tree unchanged
+//     as apply's "params" collection and the same control flow on every micro-batch (a rank with
+//     no piece left runs a stand-in so that every rank makes the same collective calls).
 //     With options.data.overlap (the default), stage 3 overlaps its communication with compute
 //     (MPI's nonblocking collectives, on the calling thread): it records the order in which a
 //     micro-batch gathers parameters (forward reads, remat's recomputations, backward's
