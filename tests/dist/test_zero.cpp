@@ -265,6 +265,28 @@ TEST_CASE("stages 2 and 3 with an aux tree (BatchNorm statistics) average it as 
     CHECK(bitwise_equal(got.aux, want.aux));
     CHECK(first_difference(z.params(), next.params) == "");
   }
+  // Sync::per_rank: each rank keeps the aux mean over the rows of its own micro-batches (pieces
+  // rank, rank + P, ...), weighted by rows as DataParallel weighs a rank's pieces.
+  const auto aux_loss = dist::LossWithAux(dist_test::loss_of(s.batch_stats));
+  std::int64_t own_rows = 0;
+  for (int m = dist::rank(); m < 5; m += dist::size()) own_rows += 24 * (m + 1) / 5 - 24 * m / 5;
+  std::optional<Tree> own;
+  for (int m = dist::rank(); m < 5; m += dist::size()) {
+    const std::int64_t lo = 24 * m / 5, hi = 24 * (m + 1) / 5;
+    Tree piece_batch = tree_map([&](const Array& a) { return slice_axis(a, 0, lo, hi); }, batch);
+    const Tree aux = aux_loss(s.params, piece_batch, rng::fold_in(rng::key(1), static_cast<std::uint32_t>(m))).second;
+    const float w = static_cast<float>(static_cast<double>(hi - lo) / static_cast<double>(own_rows));
+    const Tree weighted = tree_map([w](const Array& a) { return a * Array::full(Shape{}, w); }, aux);
+    own = own ? tree_map([](const Array& a, const Array& b) { return a + b; }, *own, weighted) : weighted;
+  }
+  for (int stage : {2, 3}) {
+    CAPTURE(stage);
+    dist::ShardedDataParallel z(s.params, opt, {.stage = stage, .data = {.micro_batches = 5, .aux = dist::Sync::per_rank}});
+    const auto got = z.step(aux_loss, batch, rng::key(1));
+    CHECK(got.loss.bitwise_equal(want.loss));
+    CHECK(bitwise_equal(got.aux, *own));
+    CHECK(first_difference(z.params(), next.params) == "");
+  }
 }
 
 TEST_CASE("fast mode: every stage within float rounding of one process") {

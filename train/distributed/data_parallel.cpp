@@ -279,6 +279,16 @@ StepResult DataParallel::value_and_grad(const LossWithAux& loss, const Tree& par
 
 namespace internal {
 
+// What a rank computes in reproducible mode before any exchange: the sums over its canonical
+// subtrees of micro-batches, each a flat [loss, gradient leaves..., aux leaves...] vector weighted
+// by the pieces' shares of the global batch.
+struct LocalSubtrees {
+  std::vector<std::pair<int, int>> nodes;
+  std::vector<std::vector<float>> sums;
+  Tree aux_structure;
+  std::vector<float> local_aux;  // Sync::per_rank: the aux mean over this rank's rows
+  std::int64_t row_lo = 0, row_hi = 0;
+};
 LocalSubtrees local_subtrees(const LossWithAux& loss, const Tree& params, const Tree& batch, rng::Key key, std::int64_t rows,
                              int micro_batches, const Communicator& comm, Sync aux_sync) {
   const int ranks = comm.size(), me = comm.rank(), M = micro_batches;

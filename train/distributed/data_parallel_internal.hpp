@@ -1,5 +1,5 @@
 // The pieces of data_parallel.cpp that sharded_data_parallel.cpp builds on: the batch split, the
-// fixed pairwise tree over micro-batches, and the flat [loss, gradients, aux] vectors it sums.
+// flat [loss, gradients, aux] vectors, layout checks and the communication thread.
 #pragma once
 
 #include <linum/train/distributed/data_parallel.hpp>
@@ -40,10 +40,6 @@ void add(const float* a, const float* b, float* out, std::size_t n);
 Tree unflat(const Tree& structure, const float* flat, std::size_t& offset);
 // The weight of rows [lo, hi) in a batch of `rows`.
 float weight_of(std::int64_t lo, std::int64_t hi, std::int64_t rows);
-// The canonical subtrees of [lo, hi) that cover [a, b), left to right.
-void cover(int lo, int hi, int a, int b, std::vector<std::pair<int, int>>& out);
-// The micro-batches [first, last) rank r of `ranks` computes.
-std::pair<int, int> pieces_of_rank(int r, int ranks, int pieces);
 // "path:dtype[shape];..." of every leaf, and a hash of it: ranks compare layouts before exchanging.
 std::string layout_of(const Tree& tree);
 void check_same_layout(const std::string& layout, const Communicator& comm, const char* what);
@@ -83,23 +79,5 @@ class CommThread {
 // needs (Open MPI polls), and waits outright once the caller waits for the thread.
 void wait_request(void* mpi_request, const CommThread* thread, const char* call);
 #endif
-
-// What a rank computes in reproducible mode before any exchange: the sums over its canonical
-// subtrees of micro-batches, each a flat [loss, gradient leaves..., aux leaves...] vector weighted
-// by the pieces' shares of the global batch.
-struct LocalSubtrees {
-  std::vector<std::pair<int, int>> nodes;
-  std::vector<std::vector<float>> sums;
-  Tree aux_structure;
-  std::vector<float> local_aux;  // Sync::per_rank: the aux mean over this rank's rows
-  std::int64_t row_lo = 0, row_hi = 0;
-};
-LocalSubtrees local_subtrees(const LossWithAux& loss, const Tree& params, const Tree& batch, rng::Key key, std::int64_t rows,
-                             int micro_batches, const Communicator& comm, Sync aux);
-
-// The sum over all M pieces in the fixed tree, from the nodes in `have` (each a vector of `length`
-// floats); nodes not there are summed into `scratch`.
-const float* complete_tree(int micro_batches, const std::map<std::pair<int, int>, const float*>& have, std::size_t length,
-                           std::deque<std::vector<float>>& scratch);
 
 }  // namespace linum::dist::internal

@@ -130,8 +130,10 @@ struct ShardedDataParallel::Impl {
         data(options.data), reductions(comm) {}
 
   struct Stage3;
-  // Stage 3's forward and backward passes: this rank's gradient slices (and the step's loss, aux, stats).
-  std::pair<ShardedStepResult, Tree> stage3_gradients(const LossWithAux& loss, const Tree& batch, rng::Key key);
+  // Stages 2 and 3's forward and backward passes, micro-batches round-robin, each parameter's
+  // gradient sent to its slices' owners as backward completes it: this rank's gradient slices (and
+  // the step's loss, aux, stats).
+  std::pair<ShardedStepResult, Tree> sliced_gradients(const LossWithAux& loss, const Tree& batch, rng::Key key);
   // Any stage's forward and backward passes and gradient exchange: this rank's gradient slices
   // (whole leaves at stage 0), the loss, aux and stats; no update.
   std::pair<ShardedStepResult, Tree> gradients(const LossWithAux& loss, const Tree& batch, rng::Key key);
@@ -227,165 +229,10 @@ struct ShardedDataParallel::Impl {
     }
     return with_leaves(layout.structure(), whole);
   }
-
-  // Stage 2, reproducible: the fixed tree's partial sums, each rank receiving only its slices.
-  std::pair<std::vector<float>, LocalSubtrees> reduce_scatter_tree(const LossWithAux& loss, const Tree& batch, rng::Key key,
-                                                                   std::int64_t rows, StepResult& out) {
-    const int ranks = comm.size(), M = options.data.micro_batches;
-    const auto compute_start = Clock::now();
-    LocalSubtrees local_sums = local_subtrees(loss, params, batch, key, rows, M, comm, options.data.aux);
-    out.stats.compute_s = seconds_since(compute_start);
-    for (const auto& [lo, hi] : local_sums.nodes) out.stats.local_pieces += hi - lo;
-    out.stats.local_rows = local_sums.row_hi - local_sums.row_lo;
-    const auto& ls = layout.leaves();
-    const std::int64_t aux_n = [&] {
-      std::int64_t n = 0;
-      for (const Array& a : leaves(local_sums.aux_structure)) n += a.numel();
-      return n;
-    }();
-    // Destination q's view of a flat [loss, grads, aux]: [loss, aux, q's slice of each gradient].
-    auto projected_length = [&](int q) { return 1 + aux_n + layout.shard_numel(q); };
-    auto project = [&](const float* flat, int q, float* dst) {
-      std::int64_t grads_n = 0;
-      for (const auto& l : ls) grads_n += l.held_shape().numel();
-      dst[0] = flat[0];
-      if (aux_n > 0) std::memcpy(dst + 1, flat + 1 + grads_n, static_cast<std::size_t>(aux_n) * sizeof(float));
-      float* d = dst + 1 + aux_n;
-      const float* g = flat + 1;
-      for (const auto& l : ls) {
-        copy_slice(g, l.held_shape(), l.axis, l.begin(q, ranks), l.end(q, ranks), d);
-        d += l.shard_numel(q, ranks);
-        g += l.held_shape().numel();
-      }
-    };
-    gradient_bytes = 0;
-    for (const auto& s : local_sums.sums) gradient_bytes += static_cast<std::int64_t>(s.size() * sizeof(float));
-    const std::size_t Lme = static_cast<std::size_t>(projected_length(me));
-    std::vector<float> total(Lme);
-    if (ranks == 1) {
-      project(local_sums.sums.front().data(), 0, total.data());
-      return {std::move(total), std::move(local_sums)};
-    }
-#if LINUM_HAVE_MPI
-    check_same_layout(layout_of(params) + "|" + layout_of(local_sums.aux_structure), comm, "parameters and aux tree");
-    std::vector<int> send_counts(static_cast<std::size_t>(ranks)), send_displs(static_cast<std::size_t>(ranks));
-    std::vector<int> recv_counts(static_cast<std::size_t>(ranks)), recv_displs(static_cast<std::size_t>(ranks));
-    std::int64_t send_at = 0, recv_at = 0;
-    std::vector<std::vector<std::pair<int, int>>> nodes_of(static_cast<std::size_t>(ranks));
-    for (int r = 0; r < ranks; ++r) {
-      const auto [a, b] = pieces_of_rank(r, ranks, M);
-      cover(0, M, a, b, nodes_of[static_cast<std::size_t>(r)]);
-      const std::int64_t out_n = static_cast<std::int64_t>(local_sums.nodes.size()) * projected_length(r);
-      const std::int64_t in_n = static_cast<std::int64_t>(nodes_of[static_cast<std::size_t>(r)].size()) * projected_length(me);
-      send_counts[static_cast<std::size_t>(r)] = checked_count(out_n, "a gradient exchange");
-      send_displs[static_cast<std::size_t>(r)] = checked_count(send_at, "a gradient exchange");
-      recv_counts[static_cast<std::size_t>(r)] = checked_count(in_n, "a gradient exchange");
-      recv_displs[static_cast<std::size_t>(r)] = checked_count(recv_at, "a gradient exchange");
-      send_at += out_n;
-      recv_at += in_n;
-    }
-    std::vector<float> send(static_cast<std::size_t>(send_at)), recv(static_cast<std::size_t>(recv_at));
-    for (int q = 0; q < ranks; ++q) {
-      float* d = send.data() + send_displs[static_cast<std::size_t>(q)];
-      for (const auto& s : local_sums.sums) {
-        project(s.data(), q, d);
-        d += projected_length(q);
-      }
-    }
-    local_sums.sums.clear();
-    gradient_bytes += static_cast<std::int64_t>((send.size() + recv.size()) * sizeof(float));
-    const auto comm_start = Clock::now();
-    check_mpi(MPI_Alltoallv(send.data(), send_counts.data(), send_displs.data(), MPI_FLOAT, recv.data(), recv_counts.data(),
-                            recv_displs.data(), MPI_FLOAT, to_mpi(comm)),
-              "MPI_Alltoallv");
-    out.stats.communication_s = out.stats.exposed_s = seconds_since(comm_start);
-    out.stats.bytes_sent = send_at * static_cast<std::int64_t>(sizeof(float));
-    // What leaves this rank for the others (its own block stays).
-    out.stats.wire_bytes = (send_at - send_counts[static_cast<std::size_t>(me)]) * static_cast<std::int64_t>(sizeof(float));
-    out.stats.messages = 3;  // two layout checks + the all-to-all
-    std::map<std::pair<int, int>, const float*> have;
-    for (int r = 0; r < ranks; ++r) {
-      const float* p = recv.data() + recv_displs[static_cast<std::size_t>(r)];
-      for (const auto& node : nodes_of[static_cast<std::size_t>(r)]) {
-        have[node] = p;
-        p += Lme;
-      }
-    }
-    std::deque<std::vector<float>> scratch;
-    const float* root = complete_tree(M, have, Lme, scratch);
-    std::memcpy(total.data(), root, Lme * sizeof(float));
-    return {std::move(total), std::move(local_sums)};
-#else
-    throw DistError("linum::dist: built without MPI");
-#endif
-  }
-
-  // Stage 2, fast: each rank's rows in one pass, then MPI_Reduce_scatter of [loss, aux, slices].
-  std::vector<float> reduce_scatter_fast(const LossWithAux& loss, const Tree& batch, rng::Key key, std::int64_t rows,
-                                         StepResult& out, Tree& aux_structure, Tree& my_aux) {
-    const int ranks = comm.size();
-    // (Plain variables, not a structured binding: clang 14 cannot capture those in a lambda.)
-    const std::pair<std::int64_t, std::int64_t> mine_rows = data.local_rows(rows);
-    const std::int64_t lo = mine_rows.first, hi = mine_rows.second;
-    const float w = weight_of(lo, hi, rows);
-    const auto compute_start = Clock::now();
-    auto [value, aux, grads] = linum::value_and_grad([&](const std::vector<Array>& p) {
-      return loss(with_leaves(params, p), rows_of(batch, lo, hi), rng::fold_in(key, static_cast<std::uint32_t>(me)));
-    })(leaves(params));
-    require_f32(aux, "aux");
-    out.stats.compute_s = seconds_since(compute_start);
-    out.stats.local_pieces = 1;
-    out.stats.local_rows = hi - lo;
-    aux_structure = aux;
-    my_aux = aux;
-    std::vector<float> aux_flat;
-    for (const Array& a : leaves(aux)) append_scaled(aux_flat, a, w);
-    const auto& ls = layout.leaves();
-    std::vector<Array> g32;
-    for (const Array& g : grads) g32.push_back(g.dtype() == DType::f32 ? g : astype(g, DType::f32));
-    auto length = [&](int q) { return 1 + static_cast<std::int64_t>(aux_flat.size()) + layout.shard_numel(q); };
-    std::vector<int> counts(static_cast<std::size_t>(ranks));
-    std::int64_t total_n = 0;
-    for (int q = 0; q < ranks; ++q) {
-      counts[static_cast<std::size_t>(q)] = checked_count(length(q), "a gradient exchange");
-      total_n += length(q);
-    }
-    std::vector<float> send(static_cast<std::size_t>(total_n));
-    float* d = send.data();
-    for (int q = 0; q < ranks; ++q) {
-      *d++ = astype(value, DType::f32).data()[0] * w;
-      if (!aux_flat.empty()) std::memcpy(d, aux_flat.data(), aux_flat.size() * sizeof(float));
-      d += aux_flat.size();
-      for (std::size_t i = 0; i < ls.size(); ++i) {
-        const std::int64_t n = ls[i].shard_numel(q, ranks);
-        copy_slice(g32[i].data(), ls[i].held_shape(), ls[i].axis, ls[i].begin(q, ranks), ls[i].end(q, ranks), d);
-        for (std::int64_t e = 0; e < n; ++e) d[e] *= w;
-        d += n;
-      }
-    }
-    std::vector<float> mine(static_cast<std::size_t>(length(me)));
-    gradient_bytes = static_cast<std::int64_t>((send.size() + mine.size()) * sizeof(float));
-    for (const Array& g : g32) gradient_bytes += static_cast<std::int64_t>(g.nbytes());
-    if (ranks == 1) {
-      std::memcpy(mine.data(), send.data(), mine.size() * sizeof(float));
-      return mine;
-    }
-#if LINUM_HAVE_MPI
-    check_same_layout(layout_of(params) + "|" + layout_of(aux), comm, "parameters and aux tree");
-    const auto comm_start = Clock::now();
-    check_mpi(MPI_Reduce_scatter(send.data(), mine.data(), counts.data(), MPI_FLOAT, MPI_SUM, to_mpi(comm)), "MPI_Reduce_scatter");
-    out.stats.communication_s = out.stats.exposed_s = seconds_since(comm_start);
-    out.stats.bytes_sent = total_n * static_cast<std::int64_t>(sizeof(float));
-    out.stats.wire_bytes = total_n * static_cast<std::int64_t>(sizeof(float)) * (ranks - 1) / ranks;  // a ring reduce-scatter
-    out.stats.messages = 3;
-    return mine;
-#else
-    throw DistError("linum::dist: built without MPI");
-#endif
-  }
 };
 
-// ---- stage 3: parameters sliced between steps, gathered when a module reads them --------------------
+// ---- stages 2 and 3: gradients sent per parameter as backward completes it; at stage 3 the parameters
+// are sliced between steps and gathered when a module reads them ---------------------------------------
 
 namespace {
 
@@ -494,10 +341,14 @@ struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
   std::int64_t bytes_sent = 0, wire_bytes = 0, peak_fold_bytes = 0;
   int messages = 0, prefetched = 0;
 
-  Stage3(Impl& impl, int m, bool is_fast, bool overlap_communication)
+  bool gathers;                         // stage 3: parameters are gathered; stage 2: held whole (`whole`)
+  std::vector<Array> whole;
+
+  Stage3(Impl& impl, int m, bool is_fast, bool overlap_communication, bool gather_params)
       : s(impl), pieces(m), fast(is_fast), overlap(overlap_communication), deposited(impl.layout.leaves().size(), -1),
         forward_reads(impl.layout.leaves().size(), 0), arrived(impl.layout.leaves().size(), 0),
-        partial(impl.layout.leaves().size()) {
+        partial(impl.layout.leaves().size()), gathers(gather_params) {
+    if (!gathers) whole = linum::leaves(s.params);
     for (std::size_t i = 0; i < s.layout.leaves().size(); ++i) {
       index_of[s.layout.leaves()[i].path] = i;
       folds.emplace_back(m);
@@ -593,6 +444,7 @@ struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
 
   // The whole parameter i from every rank's slice (a collective call; not recorded).
   Array gather_whole(std::size_t i) {
+    if (!gathers) return whole[i];
     const LeafSharding& l = s.layout.leaves()[i];
     const int ranks = s.comm.size();
     std::vector<Array> parts;
@@ -791,8 +643,9 @@ struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
   }
 };
 
-std::pair<ShardedStepResult, Tree> ShardedDataParallel::Impl::stage3_gradients(const LossWithAux& loss, const Tree& batch,
+std::pair<ShardedStepResult, Tree> ShardedDataParallel::Impl::sliced_gradients(const LossWithAux& loss, const Tree& batch,
                                                                                rng::Key key) {
+  const bool gathers = options.stage == 3;
   const int ranks = comm.size(), me = comm.rank();
   const bool fast = options.data.reduction == Reduction::fast;
   const std::int64_t rows = batch_rows(batch);
@@ -800,16 +653,17 @@ std::pair<ShardedStepResult, Tree> ShardedDataParallel::Impl::stage3_gradients(c
   if (rows < M)
     throw ShapeError(detail::cat("linum::dist::ShardedDataParallel: a global batch of ", rows, " rows cannot be cut into ", M,
                                  fast ? " ranks' shares" : " micro-batches", "; use a larger batch or fewer micro-batches"));
-  if (options.data.aux == Sync::per_rank)
-    throw ValueError("linum::dist::ShardedDataParallel: stage 3 averages the aux tree over the batch (Sync::average); "
-                     "Sync::per_rank needs stage 0-2");
-  Stage3 ctx(*this, M, fast, options.data.overlap);
+  Stage3 ctx(*this, M, fast, options.data.overlap, gathers);
   const int rounds = (M + ranks - 1) / ranks;
   ShardedStepResult result;
   result.stats.ranks = ranks;
   TreeFold small(M);
   std::optional<Tree> aux_structure;
   std::vector<float> small_sum;
+  // Sync::per_rank: the aux mean over the rows of this rank's pieces.
+  std::int64_t own_rows = 0;
+  for (int m = me; m < M; m += ranks) own_rows += rows * (m + 1) / M - rows * m / M;
+  std::vector<float> own_aux;
   const auto compute_start = Clock::now();
   for (int j = 0; j < rounds; ++j) try {
     ctx.round = j;
@@ -825,7 +679,16 @@ std::pair<ShardedStepResult, Tree> ShardedDataParallel::Impl::stage3_gradients(c
     const Tree part = rows_of(batch, lo, hi);
     const rng::Key piece_key = rng::fold_in(key, static_cast<std::uint32_t>(piece));
     std::optional<std::tuple<Array, Tree, std::vector<Array>>> out;
-    {
+    if (!gathers) {
+      // Stage 2: the whole parameters go in through one op per leaf, whose backward sends the
+      // leaf's gradient (every use summed by autodiff) as soon as it is complete.
+      auto [value, aux, grads] = linum::value_and_grad([&](const std::vector<Array>& p) {
+        std::vector<Array> params;
+        for (std::size_t i = 0; i < p.size(); ++i) params.push_back(ctx.gather_op(i, p[i]));
+        return loss(with_leaves(layout.structure(), params), part, piece_key);
+      })(linum::leaves(local));
+      out.emplace(value, aux, std::move(grads));
+    } else {
       linum::detail::ParamReadHookGuard reads(&ctx);
       autodiff::SavedValueHooksGuard regather({
           .pack = [&ctx](const Array& a, const autodiff::SavedValueInfo& info) -> std::any {
@@ -856,6 +719,12 @@ std::pair<ShardedStepResult, Tree> ShardedDataParallel::Impl::stage3_gradients(c
     std::vector<float> mine;
     append_scaled(mine, astype(value, DType::f32), ctx.weight);
     for (const Array& a : linum::leaves(aux)) append_scaled(mine, a, ctx.weight);
+    if (options.data.aux == Sync::per_rank && real) {
+      std::vector<float> own;
+      for (const Array& a : linum::leaves(aux)) append_scaled(own, a, weight_of(lo, hi, own_rows));
+      if (own_aux.empty()) own_aux = std::move(own);
+      else add(own_aux.data(), own.data(), own_aux.data(), own.size());
+    }
     std::vector<float> all(mine.size() * static_cast<std::size_t>(ranks));
     if (ranks == 1) {
       all = mine;
@@ -897,6 +766,11 @@ std::pair<ShardedStepResult, Tree> ShardedDataParallel::Impl::stage3_gradients(c
   result.loss = Array::full(Shape{}, totals[0]);
   std::size_t offset = 1;
   result.aux = unflat(*aux_structure, totals, offset);
+  if (options.data.aux == Sync::per_rank) {
+    std::size_t at = 0;
+    own_aux.resize(offset - 1, 0.0f);  // (a rank without pieces: zeros)
+    result.aux = unflat(*aux_structure, own_aux.data(), at);
+  }
   std::vector<Array> slices;
   for (std::size_t i = 0; i < layout.leaves().size(); ++i) {
     const LeafSharding& l = layout.leaves()[i];
@@ -960,57 +834,16 @@ std::pair<ShardedStepResult, Tree> ShardedDataParallel::Impl::gradients(const Lo
   Impl& s = *this;
   ShardedStepResult result;
   Tree grads;  // this rank's slices (whole in stage 0)
-  if (s.options.stage == 3) {
-    auto [r, slices] = s.stage3_gradients(loss, batch, key);
+  if (s.options.stage >= 2) {
+    auto [r, slices] = s.sliced_gradients(loss, batch, key);
     result = std::move(r);
     grads = std::move(slices);
-  } else if (s.options.stage <= 1) {
+  } else {
     StepResult r = s.data.value_and_grad(loss, s.params, batch, key);
     s.gradient_bytes = tree_bytes(r.grads);
     grads = s.layout.shard(r.grads, s.my_shard());  // (stage 0: the whole leaves, scalars as [1])
     result.loss = r.loss;
     result.aux = r.aux;
-    result.stats = r.stats;
-  } else {
-    const std::int64_t rows = batch_rows(batch);
-    StepResult r;
-    r.stats.ranks = s.comm.size();
-    std::vector<float> mine;
-    Tree aux_structure, my_aux;
-    std::vector<float> local_aux;
-    if (s.options.data.reduction == Reduction::reproducible) {
-      if (rows < s.options.data.micro_batches)
-        throw ShapeError(detail::cat("linum::dist::ShardedDataParallel: a global batch of ", rows, " rows cannot be cut into ",
-                                     s.options.data.micro_batches, " micro-batches; use a larger batch or fewer micro-batches"));
-      auto [total, local] = s.reduce_scatter_tree(loss, batch, key, rows, r);
-      mine = std::move(total);
-      aux_structure = local.aux_structure;
-      local_aux = std::move(local.local_aux);
-    } else {
-      if (rows < s.comm.size())
-        throw ShapeError(detail::cat("linum::dist::ShardedDataParallel: a global batch of ", rows, " rows cannot be shared by ",
-                                     s.comm.size(), " ranks"));
-      mine = s.reduce_scatter_fast(loss, batch, key, rows, r, aux_structure, my_aux);
-    }
-    result.loss = Array::full(Shape{}, mine[0]);
-    std::size_t offset = 1;
-    Tree averaged = unflat(aux_structure, mine.data(), offset);
-    if (s.options.data.aux == Sync::average) {
-      result.aux = averaged;
-    } else if (s.options.data.reduction == Reduction::reproducible) {
-      std::size_t at = 0;
-      result.aux = unflat(aux_structure, local_aux.data(), at);
-    } else {
-      result.aux = my_aux;
-    }
-    std::vector<Array> slices;
-    for (const auto& l : s.layout.leaves()) {
-      Array a = Array::empty(l.shard_shape(s.me, s.comm.size()));
-      if (a.nbytes() > 0) std::memcpy(a.mutable_data(), mine.data() + offset, a.nbytes());
-      offset += static_cast<std::size_t>(a.numel());
-      slices.push_back(l.dtype == DType::f32 ? std::move(a) : astype(a, l.dtype));
-    }
-    grads = with_leaves(s.layout.structure(), slices);
     result.stats = r.stats;
   }
   return {std::move(result), std::move(grads)};
