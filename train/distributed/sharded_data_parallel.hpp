@@ -14,9 +14,10 @@
 //  1  the optimizer state of its slices only (adam: 8n/P bytes instead of 8n); the whole gradient
 //     is summed on every rank as DataParallel does, each rank updates its slices, and the updated
 //     slices are gathered (one allgather of n parameters);
-//  2  as 1, and the gradients are reduce-scattered: each rank receives only the sums for its slices
-//     (reproducible mode: the partial sums of the fixed micro-batch tree, cut by destination, one
-//     all-to-all; fast mode: MPI_Reduce_scatter), so no rank holds a summed whole gradient.
+//  2  as 1, and the gradients are reduce-scattered: each parameter enters the loss through one op
+//     whose backward sends its gradient, as soon as autodiff completes it, cut by destination to
+//     the owners of its slices (reproducible mode: MPI_Alltoallv, and micro-batches are folded as
+//     at stage 3 below; fast mode: MPI_Reduce_scatter), so no rank holds a summed whole gradient.
 //  3  as 2, and the parameters too: between steps a rank holds only its slices; a parameter is
 //     gathered (one allgather) when a module reads it (Scope::param, through a param-read hook),
 //     released after the module's ops used it (the ops' saved inputs become handles, and backward
