@@ -396,42 +396,53 @@ struct GptBlock {
                  gelu(m));
   }
 };
-struct Gpt {
+// Blocks: lift::remat<GptBlock> (rematted) or GptBlock (the remat planner decides).
+template <class Block>
+struct GptOf {
   Array operator()(Scope& s, const Array& tokens) const {
     Array h = s(nn::Embed{.num_embeddings = 64, .features = 48}, tokens);
-    for (int b = 0; b < 4; ++b) h = s(lift::remat<GptBlock>{}, h);
+    for (int b = 0; b < 4; ++b) h = s(Block{}, h);
     return s(nn::Dense{.features = 64}, s(nn::LayerNorm{}, h));
   }
 };
+using Gpt = GptOf<lift::remat<GptBlock>>;
+using GptPlain = GptOf<GptBlock>;
 
-Array gpt_loss(const Tree& params, const Tree& batch, rng::Key) {
-  const Array logits = apply(Gpt{}, Tree{{"params", params}}, batch.at("x").array());
+template <class Model>
+Array gpt_loss_of(const Tree& params, const Tree& batch, rng::Key) {
+  const Array logits = apply(Model{}, Tree{{"params", params}}, batch.at("x").array());
   return mean(nn::softmax_cross_entropy_with_integer_labels(logits, batch.at("y").array()));
 }
+Array gpt_loss(const Tree& params, const Tree& batch, rng::Key key) { return gpt_loss_of<Gpt>(params, batch, key); }
+Array gpt_plain_loss(const Tree& params, const Tree& batch, rng::Key key) { return gpt_loss_of<GptPlain>(params, batch, key); }
 
-Tree gpt_batch(int step) {
-  const Array t = rng::randint(rng::key(60 + static_cast<std::uint32_t>(step)), Shape{12, 17}, 0, 64);
+// `rows` sequences of 16 tokens (and their next tokens).
+Tree gpt_batch(int step, std::int64_t rows = 12, std::uint32_t seed = 60) {
+  const Array t = rng::randint(rng::key(seed + static_cast<std::uint32_t>(step)), Shape{rows, 17}, 0, 64);
   return Tree{{"x", slice_axis(t, 1, 0, 16)}, {"y", slice_axis(t, 1, 1, 17)}};
+}
+
+// The checksum of the parameters one process trains (DataParallel alone, no cap, no remat plan).
+template <class Model>
+std::string gpt_one_process(const dist::Loss& loss, const Model& model, const optim::GradientTransformation& opt, int steps,
+                            int pieces, const std::function<Tree(int)>& batch) {
+  dist::DataParallel alone({.micro_batches = pieces, .comm = self()});
+  Tree p = init(model, rng::key(21), Array::full_i32(Shape{2, 16}, 0)).at("params"), state = opt.init(p);
+  for (int step = 0; step < steps; ++step) {
+    auto r = alone.value_and_grad(loss, p, batch(step), rng::key(0));
+    auto next = opt.step(std::move(p), r.grads, std::move(state));
+    p = std::move(next.params);
+    state = std::move(next.state);
+  }
+  return dist::checksum_hex(p);
 }
 
 TEST_CASE("stage 3 trains a GPT whose parameters + gradients + adam state exceed the per-rank cap, under it, bit for bit") {
   const auto opt = optim::adamw(1e-3);
   constexpr int kSteps = 2, kPieces = 6;
-  std::string want;
   std::int64_t n = 0;
-  {
-    const Tree params = init(Gpt{}, rng::key(21), Array::full_i32(Shape{2, 16}, 0)).at("params");
-    for (const Array& a : leaves(params)) n += a.numel();
-    dist::DataParallel alone({.micro_batches = kPieces, .comm = self()});
-    Tree p = params, state = opt.init(params);
-    for (int step = 0; step < kSteps; ++step) {
-      auto r = alone.value_and_grad(dist::Loss(gpt_loss), p, gpt_batch(step), rng::key(0));
-      auto next = opt.step(std::move(p), r.grads, std::move(state));
-      p = std::move(next.params);
-      state = std::move(next.state);
-    }
-    want = dist::checksum_hex(p);
-  }
+  for (const Array& a : leaves(init(Gpt{}, rng::key(21), Array::full_i32(Shape{2, 16}, 0)).at("params"))) n += a.numel();
+  const std::string want = gpt_one_process(gpt_loss, Gpt{}, opt, kSteps, kPieces, [](int step) { return gpt_batch(step); });
   // One process's parameters, gradients and adam state: 16 bytes per parameter. The cap: 3/4 of it.
   const std::int64_t cap = 12 * n;
   std::optional<dist::ShardedDataParallel> z;
@@ -459,42 +470,14 @@ TEST_CASE("stage 3 trains a GPT whose parameters + gradients + adam state exceed
   CHECK(dist::checksum_hex(z->params()) == want);
 }
 
-// The same GPT with plain blocks: the remat planner decides which to remat.
-struct GptPlain {
-  Array operator()(Scope& s, const Array& tokens) const {
-    Array h = s(nn::Embed{.num_embeddings = 64, .features = 48}, tokens);
-    for (int b = 0; b < 4; ++b) h = s(GptBlock{}, h);
-    return s(nn::Dense{.features = 64}, s(nn::LayerNorm{}, h));
-  }
-};
-
-Array gpt_plain_loss(const Tree& params, const Tree& batch, rng::Key) {
-  const Array logits = apply(GptPlain{}, Tree{{"params", params}}, batch.at("x").array());
-  return mean(nn::softmax_cross_entropy_with_integer_labels(logits, batch.at("y").array()));
-}
-
 // 48 sequences: micro-batches of 16 rows, whose activations outweigh the gradient slices.
-Tree gpt_long_batch(int step) {
-  const Array t = rng::randint(rng::key(80 + static_cast<std::uint32_t>(step)), Shape{48, 17}, 0, 64);
-  return Tree{{"x", slice_axis(t, 1, 0, 16)}, {"y", slice_axis(t, 1, 1, 17)}};
-}
+Tree gpt_long_batch(int step) { return gpt_batch(step, 48, 80); }
 
 TEST_CASE("the remat planner meets a per-rank budget at stage 3: one plan on every rank, under it, bit for bit") {
   const auto opt = optim::adamw(1e-3);
   constexpr int kSteps = 2, kPieces = 3;
   const Tree params = init(GptPlain{}, rng::key(21), Array::full_i32(Shape{2, 16}, 0)).at("params");
-  std::string want;
-  {
-    dist::DataParallel alone({.micro_batches = kPieces, .comm = self()});
-    Tree p = params, state = opt.init(params);
-    for (int step = 0; step < kSteps; ++step) {
-      auto r = alone.value_and_grad(dist::Loss(gpt_plain_loss), p, gpt_long_batch(step), rng::key(0));
-      auto next = opt.step(std::move(p), r.grads, std::move(state));
-      p = std::move(next.params);
-      state = std::move(next.state);
-    }
-    want = dist::checksum_hex(p);
-  }
+  const std::string want = gpt_one_process(gpt_plain_loss, GptPlain{}, opt, kSteps, kPieces, gpt_long_batch);
   dist::ShardedDataParallel z(params, opt, {.stage = 3, .data = {.micro_batches = kPieces}});
   // Without a tight budget the plan remats nothing; it tells the step's plain peak (the ranks' largest).
   const std::int64_t base = memory::stats().live_bytes;
