@@ -508,6 +508,9 @@ void each_figure(Profile& pr, F&& f) {
     for (LevelRun& r : level) run(r);
   for (auto& level : pr.nested)
     for (auto& entry : level) run(entry.second);
+  storage::TransferStats& t = pr.transfers;
+  for (std::int64_t* bytes : {&t.written_bytes, &t.read_bytes, &t.encoded_bytes, &t.decoded_bytes}) f(*bytes);
+  for (double* seconds : {&t.write_seconds, &t.read_seconds, &t.encode_seconds, &t.decode_seconds}) f(*seconds);
 }
 
 void agree_on(Profile& pr, std::int64_t& plain_peak, const PlanOptions& o) {
@@ -555,7 +558,11 @@ RematPlan plan_remat(const std::function<void()>& step, std::int64_t budget_byte
   // Policies that offload: profile and verify with the spill file's windows closed, so the RAM a
   // step takes does not depend on the I/O thread's timing; the plan gets windows that fit after.
   const bool places = std::any_of(options.policies.begin(), options.policies.end(), [](const Policy& p) { return p.places_beyond_ram(); });
-  const storage::SpillWindows user_windows = places ? storage::spill_file().windows() : storage::SpillWindows{};
+  storage::SpillWindows user_windows = places ? storage::spill_file().windows() : storage::SpillWindows{};
+  if (places) {  // processes planning together: the smallest windows any of them has
+    user_windows.read_ahead_bytes = -agreed(-user_windows.read_ahead_bytes, "read-ahead window", options);
+    user_windows.write_behind_bytes = -agreed(-user_windows.write_behind_bytes, "write-behind window", options);
+  }
   std::optional<storage::SpillWindowsScope> closed;
   if (places) closed.emplace(storage::SpillWindows{0, 0});
   std::int64_t plain_peak = measured_peak(step, [](const std::vector<std::string>&) { return std::nullopt; });

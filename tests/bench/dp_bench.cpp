@@ -12,8 +12,8 @@
 // parameters sliced too, gathered when a module reads them; the MLP runs as modules at every stage) with
 // adam by default, and the line adds this rank's bytes by kind (params, gradients,
 // optimizer_state, activations; the largest over ranks) and the parameter gather's time; at stage 3
-// with --overlap 1 (the default) exposed_s is the time the computation waited for gathers and
-// exchanges running on the communication thread and prefetched_gathers the gathers per step that
+// with --overlap 1 (the default) exposed_s is the time the step waited in MPI (nonblocking gathers
+// and exchanges, and the per-round loss exchange) and prefetched_gathers the gathers per step that
 // started ahead of their read.
 //
 // The model of linum-bench mlp (L x Dense(W) + GELU, loss mean(h * h), float32) trained with SGD on

@@ -172,7 +172,7 @@ TEST_CASE("every stage, reproducible mode: the parameters and optimizer state on
   }
 }
 
-TEST_CASE("stage 3 with and without overlap (prefetch, gradients sent from a thread): the same bits as one process") {
+TEST_CASE("stage 3 with and without overlap (prefetch, gradients sent without waiting): the same bits as one process") {
   const auto opt = optim::adam(1e-2);
   const Trained want = one_process(opt, 3, 6);
   for (bool overlap : {false, true}) {
@@ -184,7 +184,7 @@ TEST_CASE("stage 3 with and without overlap (prefetch, gradients sent from a thr
                            rng::fold_in(rng::key(4), static_cast<std::uint32_t>(step)))
                         .prefetched_gathers;
     CHECK(first_difference(z.params(), want.params) == "");
-    // Gathers are prefetched when a thread communicates (several ranks, overlap on).
+    // Gathers are prefetched with overlap on several ranks.
     if (overlap && dist::size() > 1) CHECK(prefetched > 0);
     else CHECK(prefetched == 0);
   }
@@ -217,8 +217,20 @@ struct TiedEmbedding {
   }
 };
 
+// One read's uses interleaved with another's: autodiff adds a leaf's contributions in arrival
+// order, stage 3 each read's first: the same within float rounding, not bit for bit.
+struct TiedInterleaved {
+  Array operator()(Scope& s, const Array& x) const {
+    const Array first = s.param("w", initializers::lecun_normal(), Shape{x.dim(1), x.dim(1)});
+    const Array a = gelu(matmul(x, first));
+    const Array second = s.param("w", initializers::lecun_normal(), Shape{x.dim(1), x.dim(1)});
+    const Array b = gelu(matmul(a, second));
+    return matmul(b, first);
+  }
+};
+
 template <class M>
-void check_tied(const Array& example, const Tree& batch, const char* name) {
+void check_tied(const Array& example, const Tree& batch, const char* name, bool bitwise = true) {
   CAPTURE(name);
   const auto opt = optim::adam(1e-2);
   const Tree params = init(M{}, rng::key(5), example).at("params");
@@ -238,7 +250,8 @@ void check_tied(const Array& example, const Tree& batch, const char* name) {
     CAPTURE(overlap);
     dist::ShardedDataParallel z(params, opt, {.stage = 3, .data = {.micro_batches = 6, .overlap = overlap}});
     for (int step = 0; step < 2; ++step) z.step(dist::Loss(loss), batch, rng::key(0));
-    CHECK(first_difference(z.params(), want) == "");
+    if (bitwise) CHECK(first_difference(z.params(), want) == "");
+    else CHECK(max_abs_difference(z.params(), want) < 1e-6f);
   }
 }
 
@@ -248,6 +261,7 @@ TEST_CASE("stage 3 with tied weights (a parameter read several times per micro-b
   check_tied<Tied<3>>(Array::zeros(Shape{2, 7}), x, "read three times");
   check_tied<TiedEmbedding>(Array::full_i32(Shape{2, 5}, 0),
                             Tree{{"x", rng::randint(rng::key(9), Shape{18, 5}, 0, 11)}}, "tied embedding");
+  check_tied<TiedInterleaved>(Array::zeros(Shape{2, 7}), x, "interleaved uses", /*bitwise=*/false);
 }
 
 TEST_CASE("stages 2 and 3 with an aux tree (BatchNorm statistics) average it as DataParallel does") {

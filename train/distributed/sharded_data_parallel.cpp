@@ -328,8 +328,10 @@ struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
     MPI_Request request = MPI_REQUEST_NULL;
 #endif
     std::vector<int> counts, displs;    // gathers: bytes per rank; exchanges: send counts, displs, receive counts, displs
-    std::vector<unsigned char> bytes;   // gathers: every rank's slice bytes
-    std::vector<float> send, recv;      // exchanges
+    // Linum arrays, so that the exact memory accounting (live limits, the remat planner, memory())
+    // sees them: gathers: every rank's slice bytes (in float32 storage); exchanges: float32.
+    Array bytes, send, recv;
+    unsigned char* byte_data() { return static_cast<unsigned char*>(bytes.mutable_raw()); }
     std::function<void(Transfer&)> finish;
     bool done = false;
   };
@@ -341,14 +343,15 @@ struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
   std::int64_t bytes_sent = 0, wire_bytes = 0, peak_fold_bytes = 0;
   int messages = 0, prefetched = 0;
 
-  bool gathers;                         // stage 3: parameters are gathered; stage 2: held whole (`whole`)
-  std::vector<Array> whole;
+  bool gathers;                         // stage 3: parameters are gathered; stage 2: held whole
+  std::vector<Array> whole_params;      // stage 2
+  std::unique_ptr<Transfer> requested;  // the gather a read waits for
 
   Stage3(Impl& impl, int m, bool is_fast, bool overlap_communication, bool gather_params)
       : s(impl), pieces(m), fast(is_fast), overlap(overlap_communication), deposited(impl.layout.leaves().size(), -1),
         forward_reads(impl.layout.leaves().size(), 0), arrived(impl.layout.leaves().size(), 0),
         partial(impl.layout.leaves().size()), gathers(gather_params) {
-    if (!gathers) whole = linum::leaves(s.params);
+    if (!gathers) whole_params = linum::leaves(s.params);
     for (std::size_t i = 0; i < s.layout.leaves().size(); ++i) {
       index_of[s.layout.leaves()[i].path] = i;
       folds.emplace_back(m);
@@ -356,11 +359,16 @@ struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
     sums.resize(s.layout.leaves().size());
     slices = linum::leaves(s.local);
   }
+  ~Stage3() {
+    // Collectives under way write into this object's buffers and the other ranks wait in them:
+    // a step cannot be left with any (sliced_gradients aborts the job first; this is the backstop).
+    if (in_flight()) abort_job("linum::dist::ShardedDataParallel: a step ended with collectives under way", 1, s.comm);
+  }
   Stage3(const Stage3&) = delete;
   Stage3& operator=(const Stage3&) = delete;
 
   // Whether collectives are under way (a failure now cannot leave them: their buffers are here).
-  bool in_flight() const { return !ahead.empty() || !exchanges.empty(); }
+  bool in_flight() const { return requested || !ahead.empty() || !exchanges.empty(); }
 
   // Waits for a transfer (the time counts as communication the computation waited for).
   void complete(Transfer& t) {
@@ -397,12 +405,14 @@ struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
     }
   }
 
-  // Starts gathering parameter i's slices from every rank (a collective call).
-  std::unique_ptr<Transfer> start_gather(std::size_t i) {
+  // Starts gathering parameter i's slices from every rank into a new transfer held by `slot` (a
+  // collective call; the slot holds it before MPI does, so a failure sees it under way).
+  void start_gather(std::size_t i, std::unique_ptr<Transfer>& slot) {
     const LeafSharding& l = s.layout.leaves()[i];
     const int ranks = s.comm.size();
     const auto elem = static_cast<std::int64_t>(dtype_size(l.dtype));
-    auto t = std::make_unique<Transfer>();
+    slot = std::make_unique<Transfer>();
+    Transfer* t = slot.get();
     t->counts.resize(static_cast<std::size_t>(ranks));
     t->displs.resize(static_cast<std::size_t>(ranks));
     std::int64_t at = 0;
@@ -411,19 +421,18 @@ struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
       t->displs[static_cast<std::size_t>(r)] = checked_count(at, "a parameter gather");
       at += l.shard_numel(r, ranks) * elem;
     }
-    t->bytes.resize(static_cast<std::size_t>(at));
+    t->bytes = Array::empty(Shape{(at + 3) / 4});
     const Array& mine = slices[i];
     ++messages;
     bytes_sent += static_cast<std::int64_t>(mine.nbytes());
     wire_bytes += at * (ranks - 1) / ranks;
 #if LINUM_HAVE_MPI
     const auto start = Clock::now();
-    check_mpi(MPI_Iallgatherv(mine.raw(), static_cast<int>(mine.nbytes()), MPI_BYTE, t->bytes.data(), t->counts.data(),
+    check_mpi(MPI_Iallgatherv(mine.raw(), static_cast<int>(mine.nbytes()), MPI_BYTE, t->byte_data(), t->counts.data(),
                               t->displs.data(), MPI_BYTE, to_mpi(s.comm), &t->request),
               "MPI_Iallgatherv");
     communication_s += seconds_since(start);
 #endif
-    return t;
   }
 
   // Starts the gather the recorded order says follows a request for parameter i (overlap only).
@@ -439,12 +448,12 @@ struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
     if (at + 1 < order.size()) prefetch(order[at + 1]);
   }
   void prefetch(std::size_t j) {
-    if (overlap && s.comm.size() > 1 && ahead.count(j) == 0) ahead[j] = start_gather(j);
+    if (overlap && s.comm.size() > 1 && ahead.count(j) == 0) start_gather(j, ahead[j]);
   }
 
   // The whole parameter i from every rank's slice (a collective call; not recorded).
   Array gather_whole(std::size_t i) {
-    if (!gathers) return whole[i];
+    if (!gathers) return whole_params[i];
     const LeafSharding& l = s.layout.leaves()[i];
     const int ranks = s.comm.size();
     std::vector<Array> parts;
@@ -452,25 +461,25 @@ struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
       parts.push_back(slices[i]);
     } else {
       order_now.push_back(i);
-      std::unique_ptr<Transfer> t;
       if (auto it = ahead.find(i); it != ahead.end()) {
-        t = std::move(it->second);
+        requested = std::move(it->second);
         ahead.erase(it);
         ++prefetched;
       } else {
-        t = start_gather(i);
+        start_gather(i, requested);
       }
       if (overlap) {
         prefetch_after(i);
         progress(kExchangesInFlight);
       }
-      complete(*t);
+      complete(*requested);
       for (int r = 0; r < ranks; ++r) {
         Array part = Array::empty(l.shard_shape(r, ranks), l.dtype);
         if (part.nbytes() > 0)
-          std::memcpy(part.mutable_raw(), t->bytes.data() + t->displs[static_cast<std::size_t>(r)], part.nbytes());
+          std::memcpy(part.mutable_raw(), requested->byte_data() + requested->displs[static_cast<std::size_t>(r)], part.nbytes());
         parts.push_back(std::move(part));
       }
+      requested.reset();
     }
     Array whole = s.layout.join(i, parts);
     if (whole.nbytes() > 0) gathered[whole.raw()] = i;
@@ -510,14 +519,16 @@ struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
       drain();
       throw DistError(detail::cat("linum::dist::ShardedDataParallel: parameter '", s.layout.leaves()[i].path,
                                   "' got a second gradient in one micro-batch from a read the forward pass did not "
-                                  "count (a read outside the forward pass?); stage 3 cannot place it: use stage 2"));
+                                  "count (a read outside the forward pass?); stage 3 cannot place it: use stage 0 or 1"));
     }
     deposited[i] = round;
     const LeafSharding& l = s.layout.leaves()[i];
     const int ranks = s.comm.size(), me = s.comm.rank();
     const Array g32 = g.dtype() == DType::f32 ? g : astype(g, DType::f32);
-    auto t = std::make_unique<Transfer>();
-    t->send.resize(static_cast<std::size_t>(l.held_shape().numel()));
+    exchanges.push_back(std::make_unique<Transfer>());  // held before MPI holds it
+    Transfer* t = exchanges.back().get();
+    t->send = Array::empty(Shape{l.held_shape().numel()});
+    float* send = t->send.mutable_data();
     t->counts.resize(static_cast<std::size_t>(4 * ranks));  // send counts, displs; receive counts, displs
     int* send_counts = t->counts.data();
     int* send_displs = send_counts + ranks;
@@ -527,8 +538,8 @@ struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
     std::int64_t at = 0;
     for (int q = 0; q < ranks; ++q) {
       const std::int64_t n = l.shard_numel(q, ranks);
-      copy_slice(g32.data(), l.held_shape(), l.axis, l.begin(q, ranks), l.end(q, ranks), t->send.data() + at);
-      for (std::int64_t e = 0; e < n; ++e) t->send[static_cast<std::size_t>(at + e)] *= weight;  // as DataParallel: g * w
+      copy_slice(g32.data(), l.held_shape(), l.axis, l.begin(q, ranks), l.end(q, ranks), send + at);
+      for (std::int64_t e = 0; e < n; ++e) send[at + e] *= weight;  // as DataParallel: g * w
       send_counts[q] = checked_count(n, "a gradient exchange");
       send_displs[q] = checked_count(at, "a gradient exchange");
       recv_counts[q] = checked_count(mine, "a gradient exchange");
@@ -538,13 +549,12 @@ struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
     ++messages;
     bytes_sent += at * static_cast<std::int64_t>(sizeof(float));
     wire_bytes += (at - mine) * static_cast<std::int64_t>(sizeof(float));
-    t->recv.resize(static_cast<std::size_t>(fast ? mine : mine * ranks));
+    t->recv = Array::empty(Shape{fast ? mine : mine * ranks});
     const int this_round = round;
     t->finish = [this, i, mine, ranks, this_round](Transfer& done) {
       if (fast) {
-        Array sum = Array::empty(Shape{mine});
-        if (mine > 0) std::memcpy(sum.mutable_data(), done.recv.data(), static_cast<std::size_t>(mine) * sizeof(float));
-        sums[i] = std::move(sum);
+        sums[i] = std::move(done.recv);
+        done.send = Array();
         return;
       }
       for (int r = 0; r < ranks; ++r) {
@@ -552,34 +562,34 @@ struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
         if (piece >= pieces) continue;  // a rank with no piece left ran a stand-in
         Array part = Array::empty(Shape{mine});
         if (mine > 0)
-          std::memcpy(part.mutable_data(), done.recv.data() + static_cast<std::size_t>(mine * r),
+          std::memcpy(part.mutable_data(), done.recv.mutable_data() + mine * r,
                       static_cast<std::size_t>(mine) * sizeof(float));
         folds[i].push(piece, std::move(part));
       }
       std::int64_t held = 0;
       for (const TreeFold& f : folds) held += f.bytes();
       peak_fold_bytes = std::max(peak_fold_bytes, held);
-      done.send = {};
-      done.recv = {};
+      done.send = Array();
+      done.recv = Array();
     };
     if (ranks == 1) {
-      if (mine > 0) std::memcpy(t->recv.data(), t->send.data(), static_cast<std::size_t>(mine) * sizeof(float));
+      if (mine > 0) std::memcpy(t->recv.mutable_data(), send, static_cast<std::size_t>(mine) * sizeof(float));
       t->done = true;
       t->finish(*t);
+      exchanges.pop_back();
       return;
     }
 #if LINUM_HAVE_MPI
     const auto start = Clock::now();
     if (fast)
-      check_mpi(MPI_Ireduce_scatter(t->send.data(), t->recv.data(), send_counts, MPI_FLOAT, MPI_SUM, to_mpi(s.comm), &t->request),
+      check_mpi(MPI_Ireduce_scatter(send, t->recv.mutable_data(), send_counts, MPI_FLOAT, MPI_SUM, to_mpi(s.comm), &t->request),
                 "MPI_Ireduce_scatter");
     else
-      check_mpi(MPI_Ialltoallv(t->send.data(), send_counts, send_displs, MPI_FLOAT, t->recv.data(), recv_counts, recv_displs,
+      check_mpi(MPI_Ialltoallv(send, send_counts, send_displs, MPI_FLOAT, t->recv.mutable_data(), recv_counts, recv_displs,
                                MPI_FLOAT, to_mpi(s.comm), &t->request),
                 "MPI_Ialltoallv");
     communication_s += seconds_since(start);
 #endif
-    exchanges.push_back(std::move(t));
     progress(overlap ? kExchangesInFlight : 0);
   }
 
@@ -730,9 +740,14 @@ std::pair<ShardedStepResult, Tree> ShardedDataParallel::Impl::sliced_gradients(c
       all = mine;
     } else {
 #if LINUM_HAVE_MPI
+      const auto start = Clock::now();
       check_mpi(MPI_Allgather(mine.data(), static_cast<int>(mine.size()), MPI_FLOAT, all.data(), static_cast<int>(mine.size()),
                               MPI_FLOAT, to_mpi(comm)),
                 "MPI_Allgather");
+      const double took = seconds_since(start);  // (waiting for the slowest rank shows here)
+      ctx.communication_s += took;
+      ctx.exposed_s += took;
+      ++ctx.messages;
 #endif
     }
     for (int r = 0; r < ranks; ++r) {
@@ -752,7 +767,14 @@ std::pair<ShardedStepResult, Tree> ShardedDataParallel::Impl::sliced_gradients(c
     // Gathers and exchanges under way are collectives the other ranks take part in; MPI cannot
     // cancel them, and this step's buffers are about to go.
     if (ctx.in_flight())
-      abort_job(detail::cat(e.what(), " (in a stage-3 step whose parameters or gradients were being communicated)"), 1, comm);
+      abort_job(detail::cat(e.what(), " (in a stage-", options.stage, " step whose parameters or gradients were being communicated)"),
+                1, comm);
+    throw;
+  } catch (...) {
+    if (ctx.in_flight())
+      abort_job(detail::cat("an exception that is not a std::exception, in a stage-", options.stage,
+                            " step whose parameters or gradients were being communicated"),
+                1, comm);
     throw;
   }
   result.stats.compute_s = seconds_since(compute_start) - ctx.communication_s;
@@ -816,9 +838,13 @@ ShardedDataParallel::ShardedDataParallel(const Tree& params, optim::GradientTran
   if (s.comm.size() > 1) {
     std::string owners;
     for (int o : s.state_owner) owners += std::to_string(o) + ",";
-    check_same_layout(s.layout.describe() + "|" + owners, s.comm,
+    check_same_layout(detail::cat(s.layout.describe(), "|", owners, "|stage ", s.options.stage, " reduction ",
+                                  static_cast<int>(s.options.data.reduction), " micro-batches ", s.options.data.micro_batches,
+                                  " overlap ", s.options.data.overlap, " aux ", static_cast<int>(s.options.data.aux)),
+                      s.comm,
                       "parameter layout (axis names and rules choose the cut: give every rank the init dict with its "
-                      "axis names, or the same ShardingRules) or optimizer state");
+                      "axis names, or the same ShardingRules), optimizer state or options (stage, reduction, "
+                      "micro_batches, overlap, aux: every rank must give the same)");
   }
 }
 
@@ -892,6 +918,12 @@ lift::RematPlan ShardedDataParallel::plan_remat(const LossWithAux& loss, const T
                                                 lift::PlanOptions options) {
   Impl& s = *impl_;
   s.require_intact("plan_remat");
+  if (s.comm.size() > 1) {
+    std::string described = detail::cat("profile_steps ", options.profile_steps, " verify ", options.verify, " depths");
+    for (int d : options.depths) described += detail::cat(" ", d);
+    for (const lift::Policy& p : options.policies) described += " " + p.description();
+    check_same_layout(described, s.comm, "remat planner options (every rank must give the same)");
+  }
   options.agree = [&s](const std::string& what, std::vector<double>& figures) {
     if (s.comm.size() == 1) return;
     check_same_layout(detail::cat(figures.size(), " figures of ", what), s.comm,

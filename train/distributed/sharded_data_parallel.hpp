@@ -28,17 +28,21 @@
 //     gradient or all parameters. The same bits as stages 0-2. A parameter read several times in
 //     a micro-batch (tied weights, e.g. an embedding also used as the output layer) is gathered
 //     per read; its reads' cotangents are added on the rank as they arrive, as autodiff adds a
-//     leaf's, and the sum goes out with the last. Needs the loss to pass its params tree unchanged
-//     as apply's "params" collection and the same control flow on every micro-batch (a rank with
-//     no piece left runs a stand-in so that every rank makes the same collective calls).
-//     With options.data.overlap (the default), stage 3 overlaps its communication with compute
-//     (MPI's nonblocking collectives, on the calling thread): it records the order in which a
-//     micro-batch gathers parameters (forward reads, remat's recomputations, backward's
-//     regathers) and, whenever it gathers one, starts the gather of the next in that order
-//     (FSDP's forward and backward prefetch: one parameter ahead); gradient slices are sent
-//     without waiting (at most two parameters' exchanges under way). The bits do not change. A
-//     rank that fails while collectives are under way aborts the job (dist::abort_job), as
-//     DataParallel's overlap does.
+//     leaf's, and the sum goes out with the last: the bits of one process when each read's uses
+//     are not interleaved with another read's (a shared module, an embedding's lookup and
+//     attend), else within float rounding of them. Needs the loss to pass its params tree
+//     unchanged as apply's "params" collection and the same control flow on every micro-batch.
+//  Stages 2 and 3 take micro-batches round-robin: ceil(M / P) rounds, and a rank with no piece
+//  left in the last round runs a stand-in (a copy of the last piece, its values dropped) so that
+//  every rank makes the same collective calls. With options.data.overlap (the default) they
+//  overlap communication with compute (MPI's nonblocking collectives, on the calling thread):
+//  gradient slices are sent without waiting (at most two parameters' exchanges under way), and
+//  stage 3 records the order in which a micro-batch gathers parameters (forward reads, remat's
+//  recomputations, backward's regathers) and, whenever it gathers one, starts the gather of the
+//  next in that order (FSDP's forward and backward prefetch: one parameter ahead). The bits do
+//  not change. A rank that fails while collectives are under way aborts the job
+//  (dist::abort_job), as DataParallel's overlap does. Communication buffers are Linum arrays:
+//  memory(), live limits and the remat planner count them.
 //
 // Remat under a per-rank budget: plan_remat() runs lift::plan_remat on the step's forward and
 // backward passes (gathers, gradient exchange and the rank's slices and optimizer state included
@@ -90,7 +94,8 @@ struct RankBytes {
 
 struct ShardedStepResult {
   Array loss;        // mean loss over the global batch (every rank)
-  Tree aux;          // as DataParallel's (Sync)
+  Tree aux;          // as DataParallel's (Sync); Sync::per_rank at stages 2-3: the mean over the rows of
+                     // this rank's own micro-batches (round-robin, not DataParallel's contiguous block)
   StepStats stats;   // the gradient exchange (and, in wire_bytes, the parameter gather)
   double optimizer_s = 0;   // the optimizer's update of this rank's slices
   double gather_s = 0;      // the allgather of updated slices
