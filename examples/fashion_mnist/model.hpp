@@ -68,8 +68,8 @@ struct CNN {
 
 // Flax's ResNet block (examples/imagenet/models.py): conv -> BatchNorm -> ReLU -> conv -> BatchNorm,
 // plus the input, then ReLU. The convolutions have no bias when BatchNorm follows them (the norm's
-// own bias takes its place); the second norm's scale starts at zero, so each block starts as the
-// identity and a deep stack trains from the first step.
+// own bias takes its place). Flax's ImageNet ResNet also starts the second norm's scale at zero;
+// this one keeps BatchNorm's default of one (as torch_cnn.py and flax_cnn.py do).
 struct ResidualBlock {
   std::int64_t features = 32;
   bool batch_norm = true;
