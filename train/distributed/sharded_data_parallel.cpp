@@ -129,7 +129,7 @@ struct ShardedDataParallel::Impl {
       : options(std::move(o)), optimizer(std::move(opt)), comm(options.data.comm), me(comm.rank()),
         data(options.data), reductions(comm) {}
 
-  struct Stage3;
+  struct SlicedStep;
   // Stages 2 and 3's forward and backward passes, micro-batches round-robin, each parameter's
   // gradient sent to its slices' owners as backward completes it: this rank's gradient slices (and
   // the step's loss, aux, stats).
@@ -299,14 +299,14 @@ struct Regather {
 
 }  // namespace
 
-// One stage-3 step's state: which round runs, the folds of this rank's gradient slices, and the
-// hook that gathers a parameter when a module reads it. With overlap, communication is started
+// One stage-2 or stage-3 step's state: which round runs, the folds of this rank's gradient
+// slices, and the hook that gathers a parameter when a module reads it (stage 3). With overlap, communication is started
 // and finished at different points of this thread (MPI's nonblocking collectives, started in the
 // same order on every rank): the gather of the parameter that the recorded order says comes next
 // starts when one is requested, and a gradient exchange is finished at later hook calls (at most
 // kExchangesInFlight pending, each holding one parameter's gradient). Without overlap each is
 // started and finished where it is needed.
-struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
+struct ShardedDataParallel::Impl::SlicedStep final : linum::detail::ParamReadHook {
   static constexpr std::size_t kExchangesInFlight = 2;
   Impl& s;
   int pieces, round = 0;
@@ -347,7 +347,7 @@ struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
   std::vector<Array> whole_params;      // stage 2
   std::unique_ptr<Transfer> requested;  // the gather a read waits for
 
-  Stage3(Impl& impl, int m, bool is_fast, bool overlap_communication, bool gather_params)
+  SlicedStep(Impl& impl, int m, bool is_fast, bool overlap_communication, bool gather_params)
       : s(impl), pieces(m), fast(is_fast), overlap(overlap_communication), deposited(impl.layout.leaves().size(), -1),
         forward_reads(impl.layout.leaves().size(), 0), arrived(impl.layout.leaves().size(), 0),
         partial(impl.layout.leaves().size()), gathers(gather_params) {
@@ -359,13 +359,13 @@ struct ShardedDataParallel::Impl::Stage3 final : linum::detail::ParamReadHook {
     sums.resize(s.layout.leaves().size());
     slices = linum::leaves(s.local);
   }
-  ~Stage3() {
+  ~SlicedStep() {
     // Collectives under way write into this object's buffers and the other ranks wait in them:
     // a step cannot be left with any (sliced_gradients aborts the job first; this is the backstop).
     if (in_flight()) abort_job("linum::dist::ShardedDataParallel: a step ended with collectives under way", 1, s.comm);
   }
-  Stage3(const Stage3&) = delete;
-  Stage3& operator=(const Stage3&) = delete;
+  SlicedStep(const SlicedStep&) = delete;
+  SlicedStep& operator=(const SlicedStep&) = delete;
 
   // Whether collectives are under way (a failure now cannot leave them: their buffers are here).
   bool in_flight() const { return requested || !ahead.empty() || !exchanges.empty(); }
@@ -663,7 +663,7 @@ std::pair<ShardedStepResult, Tree> ShardedDataParallel::Impl::sliced_gradients(c
   if (rows < M)
     throw ShapeError(detail::cat("linum::dist::ShardedDataParallel: a global batch of ", rows, " rows cannot be cut into ", M,
                                  fast ? " ranks' shares" : " micro-batches", "; use a larger batch or fewer micro-batches"));
-  Stage3 ctx(*this, M, fast, options.data.overlap, gathers);
+  SlicedStep ctx(*this, M, fast, options.data.overlap, gathers);
   const int rounds = (M + ranks - 1) / ranks;
   ShardedStepResult result;
   result.stats.ranks = ranks;
