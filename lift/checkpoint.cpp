@@ -11,6 +11,8 @@
 #include <atomic>
 #include <cstring>
 #include <sstream>
+#include <memory>
+#include <optional>
 #include <unordered_map>
 
 namespace linum::lift {
@@ -171,7 +173,7 @@ class ForwardRegion final : public autodiff::detail::RecordHook {
     for (const Array& o : outs) {
       if (o.node() != nullptr)
         if (auto it = producer_.find({o.node()->id(), o.output_index()}); it != producer_.end()) flow_.needed[it->second] = true;
-      if (auto it = writer_.find(o.buffer_identity()); o.defined() && it != writer_.end()) flow_.needed[it->second] = true;
+      if (const auto w = writer_of(o)) flow_.needed[*w] = true;
     }
     std::vector<bool> saved(flow_.skippable.size(), false);
     for (const SavedValue& v : saved_) saved[v.index] = true;
@@ -186,7 +188,7 @@ class ForwardRegion final : public autodiff::detail::RecordHook {
     flow_.consumers.emplace_back();
     flow_.needed.push_back(false);
     const auto me = static_cast<std::uint32_t>(index);
-    writer_[out.buffer_identity()] = me;
+    if (out.defined()) writer_[out.buffer_identity()] = Writer{me, out.weak_buffer()};
     if (node != nullptr) {
       for (const autodiff::Edge& e : node->inputs()) {
         if (!e.node) continue;
@@ -196,7 +198,7 @@ class ForwardRegion final : public autodiff::detail::RecordHook {
       std::vector<Array> residuals;
       node->saved_arrays(residuals);
       for (const Array& r : residuals)
-        if (auto it = writer_.find(r.buffer_identity()); r.defined() && it != writer_.end()) flow_.needed[it->second] = true;
+        if (const auto w = writer_of(r)) flow_.needed[*w] = true;
       producer_[{node->id(), out.output_index()}] = me;
     }
   }
@@ -245,7 +247,21 @@ class ForwardRegion final : public autodiff::detail::RecordHook {
   std::vector<OpRecipe> recipes_;
   DataFlow flow_;
   std::unordered_map<std::pair<std::uint64_t, std::uint32_t>, std::uint32_t, PairHash> producer_;  // (node id, output) -> op
-  std::unordered_map<const Buffer*, std::uint32_t> writer_;  // live buffer -> the last op that produced it
+  // Live buffer -> the last op that produced it. An entry remembers its buffer weakly: a buffer freed
+  // during the pass whose address a new one takes is not the same buffer (else which ops the replay
+  // leaves out would depend on the allocator's address reuse, which differs between processes --
+  // at ZeRO stage 3 every rank must gather the same parameters in the same order).
+  struct Writer {
+    std::uint32_t op;
+    std::weak_ptr<const void> buffer;
+  };
+  std::unordered_map<const Buffer*, Writer> writer_;
+  std::optional<std::uint32_t> writer_of(const Array& a) const {
+    if (!a.defined()) return std::nullopt;
+    const auto it = writer_.find(a.buffer_identity());
+    if (it == writer_.end() || it->second.buffer.expired()) return std::nullopt;
+    return it->second.op;
+  }
 };
 
 // The error verify mode raises, naming the block and the first op that differs.
