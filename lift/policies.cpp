@@ -68,7 +68,7 @@ Policy dots_saveable::make() {
 }
 Policy dots_with_no_batch_dims_saveable::make() {
   return Policy("dots_with_no_batch_dims_saveable",
-                [](const OpInfo& op) { return op.op == ops::kind::matmul && !op.has_batch_dims(); });
+                [](const OpInfo& op) { return (op.op == ops::kind::matmul || op.op == ops::kind::linear) && !op.has_batch_dims(); });
 }
 
 namespace {

@@ -40,8 +40,8 @@
 #include <utility>
 #include <vector>
 
-BOOST_HANA_ADAPT_STRUCT(linum::nn::Dense, features, use_bias, dtype, param_dtype);
-BOOST_HANA_ADAPT_STRUCT(linum::nn::DenseGeneral, features, axis, use_bias, dtype, param_dtype);
+BOOST_HANA_ADAPT_STRUCT(linum::nn::Dense, features, use_bias, dtype, param_dtype, activation);
+BOOST_HANA_ADAPT_STRUCT(linum::nn::DenseGeneral, features, axis, use_bias, dtype, param_dtype, activation);
 BOOST_HANA_ADAPT_STRUCT(linum::nn::Conv, features, kernel_size, strides, padding, kernel_dilation, feature_group_count,
                         use_bias, dtype, param_dtype);
 BOOST_HANA_ADAPT_STRUCT(linum::nn::ConvTranspose, features, kernel_size, strides, padding, kernel_dilation, use_bias, dtype,
@@ -179,6 +179,8 @@ nlohmann::json to_value(const T& v) {
     return nlohmann::json(float_as_double(v));
   } else if constexpr (std::is_same_v<T, DType>) {
     return nlohmann::json(dtype_name(v));  // "float32", "bfloat16", "int32" (NumPy's names)
+  } else if constexpr (std::is_same_v<T, Activation>) {
+    return nlohmann::json(std::string(activation_name(v)));  // "none", "relu", "gelu", ...
   } else if constexpr (is_optional<T>::value) {
     return v ? to_value(*v) : nlohmann::json(nullptr);
   } else if constexpr (is_vector<T>::value) {
@@ -235,6 +237,13 @@ T from_value(const nlohmann::json& j, const std::string& where) {
     if (name == "bfloat16" || name == "bf16") return DType::bf16;
     if (name == "int32" || name == "i32") return DType::i32;
     bad_field(where, "a dtype (\"float32\" or \"bfloat16\")", j);
+  } else if constexpr (std::is_same_v<T, Activation>) {
+    if (!j.is_string()) bad_field(where, "an activation name (\"none\", \"relu\", \"gelu\", ...)", j);
+    try {
+      return activation_from_name(j.get<std::string>());
+    } catch (const ValueError& e) {
+      bad_field(where, e.what(), j);
+    }
   } else if constexpr (is_optional<T>::value) {
     if (j.is_null()) return T{};
     return T{from_value<typename T::value_type>(j, where)};

@@ -19,13 +19,10 @@ Array Dense::operator()(Scope& s, const Array& x) const {
     throw ShapeError(detail::cat("Dense: the input must have at least one axis (got shape ", x.shape(),
                                  "); reshape a scalar to (1,) first"));
   require_float_dtype(param_dtype, "Dense", "param_dtype");
-  const int last = x.rank() - 1;
   Array kernel = s.param("kernel", initializer_in(kernel_init, param_dtype), Shape{x.dim(-1), features});
   Array bias = use_bias ? s.param("bias", initializer_in(bias_init, param_dtype), Shape{features}) : Array();
   auto p = promote_dtype({x, kernel, bias}, dtype);  // Flax: inputs, kernel, bias in one dtype
-  Array y = dot_general(p[0], p[1], DotDims{.lhs_contracting = {last}, .rhs_contracting = {0}});
-  if (use_bias) y = y + p[2];
-  return y;
+  return linear(p[0], p[1], p[2], activation);
 }
 
 namespace {
@@ -82,11 +79,25 @@ Array DenseGeneral::operator()(Scope& s, const Array& x) const {
   Array bias = use_bias ? s.param("bias", initializer_in(flattened(bias_init, 1, cols, false), param_dtype), bias_shape)
                         : Array();
   auto p = promote_dtype({x, kernel, bias}, dtype);
-  std::vector<int> rhs(axes.size());
-  for (std::size_t i = 0; i < axes.size(); ++i) rhs[i] = static_cast<int>(i);
-  Array y = dot_general(p[0], p[1], DotDims{.lhs_contracting = axes, .rhs_contracting = rhs});
-  if (use_bias) y = y + p[2];
-  return y;
+  // The contracted axes moved last and flattened, the kernel and bias flattened: one linear op on
+  // [..., rows] x [rows, cols] (a transpose only when the axes are not already the last ones).
+  std::vector<int> perm;
+  for (int i = 0; i < x.rank(); ++i)
+    if (std::find(axes.begin(), axes.end(), i) == axes.end()) perm.push_back(i);
+  std::vector<std::int64_t> out;
+  std::int64_t lead = 1;
+  for (int i : perm) {
+    out.push_back(x.dim(i));
+    lead *= x.dim(i);
+  }
+  for (std::int64_t f : features) out.push_back(f);
+  perm.insert(perm.end(), axes.begin(), axes.end());
+  bool identity = true;
+  for (std::size_t i = 0; i < perm.size(); ++i) identity = identity && perm[i] == static_cast<int>(i);
+  const Array moved = identity ? p[0] : transpose(p[0], perm);
+  const Array y = linear(reshape(moved, {lead, rows}), reshape(p[1], {rows, cols}),
+                         use_bias ? reshape(p[2], {cols}) : Array(), activation);
+  return reshape(y, out);
 }
 
 }  // namespace linum::nn

@@ -3,12 +3,21 @@
 //   Array y = s(nn::Dense{.features = 10}, x);                       // kernel (x.dim(-1), 10), bias (10,)
 //   Array h = s(nn::DenseGeneral{.features = {4, 8}}, x);            // kernel (in, 4, 8), bias (4, 8)
 //   Array o = s(nn::DenseGeneral{.features = {16}, .axis = {-2, -1}}, h);   // kernel (4, 8, 16)
+//   Array a = s(nn::Dense{.features = 512, .activation = Activation::gelu}, x);  // gelu(x @ kernel + bias)
+//
+// Both run on the fused linear op (core/ops/linear.hpp): the bias is added in the product's
+// epilogue, and an `activation` (Keras's Dense(activation=...); Flax applies it as a separate call)
+// is applied in the same op, whose backward pass computes the activation's derivative and the bias
+// gradient in one pass. nn::gelu(s(nn::Dense{...}, x)) gives the same values as .activation = gelu;
+// the fused form passes over the activations fewer times. A remat policy that saves products saves
+// a fused Dense's output with its pre-activation (see linear.hpp).
 //
 // Parameter names, shapes, defaults and initializer calls are Flax's, so variable dicts move
 // between the two and the same key gives the same parameters.
 #pragma once
 
 #include <linum/core/array.hpp>
+#include <linum/core/ops/linear.hpp>
 #include <linum/modules/initializers.hpp>
 #include <linum/nn/dtypes.hpp>
 #include <linum/modules/scope.hpp>
@@ -19,7 +28,7 @@
 
 namespace linum::nn {
 
-// y = x @ kernel + bias over the last axis of x (any rank >= 1).
+// y = activation(x @ kernel + bias) over the last axis of x (any rank >= 1).
 // Params: "kernel" (x.dim(-1), features), "bias" (features,).
 struct Dense {
   std::int64_t features = 0;                                  // output size (required, > 0)
@@ -28,6 +37,7 @@ struct Dense {
   Initializer bias_init = initializers::zeros();
   std::optional<DType> dtype;                                 // computation dtype; nullopt: promote inputs and params
   DType param_dtype = DType::f32;                             // dtype the params are created in
+  Activation activation = Activation::none;                   // applied to the result, in the same op
 
   // The layer applied to `x` ([..., in] -> [..., features]).
   void validate() const;  // ValueError naming an out-of-range field (on each call and on config load)
@@ -47,6 +57,7 @@ struct DenseGeneral {
   Initializer bias_init = initializers::zeros();
   std::optional<DType> dtype;                                 // computation dtype; nullopt: promote inputs and params
   DType param_dtype = DType::f32;                             // dtype the params are created in
+  Activation activation = Activation::none;                   // applied to the result, in the same op
 
   // The layer applied to `x`.
   void validate() const;  // ValueError naming an out-of-range field (on each call and on config load)

@@ -778,7 +778,13 @@ BOOST_HANA_ADAPT_STRUCT(MyBlock, depth, dropout_rate, head, name);
 
 TEST_CASE("module_config / module_from_config round trips") {
   nlohmann::json d = nn::module_config(nn::Dense{.features = 10});
-  CHECK(d.dump() == R"({"dtype":null,"features":10,"param_dtype":"float32","use_bias":true})");
+  CHECK(d.dump() == R"({"activation":"none","dtype":null,"features":10,"param_dtype":"float32","use_bias":true})");
+  // The fused activation travels by name; an unknown name is refused with the list of names.
+  const nlohmann::json dg = nn::module_config(nn::Dense{.features = 2, .activation = Activation::gelu_exact});
+  CHECK(dg.at("activation") == "gelu_exact");
+  CHECK(nn::module_from_config<nn::Dense>(dg).activation == Activation::gelu_exact);
+  CHECK_THROWS_WITH_AS(nn::module_from_config<nn::Dense>(nlohmann::json{{"features", 2}, {"activation", "swish"}}),
+                       doctest::Contains("one of: none, relu, gelu, gelu_exact, silu, tanh, sigmoid"), ValueError);
   // Flax's dtype and param_dtype travel with the configuration.
   nlohmann::json dbf = nn::module_config(nn::Dense{.features = 4, .dtype = DType::bf16});
   CHECK(dbf.at("dtype") == "bfloat16");
@@ -831,7 +837,7 @@ TEST_CASE("module_config / module_from_config round trips") {
 
   // A user's module, nested configuration included.
   nlohmann::json u = nn::module_config(MyBlock{});
-  CHECK(u.dump() == R"({"depth":2,"dropout_rate":0.1,"head":{"dtype":null,"features":10,"param_dtype":"float32","use_bias":true},"name":"block"})");
+  CHECK(u.dump() == R"({"depth":2,"dropout_rate":0.1,"head":{"activation":"none","dtype":null,"features":10,"param_dtype":"float32","use_bias":true},"name":"block"})");
   u["head"]["features"] = 3;
   CHECK(nn::module_from_config<MyBlock>(u).head.features == 3);
 

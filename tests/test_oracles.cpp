@@ -566,7 +566,7 @@ TEST_CASE("jax.checkpoint policies save what JAX's saved_residuals lists: argume
     std::multiset<std::string> got, want;
     std::string listing;
     for (const lift::Residual& r : lift::saved_residuals(loss, in[0], in[1], in[2], in[3])) {
-      const int kind = r.kind == "argument" ? 0 : r.name == "h" ? 1 : (r.op == "matmul" || r.op == "batched_matmul" || r.op == "dot_general") ? 2 : 3;
+      const int kind = r.kind == "argument" ? 0 : r.name == "h" ? 1 : (r.op == "matmul" || r.op == "batched_matmul" || r.op == "linear" || r.op == "dot_general") ? 2 : 3;
       got.insert(key_of(kind, r.shape));
       listing += "\n  " + r.str();
     }

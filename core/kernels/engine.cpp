@@ -52,6 +52,13 @@ Array batched_gemm(const Array& a, const Array& b, bool ta, bool tb) {
   return batched_gemm_eigen(a, b, ta, tb);
 }
 
+Array gemm_bias(const Array& a, const Array& b, const Array& bias) {
+#if LINUM_HAVE_ONEDNN
+  if (engine() == Engine::onednn) return gemm_bias_onednn(a, b, bias);
+#endif
+  return gemm_bias_eigen(a, b, bias);
+}
+
 void gemm_f32_serial(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
                      std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
 #if LINUM_HAVE_ONEDNN

@@ -19,6 +19,17 @@ Array batched_gemm_eigen(const Array& a, const Array& b, bool ta, bool tb);
 Array batched_gemm_onednn(const Array& a, const Array& b, bool ta, bool tb);
 #endif
 
+// a [M, K] @ b [K, N] + bias [N] (all one float dtype), the bias added to the float32 accumulator
+// before the result is rounded to the dtype: one rounding, as PyTorch's addmm and oneDNN's matmul
+// with a bias (the product's epilogue; no separate pass over the output).
+Array gemm_bias(const Array& a, const Array& b, const Array& bias);
+Array gemm_bias_eigen(const Array& a, const Array& b, const Array& bias);
+#if LINUM_HAVE_ONEDNN
+Array gemm_bias_onednn(const Array& a, const Array& b, const Array& bias);
+#endif
+// y[r, :] += bias for every row r of a float32 or bf16 [.., n] array (bias in y's dtype).
+void add_bias_rows(Array& y, const Array& bias);
+
 // C = alpha * op(A) @ op(B) + beta * C on float32 row-major matrices with row strides lda, ldb,
 // ldc (op transposes when asked: A is [m, k], or [k, m] when ta), on the calling thread only. For
 // fused kernels that run their own parallel loop (attention); the result depends only on the

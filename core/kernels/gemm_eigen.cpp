@@ -40,6 +40,34 @@ Array batched_gemm_eigen(const Array& a_in, const Array& b_in, bool ta, bool tb)
   return y;
 }
 
+void add_bias_rows(Array& y, const Array& bias) {
+  const std::int64_t n = bias.numel(), rows = n == 0 ? 0 : y.numel() / n;
+  if (y.dtype() == DType::f32) {
+    const float* b = bias.data();
+    float* out = y.mutable_data();
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t j = 0; j < n; ++j) out[r * n + j] += b[j];
+    return;
+  }
+  const auto* b = static_cast<const bfloat16*>(bias.raw());
+  auto* out = static_cast<bfloat16*>(y.mutable_raw());
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t j = 0; j < n; ++j)
+      out[r * n + j].bits = bfloat16::round_bits(static_cast<float>(out[r * n + j]) + static_cast<float>(b[j]));
+}
+
+Array gemm_bias_eigen(const Array& a, const Array& b, const Array& bias) {
+  if (a.dtype() != DType::f32) {  // the bias added in float32, then one rounding (as oneDNN's epilogue)
+    Array y = batched_gemm_eigen(linum::detail::convert_float(a, DType::f32), linum::detail::convert_float(b, DType::f32),
+                                 false, false);
+    add_bias_rows(y, linum::detail::convert_float(bias, DType::f32));
+    return linum::detail::convert_float(y, a.dtype());
+  }
+  Array y = batched_gemm_eigen(a, b, false, false);
+  add_bias_rows(y, bias);
+  return y;
+}
+
 void gemm_f32_serial_eigen(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
                            std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
   using Stride = Eigen::OuterStride<>;

@@ -35,12 +35,13 @@ struct Key {
   bool ta, tb;
   DType dtype;
   int threads;
-  auto tie() const { return std::tie(batch, m, k, n, ta, tb, dtype, threads); }
+  bool bias = false;  // a bias row added to every output row before rounding (the product's epilogue)
+  auto tie() const { return std::tie(batch, m, k, n, ta, tb, dtype, threads, bias); }
   bool operator<(const Key& o) const { return tie() < o.tie(); }
 };
 
 struct Cached {
-  memory::desc a, b, c;
+  memory::desc a, b, c, bias;
   dnnl::matmul primitive;
 };
 
@@ -62,8 +63,13 @@ const Cached& primitive_for(const Key& key) {
   memory::desc a(memory::dims{B, M, K}, dt, key.ta ? memory::dims{M * K, 1, M} : memory::dims{M * K, K, 1});
   memory::desc b(memory::dims{B, K, N}, dt, key.tb ? memory::dims{K * N, 1, K} : memory::dims{K * N, N, 1});
   memory::desc c(memory::dims{B, M, N}, dt, memory::dims{M * N, N, 1});
+  if (key.bias) {  // [1, 1, N], broadcast over the batch and the rows
+    memory::desc bias(memory::dims{1, 1, N}, dt, memory::dims{N, N, 1});
+    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, bias, c), cpu_engine());
+    return cache().emplace(key, Cached{a, b, c, bias, dnnl::matmul(pd)}).first->second;
+  }
   dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), cpu_engine());
-  return cache().emplace(key, Cached{a, b, c, dnnl::matmul(pd)}).first->second;
+  return cache().emplace(key, Cached{a, b, c, memory::desc(), dnnl::matmul(pd)}).first->second;
 }
 
 constexpr std::int64_t kNarrowOutput = 64;  // output columns at or below which oneDNN splits sums
@@ -98,7 +104,10 @@ void narrow_gemm_f32(const Array& a, const Array& b, Array& y, bool ta, bool tb,
 
 }  // namespace
 
-Array batched_gemm_onednn(const Array& a, const Array& b, bool ta, bool tb) {
+namespace {
+
+// The product, with `bias` (when given: [n], a's dtype) added to every row in the epilogue.
+Array gemm_onednn(const Array& a, const Array& b, bool ta, bool tb, const Array* bias) {
   const int ra = a.rank(), rb = b.rank();
   const std::int64_t batch = ra == 3 ? a.shape()[0] : 1;
   const std::int64_t a0 = a.shape()[ra - 2], a1 = a.shape()[ra - 1];
@@ -109,6 +118,7 @@ Array batched_gemm_onednn(const Array& a, const Array& b, bool ta, bool tb) {
   if (y.numel() == 0) return y;
   if (k == 0) {
     std::memset(y.mutable_raw(), 0, y.nbytes());
+    if (bias != nullptr) add_bias_rows(y, *bias);
     return y;
   }
   const double work = static_cast<double>(batch) * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
@@ -119,6 +129,7 @@ Array batched_gemm_onednn(const Array& a, const Array& b, bool ta, bool tb) {
   if (n <= kNarrowOutput && work >= kParallelGemmWork) {
     if (a.dtype() == DType::f32) {
       narrow_gemm_f32(a, b, y, ta, tb, batch, m, n, k, rb == 3);
+      if (bias != nullptr) add_bias_rows(y, *bias);  // float32: the same as adding it in the epilogue
       return y;
     }
     // bfloat16: one thread (the serial path has no bf16 product).
@@ -131,18 +142,29 @@ Array batched_gemm_onednn(const Array& a, const Array& b, bool ta, bool tb) {
   const int previous = omp_get_max_threads();
   if (threads != previous) omp_set_num_threads(threads);
 #endif
-  const Cached& p = primitive_for(Key{batch, m, k, n, ta, tb, a.dtype(), threads});
+  const Cached& p = primitive_for(Key{batch, m, k, n, ta, tb, a.dtype(), threads, bias != nullptr});
   memory ma(p.a, cpu_engine(), const_cast<void*>(a.raw()));
   memory mb(p.b, cpu_engine(), const_cast<void*>(b.raw()));
   memory mc(p.c, cpu_engine(), y.mutable_raw());
   dnnl::stream stream(cpu_engine());
-  p.primitive.execute(stream, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
+  if (bias != nullptr) {
+    memory mbias(p.bias, cpu_engine(), const_cast<void*>(bias->raw()));
+    p.primitive.execute(stream, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_BIAS, mbias}, {DNNL_ARG_DST, mc}});
+  } else {
+    p.primitive.execute(stream, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
+  }
   stream.wait();
 #ifdef _OPENMP
   if (threads != previous) omp_set_num_threads(previous);
 #endif
   return y;
 }
+
+}  // namespace
+
+Array batched_gemm_onednn(const Array& a, const Array& b, bool ta, bool tb) { return gemm_onednn(a, b, ta, tb, nullptr); }
+
+Array gemm_bias_onednn(const Array& a, const Array& b, const Array& bias) { return gemm_onednn(a, b, false, false, &bias); }
 
 struct PackedProduct::Onednn {
   dnnl::matmul primitive;

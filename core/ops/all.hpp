@@ -7,6 +7,7 @@
 #include <linum/core/ops/einsum.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/linalg.hpp>
+#include <linum/core/ops/linear.hpp>
 #include <linum/core/ops/normalization.hpp>
 #include <linum/core/ops/recurrent.hpp>
 #include <linum/core/ops/reduce.hpp>

@@ -5,6 +5,7 @@
 #include <linum/core/ops/batching.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/kernel_util.hpp>
+#include <linum/core/ops/activation_math_internal.hpp>
 #include <linum/core/ops/reduce.hpp>
 
 #include <Eigen/Core>
@@ -17,6 +18,8 @@
 
 namespace linum {
 namespace {
+
+namespace activation_math = ops::detail::activation_math;
 
 using autodiff::Cotangents;
 using autodiff::needs_grad;
@@ -492,14 +495,14 @@ Array sign(const Array& x) {
 
 Array tanh(const Array& x) {
   return unary_op("tanh", x, Keep::output, [](const CVec& v) { return v.tanh(); }, [](Cotangents& c, autodiff::Saved s) {
-    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * (1.0f - v.square()); },
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return activation_math::tanh_grad(g, v); },
                        [](const Array& g, const Array& y) { return mul(g, sub(scalar(1.0f), square(y))); }));
   });
 }
 
 Array sigmoid(const Array& x) {
   return unary_op("sigmoid", x, Keep::output, [](const CVec& v) { return v.logistic(); }, [](Cotangents& c, autodiff::Saved s) {
-    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * v * (1.0f - v); },
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return activation_math::sigmoid_grad(g, v); },
                        [](const Array& g, const Array& y) { return mul(mul(g, y), sub(scalar(1.0f), y)); }));
   });
 }
@@ -577,19 +580,17 @@ Array clip(const Array& x, float lo, float hi) {
 
 Array relu(const Array& x) {  // keeps its output: y > 0 exactly where x > 0
   return unary_op("relu", x, Keep::output, [](const CVec& v) { return v.max(0.0f); }, [](Cotangents& c, autodiff::Saved s) {
-    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return (v > 0.0f).select(g, 0.0f); },
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return activation_math::relu_grad(g, v); },
                        [](const Array& g, const Array& y) {  // the mask is piecewise constant
                          return where(greater(y.detached(), Array::zeros({}, y.dtype())), g, Array::zeros({}, g.dtype()));
                        }));
   });
 }
 
-namespace {
-constexpr float kSqrt2OverPi = 0.7978845608028654f;
-constexpr float kGeluCoeff = 0.044715f;
-constexpr float kInvSqrt2 = 0.7071067811865476f;
-constexpr float kInvSqrt2Pi = 0.3989422804014327f;
-}  // namespace
+using activation_math::kGeluCoeff;
+using activation_math::kInvSqrt2;
+using activation_math::kInvSqrt2Pi;
+using activation_math::kSqrt2OverPi;
 
 Array gelu(const Array& x, bool approximate) {
   if (approximate)
@@ -597,9 +598,7 @@ Array gelu(const Array& x, bool approximate) {
                     [](const CVec& v) { return v * (0.5f * (1.0f + (kSqrt2OverPi * (v + kGeluCoeff * v.cube())).tanh())); },
                     [](Cotangents& c, autodiff::Saved s) {
                       c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v, OVec& out) {
-                              out = (kSqrt2OverPi * (v + kGeluCoeff * v.cube())).tanh();  // t, then the gradient in place
-                              out = g * (0.5f * (1.0f + out) +
-                                         0.5f * v * (1.0f - out.square()) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCoeff * v.square()));
+                              activation_math::gelu_tanh_grad(g, v, out);
                             }, [](const Array& g, const Array& x) {
                               const Array x2 = square(x);
                               const Array t = tanh(mul(scalar(kSqrt2OverPi), add(x, mul(scalar(kGeluCoeff), mul(x, x2)))));
@@ -612,7 +611,7 @@ Array gelu(const Array& x, bool approximate) {
   return unary_op("gelu", x, Keep::input, [](const CVec& v) { return v * ((v * kInvSqrt2).erf() + 1.0f) * 0.5f; },
                   [](Cotangents& c, autodiff::Saved s) {
                     c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) {
-                            return g * (0.5f * ((v * kInvSqrt2).erf() + 1.0f) + v * kInvSqrt2Pi * (-0.5f * v.square()).exp());
+                            return activation_math::gelu_erf_grad(g, v);
                           }, [](const Array& g, const Array& x) {
                             const Array d = add(mul(scalar(0.5f), add(erf(mul(x, scalar(kInvSqrt2))), scalar(1.0f))),
                                                 mul(mul(x, scalar(kInvSqrt2Pi)), exp(mul(scalar(-0.5f), square(x)))));
@@ -623,10 +622,8 @@ Array gelu(const Array& x, bool approximate) {
 
 Array silu(const Array& x) {
   return unary_op("silu", x, Keep::input, [](const CVec& v) { return v * v.logistic(); }, [](Cotangents& c, autodiff::Saved s) {
-    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v, OVec& out) {
-            out = v.logistic();  // sigmoid(x), then the gradient in place
-            out = g * out * (1.0f + v * (1.0f - out));
-          }, [](const Array& g, const Array& x) {
+    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v, OVec& out) { activation_math::silu_grad(g, v, out); },
+          [](const Array& g, const Array& x) {
             const Array sg = sigmoid(x);
             return mul(mul(g, sg), add(scalar(1.0f), mul(x, sub(scalar(1.0f), sg))));
           }));

@@ -9,16 +9,18 @@ namespace linum::ops::kind {
 
 inline constexpr char matmul[] = "matmul";
 inline constexpr char batched_matmul[] = "batched_matmul";
+inline constexpr char linear[] = "linear";                    // the fused dense layer: act(x @ W + b)
 inline constexpr char conv2d[] = "conv2d";
 inline constexpr char attention[] = "attention";              // the fused attention
 inline constexpr char lstm_layer[] = "lstm_layer";            // the fused LSTM layer
 inline constexpr char checkpoint_name[] = "checkpoint_name";  // the identity op policies select by name
 
-// A matrix product or convolution (JAX's dot_general and conv_general_dilated). The fused attention
-// and the fused LSTM layer count as the products they contain (JAX's attention is dot_generals
-// around a softmax, its LSTM a scan of dot_generals and gates).
+// A matrix product or convolution (JAX's dot_general and conv_general_dilated). The fused dense
+// layer, the fused attention and the fused LSTM layer count as the products they contain (JAX's
+// Dense is a dot_general and an add, its attention dot_generals around a softmax, its LSTM a scan of
+// dot_generals and gates).
 constexpr bool is_dot(std::string_view op) {
-  return op == matmul || op == batched_matmul || op == conv2d || op == attention || op == lstm_layer;
+  return op == matmul || op == batched_matmul || op == linear || op == conv2d || op == attention || op == lstm_layer;
 }
 // A product with batch dimensions (a dot_general with batch axes; the attention's products have
 // the batch and head axes).

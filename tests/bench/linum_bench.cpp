@@ -5,8 +5,10 @@
 //       The deep-MLP training step: L x (Dense(W) + GELU) on a batch of B, loss mean(h * h),
 //       parameters kept in float32 and cast to --dtype for the computation (Flax's dtype=bf16 with
 //       param_dtype=float32, PyTorch's autocast),
-//       forward + backward, in these variants: plain, remat_every (each layer checkpointed,
-//       nothing_saveable), remat_dots (each layer, dots_saveable), remat_names (each layer, its
+//       forward + backward, in these variants: plain (each layer one fused op: linear(h, W, b,
+//       Activation::gelu), as nn::Dense{.activation = gelu}), plain_unfused (the product, the bias
+//       add and the GELU as three ops), remat_every (each layer checkpointed,
+//       nothing_saveable), remat_dots (each layer unfused, dots_saveable: the product saved, the GELU recomputed), remat_names (each layer, its
 //       pre-activation saved by save_only_these_names), remat_sqrt (sqrt(L) checkpointed segments),
 //       offload_every (plain layers, every computed residual in the spill file: lift::ResidualScope
 //       with offload(everything_saveable); --spill-dir DIR, default $LINUM_SPILL_DIR or /tmp),
@@ -99,12 +101,17 @@ int bench_mlp(const Flags& f) {
   auto layer = [dtype](const Array& h, const Array& w, const Array& b) {
     return gelu(matmul(h, astype(w, dtype)) + astype(b, dtype));
   };
+  // The same layer as one fused op (nn::Dense{.activation = Activation::gelu}): the bias in the
+  // product's epilogue, the GELU's derivative and the bias gradient in one backward pass.
+  auto fused_layer = [dtype](const Array& h, const Array& w, const Array& b) {
+    return linear(h, astype(w, dtype), astype(b, dtype), Activation::gelu);
+  };
   const long segments = std::max(1L, static_cast<long>(std::sqrt(static_cast<double>(L))));
   struct Variant {
     std::string name;
     std::function<Array(const std::vector<Array>&, const Array&)> forward;
   };
-  const auto every = checkpoint(layer);
+  const auto every = checkpoint(fused_layer);
   const auto dots = checkpoint(layer, {.policy = policies::dots_saveable{}});
   // The same layer with its pre-activation named, saved by name: the replay runs only the GELU
   // (the product and the bias add are dead code once "preact" is saved).
@@ -118,13 +125,19 @@ int bench_mlp(const Flags& f) {
     return [&, policy](const std::vector<Array>& p, const Array& x) {
       lift::ResidualScope scope(policy);
       Array h = x;
-      for (long l = 0; l < L; ++l) h = layer(h, p[2 * l], p[2 * l + 1]);
+      for (long l = 0; l < L; ++l) h = fused_layer(h, p[2 * l], p[2 * l + 1]);
       return h;
     };
   };
   const auto offload_dots = checkpoint(layer, {.policy = policies::offload(policies::dots_saveable{})});
   const std::vector<Variant> variants = {
       {"plain",
+       [&](const std::vector<Array>& p, const Array& x) {
+         Array h = x;
+         for (long l = 0; l < L; ++l) h = fused_layer(h, p[2 * l], p[2 * l + 1]);
+         return h;
+       }},
+      {"plain_unfused",  // the product, the bias add and the GELU as three ops
        [&](const std::vector<Array>& p, const Array& x) {
          Array h = x;
          for (long l = 0; l < L; ++l) h = layer(h, p[2 * l], p[2 * l + 1]);
@@ -165,7 +178,7 @@ int bench_mlp(const Flags& f) {
            const long last = std::min(L, first + per);
            auto segment = checkpoint([&, first, last](const Array& in) {
              Array z = in;
-             for (long l = first; l < last; ++l) z = layer(z, p[2 * l], p[2 * l + 1]);
+             for (long l = first; l < last; ++l) z = fused_layer(z, p[2 * l], p[2 * l + 1]);
              return z;
            });
            h = segment(h);

@@ -97,6 +97,28 @@ std::vector<OpCase> op_cases() {
          return rows[0] * w + rows[2];
        }, true},
       {"product", "matmul", {4, 6}, {6, 5}, [](const Array& z, const Array& w) { return matmul(z, w); }, false},
+      // The fused dense layer, with each activation (its bias: a function of w, so it has a gradient
+      // too). Without an activation its rule keeps no bias, so what computes the bias is left out.
+      {"product", "linear", {4, 6}, {6, 5}, [](const Array& z, const Array& w) { return linear(z, w, sum(w, {0}) * 0.1f); }, true},
+      {"product", "linear", {2, 3, 6}, {6, 5}, [](const Array& z, const Array& w) { return linear(z, w); }, false},
+      {"product", "linear", {4, 6}, {6, 5}, [](const Array& z, const Array& w) {
+         return linear(z, w, sum(w, {0}) * 0.1f, Activation::relu);
+       }, false},
+      {"product", "linear", {4, 6}, {6, 5}, [](const Array& z, const Array& w) {
+         return linear(z, w, sum(w, {0}) * 0.1f, Activation::gelu);
+       }, false},
+      {"product", "linear", {4, 6}, {6, 5}, [](const Array& z, const Array& w) {
+         return linear(z, w, sum(w, {0}) * 0.1f, Activation::gelu_exact);
+       }, false},
+      {"product", "linear", {4, 6}, {6, 5}, [](const Array& z, const Array& w) {
+         return linear(z, w, sum(w, {0}) * 0.1f, Activation::silu);
+       }, false},
+      {"product", "linear", {4, 6}, {6, 5}, [](const Array& z, const Array& w) {
+         return linear(z, w, sum(w, {0}) * 0.1f, Activation::tanh);
+       }, false},
+      {"product", "linear", {4, 6}, {6, 5}, [](const Array& z, const Array& w) {
+         return linear(z, w, sum(w, {0}) * 0.1f, Activation::sigmoid);
+       }, false},
       {"product", "batched_matmul", {2, 4, 6}, {2, 6, 3}, [](const Array& z, const Array& w) { return matmul(z, w); }, false},
       {"convolution", "conv2d", {2, 5, 5, 3}, {3, 3, 3, 4}, [](const Array& z, const Array& w) { return conv2d(z, w); }, false},
       {"pooling", "avg_pool", {2, 4, 4, 3}, {3}, [](const Array& z, const Array& w) {

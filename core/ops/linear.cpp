@@ -1,0 +1,239 @@
+// The fused dense layer (linear.hpp): one primitive whose forward is a product with the bias in its
+// epilogue followed by the activation, and whose backward rule passes over the cotangent once
+// (activation derivative and bias sum together) before the two products.
+#include <linum/core/ops/linear.hpp>
+
+#include <linum/core/autodiff/primitive.hpp>
+#include <linum/core/kernels/gemm.hpp>
+#include <linum/core/ops/activation_math_internal.hpp>
+#include <linum/core/ops/elementwise.hpp>
+#include <linum/core/ops/kernel_util.hpp>
+#include <linum/core/ops/kind.hpp>
+#include <linum/core/ops/linalg.hpp>
+#include <linum/core/ops/reduce.hpp>
+#include <linum/core/ops/shape_ops.hpp>
+#include <linum/core/threading.hpp>
+
+#include <array>
+#include <cstring>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace linum {
+namespace {
+
+namespace am = ops::detail::activation_math;
+using autodiff::Cotangents;
+using autodiff::Residuals;
+
+constexpr std::array<std::pair<Activation, std::string_view>, 7> kNames{{
+    {Activation::none, "none"},
+    {Activation::relu, "relu"},
+    {Activation::gelu, "gelu"},
+    {Activation::gelu_exact, "gelu_exact"},
+    {Activation::silu, "silu"},
+    {Activation::tanh, "tanh"},
+    {Activation::sigmoid, "sigmoid"},
+}};
+
+// Whether the backward pass reads the activation's input (else its output), as the op alone keeps.
+bool derivative_from_input(Activation act) {
+  return act == Activation::gelu || act == Activation::gelu_exact || act == Activation::silu;
+}
+
+// Rows per block of the backward pass: each block sums its rows' cotangents per column in row order,
+// and the blocks' sums are added in block order, so the bias gradient's bits depend on the shape
+// alone (not on the threads).
+constexpr std::int64_t kRowsPerBlock = 64;
+// Row runs are padded to whole packets of this many floats (AVX-512: 16), as elementwise.cpp pads.
+constexpr std::int64_t kLanes = 16;
+
+// One row of g2 = g * act'(v) in float32 (n floats, padded to whole packets in the scratch runs).
+void derivative_row(Activation act, const float* g, const float* v, float* out, std::int64_t n) {
+  const am::CVec G(g, n), V(v, n);
+  am::OVec O(out, n);
+  switch (act) {
+    case Activation::none: O = G; break;
+    case Activation::relu: O = am::relu_grad(G, V); break;
+    case Activation::gelu: am::gelu_tanh_grad(G, V, O); break;
+    case Activation::gelu_exact: O = am::gelu_erf_grad(G, V); break;
+    case Activation::silu: am::silu_grad(G, V, O); break;
+    case Activation::tanh: O = am::tanh_grad(G, V); break;
+    case Activation::sigmoid: O = am::sigmoid_grad(G, V); break;
+  }
+}
+
+// Row r of a float array, n wide, as float32 in `scratch` (padded with copies of its first element
+// to p floats, as the elementwise kernels pad a chunk, so every element takes the vectorised path).
+const float* row_f32(const Array& a, std::int64_t r, std::int64_t n, std::int64_t p, float* scratch) {
+  const float* src = ops::detail::f32_view(a, r * n, n, scratch);
+  if (p == n) return src;
+  if (src != scratch) std::memcpy(scratch, src, static_cast<std::size_t>(n) * sizeof(float));
+  for (std::int64_t i = n; i < p; ++i) scratch[i] = scratch[0];
+  return scratch;
+}
+
+// The backward pass over the cotangent g [M, N]: g2 = g * act'(v) (g itself for none; written over
+// g when `in_place`), and, when `bias_dtype` is given, the column sums of g2 (the bias gradient,
+// summed in float32 and rounded once).
+std::pair<Array, Array> cotangent_pass(Array g, const Array& v, Activation act, std::optional<DType> bias_dtype, bool in_place) {
+  const std::int64_t n = g.dim(-1), m = n == 0 ? 0 : g.numel() / n;
+  const std::int64_t p = (n + kLanes - 1) / kLanes * kLanes;
+  const bool write = act != Activation::none;
+  Array g2 = !write ? g : in_place ? g : Array::empty(g.shape(), g.dtype());
+  const std::int64_t blocks = (m + kRowsPerBlock - 1) / kRowsPerBlock;
+  std::vector<float> partial(bias_dtype ? static_cast<std::size_t>(blocks * n) : 0);
+  const int threads = m * n >= ops::detail::kParallelMin ? team_size() : 1;
+  // Per thread: g's row, v's row, the result row (each p floats, 64-byte aligned: Eigen computes the
+  // elements before a destination's first aligned one without vectors, which would change their
+  // last bits), allocated before the region.
+  ops::detail::AlignedScratch scratch(static_cast<std::int64_t>(threads) * 3 * p);
+#ifdef _OPENMP
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
+#endif
+  for (std::int64_t b = 0; b < blocks; ++b) {
+    linum::detail::enter_compute();
+#ifdef _OPENMP
+    const int t = omp_get_thread_num();
+#else
+    const int t = 0;
+#endif
+    float* sg = scratch.data() + static_cast<std::size_t>(t) * 3 * p;
+    float* sv = sg + p;
+    float* so = sv + p;
+    float* acc = bias_dtype ? partial.data() + b * n : nullptr;
+    if (acc != nullptr) std::fill(acc, acc + n, 0.0f);
+    const std::int64_t end = std::min(m, (b + 1) * kRowsPerBlock);
+    for (std::int64_t r = b * kRowsPerBlock; r < end; ++r) {
+      const float* gr = row_f32(g, r, n, p, sg);
+      const float* out = gr;
+      if (write) {
+        derivative_row(act, gr, row_f32(v, r, n, p, sv), so, p);
+        out = so;
+        if (g2.dtype() == DType::f32) std::memcpy(g2.mutable_data() + r * n, so, static_cast<std::size_t>(n) * sizeof(float));
+        else ops::detail::f32_commit(g2, r * n, n, so);
+      }
+      if (acc != nullptr)
+        for (std::int64_t j = 0; j < n; ++j) acc[j] += out[j];
+    }
+  }
+  Array db;
+  if (bias_dtype) {
+    Array sum = Array::zeros(Shape{n}, DType::f32);
+    float* s = sum.mutable_data();
+    for (std::int64_t b = 0; b < blocks; ++b)
+      for (std::int64_t j = 0; j < n; ++j) s[j] += partial[static_cast<std::size_t>(b * n + j)];
+    db = *bias_dtype == DType::f32 ? sum : astype(sum, *bias_dtype);
+  }
+  return {std::move(g2), std::move(db)};
+}
+
+// The same computation as separate differentiable ops (vmap; create-graph rules).
+Array composed(const Array& x, const Array& kernel, const Array& bias, Activation act) {
+  Array y = dot_general(x, kernel, DotDims{.lhs_contracting = {x.rank() - 1}, .rhs_contracting = {0}});
+  if (bias.defined()) y = add(y, bias);
+  return activate(y, act);
+}
+
+}  // namespace
+
+std::string_view activation_name(Activation a) {
+  for (const auto& [act, name] : kNames)
+    if (act == a) return name;
+  return "unknown";
+}
+
+Activation activation_from_name(std::string_view name) {
+  std::string known;
+  for (const auto& [act, n] : kNames) {
+    if (n == name) return act;
+    known += (known.empty() ? "" : ", ") + std::string(n);
+  }
+  throw ValueError(detail::cat("unknown activation '", name, "' (one of: ", known, ")"));
+}
+
+Array activate(const Array& x, Activation act) {
+  switch (act) {
+    case Activation::none: return x;
+    case Activation::relu: return relu(x);
+    case Activation::gelu: return gelu(x, true);
+    case Activation::gelu_exact: return gelu(x, false);
+    case Activation::silu: return silu(x);
+    case Activation::tanh: return tanh(x);
+    case Activation::sigmoid: return sigmoid(x);
+  }
+  throw ValueError("activate: unknown activation");
+}
+
+Array linear(const Array& x_in, const Array& kernel_in, const Array& bias_in, Activation act) {
+  ops::detail::require_float(x_in, "linear");
+  ops::detail::require_float(kernel_in, "linear");
+  if (bias_in.defined()) ops::detail::require_float(bias_in, "linear");
+  auto shapes = [&] { return ops::detail::shapes_str({&x_in, &kernel_in, &bias_in}); };
+  if (x_in.rank() < 1 || kernel_in.rank() != 2)
+    throw ShapeError(detail::cat("linear: x must have at least one axis and the kernel two ([in, out]); got ", shapes()));
+  if (x_in.dim(-1) != kernel_in.dim(0))
+    throw ShapeError(detail::cat("linear: x's last axis (", x_in.dim(-1), ") must equal the kernel's first (",
+                                 kernel_in.dim(0), "); got ", shapes()));
+  if (bias_in.defined() && !(bias_in.shape() == Shape{kernel_in.dim(1)}))
+    throw ShapeError(detail::cat("linear: the bias must have shape (", kernel_in.dim(1), ",), one entry per output; got ",
+                                 shapes()));
+  // One dtype for all three (JAX's promotion; a bf16 input with a float32 kernel computes in float32).
+  DType t = promote_types(x_in.dtype(), x_in.weak_type(), kernel_in.dtype(), kernel_in.weak_type());
+  if (bias_in.defined()) t = promote_types(t, false, bias_in.dtype(), bias_in.weak_type());
+  const Array x = astype(x_in, t), kernel = astype(kernel_in, t);
+  const Array bias = bias_in.defined() ? astype(bias_in, t) : Array();
+  if (x.batched() || kernel.batched() || bias.batched()) [[unlikely]]
+    return composed(x, kernel, bias, act);
+
+  const std::int64_t k = kernel.dim(0), n = kernel.dim(1);
+  std::vector<std::int64_t> out = x.shape().vec();
+  out.back() = n;
+  const Shape out_shape(out);
+  const Array x2 = reshape(x, {-1, k});
+  const Shape rows_shape{x2.dim(0), n};
+  const bool has_bias = bias.defined();
+  auto forward = [&](Residuals& r) {
+    Array z = has_bias ? kernels::gemm_bias(x2, kernel, bias) : kernels::batched_gemm(x2, kernel, false, false);
+    Array y = activate(z, act);  // recording is off here: the activation's kernel alone
+    if (r.recording()) {
+      if (act == Activation::none) r.keep(kernel.node() ? x2 : Array(), x2.node() ? kernel : Array());
+      else r.keep(x2, kernel, has_bias ? bias : Array(), derivative_from_input(act) ? z : y);  // create-graph rules recompute from x, W, b
+    }
+    return y.with_shape(out_shape);
+  };
+  auto rule = autodiff::higher_order([act, has_bias, rows_shape, out_shape, x_shape = x2.shape()](Cotangents& c,
+                                                                                                 autodiff::Saved s) {
+    if (autodiff::creating_graph()) {  // the same function in differentiable ops
+      if (act == Activation::none) {
+        const Array g = reshape(c.out(), rows_shape.vec());
+        if (c.needs(0)) c.set(0, dot_general(g, s[1], DotDims{.lhs_contracting = {1}, .rhs_contracting = {1}}));
+        if (c.needs(1)) c.set(1, dot_general(s[0], g, DotDims{.lhs_contracting = {0}, .rhs_contracting = {0}}));
+        if (has_bias && c.needs(2)) c.set(2, sum(g, {0}));
+        return;
+      }
+      std::vector<Array> inputs{s[0], s[1]};
+      if (has_bias) inputs.push_back(s[2]);
+      autodiff::composite_rule(c, std::move(inputs), [act, has_bias, out_shape](const std::vector<Array>& in) {
+        return std::vector<Array>{reshape(composed(in[0], in[1], has_bias ? in[2] : Array(), act), out_shape.vec())};
+      });
+      return;
+    }
+    Array g = c.take_out(0).with_shape(rows_shape);
+    const std::optional<DType> bias_dtype = has_bias && c.needs(2) ? std::optional<DType>(g.dtype()) : std::nullopt;
+    const bool in_place = act != Activation::none && g.owns_buffer_alone();
+    auto [g2, db] = cotangent_pass(std::move(g), act == Activation::none ? Array() : s[3], act, bias_dtype, in_place);
+    if (c.needs(0)) c.set(0, kernels::batched_gemm(g2, s[1], false, true).with_shape(x_shape));  // dx = g2 W^T
+    if (c.needs(1)) c.set(1, kernels::batched_gemm(s[0], g2, true, false));                      // dW = x^T g2
+    if (bias_dtype) c.set(2, std::move(db));
+  });
+  if (has_bias) return autodiff::primitive(ops::kind::linear, {&x2, &kernel, &bias}, forward, std::move(rule));
+  return autodiff::primitive(ops::kind::linear, {&x2, &kernel}, forward, std::move(rule));
+}
+
+}  // namespace linum

@@ -1,0 +1,154 @@
+// The fused dense layer (core/ops/linear.hpp): the same values as the ops it fuses, its gradients
+// against finite differences and against those ops, bf16, the bias gradient independent of the
+// threads, the errors, and nn::Dense / nn::DenseGeneral on it.
+#include <doctest/doctest.h>
+
+#include "testing/gradcheck.hpp"
+
+#include <linum/nn/config.hpp>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+using namespace linum;
+using linum::testing::check_gradients;
+using linum::testing::random_array;
+using V = std::vector<Array>;
+
+namespace {
+
+constexpr Activation kAll[] = {Activation::none, Activation::relu, Activation::gelu, Activation::gelu_exact,
+                               Activation::silu, Activation::tanh, Activation::sigmoid};
+
+// The unfused reference: the product, the bias add and the activation as three ops.
+Array unfused(const Array& x, const Array& w, const Array& b, Activation act) {
+  Array y = matmul(x, w);
+  if (b.defined()) y = y + b;
+  return activate(y, act);
+}
+
+struct Grads {
+  Array value, dx, dw, db;
+};
+
+template <class F>
+Grads grads_of(F f, const Array& x, const Array& w, const Array& b, const Array& probe) {
+  auto [v, dx, dw, db] = value_and_grad<0, 1, 2>([&](const Array& x, const Array& w, const Array& b) {
+    return sum(astype(f(x, w, b), DType::f32) * probe);
+  })(x, w, b);
+  return Grads{v, dx, dw, db};
+}
+
+// Largest |a - b| over max |b|.
+float relative_error(const Array& a, const Array& b) {
+  const Array fa = astype(a, DType::f32), fb = astype(b, DType::f32);
+  return max(abs(fa - fb)).item() / std::max(1e-30f, max(abs(fb)).item());
+}
+
+}  // namespace
+
+TEST_CASE("linear equals the product, the bias add and the activation: float32 values bitwise, gradients of x and W bitwise") {
+  // Rows and columns that are not whole packets or whole row blocks (the backward pass's 64-row blocks).
+  const Array x = random_array(Shape{3, 67, 40}, 1), w = random_array(Shape{40, 37}, 2), b = random_array(Shape{37}, 3);
+  const Array probe = random_array(Shape{3, 67, 37}, 4);
+  for (const Activation act : kAll) {
+    CAPTURE(activation_name(act));
+    const Grads fused = grads_of([&](const Array& x, const Array& w, const Array& b) { return linear(x, w, b, act); }, x, w, b, probe);
+    const Grads plain = grads_of([&](const Array& x, const Array& w, const Array& b) { return unfused(x, w, b, act); }, x, w, b, probe);
+    CHECK(linear(x, w, b, act).bitwise_equal(unfused(x, w, b, act)));
+    CHECK(fused.value.bitwise_equal(plain.value));
+    CHECK(fused.dx.bitwise_equal(plain.dx));
+    CHECK(fused.dw.bitwise_equal(plain.dw));
+    // The bias gradient is summed in fixed row blocks (another order than sum's): rounding apart.
+    CHECK(relative_error(fused.db, plain.db) < 1e-5f);
+    // Without a bias.
+    CHECK(linear(x, w, Array(), act).bitwise_equal(activate(matmul(x, w), act)));
+  }
+}
+
+TEST_CASE("linear's gradients match finite differences, with every activation") {
+  for (const Activation act : kAll) {
+    CAPTURE(activation_name(act));
+    // relu's kink: inputs kept away from it by the shift below; the others are smooth.
+    CHECK(check_gradients(std::string("linear/") + std::string(activation_name(act)),
+                          [act](const V& v) { return linear(v[0], v[1], v[2], act); },
+                          {random_array(Shape{5, 4}, 11), random_array(Shape{4, 3}, 12), random_array(Shape{3}, 13, 0.3f, 1.0f)}));
+    CHECK(check_gradients(std::string("linear without bias/") + std::string(activation_name(act)),
+                          [act](const V& v) { return linear(v[0], v[1], Array(), act); },
+                          {random_array(Shape{2, 3, 4}, 14), random_array(Shape{4, 6}, 15)}));
+  }
+}
+
+TEST_CASE("linear in bfloat16 is the float32 computation rounded: values and gradients within bf16 rounding") {
+  const Array x = random_array(Shape{130, 48}, 21), w = random_array(Shape{48, 33}, 22), b = random_array(Shape{33}, 23);
+  const Array probe = random_array(Shape{130, 33}, 24);
+  auto bf = [](const Array& a) { return astype(a, DType::bf16); };
+  for (const Activation act : kAll) {
+    CAPTURE(activation_name(act));
+    // Operands rounded to bf16 first, then both computed from the same values.
+    const Array xb = bf(x), wb = bf(w), bb = bf(b);
+    const Array y = linear(xb, wb, bb, act);
+    CHECK(y.dtype() == DType::bf16);
+    const Array want = unfused(astype(xb, DType::f32), astype(wb, DType::f32), astype(bb, DType::f32), act);
+    CHECK(relative_error(y, want) < 2e-2f);
+    const Grads g = grads_of([&](const Array& x, const Array& w, const Array& b) { return linear(x, w, b, act); }, xb, wb, bb, probe);
+    const Grads r = grads_of([&](const Array& x, const Array& w, const Array& b) { return unfused(x, w, b, act); },
+                             astype(xb, DType::f32), astype(wb, DType::f32), astype(bb, DType::f32), probe);
+    CHECK(g.db.dtype() == DType::bf16);
+    CHECK(relative_error(g.dx, r.dx) < 3e-2f);
+    CHECK(relative_error(g.dw, r.dw) < 3e-2f);
+    CHECK(relative_error(g.db, r.db) < 3e-2f);
+  }
+  // A bf16 input with float32 parameters computes in float32 (JAX's promotion), as matmul does.
+  CHECK(linear(bf(x), w, b).dtype() == DType::f32);
+}
+
+TEST_CASE("linear's bias gradient has the same bits on one thread and on two") {
+  // Large enough for the backward pass to run in parallel.
+  const Array x = random_array(Shape{2048, 64}, 31), w = random_array(Shape{64, 256}, 32), b = random_array(Shape{256}, 33);
+  const Array probe = random_array(Shape{2048, 256}, 34);
+  auto run = [&] {
+    return grads_of([&](const Array& x, const Array& w, const Array& b) { return linear(x, w, b, Activation::gelu); }, x, w, b, probe);
+  };
+  const Grads two = run();
+#ifdef _OPENMP
+  const int max = omp_get_max_threads();
+  omp_set_num_threads(1);
+#endif
+  const Grads one = run();
+#ifdef _OPENMP
+  omp_set_num_threads(max);
+#endif
+  CHECK(one.db.bitwise_equal(two.db));
+  CHECK(one.dx.bitwise_equal(two.dx));
+}
+
+TEST_CASE("linear refuses bad operands with a ShapeError naming the shapes") {
+  const Array x = random_array(Shape{4, 3}, 41);
+  CHECK_THROWS_WITH_AS(linear(x, random_array(Shape{5, 2}, 42)), doctest::Contains("linear: x's last axis (3)"), ShapeError);
+  CHECK_THROWS_WITH_AS(linear(x, random_array(Shape{3, 2}, 43), random_array(Shape{3}, 44)),
+                       doctest::Contains("the bias must have shape (2,)"), ShapeError);
+  CHECK_THROWS_WITH_AS(linear(x, random_array(Shape{3}, 45)), doctest::Contains("the kernel two"), ShapeError);
+  CHECK_THROWS_AS(linear(Array::full_i32(Shape{4, 3}, 1), random_array(Shape{3, 2}, 46)), ShapeError);
+  CHECK_THROWS_WITH_AS(activation_from_name("swish"), doctest::Contains("one of: none, relu"), ValueError);
+}
+
+TEST_CASE("nn::Dense with an activation equals the activation applied after it; DenseGeneral is unchanged") {
+  const Array x = random_array(Shape{2, 5, 8}, 51);
+  for (const Activation act : kAll) {
+    CAPTURE(activation_name(act));
+    const nn::Dense fused{.features = 6, .activation = act};
+    const Tree vars = init(fused, rng::key(0), x);
+    const Array plain = apply(nn::Dense{.features = 6}, vars, x);
+    CHECK(apply(fused, vars, x).bitwise_equal(activate(plain, act)));
+  }
+  // DenseGeneral over two axes, against the contraction written with dot_general.
+  const nn::DenseGeneral dg{.features = {3, 2}, .axis = {0, 2}};
+  const Tree vars = init(dg, rng::key(1), x);
+  const Array kernel = vars.at("params").at("kernel").array(), bias = vars.at("params").at("bias").array();
+  const Array want = dot_general(x, kernel, DotDims{.lhs_contracting = {0, 2}, .rhs_contracting = {0, 1}}) + bias;
+  const Array got = apply(dg, vars, x);
+  CHECK(got.shape() == want.shape());
+  CHECK(relative_error(got, want) < 1e-6f);
+}
