@@ -111,17 +111,47 @@ TEST_CASE("linear's bias gradient has the same bits on one thread and on two") {
   auto run = [&] {
     return grads_of([&](const Array& x, const Array& w, const Array& b) { return linear(x, w, b, Activation::gelu); }, x, w, b, probe);
   };
+#ifdef _OPENMP
+  // Two threads for certain (adaptive teams would give one on a busy machine), then one.
+  struct Restore {
+    int threads = omp_get_max_threads();
+    bool adaptive = adaptive_threads();
+    ~Restore() {
+      omp_set_num_threads(threads);
+      set_adaptive_threads(adaptive);
+    }
+  } restore;
+  set_adaptive_threads(false);
+  omp_set_num_threads(2);
+  REQUIRE(team_size() == 2);
   const Grads two = run();
-#ifdef _OPENMP
-  const int max = omp_get_max_threads();
   omp_set_num_threads(1);
-#endif
   const Grads one = run();
-#ifdef _OPENMP
-  omp_set_num_threads(max);
-#endif
   CHECK(one.db.bitwise_equal(two.db));
   CHECK(one.dx.bitwise_equal(two.dx));
+  CHECK(one.dw.bitwise_equal(two.dw));
+#else
+  MESSAGE("built without OpenMP: one thread only");
+#endif
+}
+
+TEST_CASE("linear on empty shapes: no rows, no input features") {
+  for (const Activation act : {Activation::none, Activation::gelu, Activation::relu}) {
+    CAPTURE(activation_name(act));
+    // K = 0: the product is zero, the result is act(bias) on every row.
+    const Array x = Array::zeros(Shape{3, 0}), w = Array::zeros(Shape{0, 4}), b = random_array(Shape{4}, 61);
+    const Array y = linear(x, w, b, act);
+    CHECK(y.shape() == Shape{3, 4});
+    CHECK(y.bitwise_equal(unfused(x, w, b, act)));
+    const Array probe = random_array(Shape{3, 4}, 62);
+    const Grads g = grads_of([&](const Array& x, const Array& w, const Array& b) { return linear(x, w, b, act); }, x, w, b, probe);
+    const Grads r = grads_of([&](const Array& x, const Array& w, const Array& b) { return unfused(x, w, b, act); }, x, w, b, probe);
+    CHECK(g.dw.shape() == Shape{0, 4});
+    CHECK(relative_error(g.db, r.db) < 1e-6f);
+    // M = 0: no rows at all.
+    const Array e = linear(Array::zeros(Shape{0, 5}), random_array(Shape{5, 2}, 63), random_array(Shape{2}, 64), act);
+    CHECK(e.shape() == Shape{0, 2});
+  }
 }
 
 TEST_CASE("linear refuses bad operands with a ShapeError naming the shapes") {
@@ -147,8 +177,29 @@ TEST_CASE("nn::Dense with an activation equals the activation applied after it; 
   const nn::DenseGeneral dg{.features = {3, 2}, .axis = {0, 2}};
   const Tree vars = init(dg, rng::key(1), x);
   const Array kernel = vars.at("params").at("kernel").array(), bias = vars.at("params").at("bias").array();
-  const Array want = dot_general(x, kernel, DotDims{.lhs_contracting = {0, 2}, .rhs_contracting = {0, 1}}) + bias;
+  auto reference = [](const Array& x, const Array& kernel, const Array& bias) {
+    return dot_general(x, kernel, DotDims{.lhs_contracting = {0, 2}, .rhs_contracting = {0, 1}}) + bias;
+  };
+  const Array want = reference(x, kernel, bias);
   const Array got = apply(dg, vars, x);
   CHECK(got.shape() == want.shape());
   CHECK(relative_error(got, want) < 1e-6f);
+  // Its gradients (through the transpose and reshapes into the linear op) as the reference's.
+  const Array probe = random_array(want.shape(), 52);
+  auto [vg, gx, gk, gb] = value_and_grad<0, 1, 2>([&](const Array& x, const Array& k, const Array& b) {
+    Tree v = vars;
+    v.set_path("params/kernel", Tree(k));
+    v.set_path("params/bias", Tree(b));
+    return sum(apply(dg, v, x) * probe);
+  })(x, kernel, bias);
+  auto [vr, rx, rk, rb] = value_and_grad<0, 1, 2>([&](const Array& x, const Array& k, const Array& b) {
+    return sum(reference(x, k, b) * probe);
+  })(x, kernel, bias);
+  CHECK(relative_error(gx, rx) < 1e-5f);
+  CHECK(relative_error(gk, rk) < 1e-5f);
+  CHECK(relative_error(gb, rb) < 1e-5f);
+  // Over the last axis (no transpose): the same as Dense on the flattened features.
+  const nn::DenseGeneral last{.features = {6}};
+  const Tree lv = init(last, rng::key(2), x);
+  CHECK(apply(last, lv, x).bitwise_equal(apply(nn::Dense{.features = 6}, lv, x)));
 }

@@ -80,14 +80,17 @@ const float* row_f32(const Array& a, std::int64_t r, std::int64_t n, std::int64_
 
 // The backward pass over the cotangent g [M, N]: g2 = g * act'(v) (g itself for none; written over
 // g when `in_place`), and, when `bias_dtype` is given, the column sums of g2 (the bias gradient,
-// summed in float32 and rounded once).
+// summed in float32 and rounded once; in bf16 it sums g2 before g2 is rounded, while the products
+// read the rounded g2).
 std::pair<Array, Array> cotangent_pass(Array g, const Array& v, Activation act, std::optional<DType> bias_dtype, bool in_place) {
   const std::int64_t n = g.dim(-1), m = n == 0 ? 0 : g.numel() / n;
   const std::int64_t p = (n + kLanes - 1) / kLanes * kLanes;
   const bool write = act != Activation::none;
+  if (!write && !bias_dtype) return {std::move(g), Array()};  // nothing to compute
   Array g2 = !write ? g : in_place ? g : Array::empty(g.shape(), g.dtype());
   const std::int64_t blocks = (m + kRowsPerBlock - 1) / kRowsPerBlock;
-  std::vector<float> partial(bias_dtype ? static_cast<std::size_t>(blocks * n) : 0);
+  // The blocks' column sums (an Array: counted by memory accounting and the remat planner).
+  Array partial = bias_dtype ? Array::empty(Shape{blocks, n}, DType::f32) : Array();
   const int threads = m * n >= ops::detail::kParallelMin ? team_size() : 1;
   // Per thread: g's row, v's row, the result row (each p floats, 64-byte aligned: Eigen computes the
   // elements before a destination's first aligned one without vectors, which would change their
@@ -106,7 +109,7 @@ std::pair<Array, Array> cotangent_pass(Array g, const Array& v, Activation act, 
     float* sg = scratch.data() + static_cast<std::size_t>(t) * 3 * p;
     float* sv = sg + p;
     float* so = sv + p;
-    float* acc = bias_dtype ? partial.data() + b * n : nullptr;
+    float* acc = bias_dtype ? partial.mutable_data() + b * n : nullptr;
     if (acc != nullptr) std::fill(acc, acc + n, 0.0f);
     const std::int64_t end = std::min(m, (b + 1) * kRowsPerBlock);
     for (std::int64_t r = b * kRowsPerBlock; r < end; ++r) {
@@ -127,7 +130,7 @@ std::pair<Array, Array> cotangent_pass(Array g, const Array& v, Activation act, 
     Array sum = Array::zeros(Shape{n}, DType::f32);
     float* s = sum.mutable_data();
     for (std::int64_t b = 0; b < blocks; ++b)
-      for (std::int64_t j = 0; j < n; ++j) s[j] += partial[static_cast<std::size_t>(b * n + j)];
+      for (std::int64_t j = 0; j < n; ++j) s[j] += partial.data()[b * n + j];
     db = *bias_dtype == DType::f32 ? sum : astype(sum, *bias_dtype);
   }
   return {std::move(g2), std::move(db)};
@@ -195,17 +198,21 @@ Array linear(const Array& x_in, const Array& kernel_in, const Array& bias_in, Ac
   std::vector<std::int64_t> out = x.shape().vec();
   out.back() = n;
   const Shape out_shape(out);
-  const Array x2 = reshape(x, {-1, k});
+  std::int64_t rows = 1;  // explicit (not -1): a zero-width input (k = 0) has rows too
+  for (int i = 0; i + 1 < x.rank(); ++i) rows *= x.dim(i);
+  const Array x2 = reshape(x, {rows, k});
   const Shape rows_shape{x2.dim(0), n};
   const bool has_bias = bias.defined();
   auto forward = [&](Residuals& r) {
     Array z = has_bias ? kernels::gemm_bias(x2, kernel, bias) : kernels::batched_gemm(x2, kernel, false, false);
-    Array y = activate(z, act);  // recording is off here: the activation's kernel alone
+    // Recording is off here: the activation's kernel alone. The output at its own shape, so a kept
+    // output is recognised as the op's output (remat policies, saved-value hooks).
+    const Array y = activate(z, act).with_shape(out_shape);
     if (r.recording()) {
       if (act == Activation::none) r.keep(kernel.node() ? x2 : Array(), x2.node() ? kernel : Array());
       else r.keep(x2, kernel, has_bias ? bias : Array(), derivative_from_input(act) ? z : y);  // create-graph rules recompute from x, W, b
     }
-    return y.with_shape(out_shape);
+    return y;
   };
   auto rule = autodiff::higher_order([act, has_bias, rows_shape, out_shape, x_shape = x2.shape()](Cotangents& c,
                                                                                                  autodiff::Saved s) {

@@ -101,6 +101,9 @@ std::vector<OpCase> op_cases() {
       // too). Without an activation its rule keeps no bias, so what computes the bias is left out.
       {"product", "linear", {4, 6}, {6, 5}, [](const Array& z, const Array& w) { return linear(z, w, sum(w, {0}) * 0.1f); }, true},
       {"product", "linear", {2, 3, 6}, {6, 5}, [](const Array& z, const Array& w) { return linear(z, w); }, false},
+      {"product", "linear", {2, 3, 6}, {6, 5}, [](const Array& z, const Array& w) {  // keeps its output, [..., N]
+         return linear(z, w, sum(w, {0}) * 0.1f, Activation::relu);
+       }, false},
       {"product", "linear", {4, 6}, {6, 5}, [](const Array& z, const Array& w) {
          return linear(z, w, sum(w, {0}) * 0.1f, Activation::relu);
        }, false},
