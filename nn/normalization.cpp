@@ -233,6 +233,43 @@ Array BatchNorm::operator()(Scope& s, const Array& x, std::optional<bool> use_ru
 
   Variable ra_mean = s.variable("batch_stats", "mean", [&] { return Array::zeros(feature_shape); });
   Variable ra_var = s.variable("batch_stats", "var", [&] { return Array::ones(feature_shape); });
+  if (!use_ra && x.numel() == 0)
+    throw ShapeError(detail::cat("BatchNorm: cannot compute batch statistics of an empty input of shape ", x.shape(),
+                                 " (they would be NaN and poison the running statistics); skip empty batches, or "
+                                 "use_running_average = true"));
+  if (!use_ra && !s.is_initializing() && !s.is_mutable_collection("batch_stats"))
+    // Flax raises here too (ModifyScopeVariableError): a training step that cannot store its
+    // statistics would silently train with running averages that never move.
+    throw ValueError(
+        "BatchNorm in training mode (use_running_average = false) updates its running statistics in collection "
+        "'batch_stats', which this call cannot write: apply with .mutable_collections = {\"batch_stats\"} (Flax's "
+        "mutable=['batch_stats']) and keep the updated collection, or pass use_running_average = true to normalize "
+        "with the stored statistics");
+  auto update_running = [&](const Array& batch_mean, const Array& batch_var) {
+    if (s.is_initializing()) return;  // Flax leaves them at their initial values at init
+    const float m = static_cast<float>(momentum);
+    const float one_minus = static_cast<float>(1.0 - momentum);  // computed in double, as Python does
+    // The running statistics are state, not part of the differentiated computation.
+    ra_mean.set(stop_gradient(m * ra_mean.value() + one_minus * reshape(batch_mean, feature_shape.vec())));
+    ra_var.set(stop_gradient(m * ra_var.value() + one_minus * reshape(batch_var, feature_shape.vec())));
+  };
+  if (feature_axis == x.rank() - 1) {
+    // Channels last (Flax's default): the fused op (core/ops/batch_norm.hpp), two passes each way.
+    Array scale, bias;
+    if (use_scale) scale = s.param("scale", initializer_in(scale_init, param_dtype), feature_shape);
+    if (use_bias) bias = s.param("bias", initializer_in(bias_init, param_dtype), feature_shape);
+    const BatchNormOptions options{.epsilon = epsilon, .fast_variance = use_fast_variance, .dtype = dtype};
+    if (use_ra) {
+      const Array mu = ra_mean.value(), var = ra_var.value();
+      if (!(mu.shape() == feature_shape) || !(var.shape() == feature_shape))
+        throw ShapeError(detail::cat("BatchNorm: batch_stats mean/var have shapes ", mu.shape(), " and ", var.shape(),
+                                     " but the input of shape ", x.shape(), " has ", x.dim(feature_axis), " features"));
+      return batch_norm(x, mu, var, scale, bias, options);
+    }
+    BatchNormResult r = batch_norm(x, scale, bias, options);
+    update_running(r.mean, r.var);
+    return std::move(r.y);
+  }
   Array mu, var;
   if (use_ra) {
     mu = ra_mean.value();
@@ -243,28 +280,10 @@ Array BatchNorm::operator()(Scope& s, const Array& x, std::optional<bool> use_ru
     mu = reshape(mu, broadcast_shape);
     var = reshape(var, broadcast_shape);
   } else {
-    if (x.numel() == 0)
-      throw ShapeError(detail::cat("BatchNorm: cannot compute batch statistics of an empty input of shape ", x.shape(),
-                                   " (they would be NaN and poison the running statistics); skip empty batches, or "
-                                   "use_running_average = true"));
     auto stats = compute_stats(widened(x), red, true, use_fast_variance);
     mu = stats.first;
     var = stats.second;
-    if (!s.is_initializing() && !s.is_mutable_collection("batch_stats"))
-      // Flax raises here too (ModifyScopeVariableError): a training step that cannot store its
-      // statistics would silently train with running averages that never move.
-      throw ValueError(
-          "BatchNorm in training mode (use_running_average = false) updates its running statistics in collection "
-          "'batch_stats', which this call cannot write: apply with .mutable_collections = {\"batch_stats\"} (Flax's "
-          "mutable=['batch_stats']) and keep the updated collection, or pass use_running_average = true to normalize "
-          "with the stored statistics");
-    if (!s.is_initializing()) {
-      const float m = static_cast<float>(momentum);
-      const float one_minus = static_cast<float>(1.0 - momentum);  // computed in double, as Python does
-      // The running statistics are state, not part of the differentiated computation.
-      ra_mean.set(stop_gradient(m * ra_mean.value() + one_minus * reshape(mu, feature_shape.vec())));
-      ra_var.set(stop_gradient(m * ra_var.value() + one_minus * reshape(var, feature_shape.vec())));
-    }
+    update_running(mu, var);
   }
   return normalize(s, x, mu, var, {feature_axis}, epsilon, use_bias, use_scale, bias_init, scale_init, dtype, param_dtype);
 }

@@ -8,6 +8,10 @@
 
 #include <cmath>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 using namespace linum;
 using linum::testing::check_gradients;
 using linum::testing::random_array;
@@ -337,6 +341,193 @@ TEST_CASE("fused layer_norm: remat gives bitwise the plain gradients; errors nam
                        doctest::Contains("layer_norm: scale and bias must have the shape of the normalized axes of x, (48,), got (47,)"), ShapeError);
   CHECK_THROWS_WITH_AS(layer_norm(x, Array(), Array(), {.num_axes = 3}), doctest::Contains("num_axes"), ShapeError);
   CHECK_THROWS_AS(rms_norm(x, Array(), {.epsilon = -1.0}), ValueError);
+}
+
+// ---- batch_norm: statistics over every axis but the last -----------------------------------------
+
+namespace {
+
+// Flax's BatchNorm written with ops (nn/normalization.cpp's composed path): y, mean, var.
+V composed_batch_norm(const Array& x, const Array& scale, const Array& bias, float eps, bool fast) {
+  std::vector<int> axes;
+  for (int a = 0; a < x.rank() - 1; ++a) axes.push_back(a);
+  const Array xf = astype(x, DType::f32);
+  Array mu = mean(xf, axes, true), var;
+  if (fast) var = maximum(Array::scalar(0.0f), mean(square(xf), axes, true) - square(mu));
+  else var = mean(square(xf - mu), axes, true);
+  Array mul = rsqrt(var + eps);
+  if (scale.defined()) mul = mul * scale;
+  Array y = (xf - mu) * mul;
+  if (bias.defined()) y = y + bias;
+  return {y, reshape(mu, {x.dim(-1)}), reshape(var, {x.dim(-1)})};
+}
+
+// A loss reading all three outputs, so the rule's cotangents of the statistics are exercised.
+Array bn_loss(const V& out, const Array& r) {
+  return sum(out[0] * r) + sum(out[1] * out[1]) * 0.5f + sum(out[2]) * 0.25f;
+}
+
+V bn_outputs(const BatchNormResult& r) { return {r.y, r.mean, r.var}; }
+
+}  // namespace
+
+TEST_CASE("fused batch_norm equals the composed formula, values and gradients (one block, many, in parallel)") {
+  // [N, H, W, C]: one row block; ten blocks; enough elements for the parallel passes; a wide channel axis.
+  for (const Shape& shape : {Shape{3, 5, 7, 24}, Shape{8, 20, 20, 24}, Shape{8, 40, 40, 24}, Shape{50, 700}}) {
+    const std::int64_t C = shape.dim(-1);
+    const Array x = random_array(shape, 40, -2.0f, 3.0f), r = random_array(shape, 41);
+    const Array scale = random_array(Shape{C}, 42, 0.5f, 1.5f), bias = random_array(Shape{C}, 43);
+    for (bool fast : {true, false})
+      for (bool params : {true, false}) {
+        CAPTURE(shape);
+        CAPTURE(fast);
+        CAPTURE(params);
+        const Array s = params ? scale : Array(), b = params ? bias : Array();
+        auto fused = [&](const V& in) { return bn_outputs(batch_norm(in[0], in[1], in[2], {.epsilon = 1e-3, .fast_variance = fast})); };
+        auto reference = [&](const V& in) { return composed_batch_norm(in[0], in[1], in[2], 1e-3f, fast); };
+        const V f = fused({x, s, b}), c = reference({x, s, b});
+        CHECK(max_abs_diff(f[0], c[0]) < 2e-5f);
+        CHECK(max_abs_diff(f[1], c[1]) < 1e-5f);
+        CHECK(max_abs_diff(f[2], c[2]) < 5e-5f);
+        const V in = params ? V{x, s, b} : V{x};
+        auto take = [&](const V& v) { return params ? v : V{v[0], Array(), Array()}; };
+        auto gf = grad([&](const V& v) { return bn_loss(fused(take(v)), r); })(in);
+        auto gc = grad([&](const V& v) { return bn_loss(reference(take(v)), r); })(in);
+        CHECK(max_abs_diff(gf[0], gc[0]) < 5e-5f);
+        if (params) {
+          const float tol = 2e-5f * static_cast<float>(shape.numel() / C);  // sums over every row
+          CHECK(max_abs_diff(gf[1], gc[1]) < tol);
+          CHECK(max_abs_diff(gf[2], gc[2]) < tol);
+        }
+      }
+  }
+}
+
+TEST_CASE("fused batch_norm against finite differences: training and evaluation, every input") {
+  const Array x = random_array(Shape{4, 3, 5}, 44), scale = random_array(Shape{5}, 45, 0.5f, 1.5f), bias = random_array(Shape{5}, 46);
+  const Array r = random_array(Shape{4, 3, 5}, 47);
+  for (bool fast : {true, false}) {
+    CAPTURE(fast);
+    CHECK(check_gradients("batch_norm", [&](const V& v) {
+      return bn_loss(bn_outputs(batch_norm(v[0], v[1], v[2], {.fast_variance = fast})), r); }, {x, scale, bias}));
+  }
+  CHECK(check_gradients("batch_norm without params", [&](const V& v) {
+    return bn_loss(bn_outputs(batch_norm(v[0], Array(), Array())), r); }, {x}));
+  const Array mu = random_array(Shape{5}, 48), var = random_array(Shape{5}, 49, 0.5f, 2.0f);
+  CHECK(check_gradients("batch_norm (given statistics)", [&](const V& v) {
+    return batch_norm(v[0], v[1], v[2], v[3], v[4], {.epsilon = 1e-3}) * r; }, {x, mu, var, scale, bias}));
+  // Evaluation mode is the composed formula with the given statistics.
+  const Array y = batch_norm(x, mu, var, scale, bias, {.epsilon = 1e-3});
+  CHECK(max_abs_diff(y, (x - mu) * (rsqrt(var + 1e-3f) * scale) + bias) < 1e-6f);
+}
+
+TEST_CASE("fused batch_norm in bf16: float32 statistics, output in the promoted dtype, gradients in each input's dtype") {
+  const Array x32 = random_array(Shape{16, 6, 6, 24}, 50, -3.0f, 3.0f);
+  const Array x = astype(x32, DType::bf16);
+  const Array scale = random_array(Shape{24}, 51, 0.5f, 1.5f), bias = random_array(Shape{24}, 52);
+  CHECK(batch_norm(x, scale, bias).y.dtype() == DType::f32);
+  const BatchNormResult r = batch_norm(x, scale, bias, {.dtype = DType::bf16});
+  CHECK(r.y.dtype() == DType::bf16);
+  CHECK(r.mean.dtype() == DType::f32);
+  const BatchNormResult ref = batch_norm(astype(x, DType::f32), scale, bias);
+  CHECK(max_abs_diff(astype(r.y, DType::f32), ref.y) < 3e-2f);
+  CHECK(max_abs_diff(r.mean, ref.mean) < 1e-6f);  // the same float32 values, the same sums
+  CHECK(max_abs_diff(r.var, ref.var) < 1e-6f);
+  auto g = grad([&](const V& in) { return sum(astype(batch_norm(in[0], in[1], in[2], {.dtype = DType::bf16}).y, DType::f32) * x32); })(
+      V{x, scale, astype(bias, DType::bf16)});
+  CHECK(g[0].dtype() == DType::bf16);
+  CHECK(g[1].dtype() == DType::f32);
+  CHECK(g[2].dtype() == DType::bf16);
+}
+
+TEST_CASE("fused batch_norm has the same bits on one thread and on two") {
+  const Array x = random_array(Shape{16, 40, 40, 24}, 53), r = random_array(Shape{16, 40, 40, 24}, 54);
+  const Array scale = random_array(Shape{24}, 55), bias = random_array(Shape{24}, 56);
+  auto run = [&] {
+    V out = bn_outputs(batch_norm(x, scale, bias));
+    V g = grad([&](const V& in) { return bn_loss(bn_outputs(batch_norm(in[0], in[1], in[2])), r); })(V{x, scale, bias});
+    out.insert(out.end(), g.begin(), g.end());
+    return out;
+  };
+#ifdef _OPENMP
+  struct Restore {
+    int threads = omp_get_max_threads();
+    bool adaptive = adaptive_threads();
+    ~Restore() {
+      omp_set_num_threads(threads);
+      set_adaptive_threads(adaptive);
+    }
+  } restore;
+  set_adaptive_threads(false);
+  omp_set_num_threads(2);
+  REQUIRE(team_size() == 2);
+  const V two = run();
+  omp_set_num_threads(1);
+  const V one = run();
+  for (std::size_t i = 0; i < one.size(); ++i) {
+    CAPTURE(i);
+    CHECK(one[i].bitwise_equal(two[i]));
+  }
+#else
+  MESSAGE("built without OpenMP: one thread only");
+#endif
+}
+
+TEST_CASE("fused batch_norm: remat gives bitwise the plain gradients; errors name op and shapes") {
+  const Array x = random_array(Shape{10, 6, 6, 16}, 57), scale = random_array(Shape{16}, 58), bias = random_array(Shape{16}, 59);
+  auto block = [](const Array& a, const Array& s, const Array& b) { return tanh(batch_norm(a * 2.0f, s, b).y); };
+  auto plain = grad([&](const V& in) { return sum(block(in[0], in[1], in[2])); })(V{x, scale, bias});
+  auto rb = checkpoint(block);
+  auto remat = grad([&](const V& in) { return sum(rb(in[0], in[1], in[2])); })(V{x, scale, bias});
+  for (std::size_t i = 0; i < 3; ++i) CHECK(plain[i].bitwise_equal(remat[i]));
+  CHECK_THROWS_WITH_AS(batch_norm(x, Array::ones(Shape{15}), Array()),
+                       doctest::Contains("batch_norm: scale must have the shape of x's last (channel) axis, (16,), got (15,) for x of shape (10, 6, 6, 16)"),
+                       ShapeError);
+  CHECK_THROWS_WITH_AS(batch_norm(Array::zeros(Shape{0, 4}), Array(), Array()), doctest::Contains("empty input"), ShapeError);
+  CHECK_THROWS_AS(batch_norm(x, Array(), Array(), {.epsilon = -1.0}), ValueError);
+  CHECK_THROWS_WITH_AS(batch_norm(x, Array(), Array::ones(Shape{16}), Array(), Array()), doctest::Contains("must be given"), ValueError);
+  CHECK_THROWS_WITH_AS(batch_norm(x, Array::zeros(Shape{16}), Array::ones(Shape{4}), Array(), Array()),
+                       doctest::Contains("batch_norm_eval: var must have the shape"), ShapeError);
+}
+
+TEST_CASE("nn::BatchNorm on the fused op (channels last) matches its composed path (another axis)") {
+  // The same data with channels last (fused) and channels second (composed): outputs, running
+  // statistics and gradients agree; evaluation too.
+  const Array x = random_array(Shape{6, 5, 4, 12}, 60, -1.0f, 2.0f);
+  const Array xt = transpose(x, {0, 3, 1, 2});  // [N, C, H, W]
+  const nn::BatchNorm last{.use_running_average = false, .momentum = 0.8};
+  const nn::BatchNorm second{.use_running_average = false, .axis = 1, .momentum = 0.8};
+  Tree v1 = init(last, rng::key(0), x), v2 = init(second, rng::key(0), xt);
+  v1.at("params").set("scale", random_array(Shape{12}, 61, 0.5f, 1.5f));
+  v1.at("params").set("bias", random_array(Shape{12}, 62));
+  v2.at("params").set("scale", v1.at_path("params/scale").array());
+  v2.at("params").set("bias", v1.at_path("params/bias").array());
+  auto [y1, u1] = apply(last, v1, {.mutable_collections = {"batch_stats"}}, x);
+  auto [y2, u2] = apply(second, v2, {.mutable_collections = {"batch_stats"}}, xt);
+  CHECK(max_abs_diff(y1, transpose(y2, {0, 2, 3, 1})) < 2e-6f);
+  for (const char* stat : {"batch_stats/mean", "batch_stats/var"})
+    CHECK(max_abs_diff(u1.at_path(stat).array(), u2.at_path(stat).array()) < 2e-6f);
+  const Array r = random_array(Shape{6, 5, 4, 12}, 63);
+  auto loss1 = [&](const V& in) {
+    Tree v = v1;
+    v.at("params").set("scale", in[1]);
+    return sum(apply(last, v, {.mutable_collections = {"batch_stats"}}, in[0]).first * r);
+  };
+  auto loss2 = [&](const V& in) {
+    Tree v = v2;
+    v.at("params").set("scale", in[1]);
+    return sum(transpose(apply(second, v, {.mutable_collections = {"batch_stats"}}, in[0]).first, {0, 2, 3, 1}) * r);
+  };
+  auto g1 = grad(loss1)(V{x, v1.at_path("params/scale").array()});
+  auto g2 = grad(loss2)(V{xt, v1.at_path("params/scale").array()});
+  CHECK(max_abs_diff(g1[0], transpose(g2[0], {0, 2, 3, 1})) < 2e-5f);
+  CHECK(max_abs_diff(g1[1], g2[1]) < 1e-4f);
+  // Evaluation with the updated statistics.
+  v1.set("batch_stats", u1.at("batch_stats"));
+  v2.set("batch_stats", u2.at("batch_stats"));
+  const Array e1 = apply(nn::BatchNorm{.use_running_average = true}, v1, x);
+  const Array e2 = apply(nn::BatchNorm{.use_running_average = true, .axis = 1}, v2, xt);
+  CHECK(max_abs_diff(e1, transpose(e2, {0, 2, 3, 1})) < 2e-6f);
 }
 
 // ---- softmax / log_softmax over the last axis ---------------------------------------------------

@@ -1,8 +1,9 @@
 // Every op: elementwise, reductions, data movement, matrix products, softmax, convolution, pooling,
-// the fused attention and LSTM cell.
+// the fused attention, dense layer, normalizations and LSTM cell and layer.
 #pragma once
 
 #include <linum/core/ops/attention.hpp>
+#include <linum/core/ops/batch_norm.hpp>
 #include <linum/core/ops/conv.hpp>
 #include <linum/core/ops/einsum.hpp>
 #include <linum/core/ops/elementwise.hpp>

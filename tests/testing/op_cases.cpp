@@ -74,6 +74,15 @@ std::vector<OpCase> op_cases() {
          return layer_norm(z, w, Array::zeros(Shape{6}));
        }, false},
       {"normalization", "rms_norm", {4, 6}, {6}, [](const Array& z, const Array& w) { return rms_norm(z, w); }, false},
+      {"normalization", "batch_norm", {4, 6}, {6}, [](const Array& z, const Array& w) {
+         // every output read: the statistics are differentiable too (the bias is w itself: an op
+         // computing it would be left out, the rule does not read the bias)
+         BatchNormResult r = batch_norm(z, w, w);
+         return r.y + r.mean * 0.5f + r.var * 0.25f;
+       }, false},
+      {"normalization", "batch_norm_eval", {4, 6}, {6}, [](const Array& z, const Array& w) {
+         return batch_norm(z, w * 0.1f, square(w) + 0.5f, w, Array());
+       }, false},
       {"reduction", "sum", {4, 6}, {6}, [](const Array& z, const Array& w) { return sum(z, {0}) * w; }, true},
       {"reduction", "max", {4, 6}, {6}, [](const Array& z, const Array& w) { return max(z, {0}) * w; }, false},
       {"data movement", "reshape", {4, 6}, {3, 8}, [](const Array& z, const Array& w) { return reshape(z, {3, 8}) * w; }, true},

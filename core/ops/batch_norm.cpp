@@ -1,0 +1,418 @@
+#include <linum/core/ops/batch_norm.hpp>
+
+#include <linum/core/autodiff/primitive.hpp>
+#include <linum/core/ops/batching.hpp>
+#include <linum/core/ops/elementwise.hpp>
+#include <linum/core/ops/kernel_util.hpp>
+#include <linum/core/ops/reduce.hpp>
+#include <linum/core/ops/shape_ops.hpp>
+#include <linum/core/threading.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace linum {
+
+namespace {
+
+using autodiff::Cotangents;
+
+// Elements per work item. Fixed (not derived from the thread count), so the blocks whose partial
+// sums make the statistics and the parameter gradients are the same on every run.
+constexpr std::int64_t kBlockElements = 8192;
+
+// x viewed as [rows, channels], cut into blocks of whole rows.
+struct Geometry {
+  std::int64_t rows = 0, channels = 0, rows_per_block = 1, blocks = 0;
+  std::int64_t block_elements() const { return rows_per_block * channels; }
+};
+
+Geometry geometry_of(const Array& x) {
+  Geometry g;
+  g.channels = x.rank() == 0 ? 1 : x.dim(-1);
+  g.rows = g.channels == 0 ? 0 : x.numel() / g.channels;
+  g.rows_per_block = std::max<std::int64_t>(1, (kBlockElements + g.channels - 1) / std::max<std::int64_t>(1, g.channels));
+  g.blocks = (g.rows + g.rows_per_block - 1) / g.rows_per_block;
+  return g;
+}
+
+// Runs f(block, first_row, row_count, scratch) over the row blocks, in parallel for large inputs;
+// each thread's scratch holds `scratch_blocks` blocks of float32.
+template <class F>
+void for_row_blocks(const Geometry& g, int scratch_blocks, F&& f) {
+  [[maybe_unused]] const bool parallel = g.rows * g.channels >= ops::detail::kParallelMin && g.blocks > 1;
+#pragma omp parallel if (parallel) num_threads(linum::team_size())
+  {
+    linum::detail::enter_compute();
+    ops::detail::AlignedScratch scratch(std::max<std::int64_t>(1, scratch_blocks * g.block_elements()));
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t b = 0; b < g.blocks; ++b) {
+      const std::int64_t first = b * g.rows_per_block;
+      f(b, first, std::min(g.rows_per_block, g.rows - first), scratch.data());
+    }
+  }
+}
+
+// Elements [start, start + n) of a float array as float32 (a pointer into it, or widened into
+// `scratch`).
+const float* block_f32(const Array& a, std::int64_t start, std::int64_t n, float* scratch) {
+  if (a.dtype() == DType::f32) return static_cast<const float*>(a.raw()) + start;
+  bf16_to_f32(static_cast<const bfloat16*>(a.raw()) + start, scratch, n);
+  return scratch;
+}
+
+// A [C] param or statistic as float32 values (empty when undefined).
+std::vector<float> values_f32(const Array& p) { return p.defined() ? p.to_vector() : std::vector<float>{}; }
+
+// Per-channel sums over the rows of one or two [rows, C] arrays, added in block order (double).
+// `term(row_of_a, row_of_b, c)` is the summand; `parts` sums are computed at once.
+template <int Parts, class Term>
+std::vector<double> channel_sums(const Geometry& g, const Array& a, const Array& b, Term&& term) {
+  const std::int64_t C = g.channels;
+  std::vector<float> partial(static_cast<std::size_t>(Parts * g.blocks * C), 0.0f);
+  for_row_blocks(g, 2, [&](std::int64_t block, std::int64_t first, std::int64_t count, float* scratch) {
+    const float* ab = block_f32(a, first * C, count * C, scratch);
+    const float* bb = b.defined() ? block_f32(b, first * C, count * C, scratch + g.block_elements()) : nullptr;
+    float* out = partial.data() + Parts * block * C;
+    for (std::int64_t r = 0; r < count; ++r) {
+      const float* ar = ab + r * C;
+      const float* br = bb != nullptr ? bb + r * C : nullptr;
+      for (std::int64_t c = 0; c < C; ++c) {
+        float t[Parts];
+        term(ar, br, c, t);
+        for (int p = 0; p < Parts; ++p) out[p * C + c] += t[p];
+      }
+    }
+  });
+  std::vector<double> total(static_cast<std::size_t>(Parts * C), 0.0);
+  for (std::int64_t block = 0; block < g.blocks; ++block)
+    for (std::int64_t i = 0; i < Parts * C; ++i) total[i] += partial[block * Parts * C + i];
+  return total;
+}
+
+// y = (x - mu) * a + bias per channel (bias may be empty), rounded to y's dtype.
+void normalize_pass(const Geometry& g, const Array& x, const std::vector<float>& mu, const std::vector<float>& a,
+                    const std::vector<float>& bias, Array& y) {
+  const std::int64_t C = g.channels;
+  for_row_blocks(g, 2, [&](std::int64_t, std::int64_t first, std::int64_t count, float* scratch) {
+    const float* xb = block_f32(x, first * C, count * C, scratch);
+    float* yb = ops::detail::f32_target(y, first * C, scratch + g.block_elements());
+    for (std::int64_t r = 0; r < count; ++r) {
+      const float* xr = xb + r * C;
+      float* yr = yb + r * C;
+      if (bias.empty())
+        for (std::int64_t c = 0; c < C; ++c) yr[c] = (xr[c] - mu[c]) * a[c];
+      else
+        for (std::int64_t c = 0; c < C; ++c) yr[c] = (xr[c] - mu[c]) * a[c] + bias[c];
+    }
+    ops::detail::f32_commit(y, first * C, count * C, yb);
+  });
+}
+
+struct Checked {
+  Geometry g;
+  DType out_dtype;
+};
+
+// Shapes and dtypes shared by both modes: x float with a last (channel) axis, every [C] operand
+// float of shape [C].
+Checked check(const char* op, const Array& x, std::initializer_list<std::pair<const char*, const Array*>> per_channel,
+              const BatchNormOptions& o) {
+  ops::detail::require_defined(x, op);
+  ops::detail::require_float(x, op);
+  if (x.rank() < 1)
+    throw ShapeError(detail::cat(op, ": x must have a channel axis (the last), got a scalar"));
+  if (!(o.epsilon >= 0.0)) throw ValueError(detail::cat(op, ": epsilon must be >= 0, got ", o.epsilon));
+  const Shape channel_shape{x.dim(-1)};
+  DType out = x.dtype();
+  for (const auto& [name, p] : per_channel) {
+    if (!p->defined()) continue;
+    ops::detail::require_float(*p, op);
+    if (!(p->shape() == channel_shape))
+      throw ShapeError(detail::cat(op, ": ", name, " must have the shape of x's last (channel) axis, ", channel_shape, ", got ",
+                                   p->shape(), " for x of shape ", x.shape()));
+  }
+  if (o.dtype) out = *o.dtype;
+  else
+    for (const auto& [name, p] : per_channel)
+      if (p->defined() && (std::string_view(name) == "scale" || std::string_view(name) == "bias"))
+        out = promote_types(out, p->dtype());
+  if (!is_floating(out)) throw ValueError(detail::cat(op, ": dtype must be float32 or bfloat16, got ", dtype_name(out)));
+  return {geometry_of(x), out};
+}
+
+// The same normalization written with ops (create-graph rules, and inputs under vmap): x [R, C].
+Array composed_normalize(const Array& x, const Array& mu, const Array& var, const Array& scale, const Array& bias,
+                         float eps, DType out_dtype) {
+  Array mul = rsqrt(var + eps);
+  if (scale.defined()) mul = mul * astype(scale, DType::f32);
+  Array y = (astype(x, DType::f32) - mu) * mul;
+  if (bias.defined()) y = y + astype(bias, DType::f32);
+  return astype(y, out_dtype);
+}
+
+
+// vmap: each example normalizes over its own rows (as a function vmapped in JAX sees its own
+// batch). The examples' channels become the channels of one call: x's physical [B..., rows..., C]
+// as [rows, B * C], each per-channel operand as [B * C]; the results are unfolded again.
+struct Folded {
+  std::vector<BatchLevel> levels;
+  Shape physical;  // x's physical shape, levels leading
+  std::int64_t examples = 1, rows = 0, channels = 0;
+};
+
+Folded fold_levels(std::vector<BatchLevel> levels, const Array& x) {
+  Folded f;
+  f.levels = std::move(levels);
+  const Array p = ops::batching::materialized(x, f.levels);
+  f.physical = p.shape();
+  for (std::size_t i = 0; i < f.levels.size(); ++i) f.examples *= p.dim(static_cast<int>(i));
+  f.channels = p.dim(-1);
+  f.rows = f.examples * f.channels == 0 ? 0 : p.numel() / (f.examples * f.channels);
+  return f;
+}
+
+Array folded_x(const Folded& f, const Array& x) {
+  const Array p = ops::batching::materialized(x, f.levels);
+  return reshape(transpose(reshape(p, {f.examples, f.rows, f.channels}), {1, 0, 2}), {f.rows, f.examples * f.channels});
+}
+
+Array folded_channels(const Folded& f, const Array& a) {
+  if (!a.defined()) return a;
+  return reshape(ops::batching::materialized(a, f.levels), {f.examples * f.channels});
+}
+
+Array unfolded_x(const Folded& f, const Array& y) {
+  return ops::batching::wrap(reshape(transpose(reshape(y, {f.rows, f.examples, f.channels}), {1, 0, 2}), f.physical.vec()),
+                             f.levels);
+}
+
+Array unfolded_channels(const Folded& f, const Array& v) {
+  std::vector<std::int64_t> dims;
+  for (std::size_t i = 0; i < f.levels.size(); ++i) dims.push_back(f.physical[static_cast<int>(i)]);
+  dims.push_back(f.channels);
+  return ops::batching::wrap(reshape(v, dims), f.levels);
+}
+
+}  // namespace
+
+BatchNormResult batch_norm(const Array& x, const Array& scale, const Array& bias, const BatchNormOptions& o) {
+  constexpr const char* op = "batch_norm";
+  const Checked checked = check(op, x, {{"scale", &scale}, {"bias", &bias}}, o);
+  const Geometry g = checked.g;
+  const DType out_dtype = checked.out_dtype;
+  if (x.batched() || scale.batched() || bias.batched()) [[unlikely]] {
+    const Folded f = fold_levels(ops::batching::levels_of({&x, &scale, &bias}, op), x);
+    BatchNormResult r = batch_norm(folded_x(f, x), folded_channels(f, scale), folded_channels(f, bias), o);
+    return {unfolded_x(f, r.y), unfolded_channels(f, r.mean), unfolded_channels(f, r.var)};
+  }
+  if (x.numel() == 0)
+    throw ShapeError(detail::cat(op, ": cannot compute batch statistics of an empty input of shape ", x.shape(),
+                                 " (they would be NaN); skip empty batches, or normalize with given statistics"));
+  const float eps = static_cast<float>(o.epsilon);
+  const bool fast = o.fast_variance;
+  const std::int64_t C = g.channels;
+  const auto R = static_cast<double>(g.rows);
+
+  auto forward = [&](autodiff::Residuals& keep) {
+    // The statistics: per channel sums of x and x^2 (or of (x - mean)^2 in a second pass).
+    std::vector<double> sums = channel_sums<2>(g, x, Array(), [](const float* xr, const float*, std::int64_t c, float* t) {
+      t[0] = xr[c];
+      t[1] = xr[c] * xr[c];
+    });
+    std::vector<float> mu(static_cast<std::size_t>(C)), var(mu.size());
+    for (std::int64_t c = 0; c < C; ++c) {
+      const double m = sums[c] / R;
+      mu[c] = static_cast<float>(m);
+      if (fast) var[c] = static_cast<float>(std::max(0.0, sums[C + c] / R - m * m));
+    }
+    if (!fast) {
+      std::vector<double> sq = channel_sums<1>(g, x, Array(), [&mu](const float* xr, const float*, std::int64_t c, float* t) {
+        const float d = xr[c] - mu[c];
+        t[0] = d * d;
+      });
+      for (std::int64_t c = 0; c < C; ++c) var[c] = static_cast<float>(sq[c] / R);
+    }
+    Array stats = Array::empty(Shape{2, C});  // mean, then 1 / sqrt(var + eps)
+    float* st = stats.mutable_data();
+    std::vector<float> a(static_cast<std::size_t>(C));
+    const std::vector<float> sc = values_f32(scale), bi = values_f32(bias);
+    for (std::int64_t c = 0; c < C; ++c) {
+      st[c] = mu[c];
+      st[C + c] = 1.0f / std::sqrt(var[c] + eps);
+      a[c] = sc.empty() ? st[C + c] : st[C + c] * sc[c];
+    }
+    Array y = Array::empty(x.shape(), out_dtype);
+    normalize_pass(g, x, mu, a, bi, y);
+    keep.keep(x, scale, stats);
+    return std::vector<Array>{std::move(y), Array::from(Shape{C}, mu), Array::from(Shape{C}, var)};
+  };
+  // Create-graph mode differentiates the same computation written with ops.
+  auto composite = [g, eps, fast, out_dtype, xshape = x.shape()](const std::vector<Array>& in) {
+    const Array xf = astype(reshape(in[0], {g.rows, g.channels}), DType::f32);
+    Array mu = mean(xf, {0}, true), var;
+    if (fast) var = maximum(Array::scalar(0.0f), mean(square(xf), {0}, true) - square(mu));
+    else var = mean(square(xf - mu), {0}, true);
+    Array y = reshape(composed_normalize(xf, mu, var, in[1], in[2], eps, out_dtype), xshape.vec());
+    return std::vector<Array>{y, reshape(mu, {g.channels}), reshape(var, {g.channels})};
+  };
+  const Array* const ins[] = {&x, &scale, &bias};
+  std::vector<Array> out = autodiff::primitive_multi(
+      op, std::span<const Array* const>(ins), forward,
+      autodiff::higher_order([g, composite, has_bias = bias.defined()](Cotangents& c, autodiff::Saved saved) {
+        if (autodiff::creating_graph()) {
+          const Array bias_stand_in = has_bias ? Array::zeros(Shape{g.channels}) : Array();  // its value does not enter the vjp
+          return autodiff::composite_rule(c, {saved[0], saved[1], bias_stand_in}, composite);
+        }
+        const Array& xs = saved[0];
+        const std::int64_t C = g.channels;
+        const float* mu = saved[2].data();
+        const float* rstd = mu + C;
+        const std::vector<float> sc = values_f32(saved[1]);
+        const Array& dy = c.out(0);
+        const std::vector<float> g_mean = values_f32(c.out(1)), g_var = values_f32(c.out(2));
+        const auto R = static_cast<double>(g.rows);
+        // Per channel: the sums of dy and of dy * xhat, xhat = (x - mean) * rstd.
+        std::vector<double> sums;
+        if (dy.defined())
+          sums = channel_sums<2>(g, xs, dy, [mu, rstd](const float* xr, const float* gr, std::int64_t ch, float* t) {
+            t[0] = gr[ch];
+            t[1] = gr[ch] * ((xr[ch] - mu[ch]) * rstd[ch]);
+          });
+        if (c.needs(0)) {
+          // dx = a * (dy - mean(dy) - xhat * mean(dy * xhat)) + g_mean / R + g_var * 2 (x - mean) / R
+          std::vector<float> a(static_cast<std::size_t>(C)), m1(a.size(), 0.0f), m2(a.size(), 0.0f), gm(a.size(), 0.0f),
+              gv(a.size(), 0.0f);
+          for (std::int64_t ch = 0; ch < C; ++ch) {
+            a[ch] = sc.empty() ? rstd[ch] : rstd[ch] * sc[ch];
+            if (!sums.empty()) {
+              m1[ch] = static_cast<float>(sums[ch] / R);
+              m2[ch] = static_cast<float>(sums[C + ch] / R);
+            }
+            if (!g_mean.empty()) gm[ch] = static_cast<float>(g_mean[ch] / R);
+            if (!g_var.empty()) gv[ch] = static_cast<float>(2.0 * g_var[ch] / R);
+          }
+          Array dx = Array::empty(xs.shape(), xs.dtype());
+          for_row_blocks(g, 3, [&](std::int64_t, std::int64_t first, std::int64_t count, float* scratch) {
+            const std::int64_t n = count * C, e = g.block_elements();
+            const float* xb = block_f32(xs, first * C, n, scratch);
+            const float* gb = dy.defined() ? block_f32(dy, first * C, n, scratch + e) : nullptr;
+            float* db = ops::detail::f32_target(dx, first * C, scratch + 2 * e);
+            for (std::int64_t r = 0; r < count; ++r) {
+              const float* xr = xb + r * C;
+              float* dr = db + r * C;
+              if (gb != nullptr) {
+                const float* gr = gb + r * C;
+                for (std::int64_t ch = 0; ch < C; ++ch) {
+                  const float xc = xr[ch] - mu[ch];
+                  dr[ch] = a[ch] * (gr[ch] - m1[ch] - (xc * rstd[ch]) * m2[ch]) + gm[ch] + gv[ch] * xc;
+                }
+              } else {
+                for (std::int64_t ch = 0; ch < C; ++ch) dr[ch] = gm[ch] + gv[ch] * (xr[ch] - mu[ch]);
+              }
+            }
+            ops::detail::f32_commit(dx, first * C, n, db);
+          });
+          c.set(0, std::move(dx));
+        }
+        auto sum_part = [&](int part) {
+          std::vector<float> v(static_cast<std::size_t>(C), 0.0f);
+          if (!sums.empty())
+            for (std::int64_t ch = 0; ch < C; ++ch) v[ch] = static_cast<float>(sums[part * C + ch]);
+          return Array::from(Shape{C}, v);
+        };
+        if (c.needs(1)) c.set(1, sum_part(1));
+        if (c.needs(2) && has_bias) c.set(2, sum_part(0));
+      }));
+  return {std::move(out[0]), std::move(out[1]), std::move(out[2])};
+}
+
+Array batch_norm(const Array& x, const Array& mean_in, const Array& var_in, const Array& scale, const Array& bias,
+                 const BatchNormOptions& o) {
+  constexpr const char* op = "batch_norm_eval";
+  for (const Array* s : {&mean_in, &var_in})
+    if (!s->defined())
+      throw ValueError(detail::cat(op, ": the mean and the variance must be given (the running statistics); for the "
+                                   "batch's own, call batch_norm(x, scale, bias)"));
+  const Checked checked = check(op, x, {{"mean", &mean_in}, {"var", &var_in}, {"scale", &scale}, {"bias", &bias}}, o);
+  const Geometry g = checked.g;
+  const DType out_dtype = checked.out_dtype;
+  if (x.batched() || mean_in.batched() || var_in.batched() || scale.batched() || bias.batched()) [[unlikely]] {
+    const Folded f = fold_levels(ops::batching::levels_of({&x, &mean_in, &var_in, &scale, &bias}, op), x);
+    return unfolded_x(f, batch_norm(folded_x(f, x), folded_channels(f, mean_in), folded_channels(f, var_in),
+                                    folded_channels(f, scale), folded_channels(f, bias), o));
+  }
+  const float eps = static_cast<float>(o.epsilon);
+  const std::int64_t C = g.channels;
+  auto forward = [&](autodiff::Residuals& keep) {
+    const std::vector<float> mu = values_f32(mean_in), var = values_f32(var_in), sc = values_f32(scale),
+                             bi = values_f32(bias);
+    std::vector<float> a(static_cast<std::size_t>(C));
+    for (std::int64_t c = 0; c < C; ++c) {
+      const float rstd = 1.0f / std::sqrt(var[c] + eps);
+      a[c] = sc.empty() ? rstd : rstd * sc[c];
+    }
+    Array y = Array::empty(x.shape(), out_dtype);
+    normalize_pass(g, x, mu, a, bi, y);
+    keep.keep(x, mean_in, var_in, scale);
+    return y;
+  };
+  auto composite = [g, eps, out_dtype, xshape = x.shape()](const std::vector<Array>& in) {
+    const Array xf = reshape(in[0], {g.rows, g.channels});
+    Array y = composed_normalize(xf, astype(in[1], DType::f32), astype(in[2], DType::f32), in[3], in[4], eps, out_dtype);
+    return std::vector<Array>{reshape(y, xshape.vec())};
+  };
+  return autodiff::primitive(
+      op, {&x, &mean_in, &var_in, &scale, &bias}, forward,
+      autodiff::higher_order([g, eps, composite, has_bias = bias.defined()](Cotangents& c, autodiff::Saved saved) {
+        if (autodiff::creating_graph()) {
+          const Array bias_stand_in = has_bias ? Array::zeros(Shape{g.channels}) : Array();
+          return autodiff::composite_rule(c, {saved[0], saved[1], saved[2], saved[3], bias_stand_in}, composite);
+        }
+        // y = (x - mean) * rstd * scale + bias: one pass for dx and the sums of dy and dy * xhat.
+        const std::int64_t C = g.channels;
+        const std::vector<float> mu = values_f32(saved[1]), var = values_f32(saved[2]), sc = values_f32(saved[3]);
+        std::vector<float> rstd(static_cast<std::size_t>(C)), a(rstd.size());
+        for (std::int64_t ch = 0; ch < C; ++ch) {
+          rstd[ch] = 1.0f / std::sqrt(var[ch] + eps);
+          a[ch] = sc.empty() ? rstd[ch] : rstd[ch] * sc[ch];
+        }
+        const Array& xs = saved[0];
+        const Array& dy = c.out();
+        if (c.needs(0)) {
+          Array dx = Array::empty(xs.shape(), xs.dtype());
+          for_row_blocks(g, 2, [&](std::int64_t, std::int64_t first, std::int64_t count, float* scratch) {
+            const std::int64_t n = count * C;
+            const float* gb = block_f32(dy, first * C, n, scratch);
+            float* db = ops::detail::f32_target(dx, first * C, scratch + g.block_elements());
+            for (std::int64_t r = 0; r < count; ++r)
+              for (std::int64_t ch = 0; ch < C; ++ch) db[r * C + ch] = gb[r * C + ch] * a[ch];
+            ops::detail::f32_commit(dx, first * C, n, db);
+          });
+          c.set(0, std::move(dx));
+        }
+        if (!(c.needs(1) || c.needs(2) || c.needs(3) || c.needs(4))) return;
+        const float* mup = mu.data();
+        const float* rp = rstd.data();
+        std::vector<double> sums = channel_sums<2>(g, xs, dy, [mup, rp](const float* xr, const float* gr, std::int64_t ch, float* t) {
+          t[0] = gr[ch];
+          t[1] = gr[ch] * ((xr[ch] - mup[ch]) * rp[ch]);
+        });
+        auto channel_array = [&](auto&& value) {
+          std::vector<float> v(static_cast<std::size_t>(C));
+          for (std::int64_t ch = 0; ch < C; ++ch) v[ch] = static_cast<float>(value(ch));
+          return Array::from(Shape{C}, v);
+        };
+        // d mean = -a * sum(dy); d var = -1/2 scale rstd^2 * sum(dy * xhat); d scale = sum(dy * xhat).
+        if (c.needs(1)) c.set(1, channel_array([&](std::int64_t ch) { return -a[ch] * sums[ch]; }));
+        if (c.needs(2))
+          c.set(2, channel_array([&](std::int64_t ch) {
+                  return -0.5 * (sc.empty() ? 1.0 : sc[ch]) * rstd[ch] * rstd[ch] * sums[C + ch];
+                }));
+        if (c.needs(3)) c.set(3, channel_array([&](std::int64_t ch) { return sums[C + ch]; }));
+        if (c.needs(4) && has_bias) c.set(4, channel_array([&](std::int64_t ch) { return sums[ch]; }));
+      }));
+}
+
+}  // namespace linum
