@@ -22,6 +22,7 @@
 #include <cctype>
 #include <limits>
 #include <cstring>
+#include <optional>
 
 namespace linum {
 
@@ -374,6 +375,78 @@ Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
   }));
 }
 
+namespace {
+
+using Pads = std::array<std::pair<std::int64_t, std::int64_t>, 2>;
+
+// lax.conv_transpose as its definition: the input dilated by the strides, padded, convolved with
+// stride 1 (kernel [KH, KW, C, O]). The multiplies by the dilation's zeros are stride^2 of the work.
+Array conv_transpose_by_dilation(const Array& x, const Array& kernel, const Pads& pads, const ConvTransposeOptions& o) {
+  const Array dilated = o.strides[0] == 1 && o.strides[1] == 1 ? x : dilate(x, {1, o.strides[0], o.strides[1], 1});
+  ConvOptions conv;
+  conv.strides = {1, 1};
+  conv.padding = Padding::explicit_pads(pads[0].first, pads[0].second, pads[1].first, pads[1].second);
+  conv.dilation = o.dilation;
+  return conv2d(dilated, kernel, conv);
+}
+
+#if LINUM_HAVE_ONEDNN
+// The same on oneDNN, as what it is: the data gradient of the strided convolution it transposes,
+// which runs oneDNN's backward-data kernel (no zeros multiplied). That convolution, G, maps y
+// [N, OH, OW, O] to x [N, H, W, C] with the kernel flipped and its channel axes swapped, the same
+// strides and dilation, and padding k - 1 - pad on each side; its weight gradient and its forward
+// pass are this op's gradients. Nullopt when no such convolution exists for the padding (a low
+// pad beyond the dilated kernel, or a high one cutting rows G would read): the dilated path runs.
+std::optional<Array> conv_transpose_as_gradient(const Array& x_in, const Array& kernel_in, const Pads& pads,
+                                                const ConvTransposeOptions& o) {
+  if (x_in.rank() != 4 || kernel_in.rank() != 4 || x_in.numel() == 0 || kernel_in.numel() == 0) return std::nullopt;
+  std::int64_t out[2], pad_lo[2], pad_hi[2], eff[2];
+  for (int a = 0; a < 2; ++a) {
+    const auto i = static_cast<std::size_t>(a);
+    const std::int64_t in = x_in.dim(1 + a), s = o.strides[i];
+    if (kernel_in.dim(a) > (std::int64_t{1} << 30) || o.dilation[i] > (std::int64_t{1} << 30) || s > (std::int64_t{1} << 30) ||
+        in > (std::int64_t{1} << 30) || pads[i].first > (std::int64_t{1} << 30) || pads[i].second > (std::int64_t{1} << 30))
+      return std::nullopt;  // sizes the dilated path checks with its overflow-safe planner
+    eff[a] = (kernel_in.dim(a) - 1) * o.dilation[i] + 1;
+    out[a] = (in - 1) * s + 1 + pads[i].first + pads[i].second - eff[a] + 1;
+    pad_lo[a] = eff[a] - 1 - pads[i].first;
+    pad_hi[a] = eff[a] - 1 - pads[i].second;
+    if (out[a] < 1 || pad_lo[a] < 0 || -pad_hi[a] >= s) return std::nullopt;
+    pad_hi[a] = std::max<std::int64_t>(pad_hi[a], 0);  // rows G would not read anyway: y is 0 there
+    if ((out[a] + pad_lo[a] + pad_hi[a] - eff[a]) / s + 1 != in) return std::nullopt;
+  }
+  const DType t = promote_types(x_in.dtype(), x_in.weak_type(), kernel_in.dtype(), kernel_in.weak_type());
+  const Array x = x_in.dtype() == t ? x_in : astype(x_in, t);
+  const Array kernel = kernel_in.dtype() == t ? kernel_in : astype(kernel_in, t);
+  // G's kernel [KH, KW, O, C] (differentiable ops: the gradient reaches the caller's kernel).
+  const Array wg = transpose(flip(kernel, {0, 1}), {0, 1, 3, 2});
+  const std::int64_t N = x.dim(0), H = x.dim(1), W = x.dim(2), C = x.dim(3), O = kernel.dim(3);
+  const kernels::ConvShape S{N, out[0], out[1], O, kernel.dim(0), kernel.dim(1), O, C, 1, H, W, o.strides[0], o.strides[1],
+                             o.dilation[0], o.dilation[1], pad_lo[0], pad_hi[0], pad_lo[1], pad_hi[1], t};
+  return autodiff::primitive(
+      ops::kind::conv_transpose2d, {&x, &wg},
+      [&](autodiff::Residuals& r) {
+        if (r.recording()) r.keep(wg.node() ? x : Array(), x.node() ? wg : Array());
+        return kernels::conv_backward_data_onednn(x, wg, S);
+      },
+      autodiff::higher_order([S, pads, o, xs = x.shape(), ws = wg.shape()](Cotangents& c, autodiff::Saved s) {
+        if (autodiff::creating_graph()) {
+          // The dilated form written with ops; G's kernel flipped and swapped back is the kernel.
+          const Array xv = s[0].defined() ? s[0] : Array::zeros(xs, S.dtype);
+          const Array wv = s[1].defined() ? s[1] : Array::zeros(ws, S.dtype);
+          return autodiff::composite_rule(c, {xv, wv}, [pads, o](const std::vector<Array>& in) {
+            return std::vector<Array>{conv_transpose_by_dilation(in[0], transpose(flip(in[1], {0, 1}), {0, 1, 3, 2}), pads, o)};
+          });
+        }
+        const Array gy = c.take_out(0);
+        if (c.needs(1)) c.set(1, kernels::conv_backward_weights_onednn(gy, s[0], S));
+        if (c.needs(0)) c.set(0, kernels::conv_forward_onednn(gy, s[1], S));
+      }));
+}
+#endif
+
+}  // namespace
+
 Array conv_transpose2d(const Array& x, const Array& w, const ConvTransposeOptions& o) {
   if (x.rank() != 4 || w.rank() != 4)
     throw ShapeError(detail::cat("conv_transpose2d: needs x [N, H, W, C] and w [KH, KW, C, O], got x ", x.shape(), " and w ",
@@ -388,7 +461,7 @@ Array conv_transpose2d(const Array& x, const Array& w, const ConvTransposeOption
     throw ShapeError(detail::cat("conv_transpose2d: the kernel ", w.shape(), o.transpose_kernel ? " (transposed)" : "",
                                  " takes ", kernel.dim(2), " input channels but x ", x.shape(), " has ", x.dim(3)));
   // lax's padding of the dilated input, per spatial axis, for the dilated kernel size k.
-  std::array<std::pair<std::int64_t, std::int64_t>, 2> pads{};
+  Pads pads{};
   for (int a = 0; a < 2; ++a) {
     const auto i = static_cast<std::size_t>(a);
     const std::int64_t k = (kernel.dim(a) - 1) * o.dilation[i] + 1, s = o.strides[i];
@@ -413,12 +486,11 @@ Array conv_transpose2d(const Array& x, const Array& w, const ConvTransposeOption
         break;
     }
   }
-  const Array dilated = o.strides[0] == 1 && o.strides[1] == 1 ? x : dilate(x, {1, o.strides[0], o.strides[1], 1});
-  ConvOptions conv;
-  conv.strides = {1, 1};
-  conv.padding = Padding::explicit_pads(pads[0].first, pads[0].second, pads[1].first, pads[1].second);
-  conv.dilation = o.dilation;
-  return conv2d(dilated, kernel, conv);
+#if LINUM_HAVE_ONEDNN
+  if (engine() == Engine::onednn && !x.batched() && !kernel.batched())
+    if (std::optional<Array> y = conv_transpose_as_gradient(x, kernel, pads, o)) return std::move(*y);
+#endif
+  return conv_transpose_by_dilation(x, kernel, pads, o);
 }
 
 }  // namespace linum

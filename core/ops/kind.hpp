@@ -11,6 +11,7 @@ inline constexpr char matmul[] = "matmul";
 inline constexpr char batched_matmul[] = "batched_matmul";
 inline constexpr char linear[] = "linear";                    // the fused dense layer: act(x @ W + b)
 inline constexpr char conv2d[] = "conv2d";
+inline constexpr char conv_transpose2d[] = "conv_transpose2d";  // on oneDNN: the data gradient of a convolution
 inline constexpr char attention[] = "attention";              // the fused attention
 inline constexpr char lstm_layer[] = "lstm_layer";            // the fused LSTM layer
 inline constexpr char checkpoint_name[] = "checkpoint_name";  // the identity op policies select by name
@@ -20,7 +21,7 @@ inline constexpr char checkpoint_name[] = "checkpoint_name";  // the identity op
 // Dense is a dot_general and an add, its attention dot_generals around a softmax, its LSTM a scan of
 // dot_generals and gates).
 constexpr bool is_dot(std::string_view op) {
-  return op == matmul || op == batched_matmul || op == linear || op == conv2d || op == attention || op == lstm_layer;
+  return op == matmul || op == batched_matmul || op == linear || op == conv2d || op == conv_transpose2d || op == attention || op == lstm_layer;
 }
 // A product with batch dimensions (a dot_general with batch axes; the attention's products have
 // the batch and head axes).
