@@ -79,7 +79,10 @@ struct ConvTransposeOptions {
 
 // lax.conv_transpose with NHWC/HWIO layouts: the input dilated by the strides (stride - 1 zeros
 // between neighbours), padded, and convolved with stride 1. Kernel [KH, KW, C, O] ([KH, KW, O, C]
-// with transpose_kernel). Differentiable in both arguments (it is made of differentiable ops).
+// with transpose_kernel). Differentiable in both arguments. On oneDNN it runs as what it is, the
+// data gradient of the strided convolution it transposes (one primitive, "conv_transpose2d",
+// counted as a dot by remat policies; no multiplies by the dilation's zeros); paddings without such
+// a convolution (a low pad beyond the dilated kernel) and the Eigen engine dilate and convolve.
 Array conv_transpose2d(const Array& x, const Array& w, const ConvTransposeOptions& options = {});
 
 struct PoolOptions {
