@@ -131,6 +131,15 @@ auto with_threads([[maybe_unused]] int threads, F&& body) {
   return body();
 }
 
+// The team a large reorder may use: the caller's setting (OpenMP's current maximum).
+int threads_for_elements() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
 int threads_for([[maybe_unused]] const ConvShape& s) {
 #ifdef _OPENMP
   const double macs = static_cast<double>(s.n) * s.oh * s.ow * s.o * s.kh * s.kw * s.cg;
@@ -141,11 +150,23 @@ int threads_for([[maybe_unused]] const ConvShape& s) {
 
 memory wrap(const memory::desc& md, const Array& a) { return memory(md, cpu_engine(), const_cast<void*>(a.raw())); }
 
+// A reorder of a kernel (or its gradient) from `from` into `to`. Kernels are small next to the
+// convolution (3x3x24x24 in the main example: 5184 elements), and a reorder on the whole team costs
+// a parallel region whose threads must all get a core: on a busy machine that wait was ~6 ms per
+// reorder, most of a bf16 training step. So one thread unless the kernel is large.
+void reorder_kernel(memory& from, memory& to, dnnl::stream& stream) {
+  const memory::dims dims = from.get_desc().dims();
+  std::int64_t elements = 1;
+  for (const memory::dim d : dims) elements *= d;
+  with_threads(elements >= (std::int64_t{1} << 18) ? threads_for_elements() : 1,
+               [&] { dnnl::reorder(from, to).execute(stream, from, to); });
+}
+
 // `m` in layout `want`: itself when it already is, else a reordered copy.
 memory in_layout(memory m, const memory::desc& want, dnnl::stream& stream) {
   if (m.get_desc() == want) return m;
   memory out(want, cpu_engine());
-  dnnl::reorder(m, out).execute(stream, m, out);
+  reorder_kernel(m, out, stream);
   return out;
 }
 
@@ -230,7 +251,7 @@ void run_piece(const WeightPiece& piece, const void* x, const void* gy, void* dw
   memory scratch(piece.pd.scratchpad_desc(), cpu_engine());
   piece.prim.execute(stream, {{DNNL_ARG_SRC, mx}, {DNNL_ARG_DIFF_DST, mgy}, {DNNL_ARG_DIFF_WEIGHTS, mdw},
                               {DNNL_ARG_SCRATCHPAD, scratch}});
-  if (!direct) dnnl::reorder(mdw, user_dw).execute(stream, mdw, user_dw);
+  if (!direct) reorder_kernel(mdw, user_dw, stream);
   stream.wait();
 }
 
@@ -308,7 +329,7 @@ Array conv_backward_weights_onednn(const Array& x, const Array& gy, const ConvSh
     memory mdw = direct ? user_dw : memory(pd.diff_weights_desc(), cpu_engine());
     memory mx = wrap(p.d.x, x), mgy = wrap(p.d.y, gy);
     prim.execute(stream, {{DNNL_ARG_SRC, mx}, {DNNL_ARG_DIFF_DST, mgy}, {DNNL_ARG_DIFF_WEIGHTS, mdw}});
-    if (!direct) dnnl::reorder(mdw, user_dw).execute(stream, mdw, user_dw);
+    if (!direct) reorder_kernel(mdw, user_dw, stream);
     stream.wait();
     return dw;
   });

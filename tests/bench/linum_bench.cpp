@@ -42,6 +42,13 @@
 //       per-example gradients of N examples by vmap(grad) against N grad calls (vmap_bench.cpp).
 //   linum-bench ops [--iters N]
 //       Per-op cost on tiny arrays, with and without recording the autodiff graph.
+//   linum-bench fused [--steps S] [--rounds R] [--dtype f32|bf16]
+//       Fused ops against the ops they replace, forward + backward of sum(op(...) * r), alternating
+//       R rounds: batch_norm (training statistics) against Flax's composed BatchNorm on the main
+//       example's activations [128, 14, 14, 24]; conv_transpose2d (stride 2, SAME, 3x3, 32 -> 16
+//       channels on [128, 7, 7, 32]; on oneDNN the backward-data kernel) against the convolution
+//       of the stride-dilated input. Fields: bench, op, dtype, engine, fused_s, composed_s (minimum
+//       step), speedup = composed / fused.
 #include <linum/linum.hpp>
 
 #include <Eigen/Core>
@@ -318,6 +325,64 @@ int bench_ops(const Flags& f) {
   return 0;
 }
 
+int bench_fused(const Flags& f) {
+  apply_engine_flag(f);
+  const long steps = f.get("steps", 10), rounds = f.get("rounds", 3);
+  const DType dtype = parse_dtype(f.text("dtype", "f32"));
+  using Fn = std::function<Array(const std::vector<Array>&)>;
+  struct Case {
+    const char* op;
+    std::vector<Array> inputs;
+    Fn fused, composed;
+  };
+  std::vector<Case> cases;
+  {
+    const Array x = astype(random_normal(Shape{128, 14, 14, 24}, 21u, 1.0f), dtype);
+    const Array scale = random_normal(Shape{24}, 22u, 0.1f) + 1.0f, bias = random_normal(Shape{24}, 23u, 0.1f);
+    cases.push_back({"batch_norm", {x, scale, bias},
+                     [dtype](const std::vector<Array>& in) { return batch_norm(in[0], in[1], in[2], {.dtype = dtype}).y; },
+                     [dtype](const std::vector<Array>& in) {  // Flax's _compute_stats and _normalize, as ops
+                       const Array xf = astype(in[0], DType::f32);
+                       const Array mu = mean(xf, {0, 1, 2}, true);
+                       const Array var = maximum(Array::scalar(0.0f), mean(square(xf), {0, 1, 2}, true) - square(mu));
+                       return astype((xf - mu) * (rsqrt(var + 1e-5f) * in[1]) + in[2], dtype);
+                     }});
+  }
+  {
+    const Array x = astype(random_normal(Shape{128, 7, 7, 32}, 24u, 1.0f), dtype);
+    const Array k = astype(random_normal(Shape{3, 3, 32, 16}, 25u, 0.1f), dtype);
+    cases.push_back({"conv_transpose2d", {x, k},
+                     [](const std::vector<Array>& in) { return conv_transpose2d(in[0], in[1], {.strides = {2, 2}}); },
+                     [](const std::vector<Array>& in) {  // lax.conv_transpose's definition (SAME, k 3, s 2: pads 2, 1)
+                       return conv2d(dilate(in[0], {1, 2, 2, 1}), in[1], {.padding = Padding::explicit_pads(2, 1, 2, 1)});
+                     }});
+  }
+  for (const Case& c : cases) {
+    const Array r = random_normal(c.fused(c.inputs).shape(), 26u, 1.0f);
+    auto step_of = [&](const Fn& fn) {
+      auto g = value_and_grad([&](const std::vector<Array>& in) { return sum(astype(fn(in), DType::f32) * r); });
+      (void)g(c.inputs);  // warm-up (primitive caches)
+      double best = 1e30;
+      for (long s = 0; s < steps; ++s) {
+        const auto t = Clock::now();
+        (void)g(c.inputs);
+        best = std::min(best, seconds_since(t));
+      }
+      return best;
+    };
+    double fused = 1e30, composed = 1e30;
+    for (long round = 0; round < rounds; ++round) {
+      fused = std::min(fused, step_of(c.fused));
+      composed = std::min(composed, step_of(c.composed));
+    }
+    nlohmann::json out = {{"bench", "fused"},     {"op", c.op},         {"dtype", dtype_short_name(dtype)},
+                          {"engine", engine_name(engine())}, {"threads", omp_get_max_threads_or_1()},
+                          {"fused_s", fused},     {"composed_s", composed}, {"speedup", composed / fused}};
+    std::cout << out.dump() << std::endl;
+  }
+  return 0;
+}
+
 }  // namespace
 
 // A CPU-bound process pinned to `core` until killed.
@@ -388,7 +453,7 @@ int bench_vmap(const Flags& f);
 int main(int argc, char** argv) {
   linum::dist::Session mpi(argc, argv);  // `mpirun -np N linum-bench dp` (MPI only under a launcher)
   if (argc < 2) {
-    std::cerr << "usage: linum-bench mlp|gpt|scan|plan|dp|rnn|hvp|vmap|load|ops [--name value ...]\n";
+    std::cerr << "usage: linum-bench mlp|gpt|scan|plan|dp|rnn|hvp|vmap|load|ops|fused [--name value ...]\n";
     return 2;
   }
   const std::string what = argv[1];
@@ -404,6 +469,7 @@ int main(int argc, char** argv) {
     if (what == "mlp") return bench_mlp(flags);
     if (what == "ops") return bench_ops(flags);
     if (what == "load") return bench_load(flags);
+    if (what == "fused") return bench_fused(flags);
     if (what == "gpt") return bench_gpt(flags);
     if (what == "scan") return bench_scan(flags);
     if (what == "plan") return bench_plan(flags);
@@ -415,6 +481,6 @@ int main(int argc, char** argv) {
     std::cerr << "linum-bench: " << e.what() << "\n";
     return 1;
   }
-  std::cerr << "linum-bench: unknown benchmark '" << what << "' (choose mlp, gpt, scan, plan, dp, rnn, hvp, vmap, load or ops)\n";
+  std::cerr << "linum-bench: unknown benchmark '" << what << "' (choose mlp, gpt, scan, plan, dp, rnn, hvp, vmap, load, ops or fused)\n";
   return 2;
 }
