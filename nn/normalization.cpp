@@ -125,6 +125,7 @@ void BatchNorm::validate() const {
                                  momentum));
   check_epsilon("BatchNorm", epsilon);
   require_float_dtype(param_dtype, "BatchNorm", "param_dtype");
+  if (dtype) require_float_dtype(*dtype, "BatchNorm", "dtype");
 }
 
 Array LayerNorm::operator()(Scope& s, const Array& x) const {

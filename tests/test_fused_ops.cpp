@@ -3,14 +3,12 @@
 #include <doctest/doctest.h>
 
 #include "testing/gradcheck.hpp"
+#include "testing/threads.hpp"
 
 #include <linum/core/kernels/gemm.hpp>
 
 #include <cmath>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 using namespace linum;
 using linum::testing::check_gradients;
@@ -372,8 +370,9 @@ V bn_outputs(const BatchNormResult& r) { return {r.y, r.mean, r.var}; }
 }  // namespace
 
 TEST_CASE("fused batch_norm equals the composed formula, values and gradients (one block, many, in parallel)") {
-  // [N, H, W, C]: one row block; ten blocks; enough elements for the parallel passes; a wide channel axis.
-  for (const Shape& shape : {Shape{3, 5, 7, 24}, Shape{8, 20, 20, 24}, Shape{8, 40, 40, 24}, Shape{50, 700}}) {
+  // [N, H, W, C]: one row block; ten blocks; enough elements for the parallel passes; a wide channel
+  // axis; rows enough for the cap on the number of blocks (larger blocks).
+  for (const Shape& shape : {Shape{3, 5, 7, 24}, Shape{8, 20, 20, 24}, Shape{8, 40, 40, 24}, Shape{50, 700}, Shape{3000, 800}}) {
     const std::int64_t C = shape.dim(-1);
     const Array x = random_array(shape, 40, -2.0f, 3.0f), r = random_array(shape, 41);
     const Array scale = random_array(Shape{C}, 42, 0.5f, 1.5f), bias = random_array(Shape{C}, 43);
@@ -449,28 +448,15 @@ TEST_CASE("fused batch_norm has the same bits on one thread and on two") {
     out.insert(out.end(), g.begin(), g.end());
     return out;
   };
-#ifdef _OPENMP
-  struct Restore {
-    int threads = omp_get_max_threads();
-    bool adaptive = adaptive_threads();
-    ~Restore() {
-      omp_set_num_threads(threads);
-      set_adaptive_threads(adaptive);
-    }
-  } restore;
-  set_adaptive_threads(false);
-  omp_set_num_threads(2);
-  REQUIRE(team_size() == 2);
-  const V two = run();
-  omp_set_num_threads(1);
-  const V one = run();
+  V two, one;
+  if (!linum::testing::on_threads(2, [&] { two = run(); }) || !linum::testing::on_threads(1, [&] { one = run(); })) {
+    MESSAGE("built without OpenMP (or no team of two): one thread only");
+    return;
+  }
   for (std::size_t i = 0; i < one.size(); ++i) {
     CAPTURE(i);
     CHECK(one[i].bitwise_equal(two[i]));
   }
-#else
-  MESSAGE("built without OpenMP: one thread only");
-#endif
 }
 
 TEST_CASE("fused batch_norm: remat gives bitwise the plain gradients; errors name op and shapes") {
@@ -528,6 +514,9 @@ TEST_CASE("nn::BatchNorm on the fused op (channels last) matches its composed pa
   const Array e1 = apply(nn::BatchNorm{.use_running_average = true}, v1, x);
   const Array e2 = apply(nn::BatchNorm{.use_running_average = true, .axis = 1}, v2, xt);
   CHECK(max_abs_diff(e1, transpose(e2, {0, 2, 3, 1})) < 2e-6f);
+  // An integer computation dtype is refused on either path (it would silently truncate).
+  CHECK_THROWS_AS(init(nn::BatchNorm{.use_running_average = false, .dtype = DType::i32}, rng::key(0), x), ValueError);
+  CHECK_THROWS_AS(init(nn::BatchNorm{.use_running_average = false, .axis = 1, .dtype = DType::i32}, rng::key(0), xt), ValueError);
 }
 
 // ---- softmax / log_softmax over the last axis ---------------------------------------------------

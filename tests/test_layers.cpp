@@ -1091,6 +1091,9 @@ TEST_CASE("conv_transpose2d on oneDNN (the data gradient of the convolution it t
   auto remat = grad([&](const std::vector<Array>& in) { return sum(rb(in[0], in[1])); })(std::vector<Array>{x, w});
   CHECK(plain[0].bitwise_equal(remat[0]));
   CHECK(plain[1].bitwise_equal(remat[1]));
+  // Integer operands are refused on either engine (oneDNN would read their bits as floats).
+  CHECK_THROWS_AS(conv_transpose2d(astype(x, DType::i32), w), ShapeError);
+  CHECK_THROWS_AS(conv_transpose2d(x, astype(w, DType::i32)), ShapeError);
 }
 
 TEST_CASE("MultiHeadDotProductAttention decode: the cache collection, one position per call, equal to causal attention") {

@@ -4,12 +4,9 @@
 #include <doctest/doctest.h>
 
 #include "testing/gradcheck.hpp"
+#include "testing/threads.hpp"
 
 #include <linum/nn/config.hpp>
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 using namespace linum;
 using linum::testing::check_gradients;
@@ -111,28 +108,15 @@ TEST_CASE("linear's bias gradient has the same bits on one thread and on two") {
   auto run = [&] {
     return grads_of([&](const Array& x, const Array& w, const Array& b) { return linear(x, w, b, Activation::gelu); }, x, w, b, probe);
   };
-#ifdef _OPENMP
   // Two threads for certain (adaptive teams would give one on a busy machine), then one.
-  struct Restore {
-    int threads = omp_get_max_threads();
-    bool adaptive = adaptive_threads();
-    ~Restore() {
-      omp_set_num_threads(threads);
-      set_adaptive_threads(adaptive);
-    }
-  } restore;
-  set_adaptive_threads(false);
-  omp_set_num_threads(2);
-  REQUIRE(team_size() == 2);
-  const Grads two = run();
-  omp_set_num_threads(1);
-  const Grads one = run();
+  Grads two, one;
+  if (!linum::testing::on_threads(2, [&] { two = run(); }) || !linum::testing::on_threads(1, [&] { one = run(); })) {
+    MESSAGE("built without OpenMP (or no team of two): one thread only");
+    return;
+  }
   CHECK(one.db.bitwise_equal(two.db));
   CHECK(one.dx.bitwise_equal(two.dx));
   CHECK(one.dw.bitwise_equal(two.dw));
-#else
-  MESSAGE("built without OpenMP: one thread only");
-#endif
 }
 
 TEST_CASE("linear on empty shapes: no rows, no input features") {

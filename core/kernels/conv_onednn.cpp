@@ -131,7 +131,8 @@ auto with_threads([[maybe_unused]] int threads, F&& body) {
   return body();
 }
 
-// The team a large reorder may use: the caller's setting (OpenMP's current maximum).
+// The team a large reorder may use: OpenMP's current maximum, which inside a convolution is the
+// team that convolution chose (one thread for a small one).
 int threads_for_elements() {
 #ifdef _OPENMP
   return omp_get_max_threads();

@@ -18,9 +18,12 @@ namespace {
 
 using autodiff::Cotangents;
 
-// Elements per work item. Fixed (not derived from the thread count), so the blocks whose partial
-// sums make the statistics and the parameter gradients are the same on every run.
+// Elements per work item, and at most this many items (wide channel axes get blocks of more
+// elements, so the partial sums, one row of C per block, stay small next to x). Fixed by the shape,
+// not by the thread count, so the blocks whose partial sums make the statistics and the parameter
+// gradients are the same on every run.
 constexpr std::int64_t kBlockElements = 8192;
+constexpr std::int64_t kMaxBlocks = 256;
 
 // x viewed as [rows, channels], cut into blocks of whole rows.
 struct Geometry {
@@ -33,6 +36,7 @@ Geometry geometry_of(const Array& x) {
   g.channels = x.rank() == 0 ? 1 : x.dim(-1);
   g.rows = g.channels == 0 ? 0 : x.numel() / g.channels;
   g.rows_per_block = std::max<std::int64_t>(1, (kBlockElements + g.channels - 1) / std::max<std::int64_t>(1, g.channels));
+  g.rows_per_block = std::max(g.rows_per_block, (g.rows + kMaxBlocks - 1) / kMaxBlocks);
   g.blocks = (g.rows + g.rows_per_block - 1) / g.rows_per_block;
   return g;
 }
@@ -65,16 +69,18 @@ const float* block_f32(const Array& a, std::int64_t start, std::int64_t n, float
 // A [C] param or statistic as float32 values (empty when undefined).
 std::vector<float> values_f32(const Array& p) { return p.defined() ? p.to_vector() : std::vector<float>{}; }
 
-// Per-channel sums over the rows of one or two [rows, C] arrays, added in block order (double).
-// `term(row_of_a, row_of_b, c)` is the summand; `parts` sums are computed at once.
+// Per-channel sums over the rows of one or two [rows, C] arrays: float within a row block, the
+// blocks' sums added in block order in double. `term(row_of_a, row_of_b, c, out)` writes the
+// `Parts` summands of one element.
 template <int Parts, class Term>
 std::vector<double> channel_sums(const Geometry& g, const Array& a, const Array& b, Term&& term) {
   const std::int64_t C = g.channels;
-  std::vector<float> partial(static_cast<std::size_t>(Parts * g.blocks * C), 0.0f);
+  Array partial_sums = Array::zeros(Shape{g.blocks, Parts * C});  // counted by the memory timeline
+  float* partial = partial_sums.mutable_data();
   for_row_blocks(g, 2, [&](std::int64_t block, std::int64_t first, std::int64_t count, float* scratch) {
     const float* ab = block_f32(a, first * C, count * C, scratch);
     const float* bb = b.defined() ? block_f32(b, first * C, count * C, scratch + g.block_elements()) : nullptr;
-    float* out = partial.data() + Parts * block * C;
+    float* out = partial + Parts * block * C;
     for (std::int64_t r = 0; r < count; ++r) {
       const float* ar = ab + r * C;
       const float* br = bb != nullptr ? bb + r * C : nullptr;
@@ -222,10 +228,15 @@ BatchNormResult batch_norm(const Array& x, const Array& scale, const Array& bias
       t[1] = xr[c] * xr[c];
     });
     std::vector<float> mu(static_cast<std::size_t>(C)), var(mu.size());
+    std::vector<float> var_moves(mu.size(), 1.0f);  // 0 where the fast variance was clamped at 0
     for (std::int64_t c = 0; c < C; ++c) {
       const double m = sums[c] / R;
       mu[c] = static_cast<float>(m);
-      if (fast) var[c] = static_cast<float>(std::max(0.0, sums[C + c] / R - m * m));
+      if (fast) {
+        const double v = sums[C + c] / R - m * m;
+        var[c] = static_cast<float>(std::max(0.0, v));
+        if (v < 0.0) var_moves[c] = 0.0f;  // max(0, v): no gradient reaches x through the variance
+      }
     }
     if (!fast) {
       std::vector<double> sq = channel_sums<1>(g, x, Array(), [&mu](const float* xr, const float*, std::int64_t c, float* t) {
@@ -234,13 +245,14 @@ BatchNormResult batch_norm(const Array& x, const Array& scale, const Array& bias
       });
       for (std::int64_t c = 0; c < C; ++c) var[c] = static_cast<float>(sq[c] / R);
     }
-    Array stats = Array::empty(Shape{2, C});  // mean, then 1 / sqrt(var + eps)
+    Array stats = Array::empty(Shape{3, C});  // mean, 1 / sqrt(var + eps), whether var moves with x
     float* st = stats.mutable_data();
     std::vector<float> a(static_cast<std::size_t>(C));
     const std::vector<float> sc = values_f32(scale), bi = values_f32(bias);
     for (std::int64_t c = 0; c < C; ++c) {
       st[c] = mu[c];
       st[C + c] = 1.0f / std::sqrt(var[c] + eps);
+      st[2 * C + c] = var_moves[c];
       a[c] = sc.empty() ? st[C + c] : st[C + c] * sc[c];
     }
     Array y = Array::empty(x.shape(), out_dtype);
@@ -269,6 +281,7 @@ BatchNormResult batch_norm(const Array& x, const Array& scale, const Array& bias
         const std::int64_t C = g.channels;
         const float* mu = saved[2].data();
         const float* rstd = mu + C;
+        const float* var_moves = mu + 2 * C;
         const std::vector<float> sc = values_f32(saved[1]);
         const Array& dy = c.out(0);
         const std::vector<float> g_mean = values_f32(c.out(1)), g_var = values_f32(c.out(2));
@@ -288,10 +301,10 @@ BatchNormResult batch_norm(const Array& x, const Array& scale, const Array& bias
             a[ch] = sc.empty() ? rstd[ch] : rstd[ch] * sc[ch];
             if (!sums.empty()) {
               m1[ch] = static_cast<float>(sums[ch] / R);
-              m2[ch] = static_cast<float>(sums[C + ch] / R);
+              m2[ch] = static_cast<float>(sums[C + ch] / R) * var_moves[ch];
             }
             if (!g_mean.empty()) gm[ch] = static_cast<float>(g_mean[ch] / R);
-            if (!g_var.empty()) gv[ch] = static_cast<float>(2.0 * g_var[ch] / R);
+            if (!g_var.empty()) gv[ch] = static_cast<float>(2.0 * g_var[ch] / R) * var_moves[ch];
           }
           Array dx = Array::empty(xs.shape(), xs.dtype());
           for_row_blocks(g, 3, [&](std::int64_t, std::int64_t first, std::int64_t count, float* scratch) {

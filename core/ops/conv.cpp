@@ -448,6 +448,8 @@ std::optional<Array> conv_transpose_as_gradient(const Array& x_in, const Array& 
 }  // namespace
 
 Array conv_transpose2d(const Array& x, const Array& w, const ConvTransposeOptions& o) {
+  ops::detail::require_float(x, "conv_transpose2d");
+  ops::detail::require_float(w, "conv_transpose2d");
   if (x.rank() != 4 || w.rank() != 4)
     throw ShapeError(detail::cat("conv_transpose2d: needs x [N, H, W, C] and w [KH, KW, C, O], got x ", x.shape(), " and w ",
                                  w.shape()));
@@ -487,8 +489,14 @@ Array conv_transpose2d(const Array& x, const Array& w, const ConvTransposeOption
     }
   }
 #if LINUM_HAVE_ONEDNN
-  if (engine() == Engine::onednn && !x.batched() && !kernel.batched())
-    if (std::optional<Array> y = conv_transpose_as_gradient(x, kernel, pads, o)) return std::move(*y);
+  if (engine() == Engine::onednn && !x.batched() && !kernel.batched()) {
+    try {
+      if (std::optional<Array> y = conv_transpose_as_gradient(x, kernel, pads, o)) return std::move(*y);
+    } catch (const ShapeError&) {
+      // oneDNN refused the transposed convolution's geometry (its dimension limits): the dilated
+      // form, whose own convolution names the problem if oneDNN refuses that too.
+    }
+  }
 #endif
   return conv_transpose_by_dilation(x, kernel, pads, o);
 }
