@@ -58,13 +58,9 @@ void for_row_blocks(const Geometry& g, int scratch_blocks, F&& f) {
   }
 }
 
-// Elements [start, start + n) of a float array as float32 (a pointer into it, or widened into
-// `scratch`).
-const float* block_f32(const Array& a, std::int64_t start, std::int64_t n, float* scratch) {
-  if (a.dtype() == DType::f32) return static_cast<const float*>(a.raw()) + start;
-  bf16_to_f32(static_cast<const bfloat16*>(a.raw()) + start, scratch, n);
-  return scratch;
-}
+// Elements [start, start + n) of a float array as float32: a pointer into it, or widened into
+// `scratch` (which holds a whole block).
+using ops::detail::f32_view;
 
 // A [C] param or statistic as float32 values (empty when undefined).
 std::vector<float> values_f32(const Array& p) { return p.defined() ? p.to_vector() : std::vector<float>{}; }
@@ -78,8 +74,8 @@ std::vector<double> channel_sums(const Geometry& g, const Array& a, const Array&
   Array partial_sums = Array::zeros(Shape{g.blocks, Parts * C});  // counted by the memory timeline
   float* partial = partial_sums.mutable_data();
   for_row_blocks(g, 2, [&](std::int64_t block, std::int64_t first, std::int64_t count, float* scratch) {
-    const float* ab = block_f32(a, first * C, count * C, scratch);
-    const float* bb = b.defined() ? block_f32(b, first * C, count * C, scratch + g.block_elements()) : nullptr;
+    const float* ab = f32_view(a, first * C, count * C, scratch);
+    const float* bb = b.defined() ? f32_view(b, first * C, count * C, scratch + g.block_elements()) : nullptr;
     float* out = partial + Parts * block * C;
     for (std::int64_t r = 0; r < count; ++r) {
       const float* ar = ab + r * C;
@@ -102,7 +98,7 @@ void normalize_pass(const Geometry& g, const Array& x, const std::vector<float>&
                     const std::vector<float>& bias, Array& y) {
   const std::int64_t C = g.channels;
   for_row_blocks(g, 2, [&](std::int64_t, std::int64_t first, std::int64_t count, float* scratch) {
-    const float* xb = block_f32(x, first * C, count * C, scratch);
+    const float* xb = f32_view(x, first * C, count * C, scratch);
     float* yb = ops::detail::f32_target(y, first * C, scratch + g.block_elements());
     for (std::int64_t r = 0; r < count; ++r) {
       const float* xr = xb + r * C;
@@ -309,8 +305,8 @@ BatchNormResult batch_norm(const Array& x, const Array& scale, const Array& bias
           Array dx = Array::empty(xs.shape(), xs.dtype());
           for_row_blocks(g, 3, [&](std::int64_t, std::int64_t first, std::int64_t count, float* scratch) {
             const std::int64_t n = count * C, e = g.block_elements();
-            const float* xb = block_f32(xs, first * C, n, scratch);
-            const float* gb = dy.defined() ? block_f32(dy, first * C, n, scratch + e) : nullptr;
+            const float* xb = f32_view(xs, first * C, n, scratch);
+            const float* gb = dy.defined() ? f32_view(dy, first * C, n, scratch + e) : nullptr;
             float* db = ops::detail::f32_target(dx, first * C, scratch + 2 * e);
             for (std::int64_t r = 0; r < count; ++r) {
               const float* xr = xb + r * C;
@@ -397,7 +393,7 @@ Array batch_norm(const Array& x, const Array& mean_in, const Array& var_in, cons
           Array dx = Array::empty(xs.shape(), xs.dtype());
           for_row_blocks(g, 2, [&](std::int64_t, std::int64_t first, std::int64_t count, float* scratch) {
             const std::int64_t n = count * C;
-            const float* gb = block_f32(dy, first * C, n, scratch);
+            const float* gb = f32_view(dy, first * C, n, scratch);
             float* db = ops::detail::f32_target(dx, first * C, scratch + g.block_elements());
             for (std::int64_t r = 0; r < count; ++r)
               for (std::int64_t ch = 0; ch < C; ++ch) db[r * C + ch] = gb[r * C + ch] * a[ch];
