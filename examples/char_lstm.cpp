@@ -27,6 +27,7 @@
 #include <iterator>
 #include <string>
 #include <vector>
+#include <tuple>
 
 using namespace linum;
 
@@ -103,7 +104,8 @@ int run(const Options& o) {
       }
     return std::make_pair(Array::from_i32(Shape{o.batch, o.seq}, x), Array::from_i32(Shape{o.batch, o.seq}, y));
   };
-  auto [x0, y0] = batch_at(rng::key(o.seed + 1));
+  Array x0, y0;
+  std::tie(x0, y0) = batch_at(rng::key(o.seed + 1));
   Tree params = init(model, rng::key(o.seed), x0).at("params");
   const auto opt = optim::chain(optim::clip_by_global_norm(1.0), optim::adam(o.lr));
   Tree state = opt.init(params);

@@ -22,6 +22,7 @@
 #include <iterator>
 #include <string>
 #include <vector>
+#include <tuple>
 
 using namespace linum;
 
@@ -132,7 +133,8 @@ int run(const Options& o) {
   double first_loss = 0, last_loss = 0;
   const auto start = std::chrono::steady_clock::now();
   for (long step = 0; step < o.steps; ++step) {
-    auto [x, y] = batch_at(rng::fold_in(rng::key(o.seed + 2), static_cast<std::uint32_t>(step)));
+    Array x, y;
+    std::tie(x, y) = batch_at(rng::fold_in(rng::key(o.seed + 2), static_cast<std::uint32_t>(step)));
     auto [loss, grads] = value_and_grad([&](const Tree& p) {
       return mean(nn::softmax_cross_entropy_with_integer_labels(apply(model, Tree{{"params", p}}, x, positions), y));
     })(params);

@@ -42,9 +42,10 @@ TEST_CASE("checkpointed values and gradients equal the plain function's, bit for
 
 TEST_CASE("recompute counts: once more under nothing_saveable, not at all under everything_saveable") {
   const Array w = random_array(Shape{4, 4}, 4), x = random_array(Shape{2, 4}, 5);
-  for (auto [policy, expected] : {std::pair{lift::Policy(policies::nothing_saveable{}), 2},
-                                  std::pair{lift::Policy(policies::everything_saveable{}), 1},
-                                  std::pair{lift::Policy(policies::dots_saveable{}), 2}}) {
+  for (const auto& [policy_case, expected] : {std::pair{lift::Policy(policies::nothing_saveable{}), 2},
+                                              std::pair{lift::Policy(policies::everything_saveable{}), 1},
+                                              std::pair{lift::Policy(policies::dots_saveable{}), 2}}) {
+    const lift::Policy policy = policy_case;  // a variable the lambdas below can capture (clang 14)
     CAPTURE(policy.description());
     g_calls = 0;
     auto f = checkpoint(g, {.policy = policy});

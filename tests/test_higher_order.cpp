@@ -300,7 +300,8 @@ TEST_CASE("nested value_and_grad keeps aux and values linked; grad of vjp's pull
   // The gradient of <pullback(u), w> with respect to u is J w (the pullback is linear in u).
   const Array w = random_array(Shape{4}, 62);
   auto f = [](const Array& x) { return exp(x) * 2.0f; };
-  auto [y, pullback] = vjp(f, x);
+  auto y_and_pullback = vjp(f, x);
+  const auto& pullback = y_and_pullback.second;
   const Array jw = grad([&](const Array& u) { return sum(pullback(u) * w); })(Array::zeros(Shape{4}));
   CHECK(max_abs_diff(jw, f(x) * w) < 1e-5f);
   // jacrev over a Tree of parameters.

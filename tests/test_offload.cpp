@@ -367,7 +367,9 @@ TEST_CASE("offloaded residuals give the plain model's gradients bit for bit: den
       storage::spill_file().flush();
       CHECK(storage::spill_file().used_bytes() == 0);  // everything freed after the backward pass
     }
-    for (const auto& [name, policy] : policies) {  // every module call checkpointed, its kept values on disk
+    for (const auto& entry : policies) {  // every module call checkpointed, its kept values on disk
+      const auto& name = entry.first;
+      const auto& policy = entry.second;
       CAPTURE(name);
       lift::reset_recompute_stats();
       lift::RematScope remat({.mode = lift::RematMode::full, .policy = policy});

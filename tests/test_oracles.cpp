@@ -174,7 +174,9 @@ TEST_CASE("jax.random: keys, split, fold_in, bits and every sampler equal JAX's 
   for (const rng::Mode mode : {rng::Mode::partitionable, rng::Mode::legacy}) {
     const Tree& m = fixture("prng.msgpack").at(rng::mode_name(mode));
     const Array logits = m.at("categorical_logits_4x5").array();
-    for (const auto& [name, seed] : seeds) {
+    for (const auto& entry : seeds) {
+      const auto& name = entry.first;
+      const auto& seed = entry.second;
       const std::string mode_name = rng::mode_name(mode);
       CAPTURE(mode_name);
       CAPTURE(name);
@@ -225,7 +227,9 @@ TEST_CASE("jax.nn.initializers from one key equal JAX's (bitwise; orthogonal wit
   };
   const Tree& f = fixture("initializers.msgpack");
   const rng::Key k = rng::key(3);
-  for (const auto& [name, init] : cases) {
+  for (const auto& entry : cases) {
+    const auto& name = entry.first;
+    const auto& init = entry.second;
     CAPTURE(name);
     // QR in another library: orthogonal matrices agree to float32 rounding, not bit for bit.
     const bool qr = name.rfind("orthogonal", 0) == 0;
@@ -558,7 +562,9 @@ TEST_CASE("jax.checkpoint policies save what JAX's saved_residuals lists: argume
     os << kind << " " << shape;
     return os.str();
   };
-  for (const auto& [name, policy] : cases) {
+  for (const auto& entry : cases) {
+    const auto& name = entry.first;
+    const auto& policy = entry.second;
     CAPTURE(name);
     const auto loss = [&](const Array& x, const Array& w1, const Array& w2, const Array& w3) {
       return sum(checkpoint(block, {.policy = policy})(x, w1, w2, w3));
@@ -618,7 +624,9 @@ TEST_CASE("optax: every optimizer and wrapper: parameters over 5 steps and the f
       {"multi_steps", optim::multi_steps(optim::adam(1e-2), 2)},
       {"dpsgd", optim::dpsgd(0.1, 1.0, 0.5, 3)},
   };
-  for (const auto& [name, opt] : cases) {
+  for (const auto& entry : cases) {
+    const auto& name = entry.first;
+    const auto& opt = entry.second;
     CAPTURE(name);
     // apply_if_finite's trajectory has a NaN in the gradients of step 2; DP-SGD takes per-example ones.
     const Tree& grads = f.at(name == "apply_if_finite" ? "grads_nan" : name == "dpsgd" ? "grads_per_example" : "grads");
@@ -652,7 +660,9 @@ TEST_CASE("optax schedules at steps 0..14 equal optax's") {
       {"join", optim::join_schedules({optim::constant_schedule(0.1f), optim::linear_schedule(0.1f, 1.0f, 5)}, {4})},
       {"cosine_onecycle", optim::cosine_onecycle_schedule(12, 1.0f)},
   };
-  for (const auto& [name, schedule] : cases) {
+  for (const auto& entry : cases) {
+    const auto& name = entry.first;
+    const auto& schedule = entry.second;
     CAPTURE(name);
     std::vector<float> got;
     for (std::int64_t s = 0; s < 15; ++s) got.push_back(schedule(s));
@@ -683,7 +693,9 @@ TEST_CASE("flax.serialization: a file Flax wrote loads, and Linum writes it back
   CHECK(t.at("empty").array().shape() == Shape{0, 3});
   // flax.serialization.to_bytes of Flax's own init output, every layer case: Linum reads the bytes
   // to the variables the layer fixture holds and writes the same bytes back.
-  for (const auto& [name, b] : fixture("flax_bytes.msgpack")) {
+  for (const auto& entry : fixture("flax_bytes.msgpack")) {
+    const auto& name = entry.first;
+    const auto& b = entry.second;
     CAPTURE(name);
     const std::vector<std::int32_t> words = b.array().to_vector_i32();
     const std::vector<std::uint8_t> flax_bytes(words.begin(), words.end());

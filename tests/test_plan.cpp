@@ -12,6 +12,7 @@
 #include <unistd.h>
 #include <filesystem>
 #include <functional>
+#include <tuple>
 
 using namespace linum;
 using linum::testing::contains;
@@ -65,7 +66,8 @@ struct Setup {
 TEST_CASE("plan_remat: plans meet budgets of 75% and 50% of the activation memory; gradients stay bitwise") {
   const Setup<Deep> m;
   const auto [loss0, plain_grads] = value_and_grad(m.loss())(m.vars.at("params"));
-  const auto [fixed, plain] = m.fixed_and_plain_peak();  // (with plain_grads alive, as while planning)
+  std::int64_t fixed = 0, plain = 0;
+  std::tie(fixed, plain) = m.fixed_and_plain_peak();  // (with plain_grads alive, as while planning)
   for (double fraction : {0.75, 0.5}) {
     CAPTURE(fraction);
     const std::int64_t budget = fixed + static_cast<std::int64_t>(fraction * static_cast<double>(plain - fixed));
@@ -90,7 +92,8 @@ TEST_CASE("plan_remat: plans meet budgets of 75% and 50% of the activation memor
 
 TEST_CASE("plan_remat: a generous budget remats nothing; an impossible one names the smallest peak") {
   const Setup<Deep> m;
-  const auto [fixed, plain] = m.fixed_and_plain_peak();
+  std::int64_t fixed = 0, plain = 0;
+  std::tie(fixed, plain) = m.fixed_and_plain_peak();
   const lift::RematPlan loose = lift::plan_remat(m.step_fn(), plain + 1024);
   CHECK(std::all_of(loose.calls.begin(), loose.calls.end(), [](const auto& c) { return !c.policy.has_value(); }));
   CHECK(loose.predicted_extra_s == 0.0);
@@ -103,7 +106,8 @@ TEST_CASE("plan_remat: a generous budget remats nothing; an impossible one names
 
 TEST_CASE("plan_remat over two levels: each stage rematted whole or planned block by block") {
   const Setup<Staged> m;
-  const auto [fixed, plain] = m.fixed_and_plain_peak();
+  std::int64_t fixed = 0, plain = 0;
+  std::tie(fixed, plain) = m.fixed_and_plain_peak();
   const auto [loss0, plain_grads] = value_and_grad(m.loss())(m.vars.at("params"));
   const std::int64_t budget = fixed + (plain - fixed) * 45 / 100;
   const lift::RematPlan plan = lift::plan_remat(m.step_fn(), budget, {.depths = {1, 2}});
@@ -126,7 +130,8 @@ TEST_CASE("plan_remat over two levels: each stage rematted whole or planned bloc
 
 TEST_CASE("a plan prints, survives JSON, and a file that is not a plan is refused") {
   const Setup<Deep> m;
-  const auto [fixed, plain] = m.fixed_and_plain_peak();
+  std::int64_t fixed = 0, plain = 0;
+  std::tie(fixed, plain) = m.fixed_and_plain_peak();
   // The model overload: the gradient of sum(model(x)) (its step keeps a little more than ours).
   const lift::RematPlan plan = lift::plan_remat(m.model, m.vars, fixed + (plain - fixed) * 6 / 10, {}, m.x);
   CHECK(plan.measured_peak_bytes <= plan.budget_bytes);
@@ -148,7 +153,8 @@ TEST_CASE("a plan prints, survives JSON, and a file that is not a plan is refuse
 
 TEST_CASE("plan_remat reaches the smallest peak it reports, nesting remat inside a rematted stage when needed") {
   const Setup<Staged> m;
-  const auto [fixed, plain] = m.fixed_and_plain_peak();
+  std::int64_t fixed = 0, plain = 0;
+  std::tie(fixed, plain) = m.fixed_and_plain_peak();
   const std::string msg = error_of<ValueError>([&] { lift::plan_remat(m.step_fn(), fixed + 1, {.depths = {1, 2}}); });
   const std::string marker = "the smallest peak a plan reaches is ";
   REQUIRE(contains(msg, marker));
@@ -193,7 +199,8 @@ struct NamedDeep {
 TEST_CASE("plan_remat with a name policy: saves what checkpoint_name marked; the plan carries the policy") {
   const Setup<NamedDeep> m;
   const auto [loss0, plain_grads] = value_and_grad(m.loss())(m.vars.at("params"));
-  const auto [fixed, plain] = m.fixed_and_plain_peak();
+  std::int64_t fixed = 0, plain = 0;
+  std::tie(fixed, plain) = m.fixed_and_plain_peak();
   const lift::PlanOptions options{.policies = {policies::nothing_saveable{}, policies::save_only_these_names({"pre"})}};
   const lift::RematPlan plan = lift::plan_remat(m.step_fn(), fixed + (plain - fixed) * 6 / 10, options);
   CAPTURE(plan.str());
@@ -233,7 +240,8 @@ TEST_CASE("plan_remat places values beyond RAM or splits the batch when the poli
   const storage::SpillWindows defaults = storage::spill_file().windows();
   const Setup<Deep> m;
   const auto [loss0, plain_grads] = value_and_grad(m.loss())(m.vars.at("params"));
-  const auto [fixed, plain] = m.fixed_and_plain_peak();
+  std::int64_t fixed = 0, plain = 0;
+  std::tie(fixed, plain) = m.fixed_and_plain_peak();
   const std::int64_t budget = fixed + (plain - fixed) / 2;
   for (const lift::Policy& option : {policies::offload(policies::dots_saveable{}),
                                      policies::offload(policies::nothing_saveable{}),

@@ -354,7 +354,8 @@ TEST_CASE("nn::RNN runs LSTMs on hoisted input products and the fused cell: the 
 
 TEST_CASE("lstm_layer: the cell over time; gradients equal finite differences; recompute segments bitwise") {
   // hidden 134: unit blocks of 128 and 6; 37 steps: chunks of 16, 16 and 5; a batch of 0.
-  for (auto [T, N, I, H] : {std::array<std::int64_t, 4>{37, 3, 5, 134}, {5, 2, 3, 4}, {1, 1, 1, 1}, {20, 0, 3, 5}}) {
+  for (const auto& dims : {std::array<std::int64_t, 4>{37, 3, 5, 134}, {5, 2, 3, 4}, {1, 1, 1, 1}, {20, 0, 3, 5}}) {
+    const std::int64_t T = dims[0], N = dims[1], I = dims[2], H = dims[3];
     CAPTURE(T);
     CAPTURE(H);
     const Array x = random_array(Shape{T, N, I}, 31);

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <vector>
+#include <tuple>
 
 using namespace linum;
 
@@ -62,7 +63,8 @@ std::pair<Array, Array> bars(int n, unsigned seed) {
 }  // namespace
 
 TEST_CASE("an MLP with Dense, gelu and Dropout learns 4 blobs with adam") {
-  auto [x, labels] = blobs(256);
+  Array x, labels;
+  std::tie(x, labels) = blobs(256);
   const MLP model;
   Tree vars = init(model, rng::key(0), x, false);
   Tree params = vars.at("params");
@@ -94,7 +96,8 @@ TEST_CASE("an MLP with Dense, gelu and Dropout learns 4 blobs with adam") {
 }
 
 TEST_CASE("a CNN with Conv, BatchNorm, relu, avg_pool and Dense learns bar orientation; batch_stats track") {
-  auto [x, labels] = bars(128, 200);
+  Array x, labels;
+  std::tie(x, labels) = bars(128, 200);
   const CNN model;
   Tree vars = init(model, rng::key(1), x, true);
   Tree params = vars.at("params");

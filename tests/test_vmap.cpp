@@ -368,7 +368,9 @@ TEST_CASE("lift::vmap: gradients of the ensemble's loss equal each member's, bit
   };
   const Tree g_outer = grad(loss_of(RematOuter{}))(vars.at("params"));
   const std::vector<rng::Key> dkeys = rng::split(kd, E);
-  for (const auto& [path, value] : flatten(g)) {
+  for (const auto& entry : flatten(g)) {
+    const auto& path = entry.first;
+    const auto& value = entry.second;
     CAPTURE(path);
     CHECK(bitwise_equal(value, g_inner.at_path(path).array()));
     CHECK(bitwise_equal(value, g_outer.at_path(path).array()));
@@ -381,7 +383,9 @@ TEST_CASE("lift::vmap: gradients of the ensemble's loss equal each member's, bit
       v["params"] = params;
       return sum(square(apply(OneMember{}, v, {.rngs = {{"dropout", dkeys[static_cast<std::size_t>(e)]}}}, x, true)));
     })(one);
-    for (const auto& [path, value] : flatten(ge)) {
+    for (const auto& entry : flatten(ge)) {
+      const auto& path = entry.first;
+      const auto& value = entry.second;
       CAPTURE(path);
       CHECK(max_abs_diff(member_slice(g.at_path(path).array(), e), value) <= 1e-5f * (1.0f + max_abs(value)));
     }

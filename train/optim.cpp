@@ -1,7 +1,11 @@
 // Every multiply and add rounds separately (no fused multiply-add contraction), as XLA evaluates
 // optax's formulas; the fused step() and the transformation-by-transformation path then give the
 // same floats.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#else
 #pragma GCC optimize("fp-contract=off")
+#endif
 
 #include <linum/train/optim.hpp>
 #include <linum/train/square_sums.hpp>
