@@ -21,8 +21,8 @@
 #include <iostream>
 #include <iterator>
 #include <string>
-#include <vector>
 #include <tuple>
+#include <vector>
 
 using namespace linum;
 

@@ -45,7 +45,7 @@ TEST_CASE("recompute counts: once more under nothing_saveable, not at all under 
   for (const auto& [policy_case, expected] : {std::pair{lift::Policy(policies::nothing_saveable{}), 2},
                                               std::pair{lift::Policy(policies::everything_saveable{}), 1},
                                               std::pair{lift::Policy(policies::dots_saveable{}), 2}}) {
-    const lift::Policy policy = policy_case;  // a variable the lambdas below can capture (clang 14)
+    const lift::Policy& policy = policy_case;  // a variable the lambdas below can capture (clang 14)
     CAPTURE(policy.description());
     g_calls = 0;
     auto f = checkpoint(g, {.policy = policy});

@@ -5,8 +5,8 @@
 #include <linum/linum.hpp>
 
 #include <cmath>
-#include <vector>
 #include <tuple>
+#include <vector>
 
 using namespace linum;
 
