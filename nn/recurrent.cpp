@@ -160,6 +160,51 @@ std::vector<Array> LSTMWeights::operator()(Scope& s, const Array& inputs) const 
           astype(concatenate(rec_biases, -1), dt)};
 }
 
+std::vector<Array> GRUWeights::operator()(Scope& s, const Array& inputs) const {
+  std::vector<Array> in_kernels, in_biases, rec_kernels;
+  Array hn_bias;
+  const Array h_example = Array::zeros(Shape{1, features}, param_dtype);  // only its shape is read
+  for (const char* gate : {"r", "z", "n"}) {
+    auto ip = s(std::string("i") + gate, DenseParams{features, true, kernel_init, bias_init, param_dtype}, inputs);
+    in_kernels.push_back(ip[0]);
+    in_biases.push_back(ip[1]);
+    const bool n = std::string(gate) == "n";
+    auto hp = s(std::string("h") + gate, DenseParams{features, n, recurrent_kernel_init, bias_init, param_dtype}, h_example);
+    rec_kernels.push_back(hp[0]);
+    if (n) hn_bias = hp[1];
+  }
+  const Array& k0 = in_kernels[0];
+  const DType dt = computation_dtype({&inputs, &k0}, dtype);
+  const Array zero = Array::zeros(Shape{2 * features}, hn_bias.dtype());
+  return {astype(concatenate(in_kernels, -1), dt), astype(concatenate(in_biases, -1), dt),
+          astype(concatenate(rec_kernels, -1), dt), astype(concatenate({zero, hn_bias}, -1), dt)};
+}
+
+LayerRows::LayerRows(const Array& x, std::int64_t f) : dims(x.shape().vec()), features(f) {
+  for (std::size_t k = 1; k + 1 < dims.size(); ++k) rows *= dims[k];
+}
+
+Array LayerRows::carry(const Array& c, const char* cell, const char* name) const {
+  std::vector<std::int64_t> want(dims.begin() + 1, dims.end());
+  want.back() = features;
+  if (!(c.shape() == Shape(want)))
+    throw ShapeError(std::string("nn::RNN: the ") + cell + " carry's " + name + " must be " + Shape(want).str() +
+                     " for inputs of shape " + Shape(dims).str() + " (time-major here), got " + c.type_str());
+  return reshape(c, {rows, features});
+}
+
+Array LayerRows::inputs(const Array& x, bool reverse) const {
+  Array x3 = reshape(x, {dims.front(), rows, dims.back()});
+  return reverse ? flip(x3, {0}) : x3;
+}
+
+Array LayerRows::outputs(Array ys, bool reverse) const {
+  if (reverse) ys = flip(ys, {0});  // in input order, as the scan's
+  std::vector<std::int64_t> y_dims = dims;
+  y_dims.back() = features;
+  return reshape(ys, y_dims);
+}
+
 bool fusable_lstm(const CellFunction& gate_fn, const CellFunction& activation_fn) {
   using Fn = Array (*)(const Array&);
   auto is = [](const CellFunction& f, auto named, Fn fn) {

@@ -168,7 +168,19 @@ struct LSTMWeights {
   std::vector<Array> operator()(Scope& s, const Array& inputs) const;
 };
 
-// Whether an LSTM cell's functions are those the fused op computes (sigmoid gates, tanh).
+// A GRU's parameters under Flax's names, created (at init) in Flax's order ir, hr, iz, hz, in, hn,
+// and returned concatenated in gate order r, z, n and cast to the computation dtype: the input
+// kernel [in, 3 features], the input biases [3 features], the recurrent kernel [features,
+// 3 features] and the recurrent biases [0 | 0 | hn's bias]. Called in the cell's scope.
+struct GRUWeights {
+  std::int64_t features = 0;
+  Initializer kernel_init, recurrent_kernel_init, bias_init;
+  std::optional<DType> dtype;
+  DType param_dtype = DType::f32;
+  std::vector<Array> operator()(Scope& s, const Array& inputs) const;
+};
+
+// Whether a cell's gate and activation functions are those the fused ops compute (sigmoid, tanh).
 bool fusable_lstm(const CellFunction& gate_fn, const CellFunction& activation_fn);
 
 // nn::RNN's LSTM step where the whole-layer op does not apply (bf16 computation, seq_lengths): the
@@ -187,6 +199,17 @@ std::int64_t lstm_recompute_segment(bool remat, const lift::ScanSchedule& schedu
 
 template <class Cell>
 inline constexpr bool kLSTM = std::is_same_v<Cell, LSTMCell> || std::is_same_v<Cell, OptimizedLSTMCell>;
+
+// The layer op's time-major view: x [time, batch..., in] as [time, rows, in], a carry [batch...,
+// features] as [rows, features] (checked against the inputs), and the outputs back.
+struct LayerRows {
+  std::vector<std::int64_t> dims;  // x's
+  std::int64_t rows = 1, features = 0;
+  LayerRows(const Array& x, std::int64_t features);
+  Array carry(const Array& c, const char* cell, const char* name) const;  // [rows, features]
+  Array inputs(const Array& x, bool reverse) const;                       // [time, rows, in], time flipped if reverse
+  Array outputs(Array ys, bool reverse) const;                            // [time, batch..., features], input order
+};
 
 }  // namespace recurrent_detail
 
@@ -241,6 +264,9 @@ struct RNN {
     if constexpr (recurrent_detail::kLSTM<Cell>)
       if (recurrent_detail::fusable_lstm(cell.gate_fn, cell.activation_fn))
         return finish(run_fused(s, xs, carry, t, lengths, masked));
+    if constexpr (std::is_same_v<Cell, GRUCell>)
+      if (!masked && recurrent_detail::fusable_lstm(cell.gate_fn, cell.activation_fn))
+        if (auto fused = run_fused_gru(s, xs, carry)) return finish(std::move(*fused));
     using Step = recurrent_detail::RNNStep<Cell>;
     auto scan_with = [&](auto body_type) {
       using Body = decltype(body_type);
@@ -276,25 +302,11 @@ struct RNN {
     const Array x = xs.dtype() == dt ? xs : astype(xs, dt);
     const std::int64_t steps = xs.dim(0);
     if (!masked && dt == DType::f32 && carry.c.dtype() == DType::f32 && carry.h.dtype() == DType::f32) {
-      // [time, rows, in] with every batch axis in rows; the carry [batch..., features].
-      const std::vector<std::int64_t> dims = x.shape().vec();
-      const std::int64_t in = dims.back();
-      std::int64_t rows = 1;
-      for (std::size_t k = 1; k + 1 < dims.size(); ++k) rows *= dims[k];
-      std::vector<std::int64_t> carry_dims(dims.begin() + 1, dims.end());
-      carry_dims.back() = cell.features;
-      if (!(carry.c.shape() == Shape(carry_dims)) || !(carry.h.shape() == Shape(carry_dims)))
-        throw ShapeError("nn::RNN: the LSTM carry must be " + Shape(carry_dims).str() + " for inputs " + xs.type_str() +
-                         " (time-major here), got c " + carry.c.type_str() + ", h " + carry.h.type_str());
-      const Array c0 = reshape(carry.c, {rows, cell.features}), h0 = reshape(carry.h, {rows, cell.features});
-      Array x3 = reshape(x, {steps, rows, in});
-      if (reverse) x3 = flip(x3, {0});
-      auto [ys, c, h] = lstm_layer(x3, w[0], w[2], w[1], c0, h0,
+      const recurrent_detail::LayerRows rows(x, cell.features);
+      auto [ys, c, h] = lstm_layer(rows.inputs(x, reverse), w[0], w[2], w[1], rows.carry(carry.c, "LSTM", "c"),
+                                   rows.carry(carry.h, "LSTM", "h"),
                                    {.recompute_segment = recurrent_detail::lstm_recompute_segment(remat, schedule, steps)});
-      if (reverse) ys = flip(ys, {0});  // ys in input order, as the scan's
-      std::vector<std::int64_t> y_dims = dims;
-      y_dims.back() = cell.features;
-      return {LSTMCarry{reshape(c, carry.c.shape().vec()), reshape(h, carry.h.shape().vec())}, reshape(ys, y_dims)};
+      return {LSTMCarry{reshape(c, carry.c.shape().vec()), reshape(h, carry.h.shape().vec())}, rows.outputs(ys, reverse)};
     }
     using Step = recurrent_detail::FusedLSTMStep;
     auto scan_with = [&](auto body_type) {
@@ -308,6 +320,22 @@ struct RNN {
       return s("cell", scan, carry, lift::scanned(x), lift::scanned(t), lengths, w[0], w[2], w[1]);
     };
     return remat ? scan_with(lift::remat<Step>{}) : scan_with(Step{});
+  }
+  // A GRU with sigmoid gates and tanh, computed in float32 without seq_lengths: the whole layer is one
+  // op (gru_layer; remat and schedules make it keep nothing but the outputs, with gradients bitwise
+  // those without). Other dtypes: nothing (the scan runs the cell). The parameters are the cell's.
+  std::optional<std::pair<Array, Array>> run_fused_gru(Scope& s, const Array& xs, const Array& carry) const {
+    const std::vector<Array> w =
+        s("cell", recurrent_detail::GRUWeights{cell.features, cell.kernel_init, cell.recurrent_kernel_init, cell.bias_init,
+                                               cell.dtype, cell.param_dtype},
+          xs);
+    if (w[0].dtype() != DType::f32 || carry.dtype() != DType::f32) return std::nullopt;
+    const Array x = astype(xs, DType::f32);
+    const recurrent_detail::LayerRows rows(x, cell.features);
+    const bool recompute = remat || schedule.kind != lift::ScanSchedule::Kind::none;
+    auto [ys, h] = gru_layer(rows.inputs(x, reverse), w[0], w[1], w[2], w[3], rows.carry(carry, "GRU", "h"),
+                             {.recompute = recompute});
+    return std::pair<Array, Array>{reshape(h, carry.shape().vec()), rows.outputs(ys, reverse)};
   }
   static std::string detail_cat_shape(const char* what, const Array& a) { return std::string(what) + a.type_str(); }
   static Array swapaxes(const Array& x, int a, int b) {

@@ -169,8 +169,11 @@ TEST_CASE("nn::RNN is the cell looped over time: names under cell, reverse, seq_
 
 TEST_CASE("remat over time: gradients bitwise those of the plain RNN, with less memory") {
   const Array xs = random_array(Shape{16, 64, 32}, 8);
-  const nn::RNN<nn::GRUCell> plain{.cell = {.features = 64}};
-  const nn::RNN<nn::GRUCell> rematted{.cell = {.features = 64}, .remat = true};
+  // A gate function nn::RNN does not recognize as sigmoid: the cell's ops scanned over time, where
+  // remat and schedules are lift's (the GRU layer op's are tested below).
+  const nn::GRUCell cell{.features = 64, .gate_fn = [](const Array& x) { return sigmoid(x); }};
+  const nn::RNN<nn::GRUCell> plain{.cell = cell};
+  const nn::RNN<nn::GRUCell> rematted{.cell = cell, .remat = true};
   const Tree vars = init(plain, rng::key(4), xs);
   CHECK(same_structure(init(rematted, rng::key(4), xs), vars));
   auto step = [&](const auto& model, std::int64_t& peak) {
@@ -189,7 +192,7 @@ TEST_CASE("remat over time: gradients bitwise those of the plain RNN, with less 
   // Schedules over time (sqrt(T) segments, or at most s carries with Revolve's fewest
   // recomputations) give the plain gradients bitwise, reverse and seq_lengths included.
   for (bool reverse : {false, true}) {
-    const nn::RNN<nn::GRUCell> base{.cell = {.features = 64}, .reverse = reverse};
+    const nn::RNN<nn::GRUCell> base{.cell = cell, .reverse = reverse};
     const Tree g_base = step(base, plain_peak);
     for (const lift::ScanSchedule& schedule : {lift::ScanSchedule::sqrt_segments(), lift::ScanSchedule::binomial(4)}) {
       CAPTURE(schedule.name());
@@ -452,4 +455,191 @@ TEST_CASE("nn::RNN over many steps: the layer op's remat and schedules keep less
       MESSAGE("peak bytes: ", peak);
     }
   }
+}
+
+namespace {
+
+// One GRU step with ops, in Flax's GRUCell's form (gates [r | z | n]).
+Array composed_gru_step(const Array& x_t, const Array& h, const Array& wi, const Array& bi, const Array& wh, const Array& bh) {
+  const std::int64_t H = h.dim(1);
+  const Array xg = matmul(x_t, wi) + bi, hg = matmul(h, wh) + bh;
+  auto gate = [&](const Array& a, int k) { return slice_axis(a, -1, k * H, (k + 1) * H); };
+  const Array r = sigmoid(gate(xg, 0) + gate(hg, 0)), z = sigmoid(gate(xg, 1) + gate(hg, 1));
+  const Array n = tanh(gate(xg, 2) + r * gate(hg, 2));
+  return (1.0f - z) * n + z * h;
+}
+
+}  // namespace
+
+TEST_CASE("gru_layer: the GRU over time; gradients equal finite differences; recomputation bitwise") {
+  // hidden 134: unit blocks of 128 and 6; 37 steps: chunks of 16, 16 and 5; a batch of 0.
+  for (const auto& dims : {std::array<std::int64_t, 4>{37, 3, 5, 134}, {5, 2, 3, 4}, {1, 1, 1, 1}, {20, 0, 3, 5}}) {
+    const std::int64_t T = dims[0], N = dims[1], I = dims[2], H = dims[3];
+    CAPTURE(T);
+    CAPTURE(H);
+    const Array x = random_array(Shape{T, N, I}, 51);
+    const Array wi = random_array(Shape{I, 3 * H}, 52) * 0.5f, wh = random_array(Shape{H, 3 * H}, 53) * 0.3f;
+    const Array bi = random_array(Shape{3 * H}, 54), bh = random_array(Shape{3 * H}, 55), h0 = random_array(Shape{N, H}, 56);
+    auto [ys, h] = gru_layer(x, wi, bi, wh, bh, h0);
+    REQUIRE(ys.shape() == Shape{T, N, H});
+    REQUIRE(h.shape() == Shape{N, H});
+    Array hh = h0;
+    float worst = 0;
+    for (std::int64_t t = 0; t < T; ++t) {
+      hh = composed_gru_step(reshape(slice_axis(x, 0, t, t + 1), {N, I}), hh, wi, bi, wh, bh);
+      worst = std::max(worst, max_diff(reshape(slice_axis(ys, 0, t, t + 1), {N, H}), hh));
+    }
+    CHECK(worst < 1e-5f);
+    CHECK(max_diff(h, hh) < 1e-5f);
+    if (N == 0) continue;
+    auto loss = [](bool recompute) {
+      return [recompute](const Array& x, const Array& wi, const Array& bi, const Array& wh, const Array& bh, const Array& h0) {
+        auto [ys, h] = gru_layer(x, wi, bi, wh, bh, h0, {.recompute = recompute});
+        return sum(square(ys)) * 0.5f + sum(h * 0.25f);
+      };
+    };
+    auto plain = value_and_grad<0, 1, 2, 3, 4, 5>(loss(false))(x, wi, bi, wh, bh, h0);
+    auto again = value_and_grad<0, 1, 2, 3, 4, 5>(loss(true))(x, wi, bi, wh, bh, h0);
+    CHECK(std::get<0>(again).bitwise_equal(std::get<0>(plain)));
+    CHECK(std::get<1>(again).bitwise_equal(std::get<1>(plain)));
+    CHECK(std::get<2>(again).bitwise_equal(std::get<2>(plain)));
+    CHECK(std::get<3>(again).bitwise_equal(std::get<3>(plain)));
+    CHECK(std::get<4>(again).bitwise_equal(std::get<4>(plain)));
+    CHECK(std::get<5>(again).bitwise_equal(std::get<5>(plain)));
+    CHECK(std::get<6>(again).bitwise_equal(std::get<6>(plain)));
+    // Against the gradients of the composed steps.
+    auto composed_grads = value_and_grad<0, 1, 2, 3, 4, 5>(
+        [&](const Array& x, const Array& wi, const Array& bi, const Array& wh, const Array& bh, const Array& h0) {
+          Array h = h0, total = Array::scalar(0.0f);
+          for (std::int64_t t = 0; t < x.dim(0); ++t) {
+            h = composed_gru_step(reshape(slice_axis(x, 0, t, t + 1), {x.dim(1), x.dim(2)}), h, wi, bi, wh, bh);
+            total = total + sum(square(h)) * 0.5f;
+          }
+          return total + sum(h * 0.25f);
+        })(x, wi, bi, wh, bh, h0);
+    CHECK(std::abs(std::get<0>(composed_grads).item() - std::get<0>(plain).item()) < 1e-3f * (1.0f + std::abs(std::get<0>(plain).item())));
+    CHECK(max_diff(std::get<1>(composed_grads), std::get<1>(plain)) < 1e-4f);
+    CHECK(max_diff(std::get<2>(composed_grads), std::get<2>(plain)) < 1e-4f);
+    CHECK(max_diff(std::get<3>(composed_grads), std::get<3>(plain)) < 1e-4f);
+    CHECK(max_diff(std::get<4>(composed_grads), std::get<4>(plain)) < 1e-4f);
+    CHECK(max_diff(std::get<5>(composed_grads), std::get<5>(plain)) < 1e-4f);
+    CHECK(max_diff(std::get<6>(composed_grads), std::get<6>(plain)) < 1e-4f);
+    if (T <= 5) {
+      for (bool recompute : {false, true}) {
+        CAPTURE(recompute);
+        const auto f = [recompute](const std::vector<Array>& in) {
+          auto [ys, h] = gru_layer(in[0], in[1], in[2], in[3], in[4], in[5], {.recompute = recompute});
+          return ys * 2.0f + h * 3.0f;
+        };
+        CHECK(linum::testing::check_gradients("gru_layer", f, {x, wi, bi, wh, bh, h0}));
+      }
+    }
+  }
+  // bf16 arguments: computed in float32, results rounded back, gradients in each argument's dtype.
+  {
+    const Array x = random_array(Shape{6, 2, 3}, 61), wi = random_array(Shape{3, 15}, 62) * 0.5f;
+    const Array wh = random_array(Shape{5, 15}, 63) * 0.3f, bi = random_array(Shape{15}, 64), h0 = random_array(Shape{2, 5}, 65);
+    const Array bh = Array::zeros(Shape{15});
+    auto [ys, h] = gru_layer(astype(x, DType::bf16), astype(wi, DType::bf16), bi, wh, bh, h0);
+    CHECK(ys.dtype() == DType::f32);  // promoted
+    auto [yb, hb] = gru_layer(astype(x, DType::bf16), astype(wi, DType::bf16), astype(bi, DType::bf16),
+                              astype(wh, DType::bf16), astype(bh, DType::bf16), astype(h0, DType::bf16));
+    CHECK(yb.dtype() == DType::bf16);
+    CHECK(max_diff_any(yb, ys) < 0.05f);
+    const Array g = grad([&](const Array& w) {
+      auto [y, hl] = gru_layer(astype(x, DType::bf16), w, astype(bi, DType::bf16), astype(wh, DType::bf16),
+                               astype(bh, DType::bf16), astype(h0, DType::bf16));
+      return sum(astype(y, DType::f32));
+    })(astype(wi, DType::bf16));
+    CHECK(g.dtype() == DType::bf16);
+    CHECK(linum::testing::max_abs(astype(g, DType::f32)) > 0.0f);
+  }
+  // Bad arguments: typed errors naming the op and the shapes.
+  const Array x = Array::zeros(Shape{4, 2, 3}), wi = Array::zeros(Shape{3, 6}), wh = Array::zeros(Shape{2, 6});
+  const Array b = Array::zeros(Shape{6}), h0 = Array::zeros(Shape{2, 2});
+  CHECK_THROWS_WITH_AS(gru_layer(x, wi, b, wh, b, Array::zeros(Shape{3, 2})), doctest::Contains("gru_layer"), ShapeError);
+  CHECK_THROWS_WITH_AS(gru_layer(x, Array::zeros(Shape{4, 6}), b, wh, b, h0), doctest::Contains("input_kernel f32[4,6]"),
+                       ShapeError);
+  CHECK_THROWS_AS(gru_layer(reshape(x, {8, 3}), wi, b, wh, b, h0), ShapeError);
+  CHECK_THROWS_AS(gru_layer(x, wi, b, Array::zeros(Shape{2, 8}), b, h0), ShapeError);
+  CHECK_THROWS_AS(gru_layer(x, wi, b, wh, Array::zeros(Shape{4}), h0), ShapeError);
+  CHECK_THROWS_AS(gru_layer(astype(x, DType::i32), wi, b, wh, b, h0), ShapeError);
+  // Zero steps: the initial state back, ys empty.
+  auto [ys0, h_0] = gru_layer(Array::zeros(Shape{0, 2, 3}), wi, b, wh, b, h0 + 2.0f);
+  CHECK(ys0.shape() == Shape{0, 2, 2});
+  CHECK(h_0.bitwise_equal(h0 + 2.0f));
+}
+
+TEST_CASE("nn::RNN runs GRUs on the layer op: the cell's parameters and results; remat keeps less, bitwise") {
+  const Array xs = random_array(Shape{3, 40, 5}, 71);
+  const Array lengths = Array::from_i32(Shape{3}, {40, 2, 17});
+  for (bool reverse : {false, true})
+    for (bool masked : {false, true}) {
+      CAPTURE(reverse);
+      CAPTURE(masked);
+      nn::RNN<nn::GRUCell> fused{.cell = {.features = 6}, .reverse = reverse, .keep_order = true};
+      auto slow = fused;
+      slow.cell = unfused(fused.cell);
+      const Tree vars = init(fused, rng::key(8), xs);
+      const Tree slow_vars = init(slow, rng::key(8), xs);
+      CHECK(vars.at_path("params/cell").keys() == std::vector<std::string>{"ir", "hr", "iz", "hz", "in", "hn"});
+      CHECK(bitwise_equal(vars, slow_vars));
+      auto loss = [&](const nn::RNN<nn::GRUCell>& model) {
+        return [&](const Tree& p) {
+          const nn::RNNOptions o{.return_carry = true, .seq_lengths = masked ? std::optional<Array>(lengths) : std::nullopt};
+          auto [carry, ys] = apply(model, Tree{{"params", p}}, xs, o);
+          return mean(square(ys)) + mean(carry * 0.5f);
+        };
+      };
+      auto [v_fast, g_fast] = value_and_grad(loss(fused))(vars.at("params"));
+      auto [v_slow, g_slow] = value_and_grad(loss(slow))(vars.at("params"));
+      CHECK(std::abs(v_fast.item() - v_slow.item()) < 1e-6f);
+      const auto fast_leaves = flatten(g_fast), slow_leaves = flatten(g_slow);
+      REQUIRE(fast_leaves.size() == slow_leaves.size());
+      for (std::size_t k = 0; k < fast_leaves.size(); ++k) {
+        CAPTURE(fast_leaves[k].first);
+        CHECK(max_diff(fast_leaves[k].second, slow_leaves[k].second) < 1e-5f);
+      }
+      auto rematted = fused;
+      rematted.remat = true;
+      CHECK(bitwise_equal(grad(loss(rematted))(vars.at("params")), g_fast));
+      auto scheduled = fused;
+      scheduled.schedule = lift::ScanSchedule::sqrt_segments();
+      CHECK(bitwise_equal(grad(loss(scheduled))(vars.at("params")), g_fast));
+    }
+  // The layer op keeps the gates of every step (4 floats per unit and row); remat keeps only the
+  // outputs. (At this small batch the layer's fixed costs, its weights' blocked copies and a chunk's
+  // workspace, outweigh the cell path's per-step activations.)
+  const nn::RNN<nn::GRUCell> plain{.cell = {.features = 70}};
+  const Tree vars = init(plain, rng::key(9), xs);
+  auto step = [&](const nn::RNN<nn::GRUCell>& model, std::int64_t& peak) {
+    memory::PeakScope scope;
+    Tree g = grad([&](const Tree& p) { return mean(square(apply(model, Tree{{"params", p}}, xs))); })(vars.at("params"));
+    peak = scope.peak_growth() - byte_count(g);
+    return g;
+  };
+  std::int64_t plain_peak = 0, remat_peak = 0, slow_peak = 0;
+  const Tree g_plain = step(plain, plain_peak);
+  auto rematted = plain;
+  rematted.remat = true;
+  CHECK(bitwise_equal(step(rematted, remat_peak), g_plain));
+  auto slow = plain;
+  slow.cell = unfused(plain.cell);
+  step(slow, slow_peak);
+  MESSAGE("peak bytes, 40 steps: layer op ", plain_peak, ", with remat ", remat_peak, ", cell path ", slow_peak);
+  CHECK(remat_peak < plain_peak);
+  // What remat spares: the gates of every step but one chunk's (its recomputation's workspace).
+  CHECK(plain_peak - remat_peak >= (40 - kLSTMLayerChunk) * 3 * 4 * 70 * std::int64_t{sizeof(float)});
+  // Mixed precision (bf16 compute): the cell path, with the layer op's parameters.
+  const nn::RNN<nn::GRUCell> mixed{.cell = {.features = 6, .dtype = DType::bf16}};
+  const Tree mixed_vars = init(mixed, rng::key(6), xs);
+  const nn::RNN<nn::GRUCell> six{.cell = {.features = 6}};
+  CHECK(bitwise_equal(mixed_vars, init(six, rng::key(6), xs)));
+  auto mixed_slow = mixed;
+  mixed_slow.cell = unfused(mixed.cell);
+  const Array y = apply(mixed, mixed_vars, xs);
+  CHECK(y.bitwise_equal(apply(mixed_slow, mixed_vars, xs)));
+  CHECK(y.dtype() == DType::f32);  // as Flax's: the carry is in param_dtype, and bf16 * f32 promotes
+  // A carry of the wrong shape is an error naming the layer and both shapes.
+  CHECK_THROWS_WITH_AS(apply(plain, vars, xs, Array::zeros(Shape{3, 69})), doctest::Contains("nn::RNN"), ShapeError);
 }

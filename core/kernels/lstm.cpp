@@ -2,76 +2,34 @@
 
 #include <linum/core/array.hpp>
 #include <linum/core/error.hpp>
-
-#include <linum/core/kernels/gemm.hpp>
 #include <linum/core/fp_mode.hpp>
+#include <linum/core/kernels/gemm.hpp>
+#include <linum/core/kernels/recurrent_passes.hpp>
 #include <linum/core/threading.hpp>
 
 #include <Eigen/Core>
 
 #include <algorithm>
 #include <cstring>
-#include <exception>
 #include <memory>
 #include <vector>
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 namespace linum::kernels::lstm {
 
 namespace {
 
-using Run = Eigen::Map<Eigen::ArrayXf>;
-using ConstRun = Eigen::Map<const Eigen::ArrayXf>;
+using recurrent::Aligned;
+using recurrent::ConstRun;
+using recurrent::Failure;
+using recurrent::load;
+using recurrent::padded;
+using recurrent::Run;
+using recurrent::store;
+using recurrent::thread_index;
+using recurrent::workspace;
+using Blocks = recurrent::UnitBlocks;
 
-constexpr std::int64_t kUnitBlock = 128;
-
-struct Blocks {
-  std::int64_t hidden, unit, count;
-  std::int64_t first(std::int64_t b) const { return b * unit; }
-  std::int64_t width(std::int64_t b) const { return std::min(unit, hidden - b * unit); }
-  std::int64_t base(std::int64_t b) const { return 4 * first(b); }  // the block's first interleaved column
-};
-
-Blocks blocks_of(std::int64_t hidden) {
-  const std::int64_t u = unit_block(hidden);
-  return {hidden, u, (hidden + u - 1) / u};
-}
-
-// The first exception a worker thread raised (the others keep running the passes' barriers).
-struct Failure {
-  std::exception_ptr first;
-  template <class F>
-  void run(F&& f) {
-    try {
-      f();
-    } catch (...) {
-#pragma omp critical(linum_lstm_failure)
-      if (!first) first = std::current_exception();
-    }
-  }
-  void rethrow() const {
-    if (first) std::rethrow_exception(first);
-  }
-};
-
-// The cell's rows are computed in aligned per-thread scratch, each run padded to whole packets
-// (padding repeats the run's first element): Eigen then takes the same packet path for every
-// element whatever the address it is stored at, so the forward pass, its recomputation in another
-// buffer and any thread give the same bits.
-constexpr std::int64_t kLanes = 16;
-std::int64_t padded(std::int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
-using Aligned = Eigen::Map<Eigen::ArrayXf, Eigen::Aligned64>;
-
-void load(const float* src, std::int64_t n, std::int64_t width, float* dst) {
-  std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(float));
-  for (std::int64_t j = n; j < width; ++j) dst[j] = dst[0];
-}
-void store(const float* src, std::int64_t n, float* dst) { std::memcpy(dst, src, static_cast<std::size_t>(n) * sizeof(float)); }
-
-
+Blocks blocks_of(std::int64_t hidden) { return Blocks(hidden, 4); }
 
 }  // namespace
 
@@ -128,32 +86,9 @@ void cell_row_backward(const float* acts, std::int64_t w, const float* c_prev, c
 
 namespace {
 
-// Inside the passes' parallel regions: oneDNN's products (and anything else) called from a worker
-// run on that thread alone, also when the team has one thread (an inactive region, where oneDNN
-// would otherwise start a team of its own): the results then never depend on the team's size.
-void single_threaded_calls() {
-#ifdef _OPENMP
-  omp_set_num_threads(1);
-#endif
-}
-
-int thread_index() {
-#ifdef _OPENMP
-  return omp_get_thread_num();
-#else
-  return 0;
-#endif
-}
-
-// Per-thread scratch for the cell rows, allocated before a parallel region (an allocation failure
-// inside one would end the process).
-struct Scratch {
-  Array buffer;
-  std::int64_t per_thread;
-  Scratch(int threads, std::int64_t unit) : per_thread(cell_scratch_floats(unit)) {
-    buffer = Array::empty(Shape{std::max(1, threads) * per_thread});
-  }
-  float* of_this_thread() { return buffer.mutable_data() + thread_index() * per_thread; }
+// Per-thread scratch for the cell rows.
+struct Scratch : recurrent::PerThread {
+  Scratch(int threads, std::int64_t unit) : PerThread(threads, cell_scratch_floats(unit)) {}
 };
 
 using Products = std::vector<std::unique_ptr<PackedProduct>>;
@@ -210,38 +145,16 @@ struct Pass {
   }
 };
 
-// Workspace as Arrays, so that the memory accounting (peaks, timelines) sees it.
-float* workspace(Array& a, std::int64_t floats) {
-  a = Array::empty(Shape{floats});
-  return a.mutable_data();
-}
-
 }  // namespace
 
-std::int64_t unit_block(std::int64_t hidden) { return std::min(hidden, kUnitBlock); }
+std::int64_t unit_block(std::int64_t hidden) { return blocks_of(hidden).unit; }
 
-std::int64_t interleaved_column(std::int64_t hidden, int gate, std::int64_t unit) {
-  const Blocks bl = blocks_of(hidden);
-  const std::int64_t b = unit / bl.unit;
-  return bl.base(b) + gate * bl.width(b) + (unit - bl.first(b));
-}
+std::int64_t interleaved_column(std::int64_t hidden, int gate, std::int64_t unit) { return blocks_of(hidden).column(gate, unit); }
 
-void interleave(const float* in, float* out, std::int64_t rows, std::int64_t hidden) {
-  const Blocks bl = blocks_of(hidden);
-  for (std::int64_t r = 0; r < rows; ++r)
-    for (std::int64_t b = 0; b < bl.count; ++b)
-      for (int k = 0; k < 4; ++k)
-        std::memcpy(out + r * 4 * hidden + bl.base(b) + k * bl.width(b), in + r * 4 * hidden + k * hidden + bl.first(b),
-                    static_cast<std::size_t>(bl.width(b)) * sizeof(float));
-}
+void interleave(const float* in, float* out, std::int64_t rows, std::int64_t hidden) { blocks_of(hidden).interleave(in, out, rows); }
 
 void deinterleave(const float* in, float* out, std::int64_t rows, std::int64_t hidden) {
-  const Blocks bl = blocks_of(hidden);
-  for (std::int64_t r = 0; r < rows; ++r)
-    for (std::int64_t b = 0; b < bl.count; ++b)
-      for (int k = 0; k < 4; ++k)
-        std::memcpy(out + r * 4 * hidden + k * hidden + bl.first(b), in + r * 4 * hidden + bl.base(b) + k * bl.width(b),
-                    static_cast<std::size_t>(bl.width(b)) * sizeof(float));
+  blocks_of(hidden).deinterleave(in, out, rows);
 }
 
 void check(const Forward& f) {
@@ -268,7 +181,7 @@ void forward(const Forward& f) {
 #pragma omp parallel num_threads(team)
   {
     linum::detail::enter_compute();
-    single_threaded_calls();
+    recurrent::single_threaded_calls();
     if (keep_all) {
       p.run(0, T, f.c0, [&](std::int64_t t) { return f.acts + t * N * H4; }, [&](std::int64_t t) { return f.cs + t * N * H; },
             true, failure, scratch);
@@ -338,7 +251,7 @@ void backward(const Backward& bw) {
 #pragma omp parallel num_threads(team)
   {
     linum::detail::enter_compute();
-    single_threaded_calls();
+    recurrent::single_threaded_calls();
     const std::int64_t segments = T == 0 ? 0 : (T + S - 1) / S;
     for (std::int64_t k = segments - 1; k >= 0; --k) {
       const std::int64_t s0 = k * S, s1 = std::min(T, s0 + S);

@@ -9,15 +9,14 @@
 // pass run the same products on the same operands, so their gradients are bitwise equal.
 #pragma once
 
+#include <linum/core/kernels/recurrent_passes.hpp>
+
 #include <cstdint>
 
 namespace linum::kernels::lstm {
 
-inline constexpr std::int64_t kChunk = 16;  // time steps per input product and weight-gradient product
-
-struct Dims {
-  std::int64_t steps = 0, rows = 0, inputs = 0, hidden = 0;  // T, N, I, H
-};
+inline constexpr std::int64_t kChunk = recurrent::kChunk;  // time steps per input product and weight-gradient product
+using Dims = recurrent::Dims;
 
 // The interleaved gate layout: column blocks of `unit_block(h)` hidden units, each block holding
 // its units' i, f, g, o columns side by side. `interleaved_column(h, k, j)` is gate k of unit j.

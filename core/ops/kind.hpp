@@ -14,14 +14,16 @@ inline constexpr char conv2d[] = "conv2d";
 inline constexpr char conv_transpose2d[] = "conv_transpose2d";  // on oneDNN: the data gradient of a convolution
 inline constexpr char attention[] = "attention";              // the fused attention
 inline constexpr char lstm_layer[] = "lstm_layer";            // the fused LSTM layer
+inline constexpr char gru_layer[] = "gru_layer";              // the fused GRU layer
 inline constexpr char checkpoint_name[] = "checkpoint_name";  // the identity op policies select by name
 
 // A matrix product or convolution (JAX's dot_general and conv_general_dilated). The fused dense
-// layer, the fused attention and the fused LSTM layer count as the products they contain (JAX's
-// Dense is a dot_general and an add, its attention dot_generals around a softmax, its LSTM a scan of
-// dot_generals and gates).
+// layer, the fused attention and the fused LSTM and GRU layers count as the products they contain
+// (JAX's Dense is a dot_general and an add, its attention dot_generals around a softmax, its LSTM or
+// GRU a scan of dot_generals and gates).
 constexpr bool is_dot(std::string_view op) {
-  return op == matmul || op == batched_matmul || op == linear || op == conv2d || op == conv_transpose2d || op == attention || op == lstm_layer;
+  return op == matmul || op == batched_matmul || op == linear || op == conv2d || op == conv_transpose2d || op == attention ||
+         op == lstm_layer || op == gru_layer;
 }
 // A product with batch dimensions (a dot_general with batch axes; the attention's products have
 // the batch and head axes).

@@ -4,6 +4,7 @@
 #include <linum/core/ops/batching.hpp>
 #include <linum/core/dtype.hpp>
 #include <linum/core/error.hpp>
+#include <linum/core/kernels/gru.hpp>
 #include <linum/core/kernels/lstm.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/linalg.hpp>
@@ -218,6 +219,52 @@ Array deinterleaved(const Array& w, std::int64_t hidden) {
   return out;
 }
 
+// vmap of a layer op: the layer once per example (each example may have its own weights), results
+// stacked. `example_shapes`: one example's results (for a batch level of size 0).
+template <class Layer>
+std::vector<Array> per_example(const char* op, std::initializer_list<const Array*> inputs, const std::vector<Shape>& example_shapes,
+                               Layer layer) {
+  const std::vector<BatchLevel> levels = ops::batching::levels_of(inputs, op);
+  std::int64_t examples = 1;
+  std::vector<std::int64_t> level_dims;
+  for (const BatchLevel& l : levels) {
+    examples *= l.size;
+    level_dims.push_back(l.size);
+  }
+  auto wrap = [&](const Array& stacked, const Shape& example) {
+    std::vector<std::int64_t> dims = level_dims;
+    for (std::int64_t v : example.vec()) dims.push_back(v);
+    return ops::batching::wrap(reshape(stacked, dims), levels);
+  };
+  std::vector<Array> out;
+  if (examples == 0) {  // a level of size 0: empty results of the right shapes
+    for (const Shape& s : example_shapes) {
+      std::vector<std::int64_t> dims = level_dims;
+      for (std::int64_t v : s.vec()) dims.push_back(v);
+      out.push_back(wrap(Array::zeros(Shape(dims)), s));
+    }
+    return out;
+  }
+  std::vector<Array> flat;
+  for (const Array* a : inputs) {
+    std::vector<std::int64_t> dims{examples};
+    for (std::int64_t v : a->shape().vec()) dims.push_back(v);
+    flat.push_back(reshape(ops::batching::materialized(*a, levels), dims));
+  }
+  std::vector<std::vector<Array>> results(example_shapes.size());
+  for (std::int64_t e = 0; e < examples; ++e) {
+    std::vector<Array> one;
+    for (const Array& f : flat) {
+      const std::vector<std::int64_t> dims = f.shape().vec();
+      one.push_back(reshape(slice_axis(f, 0, e, e + 1), std::vector<std::int64_t>(dims.begin() + 1, dims.end())));
+    }
+    const std::vector<Array> r = layer(one);
+    for (std::size_t k = 0; k < r.size(); ++k) results[k].push_back(r[k]);
+  }
+  for (std::size_t k = 0; k < results.size(); ++k) out.push_back(wrap(stack(results[k]), results[k][0].shape()));
+  return out;
+}
+
 // The layer written with ops (create-graph mode differentiates it).
 std::vector<Array> composed_layer(const std::vector<Array>& in) {
   const Array &x = in[0], &wi = in[1], &b = in[2], &wh = in[3];
@@ -244,44 +291,13 @@ std::tuple<Array, Array, Array> lstm_layer(const Array& x, const Array& wi, cons
     throw ValueError("lstm_layer: recompute_segment must be >= 0 (0 keeps every step), got " +
                      std::to_string(options.recompute_segment));
   if (x.batched() || wi.batched() || b.batched() || wh.batched() || c0.batched() || h0.batched()) [[unlikely]] {
-    // vmap: the layer once per example (each example may have its own weights), results stacked.
-    const std::vector<BatchLevel> levels = ops::batching::levels_of({&x, &wi, &b, &wh, &c0, &h0}, "lstm_layer");
-    std::int64_t examples = 1;
-    for (const BatchLevel& l : levels) examples *= l.size;
-    std::vector<Array> flat;
-    for (const Array* a : {&x, &wi, &b, &wh, &c0, &h0}) {
-      std::vector<std::int64_t> dims{examples};
-      for (std::int64_t v : a->shape().vec()) dims.push_back(v);
-      flat.push_back(reshape(ops::batching::materialized(*a, levels), dims));
-    }
-    std::vector<Array> ys, cs, hs;
-    if (examples == 0) {  // a level of size 0: empty results of the right shapes
-      auto empty = [&](const Shape& example) {
-        std::vector<std::int64_t> dims;
-        for (const BatchLevel& l : levels) dims.push_back(l.size);
-        for (std::int64_t v : example.vec()) dims.push_back(v);
-        return ops::batching::wrap(Array::zeros(Shape(dims)), levels);
-      };
-      return {empty(Shape{d.steps, d.rows, d.hidden}), empty(Shape{d.rows, d.hidden}), empty(Shape{d.rows, d.hidden})};
-    }
-    for (std::int64_t e = 0; e < examples; ++e) {
-      auto one = [&](std::size_t k) {
-        const std::vector<std::int64_t> dims = flat[k].shape().vec();
-        return reshape(slice_axis(flat[k], 0, e, e + 1), std::vector<std::int64_t>(dims.begin() + 1, dims.end()));
-      };
-      auto [y, c, h] = lstm_layer(one(0), one(1), one(2), one(3), one(4), one(5), options);
-      ys.push_back(y);
-      cs.push_back(c);
-      hs.push_back(h);
-    }
-    auto unflat = [&](const std::vector<Array>& parts) {
-      const Array st = stack(parts);
-      std::vector<std::int64_t> dims;
-      for (const BatchLevel& l : levels) dims.push_back(l.size);
-      for (std::int64_t v : parts[0].shape().vec()) dims.push_back(v);
-      return ops::batching::wrap(reshape(st, dims), levels);
-    };
-    return {unflat(ys), unflat(cs), unflat(hs)};
+    const std::vector<Array> out = per_example(
+        "lstm_layer", {&x, &wi, &b, &wh, &c0, &h0}, {Shape{d.steps, d.rows, d.hidden}, Shape{d.rows, d.hidden}, Shape{d.rows, d.hidden}},
+        [&](const std::vector<Array>& a) {
+          auto [y, c, h] = lstm_layer(a[0], a[1], a[2], a[3], a[4], a[5], options);
+          return std::vector<Array>{y, c, h};
+        });
+    return {out[0], out[1], out[2]};
   }
   const DType dt = promote_types(promote_types(promote_types(x.dtype(), wi.dtype()), promote_types(b.dtype(), wh.dtype())),
                                  promote_types(c0.dtype(), h0.dtype()));
@@ -348,6 +364,130 @@ std::tuple<Array, Array, Array> lstm_layer(const Array& x, const Array& wi, cons
         if (cot.needs(5)) cot.set(5, std::move(dh0));
       }));
   return {std::move(out[0]), std::move(out[1]), std::move(out[2])};
+}
+
+namespace {
+
+namespace gk = kernels::gru;
+
+lk::Dims gru_shape(const Array& x, const Array& wi, const Array& bi, const Array& wh, const Array& bh, const Array& h0) {
+  auto fail = [&](const std::string& why) -> lk::Dims {
+    throw ShapeError("gru_layer: " + why + "; got x " + x.type_str() + ", input_kernel " + wi.type_str() + ", input_bias " +
+                     bi.type_str() + ", recurrent_kernel " + wh.type_str() + ", recurrent_bias " + bh.type_str() + ", h0 " +
+                     h0.type_str() +
+                     " (x [time, batch, in], input_kernel [in, 3 * hidden], recurrent_kernel [hidden, 3 * hidden], "
+                     "input_bias and recurrent_bias [3 * hidden], h0 [batch, hidden])");
+  };
+  for (const Array* a : {&x, &wi, &bi, &wh, &bh, &h0}) {
+    if (!a->defined()) fail("an argument is undefined");
+    if (a->dtype() != DType::f32 && a->dtype() != DType::bf16) fail("arguments must be float32 or bfloat16");
+  }
+  if (x.rank() != 3 || wi.rank() != 2 || bi.rank() != 1 || wh.rank() != 2 || bh.rank() != 1 || h0.rank() != 2)
+    fail("wrong ranks");
+  const std::int64_t T = x.dim(0), N = x.dim(1), I = x.dim(2), H = wh.dim(0);
+  if (H == 0 || wh.dim(1) != 3 * H) fail("recurrent_kernel must be [hidden, 3 * hidden] with hidden > 0");
+  if (wi.dim(0) != I || wi.dim(1) != 3 * H) fail("input_kernel must be [in, 3 * hidden]");
+  if (bi.dim(0) != 3 * H || bh.dim(0) != 3 * H) fail("input_bias and recurrent_bias must be [3 * hidden]");
+  if (!(h0.shape() == Shape{N, H})) fail("h0 must be [batch, hidden]");
+  return {T, N, I, H};
+}
+
+Array gru_blocked(const Array& w, std::int64_t hidden, bool to_blocks) {
+  Array out = Array::empty(w.shape());
+  const auto bl = gk::blocks_of(hidden);
+  const std::int64_t rows = w.numel() / (gk::kGates * hidden);
+  if (to_blocks) bl.interleave(w.data(), out.mutable_data(), rows);
+  else bl.deinterleave(w.data(), out.mutable_data(), rows);
+  return out;
+}
+
+// The GRU layer written with ops (create-graph mode differentiates it), in Flax's GRUCell's form.
+std::vector<Array> composed_gru(const std::vector<Array>& in) {
+  const Array &x = in[0], &wi = in[1], &bi = in[2], &wh = in[3], &bh = in[4];
+  const std::int64_t H = wh.dim(0);
+  Array h = in[5];
+  auto gate = [&](const Array& a, int k) { return slice_axis(a, -1, k * H, (k + 1) * H); };
+  std::vector<Array> ys;
+  for (std::int64_t t = 0; t < x.dim(0); ++t) {
+    const Array xg = matmul(reshape(slice_axis(x, 0, t, t + 1), {x.dim(1), x.dim(2)}), wi) + bi;
+    const Array hg = matmul(h, wh) + bh;
+    const Array r = sigmoid(gate(xg, 0) + gate(hg, 0)), z = sigmoid(gate(xg, 1) + gate(hg, 1));
+    const Array n = tanh(gate(xg, 2) + r * gate(hg, 2));
+    h = (1.0f - z) * n + z * h;
+    ys.push_back(h);
+  }
+  Array y = ys.empty() ? Array::zeros(Shape{0, x.dim(1), H}) : stack(ys);
+  return {y, h};
+}
+
+}  // namespace
+
+std::pair<Array, Array> gru_layer(const Array& x, const Array& wi, const Array& bi, const Array& wh, const Array& bh,
+                                  const Array& h0, const GRULayerOptions& options) {
+  const lk::Dims d = gru_shape(x, wi, bi, wh, bh, h0);
+  if (x.batched() || wi.batched() || bi.batched() || wh.batched() || bh.batched() || h0.batched()) [[unlikely]] {
+    const std::vector<Array> out =
+        per_example("gru_layer", {&x, &wi, &bi, &wh, &bh, &h0}, {Shape{d.steps, d.rows, d.hidden}, Shape{d.rows, d.hidden}},
+                    [&](const std::vector<Array>& a) {
+                      auto [y, h] = gru_layer(a[0], a[1], a[2], a[3], a[4], a[5], options);
+                      return std::vector<Array>{y, h};
+                    });
+    return {out[0], out[1]};
+  }
+  bool all_f32 = true;
+  for (const Array* a : {&x, &wi, &bi, &wh, &bh, &h0}) all_f32 = all_f32 && a->dtype() == DType::f32;
+  const DType dt = promote_types(promote_types(promote_types(x.dtype(), wi.dtype()), promote_types(bi.dtype(), wh.dtype())),
+                     promote_types(bh.dtype(), h0.dtype()));
+  if (!all_f32) {
+    auto f32 = [](const Array& a) { return a.dtype() == DType::f32 ? a : astype(a, DType::f32); };
+    auto [y, h] = gru_layer(f32(x), f32(wi), f32(bi), f32(wh), f32(bh), f32(h0), options);
+    return {astype(y, dt), astype(h, dt)};
+  }
+  const Array* const ins[] = {&x, &wi, &bi, &wh, &bh, &h0};
+  const bool recompute = options.recompute;
+  std::vector<Array> out = autodiff::primitive_multi(
+      ops::kind::gru_layer, std::span<const Array* const>(ins),
+      [&](autodiff::Residuals& r) {
+        const Array wi_b = gru_blocked(wi, d.hidden, true), wh_b = gru_blocked(wh, d.hidden, true);
+        const Array bi_b = gru_blocked(bi, d.hidden, true), bh_b = gru_blocked(bh, d.hidden, true);
+        Array ys = Array::empty(Shape{d.steps, d.rows, d.hidden});
+        // What the backward pass reads besides ys: every step's gates, or nothing (recompute, or not
+        // recording).
+        const bool keep = r.recording() && !recompute;
+        Array acts = keep ? Array::empty(Shape{d.steps, d.rows, gk::kGates * d.hidden}) : Array();
+        Array hgn = keep ? Array::empty(Shape{d.steps, d.rows, d.hidden}) : Array();
+        gk::forward({d, x.data(), wi_b.data(), wh_b.data(), bi_b.data(), bh_b.data(), h0.data(), ys.mutable_data(),
+                     keep ? acts.mutable_data() : nullptr, keep ? hgn.mutable_data() : nullptr});
+        Array h_last = Array::empty(Shape{d.rows, d.hidden});
+        std::memcpy(h_last.mutable_data(), d.steps == 0 ? h0.data() : ys.data() + (d.steps - 1) * d.rows * d.hidden,
+                    static_cast<std::size_t>(d.rows * d.hidden) * sizeof(float));
+        r.keep(x, wi, bi, wh, bh, h0, wi_b, wh_b, bi_b, bh_b, ys, acts, hgn);
+        return std::vector<Array>{std::move(ys), std::move(h_last)};
+      },
+      autodiff::higher_order([d](Cotangents& cot, autodiff::Saved s) {
+        if (autodiff::creating_graph())
+          return autodiff::composite_rule(cot, {s[0], s[1], s[2], s[3], s[4], s[5]}, composed_gru);
+        const Array &x = s[0], &h0 = s[5], &wi_b = s[6], &wh_b = s[7], &bi_b = s[8], &bh_b = s[9], &ys = s[10];
+        const Array &acts = s[11], &hgn = s[12];
+        const Array d_ys = cot.out(0).defined() ? linum::detail::convert_float(cot.out(0), DType::f32) : Array();
+        const Array d_h = cot.out(1).defined() ? linum::detail::convert_float(cot.out(1), DType::f32) : Array();
+        auto maybe = [&](int k, const Array& like) { return cot.needs(k) ? Array::empty(like.shape()) : Array(); };
+        Array dx = maybe(0, x), dwi = maybe(1, wi_b), dbi = maybe(2, bi_b), dwh = maybe(3, wh_b), dbh = maybe(4, bh_b);
+        Array dh0 = maybe(5, h0);
+        auto in_ptr = [](const Array& a) -> const float* { return a.defined() ? a.data() : nullptr; };
+        auto out_ptr = [](Array& a) -> float* { return a.defined() ? a.mutable_data() : nullptr; };
+        gk::backward({{d, x.data(), wi_b.data(), wh_b.data(), bi_b.data(), bh_b.data(), h0.data(), const_cast<float*>(ys.data()),
+                       const_cast<float*>(in_ptr(acts)), const_cast<float*>(in_ptr(hgn))},
+                      in_ptr(d_ys), in_ptr(d_h), out_ptr(dx), out_ptr(dwi), out_ptr(dwh), out_ptr(dbi), out_ptr(dbh),
+                      out_ptr(dh0)});
+        if (cot.needs(0)) cot.set(0, std::move(dx));
+        if (cot.needs(1)) cot.set(1, gru_blocked(dwi, d.hidden, false));
+        if (cot.needs(2)) cot.set(2, gru_blocked(dbi, d.hidden, false));
+        if (cot.needs(3)) cot.set(3, gru_blocked(dwh, d.hidden, false));
+        if (cot.needs(4)) cot.set(4, gru_blocked(dbh, d.hidden, false));
+        if (cot.needs(5)) cot.set(5, std::move(dh0));
+      }));
+  return {std::move(out[0]), std::move(out[1])};
 }
 
 }  // namespace linum

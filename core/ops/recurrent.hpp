@@ -1,6 +1,6 @@
-// Fused LSTM ops: the cell (the gate nonlinearities and the state update of one time step in one op,
-// one pass forward, one pass backward) and the whole layer over time, as PyTorch's and oneDNN's
-// LSTM kernels fuse them.
+// Fused recurrent ops. LSTM: the cell (the gate nonlinearities and the state update of one time
+// step in one op, one pass forward, one pass backward) and the whole layer over time, as PyTorch's
+// and oneDNN's LSTM kernels fuse them. GRU: the whole layer (gru_layer, below).
 //
 //   auto [c_next, h_next] = lstm_cell(x_gates, h_gates, c);
 //
@@ -50,5 +50,32 @@ inline constexpr std::int64_t kLSTMLayerChunk = 16;  // steps per input product 
 std::tuple<Array, Array, Array> lstm_layer(const Array& x, const Array& input_kernel, const Array& bias,
                                            const Array& recurrent_kernel, const Array& c0, const Array& h0,
                                            const LSTMLayerOptions& options = {});
+
+// A whole GRU layer over time in one op (PyTorch's nn.GRU; Flax's GRUCell scanned by nn.RNN):
+//
+//   auto [ys, h_last] = gru_layer(x, input_kernel, input_bias, recurrent_kernel, recurrent_bias, h0);
+//
+// x [time, batch, in] (time-major); input_kernel [in, 3 * hidden], recurrent_kernel [hidden,
+// 3 * hidden], input_bias and recurrent_bias [3 * hidden], all in gate order [r | z | n]; h0
+// [batch, hidden]. Step t computes xg = x_t . input_kernel + input_bias and hg = h .
+// recurrent_kernel + recurrent_bias, then
+//   r = sigmoid(xg_r + hg_r), z = sigmoid(xg_z + hg_z), n = tanh(xg_n + r * hg_n),
+//   h = (1 - z) * n + z * h.
+// (Flax's GRUCell has biases on its input kernels ir, iz, in and on hn only: recurrent_bias
+// [0 | 0 | b_hn].) ys [time, batch, hidden] are the h of every step. float32 (bf16 arguments are
+// widened, results rounded back).
+//
+// Products and threads as lstm_layer's: input products per chunk of 16 steps, one recurrent product
+// per step, the weights' gradients per chunk, results bitwise the same for any thread count. What
+// the forward pass keeps: the gates r, z, n and hg_n of every step (4 floats per hidden unit and
+// row), or with `recompute` nothing beyond the outputs: a GRU's state is its output, so the backward
+// pass computes each chunk's gates again from ys with the forward pass's products (remat over time
+// at the cost of the forward's products, without segments); the gradients are bitwise the same.
+struct GRULayerOptions {
+  bool recompute = false;
+};
+std::pair<Array, Array> gru_layer(const Array& x, const Array& input_kernel, const Array& input_bias,
+                                  const Array& recurrent_kernel, const Array& recurrent_bias, const Array& h0,
+                                  const GRULayerOptions& options = {});
 
 }  // namespace linum

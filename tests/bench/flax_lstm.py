@@ -8,6 +8,8 @@ Variants:
   lstm            nn.RNN(nn.LSTMCell(256))
   optimized       nn.RNN(nn.OptimizedLSTMCell(256))
   optimized_remat nn.RNN(nn.remat(nn.OptimizedLSTMCell)(256)): remat per time step
+  gru             nn.RNN(nn.GRUCell(256))
+  gru_remat       nn.RNN(nn.remat(nn.GRUCell)(256)): remat per time step
 
   python3 tests/bench/flax_lstm.py [--lengths 64,256,1024] [--variants ...]
 Threads: XLA's CPU backend uses every core it sees (2 on the project's machines).
@@ -29,7 +31,8 @@ a = p.parse_args()
 B, H, I = a.batch, a.features, a.inputs
 
 cells = {"lstm": lambda: nn.LSTMCell(H), "optimized": lambda: nn.OptimizedLSTMCell(H),
-         "optimized_remat": lambda: nn.remat(nn.OptimizedLSTMCell)(H)}
+         "optimized_remat": lambda: nn.remat(nn.OptimizedLSTMCell)(H), "gru": lambda: nn.GRUCell(H),
+         "gru_remat": lambda: nn.remat(nn.GRUCell)(H)}
 
 for T in [int(t) for t in a.lengths.split(",")]:
     xs = jax.random.normal(jax.random.key(1), (B, T, I))
@@ -51,6 +54,6 @@ for T in [int(t) for t in a.lengths.split(",")]:
             times.append(time.perf_counter() - t0)
         # XLA's buffer assignment for the compiled step: its temporaries (activations and workspace).
         temp = step.lower(params, xs).compile().memory_analysis().temp_size_in_bytes
-        print(json.dumps({"peer": f"jax-{jax.__version__}+flax-{flax.__version__}", "bench": "rnn", "variant": v,
+        print(json.dumps({"peer": f"jax-{jax.__version__}+flax-{flax.__version__}", "bench": "rnn", "model": "gru" if v.startswith("gru") else "lstm", "variant": v,
                           "length": T, "batch": B, "features": H, "inputs": I, "compile_s": first,
                           "step_s_min": min(times), "xla_temp_bytes": temp}), flush=True)

@@ -1,12 +1,15 @@
-// linum-bench rnn: an LSTM over sequences of growing length, trained without remat, with remat per
+// linum-bench rnn: an LSTM (or with --model gru a GRU) over sequences of growing length, trained without remat, with remat per
 // time step (nn::RNN{.remat = true}) and with checkpointing schedules over time
 // (nn::RNN{.schedule = sqrt_segments() / binomial(s)}). A float32 LSTM runs on the fused layer op
 // (lstm_layer), where remat and the schedules are its recompute segments (each step computed once
 // more in the backward pass); `--cell scan` runs the same model step by step, the cell's own ops in
 // lift::scan (a gate function nn::RNN does not recognize as sigmoid), where the schedules are lift's.
+// A float32 GRU runs on gru_layer, where remat and the schedules keep only the outputs (each step's
+// gates computed once more in the backward pass).
 //
 //   linum-bench rnn [--lengths 64,256,1024] [--batch 32] [--features 256] [--inputs 64] [--steps 3]
 //                   [--snapshots 8] [--variants none,per_step,sqrt,binomial] [--cell layer|scan]
+//                   [--model lstm|gru]
 //
 // One JSON line per (length, remat): peak_activation_bytes (the exact accounting's peak of a
 // training step above what was alive before it, minus the gradients), step_s_min and the step
@@ -50,35 +53,46 @@ int bench_rnn(const Flags& f) {
     std::cerr << "linum-bench rnn: --cell is layer or scan\n";
     return 2;
   }
-  // The scan path: the same LSTM with a gate function nn::RNN does not take for the layer op.
+  const std::string model = f.text("model", "lstm");
+  if (model != "lstm" && model != "gru") {
+    std::cerr << "linum-bench rnn: --model is lstm or gru\n";
+    return 2;
+  }
+  // The scan path: the same cell with a gate function nn::RNN does not take for the layer op.
   const nn::CellFunction gate = path == "layer" ? nn::CellFunction(nn::Sigmoid{})
                                                 : nn::CellFunction([](const Array& x) { return sigmoid(x); });
   for (long T : lengths) {
     const Array xs = random_normal(Shape{B, T, I}, 3u, 1.0f);
     for (const Variant& v : variants) {
       if (chosen.find("," + v.key + ",") == std::string::npos) continue;
-      const nn::RNN<nn::LSTMCell> rnn{.cell = {.features = H, .gate_fn = gate}, .remat = v.remat, .schedule = v.schedule};
-      const std::int64_t segment = nn::recurrent_detail::lstm_recompute_segment(v.remat, v.schedule, T);
-      const Tree params = init(rnn, rng::key(0), xs).at("params");
-      auto loss = [&](const Tree& p) { return mean(square(apply(rnn, Tree{{"params", p}}, xs))); };
+      const bool gru = model == "gru";
+      const std::int64_t segment = gru ? (v.remat || v.schedule.kind != lift::ScanSchedule::Kind::none ? kLSTMLayerChunk : 0)
+                                       : nn::recurrent_detail::lstm_recompute_segment(v.remat, v.schedule, T);
       double best = 1e30;
       std::int64_t peak = 0, evaluations = 0;
-      for (long s = 0; s < steps; ++s) {
-        lift::reset_step_evaluations();
-        memory::PeakScope scope;
-        const auto start = std::chrono::steady_clock::now();
-        Tree g = grad(loss)(params);
-        best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-        peak = scope.peak_growth() - byte_count(g);
-        evaluations = lift::step_evaluations();
-      }
+      auto measure = [&](const auto& rnn) {
+        const Tree params = init(rnn, rng::key(0), xs).at("params");
+        auto loss = [&](const Tree& p) { return mean(square(apply(rnn, Tree{{"params", p}}, xs))); };
+        for (long s = 0; s < steps; ++s) {
+          lift::reset_step_evaluations();
+          memory::PeakScope scope;
+          const auto start = std::chrono::steady_clock::now();
+          Tree g = grad(loss)(params);
+          best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+          peak = scope.peak_growth() - byte_count(g);
+          evaluations = lift::step_evaluations();
+        }
+      };
+      if (gru) measure(nn::RNN<nn::GRUCell>{.cell = {.features = H, .gate_fn = gate}, .remat = v.remat, .schedule = v.schedule});
+      else measure(nn::RNN<nn::LSTMCell>{.cell = {.features = H, .gate_fn = gate}, .remat = v.remat, .schedule = v.schedule});
       if (path == "layer") evaluations = segment > 0 ? 2 * T : T;
       else if (v.schedule.kind == lift::ScanSchedule::Kind::none) evaluations = T;
-      nlohmann::json out = {{"bench", "rnn"}, {"cell", "LSTMCell"}, {"path", path}, {"length", T}, {"batch", B},
+      nlohmann::json out = {{"bench", "rnn"}, {"cell", gru ? "GRUCell" : "LSTMCell"}, {"path", path}, {"length", T}, {"batch", B},
                                   {"features", H}, {"inputs", I}, {"remat", v.name},
                                   {"step_evaluations", evaluations},
                                   {"peak_activation_bytes", peak}, {"step_s_min", best}};
-      if (path == "layer") out["recompute_segment"] = segment;
+      if (path == "layer" && gru) out["recompute"] = segment > 0;  // nothing kept but the outputs
+      else if (path == "layer") out["recompute_segment"] = segment;
       std::cout << out.dump() << std::endl;
     }
   }

@@ -5,7 +5,9 @@
 # PyTorch 1.13 when /usr/bin/python3 has torch, and Flax on JAX jit (nn.LSTMCell, OptimizedLSTMCell,
 # nn.remat per step), alternating. Every line is JSON; compare the minimum per variant over rounds.
 #
-#   bash tests/bench/rnn_vs_peers.sh [BUILD_DIR]      (LENGTHS=64,256,1024 ROUNDS=3 STEPS=5)
+# MODEL=gru runs the same sitting for a GRU (nn.GRU, Flax's GRUCell).
+#
+#   bash tests/bench/rnn_vs_peers.sh [BUILD_DIR]      (LENGTHS=64,256,1024 ROUNDS=3 STEPS=5 MODEL=lstm)
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 build="${1:-build}"
@@ -13,13 +15,16 @@ bench="$build/tests/bench/linum-bench"
 lengths="${LENGTHS:-64,256,1024}"
 rounds="${ROUNDS:-3}"
 steps="${STEPS:-5}"
+model="${MODEL:-lstm}"
+flax_variants=lstm,optimized,optimized_remat
+[ "$model" = gru ] && flax_variants=gru,gru_remat
 for round in $(seq "$rounds"); do
   for T in ${lengths//,/ }; do
-    "$bench" rnn --lengths "$T" --steps "$steps" --variants none,per_step,sqrt
-    python3 "$here/torch_lstm.py" --lengths "$T" --steps "$steps" --variants nn_lstm,nn_lstm_compile,cell_ckpt --memory
+    "$bench" rnn --model "$model" --lengths "$T" --steps "$steps" --variants none,per_step,sqrt
+    python3 "$here/torch_lstm.py" --model "$model" --lengths "$T" --steps "$steps" --variants nn_lstm,nn_lstm_compile,cell_ckpt --memory
     if /usr/bin/python3 -c 'import torch' 2>/dev/null; then
-      /usr/bin/python3 "$here/torch_lstm.py" --lengths "$T" --steps "$steps" --variants nn_lstm,cell_ckpt
+      /usr/bin/python3 "$here/torch_lstm.py" --model "$model" --lengths "$T" --steps "$steps" --variants nn_lstm,cell_ckpt
     fi
-    python3 "$here/flax_lstm.py" --lengths "$T" --steps "$steps" 2>/dev/null
+    python3 "$here/flax_lstm.py" --lengths "$T" --steps "$steps" --variants "$flax_variants" 2>/dev/null
   done
 done

@@ -1,16 +1,16 @@
-"""Peer for `linum-bench rnn`: an LSTM (input 64, hidden 256, batch 32) over T steps, loss mean(h_t^2)
-over all outputs, forward + backward, as PyTorch users write it. Runs in PyTorch 2.x (pip's torch)
+"""Peer for `linum-bench rnn`: an LSTM (or with --model gru a GRU; input 64, hidden 256, batch 32) over T
+steps, loss mean(h_t^2) over all outputs, forward + backward, as PyTorch users write it. Runs in PyTorch 2.x (pip's torch)
 and in Debian's 1.13 (/usr/bin/python3). Prints one JSON line per (length, variant).
 
 Variants:
   nn_lstm        torch.nn.LSTM (batch_first, as Linum's [batch, time, features]): oneDNN's or ATen's
-                 fused LSTM kernel
+                 fused LSTM kernel (--model gru: torch.nn.GRU; the variants keep their names)
   nn_lstm_compile  the same module under torch.compile (default mode; PyTorch 2 only): compile time
                  reported separately (compile_s: the first step's time)
   cell_loop      torch.nn.LSTMCell in a Python loop
   cell_ckpt      the same loop with torch.utils.checkpoint around every step (remat per time step)
 
-  python3 tests/bench/torch_lstm.py [--lengths 64,256,1024] [--variants ...] [--threads 2]
+  python3 tests/bench/torch_lstm.py [--lengths 64,256,1024] [--variants ...] [--threads 2] [--model lstm|gru]
 """
 import argparse, json, time
 import torch
@@ -24,14 +24,16 @@ p.add_argument("--inputs", type=int, default=64)
 p.add_argument("--steps", type=int, default=3)
 p.add_argument("--threads", type=int, default=2)
 p.add_argument("--variants", default="nn_lstm,nn_lstm_compile,cell_loop,cell_ckpt")
+p.add_argument("--model", default="lstm", choices=["lstm", "gru"])
 p.add_argument("--memory", action="store_true",
                help="one extra untimed step under the profiler: peak of live tensor bytes (PyTorch 2)")
 a = p.parse_args()
 torch.set_num_threads(a.threads)
 torch.manual_seed(0)
 B, H, I = a.batch, a.features, a.inputs
-lstm = torch.nn.LSTM(I, H, batch_first=True)
-cell = torch.nn.LSTMCell(I, H)
+gru = a.model == "gru"
+lstm = (torch.nn.GRU if gru else torch.nn.LSTM)(I, H, batch_first=True)
+cell = (torch.nn.GRUCell if gru else torch.nn.LSTMCell)(I, H)
 compiled = None
 
 
@@ -46,10 +48,12 @@ def step_cells(xs, ckpt):
     c = torch.zeros(B, H)
     outs = []
     for t in range(xs.shape[1]):
+        state = h if gru else (h, c)
         if ckpt:
-            h, c = checkpoint(cell, xs[:, t], (h, c), use_reentrant=False)
+            state = checkpoint(cell, xs[:, t], state, use_reentrant=False)
         else:
-            h, c = cell(xs[:, t], (h, c))
+            state = cell(xs[:, t], state)
+        h, c = (state, None) if gru else state
         outs.append(h)
     out = torch.stack(outs, 1)
     loss = (out * out).mean()
@@ -91,7 +95,7 @@ for T in [int(t) for t in a.lengths.split(",")]:
             t0 = time.perf_counter()
             f()
             times.append(time.perf_counter() - t0)
-        out = {"peer": "torch-" + torch.__version__, "bench": "rnn", "variant": v, "length": T, "batch": B,
+        out = {"peer": "torch-" + torch.__version__, "bench": "rnn", "model": a.model, "variant": v, "length": T, "batch": B,
                "features": H, "inputs": I, "step_s_min": min(times)}
         if v == "nn_lstm_compile":
             out["compile_s"] = first

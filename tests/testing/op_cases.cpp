@@ -70,6 +70,12 @@ std::vector<OpCase> op_cases() {
          auto [ys, c, h] = lstm_layer(z, w * 0.5f, sum(w, {0}) * 0.25f, w, first, tanh(first));
          return ys * 2.0f + c + h;
        }, false},
+      {"recurrent", "gru_layer", {3, 2, 2}, {2, 6}, [](const Array& z, const Array& w) {
+         // time 3, batch 2, inputs 2, hidden 2: z's first step is also h0's source.
+         const Array first = reshape(slice_axis(z, 0, 0, 1), {2, 2});
+         auto [ys, h] = gru_layer(z, w * 0.5f, sum(w, {0}) * 0.25f, w, sum(w, {0}) * 0.1f, tanh(first));
+         return ys * 2.0f + h;
+       }, false},
       {"normalization", "layer_norm", {4, 6}, {6}, [](const Array& z, const Array& w) {
          return layer_norm(z, w, Array::zeros(Shape{6}));
        }, false},

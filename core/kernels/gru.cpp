@@ -1,0 +1,269 @@
+#include <linum/core/kernels/gru.hpp>
+
+#include <linum/core/array.hpp>
+#include <linum/core/error.hpp>
+#include <linum/core/fp_mode.hpp>
+#include <linum/core/kernels/gemm.hpp>
+#include <linum/core/kernels/recurrent_passes.hpp>
+#include <linum/core/threading.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+namespace linum::kernels::gru {
+
+namespace {
+
+using recurrent::Aligned;
+using recurrent::ConstRun;
+using recurrent::Failure;
+using recurrent::load;
+using recurrent::padded;
+using recurrent::Run;
+using recurrent::store;
+using recurrent::UnitBlocks;
+using recurrent::workspace;
+constexpr std::int64_t kChunk = recurrent::kChunk;
+
+std::int64_t cell_scratch_floats(std::int64_t w) { return 8 * padded(w); }
+
+// One row of the cell over a block of w units. `gates` holds xg [r | z | n] (w each), replaced by
+// the activations r, z, n; hg the recurrent product's row [r | z | n] and bh the block's recurrent
+// biases. Writes hg_n (with its bias) to hgn and the new state to h (null: not written).
+void cell_row(float* gates, const float* hg, const float* bh, std::int64_t w, const float* h_prev, float* hgn, float* h,
+              float* scratch) {
+  const std::int64_t p = padded(w);
+  for (int k = 0; k < 3; ++k) {
+    load(gates + k * w, w, p, scratch + k * p);
+    load(hg + k * w, w, p, scratch + (3 + k) * p);
+    load(bh + k * w, w, p, scratch + 7 * p);
+    Aligned(scratch + (3 + k) * p, p) += Aligned(scratch + 7 * p, p);
+  }
+  load(h_prev, w, p, scratch + 6 * p);
+  Aligned r(scratch, p), z(scratch + p, p), n(scratch + 2 * p, p), hr(scratch + 3 * p, p), hz(scratch + 4 * p, p);
+  Aligned hn(scratch + 5 * p, p), hp(scratch + 6 * p, p), out(scratch + 7 * p, p);
+  r = (r + hr).logistic();
+  z = (z + hz).logistic();
+  n = (n + r * hn).tanh();
+  for (int k = 0; k < 3; ++k) store(scratch + k * p, w, gates + k * w);
+  store(hn.data(), w, hgn);
+  if (h != nullptr) {
+    out = (1.0f - z) * n + z * hp;
+    store(out.data(), w, h);
+  }
+}
+
+// The backward step of one row of one block: from the activations r, z, n, hg_n, the state before
+// the step and the cotangent reaching the new state (dh), the gates' cotangents for the input
+// product [r | z | n] into d_xg, the n gate's for the recurrent product into d_hgn (those of r and z
+// are d_xg's), and the part of h_prev's cotangent that does not go through the products into dh_prev.
+void cell_row_backward(const float* acts, const float* hgn, std::int64_t w, const float* h_prev, const float* dh_in,
+                       float* d_xg, float* d_hgn, float* dh_prev, float* scratch) {
+  const std::int64_t p = padded(w);
+  for (int k = 0; k < 3; ++k) load(acts + k * w, w, p, scratch + k * p);
+  load(hgn, w, p, scratch + 3 * p);
+  load(h_prev, w, p, scratch + 4 * p);
+  load(dh_in, w, p, scratch + 5 * p);
+  Aligned r(scratch, p), z(scratch + p, p), n(scratch + 2 * p, p), hn(scratch + 3 * p, p), hp(scratch + 4 * p, p);
+  Aligned dh(scratch + 5 * p, p), dn(scratch + 6 * p, p), out(scratch + 7 * p, p);
+  dn = dh * (1.0f - z) * (1.0f - n.square());
+  store(dn.data(), w, d_xg + 2 * w);
+  out = dn * r;
+  store(out.data(), w, d_hgn);
+  out = dn * hn * r * (1.0f - r);
+  store(out.data(), w, d_xg);
+  out = dh * (hp - n) * z * (1.0f - z);
+  store(out.data(), w, d_xg + w);
+  out = dh * z;
+  store(out.data(), w, dh_prev);
+}
+
+using Products = std::vector<std::unique_ptr<PackedProduct>>;
+
+struct Pass {
+  const Forward& f;
+  UnitBlocks bl;
+  std::int64_t T, N, I, H, H3;
+  Products recurrent;  // per unit block: hg[:, block] = h . wh[:, block], into a per-thread buffer
+  explicit Pass(const Forward& fw)
+      : f(fw), bl(blocks_of(fw.d.hidden)), T(fw.d.steps), N(fw.d.rows), I(fw.d.inputs), H(fw.d.hidden),
+        H3(kGates * fw.d.hidden) {
+    if (T > 0)
+      for (std::int64_t b = 0; b < bl.count; ++b)
+        recurrent.push_back(
+            std::make_unique<PackedProduct>(N, kGates * bl.width(b), H, f.wh + bl.base(b), H3, false, H, kGates * bl.width(b), false));
+  }
+  const float* h_prev(std::int64_t t) const { return t == 0 ? f.h0 : f.ys + (t - 1) * N * H; }
+  // Per thread: the recurrent product's rows of a block, then the cell row's scratch.
+  std::int64_t thread_floats() const { return padded(N * kGates * bl.unit) + cell_scratch_floats(bl.unit); }
+
+  // The input products of steps [t0, t0 + g) for unit block b into acts (row stride 3H, the chunk's
+  // first step at acts), biases added.
+  void project(std::int64_t b, std::int64_t t0, std::int64_t g, float* acts) const {
+    const std::int64_t base = bl.base(b), w3 = kGates * bl.width(b);
+    gemm_f32_serial(false, false, g * N, w3, I, 1.0f, f.x + t0 * N * I, I, f.wi + base, H3, 0.0f, acts + base, H3);
+    for (std::int64_t r = 0; r < g * N; ++r) Run(acts + r * H3 + base, w3) += ConstRun(f.bi + base, w3);
+  }
+  // Step t for unit block b: the recurrent product, then the cell on every row. h: ys of step t, or
+  // null (the recomputation, which reads ys instead).
+  void step(std::int64_t b, std::int64_t t, float* acts_t, float* hgn_t, float* h, float* thread_buffer) const {
+    const std::int64_t base = bl.base(b), w = bl.width(b), u0 = bl.first(b);
+    float* hg = thread_buffer;
+    float* scratch = thread_buffer + padded(N * kGates * bl.unit);
+    recurrent[static_cast<std::size_t>(b)]->run(h_prev(t), hg);
+    const float* hp = h_prev(t);
+    for (std::int64_t n = 0; n < N; ++n)
+      cell_row(acts_t + n * H3 + base, hg + n * kGates * w, f.bh + base, w, hp + n * H + u0, hgn_t + n * H + u0,
+               h == nullptr ? nullptr : h + n * H + u0, scratch);
+  }
+  // The steps [t0, t0 + g) of block b and nothing else: the recomputation (ys are known), inside a
+  // worksharing loop over blocks.
+  void recompute(std::int64_t b, std::int64_t t0, std::int64_t g, float* acts, float* hgn, float* thread_buffer) const {
+    project(b, t0, g, acts);
+    for (std::int64_t t = t0; t < t0 + g; ++t) step(b, t, acts + (t - t0) * N * H3, hgn + (t - t0) * N * H, nullptr, thread_buffer);
+  }
+};
+
+}  // namespace
+
+UnitBlocks blocks_of(std::int64_t hidden) { return UnitBlocks(hidden, kGates); }
+
+void forward(const Forward& f) {
+  if (f.d.hidden <= 0) throw Error("gru kernels: hidden must be positive");
+  const Pass p(f);
+  const std::int64_t T = p.T, N = p.N, H = p.H, H3 = p.H3;
+  if (T == 0) return;
+  const bool keep = f.acts != nullptr;
+  Array chunk_acts_buf, chunk_hgn_buf;
+  float* chunk_acts = keep ? nullptr : workspace(chunk_acts_buf, kChunk * N * H3);
+  float* chunk_hgn = keep ? nullptr : workspace(chunk_hgn_buf, kChunk * N * H);
+  const int team = linum::team_size();
+  recurrent::PerThread buffers(team, p.thread_floats());
+  Failure failure;
+#pragma omp parallel num_threads(team)
+  {
+    linum::detail::enter_compute();
+    recurrent::single_threaded_calls();
+    for (std::int64_t t0 = 0; t0 < T; t0 += kChunk) {
+      const std::int64_t g = std::min(kChunk, T - t0);
+      auto acts_of = [&](std::int64_t t) { return keep ? f.acts + t * N * H3 : chunk_acts + (t - t0) * N * H3; };
+      auto hgn_of = [&](std::int64_t t) { return keep ? f.hgn + t * N * H : chunk_hgn + (t - t0) * N * H; };
+      // The same static schedule as the steps' loops: a thread projects the blocks it then steps.
+#pragma omp for schedule(static) nowait
+      for (std::int64_t b = 0; b < p.bl.count; ++b) failure.run([&] { p.project(b, t0, g, acts_of(t0)); });
+      // Each step needs every block's h of the step before: one barrier per step (the loop's end).
+      for (std::int64_t t = t0; t < t0 + g; ++t) {
+#pragma omp for schedule(static)
+        for (std::int64_t b = 0; b < p.bl.count; ++b)
+          failure.run([&] { p.step(b, t, acts_of(t), hgn_of(t), f.ys + t * N * H, buffers.of_this_thread()); });
+      }
+    }
+  }
+  failure.rethrow();
+}
+
+void backward(const Backward& bw) {
+  const Forward& f = bw.fw;
+  if (f.d.hidden <= 0) throw Error("gru kernels: hidden must be positive");
+  const Pass p(f);
+  const std::int64_t T = p.T, N = p.N, I = p.I, H = p.H, H3 = p.H3;
+  const UnitBlocks& bl = p.bl;
+  const bool keep = f.acts != nullptr;
+  Array dh_buf, dxg_buf, dhg_buf, h_first_buf, chunk_acts_buf, chunk_hgn_buf;
+  float* dh = workspace(dh_buf, N * H);
+  const std::size_t carry_bytes = static_cast<std::size_t>(N * H) * sizeof(float);
+  if (bw.d_h_last) std::memcpy(dh, bw.d_h_last, carry_bytes);
+  else std::fill(dh, dh + N * H, 0.0f);
+  if (bw.d_wi) std::fill(bw.d_wi, bw.d_wi + I * H3, 0.0f);
+  if (bw.d_wh) std::fill(bw.d_wh, bw.d_wh + H * H3, 0.0f);
+  if (bw.d_bi) std::fill(bw.d_bi, bw.d_bi + H3, 0.0f);
+  if (bw.d_bh) std::fill(bw.d_bh, bw.d_bh + H3, 0.0f);
+  if (T > 0) {
+    // The gates' cotangents of a chunk: for the input product, and for the recurrent one (they
+    // differ in the n gate only).
+    float* dxg = workspace(dxg_buf, kChunk * N * H3);
+    float* dhg = workspace(dhg_buf, kChunk * N * H3);
+    // h before each step of the first chunk: h0, then the chunk's ys but the last.
+    const std::int64_t first_len = std::min(kChunk, T);
+    float* h_first = workspace(h_first_buf, first_len * N * H);
+    std::memcpy(h_first, f.h0, carry_bytes);
+    if (first_len > 1) std::memcpy(h_first + N * H, f.ys, static_cast<std::size_t>(first_len - 1) * carry_bytes);
+    float* chunk_acts = keep ? nullptr : workspace(chunk_acts_buf, kChunk * N * H3);
+    float* chunk_hgn = keep ? nullptr : workspace(chunk_hgn_buf, kChunk * N * H);
+    // Per unit block of h: dh[:, block] += dhg . wh[block, :]^T.
+    Products transposed;
+    for (std::int64_t b = 0; b < bl.count; ++b)
+      transposed.push_back(std::make_unique<PackedProduct>(N, bl.width(b), H3, f.wh + bl.first(b) * H3, H3, true, H3, H, true));
+    const int team = linum::team_size();
+    recurrent::PerThread buffers(team, p.thread_floats() + padded(bl.unit));
+    Failure failure;
+#pragma omp parallel num_threads(team)
+    {
+      linum::detail::enter_compute();
+      recurrent::single_threaded_calls();
+      for (std::int64_t t0 = (T - 1) / kChunk * kChunk; t0 >= 0; t0 -= kChunk) {
+        const std::int64_t g = std::min(kChunk, T - t0);
+        auto acts_of = [&](std::int64_t t) { return keep ? f.acts + t * N * H3 : chunk_acts + (t - t0) * N * H3; };
+        auto hgn_of = [&](std::int64_t t) { return keep ? f.hgn + t * N * H : chunk_hgn + (t - t0) * N * H; };
+        if (!keep) {
+          // The chunk's gates again, from x and ys (no step waits for another: no barrier per step).
+#pragma omp for schedule(static)
+          for (std::int64_t b = 0; b < bl.count; ++b)
+            failure.run([&] { p.recompute(b, t0, g, chunk_acts, chunk_hgn, buffers.of_this_thread()); });
+        }
+        for (std::int64_t t = t0 + g - 1; t >= t0; --t) {
+          float* dxg_t = dxg + (t - t0) * N * H3;
+          float* dhg_t = dhg + (t - t0) * N * H3;
+#pragma omp for schedule(static)
+          for (std::int64_t b = 0; b < bl.count; ++b) {
+            const std::int64_t u0 = bl.first(b), w = bl.width(b), base = bl.base(b);
+            float* buffer = buffers.of_this_thread();
+            float* scratch = buffer + padded(N * kGates * bl.unit);
+            float* dh_in = buffer + p.thread_floats();
+            const float* hp = p.h_prev(t);
+            for (std::int64_t n = 0; n < N; ++n) {
+              // The cotangent reaching h: from the next step, plus the step's output's.
+              for (std::int64_t j = 0; j < w; ++j)
+                dh_in[j] = dh[n * H + u0 + j] + (bw.d_ys != nullptr ? bw.d_ys[t * N * H + n * H + u0 + j] : 0.0f);
+              float* dxg_row = dxg_t + n * H3 + base;
+              float* dhg_row = dhg_t + n * H3 + base;
+              cell_row_backward(acts_of(t) + n * H3 + base, hgn_of(t) + n * H + u0, w, hp + n * H + u0, dh_in, dxg_row,
+                                dhg_row + 2 * w, dh + n * H + u0, scratch);
+              std::memcpy(dhg_row, dxg_row, static_cast<std::size_t>(2 * w) * sizeof(float));
+            }
+          }
+          // dh += dhg_t . wh^T, by blocks of h's units (each reads every block's gates: after the barrier).
+#pragma omp for schedule(static)
+          for (std::int64_t b = 0; b < bl.count; ++b)
+            failure.run([&] { transposed[static_cast<std::size_t>(b)]->run(dhg_t, dh + bl.first(b)); });
+        }
+        // The chunk's weight gradients (one product each) and its inputs' gradients.
+        const float* hp = t0 == 0 ? h_first : f.ys + (t0 - 1) * N * H;
+#pragma omp for schedule(static) nowait
+        for (std::int64_t b = 0; b < bl.count; ++b)
+          failure.run([&] {
+            const std::int64_t base = bl.base(b), w3 = kGates * bl.width(b);
+            if (bw.d_wh) gemm_f32_serial(true, false, H, w3, g * N, 1.0f, hp, H, dhg + base, H3, 1.0f, bw.d_wh + base, H3);
+            if (bw.d_wi)
+              gemm_f32_serial(true, false, I, w3, g * N, 1.0f, f.x + t0 * N * I, I, dxg + base, H3, 1.0f, bw.d_wi + base, H3);
+            for (std::int64_t r = 0; r < g * N; ++r) {
+              if (bw.d_bi) Run(bw.d_bi + base, w3) += ConstRun(dxg + r * H3 + base, w3);
+              if (bw.d_bh) Run(bw.d_bh + base, w3) += ConstRun(dhg + r * H3 + base, w3);
+            }
+          });
+#pragma omp for schedule(static)
+        for (std::int64_t t = t0; t < t0 + g; ++t)
+          if (bw.d_x)
+            failure.run([&] {
+              gemm_f32_serial(false, true, N, I, H3, 1.0f, dxg + (t - t0) * N * H3, H3, f.wi, H3, 0.0f, bw.d_x + t * N * I, I);
+            });
+      }
+    }
+    failure.rethrow();
+  }
+  if (bw.d_h0) std::memcpy(bw.d_h0, dh, carry_bytes);
+}
+
+}  // namespace linum::kernels::gru

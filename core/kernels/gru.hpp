@@ -1,0 +1,48 @@
+// Internal: the fused GRU layer's kernels (the op is gru_layer, core/ops/recurrent.hpp), float32,
+// row-major, time-major.
+//
+// Gates in the order [r | z | n] (PyTorch's nn.GRU; Flax's GRUCell names them ir/hr, iz/hz, in/hn):
+//   xg = x_t . wi + bi,  hg = h . wh + bh,
+//   r = sigmoid(xg_r + hg_r),  z = sigmoid(xg_z + hg_z),  n = tanh(xg_n + r * hg_n),
+//   h_next = (1 - z) * n + z * h.
+// Work is cut as in the LSTM kernels (recurrent_passes.hpp): hidden units in fixed blocks, time
+// steps in fixed chunks, so results are bitwise the same for any thread count. A GRU's state is its
+// output, so what the backward pass needs again (r, z, n and hg_n of each step) can be computed
+// from the outputs ys alone: the recompute mode keeps nothing per step and computes each chunk's
+// gates again in the backward pass, with the same products on the same operands as the forward
+// pass, so the gradients are bitwise those of the mode that keeps them.
+#pragma once
+
+#include <linum/core/kernels/recurrent_passes.hpp>
+
+#include <cstdint>
+
+namespace linum::kernels::gru {
+
+inline constexpr std::int64_t kGates = 3;
+using Dims = recurrent::Dims;
+
+// The interleaved layout of [rows, 3H] matrices (the kernels', the biases', the gates').
+recurrent::UnitBlocks blocks_of(std::int64_t hidden);
+
+// Everything the passes read and write. wi [I, 3H], wh [H, 3H], bi and bh [3H] interleaved;
+// x [T, N, I]; h0 [N, H]; ys [T, N, H] (the h of every step). acts [T, N, 3H] (r, z, n) and hgn
+// [T, N, H] (hg_n) keep what the backward pass reads, or both null: recompute mode.
+struct Forward {
+  Dims d;
+  const float *x, *wi, *wh, *bi, *bh, *h0;
+  float* ys;
+  float* acts;
+  float* hgn;
+};
+void forward(const Forward& f);
+
+struct Backward {
+  Forward fw;             // the forward's operands and what it kept (acts / hgn, or null)
+  const float* d_ys;      // [T, N, H] or null
+  const float* d_h_last;  // [N, H] or null
+  float *d_x, *d_wi, *d_wh, *d_bi, *d_bh, *d_h0;  // outputs (interleaved weights' gradients); any may be null
+};
+void backward(const Backward& b);
+
+}  // namespace linum::kernels::gru
