@@ -13,7 +13,12 @@
 namespace linum {
 
 Buffer::Buffer(std::size_t bytes) : data_(memory::detail::allocate(bytes)), bytes_(bytes) {}
-Buffer::~Buffer() { memory::detail::deallocate(data_, bytes_); }
+// (Reading the parent's data marks an elided parent as read: making a view of it is a read.)
+Buffer::Buffer(std::shared_ptr<Buffer> parent, std::size_t offset, std::size_t bytes)
+    : data_(static_cast<char*>(parent->data()) + offset), bytes_(bytes), parent_(std::move(parent)) {}
+Buffer::~Buffer() {
+  if (!parent_) memory::detail::deallocate(data_, bytes_);
+}
 
 Array Array::elided_placeholder(const Shape& shape, DType dtype, std::shared_ptr<std::atomic<bool>> read_flag) {
   Array a = empty(shape, dtype);
@@ -157,6 +162,21 @@ Array Array::with_shape(const Shape& shape) const {
                                  " elements) as shape ", shape, " (", shape.numel(), " elements)"));
   Array a = detached();
   a.shape_ = shape;
+  return a;
+}
+
+Array Array::part_view(std::int64_t offset, const Shape& shape) const {
+  if (batch_) [[unlikely]]
+    throw BatchingError(detail::cat("Array::part_view: cannot view part of a batched array (", type_str(), ") inside vmap"));
+  if (!buffer_ || offset < 0 || offset + shape.numel() > numel() || !is_aligned_offset(offset))
+    throw ShapeError(detail::cat("Array::part_view: ", shape.numel(), " elements from element ", offset, " of an array of shape ",
+                                 shape_, " (", dtype_name(dtype_), ") are not a 64-byte aligned part of it"));
+  Array a;
+  a.shape_ = shape;
+  a.dtype_ = dtype_;
+  const std::size_t size = dtype_size(dtype_);
+  a.buffer_ = std::make_shared<Buffer>(buffer_, static_cast<std::size_t>(offset) * size,
+                                       static_cast<std::size_t>(shape.numel()) * size);
   return a;
 }
 

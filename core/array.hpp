@@ -31,15 +31,18 @@ namespace autodiff {
 class Node;
 }
 
-// An immutable block of accounted memory.
+// An immutable block of accounted memory, or a view of part of another buffer (no memory of its
+// own; it keeps that buffer alive).
 class Buffer {
  public:
   explicit Buffer(std::size_t bytes);
+  Buffer(std::shared_ptr<Buffer> parent, std::size_t offset, std::size_t bytes);
   ~Buffer();
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
 
   std::size_t bytes() const { return bytes_; }
+  bool is_view() const { return parent_ != nullptr; }
   void* data() const {
     if (read_flag_) [[unlikely]]
       read_flag_->store(true, std::memory_order_relaxed);
@@ -55,6 +58,7 @@ class Buffer {
   void* data_;
   std::size_t bytes_;
   std::shared_ptr<std::atomic<bool>> read_flag_;
+  std::shared_ptr<Buffer> parent_;  // a view's
 };
 
 class Array {
@@ -132,10 +136,20 @@ class Array {
   std::weak_ptr<const void> weak_buffer() const { return buffer_; }
   // No other Array refers to this buffer: an op that consumes this array may write its result
   // into it (backward rules reuse cotangent buffers this way).
-  bool owns_buffer_alone() const { return buffer_ != nullptr && batch_ == nullptr && buffer_.use_count() == 1; }
+  // A view of part of another buffer never does.
+  bool owns_buffer_alone() const {
+    return buffer_ != nullptr && batch_ == nullptr && buffer_.use_count() == 1 && !buffer_->is_view();
+  }
 
   // A view of the same buffer with another shape of the same size (no copy, no graph node).
   Array with_shape(const Shape& shape) const;
+  // A view of `shape.numel()` elements of this array's buffer from element `offset` (no copy, no
+  // graph node), which keeps the whole buffer alive. Views keep buffers' 64-byte alignment: the
+  // offset's bytes must be a multiple of 64 (see is_aligned_offset).
+  Array part_view(std::int64_t offset, const Shape& shape) const;
+  bool is_aligned_offset(std::int64_t offset) const {
+    return offset * static_cast<std::int64_t>(dtype_size(dtype_)) % 64 == 0;
+  }
   // The same data without the autodiff node: a constant as far as gradients are concerned.
   Array detached() const { Array a = *this; a.node_.reset(); a.output_index_ = 0; return a; }
   // The same array without its weak type (a strongly typed float32 scalar).

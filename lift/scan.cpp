@@ -86,7 +86,8 @@ ScanPlan plan_scan(Scope& s, const ScanSettings& settings, int length) {
                                                 leaf_path, "' has shape ", stacked.shape(), " but a scan of ", length,
                                                 " iterations needs ", axis == 0 ? std::string("a leading axis") : linum::detail::cat("an axis ", axis), " of ", length,
                                                 " (the dict may come from a scan of another length)"));
-          leaves.emplace_back(leaf_path, unstack(axis_to_front(stacked, axis)));
+          // Views of the stacked variable (no copy per iteration) where the slices stay aligned.
+          leaves.emplace_back(leaf_path, unstack(axis_to_front(stacked, axis), {.views = true}));
         }
         plan.slices.emplace_back(collection, std::move(leaves));
         break;

@@ -205,7 +205,7 @@ Array LayerRows::outputs(Array ys, bool reverse) const {
   return reshape(ys, y_dims);
 }
 
-bool fusable_lstm(const CellFunction& gate_fn, const CellFunction& activation_fn) {
+bool fusable_cell(const CellFunction& gate_fn, const CellFunction& activation_fn) {
   using Fn = Array (*)(const Array&);
   auto is = [](const CellFunction& f, auto named, Fn fn) {
     if (f.target<decltype(named)>() != nullptr) return true;

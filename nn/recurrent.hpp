@@ -181,7 +181,7 @@ struct GRUWeights {
 };
 
 // Whether a cell's gate and activation functions are those the fused ops compute (sigmoid, tanh).
-bool fusable_lstm(const CellFunction& gate_fn, const CellFunction& activation_fn);
+bool fusable_cell(const CellFunction& gate_fn, const CellFunction& activation_fn);
 
 // nn::RNN's LSTM step where the whole-layer op does not apply (bf16 computation, seq_lengths): the
 // input and recurrent products, then the fused cell.
@@ -262,10 +262,10 @@ struct RNN {
     if (masked && !(lengths.shape() == Shape{batch}))
       throw ShapeError(detail_cat_shape("nn::RNN: seq_lengths must be int32 [batch], got ", lengths));
     if constexpr (recurrent_detail::kLSTM<Cell>)
-      if (recurrent_detail::fusable_lstm(cell.gate_fn, cell.activation_fn))
+      if (recurrent_detail::fusable_cell(cell.gate_fn, cell.activation_fn))
         return finish(run_fused(s, xs, carry, t, lengths, masked));
     if constexpr (std::is_same_v<Cell, GRUCell>)
-      if (!masked && recurrent_detail::fusable_lstm(cell.gate_fn, cell.activation_fn))
+      if (!masked && recurrent_detail::fusable_cell(cell.gate_fn, cell.activation_fn))
         if (auto fused = run_fused_gru(s, xs, carry)) return finish(std::move(*fused));
     using Step = recurrent_detail::RNNStep<Cell>;
     auto scan_with = [&](auto body_type) {

@@ -507,23 +507,41 @@ TEST_CASE("gru_layer: the GRU over time; gradients equal finite differences; rec
     CHECK(std::get<4>(again).bitwise_equal(std::get<4>(plain)));
     CHECK(std::get<5>(again).bitwise_equal(std::get<5>(plain)));
     CHECK(std::get<6>(again).bitwise_equal(std::get<6>(plain)));
-    // Against the gradients of the composed steps.
-    auto composed_grads = value_and_grad<0, 1, 2, 3, 4, 5>(
-        [&](const Array& x, const Array& wi, const Array& bi, const Array& wh, const Array& bh, const Array& h0) {
-          Array h = h0, total = Array::scalar(0.0f);
-          for (std::int64_t t = 0; t < x.dim(0); ++t) {
-            h = composed_gru_step(reshape(slice_axis(x, 0, t, t + 1), {x.dim(1), x.dim(2)}), h, wi, bi, wh, bh);
-            total = total + sum(square(h)) * 0.5f;
-          }
-          return total + sum(h * 0.25f);
-        })(x, wi, bi, wh, bh, h0);
-    CHECK(std::abs(std::get<0>(composed_grads).item() - std::get<0>(plain).item()) < 1e-3f * (1.0f + std::abs(std::get<0>(plain).item())));
-    CHECK(max_diff(std::get<1>(composed_grads), std::get<1>(plain)) < 1e-4f);
-    CHECK(max_diff(std::get<2>(composed_grads), std::get<2>(plain)) < 1e-4f);
-    CHECK(max_diff(std::get<3>(composed_grads), std::get<3>(plain)) < 1e-4f);
-    CHECK(max_diff(std::get<4>(composed_grads), std::get<4>(plain)) < 1e-4f);
-    CHECK(max_diff(std::get<5>(composed_grads), std::get<5>(plain)) < 1e-4f);
-    CHECK(max_diff(std::get<6>(composed_grads), std::get<6>(plain)) < 1e-4f);
+    // Against the gradients of the composed steps (relative to each gradient's size), with the
+    // loss on every output, and on the last state alone (no cotangent reaches ys).
+    for (bool last_only : {false, true}) {
+      CAPTURE(last_only);
+      auto composed_loss = [last_only](const Array& x, const Array& wi, const Array& bi, const Array& wh, const Array& bh,
+                                       const Array& h0) {
+        Array h = h0, total = Array::scalar(0.0f);
+        for (std::int64_t t = 0; t < x.dim(0); ++t) {
+          h = composed_gru_step(reshape(slice_axis(x, 0, t, t + 1), {x.dim(1), x.dim(2)}), h, wi, bi, wh, bh);
+          if (!last_only) total = total + sum(square(h)) * 0.5f;
+        }
+        return total + sum(h * 0.25f);
+      };
+      auto fused_loss = [last_only](bool recompute) {
+        return [last_only, recompute](const Array& x, const Array& wi, const Array& bi, const Array& wh, const Array& bh,
+                                      const Array& h0) {
+          auto [ys, h] = gru_layer(x, wi, bi, wh, bh, h0, {.recompute = recompute});
+          return (last_only ? Array::scalar(0.0f) : sum(square(ys)) * 0.5f) + sum(h * 0.25f);
+        };
+      };
+      auto want = value_and_grad<0, 1, 2, 3, 4, 5>(composed_loss)(x, wi, bi, wh, bh, h0);
+      auto got = value_and_grad<0, 1, 2, 3, 4, 5>(fused_loss(false))(x, wi, bi, wh, bh, h0);
+      auto got_recomputed = value_and_grad<0, 1, 2, 3, 4, 5>(fused_loss(true))(x, wi, bi, wh, bh, h0);
+      auto close = [](const Array& a, const Array& b) { return max_diff(a, b) <= 1e-5f * (1.0f + linum::testing::max_abs(b)); };
+      CHECK(close(std::get<0>(got), std::get<0>(want)));
+      CHECK(close(std::get<1>(got), std::get<1>(want)));
+      CHECK(close(std::get<2>(got), std::get<2>(want)));
+      CHECK(close(std::get<3>(got), std::get<3>(want)));
+      CHECK(close(std::get<4>(got), std::get<4>(want)));
+      CHECK(close(std::get<5>(got), std::get<5>(want)));
+      CHECK(close(std::get<6>(got), std::get<6>(want)));
+      CHECK(std::get<1>(got_recomputed).bitwise_equal(std::get<1>(got)));
+      CHECK(std::get<3>(got_recomputed).bitwise_equal(std::get<3>(got)));
+      CHECK(std::get<6>(got_recomputed).bitwise_equal(std::get<6>(got)));
+    }
     if (T <= 5) {
       for (bool recompute : {false, true}) {
         CAPTURE(recompute);
@@ -568,6 +586,12 @@ TEST_CASE("gru_layer: the GRU over time; gradients equal finite differences; rec
   auto [ys0, h_0] = gru_layer(Array::zeros(Shape{0, 2, 3}), wi, b, wh, b, h0 + 2.0f);
   CHECK(ys0.shape() == Shape{0, 2, 2});
   CHECK(h_0.bitwise_equal(h0 + 2.0f));
+  auto [g_wi0, g_h00] = grad<0, 1>([&](const Array& k, const Array& h) {
+    auto [y, hl] = gru_layer(Array::zeros(Shape{0, 2, 3}), k, b, wh, b, h);
+    return sum(hl * 3.0f);
+  })(wi, h0);
+  CHECK(g_h00.bitwise_equal(Array::full(h0.shape(), 3.0f)));
+  CHECK(g_wi0.bitwise_equal(Array::zeros(wi.shape())));
 }
 
 TEST_CASE("nn::RNN runs GRUs on the layer op: the cell's parameters and results; remat keeps less, bitwise") {

@@ -122,12 +122,14 @@ TEST_CASE("results do not depend on how many threads run them (what adaptive tea
         const Array wh = astype(rng::normal(rng::key(13), Shape{160, 480}) * 0.1f, dt);
         const Array bi = astype(rng::normal(rng::key(14), Shape{480}), dt), bh = bi * 0.5f;
         const Array h0 = astype(rng::normal(rng::key(15), Shape{16, 160}), dt);
-        auto [v, g_x, g_wi, g_bi, g_wh, g_bh, g_h0] =
-            value_and_grad<0, 1, 2, 3, 4, 5>([](const Array& x, const Array& i, const Array& b, const Array& h, const Array& hb, const Array& hh) {
-              auto [ys, hl] = gru_layer(x, i, b, h, hb, hh);
-              return sum(astype(square(ys), DType::f32)) + sum(astype(hl, DType::f32));
-            })(xs, wi, bi, wh, bh, h0);
-        for (const Array* g : {&v, &g_x, &g_wi, &g_bi, &g_wh, &g_bh, &g_h0}) out.push_back(*g);
+        for (bool recompute : {false, true}) {
+          auto [v, g_x, g_wi, g_bi, g_wh, g_bh, g_h0] = value_and_grad<0, 1, 2, 3, 4, 5>(
+              [recompute](const Array& x, const Array& i, const Array& b, const Array& h, const Array& hb, const Array& hh) {
+                auto [ys, hl] = gru_layer(x, i, b, h, hb, hh, {.recompute = recompute});
+                return sum(astype(square(ys), DType::f32)) + sum(astype(hl, DType::f32));
+              })(xs, wi, bi, wh, bh, h0);
+          for (const Array* g : {&v, &g_x, &g_wi, &g_bi, &g_wh, &g_bh, &g_h0}) out.push_back(*g);
+        }
       }
       // Products with a narrow output, reached through gradients (the backward pass hands the
       // transposes to the kernel): weight gradients of thin layers and logits layers, whose sums

@@ -4,7 +4,7 @@
 #include <linum/core/error.hpp>
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/kernels/gemm.hpp>
-#include <linum/core/kernels/recurrent_passes.hpp>
+#include <linum/core/kernels/recurrent_passes_internal.hpp>
 #include <linum/core/threading.hpp>
 
 #include <algorithm>
@@ -31,7 +31,7 @@ std::int64_t cell_scratch_floats(std::int64_t w) { return 8 * padded(w); }
 
 // One row of the cell over a block of w units. `gates` holds xg [r | z | n] (w each), replaced by
 // the activations r, z, n; hg the recurrent product's row [r | z | n] and bh the block's recurrent
-// biases. Writes hg_n (with its bias) to hgn and the new state to h (null: not written).
+// biases. Writes hg_n (with its bias) to hgn and the new state to h (either null: not written).
 void cell_row(float* gates, const float* hg, const float* bh, std::int64_t w, const float* h_prev, float* hgn, float* h,
               float* scratch) {
   const std::int64_t p = padded(w);
@@ -48,7 +48,7 @@ void cell_row(float* gates, const float* hg, const float* bh, std::int64_t w, co
   z = (z + hz).logistic();
   n = (n + r * hn).tanh();
   for (int k = 0; k < 3; ++k) store(scratch + k * p, w, gates + k * w);
-  store(hn.data(), w, hgn);
+  if (hgn != nullptr) store(hn.data(), w, hgn);
   if (h != nullptr) {
     out = (1.0f - z) * n + z * hp;
     store(out.data(), w, h);
@@ -87,10 +87,11 @@ struct Pass {
   UnitBlocks bl;
   std::int64_t T, N, I, H, H3;
   Products recurrent;  // per unit block: hg[:, block] = h . wh[:, block], into a per-thread buffer
-  explicit Pass(const Forward& fw)
+  // steps: whether the pass runs steps (and packs the recurrent weights for them).
+  Pass(const Forward& fw, bool steps)
       : f(fw), bl(blocks_of(fw.d.hidden)), T(fw.d.steps), N(fw.d.rows), I(fw.d.inputs), H(fw.d.hidden),
         H3(kGates * fw.d.hidden) {
-    if (T > 0)
+    if (steps && T > 0)
       for (std::int64_t b = 0; b < bl.count; ++b)
         recurrent.push_back(
             std::make_unique<PackedProduct>(N, kGates * bl.width(b), H, f.wh + bl.base(b), H3, false, H, kGates * bl.width(b), false));
@@ -107,7 +108,7 @@ struct Pass {
     for (std::int64_t r = 0; r < g * N; ++r) Run(acts + r * H3 + base, w3) += ConstRun(f.bi + base, w3);
   }
   // Step t for unit block b: the recurrent product, then the cell on every row. h: ys of step t, or
-  // null (the recomputation, which reads ys instead).
+  // null (the recomputation, which reads ys instead); hgn_t: null when nothing reads it.
   void step(std::int64_t b, std::int64_t t, float* acts_t, float* hgn_t, float* h, float* thread_buffer) const {
     const std::int64_t base = bl.base(b), w = bl.width(b), u0 = bl.first(b);
     float* hg = thread_buffer;
@@ -115,8 +116,8 @@ struct Pass {
     recurrent[static_cast<std::size_t>(b)]->run(h_prev(t), hg);
     const float* hp = h_prev(t);
     for (std::int64_t n = 0; n < N; ++n)
-      cell_row(acts_t + n * H3 + base, hg + n * kGates * w, f.bh + base, w, hp + n * H + u0, hgn_t + n * H + u0,
-               h == nullptr ? nullptr : h + n * H + u0, scratch);
+      cell_row(acts_t + n * H3 + base, hg + n * kGates * w, f.bh + base, w, hp + n * H + u0,
+               hgn_t == nullptr ? nullptr : hgn_t + n * H + u0, h == nullptr ? nullptr : h + n * H + u0, scratch);
   }
   // The steps [t0, t0 + g) of block b and nothing else: the recomputation (ys are known), inside a
   // worksharing loop over blocks.
@@ -132,13 +133,12 @@ UnitBlocks blocks_of(std::int64_t hidden) { return UnitBlocks(hidden, kGates); }
 
 void forward(const Forward& f) {
   if (f.d.hidden <= 0) throw Error("gru kernels: hidden must be positive");
-  const Pass p(f);
+  const Pass p(f, true);
   const std::int64_t T = p.T, N = p.N, H = p.H, H3 = p.H3;
   if (T == 0) return;
   const bool keep = f.acts != nullptr;
-  Array chunk_acts_buf, chunk_hgn_buf;
+  Array chunk_acts_buf;
   float* chunk_acts = keep ? nullptr : workspace(chunk_acts_buf, kChunk * N * H3);
-  float* chunk_hgn = keep ? nullptr : workspace(chunk_hgn_buf, kChunk * N * H);
   const int team = linum::team_size();
   recurrent::PerThread buffers(team, p.thread_floats());
   Failure failure;
@@ -149,7 +149,7 @@ void forward(const Forward& f) {
     for (std::int64_t t0 = 0; t0 < T; t0 += kChunk) {
       const std::int64_t g = std::min(kChunk, T - t0);
       auto acts_of = [&](std::int64_t t) { return keep ? f.acts + t * N * H3 : chunk_acts + (t - t0) * N * H3; };
-      auto hgn_of = [&](std::int64_t t) { return keep ? f.hgn + t * N * H : chunk_hgn + (t - t0) * N * H; };
+      auto hgn_of = [&](std::int64_t t) { return keep ? f.hgn + t * N * H : nullptr; };
       // The same static schedule as the steps' loops: a thread projects the blocks it then steps.
 #pragma omp for schedule(static) nowait
       for (std::int64_t b = 0; b < p.bl.count; ++b) failure.run([&] { p.project(b, t0, g, acts_of(t0)); });
@@ -167,10 +167,10 @@ void forward(const Forward& f) {
 void backward(const Backward& bw) {
   const Forward& f = bw.fw;
   if (f.d.hidden <= 0) throw Error("gru kernels: hidden must be positive");
-  const Pass p(f);
+  const bool keep = f.acts != nullptr;
+  const Pass p(f, /*steps=*/!keep);  // the recomputation runs steps
   const std::int64_t T = p.T, N = p.N, I = p.I, H = p.H, H3 = p.H3;
   const UnitBlocks& bl = p.bl;
-  const bool keep = f.acts != nullptr;
   Array dh_buf, dxg_buf, dhg_buf, h_first_buf, chunk_acts_buf, chunk_hgn_buf;
   float* dh = workspace(dh_buf, N * H);
   const std::size_t carry_bytes = static_cast<std::size_t>(N * H) * sizeof(float);

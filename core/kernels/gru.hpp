@@ -5,7 +5,7 @@
 //   xg = x_t . wi + bi,  hg = h . wh + bh,
 //   r = sigmoid(xg_r + hg_r),  z = sigmoid(xg_z + hg_z),  n = tanh(xg_n + r * hg_n),
 //   h_next = (1 - z) * n + z * h.
-// Work is cut as in the LSTM kernels (recurrent_passes.hpp): hidden units in fixed blocks, time
+// Work is cut as in the LSTM kernels (recurrent_blocks.hpp): hidden units in fixed blocks, time
 // steps in fixed chunks, so results are bitwise the same for any thread count. A GRU's state is its
 // output, so what the backward pass needs again (r, z, n and hg_n of each step) can be computed
 // from the outputs ys alone: the recompute mode keeps nothing per step and computes each chunk's
@@ -13,7 +13,7 @@
 // pass, so the gradients are bitwise those of the mode that keeps them.
 #pragma once
 
-#include <linum/core/kernels/recurrent_passes.hpp>
+#include <linum/core/kernels/recurrent_blocks.hpp>
 
 #include <cstdint>
 

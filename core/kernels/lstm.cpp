@@ -4,7 +4,7 @@
 #include <linum/core/error.hpp>
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/kernels/gemm.hpp>
-#include <linum/core/kernels/recurrent_passes.hpp>
+#include <linum/core/kernels/recurrent_passes_internal.hpp>
 #include <linum/core/threading.hpp>
 
 #include <Eigen/Core>

@@ -9,7 +9,7 @@
 // pass run the same products on the same operands, so their gradients are bitwise equal.
 #pragma once
 
-#include <linum/core/kernels/recurrent_passes.hpp>
+#include <linum/core/kernels/recurrent_blocks.hpp>
 
 #include <cstdint>
 

@@ -385,11 +385,11 @@ std::vector<Array> split(const Array& x, int sections, int axis_in) {
   return split(x, idx, axis);
 }
 
-std::vector<Array> unstack(const Array& x) {
+std::vector<Array> unstack(const Array& x, const UnstackOptions& options) {
   ops::detail::require_defined(x, "unstack");
   if (x.rank() == 0) throw ShapeError("unstack: needs an array of rank >= 1, got a scalar");
   if (x.batched()) [[unlikely]] {  // the physical axis after the levels, moved to the front
-    std::vector<Array> parts = unstack(moveaxis(x.physical(), static_cast<int>(x.batch_levels().size()), 0));
+    std::vector<Array> parts = unstack(moveaxis(x.physical(), static_cast<int>(x.batch_levels().size()), 0), options);
     for (Array& p : parts) p = ops::batching::wrap(p, x.batch_levels());
     return parts;
   }
@@ -404,6 +404,10 @@ std::vector<Array> unstack(const Array& x) {
         std::vector<Array> parts;
         parts.reserve(static_cast<std::size_t>(n));
         for (std::int64_t i = 0; i < n; ++i) {
+          if (options.views && x.is_aligned_offset(i * part.numel())) {
+            parts.push_back(x.part_view(i * part.numel(), part));
+            continue;
+          }
           Array p = Array::empty(part, x.dtype());
           std::memcpy(const_cast<void*>(p.raw()), static_cast<const char*>(x.raw()) + static_cast<std::size_t>(i) * bytes,
                       bytes);

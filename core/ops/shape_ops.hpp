@@ -29,8 +29,14 @@ std::vector<Array> split(const Array& x, int sections, int axis = 0);
 // Splits at the given indices along axis (as jnp.split with a list).
 std::vector<Array> split(const Array& x, const std::vector<std::int64_t>& indices, int axis = 0);
 // The slices x[i] along axis 0 (n arrays of shape x.shape[1:]), as one op whose backward pass
-// writes all the cotangents into one gradient (unlike n separate slices).
-std::vector<Array> unstack(const Array& x);
+// writes all the cotangents into one gradient (unlike n separate slices). With `views`, the slices
+// are views of x's buffer wherever their offset keeps the 64-byte alignment (copies elsewhere): no
+// memory of their own, but any slice alive keeps all of x alive (lift::scan's per-iteration
+// variables, which the stacked variables outlive anyway).
+struct UnstackOptions {
+  bool views = false;
+};
+std::vector<Array> unstack(const Array& x, const UnstackOptions& options = {});
 // Joins same-shaped arrays along a new leading axis.
 Array stack(const std::vector<Array>& xs);
 // Gathers x along `axis` at int32 `indices` (embedding lookup). Out-of-range indices are an error.
