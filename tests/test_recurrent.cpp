@@ -242,6 +242,28 @@ Cell unfused(Cell cell) {
   return cell;
 }
 
+// The fused path against the cell path on the same variables: the loss's value, and every
+// gradient within `tol`; remat and `schedule` give the fused path's gradients bitwise.
+template <class Model, class Loss>
+void check_fused_against_cell(const Model& fused, const Model& slow, const Tree& vars, Loss loss, float tol,
+                              const lift::ScanSchedule& schedule) {
+  auto [v_fast, g_fast] = value_and_grad(loss(fused))(vars.at("params"));
+  auto [v_slow, g_slow] = value_and_grad(loss(slow))(vars.at("params"));
+  CHECK(std::abs(v_fast.item() - v_slow.item()) < 1e-6f);
+  const auto fast_leaves = flatten(g_fast), slow_leaves = flatten(g_slow);
+  REQUIRE(fast_leaves.size() == slow_leaves.size());
+  for (std::size_t k = 0; k < fast_leaves.size(); ++k) {
+    CAPTURE(fast_leaves[k].first);
+    CHECK(max_diff(fast_leaves[k].second, slow_leaves[k].second) < tol);
+  }
+  auto rematted = fused;
+  rematted.remat = true;
+  CHECK(bitwise_equal(grad(loss(rematted))(vars.at("params")), g_fast));
+  auto scheduled = fused;
+  scheduled.schedule = schedule;
+  CHECK(bitwise_equal(grad(loss(scheduled))(vars.at("params")), g_fast));
+}
+
 }  // namespace
 
 TEST_CASE("lstm_cell: the LSTM equations in one op, values and gradients, any hidden size, float32 and bf16") {
@@ -319,22 +341,8 @@ TEST_CASE("nn::RNN runs LSTMs on hoisted input products and the fused cell: the 
           return mean(square(ys)) + mean(carry.c) + mean(carry.h * 0.5f);
         };
       };
-      auto [v_fast, g_fast] = value_and_grad(loss(fused))(vars.at("params"));
-      auto [v_slow, g_slow] = value_and_grad(loss(slow))(vars.at("params"));
-      CHECK(std::abs(v_fast.item() - v_slow.item()) < 1e-6f);
-      const auto fast_leaves = flatten(g_fast), slow_leaves = flatten(g_slow);
-      REQUIRE(fast_leaves.size() == slow_leaves.size());
-      for (std::size_t k = 0; k < fast_leaves.size(); ++k) {
-        CAPTURE(fast_leaves[k].first);
-        CHECK(max_diff(fast_leaves[k].second, slow_leaves[k].second) < 1e-6f);
-      }
       // Remat per step and schedules over time: the fused path's gradients, bitwise.
-      auto rematted = fused;
-      rematted.remat = true;
-      CHECK(bitwise_equal(grad(loss(rematted))(vars.at("params")), g_fast));
-      auto scheduled = fused;
-      scheduled.schedule = lift::ScanSchedule::binomial(2);
-      CHECK(bitwise_equal(grad(loss(scheduled))(vars.at("params")), g_fast));
+      check_fused_against_cell(fused, slow, vars, loss, 1e-6f, lift::ScanSchedule::binomial(2));
     };
     for (bool reverse : {false, true})
       for (bool masked : {false, true}) {
@@ -615,21 +623,7 @@ TEST_CASE("nn::RNN runs GRUs on the layer op: the cell's parameters and results;
           return mean(square(ys)) + mean(carry * 0.5f);
         };
       };
-      auto [v_fast, g_fast] = value_and_grad(loss(fused))(vars.at("params"));
-      auto [v_slow, g_slow] = value_and_grad(loss(slow))(vars.at("params"));
-      CHECK(std::abs(v_fast.item() - v_slow.item()) < 1e-6f);
-      const auto fast_leaves = flatten(g_fast), slow_leaves = flatten(g_slow);
-      REQUIRE(fast_leaves.size() == slow_leaves.size());
-      for (std::size_t k = 0; k < fast_leaves.size(); ++k) {
-        CAPTURE(fast_leaves[k].first);
-        CHECK(max_diff(fast_leaves[k].second, slow_leaves[k].second) < 1e-5f);
-      }
-      auto rematted = fused;
-      rematted.remat = true;
-      CHECK(bitwise_equal(grad(loss(rematted))(vars.at("params")), g_fast));
-      auto scheduled = fused;
-      scheduled.schedule = lift::ScanSchedule::sqrt_segments();
-      CHECK(bitwise_equal(grad(loss(scheduled))(vars.at("params")), g_fast));
+      check_fused_against_cell(fused, slow, vars, loss, 1e-5f, lift::ScanSchedule::sqrt_segments());
     }
   // The layer op keeps the gates of every step (4 floats per unit and row); remat keeps only the
   // outputs. (At this small batch the layer's fixed costs, its weights' blocked copies and a chunk's

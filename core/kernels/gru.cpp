@@ -16,16 +16,8 @@ namespace linum::kernels::gru {
 
 namespace {
 
-using recurrent::Aligned;
-using recurrent::ConstRun;
-using recurrent::Failure;
-using recurrent::load;
-using recurrent::padded;
-using recurrent::Run;
-using recurrent::store;
-using recurrent::UnitBlocks;
-using recurrent::workspace;
-constexpr std::int64_t kChunk = recurrent::kChunk;
+// The shared helpers (recurrent_passes_internal.hpp).
+using namespace recurrent;  // NOLINT(google-build-using-namespace)
 
 std::int64_t cell_scratch_floats(std::int64_t w) { return 8 * padded(w); }
 

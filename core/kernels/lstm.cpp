@@ -18,15 +18,8 @@ namespace linum::kernels::lstm {
 
 namespace {
 
-using recurrent::Aligned;
-using recurrent::ConstRun;
-using recurrent::Failure;
-using recurrent::load;
-using recurrent::padded;
-using recurrent::Run;
-using recurrent::store;
-using recurrent::thread_index;
-using recurrent::workspace;
+// The shared helpers (recurrent_passes_internal.hpp).
+using namespace recurrent;  // NOLINT(google-build-using-namespace)
 using Blocks = recurrent::UnitBlocks;
 
 Blocks blocks_of(std::int64_t hidden) { return Blocks(hidden, 4); }
