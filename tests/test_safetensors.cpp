@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
 using namespace linum;
 using linum::testing::contains;
 namespace st = linum::safetensors;
@@ -107,7 +109,8 @@ TEST_CASE("Linum's safetensors files round trip bit for bit (bytes, and a mapped
   CHECK(bitwise_equal(st::nest_at_dots(back.tensors), tree));
   // With '/' as the separator the nested tree comes back as it was.
   CHECK(bitwise_equal(st::from_bytes(st::to_bytes(tree, {}, '/')).tensors, tree));
-  const auto path = std::filesystem::temp_directory_path() / "linum_test_roundtrip.safetensors";
+  const auto path =
+      std::filesystem::temp_directory_path() / ("linum_test_roundtrip_" + std::to_string(::getpid()) + ".safetensors");
   st::save(path, tree, meta);
   CHECK(bitwise_equal(st::nest_at_dots(st::load(path).tensors), tree));
   std::filesystem::remove(path);
