@@ -177,11 +177,7 @@ void backward(const Backward& bw) {
     // differ in the n gate only).
     float* dxg = workspace(dxg_buf, kChunk * N * H3);
     float* dhg = workspace(dhg_buf, kChunk * N * H3);
-    // h before each step of the first chunk: h0, then the chunk's ys but the last.
-    const std::int64_t first_len = std::min(kChunk, T);
-    float* h_first = workspace(h_first_buf, first_len * N * H);
-    std::memcpy(h_first, f.h0, carry_bytes);
-    if (first_len > 1) std::memcpy(h_first + N * H, f.ys, static_cast<std::size_t>(first_len - 1) * carry_bytes);
+    const float* h_first = states_before_first_chunk(h_first_buf, f.d, f.h0, f.ys);
     float* chunk_acts = keep ? nullptr : workspace(chunk_acts_buf, kChunk * N * H3);
     float* chunk_hgn = keep ? nullptr : workspace(chunk_hgn_buf, kChunk * N * H);
     // Per unit block of h: dh[:, block] += dhg . wh[block, :]^T.

@@ -22,8 +22,6 @@ namespace {
 using namespace recurrent;  // NOLINT(google-build-using-namespace)
 using Blocks = recurrent::UnitBlocks;
 
-Blocks blocks_of(std::int64_t hidden) { return Blocks(hidden, 4); }
-
 }  // namespace
 
 std::int64_t cell_scratch_floats(std::int64_t units) { return 10 * padded(units); }
@@ -140,16 +138,6 @@ struct Pass {
 
 }  // namespace
 
-std::int64_t unit_block(std::int64_t hidden) { return blocks_of(hidden).unit; }
-
-std::int64_t interleaved_column(std::int64_t hidden, int gate, std::int64_t unit) { return blocks_of(hidden).column(gate, unit); }
-
-void interleave(const float* in, float* out, std::int64_t rows, std::int64_t hidden) { blocks_of(hidden).interleave(in, out, rows); }
-
-void deinterleave(const float* in, float* out, std::int64_t rows, std::int64_t hidden) {
-  blocks_of(hidden).deinterleave(in, out, rows);
-}
-
 void check(const Forward& f) {
   if (f.d.hidden <= 0 || f.segment < 0 || f.segment % kChunk != 0)
     throw Error("lstm kernels: hidden must be positive and the segment a multiple of 16 steps");
@@ -222,13 +210,7 @@ void backward(const Backward& bw) {
   for (float* g : {bw.d_wi, bw.d_wh, bw.d_b})
     if (g != nullptr) std::fill(g, g + (g == bw.d_wi ? I * H4 : g == bw.d_wh ? H * H4 : H4), 0.0f);
   float* dz = workspace(dz_buf, kChunk * N * H4);
-  // h before each step of the first chunk: h0, then the chunk's ys but the last.
-  const std::int64_t first_len = std::min(kChunk, T);
-  float* h_first = workspace(h_first_buf, first_len * N * H);
-  if (T > 0) {
-    std::memcpy(h_first, f.h0, carry_bytes);
-    if (first_len > 1) std::memcpy(h_first + N * H, f.ys, static_cast<std::size_t>(first_len - 1) * carry_bytes);
-  }
+  const float* h_first = states_before_first_chunk(h_first_buf, f.d, f.h0, f.ys);
   // Recompute mode: a segment's activations and cell states (slot 0: the state before it).
   float* seg_acts = keep_all ? nullptr : workspace(seg_acts_buf, std::min(S, T) * N * H4);
   float* seg_cs = keep_all ? nullptr : workspace(seg_cs_buf, (std::min(S, T) + 1) * N * H);

@@ -18,14 +18,10 @@ namespace linum::kernels::lstm {
 inline constexpr std::int64_t kChunk = recurrent::kChunk;  // time steps per input product and weight-gradient product
 using Dims = recurrent::Dims;
 
-// The interleaved gate layout: column blocks of `unit_block(h)` hidden units, each block holding
-// its units' i, f, g, o columns side by side. `interleaved_column(h, k, j)` is gate k of unit j.
-std::int64_t unit_block(std::int64_t hidden);
-std::int64_t interleaved_column(std::int64_t hidden, int gate, std::int64_t unit);
-// Copies a [rows, 4H] matrix with columns in gate order [i | f | g | o] into the interleaved
-// layout, and back.
-void interleave(const float* in, float* out, std::int64_t rows, std::int64_t hidden);
-void deinterleave(const float* in, float* out, std::int64_t rows, std::int64_t hidden);
+inline constexpr std::int64_t kGates = 4;
+// The interleaved layout of [rows, 4H] matrices (the kernels', the biases', the gates'): blocks of
+// hidden units, each holding its units' i, f, g, o columns side by side (recurrent_blocks.hpp).
+inline recurrent::UnitBlocks blocks_of(std::int64_t hidden) { return recurrent::UnitBlocks(hidden, kGates); }
 
 // One row of the cell over `w` hidden units (also lstm_cell's kernel): `gates` holds the
 // pre-activations [i | f | g | o] (w each) and is replaced by the activations; c = f * c_prev + i *

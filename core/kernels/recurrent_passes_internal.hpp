@@ -92,4 +92,15 @@ inline float* workspace(Array& a, std::int64_t floats) {
   return a.mutable_data();
 }
 
+// The hidden state before each step of the first chunk, contiguous (the weight gradient's operand
+// [steps * N, H]; later chunks read ys directly): h0, then ys of the chunk's steps but the last.
+inline float* states_before_first_chunk(Array& a, const Dims& d, const float* h0, const float* ys) {
+  const std::int64_t len = std::min(kChunk, d.steps), carry = d.rows * d.hidden;
+  float* out = workspace(a, len * carry);
+  if (len == 0) return out;
+  std::memcpy(out, h0, static_cast<std::size_t>(carry) * sizeof(float));
+  std::memcpy(out + carry, ys, static_cast<std::size_t>((len - 1) * carry) * sizeof(float));
+  return out;
+}
+
 }  // namespace linum::kernels::recurrent

@@ -207,15 +207,13 @@ LayerShape layer_shape(const Array& x, const Array& wi, const Array& b, const Ar
   return {{T, N, I, H}};
 }
 
-Array interleaved(const Array& w, std::int64_t hidden) {
+// A float32 [rows, gates * H] matrix (a kernel, a bias, their gradients) from gate order into a
+// layer kernel's block layout (to_blocks), or back.
+Array blocked(const Array& w, const kernels::recurrent::UnitBlocks& bl, bool to_blocks) {
   Array out = Array::empty(w.shape());
-  lk::interleave(w.data(), out.mutable_data(), w.numel() / (4 * hidden), hidden);
-  return out;
-}
-
-Array deinterleaved(const Array& w, std::int64_t hidden) {
-  Array out = Array::empty(w.shape());
-  lk::deinterleave(w.data(), out.mutable_data(), w.numel() / (4 * hidden), hidden);
+  const std::int64_t rows = w.numel() / (bl.gates * bl.hidden);
+  if (to_blocks) bl.interleave(w.data(), out.mutable_data(), rows);
+  else bl.deinterleave(w.data(), out.mutable_data(), rows);
   return out;
 }
 
@@ -313,7 +311,8 @@ std::tuple<Array, Array, Array> lstm_layer(const Array& x, const Array& wi, cons
   std::vector<Array> out = autodiff::primitive_multi(
       ops::kind::lstm_layer, std::span<const Array* const>(ins),
       [&](autodiff::Residuals& r) {
-        const Array wi_i = interleaved(wi, d.hidden), wh_i = interleaved(wh, d.hidden), b_i = interleaved(b, d.hidden);
+        const auto bl = lk::blocks_of(d.hidden);
+        const Array wi_i = blocked(wi, bl, true), wh_i = blocked(wh, bl, true), b_i = blocked(b, bl, true);
         Array ys = Array::empty(Shape{d.steps, d.rows, d.hidden});
         Array c_last = Array::empty(Shape{d.rows, d.hidden});
         // What the backward pass reads: every step's activations and cell states, or the cell state
@@ -357,9 +356,9 @@ std::tuple<Array, Array, Array> lstm_layer(const Array& x, const Array& wi, cons
                       f32_or_null(d_ys), f32_or_null(d_c), f32_or_null(d_h), out_ptr(dx), out_ptr(dwi), out_ptr(dwh),
                       out_ptr(db), out_ptr(dc0), out_ptr(dh0)});
         if (cot.needs(0)) cot.set(0, std::move(dx));
-        if (cot.needs(1)) cot.set(1, deinterleaved(dwi, d.hidden));
-        if (cot.needs(2)) cot.set(2, deinterleaved(db, d.hidden));
-        if (cot.needs(3)) cot.set(3, deinterleaved(dwh, d.hidden));
+        if (cot.needs(1)) cot.set(1, blocked(dwi, lk::blocks_of(d.hidden), false));
+        if (cot.needs(2)) cot.set(2, blocked(db, lk::blocks_of(d.hidden), false));
+        if (cot.needs(3)) cot.set(3, blocked(dwh, lk::blocks_of(d.hidden), false));
         if (cot.needs(4)) cot.set(4, std::move(dc0));
         if (cot.needs(5)) cot.set(5, std::move(dh0));
       }));
@@ -390,15 +389,6 @@ lk::Dims gru_shape(const Array& x, const Array& wi, const Array& bi, const Array
   if (bi.dim(0) != 3 * H || bh.dim(0) != 3 * H) fail("input_bias and recurrent_bias must be [3 * hidden]");
   if (!(h0.shape() == Shape{N, H})) fail("h0 must be [batch, hidden]");
   return {T, N, I, H};
-}
-
-Array gru_blocked(const Array& w, std::int64_t hidden, bool to_blocks) {
-  Array out = Array::empty(w.shape());
-  const auto bl = gk::blocks_of(hidden);
-  const std::int64_t rows = w.numel() / (gk::kGates * hidden);
-  if (to_blocks) bl.interleave(w.data(), out.mutable_data(), rows);
-  else bl.deinterleave(w.data(), out.mutable_data(), rows);
-  return out;
 }
 
 // The GRU layer written with ops (create-graph mode differentiates it), in Flax's GRUCell's form.
@@ -448,8 +438,9 @@ std::pair<Array, Array> gru_layer(const Array& x, const Array& wi, const Array& 
   std::vector<Array> out = autodiff::primitive_multi(
       ops::kind::gru_layer, std::span<const Array* const>(ins),
       [&](autodiff::Residuals& r) {
-        const Array wi_b = gru_blocked(wi, d.hidden, true), wh_b = gru_blocked(wh, d.hidden, true);
-        const Array bi_b = gru_blocked(bi, d.hidden, true), bh_b = gru_blocked(bh, d.hidden, true);
+        const auto bl = gk::blocks_of(d.hidden);
+        const Array wi_b = blocked(wi, bl, true), wh_b = blocked(wh, bl, true);
+        const Array bi_b = blocked(bi, bl, true), bh_b = blocked(bh, bl, true);
         Array ys = Array::empty(Shape{d.steps, d.rows, d.hidden});
         // What the backward pass reads besides ys: every step's gates, or nothing (recompute, or not
         // recording).
@@ -481,10 +472,10 @@ std::pair<Array, Array> gru_layer(const Array& x, const Array& wi, const Array& 
                       in_ptr(d_ys), in_ptr(d_h), out_ptr(dx), out_ptr(dwi), out_ptr(dwh), out_ptr(dbi), out_ptr(dbh),
                       out_ptr(dh0)});
         if (cot.needs(0)) cot.set(0, std::move(dx));
-        if (cot.needs(1)) cot.set(1, gru_blocked(dwi, d.hidden, false));
-        if (cot.needs(2)) cot.set(2, gru_blocked(dbi, d.hidden, false));
-        if (cot.needs(3)) cot.set(3, gru_blocked(dwh, d.hidden, false));
-        if (cot.needs(4)) cot.set(4, gru_blocked(dbh, d.hidden, false));
+        if (cot.needs(1)) cot.set(1, blocked(dwi, gk::blocks_of(d.hidden), false));
+        if (cot.needs(2)) cot.set(2, blocked(dbi, gk::blocks_of(d.hidden), false));
+        if (cot.needs(3)) cot.set(3, blocked(dwh, gk::blocks_of(d.hidden), false));
+        if (cot.needs(4)) cot.set(4, blocked(dbh, gk::blocks_of(d.hidden), false));
         if (cot.needs(5)) cot.set(5, std::move(dh0));
       }));
   return {std::move(out[0]), std::move(out[1])};
