@@ -1,8 +1,14 @@
-// Internal: the derivatives of the activations, as Eigen array expressions on float32 runs, shared
-// by the activation ops' backward rules (elementwise.cpp) and the fused linear op's backward pass
-// (linear.cpp), so both compute every element the same way, bit for bit. `v` is what the op keeps:
-// the input for gelu and silu, the output for relu, tanh and sigmoid. Not installed (pulls in Eigen).
+// Internal: the activations' values and derivatives as Eigen array expressions on float32 runs,
+// shared by the activation ops (elementwise.cpp) and the fused linear op (linear.cpp), so every path
+// computes each element the same way, bit for bit. Not installed (pulls in Eigen).
+//
+// relu, tanh and sigmoid take their derivative from their output. gelu (both forms) and silu take it
+// from their input, through the transcendental their value also needs: `value_and_derivative`
+// computes both from one evaluation of it, so the fused linear op can keep the derivative instead of
+// the pre-activation and its backward pass is a product (no second tanh, erf or exp).
 #pragma once
+
+#include <linum/core/ops/linear.hpp>
 
 #include <Eigen/Core>
 #include <unsupported/Eigen/SpecialFunctions>
@@ -17,28 +23,71 @@ constexpr float kGeluCoeff = 0.044715f;
 constexpr float kInvSqrt2 = 0.7071067811865476f;
 constexpr float kInvSqrt2Pi = 0.3989422804014327f;
 
-// Coefficient-wise expressions (the result may be written over g):
+// ---- from the output: g * act'(x) as an expression (the result may be written over g) ----------
 // g * relu'(x) from y = relu(x): y > 0 exactly where x > 0 (gradient 0 at 0, as jax.nn.relu).
 inline auto relu_grad(const CVec& g, const CVec& y) { return (y > 0.0f).select(g, 0.0f); }
 // g * tanh'(x) from y = tanh(x).
 inline auto tanh_grad(const CVec& g, const CVec& y) { return g * (1.0f - y.square()); }
 // g * sigmoid'(x) from y = sigmoid(x).
 inline auto sigmoid_grad(const CVec& g, const CVec& y) { return g * y * (1.0f - y); }
-// g * gelu'(x), with erf.
-inline auto gelu_erf_grad(const CVec& g, const CVec& v) {
-  return g * (0.5f * ((v * kInvSqrt2).erf() + 1.0f) + v * kInvSqrt2Pi * (-0.5f * v.square()).exp());
+
+// ---- from the input: each activation's shared term u, its value and its derivative from (x, u) ---
+// gelu, tanh approximation: u = tanh(sqrt(2/pi) (x + 0.044715 x^3)).
+inline auto gelu_tanh_term(const CVec& v) { return (kSqrt2OverPi * (v + kGeluCoeff * v.cube())).tanh(); }
+inline auto gelu_tanh_value(const CVec& v, const CVec& u) { return v * (0.5f * (1.0f + u)); }
+inline auto gelu_tanh_derivative(const CVec& v, const CVec& u) {
+  return 0.5f * (1.0f + u) + 0.5f * v * (1.0f - u.square()) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCoeff * v.square());
+}
+// gelu with erf: u = erf(x / sqrt(2)).
+inline auto gelu_erf_term(const CVec& v) { return (v * kInvSqrt2).erf(); }
+inline auto gelu_erf_value(const CVec& v, const CVec& u) { return v * (u + 1.0f) * 0.5f; }
+inline auto gelu_erf_derivative(const CVec& v, const CVec& u) {
+  return 0.5f * (u + 1.0f) + v * kInvSqrt2Pi * (-0.5f * v.square()).exp();
+}
+// silu: u = sigmoid(x).
+inline auto silu_term(const CVec& v) { return v.logistic(); }
+inline auto silu_value(const CVec& v, const CVec& u) { return v * u; }
+inline auto silu_derivative(const CVec& v, const CVec& u) { return u * (1.0f + v * (1.0f - u)); }
+
+// Whether act's derivative is computed from its input (gelu, gelu_exact, silu).
+constexpr bool derivative_from_input(Activation act) {
+  return act == Activation::gelu || act == Activation::gelu_exact || act == Activation::silu;
 }
 
-// Written into out, which must not alias g:
-// out = g * gelu'(x), the tanh approximation.
-inline void gelu_tanh_grad(const CVec& g, const CVec& v, OVec& out) {
-  out = (kSqrt2OverPi * (v + kGeluCoeff * v.cube())).tanh();  // t, then the gradient in place
-  out = g * (0.5f * (1.0f + out) + 0.5f * v * (1.0f - out.square()) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCoeff * v.square()));
+// For an activation whose derivative reads its input: y = act(x) and/or d = act'(x) (either pointer
+// may be null), p floats each, from one evaluation of the shared term into `u` (p floats of scratch,
+// not aliasing x). d may be x's own memory or u's (each element is read before it is written).
+inline void value_and_derivative(Activation act, const float* x, float* y, float* d, float* u, std::int64_t p) {
+  const CVec v(x, p);
+  OVec uo(u, p);
+  const CVec uc(u, p);
+  auto both = [&](auto term, auto value, auto derivative) {
+    uo = term(v);
+    if (y != nullptr) OVec(y, p) = value(v, uc);
+    if (d != nullptr) OVec(d, p) = derivative(v, uc);
+  };
+  switch (act) {
+    case Activation::gelu:
+      both([](const CVec& v) { return gelu_tanh_term(v); }, [](const CVec& v, const CVec& u) { return gelu_tanh_value(v, u); },
+           [](const CVec& v, const CVec& u) { return gelu_tanh_derivative(v, u); });
+      break;
+    case Activation::gelu_exact:
+      both([](const CVec& v) { return gelu_erf_term(v); }, [](const CVec& v, const CVec& u) { return gelu_erf_value(v, u); },
+           [](const CVec& v, const CVec& u) { return gelu_erf_derivative(v, u); });
+      break;
+    case Activation::silu:
+      both([](const CVec& v) { return silu_term(v); }, [](const CVec& v, const CVec& u) { return silu_value(v, u); },
+           [](const CVec& v, const CVec& u) { return silu_derivative(v, u); });
+      break;
+    default: break;  // the others take their derivative from the output
+  }
 }
-// out = g * silu'(x).
-inline void silu_grad(const CVec& g, const CVec& v, OVec& out) {
-  out = v.logistic();  // sigmoid(x), then the gradient in place
-  out = g * out * (1.0f + v * (1.0f - out));
+
+// out = g * act'(x) for an activation whose derivative reads its input x: the derivative (through
+// `out` as scratch), then the product. out must alias neither g nor x.
+inline void grad_from_input(Activation act, const CVec& g, const CVec& v, OVec& out) {
+  value_and_derivative(act, v.data(), nullptr, out.data(), out.data(), v.size());  // u, then d over it
+  out = g * out;
 }
 
 }  // namespace linum::ops::detail::activation_math

@@ -35,13 +35,16 @@ using OVec = Eigen::Map<Eigen::ArrayXf>;
 // and bf16 results rounded back per chunk, so a bf16 op reads and writes 2 bytes per element and
 // equals the float32 op rounded once. float32 operands are used in place (no copies).
 
+using ops::detail::commit_padded;
 using ops::detail::f32_at;
 using ops::detail::f32_commit;
 using ops::detail::f32_target;
 using ops::detail::f32_view;
 using ops::detail::for_chunks;
 using ops::detail::kChunk;
+using ops::detail::padded_view;
 using ops::detail::require_float;
+using ops::detail::whole_packets;
 
 // The dtype of a binary op's result under JAX's promotion rules (weak scalars adopt the other side).
 DType result_dtype(const Array& a, const Array& b) {
@@ -167,36 +170,8 @@ Array binary_kernel(const Array& a, const Array& b, const char* op, F f, std::op
   return out;
 }
 
-// Position independence: Eigen computes whole SIMD packets with one formula and a ragged tail with
-// another (scalar std::exp vs its packet exp, say), which round differently. So the kernels below
-// hand Eigen only whole packets from 64-byte-aligned addresses, padding the last chunk: every element
-// takes the same path wherever it sits, and an op on a batch of examples (vmap) computes each one
-// bitwise as on that example alone.
-constexpr std::int64_t kLanes = 16;  // a multiple of every packet width (AVX-512: 16 floats)
-inline std::int64_t whole_packets(std::int64_t c) { return (c + kLanes - 1) / kLanes * kLanes; }
-
-// `src` (c floats) as a padded run of whole_packets(c) floats: `src` itself when c is already whole,
-// else copied into `scratch` (aligned, kChunk floats) and padded with copies of its first element.
-inline const float* padded_view(const float* src, std::int64_t c, float* scratch) {
-  const std::int64_t p = whole_packets(c);
-  if (p == c) return src;
-  if (src != scratch) std::memcpy(scratch, src, static_cast<std::size_t>(c) * sizeof(float));
-  for (std::int64_t i = c; i < p; ++i) scratch[i] = scratch[0];
-  return scratch;
-}
-
-// Writes the first c of `computed` into out at s (a no-op when it is out's own memory).
-inline void commit_padded(Array& out, std::int64_t s, std::int64_t c, const float* computed) {
-  if (out.dtype() == DType::f32) {
-    float* dst = static_cast<float*>(out.mutable_raw()) + s;
-    if (dst != computed) std::memcpy(dst, computed, static_cast<std::size_t>(c) * sizeof(float));
-  } else {
-    f32_commit(out, s, c, computed);
-  }
-}
-
-// out = f(x) using Eigen's vectorised array expressions: f(CVec in) -> expression. The result has
-// x's dtype.
+// out = f(x) using Eigen's vectorised array expressions: f(CVec in) -> expression, or f(CVec in,
+// OVec& out) writing the chunk itself. The result has x's dtype.
 template <class F>
 Array unary_kernel(const Array& x, const char* op, F f) {
   require_float(x, op);
@@ -206,7 +181,12 @@ Array unary_kernel(const Array& x, const char* op, F f) {
     const std::int64_t p = whole_packets(c);
     const float* px = padded_view(f32_view(x, s, c, sx), c, sx);
     float* po = p == c ? f32_target(out, s, so) : so;
-    OVec(po, p) = f(CVec(px, p));
+    if constexpr (std::is_invocable_v<F&, const CVec&, OVec&>) {
+      OVec o(po, p);
+      f(CVec(px, p), o);
+    } else {
+      OVec(po, p) = f(CVec(px, p));
+    }
     commit_padded(out, s, c, po);
   });
   return out;
@@ -592,40 +572,45 @@ using activation_math::kInvSqrt2;
 using activation_math::kInvSqrt2Pi;
 using activation_math::kSqrt2OverPi;
 
+// gelu and silu take their derivative from their input, through the term their value also needs
+// (activation_math::value_and_derivative): the forward kernel writes y = act(x), the backward rule
+// g * act'(x), with the same bits as the fused linear op's value and kept derivative.
+template <Activation A>
+void activation_value(const CVec& v, OVec& y) {
+  alignas(64) float u[kChunk];
+  activation_math::value_and_derivative(A, v.data(), y.data(), nullptr, u, v.size());
+}
+template <Activation A>
+void activation_grad(const CVec& g, const CVec& v, OVec& out) {
+  activation_math::grad_from_input(A, g, v, out);
+}
+
 Array gelu(const Array& x, bool approximate) {
   if (approximate)
-    return unary_op("gelu", x, Keep::input,
-                    [](const CVec& v) { return v * (0.5f * (1.0f + (kSqrt2OverPi * (v + kGeluCoeff * v.cube())).tanh())); },
-                    [](Cotangents& c, autodiff::Saved s) {
-                      c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v, OVec& out) {
-                              activation_math::gelu_tanh_grad(g, v, out);
-                            }, [](const Array& g, const Array& x) {
-                              const Array x2 = square(x);
-                              const Array t = tanh(mul(scalar(kSqrt2OverPi), add(x, mul(scalar(kGeluCoeff), mul(x, x2)))));
-                              const Array d = add(mul(scalar(0.5f), add(scalar(1.0f), t)),
-                                                  mul(mul(mul(scalar(0.5f * kSqrt2OverPi), x), sub(scalar(1.0f), square(t))),
-                                                      add(scalar(1.0f), mul(scalar(3.0f * kGeluCoeff), x2))));
-                              return mul(g, d);
-                            }));
-                    });
-  return unary_op("gelu", x, Keep::input, [](const CVec& v) { return v * ((v * kInvSqrt2).erf() + 1.0f) * 0.5f; },
-                  [](Cotangents& c, autodiff::Saved s) {
-                    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) {
-                            return activation_math::gelu_erf_grad(g, v);
-                          }, [](const Array& g, const Array& x) {
-                            const Array d = add(mul(scalar(0.5f), add(erf(mul(x, scalar(kInvSqrt2))), scalar(1.0f))),
-                                                mul(mul(x, scalar(kInvSqrt2Pi)), exp(mul(scalar(-0.5f), square(x)))));
-                            return mul(g, d);
-                          }));
-                  });
+    return unary_op("gelu", x, Keep::input, activation_value<Activation::gelu>, [](Cotangents& c, autodiff::Saved s) {
+      c.set(0, pointwise_grad(c, s[0], activation_grad<Activation::gelu>, [](const Array& g, const Array& x) {
+              const Array x2 = square(x);
+              const Array t = tanh(mul(scalar(kSqrt2OverPi), add(x, mul(scalar(kGeluCoeff), mul(x, x2)))));
+              const Array d = add(mul(scalar(0.5f), add(scalar(1.0f), t)),
+                                  mul(mul(mul(scalar(0.5f * kSqrt2OverPi), x), sub(scalar(1.0f), square(t))),
+                                      add(scalar(1.0f), mul(scalar(3.0f * kGeluCoeff), x2))));
+              return mul(g, d);
+            }));
+    });
+  return unary_op("gelu", x, Keep::input, activation_value<Activation::gelu_exact>, [](Cotangents& c, autodiff::Saved s) {
+    c.set(0, pointwise_grad(c, s[0], activation_grad<Activation::gelu_exact>, [](const Array& g, const Array& x) {
+            const Array d = add(mul(scalar(0.5f), add(erf(mul(x, scalar(kInvSqrt2))), scalar(1.0f))),
+                                mul(mul(x, scalar(kInvSqrt2Pi)), exp(mul(scalar(-0.5f), square(x)))));
+            return mul(g, d);
+          }));
+  });
 }
 
 Array silu(const Array& x) {
-  return unary_op("silu", x, Keep::input, [](const CVec& v) { return v * v.logistic(); }, [](Cotangents& c, autodiff::Saved s) {
-    c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v, OVec& out) { activation_math::silu_grad(g, v, out); },
-          [](const Array& g, const Array& x) {
+  return unary_op("silu", x, Keep::input, activation_value<Activation::silu>, [](Cotangents& c, autodiff::Saved s) {
+    c.set(0, pointwise_grad(c, s[0], activation_grad<Activation::silu>, [](const Array& g, const Array& x) {
             const Array sg = sigmoid(x);
-            return mul(mul(g, sg), add(scalar(1.0f), mul(x, sub(scalar(1.0f), sg))));
+            return mul(g, mul(sg, add(scalar(1.0f), mul(x, sub(scalar(1.0f), sg)))));
           }));
   });
 }

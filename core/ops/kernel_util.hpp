@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <new>
 #include <cstdint>
 #include <string>
@@ -110,6 +111,34 @@ void for_chunks(std::int64_t n, F&& f) {
     for (std::int64_t x = s; x < s + c; x += kChunk) f(x, std::min(kChunk, s + c - x));
   });
 }
+// Position independence: Eigen computes whole SIMD packets with one formula and a ragged tail with
+// another (scalar std::exp vs its packet exp, say), which round differently. So the elementwise
+// kernels hand Eigen only whole packets from 64-byte-aligned addresses, padding the last chunk:
+// every element takes the same path wherever it sits, and an op on a batch of examples (vmap)
+// computes each one bitwise as on that example alone.
+constexpr std::int64_t kLanes = 16;  // a multiple of every packet width (AVX-512: 16 floats)
+inline std::int64_t whole_packets(std::int64_t c) { return (c + kLanes - 1) / kLanes * kLanes; }
+
+// `src` (c floats) as a padded run of whole_packets(c) floats: `src` itself when c is already whole,
+// else copied into `scratch` (aligned, kChunk floats) and padded with copies of its first element.
+inline const float* padded_view(const float* src, std::int64_t c, float* scratch) {
+  const std::int64_t p = whole_packets(c);
+  if (p == c) return src;
+  if (src != scratch) std::memcpy(scratch, src, static_cast<std::size_t>(c) * sizeof(float));
+  for (std::int64_t i = c; i < p; ++i) scratch[i] = scratch[0];
+  return scratch;
+}
+
+// Writes the first c of `computed` into out at s (a no-op when it is out's own memory).
+inline void commit_padded(Array& out, std::int64_t s, std::int64_t c, const float* computed) {
+  if (out.dtype() == DType::f32) {
+    float* dst = static_cast<float*>(out.mutable_raw()) + s;
+    if (dst != computed) std::memcpy(dst, computed, static_cast<std::size_t>(c) * sizeof(float));
+  } else {
+    f32_commit(out, s, c, computed);
+  }
+}
+
 // Throws ShapeError unless `a` is defined.
 void require_defined(const Array& a, const char* op);
 

@@ -1,6 +1,7 @@
 // The fused dense layer (linear.hpp): one primitive whose forward is a product with the bias in its
-// epilogue followed by the activation, and whose backward rule passes over the cotangent once
-// (activation derivative and bias sum together) before the two products.
+// epilogue followed by the activation (gelu and silu compute their derivative in the same pass and
+// keep it), and whose backward rule passes over the cotangent once (the derivative's product and
+// the bias sum together) before the two products.
 #include <linum/core/ops/linear.hpp>
 
 #include <linum/core/autodiff/primitive.hpp>
@@ -28,6 +29,7 @@ namespace linum {
 namespace {
 
 namespace am = ops::detail::activation_math;
+namespace od = ops::detail;
 using autodiff::Cotangents;
 using autodiff::Residuals;
 
@@ -41,41 +43,72 @@ constexpr std::array<std::pair<Activation, std::string_view>, 7> kNames{{
     {Activation::sigmoid, "sigmoid"},
 }};
 
-// Whether the backward pass reads the activation's input (else its output), as the op alone keeps.
-bool derivative_from_input(Activation act) {
-  return act == Activation::gelu || act == Activation::gelu_exact || act == Activation::silu;
-}
-
 // Rows per block of the backward pass: each block sums its rows' cotangents per column in row order,
 // and the blocks' sums are added in block order, so the bias gradient's bits depend on the shape
 // alone (not on the threads).
 constexpr std::int64_t kRowsPerBlock = 64;
-// Row runs are padded to whole packets of this many floats (AVX-512: 16), as elementwise.cpp pads.
-constexpr std::int64_t kLanes = 16;
-
-// One row of g2 = g * act'(v) in float32 (n floats, padded to whole packets in the scratch runs).
+// One row of g2 = g * act'(x) in float32 (n floats, padded to whole packets in the scratch runs),
+// from what the op keeps: act'(x) itself for the activations whose derivative reads their input
+// (computed in the forward pass with their value), the output for the others.
 void derivative_row(Activation act, const float* g, const float* v, float* out, std::int64_t n) {
   const am::CVec G(g, n), V(v, n);
   am::OVec O(out, n);
   switch (act) {
     case Activation::none: O = G; break;
     case Activation::relu: O = am::relu_grad(G, V); break;
-    case Activation::gelu: am::gelu_tanh_grad(G, V, O); break;
-    case Activation::gelu_exact: O = am::gelu_erf_grad(G, V); break;
-    case Activation::silu: am::silu_grad(G, V, O); break;
+    case Activation::gelu:
+    case Activation::gelu_exact:
+    case Activation::silu: O = G * V; break;
     case Activation::tanh: O = am::tanh_grad(G, V); break;
     case Activation::sigmoid: O = am::sigmoid_grad(G, V); break;
   }
 }
 
-// Row r of a float array, n wide, as float32 in `scratch` (padded with copies of its first element
-// to p floats, as the elementwise kernels pad a chunk, so every element takes the vectorised path).
-const float* row_f32(const Array& a, std::int64_t r, std::int64_t n, std::int64_t p, float* scratch) {
-  const float* src = ops::detail::f32_view(a, r * n, n, scratch);
-  if (p == n) return src;
-  if (src != scratch) std::memcpy(scratch, src, static_cast<std::size_t>(n) * sizeof(float));
-  for (std::int64_t i = n; i < p; ++i) scratch[i] = scratch[0];
-  return scratch;
+// Row r of a float array, n wide, as float32 in `scratch` (padded to whole packets, as the
+// elementwise kernels pad a chunk, so every element takes the vectorised path).
+const float* row_f32(const Array& a, std::int64_t r, std::int64_t n, float* scratch) {
+  return od::padded_view(od::f32_view(a, r * n, n, scratch), n, scratch);
+}
+
+// y = act(z) and d = act'(z) in one pass, for an activation whose derivative reads its input (the
+// same bits as the activation op's value and its backward rule's derivative); d is written over z
+// when no other array shares z's buffer.
+std::pair<Array, Array> value_and_derivative(Array z, Activation act) {
+  Array y = Array::empty(z.shape(), z.dtype());
+  Array d = z.owns_buffer_alone() ? z : Array::empty(z.shape(), z.dtype());
+  od::for_chunks(z.numel(), [&](std::int64_t s, std::int64_t c) {
+    alignas(64) float sz[od::kChunk], sy[od::kChunk], sd[od::kChunk], u[od::kChunk];
+    const std::int64_t p = od::whole_packets(c);
+    const float* pz = od::padded_view(od::f32_view(z, s, c, sz), c, sz);
+    float* py = p == c ? od::f32_target(y, s, sy) : sy;
+    float* pd = p == c ? od::f32_target(d, s, sd) : sd;
+    am::value_and_derivative(act, pz, py, pd, u, p);
+    od::commit_padded(y, s, c, py);
+    od::commit_padded(d, s, c, pd);
+  });
+  return {std::move(y), std::move(d)};
+}
+
+// One row of g2 = g * d for an activation whose derivative d was kept, straight from storage of one
+// dtype T (g2 may be g's own memory) and, with Sum, added to the bias sums `acc`: derivative_row's
+// product and the general path's sums in one loop, with the same roundings.
+template <class T, bool Sum>
+void product_row(const T* g, const T* d, T* out, float* acc, std::int64_t n) {
+#pragma GCC ivdep  // out may be g itself: element j is read before it is written, no other overlap
+  for (std::int64_t j = 0; j < n; ++j) {
+    const float o = static_cast<float>(g[j]) * static_cast<float>(d[j]);
+    if constexpr (Sum) acc[j] += o;
+    out[j] = T(o);
+  }
+}
+
+template <class T>
+void product_row(const Array& g, const Array& d, Array& g2, float* acc, std::int64_t r, std::int64_t n) {
+  const T* gr = static_cast<const T*>(g.raw()) + r * n;
+  const T* dr = static_cast<const T*>(d.raw()) + r * n;
+  T* out = static_cast<T*>(g2.mutable_raw()) + r * n;
+  if (acc != nullptr) product_row<T, true>(gr, dr, out, acc, n);
+  else product_row<T, false>(gr, dr, out, nullptr, n);
 }
 
 // The backward pass over the cotangent g [M, N]: g2 = g * act'(v) (g itself for none; written over
@@ -84,10 +117,12 @@ const float* row_f32(const Array& a, std::int64_t r, std::int64_t n, std::int64_
 // read the rounded g2).
 std::pair<Array, Array> cotangent_pass(Array g, const Array& v, Activation act, std::optional<DType> bias_dtype, bool in_place) {
   const std::int64_t n = g.dim(-1), m = n == 0 ? 0 : g.numel() / n;
-  const std::int64_t p = (n + kLanes - 1) / kLanes * kLanes;
+  const std::int64_t p = od::whole_packets(n);
   const bool write = act != Activation::none;
   if (!write && !bias_dtype) return {std::move(g), Array()};  // nothing to compute
   Array g2 = !write ? g : in_place ? g : Array::empty(g.shape(), g.dtype());
+  // The kept derivative's product, in one loop per row from storage when g and v share a dtype.
+  const bool product = am::derivative_from_input(act) && v.dtype() == g.dtype();
   const std::int64_t blocks = (m + kRowsPerBlock - 1) / kRowsPerBlock;
   // The blocks' column sums (an Array: counted by memory accounting and the remat planner).
   Array partial = bias_dtype ? Array::empty(Shape{blocks, n}, DType::f32) : Array();
@@ -113,10 +148,15 @@ std::pair<Array, Array> cotangent_pass(Array g, const Array& v, Activation act, 
     if (acc != nullptr) std::fill(acc, acc + n, 0.0f);
     const std::int64_t end = std::min(m, (b + 1) * kRowsPerBlock);
     for (std::int64_t r = b * kRowsPerBlock; r < end; ++r) {
-      const float* gr = row_f32(g, r, n, p, sg);
+      if (product) {
+        if (g.dtype() == DType::bf16) product_row<bfloat16>(g, v, g2, acc, r, n);
+        else product_row<float>(g, v, g2, acc, r, n);
+        continue;
+      }
+      const float* gr = row_f32(g, r, n, sg);
       const float* out = gr;
       if (write) {
-        derivative_row(act, gr, row_f32(v, r, n, p, sv), so, p);
+        derivative_row(act, gr, row_f32(v, r, n, sv), so, p);
         out = so;
         if (g2.dtype() == DType::f32) std::memcpy(g2.mutable_data() + r * n, so, static_cast<std::size_t>(n) * sizeof(float));
         else ops::detail::f32_commit(g2, r * n, n, so);
@@ -205,12 +245,19 @@ Array linear(const Array& x_in, const Array& kernel_in, const Array& bias_in, Ac
   const bool has_bias = bias.defined();
   auto forward = [&](Residuals& r) {
     Array z = has_bias ? kernels::gemm_bias(x2, kernel, bias) : kernels::batched_gemm(x2, kernel, false, false);
-    // Recording is off here: the activation's kernel alone. The output at its own shape, so a kept
-    // output is recognised as the op's output (remat policies, saved-value hooks).
-    const Array y = activate(z, act).with_shape(out_shape);
+    // The output at its own shape, so a kept output is recognised as the op's output (remat
+    // policies, saved-value hooks). Create-graph rules recompute from x, W and b.
+    if (r.recording() && am::derivative_from_input(act)) {
+      // gelu, silu: the value and the derivative from one evaluation of the activation's term; the
+      // backward pass reads the derivative (kept in z's place) and multiplies.
+      auto [y, d] = value_and_derivative(std::move(z), act);
+      r.keep(x2, kernel, has_bias ? bias : Array(), d);
+      return y.with_shape(out_shape);
+    }
+    const Array y = activate(z, act).with_shape(out_shape);  // recording is off here: the kernel alone
     if (r.recording()) {
       if (act == Activation::none) r.keep(kernel.node() ? x2 : Array(), x2.node() ? kernel : Array());
-      else r.keep(x2, kernel, has_bias ? bias : Array(), derivative_from_input(act) ? z : y);  // create-graph rules recompute from x, W, b
+      else r.keep(x2, kernel, has_bias ? bias : Array(), y);
     }
     return y;
   };
