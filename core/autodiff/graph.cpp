@@ -55,23 +55,33 @@ const Edge& resolved(const Edge& e) {
 std::atomic<std::uint64_t> g_sweep_counter{0};
 std::atomic<std::uint64_t> g_node_counter{1};
 
-// a + b for same-shaped float arrays, into a fresh buffer: summed in float32 and rounded once to
-// the common dtype (bf16 only when both are bf16), as ops::add computes.
-Array accumulate(const Array& a_in, const Array& b_in) {
-  const DType common = a_in.dtype() == DType::bf16 && b_in.dtype() == DType::bf16 ? DType::bf16 : DType::f32;
-  const Array a = linum::detail::convert_float(a_in, DType::f32);
-  const Array b = linum::detail::convert_float(b_in, DType::f32);
-  Array out = Array::empty(a.shape());
-  const float* pa = a.data();
-  const float* pb = b.data();
-  float* po = out.mutable_data();
+// a + b for same-shaped float arrays: summed in float32 and rounded once to the common dtype (bf16
+// only when both are bf16), as ops::add computes, a chunk at a time (no widened copies of a, b or
+// the sum). With `in_place` (a running sum of cotangents), written into a's buffer when nothing
+// else refers to it.
+Array accumulate(const Array& a, const Array& b, bool in_place) {
+  const DType common = a.dtype() == DType::bf16 && b.dtype() == DType::bf16 ? DType::bf16 : DType::f32;
+  Array out = in_place && a.dtype() == common && a.owns_buffer_alone() ? a : Array::empty(a.shape(), common);
   const std::int64_t n = a.numel();
+  constexpr std::int64_t kChunk = 2048;  // elements widened at a time (on the stack)
+  const std::int64_t chunks = (n + kChunk - 1) / kChunk;
 #pragma omp parallel for if (n > (1 << 18)) schedule(static) num_threads(linum::team_size())
-  for (std::int64_t i = 0; i < n; ++i) {
-    if ((i & 16383) == 0) linum::detail::enter_compute();
-    po[i] = pa[i] + pb[i];
+  for (std::int64_t k = 0; k < chunks; ++k) {
+    if ((k & 7) == 0) linum::detail::enter_compute();
+    const std::int64_t s = k * kChunk, c = std::min(kChunk, n - s);
+    alignas(64) float sa[kChunk], sb[kChunk], so[kChunk];
+    auto widened = [&](const Array& x, float* scratch) -> const float* {
+      if (x.dtype() == DType::f32) return x.data() + s;
+      bf16_to_f32(x.data_bf16() + s, scratch, c);
+      return scratch;
+    };
+    const float* pa = widened(a, sa);
+    const float* pb = widened(b, sb);
+    float* po = common == DType::f32 ? out.mutable_data() + s : so;
+    for (std::int64_t i = 0; i < c; ++i) po[i] = pa[i] + pb[i];
+    if (common == DType::bf16) f32_to_bf16(so, out.mutable_data_bf16() + s, c);
   }
-  return common == DType::f32 ? out : linum::detail::convert_float(out, common);
+  return out;
 }
 
 // A cotangent in the dtype of the value it belongs to (a float32 parameter cast to bf16 for the
@@ -82,13 +92,13 @@ Array in_dtype(Array g, DType want) {
 }
 
 void add_into(Array& slot, Array g) {
-  slot = slot.defined() ? accumulate(slot, g) : std::move(g).detached();
+  slot = slot.defined() ? accumulate(slot, g, /*in_place=*/true) : std::move(g).detached();
 }
 
 // Create-graph mode: the same sum and dtype conversion as primitives, so that the gradient being
 // built stays differentiable (their rules are themselves differentiable: identity and conversion).
 Array accumulate_linked(const Array& a, const Array& b) {
-  return primitive("add", {&a, &b}, [&](Residuals&) { return accumulate(a, b); },
+  return primitive("add", {&a, &b}, [&](Residuals&) { return accumulate(a, b, /*in_place=*/false); },
                    higher_order([](Cotangents& c, Saved) {
                      if (c.needs(0)) c.set(0, c.out());
                      if (c.needs(1)) c.set(1, c.out());

@@ -1,7 +1,9 @@
 // Average and max pooling on NHWC images. Loops run per output pixel with the channels innermost
 // (contiguous, vectorised). avg_pool's backward needs only shapes (and, without
 // count_include_pad, one divisor per output pixel); max_pool keeps the int32 position of each
-// window's maximum (one per output, not the whole input).
+// window's maximum (one per output, not the whole input). bf16 images are read and written as they
+// are, with float32 sums per pixel (and per image for the gradients): the float32 computation
+// rounded once, without float32 copies of the images.
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/threading.hpp>
 #include <linum/core/autodiff/primitive.hpp>
@@ -13,6 +15,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <vector>
 
 namespace linum {
 namespace {
@@ -29,7 +32,7 @@ struct PoolGeometry {
 };
 
 PoolGeometry plan(const Array& x, const PoolOptions& o, const char* op) {
-  ops::detail::require_f32(x, op);
+  ops::detail::require_float(x, op);
   if (x.rank() != 4)
     throw ShapeError(detail::cat(op, ": needs an NHWC array [N, H, W, C], got shape ", x.shape(),
                                  "; add a batch axis with expand_dims(x, 0) for a single image"));
@@ -58,16 +61,55 @@ std::int64_t for_window(const PoolGeometry& G, std::int64_t p, Visit visit) {
   return valid;
 }
 
-// Runs f(p) for every output pixel, in parallel when the work is large.
+// Runs f(p, scratch) for every output pixel, in parallel when the work is large; `scratch` holds C
+// floats of the calling thread.
 template <class F>
 void for_pixels(const PoolGeometry& G, F f) {
   const std::int64_t pixels = G.out_pixels();
   [[maybe_unused]] const bool parallel = pixels * G.c * G.kh * G.kw > ops::detail::kParallelMin;
-#pragma omp parallel for schedule(static) num_threads(linum::team_size()) if (parallel)
-  for (std::int64_t p = 0; p < pixels; ++p) {
-    linum::detail::enter_compute();
-    f(p);
+#pragma omp parallel num_threads(linum::team_size()) if (parallel)
+  {
+    std::vector<float> scratch(static_cast<std::size_t>(G.c));
+#pragma omp for schedule(static)
+    for (std::int64_t p = 0; p < pixels; ++p) {
+      linum::detail::enter_compute();
+      f(p, scratch.data());
+    }
   }
+}
+
+// Runs f(n, scratch) for every image n, in parallel when the work is large (windows may overlap
+// within an image, never across images); `scratch` holds one input image (H * W * C floats) of
+// the calling thread when `image_scratch`.
+template <class F>
+void for_images(const PoolGeometry& G, bool image_scratch, F f) {
+  [[maybe_unused]] const bool parallel = G.n > 1 && G.out_pixels() * G.c * G.kh * G.kw > ops::detail::kParallelMin;
+#pragma omp parallel num_threads(linum::team_size()) if (parallel)
+  {
+    std::vector<float> scratch(image_scratch ? static_cast<std::size_t>(G.h * G.w * G.c) : 0);
+#pragma omp for schedule(static)
+    for (std::int64_t n = 0; n < G.n; ++n) {
+      linum::detail::enter_compute();
+      f(n, scratch.data());
+    }
+  }
+}
+
+// Element type T of a float array (float or bfloat16) as float32, and back (rounded once).
+template <class T>
+float wide(T v) {
+  return static_cast<float>(v);
+}
+template <class T>
+T narrow(float v) {
+  return T(v);
+}
+
+// Calls f.template operator()<T>() with T the C++ type of a float array's dtype.
+template <class F>
+decltype(auto) by_dtype(DType d, F&& f) {
+  if (d == DType::bf16) return f.template operator()<bfloat16>();
+  return f.template operator()<float>();
 }
 
 }  // namespace
@@ -82,28 +124,29 @@ Array avg_pool(const Array& x, const PoolOptions& o) {
   ops::detail::require_float(x, "avg_pool");
   if (x.batched()) [[unlikely]]  // vmap: the levels folded into the images
     return ops::batching::images(x, [&](const Array& p) { return avg_pool(p, o); });
-  if (x.dtype() == DType::bf16) return ops::detail::via_f32(x, [&](const Array& w) { return avg_pool(w, o); });
   const PoolGeometry G = plan(x, o, "avg_pool");
   const float full = static_cast<float>(G.kh * G.kw);
   return primitive("avg_pool", {&x},
     [&](Residuals& r) {
-      Array y = Array::empty(Shape{G.n, G.ph.out, G.pw.out, G.c});
+      Array y = Array::empty(Shape{G.n, G.ph.out, G.pw.out, G.c}, x.dtype());
       // Without count_include_pad, windows at the border divide by their in-bounds size.
       Array divisors = o.count_include_pad ? Array() : Array::empty(Shape{G.n, G.ph.out, G.pw.out});
-      const float* px = x.data();
-      float* py = y.mutable_data();
       float* pdiv = divisors.defined() ? divisors.mutable_data() : nullptr;
       const std::int64_t C = G.c;
-      for_pixels(G, [&](std::int64_t p) {
-        float* out = py + p * C;
-        std::fill_n(out, C, 0.0f);
-        const std::int64_t valid = for_window(G, p, [&](std::int64_t in_pixel) {
-          const float* in = px + in_pixel * C;
-          for (std::int64_t ch = 0; ch < C; ++ch) out[ch] += in[ch];
+      by_dtype(x.dtype(), [&]<class T>() {
+        const T* px = static_cast<const T*>(x.raw());
+        T* py = static_cast<T*>(y.mutable_raw());
+        for_pixels(G, [&](std::int64_t p, float* sum) {
+          std::fill_n(sum, C, 0.0f);
+          const std::int64_t valid = for_window(G, p, [&](std::int64_t in_pixel) {
+            const T* in = px + in_pixel * C;
+            for (std::int64_t ch = 0; ch < C; ++ch) sum[ch] += wide(in[ch]);
+          });
+          const float divisor = pdiv ? static_cast<float>(valid) : full;
+          if (pdiv) pdiv[p] = divisor;
+          T* out = py + p * C;
+          for (std::int64_t ch = 0; ch < C; ++ch) out[ch] = narrow<T>(sum[ch] / divisor);
         });
-        const float divisor = pdiv ? static_cast<float>(valid) : full;
-        if (pdiv) pdiv[p] = divisor;
-        for (std::int64_t ch = 0; ch < C; ++ch) out[ch] /= divisor;
       });
       r.keep(divisors);  // undefined with count_include_pad (the rule divides by `full`)
       return y;
@@ -120,32 +163,38 @@ namespace {
 Array avg_pool_transpose(const Array& g, const PoolGeometry& G, float full, const Shape& xs, const Array& divisors,
                          const PoolOptions& o) {
   return primitive("avg_pool_transpose", {&g},
-                   [&](Residuals&) { return avg_pool_backward(astype(g, DType::f32), G, full, xs, divisors); },
+                   [&](Residuals&) { return avg_pool_backward(g, G, full, xs, divisors); },
                    higher_order([o](Cotangents& c, autodiff::Saved) { c.set(0, avg_pool(c.out(), o)); }));
 }
-}  // namespace
 
-namespace {
+// dx in g's dtype: each image's sums in float32 (in dx itself for float32, else in a per-thread
+// image of scratch), rounded once.
 Array avg_pool_backward(const Array& g, const PoolGeometry& G, float full, const Shape& xs, const Array& divisors) {
-      Array dx = Array::zeros(xs);
-      float* pd = dx.mutable_data();
-      const float* pg = g.data();
-      const float* pdiv = divisors.defined() ? divisors.data() : nullptr;
-      const std::int64_t C = G.c, per_image = G.ph.out * G.pw.out;
-      // Windows may overlap within an image but never across images: one image per thread.
-#pragma omp parallel for schedule(static) num_threads(linum::team_size()) if (G.n > 1 && G.out_pixels() * C * G.kh * G.kw > ops::detail::kParallelMin)
-      for (std::int64_t n = 0; n < G.n; ++n) {
-        linum::detail::enter_compute();
-        for (std::int64_t p = n * per_image; p < (n + 1) * per_image; ++p) {
-          const float inv = 1.0f / (pdiv ? pdiv[p] : full);
-          const float* gp = pg + p * C;
-          for_window(G, p, [&](std::int64_t in_pixel) {
-            float* d = pd + in_pixel * C;
-            for (std::int64_t ch = 0; ch < C; ++ch) d[ch] += gp[ch] * inv;
-          });
-        }
+  ops::detail::require_float(g, "avg_pool");
+  const bool f32 = g.dtype() == DType::f32;
+  Array dx = f32 ? Array::zeros(xs) : Array::empty(xs, g.dtype());
+  const float* pdiv = divisors.defined() ? divisors.data() : nullptr;
+  const std::int64_t C = G.c, per_image = G.ph.out * G.pw.out, image = G.h * G.w * C;
+  by_dtype(g.dtype(), [&]<class T>() {
+    const T* pg = static_cast<const T*>(g.raw());
+    T* pd = static_cast<T*>(dx.mutable_raw());
+    for_images(G, !f32, [&](std::int64_t n, float* scratch) {
+      float* sums = f32 ? reinterpret_cast<float*>(pd) + n * image : scratch;
+      if (!f32) std::fill_n(sums, image, 0.0f);
+      const std::int64_t first_pixel = n * G.h * G.w;
+      for (std::int64_t p = n * per_image; p < (n + 1) * per_image; ++p) {
+        const float inv = 1.0f / (pdiv ? pdiv[p] : full);
+        const T* gp = pg + p * C;
+        for_window(G, p, [&](std::int64_t in_pixel) {
+          float* d = sums + (in_pixel - first_pixel) * C;
+          for (std::int64_t ch = 0; ch < C; ++ch) d[ch] += wide(gp[ch]) * inv;
+        });
       }
-      return dx;
+      if (!f32)
+        for (std::int64_t i = 0; i < image; ++i) pd[n * image + i] = narrow<T>(sums[i]);
+    });
+  });
+  return dx;
 }
 }  // namespace
 
@@ -153,30 +202,32 @@ Array max_pool(const Array& x, const PoolOptions& o) {
   ops::detail::require_float(x, "max_pool");
   if (x.batched()) [[unlikely]]  // vmap: the levels folded into the images
     return ops::batching::images(x, [&](const Array& p) { return max_pool(p, o); });
-  if (x.dtype() == DType::bf16) return ops::detail::via_f32(x, [&](const Array& w) { return max_pool(w, o); });
   const PoolGeometry G = plan(x, o, "max_pool");
   if (x.numel() > std::numeric_limits<std::int32_t>::max())
     throw ShapeError(detail::cat("max_pool: input of shape ", x.shape(), " is too large (more than 2^31 elements)"));
   return primitive("max_pool", {&x},
     [&](Residuals& r) {
-      Array y = Array::empty(Shape{G.n, G.ph.out, G.pw.out, G.c});
+      Array y = Array::empty(Shape{G.n, G.ph.out, G.pw.out, G.c}, x.dtype());
       Array where = Array::empty(y.shape(), DType::i32);  // flat input index of each maximum
-      const float* px = x.data();
-      float* py = y.mutable_data();
       std::int32_t* pw = where.mutable_data_i32();
       const std::int64_t C = G.c;
-      for_pixels(G, [&](std::int64_t p) {
-        float* out = py + p * C;
-        std::int32_t* arg = pw + p * C;
-        std::fill_n(out, C, -std::numeric_limits<float>::infinity());
-        std::fill_n(arg, C, -1);
-        for_window(G, p, [&](std::int64_t in_pixel) {
-          const float* in = px + in_pixel * C;
-          for (std::int64_t ch = 0; ch < C; ++ch)
-            if (in[ch] > out[ch] || arg[ch] < 0) {  // the first maximum wins ties
-              out[ch] = in[ch];
-              arg[ch] = static_cast<std::int32_t>(in_pixel * C + ch);
-            }
+      by_dtype(x.dtype(), [&]<class T>() {
+        const T* px = static_cast<const T*>(x.raw());
+        T* py = static_cast<T*>(y.mutable_raw());
+        for_pixels(G, [&](std::int64_t p, float* best) {
+          std::int32_t* arg = pw + p * C;
+          std::fill_n(best, C, -std::numeric_limits<float>::infinity());
+          std::fill_n(arg, C, -1);
+          for_window(G, p, [&](std::int64_t in_pixel) {
+            const T* in = px + in_pixel * C;
+            for (std::int64_t ch = 0; ch < C; ++ch)
+              if (wide(in[ch]) > best[ch] || arg[ch] < 0) {  // the first maximum wins ties
+                best[ch] = wide(in[ch]);
+                arg[ch] = static_cast<std::int32_t>(in_pixel * C + ch);
+              }
+          });
+          T* out = py + p * C;
+          for (std::int64_t ch = 0; ch < C; ++ch) out[ch] = narrow<T>(best[ch]);  // exact: best is an input element
         });
       });
       r.keep(where);
@@ -185,21 +236,27 @@ Array max_pool(const Array& x, const PoolOptions& o) {
     higher_order([xs = x.shape()](Cotangents& c, autodiff::Saved s) {
       if (autodiff::creating_graph()) {  // the same scatter-add as an op (the positions are constants)
         const Array pos = s[0].detached();
-        const Array flat = reshape(c.out(), {pos.numel()});
+        const DType dtype = c.out().dtype();  // summed in float32 (windows may overlap), rounded once
+        const Array flat = reshape(astype(c.out(), DType::f32), {pos.numel()});
         std::vector<std::int32_t> idx = pos.to_vector_i32();
         const bool any_empty = std::any_of(idx.begin(), idx.end(), [](std::int32_t i) { return i < 0; });
         std::vector<float> valid(idx.size());
         for (std::size_t k = 0; k < idx.size(); ++k) valid[k] = idx[k] >= 0 ? 1.0f : 0.0f, idx[k] = std::max(idx[k], 0);
         const Array g = any_empty ? where(Array::from(Shape{pos.numel()}, valid), flat, Array::scalar(0.0f)) : flat;
-        return c.set(0, reshape(ops::detail::take_add(g, Array::from_i32(Shape{pos.numel()}, idx), Shape{xs.numel()}, 0), xs.vec()));
+        const Array dx = reshape(ops::detail::take_add(g, Array::from_i32(Shape{pos.numel()}, idx), Shape{xs.numel()}, 0), xs.vec());
+        return c.set(0, astype(dx, dtype));
       }
+      // The sums in float32 (windows may overlap), rounded once into g's dtype.
+      const Array& g = c.out();
       Array dx = Array::zeros(xs);
       float* pd = dx.mutable_data();
-      const float* pg = c.out().data();
       const std::int32_t* pi = s[0].data_i32();
-      for (std::int64_t k = 0; k < s[0].numel(); ++k)
-        if (pi[k] >= 0) pd[pi[k]] += pg[k];
-      c.set(0, dx);
+      by_dtype(g.dtype(), [&]<class T>() {
+        const T* pg = static_cast<const T*>(g.raw());
+        for (std::int64_t k = 0; k < s[0].numel(); ++k)
+          if (pi[k] >= 0) pd[pi[k]] += wide(pg[k]);
+      });
+      c.set(0, g.dtype() == DType::f32 ? dx : astype(dx, g.dtype()));
     }));
 }
 

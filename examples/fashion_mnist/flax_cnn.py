@@ -10,7 +10,10 @@ nn.remat, as the example's default. The learning rate halves every epoch, smooth
 (optax.exponential_decay), as the example's schedule. --limit N trains on the first N training
 images (a quick check). XLA's CPU backend uses every core it sees. Prints progress lines and, last,
 one JSON object: {"peer", "dtype", "remat", "test_accuracy", "epochs", "seconds_per_epoch",
-"compile_s"} (seconds_per_epoch leaves out the first step's tracing and compilation, compile_s).
+"compile_s", "xla_temp_bytes", "xla_temp_bytes_plain"} (seconds_per_epoch leaves out the first
+step's tracing and compilation, compile_s; xla_temp_bytes are the temporary buffers, activations and
+workspace, XLA's buffer assignment gives the compiled gradient of one batch's loss, with --remat and
+without: the peer of the example's peak_activation_bytes).
 """
 import argparse
 import gzip
@@ -107,6 +110,23 @@ def step(params, batch_stats, opt_state, x, y):
     return optax.apply_updates(params, changes), updates["batch_stats"], opt_state, value
 
 
+def grad_temp_bytes(remat):
+    """XLA's temporary bytes for the compiled gradient of one batch's loss (no optimizer update)."""
+    saved, a.remat = a.remat, remat  # ResNet reads a.remat when it is traced (nn.remat renames the scopes)
+    v = model.init(jax.random.key(a.seed), jnp.zeros((1, 28, 28, 1)), False)
+
+    def loss(p, x, y):
+        logits, _ = model.apply({"params": p, "batch_stats": v["batch_stats"]}, x, True, mutable=["batch_stats"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean()
+
+    compiled = jax.jit(jax.grad(loss)).lower(v["params"], xtr[: a.batch], ytr[: a.batch]).compile()
+    a.remat = saved
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+memory = {"xla_temp_bytes": grad_temp_bytes(a.remat), "xla_temp_bytes_plain": grad_temp_bytes("none")}
+
+
 @jax.jit
 def predict(params, batch_stats, x):
     return model.apply({"params": params, "batch_stats": batch_stats}, x, False).argmax(-1)
@@ -131,4 +151,4 @@ for epoch in range(a.epochs):
 hits = sum(int((predict(params, batch_stats, xte[i:i + 500]) == yte[i:i + 500]).sum()) for i in range(0, len(yte), 500))
 print(json.dumps({"peer": f"jax-{jax.__version__}+flax-{flax.__version__}", "dtype": a.dtype, "remat": a.remat,
                   "test_accuracy": hits / len(yte), "epochs": a.epochs, "seconds_per_epoch": sum(seconds) / len(seconds),
-                  "compile_s": compile_s}))
+                  "compile_s": compile_s, **memory}))

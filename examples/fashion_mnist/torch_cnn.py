@@ -2,16 +2,20 @@
 accuracy and epoch time on the same machine.
 
 Usage: python3 torch_cnn.py [--epochs 3] [--batch 128] [--lr 0.001] [--depth 8] [--width 24]
-                           [--threads 2] [--data DIR] [--dtype f32|bf16] [--remat full|none]
+                           [--threads 2] [--data DIR] [--dtype f32|bf16] [--remat full|none] [--limit N]
 --dtype bf16 trains under torch.autocast("cpu", dtype=torch.bfloat16) (float32 parameters, bf16
 convolutions and matrix products), PyTorch's mixed precision, the peer of the example's --dtype bf16.
 --remat full checkpoints the stem and every residual block but the last with
 torch.utils.checkpoint (use_reentrant=False), as the example's default. The learning rate halves
 every epoch, smoothly per step, as the example's schedule. BatchNorm momentum 0.1 is Flax's 0.9.
+--limit N trains on the first N training images (a quick check).
+Before training it measures the activation memory of one forward and backward pass over a batch
+(a copy of the model; the example's peak_activation_bytes): the peak of live tensor bytes from the
+profiler's allocation events, less the parameters' gradients, with --remat and without.
 Prints progress lines and, last, one JSON object: {"peer", "dtype", "remat", "test_accuracy",
-"epochs", "seconds_per_epoch"}.
+"epochs", "seconds_per_epoch", "peak_activation_bytes", "peak_activation_bytes_plain"}.
 """
-import argparse, gzip, json, struct, time
+import argparse, copy, gzip, json, struct, time
 
 import numpy as np
 import torch
@@ -29,6 +33,7 @@ p.add_argument("--seed", type=int, default=0)
 p.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
 p.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
 p.add_argument("--remat", choices=["full", "none"], default="full")
+p.add_argument("--limit", type=int, default=0)
 a = p.parse_args()
 torch.set_num_threads(a.threads)
 torch.manual_seed(a.seed)
@@ -78,9 +83,35 @@ class ResNet(nn.Module):
         return self.head(x)
 
 
+def peak_activation_bytes(model, x, y, remat):
+    """Peak of live tensor bytes during one forward and backward pass (remat "full" or "none") from
+    the profiler's allocation events, less the parameters' gradients (the pass returns those)."""
+    from torch.profiler import ProfilerActivity, profile
+    saved, a.remat = a.remat, remat
+    model.zero_grad(set_to_none=True)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.dtype == "bf16"):
+            logits = model(x)
+        torch.nn.functional.cross_entropy(logits.float(), y).backward()
+    a.remat = saved
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns() if hasattr(e, "start_ns") else e.start_us())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak - sum(prm.numel() * prm.element_size() for prm in model.parameters())
+
+
 xtr, ytr = load("train")
 xte, yte = load("t10k")
+if a.limit:
+    xtr, ytr = xtr[: a.limit], ytr[: a.limit]
 model = ResNet(a.depth, a.width)
+probe = copy.deepcopy(model).train()  # the measurement's forward pass updates BatchNorm's statistics
+memory = {"peak_activation_bytes": peak_activation_bytes(probe, xtr[:a.batch], ytr[:a.batch], a.remat),
+          "peak_activation_bytes_plain": peak_activation_bytes(probe, xtr[:a.batch], ytr[:a.batch], "none")}
+del probe
 opt = torch.optim.Adam(model.parameters(), lr=a.lr)
 steps_per_epoch = len(ytr) // a.batch
 sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5 ** (1.0 / steps_per_epoch))
@@ -105,4 +136,4 @@ with torch.no_grad():
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.dtype == "bf16"):
         hits = sum((model(xte[i:i + 500]).argmax(1) == yte[i:i + 500]).sum().item() for i in range(0, len(yte), 500))
 print(json.dumps({"peer": "torch-" + torch.__version__, "dtype": a.dtype, "remat": a.remat, "test_accuracy": hits / len(yte),
-                  "epochs": a.epochs, "seconds_per_epoch": sum(seconds) / len(seconds)}))
+                  "epochs": a.epochs, "seconds_per_epoch": sum(seconds) / len(seconds), **memory}))
