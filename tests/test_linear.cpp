@@ -101,6 +101,54 @@ TEST_CASE("linear in bfloat16 is the float32 computation rounded: values and gra
   CHECK(linear(bf(x), w, b).dtype() == DType::f32);
 }
 
+TEST_CASE("linear under remat: gradients bitwise the plain ones for every activation, float32 and bf16") {
+  // The recorded forward pass computes gelu's and silu's value with their derivative (float32) and
+  // keeps it; the checkpoint recomputes the layer and differentiates it again, with or without a
+  // policy that saves the op (then its kept derivative comes from the saved values).
+  const Array x = random_array(Shape{70, 40}, 71), w1 = random_array(Shape{40, 40}, 72), w2 = random_array(Shape{40, 33}, 73);
+  const Array b1 = random_array(Shape{40}, 74), b2 = random_array(Shape{33}, 75);
+  for (const DType dt : {DType::f32, DType::bf16}) {
+    for (const Activation act : kAll) {
+      CAPTURE(activation_name(act));
+      CAPTURE(dtype_short_name(dt));
+      auto block = [&](const Array& h, const Array& w, const Array& b) { return linear(h, astype(w, dt), astype(b, dt), act); };
+      auto loss = [&](auto&& layer) {
+        return value_and_grad<0, 1, 2, 3>([&](const Array& w1, const Array& b1, const Array& w2, const Array& b2) {
+          return sum(astype(layer(layer(astype(x, dt), w1, b1), w2, b2), DType::f32));
+        })(w1, b1, w2, b2);
+      };
+      const auto plain = loss(block);
+      const auto every = loss(checkpoint(block));
+      const auto dots = loss(checkpoint(block, {.policy = policies::dots_saveable{}}));
+      for (const auto* other : {&every, &dots}) {
+        CHECK(std::get<0>(plain).bitwise_equal(std::get<0>(*other)));
+        CHECK(std::get<1>(plain).bitwise_equal(std::get<1>(*other)));
+        CHECK(std::get<2>(plain).bitwise_equal(std::get<2>(*other)));
+        CHECK(std::get<3>(plain).bitwise_equal(std::get<3>(*other)));
+        CHECK(std::get<4>(plain).bitwise_equal(std::get<4>(*other)));
+      }
+    }
+  }
+}
+
+TEST_CASE("linear in bf16 keeps the pre-activation: its gradients are bitwise those of the three ops on the same rounded product") {
+  // In bf16 a kept derivative would be rounded once more than the unfused ops round; the op keeps z
+  // and computes the derivative in float32 in its backward pass, as the gelu and silu ops do.
+  const Array x = astype(random_array(Shape{65, 48}, 81), DType::bf16), w = astype(random_array(Shape{48, 40}, 82), DType::bf16);
+  const Array probe = random_array(Shape{65, 40}, 83);
+  for (const Activation act : kAll) {
+    CAPTURE(activation_name(act));
+    // Without a bias the fused product is the unfused one (one rounding of the same float32 sums).
+    auto fused = [&](const Array& x, const Array& w) { return sum(astype(linear(x, w, Array(), act), DType::f32) * probe); };
+    auto ops = [&](const Array& x, const Array& w) { return sum(astype(activate(matmul(x, w), act), DType::f32) * probe); };
+    auto [vf, xf, wf] = value_and_grad<0, 1>(fused)(x, w);
+    auto [vo, xo, wo] = value_and_grad<0, 1>(ops)(x, w);
+    CHECK(vf.bitwise_equal(vo));
+    CHECK(xf.bitwise_equal(xo));
+    CHECK(wf.bitwise_equal(wo));
+  }
+}
+
 TEST_CASE("linear's bias gradient has the same bits on one thread and on two") {
   // Large enough for the backward pass to run in parallel.
   const Array x = random_array(Shape{2048, 64}, 31), w = random_array(Shape{64, 256}, 32), b = random_array(Shape{256}, 33);

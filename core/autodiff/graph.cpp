@@ -63,6 +63,11 @@ Array accumulate(const Array& a, const Array& b, bool in_place) {
   const DType common = a.dtype() == DType::bf16 && b.dtype() == DType::bf16 ? DType::bf16 : DType::f32;
   Array out = in_place && a.dtype() == common && a.owns_buffer_alone() ? a : Array::empty(a.shape(), common);
   const std::int64_t n = a.numel();
+  // The storage, fetched before the parallel region (the accessors check dtypes and may throw).
+  const bool a32 = a.dtype() == DType::f32, b32 = b.dtype() == DType::f32, o32 = common == DType::f32;
+  const void* ra = a.raw();
+  const void* rb = b.raw();
+  void* ro = out.mutable_raw();
   constexpr std::int64_t kChunk = 2048;  // elements widened at a time (on the stack)
   const std::int64_t chunks = (n + kChunk - 1) / kChunk;
 #pragma omp parallel for if (n > (1 << 18)) schedule(static) num_threads(linum::team_size())
@@ -70,16 +75,16 @@ Array accumulate(const Array& a, const Array& b, bool in_place) {
     if ((k & 7) == 0) linum::detail::enter_compute();
     const std::int64_t s = k * kChunk, c = std::min(kChunk, n - s);
     alignas(64) float sa[kChunk], sb[kChunk], so[kChunk];
-    auto widened = [&](const Array& x, float* scratch) -> const float* {
-      if (x.dtype() == DType::f32) return x.data() + s;
-      bf16_to_f32(x.data_bf16() + s, scratch, c);
+    auto widened = [&](const void* raw, bool f32, float* scratch) -> const float* {
+      if (f32) return static_cast<const float*>(raw) + s;
+      bf16_to_f32(static_cast<const bfloat16*>(raw) + s, scratch, c);
       return scratch;
     };
-    const float* pa = widened(a, sa);
-    const float* pb = widened(b, sb);
-    float* po = common == DType::f32 ? out.mutable_data() + s : so;
+    const float* pa = widened(ra, a32, sa);
+    const float* pb = widened(rb, b32, sb);
+    float* po = o32 ? static_cast<float*>(ro) + s : so;
     for (std::int64_t i = 0; i < c; ++i) po[i] = pa[i] + pb[i];
-    if (common == DType::bf16) f32_to_bf16(so, out.mutable_data_bf16() + s, c);
+    if (!o32) f32_to_bf16(so, static_cast<bfloat16*>(ro) + s, c);
   }
   return out;
 }

@@ -5,12 +5,13 @@
 // relu, tanh and sigmoid take their derivative from their output. gelu (both forms) and silu take it
 // from their input, through the transcendental their value also needs: `value_and_derivative`
 // computes both from one evaluation of it, so the fused linear op can keep the derivative instead of
-// the pre-activation and its backward pass is a product (no second tanh, erf or exp).
+// the pre-activation (in float32) and its backward pass is a product (no second tanh, erf or exp).
 #pragma once
 
 #include <linum/core/ops/linear.hpp>
 
 #include <Eigen/Core>
+#include <cstdint>
 #include <unsupported/Eigen/SpecialFunctions>
 
 namespace linum::ops::detail::activation_math {
@@ -57,37 +58,12 @@ constexpr bool derivative_from_input(Activation act) {
 // For an activation whose derivative reads its input: y = act(x) and/or d = act'(x) (either pointer
 // may be null), p floats each, from one evaluation of the shared term into `u` (p floats of scratch,
 // not aliasing x). d may be x's own memory or u's (each element is read before it is written).
-inline void value_and_derivative(Activation act, const float* x, float* y, float* d, float* u, std::int64_t p) {
-  const CVec v(x, p);
-  OVec uo(u, p);
-  const CVec uc(u, p);
-  auto both = [&](auto term, auto value, auto derivative) {
-    uo = term(v);
-    if (y != nullptr) OVec(y, p) = value(v, uc);
-    if (d != nullptr) OVec(d, p) = derivative(v, uc);
-  };
-  switch (act) {
-    case Activation::gelu:
-      both([](const CVec& v) { return gelu_tanh_term(v); }, [](const CVec& v, const CVec& u) { return gelu_tanh_value(v, u); },
-           [](const CVec& v, const CVec& u) { return gelu_tanh_derivative(v, u); });
-      break;
-    case Activation::gelu_exact:
-      both([](const CVec& v) { return gelu_erf_term(v); }, [](const CVec& v, const CVec& u) { return gelu_erf_value(v, u); },
-           [](const CVec& v, const CVec& u) { return gelu_erf_derivative(v, u); });
-      break;
-    case Activation::silu:
-      both([](const CVec& v) { return silu_term(v); }, [](const CVec& v, const CVec& u) { return silu_value(v, u); },
-           [](const CVec& v, const CVec& u) { return silu_derivative(v, u); });
-      break;
-    default: break;  // the others take their derivative from the output
-  }
-}
+// Compiled once (activation_math.cpp), so every caller gets the same bits whatever the compiler
+// would contract into fused multiply-adds in its own translation unit.
+void value_and_derivative(Activation act, const float* x, float* y, float* d, float* u, std::int64_t p);
 
 // out = g * act'(x) for an activation whose derivative reads its input x: the derivative (through
-// `out` as scratch), then the product. out must alias neither g nor x.
-inline void grad_from_input(Activation act, const CVec& g, const CVec& v, OVec& out) {
-  value_and_derivative(act, v.data(), nullptr, out.data(), out.data(), v.size());  // u, then d over it
-  out = g * out;
-}
+// `out` as scratch), then the product. out must alias neither g nor x. Compiled once, as above.
+void grad_from_input(Activation act, const CVec& g, const CVec& v, OVec& out);
 
 }  // namespace linum::ops::detail::activation_math

@@ -574,7 +574,7 @@ using activation_math::kSqrt2OverPi;
 
 // gelu and silu take their derivative from their input, through the term their value also needs
 // (activation_math::value_and_derivative): the forward kernel writes y = act(x), the backward rule
-// g * act'(x), with the same bits as the fused linear op's value and kept derivative.
+// g * act'(x), with the same bits as the fused linear op's value and gradient.
 template <Activation A>
 void activation_value(const CVec& v, OVec& y) {
   alignas(64) float u[kChunk];

@@ -1,7 +1,7 @@
 // The fused dense layer (linear.hpp): one primitive whose forward is a product with the bias in its
-// epilogue followed by the activation (gelu and silu compute their derivative in the same pass and
-// keep it), and whose backward rule passes over the cotangent once (the derivative's product and
-// the bias sum together) before the two products.
+// epilogue followed by the activation (in float32, gelu and silu compute their derivative in the
+// same pass and keep it), and whose backward rule passes over the cotangent once (the activation's
+// derivative and the bias sum together) before the two products.
 #include <linum/core/ops/linear.hpp>
 
 #include <linum/core/autodiff/primitive.hpp>
@@ -48,9 +48,9 @@ constexpr std::array<std::pair<Activation, std::string_view>, 7> kNames{{
 // alone (not on the threads).
 constexpr std::int64_t kRowsPerBlock = 64;
 // One row of g2 = g * act'(x) in float32 (n floats, padded to whole packets in the scratch runs),
-// from what the op keeps: act'(x) itself for the activations whose derivative reads their input
-// (computed in the forward pass with their value), the output for the others.
-void derivative_row(Activation act, const float* g, const float* v, float* out, std::int64_t n) {
+// from what the op keeps (`v`): the output for relu, tanh and sigmoid; for gelu and silu the
+// derivative itself when `derivative_kept` (float32), else their input.
+void derivative_row(Activation act, bool derivative_kept, const float* g, const float* v, float* out, std::int64_t n) {
   const am::CVec G(g, n), V(v, n);
   am::OVec O(out, n);
   switch (act) {
@@ -58,7 +58,10 @@ void derivative_row(Activation act, const float* g, const float* v, float* out, 
     case Activation::relu: O = am::relu_grad(G, V); break;
     case Activation::gelu:
     case Activation::gelu_exact:
-    case Activation::silu: O = G * V; break;
+    case Activation::silu:
+      if (derivative_kept) O = G * V;
+      else am::grad_from_input(act, G, V, O);
+      break;
     case Activation::tanh: O = am::tanh_grad(G, V); break;
     case Activation::sigmoid: O = am::sigmoid_grad(G, V); break;
   }
@@ -89,40 +92,32 @@ std::pair<Array, Array> value_and_derivative(Array z, Activation act) {
   return {std::move(y), std::move(d)};
 }
 
-// One row of g2 = g * d for an activation whose derivative d was kept, straight from storage of one
-// dtype T (g2 may be g's own memory) and, with Sum, added to the bias sums `acc`: derivative_row's
+// One row of g2 = g * d for an activation whose float32 derivative d was kept, straight from
+// storage (g2 may be g's own memory) and, with Sum, added to the bias sums `acc`: derivative_row's
 // product and the general path's sums in one loop, with the same roundings.
-template <class T, bool Sum>
-void product_row(const T* g, const T* d, T* out, float* acc, std::int64_t n) {
+template <bool Sum>
+void product_row(const float* g, const float* d, float* out, float* acc, std::int64_t n) {
 #pragma GCC ivdep  // out may be g itself: element j is read before it is written, no other overlap
   for (std::int64_t j = 0; j < n; ++j) {
-    const float o = static_cast<float>(g[j]) * static_cast<float>(d[j]);
+    const float o = g[j] * d[j];
     if constexpr (Sum) acc[j] += o;
-    out[j] = T(o);
+    out[j] = o;
   }
 }
 
-template <class T>
-void product_row(const Array& g, const Array& d, Array& g2, float* acc, std::int64_t r, std::int64_t n) {
-  const T* gr = static_cast<const T*>(g.raw()) + r * n;
-  const T* dr = static_cast<const T*>(d.raw()) + r * n;
-  T* out = static_cast<T*>(g2.mutable_raw()) + r * n;
-  if (acc != nullptr) product_row<T, true>(gr, dr, out, acc, n);
-  else product_row<T, false>(gr, dr, out, nullptr, n);
-}
-
-// The backward pass over the cotangent g [M, N]: g2 = g * act'(v) (g itself for none; written over
-// g when `in_place`), and, when `bias_dtype` is given, the column sums of g2 (the bias gradient,
+// The backward pass over the cotangent g [M, N]: g2 = g * act'(x) from what the op kept, `v` (see
+// derivative_row; g itself for none; written over g when `in_place`), and, when `bias_dtype` is given, the column sums of g2 (the bias gradient,
 // summed in float32 and rounded once; in bf16 it sums g2 before g2 is rounded, while the products
 // read the rounded g2).
-std::pair<Array, Array> cotangent_pass(Array g, const Array& v, Activation act, std::optional<DType> bias_dtype, bool in_place) {
+std::pair<Array, Array> cotangent_pass(Array g, const Array& v, Activation act, bool derivative_kept,
+                                       std::optional<DType> bias_dtype, bool in_place) {
   const std::int64_t n = g.dim(-1), m = n == 0 ? 0 : g.numel() / n;
   const std::int64_t p = od::whole_packets(n);
   const bool write = act != Activation::none;
   if (!write && !bias_dtype) return {std::move(g), Array()};  // nothing to compute
   Array g2 = !write ? g : in_place ? g : Array::empty(g.shape(), g.dtype());
-  // The kept derivative's product, in one loop per row from storage when g and v share a dtype.
-  const bool product = am::derivative_from_input(act) && v.dtype() == g.dtype();
+  // The kept derivative's product, in one loop per row from storage when g is float32 too.
+  const bool product = derivative_kept && g.dtype() == DType::f32 && v.dtype() == DType::f32;
   const std::int64_t blocks = (m + kRowsPerBlock - 1) / kRowsPerBlock;
   // The blocks' column sums (an Array: counted by memory accounting and the remat planner).
   Array partial = bias_dtype ? Array::empty(Shape{blocks, n}, DType::f32) : Array();
@@ -149,14 +144,16 @@ std::pair<Array, Array> cotangent_pass(Array g, const Array& v, Activation act, 
     const std::int64_t end = std::min(m, (b + 1) * kRowsPerBlock);
     for (std::int64_t r = b * kRowsPerBlock; r < end; ++r) {
       if (product) {
-        if (g.dtype() == DType::bf16) product_row<bfloat16>(g, v, g2, acc, r, n);
-        else product_row<float>(g, v, g2, acc, r, n);
+        const float *gr = g.data() + r * n, *dr = v.data() + r * n;
+        float* out = g2.mutable_data() + r * n;
+        if (acc != nullptr) product_row<true>(gr, dr, out, acc, n);
+        else product_row<false>(gr, dr, out, nullptr, n);
         continue;
       }
       const float* gr = row_f32(g, r, n, sg);
       const float* out = gr;
       if (write) {
-        derivative_row(act, gr, row_f32(v, r, n, sv), so, p);
+        derivative_row(act, derivative_kept, gr, row_f32(v, r, n, sv), so, p);
         out = so;
         if (g2.dtype() == DType::f32) std::memcpy(g2.mutable_data() + r * n, so, static_cast<std::size_t>(n) * sizeof(float));
         else ops::detail::f32_commit(g2, r * n, n, so);
@@ -243,13 +240,15 @@ Array linear(const Array& x_in, const Array& kernel_in, const Array& bias_in, Ac
   const Array x2 = reshape(x, {rows, k});
   const Shape rows_shape{x2.dim(0), n};
   const bool has_bias = bias.defined();
+  const bool keep_derivative = am::derivative_from_input(act) && t == DType::f32;
   auto forward = [&](Residuals& r) {
     Array z = has_bias ? kernels::gemm_bias(x2, kernel, bias) : kernels::batched_gemm(x2, kernel, false, false);
     // The output at its own shape, so a kept output is recognised as the op's output (remat
     // policies, saved-value hooks). Create-graph rules recompute from x, W and b.
-    if (r.recording() && am::derivative_from_input(act)) {
-      // gelu, silu: the value and the derivative from one evaluation of the activation's term; the
-      // backward pass reads the derivative (kept in z's place) and multiplies.
+    if (r.recording() && keep_derivative) {
+      // gelu, silu in float32: the value and the derivative from one evaluation of the activation's
+      // term; the backward pass reads the derivative (kept in z's place) and multiplies. (In bf16 the
+      // op keeps z: a rounded derivative would add a rounding the unfused ops do not make.)
       auto [y, d] = value_and_derivative(std::move(z), act);
       r.keep(x2, kernel, has_bias ? bias : Array(), d);
       return y.with_shape(out_shape);
@@ -257,11 +256,11 @@ Array linear(const Array& x_in, const Array& kernel_in, const Array& bias_in, Ac
     const Array y = activate(z, act).with_shape(out_shape);  // recording is off here: the kernel alone
     if (r.recording()) {
       if (act == Activation::none) r.keep(kernel.node() ? x2 : Array(), x2.node() ? kernel : Array());
-      else r.keep(x2, kernel, has_bias ? bias : Array(), y);
+      else r.keep(x2, kernel, has_bias ? bias : Array(), am::derivative_from_input(act) ? z : y);
     }
     return y;
   };
-  auto rule = autodiff::higher_order([act, has_bias, rows_shape, out_shape, x_shape = x2.shape()](Cotangents& c,
+  auto rule = autodiff::higher_order([act, has_bias, keep_derivative, rows_shape, out_shape, x_shape = x2.shape()](Cotangents& c,
                                                                                                  autodiff::Saved s) {
     if (autodiff::creating_graph()) {  // the same function in differentiable ops
       if (act == Activation::none) {
@@ -281,7 +280,8 @@ Array linear(const Array& x_in, const Array& kernel_in, const Array& bias_in, Ac
     Array g = c.take_out(0).with_shape(rows_shape);
     const std::optional<DType> bias_dtype = has_bias && c.needs(2) ? std::optional<DType>(g.dtype()) : std::nullopt;
     const bool in_place = act != Activation::none && g.owns_buffer_alone();
-    auto [g2, db] = cotangent_pass(std::move(g), act == Activation::none ? Array() : s[3], act, bias_dtype, in_place);
+    auto [g2, db] = cotangent_pass(std::move(g), act == Activation::none ? Array() : s[3], act, keep_derivative, bias_dtype,
+                                   in_place);
     if (c.needs(0)) c.set(0, kernels::batched_gemm(g2, s[1], false, true).with_shape(x_shape));  // dx = g2 W^T
     if (c.needs(1)) c.set(1, kernels::batched_gemm(s[0], g2, true, false));                      // dW = x^T g2
     if (bias_dtype) c.set(2, std::move(db));

@@ -1,9 +1,11 @@
 // The fused dense layer: act(x @ kernel + bias) as one op (nn::Dense and nn::DenseGeneral run on
 // it). The bias is added in the product's epilogue (on oneDNN inside the matmul, to the float32
-// accumulator, before the one rounding to bf16), the activation in one pass over the product; the
-// backward pass computes the activation's derivative and the bias gradient in one pass over the
-// cotangent, then the two products. Where ops would pass over an activation-sized array five times
-// (product, bias add, activation; activation derivative, bias sum), this passes three times.
+// accumulator, before the one rounding to bf16), the activation in one pass over the product (in
+// float32, gelu and silu also compute their derivative there, from the same tanh, erf or sigmoid,
+// and keep it in the product's place); the backward pass applies the activation's derivative and
+// sums the bias gradient in one pass over the cotangent, then the two products. Where ops would pass
+// over an activation-sized array five times (product, bias add, activation; activation derivative,
+// bias sum), this passes three times.
 #pragma once
 
 #include <linum/core/array.hpp>
@@ -37,9 +39,10 @@ Array activate(const Array& x, Activation act);
 // is rounded (bitwise the same in float32; one rounding instead of two in bf16).
 //
 // It is one op: a remat policy that saves products (dots_saveable,
-// dots_with_no_batch_dims_saveable) saves its output and, with an activation, the pre-activation
-// it keeps for the backward pass (JAX would save the product and recompute the activation); to save
-// only the product, apply the activation as a separate op. Under vmap it runs as those separate ops.
+// dots_with_no_batch_dims_saveable) saves its output and, with an activation, what it keeps for the
+// backward pass (the pre-activation; for gelu and silu in float32 their derivative; JAX would save
+// the product and recompute the activation); to save only the product, apply the activation as a
+// separate op. Under vmap it runs as those separate ops.
 Array linear(const Array& x, const Array& kernel, const Array& bias = Array(), Activation act = Activation::none);
 
 }  // namespace linum

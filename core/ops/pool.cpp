@@ -14,8 +14,13 @@
 #include <linum/core/ops/shape_ops.hpp>
 
 #include <algorithm>
+#include <cstddef>
 #include <limits>
 #include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 namespace linum {
 namespace {
@@ -61,37 +66,44 @@ std::int64_t for_window(const PoolGeometry& G, std::int64_t p, Visit visit) {
   return valid;
 }
 
+// The calling thread's index in the current team (0 outside parallel regions).
+int thread_index() {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
 // Runs f(p, scratch) for every output pixel, in parallel when the work is large; `scratch` holds C
-// floats of the calling thread.
+// floats of the calling thread (allocated before the region).
 template <class F>
 void for_pixels(const PoolGeometry& G, F f) {
   const std::int64_t pixels = G.out_pixels();
-  [[maybe_unused]] const bool parallel = pixels * G.c * G.kh * G.kw > ops::detail::kParallelMin;
-#pragma omp parallel num_threads(linum::team_size()) if (parallel)
-  {
-    std::vector<float> scratch(static_cast<std::size_t>(G.c));
-#pragma omp for schedule(static)
-    for (std::int64_t p = 0; p < pixels; ++p) {
-      linum::detail::enter_compute();
-      f(p, scratch.data());
-    }
+  const int threads = pixels * G.c * G.kh * G.kw > ops::detail::kParallelMin ? linum::team_size() : 1;
+  ops::detail::AlignedScratch scratch(static_cast<std::int64_t>(threads) * G.c);
+  float* base = scratch.data();
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (std::int64_t p = 0; p < pixels; ++p) {
+    linum::detail::enter_compute();
+    f(p, base + static_cast<std::ptrdiff_t>(thread_index()) * G.c);
   }
 }
 
 // Runs f(n, scratch) for every image n, in parallel when the work is large (windows may overlap
-// within an image, never across images); `scratch` holds one input image (H * W * C floats) of
-// the calling thread when `image_scratch`.
+// within an image, never across images); with `image_scratch`, `scratch` holds one input image
+// (H * W * C floats) of the calling thread, an array the memory accounting counts.
 template <class F>
 void for_images(const PoolGeometry& G, bool image_scratch, F f) {
-  [[maybe_unused]] const bool parallel = G.n > 1 && G.out_pixels() * G.c * G.kh * G.kw > ops::detail::kParallelMin;
-#pragma omp parallel num_threads(linum::team_size()) if (parallel)
-  {
-    std::vector<float> scratch(image_scratch ? static_cast<std::size_t>(G.h * G.w * G.c) : 0);
-#pragma omp for schedule(static)
-    for (std::int64_t n = 0; n < G.n; ++n) {
-      linum::detail::enter_compute();
-      f(n, scratch.data());
-    }
+  const bool parallel = G.n > 1 && G.out_pixels() * G.c * G.kh * G.kw > ops::detail::kParallelMin;
+  const int threads = parallel ? linum::team_size() : 1;
+  const std::int64_t per = image_scratch ? G.h * G.w * G.c : 0;
+  Array scratch = per > 0 ? Array::empty(Shape{threads, per}) : Array();
+  float* base = per > 0 ? scratch.mutable_data() : nullptr;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (std::int64_t n = 0; n < G.n; ++n) {
+    linum::detail::enter_compute();
+    f(n, base != nullptr ? base + static_cast<std::ptrdiff_t>(thread_index()) * per : nullptr);
   }
 }
 
@@ -233,7 +245,7 @@ Array max_pool(const Array& x, const PoolOptions& o) {
       r.keep(where);
       return y;
     },
-    higher_order([xs = x.shape()](Cotangents& c, autodiff::Saved s) {
+    higher_order([G, xs = x.shape()](Cotangents& c, autodiff::Saved s) {
       if (autodiff::creating_graph()) {  // the same scatter-add as an op (the positions are constants)
         const Array pos = s[0].detached();
         const DType dtype = c.out().dtype();  // summed in float32 (windows may overlap), rounded once
@@ -246,17 +258,27 @@ Array max_pool(const Array& x, const PoolOptions& o) {
         const Array dx = reshape(ops::detail::take_add(g, Array::from_i32(Shape{pos.numel()}, idx), Shape{xs.numel()}, 0), xs.vec());
         return c.set(0, astype(dx, dtype));
       }
-      // The sums in float32 (windows may overlap), rounded once into g's dtype.
+      // Each image's sums in float32 (windows may overlap; in dx itself for float32, else in a
+      // per-thread image of scratch), rounded once into g's dtype: a maximum's position is in its
+      // own output's image.
       const Array& g = c.out();
-      Array dx = Array::zeros(xs);
-      float* pd = dx.mutable_data();
+      const bool f32 = g.dtype() == DType::f32;
+      Array dx = f32 ? Array::zeros(xs) : Array::empty(xs, g.dtype());
       const std::int32_t* pi = s[0].data_i32();
+      const std::int64_t in_image = G.h * G.w * G.c, out_image = G.ph.out * G.pw.out * G.c;
       by_dtype(g.dtype(), [&]<class T>() {
         const T* pg = static_cast<const T*>(g.raw());
-        for (std::int64_t k = 0; k < s[0].numel(); ++k)
-          if (pi[k] >= 0) pd[pi[k]] += wide(pg[k]);
+        T* pd = static_cast<T*>(dx.mutable_raw());
+        for_images(G, !f32, [&](std::int64_t n, float* scratch) {
+          float* sums = f32 ? reinterpret_cast<float*>(pd) + n * in_image : scratch;
+          if (!f32) std::fill_n(sums, in_image, 0.0f);
+          for (std::int64_t k = n * out_image; k < (n + 1) * out_image; ++k)
+            if (pi[k] >= 0) sums[pi[k] - n * in_image] += wide(pg[k]);
+          if (!f32)
+            for (std::int64_t i = 0; i < in_image; ++i) pd[n * in_image + i] = narrow<T>(sums[i]);
+        });
       });
-      c.set(0, g.dtype() == DType::f32 ? dx : astype(dx, g.dtype()));
+      c.set(0, dx);
     }));
 }
 

@@ -13,7 +13,8 @@ one JSON object: {"peer", "dtype", "remat", "test_accuracy", "epochs", "seconds_
 "compile_s", "xla_temp_bytes", "xla_temp_bytes_plain"} (seconds_per_epoch leaves out the first
 step's tracing and compilation, compile_s; xla_temp_bytes are the temporary buffers, activations and
 workspace, XLA's buffer assignment gives the compiled gradient of one batch's loss, with --remat and
-without: the peer of the example's peak_activation_bytes).
+without: the peer of the example's peak_activation_bytes with --micro-batches 1, but XLA's static
+plan for the whole program, not a measured peak).
 """
 import argparse
 import gzip

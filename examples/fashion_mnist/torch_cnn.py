@@ -10,8 +10,10 @@ torch.utils.checkpoint (use_reentrant=False), as the example's default. The lear
 every epoch, smoothly per step, as the example's schedule. BatchNorm momentum 0.1 is Flax's 0.9.
 --limit N trains on the first N training images (a quick check).
 Before training it measures the activation memory of one forward and backward pass over a batch
-(a copy of the model; the example's peak_activation_bytes): the peak of live tensor bytes from the
-profiler's allocation events, less the parameters' gradients, with --remat and without.
+(a copy of the model; the peer of the example's peak_activation_bytes with --micro-batches 1): the
+peak of live tensor bytes from the profiler's allocation events (tensors of PyTorch's CPU
+allocator; oneDNN's own scratch buffers are not among them, nor are Linum's), less the parameters'
+gradients, with --remat and without.
 Prints progress lines and, last, one JSON object: {"peer", "dtype", "remat", "test_accuracy",
 "epochs", "seconds_per_epoch", "peak_activation_bytes", "peak_activation_bytes_plain"}.
 """

@@ -15,7 +15,8 @@
 //       compress_bf16_every / compress_int8_every (the same, residuals compressed in RAM),
 //       remat_offload_dots (each layer checkpointed, its product kept in the spill file). Fields: bench, variant, dtype, engine, step_s_min, step_s_median, model_gflops
 //       (6 B W^2 L / step_s_min), gemm_gflops (the engine's raw product in --dtype on the
-//       [B, W] x [W, W] shape, same run: the best of 10 before the variant's steps and 10 after),
+//       [B, W] x [W, W] shape, same run: the best of 10 products before the first variant and 10 after
+//       each variant's steps),
 //       gemm_ratio, peak_activation_bytes (exact accounting: peak live bytes during the step minus live
 //       bytes before it), peak_rss_growth_mib, ops_recomputed/replayed/eliminated_per_step
 //       (lift::recompute_stats: ops the recomputations ran, took from saved values, left out),

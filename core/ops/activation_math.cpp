@@ -1,0 +1,38 @@
+// The activations whose derivative reads their input, compiled in one place (see
+// activation_math_internal.hpp): the gelu and silu ops and the fused linear op call these.
+#include <linum/core/ops/activation_math_internal.hpp>
+
+namespace linum::ops::detail::activation_math {
+
+void value_and_derivative(Activation act, const float* x, float* y, float* d, float* u, std::int64_t p) {
+  const CVec v(x, p);
+  OVec uo(u, p);
+  const CVec uc(u, p);
+  auto both = [&](auto term, auto value, auto derivative) {
+    uo = term(v);
+    if (y != nullptr) OVec(y, p) = value(v, uc);
+    if (d != nullptr) OVec(d, p) = derivative(v, uc);
+  };
+  switch (act) {
+    case Activation::gelu:
+      both([](const CVec& v) { return gelu_tanh_term(v); }, [](const CVec& v, const CVec& u) { return gelu_tanh_value(v, u); },
+           [](const CVec& v, const CVec& u) { return gelu_tanh_derivative(v, u); });
+      break;
+    case Activation::gelu_exact:
+      both([](const CVec& v) { return gelu_erf_term(v); }, [](const CVec& v, const CVec& u) { return gelu_erf_value(v, u); },
+           [](const CVec& v, const CVec& u) { return gelu_erf_derivative(v, u); });
+      break;
+    case Activation::silu:
+      both([](const CVec& v) { return silu_term(v); }, [](const CVec& v, const CVec& u) { return silu_value(v, u); },
+           [](const CVec& v, const CVec& u) { return silu_derivative(v, u); });
+      break;
+    default: break;  // the others take their derivative from the output
+  }
+}
+
+void grad_from_input(Activation act, const CVec& g, const CVec& v, OVec& out) {
+  value_and_derivative(act, v.data(), nullptr, out.data(), out.data(), v.size());  // u, then d over it
+  out = g * out;
+}
+
+}  // namespace linum::ops::detail::activation_math
