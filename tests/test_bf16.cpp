@@ -424,7 +424,9 @@ TEST_CASE("bf16 pooling is the float32 pooling rounded once, bitwise, and makes 
   // The gradient, a quarter-size output and the loss's float32 cotangent for it (max_pool: and its
   // int32 positions), no float32 image (2x): the float32 copies took 3x and more.
   const std::pair<Pool, std::int64_t> bounds[] = {{avg_pool, image_bytes * 7 / 4}, {max_pool, image_bytes * 5 / 2}};
-  for (const auto& [pool, bound] : bounds) {
+  for (const auto& case_ : bounds) {
+    const Pool pool = case_.first;  // (a lambda may not capture a structured binding before clang 16)
+    const std::int64_t bound = case_.second;
     memory::PeakScope scope;
     const Array g = grad([&](const Array& v) { return sum(astype(pool(v, tiles), DType::f32)); })(big);
     CHECK(g.dtype() == DType::bf16);

@@ -97,7 +97,13 @@ std::pair<Array, Array> value_and_derivative(Array z, Activation act) {
 // product and the general path's sums in one loop, with the same roundings.
 template <bool Sum>
 void product_row(const float* g, const float* d, float* out, float* acc, std::int64_t n) {
-#pragma GCC ivdep  // out may be g itself: element j is read before it is written, no other overlap
+  // out may be g itself: element j is read before it is written, no other overlap (so the compiler
+  // may vectorise without its runtime overlap check, which exact aliasing would fail).
+#if defined(__clang__)
+#pragma clang loop vectorize(assume_safety)
+#elif defined(__GNUC__)
+#pragma GCC ivdep
+#endif
   for (std::int64_t j = 0; j < n; ++j) {
     const float o = g[j] * d[j];
     if constexpr (Sum) acc[j] += o;
