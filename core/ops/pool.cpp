@@ -124,6 +124,28 @@ decltype(auto) by_dtype(DType d, F&& f) {
   return f.template operator()<float>();
 }
 
+// A pooling gradient in g's dtype, summed per image in float32 (in dx itself for float32, else in a
+// per-thread image of scratch) and rounded once: add(n, sums, pg) adds image n's contributions into
+// `sums` (its H * W * C floats) from g's elements `pg` (float or bfloat16).
+template <class Add>
+Array per_image_gradient(const Array& g, const PoolGeometry& G, const Shape& xs, Add add) {
+  const bool f32 = g.dtype() == DType::f32;
+  Array dx = f32 ? Array::zeros(xs) : Array::empty(xs, g.dtype());
+  const std::int64_t image = G.h * G.w * G.c;
+  by_dtype(g.dtype(), [&]<class T>() {
+    const T* pg = static_cast<const T*>(g.raw());
+    T* pd = static_cast<T*>(dx.mutable_raw());
+    for_images(G, !f32, [&](std::int64_t n, float* scratch) {
+      float* sums = f32 ? reinterpret_cast<float*>(pd) + n * image : scratch;
+      if (!f32) std::fill_n(sums, image, 0.0f);
+      add(n, sums, pg);
+      if (!f32)
+        for (std::int64_t i = 0; i < image; ++i) pd[n * image + i] = narrow<T>(sums[i]);
+    });
+  });
+  return dx;
+}
+
 }  // namespace
 
 namespace {
@@ -179,34 +201,22 @@ Array avg_pool_transpose(const Array& g, const PoolGeometry& G, float full, cons
                    higher_order([o](Cotangents& c, autodiff::Saved) { c.set(0, avg_pool(c.out(), o)); }));
 }
 
-// dx in g's dtype: each image's sums in float32 (in dx itself for float32, else in a per-thread
-// image of scratch), rounded once.
+// dx in g's dtype (per_image_gradient).
 Array avg_pool_backward(const Array& g, const PoolGeometry& G, float full, const Shape& xs, const Array& divisors) {
   ops::detail::require_float(g, "avg_pool");
-  const bool f32 = g.dtype() == DType::f32;
-  Array dx = f32 ? Array::zeros(xs) : Array::empty(xs, g.dtype());
   const float* pdiv = divisors.defined() ? divisors.data() : nullptr;
-  const std::int64_t C = G.c, per_image = G.ph.out * G.pw.out, image = G.h * G.w * C;
-  by_dtype(g.dtype(), [&]<class T>() {
-    const T* pg = static_cast<const T*>(g.raw());
-    T* pd = static_cast<T*>(dx.mutable_raw());
-    for_images(G, !f32, [&](std::int64_t n, float* scratch) {
-      float* sums = f32 ? reinterpret_cast<float*>(pd) + n * image : scratch;
-      if (!f32) std::fill_n(sums, image, 0.0f);
-      const std::int64_t first_pixel = n * G.h * G.w;
-      for (std::int64_t p = n * per_image; p < (n + 1) * per_image; ++p) {
-        const float inv = 1.0f / (pdiv ? pdiv[p] : full);
-        const T* gp = pg + p * C;
-        for_window(G, p, [&](std::int64_t in_pixel) {
-          float* d = sums + (in_pixel - first_pixel) * C;
-          for (std::int64_t ch = 0; ch < C; ++ch) d[ch] += wide(gp[ch]) * inv;
-        });
-      }
-      if (!f32)
-        for (std::int64_t i = 0; i < image; ++i) pd[n * image + i] = narrow<T>(sums[i]);
-    });
+  const std::int64_t C = G.c, per_image = G.ph.out * G.pw.out;
+  return per_image_gradient(g, G, xs, [&](std::int64_t n, float* sums, const auto* pg) {
+    const std::int64_t first_pixel = n * G.h * G.w;
+    for (std::int64_t p = n * per_image; p < (n + 1) * per_image; ++p) {
+      const float inv = 1.0f / (pdiv ? pdiv[p] : full);
+      const auto* gp = pg + p * C;
+      for_window(G, p, [&](std::int64_t in_pixel) {
+        float* d = sums + (in_pixel - first_pixel) * C;
+        for (std::int64_t ch = 0; ch < C; ++ch) d[ch] += wide(gp[ch]) * inv;
+      });
+    }
   });
-  return dx;
 }
 }  // namespace
 
@@ -258,27 +268,14 @@ Array max_pool(const Array& x, const PoolOptions& o) {
         const Array dx = reshape(ops::detail::take_add(g, Array::from_i32(Shape{pos.numel()}, idx), Shape{xs.numel()}, 0), xs.vec());
         return c.set(0, astype(dx, dtype));
       }
-      // Each image's sums in float32 (windows may overlap; in dx itself for float32, else in a
-      // per-thread image of scratch), rounded once into g's dtype: a maximum's position is in its
-      // own output's image.
-      const Array& g = c.out();
-      const bool f32 = g.dtype() == DType::f32;
-      Array dx = f32 ? Array::zeros(xs) : Array::empty(xs, g.dtype());
+      // Each image's sums in float32 (windows may overlap), rounded once (per_image_gradient): a
+      // maximum's position is in its own output's image.
       const std::int32_t* pi = s[0].data_i32();
       const std::int64_t in_image = G.h * G.w * G.c, out_image = G.ph.out * G.pw.out * G.c;
-      by_dtype(g.dtype(), [&]<class T>() {
-        const T* pg = static_cast<const T*>(g.raw());
-        T* pd = static_cast<T*>(dx.mutable_raw());
-        for_images(G, !f32, [&](std::int64_t n, float* scratch) {
-          float* sums = f32 ? reinterpret_cast<float*>(pd) + n * in_image : scratch;
-          if (!f32) std::fill_n(sums, in_image, 0.0f);
-          for (std::int64_t k = n * out_image; k < (n + 1) * out_image; ++k)
-            if (pi[k] >= 0) sums[pi[k] - n * in_image] += wide(pg[k]);
-          if (!f32)
-            for (std::int64_t i = 0; i < in_image; ++i) pd[n * in_image + i] = narrow<T>(sums[i]);
-        });
-      });
-      c.set(0, dx);
+      c.set(0, per_image_gradient(c.out(), G, xs, [&](std::int64_t n, float* sums, const auto* pg) {
+        for (std::int64_t k = n * out_image; k < (n + 1) * out_image; ++k)
+          if (pi[k] >= 0) sums[pi[k] - n * in_image] += wide(pg[k]);
+      }));
     }));
 }
 
