@@ -2,7 +2,30 @@
 // activation_math_internal.hpp): the gelu and silu ops and the fused linear op call these.
 #include <linum/core/ops/activation_math_internal.hpp>
 
+#include <unsupported/Eigen/SpecialFunctions>
+
 namespace linum::ops::detail::activation_math {
+namespace {
+
+// ---- from the input: each activation's shared term u, its value and its derivative from (x, u) ---
+// gelu, tanh approximation: u = tanh(sqrt(2/pi) (x + 0.044715 x^3)).
+auto gelu_tanh_term(const CVec& v) { return (kSqrt2OverPi * (v + kGeluCoeff * v.cube())).tanh(); }
+auto gelu_tanh_value(const CVec& v, const CVec& u) { return v * (0.5f * (1.0f + u)); }
+auto gelu_tanh_derivative(const CVec& v, const CVec& u) {
+  return 0.5f * (1.0f + u) + 0.5f * v * (1.0f - u.square()) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCoeff * v.square());
+}
+// gelu with erf: u = erf(x / sqrt(2)).
+auto gelu_erf_term(const CVec& v) { return (v * kInvSqrt2).erf(); }
+auto gelu_erf_value(const CVec& v, const CVec& u) { return v * (u + 1.0f) * 0.5f; }
+auto gelu_erf_derivative(const CVec& v, const CVec& u) {
+  return 0.5f * (u + 1.0f) + v * kInvSqrt2Pi * (-0.5f * v.square()).exp();
+}
+// silu: u = sigmoid(x).
+auto silu_term(const CVec& v) { return v.logistic(); }
+auto silu_value(const CVec& v, const CVec& u) { return v * u; }
+auto silu_derivative(const CVec& v, const CVec& u) { return u * (1.0f + v * (1.0f - u)); }
+
+}  // namespace
 
 void value_and_derivative(Activation act, const float* x, float* y, float* d, float* u, std::int64_t p) {
   const CVec v(x, p);

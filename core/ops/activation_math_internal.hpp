@@ -12,7 +12,6 @@
 
 #include <Eigen/Core>
 #include <cstdint>
-#include <unsupported/Eigen/SpecialFunctions>
 
 namespace linum::ops::detail::activation_math {
 
@@ -31,24 +30,6 @@ inline auto relu_grad(const CVec& g, const CVec& y) { return (y > 0.0f).select(g
 inline auto tanh_grad(const CVec& g, const CVec& y) { return g * (1.0f - y.square()); }
 // g * sigmoid'(x) from y = sigmoid(x).
 inline auto sigmoid_grad(const CVec& g, const CVec& y) { return g * y * (1.0f - y); }
-
-// ---- from the input: each activation's shared term u, its value and its derivative from (x, u) ---
-// gelu, tanh approximation: u = tanh(sqrt(2/pi) (x + 0.044715 x^3)).
-inline auto gelu_tanh_term(const CVec& v) { return (kSqrt2OverPi * (v + kGeluCoeff * v.cube())).tanh(); }
-inline auto gelu_tanh_value(const CVec& v, const CVec& u) { return v * (0.5f * (1.0f + u)); }
-inline auto gelu_tanh_derivative(const CVec& v, const CVec& u) {
-  return 0.5f * (1.0f + u) + 0.5f * v * (1.0f - u.square()) * kSqrt2OverPi * (1.0f + 3.0f * kGeluCoeff * v.square());
-}
-// gelu with erf: u = erf(x / sqrt(2)).
-inline auto gelu_erf_term(const CVec& v) { return (v * kInvSqrt2).erf(); }
-inline auto gelu_erf_value(const CVec& v, const CVec& u) { return v * (u + 1.0f) * 0.5f; }
-inline auto gelu_erf_derivative(const CVec& v, const CVec& u) {
-  return 0.5f * (u + 1.0f) + v * kInvSqrt2Pi * (-0.5f * v.square()).exp();
-}
-// silu: u = sigmoid(x).
-inline auto silu_term(const CVec& v) { return v.logistic(); }
-inline auto silu_value(const CVec& v, const CVec& u) { return v * u; }
-inline auto silu_derivative(const CVec& v, const CVec& u) { return u * (1.0f + v * (1.0f - u)); }
 
 // Whether act's derivative is computed from its input (gelu, gelu_exact, silu).
 constexpr bool derivative_from_input(Activation act) {

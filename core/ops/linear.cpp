@@ -112,9 +112,9 @@ void product_row(const float* g, const float* d, float* out, float* acc, std::in
 }
 
 // The backward pass over the cotangent g [M, N]: g2 = g * act'(x) from what the op kept, `v` (see
-// derivative_row; g itself for none; written over g when `in_place`), and, when `bias_dtype` is given, the column sums of g2 (the bias gradient,
-// summed in float32 and rounded once; in bf16 it sums g2 before g2 is rounded, while the products
-// read the rounded g2).
+// derivative_row; g itself for none; written over g when `in_place`), and, when `bias_dtype` is
+// given, the column sums of g2 (the bias gradient, summed in float32 and rounded once; in bf16 it
+// sums g2 before g2 is rounded, while the products read the rounded g2).
 std::pair<Array, Array> cotangent_pass(Array g, const Array& v, Activation act, bool derivative_kept,
                                        std::optional<DType> bias_dtype, bool in_place) {
   const std::int64_t n = g.dim(-1), m = n == 0 ? 0 : g.numel() / n;
@@ -124,6 +124,9 @@ std::pair<Array, Array> cotangent_pass(Array g, const Array& v, Activation act, 
   Array g2 = !write ? g : in_place ? g : Array::empty(g.shape(), g.dtype());
   // The kept derivative's product, in one loop per row from storage when g is float32 too.
   const bool product = derivative_kept && g.dtype() == DType::f32 && v.dtype() == DType::f32;
+  const float* gp = product ? g.data() : nullptr;  // (fetched before the region: the accessors check)
+  const float* dp = product ? v.data() : nullptr;
+  float* g2p = product ? g2.mutable_data() : nullptr;
   const std::int64_t blocks = (m + kRowsPerBlock - 1) / kRowsPerBlock;
   // The blocks' column sums (an Array: counted by memory accounting and the remat planner).
   Array partial = bias_dtype ? Array::empty(Shape{blocks, n}, DType::f32) : Array();
@@ -150,10 +153,8 @@ std::pair<Array, Array> cotangent_pass(Array g, const Array& v, Activation act, 
     const std::int64_t end = std::min(m, (b + 1) * kRowsPerBlock);
     for (std::int64_t r = b * kRowsPerBlock; r < end; ++r) {
       if (product) {
-        const float *gr = g.data() + r * n, *dr = v.data() + r * n;
-        float* out = g2.mutable_data() + r * n;
-        if (acc != nullptr) product_row<true>(gr, dr, out, acc, n);
-        else product_row<false>(gr, dr, out, nullptr, n);
+        if (acc != nullptr) product_row<true>(gp + r * n, dp + r * n, g2p + r * n, acc, n);
+        else product_row<false>(gp + r * n, dp + r * n, g2p + r * n, nullptr, n);
         continue;
       }
       const float* gr = row_f32(g, r, n, sg);
