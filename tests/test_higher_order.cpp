@@ -145,6 +145,48 @@ TEST_CASE("second derivatives through checkpoint policies (offload and compressi
   }
 }
 
+namespace {
+// A user primitive with ten inputs, all kept as residuals: y = x0 x1 ... x9 (elementwise). Its rule
+// is built from ops, so in create-graph mode it reads the residuals relinked to the graph.
+Array product_of_ten(const std::vector<Array>& x) {
+  return autodiff::primitive(
+      "product_of_ten", {&x[0], &x[1], &x[2], &x[3], &x[4], &x[5], &x[6], &x[7], &x[8], &x[9]},
+      [&](autodiff::Residuals& r) {
+        Array y = x[0];
+        for (std::size_t k = 1; k < x.size(); ++k) y = y * x[k];
+        for (const Array& a : x) r.keep(a);
+        return y;
+      },
+      autodiff::higher_order([](autodiff::Cotangents& c, autodiff::Saved s) {
+        for (std::size_t k = 0; k < s.size(); ++k) {
+          if (!c.needs(k)) continue;
+          Array g = c.out();
+          for (std::size_t j = 0; j < s.size(); ++j)
+            if (j != k) g = g * s[j];
+          c.set(k, g);
+        }
+      }));
+}
+}  // namespace
+
+TEST_CASE("second derivatives see every residual an op keeps, not only its first eight") {
+  std::vector<Array> x;
+  for (unsigned k = 0; k < 10; ++k) x.push_back(random_array(Shape{5}, 40 + k, 0.5f, 1.5f));
+  // d/dx9 sum(d/dx0 sum(y)) = x1 x2 ... x8: the ninth and tenth residuals must be linked to x8, x9.
+  const Array d2 = grad([&](const Array& last) {
+    std::vector<Array> in = x;
+    in[9] = last;
+    return sum(grad([&](const Array& first) {
+      std::vector<Array> inner = in;
+      inner[0] = first;
+      return sum(product_of_ten(inner));
+    })(in[0]));
+  })(x[9]);
+  Array want = x[1];
+  for (std::size_t k = 2; k < 9; ++k) want = want * x[k];
+  for (std::int64_t i = 0; i < 5; ++i) CHECK(d2.data()[i] == doctest::Approx(want.data()[i]).epsilon(1e-5));
+}
+
 TEST_CASE("a rule that cannot be differentiated is an error naming its op, never zeros") {
   const Array x = random_array(Shape{4, 6}, 3);
   auto f = [](const Array& x) { return sum(square(linum::testing::swish(x))); };

@@ -357,27 +357,30 @@ bool same_array(const Array& a, const Array& b) {
 
 ResidualOrigins residual_origins(std::span<const Array* const> inputs, std::span<const Array> outputs,
                                  std::span<const Array> residuals) {
-  ResidualOrigins origins = kNoOrigins;
-  const std::size_t n = std::min<std::size_t>(residuals.size(), 8);
-  for (std::size_t i = 0; i < n; ++i) {
+  ResidualOrigins origins;
+  for (std::size_t i = 0; i < residuals.size(); ++i) {
     const Array& r = residuals[i];
-    if (!r.defined()) continue;
-    ResidualOrigins tag = 0xFF;
-    for (std::size_t k = 0; k < inputs.size() && k < 0x80 && tag == 0xFF; ++k)
-      if (same_array(*inputs[k], r)) tag = k;
-    for (std::size_t j = 0; j < outputs.size() && j < 0x7F && tag == 0xFF; ++j)
-      if (same_array(outputs[j], r)) tag = 0x80 | j;
-    origins &= ~(ResidualOrigins{0xFF} << (8 * i));
-    origins |= tag << (8 * i);
+    std::uint64_t tag = 0xFF;
+    if (r.defined()) {
+      for (std::size_t k = 0; k < inputs.size() && k < 0x80 && tag == 0xFF; ++k)
+        if (same_array(*inputs[k], r)) tag = k;
+      for (std::size_t j = 0; j < outputs.size() && j < 0x7F && tag == 0xFF; ++j)
+        if (same_array(outputs[j], r)) tag = 0x80 | j;
+    }
+    if (i < 8) {
+      origins.first &= ~(std::uint64_t{0xFF} << (8 * i));
+      origins.first |= tag << (8 * i);
+    } else {
+      origins.rest.push_back(static_cast<std::uint8_t>(tag));
+    }
   }
   return origins;
 }
 
-void relink_residuals(std::vector<Array>& residuals, ResidualOrigins origins, const std::vector<Edge>& inputs,
+void relink_residuals(std::vector<Array>& residuals, const ResidualOrigins& origins, const std::vector<Edge>& inputs,
                       const std::shared_ptr<Node>& self) {
-  const std::size_t n = std::min<std::size_t>(residuals.size(), 8);
-  for (std::size_t i = 0; i < n; ++i) {
-    const auto tag = static_cast<unsigned>((origins >> (8 * i)) & 0xFF);
+  for (std::size_t i = 0; i < residuals.size(); ++i) {
+    const unsigned tag = origins.tag(i);
     if (tag == 0xFF || !residuals[i].defined()) continue;
     if (tag < 0x80) {
       if (tag < inputs.size() && inputs[tag].node != nullptr) residuals[i].set_node(inputs[tag].node, inputs[tag].index);

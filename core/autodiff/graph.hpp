@@ -302,15 +302,23 @@ template <class Rule>
 inline constexpr bool is_higher_order_v<HigherOrderRule<Rule>> = true;
 
 namespace detail {
-// Where each of a primitive's first 8 residuals comes from, 8 bits each: input k (k < 0x80), output
-// j (0x80 | j), or neither (0xFF: computed inside the forward, or undefined). Create-graph mode
-// relinks the first two kinds to the graph.
-using ResidualOrigins = std::uint64_t;
-inline constexpr ResidualOrigins kNoOrigins = ~ResidualOrigins{0};
+// Where each of a primitive's residuals comes from, 8 bits each: input k (k < 0x80), output j (0x80
+// | j), or neither (0xFF: computed inside the forward, an undefined array, or an input or output
+// past those indices). Create-graph mode relinks the first two kinds to the graph. The first 8
+// residuals' tags are packed in one word (no allocation on the op path); an op that keeps more
+// (the recurrent layers with one kernel per gate) stores the rest's.
+struct ResidualOrigins {
+  std::uint64_t first = ~std::uint64_t{0};
+  std::vector<std::uint8_t> rest;
+  unsigned tag(std::size_t i) const {
+    if (i < 8) return static_cast<unsigned>((first >> (8 * i)) & 0xFF);
+    return i - 8 < rest.size() ? rest[i - 8] : 0xFFu;
+  }
+};
 ResidualOrigins residual_origins(std::span<const Array* const> inputs, std::span<const Array> outputs,
                                  std::span<const Array> residuals);
 // `residuals` with the ones that are the node's inputs or outputs linked to the graph again.
-void relink_residuals(std::vector<Array>& residuals, ResidualOrigins origins, const std::vector<Edge>& inputs,
+void relink_residuals(std::vector<Array>& residuals, const ResidualOrigins& origins, const std::vector<Edge>& inputs,
                       const std::shared_ptr<Node>& self);
 [[noreturn]] void throw_not_higher_order(const char* op);
 }  // namespace detail
@@ -324,8 +332,9 @@ class RuleNode final : public Node {
  public:
   template <class Shapes>  // std::vector<Shape>, or one Shape
   RuleNode(const char* op, std::vector<Edge> inputs, Shapes shapes, std::vector<Array> saved, Rule rule,
-           detail::ResidualOrigins origins = detail::kNoOrigins)
-      : Node(op, std::move(inputs), std::move(shapes)), saved_(std::move(saved)), rule_(std::move(rule)), origins_(origins) {}
+           detail::ResidualOrigins origins = {})
+      : Node(op, std::move(inputs), std::move(shapes)), saved_(std::move(saved)), rule_(std::move(rule)),
+        origins_(std::move(origins)) {}
   void backward(Cotangents& c) override {
     if (packed_ != nullptr) {
       const std::vector<Array> unpacked = unpack_residuals(*packed_, op());

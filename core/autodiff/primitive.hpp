@@ -120,9 +120,9 @@ std::vector<Edge> edges_of(std::span<const Array* const> inputs);
 // Records the node of a single-output primitive whose output `y` and residuals are known.
 template <class Rule>
 Array finish_primitive(const char* name, std::span<const Array* const> ins, Array y, std::vector<Array> residuals, Rule&& rule) {
-  const ResidualOrigins origins = residual_origins(ins, std::span<const Array>(&y, 1), residuals);
+  ResidualOrigins origins = residual_origins(ins, std::span<const Array>(&y, 1), residuals);
   auto node = std::make_shared<RuleNode<std::decay_t<Rule>>>(name, edges_of(ins), y.shape(), std::move(residuals),
-                                                             std::forward<Rule>(rule), origins);
+                                                             std::forward<Rule>(rule), std::move(origins));
   auto* raw = node.get();
   y.set_node(std::move(node), 0);
   if (observed()) [[unlikely]] {
@@ -152,9 +152,9 @@ void finish_primitive_multi(const char* name, std::span<const Array* const> ins,
   std::vector<Shape> shapes;
   shapes.reserve(ys.size());
   for (const Array& o : ys) shapes.push_back(o.shape());
-  const ResidualOrigins origins = residual_origins(ins, ys, residuals);
+  ResidualOrigins origins = residual_origins(ins, ys, residuals);
   auto node = std::make_shared<RuleNode<std::decay_t<Rule>>>(name, edges_of(ins), std::move(shapes), std::move(residuals),
-                                                             std::forward<Rule>(rule), origins);
+                                                             std::forward<Rule>(rule), std::move(origins));
   auto* raw = node.get();
   for (std::size_t i = 0; i < ys.size(); ++i) ys[i].set_node(node, static_cast<std::uint32_t>(i));
   if (observed()) {
