@@ -159,24 +159,29 @@ struct RNNStep {
 // An LSTM's parameters under Flax's names, created (at init) in Flax's order ii, hi, if, hf, ig,
 // hg, io, ho, and returned concatenated in gate order i, f, g, o and cast to the computation
 // dtype: the input kernel [in, 4 features], the recurrent kernel [features, 4 features] and the
-// recurrent biases [4 features]. Called in the cell's scope.
+// recurrent biases [4 features]. With `per_gate`, not concatenated: the 4 input kernels, then the 4
+// recurrent kernels, then the 4 biases (the layer op reads them where they are). Called in the
+// cell's scope.
 struct LSTMWeights {
   std::int64_t features = 0;
   Initializer kernel_init, recurrent_kernel_init, bias_init;
   std::optional<DType> dtype;
   DType param_dtype = DType::f32;
+  bool per_gate = false;
   std::vector<Array> operator()(Scope& s, const Array& inputs) const;
 };
 
 // A GRU's parameters under Flax's names, created (at init) in Flax's order ir, hr, iz, hz, in, hn,
 // and returned concatenated in gate order r, z, n and cast to the computation dtype: the input
 // kernel [in, 3 features], the input biases [3 features], the recurrent kernel [features,
-// 3 features] and the recurrent biases [0 | 0 | hn's bias]. Called in the cell's scope.
+// 3 features] and the recurrent biases [0 | 0 | hn's bias]. With `per_gate`, not concatenated:
+// 3 arrays for each of the four in that order. Called in the cell's scope.
 struct GRUWeights {
   std::int64_t features = 0;
   Initializer kernel_init, recurrent_kernel_init, bias_init;
   std::optional<DType> dtype;
   DType param_dtype = DType::f32;
+  bool per_gate = false;
   std::vector<Array> operator()(Scope& s, const Array& inputs) const;
 };
 
@@ -294,20 +299,23 @@ struct RNN {
   // cell's (same names, shapes and initial values); results equal the cell's within float rounding.
   std::pair<LSTMCarry, Array> run_fused(Scope& s, const Array& xs, const LSTMCarry& carry, const Array& t,
                                         const Array& lengths, bool masked) const {
-    const std::vector<Array> w =
-        s("cell", recurrent_detail::LSTMWeights{cell.features, cell.kernel_init, cell.recurrent_kernel_init,
-                                                cell.bias_init, cell.dtype, cell.param_dtype},
-          xs);
-    const DType dt = w[0].dtype();
+    recurrent_detail::LSTMWeights weights{cell.features, cell.kernel_init, cell.recurrent_kernel_init,
+                                          cell.bias_init,  cell.dtype,       cell.param_dtype};
+    weights.per_gate = true;
+    const std::vector<Array> parts = s("cell", weights, xs);
+    const DType dt = parts[0].dtype();
     const Array x = xs.dtype() == dt ? xs : astype(xs, dt);
     const std::int64_t steps = xs.dim(0);
+    auto gates = [&](std::size_t first) { return std::vector<Array>(parts.begin() + first, parts.begin() + first + 4); };
     if (!masked && dt == DType::f32 && carry.c.dtype() == DType::f32 && carry.h.dtype() == DType::f32) {
+      // The parameters as they are, one per gate: the op makes no concatenated copy.
       const recurrent_detail::LayerRows rows(x, cell.features);
-      auto [ys, c, h] = lstm_layer(rows.inputs(x, reverse), w[0], w[2], w[1], rows.carry(carry.c, "LSTM", "c"),
+      auto [ys, c, h] = lstm_layer(rows.inputs(x, reverse), gates(0), gates(8), gates(4), rows.carry(carry.c, "LSTM", "c"),
                                    rows.carry(carry.h, "LSTM", "h"),
                                    {.recompute_segment = recurrent_detail::lstm_recompute_segment(remat, schedule, steps)});
       return {LSTMCarry{reshape(c, carry.c.shape().vec()), reshape(h, carry.h.shape().vec())}, rows.outputs(ys, reverse)};
     }
+    const std::vector<Array> w{concatenate(gates(0), -1), concatenate(gates(4), -1), concatenate(gates(8), -1)};
     using Step = recurrent_detail::FusedLSTMStep;
     auto scan_with = [&](auto body_type) {
       using Body = decltype(body_type);
@@ -325,15 +333,16 @@ struct RNN {
   // op (gru_layer; remat and schedules make it keep nothing but the outputs, with gradients bitwise
   // those without). Other dtypes: nothing (the scan runs the cell). The parameters are the cell's.
   std::optional<std::pair<Array, Array>> run_fused_gru(Scope& s, const Array& xs, const Array& carry) const {
-    const std::vector<Array> w =
-        s("cell", recurrent_detail::GRUWeights{cell.features, cell.kernel_init, cell.recurrent_kernel_init, cell.bias_init,
-                                               cell.dtype, cell.param_dtype},
-          xs);
+    recurrent_detail::GRUWeights weights{cell.features, cell.kernel_init, cell.recurrent_kernel_init, cell.bias_init,
+                                         cell.dtype,    cell.param_dtype};
+    weights.per_gate = true;  // the parameters as they are: the op makes no concatenated copy
+    const std::vector<Array> w = s("cell", weights, xs);
     if (w[0].dtype() != DType::f32 || carry.dtype() != DType::f32) return std::nullopt;
     const Array x = astype(xs, DType::f32);
     const recurrent_detail::LayerRows rows(x, cell.features);
     const bool recompute = remat || schedule.kind != lift::ScanSchedule::Kind::none;
-    auto [ys, h] = gru_layer(rows.inputs(x, reverse), w[0], w[1], w[2], w[3], rows.carry(carry, "GRU", "h"),
+    auto gates = [&](std::size_t first) { return std::vector<Array>(w.begin() + first, w.begin() + first + 3); };
+    auto [ys, h] = gru_layer(rows.inputs(x, reverse), gates(0), gates(3), gates(6), gates(9), rows.carry(carry, "GRU", "h"),
                              {.recompute = recompute});
     return std::pair<Array, Array>{reshape(h, carry.shape().vec()), rows.outputs(ys, reverse)};
   }

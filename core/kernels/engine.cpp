@@ -2,6 +2,7 @@
 #include <linum/core/error.hpp>
 #include <linum/core/kernels/gemm.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -69,10 +70,18 @@ void gemm_f32_serial(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int6
 
 PackedProduct::PackedProduct(std::int64_t m, std::int64_t n, std::int64_t k, const float* b, std::int64_t ldb, bool tb,
                              std::int64_t lda, std::int64_t ldc, bool accumulate)
-    : m_(m), n_(n), k_(k), ldb_(ldb), lda_(lda), ldc_(ldc), b_(b), tb_(tb), accumulate_(accumulate) {
+    : m_(m), n_(n), k_(k), ldb_(tb ? k : n), lda_(lda), ldc_(ldc), tb_(tb), accumulate_(accumulate) {
 #if LINUM_HAVE_ONEDNN
-  if (engine() == Engine::onednn && m > 0 && n > 0 && k > 0) onednn_ = onednn_pack(m, n, k, b, ldb, tb, lda, ldc, accumulate);
+  if (engine() == Engine::onednn && m > 0 && n > 0 && k > 0) {
+    onednn_ = onednn_pack(m, n, k, b, ldb, tb, lda, ldc, accumulate);
+    return;
+  }
 #endif
+  // b's rows (its columns when tb) into a compact copy.
+  const std::int64_t rows = tb ? n : k, cols = ldb_;
+  own_b_ = Array::empty(Shape{rows * cols});
+  for (std::int64_t r = 0; r < rows; ++r)
+    std::copy(b + r * ldb, b + r * ldb + cols, own_b_.mutable_data() + r * cols);
 }
 
 PackedProduct::~PackedProduct() {
@@ -87,7 +96,7 @@ void PackedProduct::run(const float* a, float* c) const {
 #endif
   // Eigen (the engine at construction, or an empty product): not the current engine, which a
   // set_engine between a forward pass and its recomputation could change.
-  gemm_f32_serial_eigen(false, tb_, m_, n_, k_, 1.0f, a, lda_, b_, ldb_, accumulate_ ? 1.0f : 0.0f, c, ldc_);
+  gemm_f32_serial_eigen(false, tb_, m_, n_, k_, 1.0f, a, lda_, own_b_.data(), ldb_, accumulate_ ? 1.0f : 0.0f, c, ldc_);
 }
 
 }  // namespace kernels

@@ -47,10 +47,11 @@ void gemm_f32_serial_onednn(bool ta, bool tb, std::int64_t m, std::int64_t n, st
 // Repeated serial products with one fixed right operand, for fused kernels that multiply by the same
 // weights many times (the LSTM layer, once per time step): c = a . op(b) (+ c when accumulate),
 // a [m, k] row-major with row stride lda, c [m, n] with row stride ldc, b [k, n] (row stride ldb;
-// [n, k] when tb). b is packed once, on construction, into the engine's layout for it (oneDNN: a
-// matmul on pre-packed weights made for one thread, which spares packing b on every call; Eigen:
-// gemm_f32_serial_eigen on b as it is, which must then stay alive). run() computes on the calling thread only; one object must not run
-// on two threads at once. The result depends only on the operands.
+// [n, k] when tb). b is read on construction only, into a buffer the object owns (oneDNN: a matmul
+// on weights packed into its layout, made for one thread, which spares packing b on every call;
+// Eigen: a compact copy), so the caller may free b at once. The buffers are Arrays: the memory
+// accounting counts them. run() computes on the calling thread only; one object must not run on two
+// threads at once. The result depends only on the operands.
 class PackedProduct {
  public:
   PackedProduct(std::int64_t m, std::int64_t n, std::int64_t k, const float* b, std::int64_t ldb, bool tb, std::int64_t lda,
@@ -64,7 +65,7 @@ class PackedProduct {
 
  private:
   std::int64_t m_, n_, k_, ldb_, lda_, ldc_;
-  const float* b_;
+  Array own_b_;  // Eigen: b's compact copy, read by run()
   bool tb_, accumulate_;
   Onednn* onednn_ = nullptr;
 };

@@ -168,9 +168,21 @@ Array gemm_bias_onednn(const Array& a, const Array& b, const Array& bias) { retu
 
 struct PackedProduct::Onednn {
   dnnl::matmul primitive;
+  Array b_buffer, scratchpad_buffer;  // the packed weights and the scratchpad, counted as Arrays
   memory a, b, c, scratchpad;
   dnnl::stream stream;
 };
+
+namespace {
+
+// A buffer of at least `bytes` for oneDNN, as an Array so that the memory accounting counts it.
+Array counted_buffer(std::size_t bytes) {
+  return Array::empty(Shape{static_cast<std::int64_t>((bytes + sizeof(float) - 1) / sizeof(float))});
+}
+
+void* handle_of(Array& buffer) { return buffer.numel() == 0 ? DNNL_MEMORY_NONE : buffer.mutable_raw(); }
+
+}  // namespace
 
 PackedProduct::Onednn* onednn_pack(std::int64_t m, std::int64_t n, std::int64_t k, const float* b, std::int64_t ldb, bool tb,
                                    std::int64_t lda, std::int64_t ldc, bool accumulate) {
@@ -195,10 +207,14 @@ PackedProduct::Onednn* onednn_pack(std::int64_t m, std::int64_t n, std::int64_t 
   } restore{saved_threads};
 #endif
   const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, b_any, c_md), attr, cpu_engine());
-  auto* p = new PackedProduct::Onednn{dnnl::matmul(pd), memory(a_md, cpu_engine(), DNNL_MEMORY_NONE),
-                                      memory(pd.weights_desc(), cpu_engine()), memory(c_md, cpu_engine(), DNNL_MEMORY_NONE),
-                                      memory(pd.scratchpad_desc(), cpu_engine()), dnnl::stream(cpu_engine())};
+  auto* p = new PackedProduct::Onednn{dnnl::matmul(pd), counted_buffer(pd.weights_desc().get_size()),
+                                      counted_buffer(pd.scratchpad_desc().get_size()), memory(), memory(), memory(), memory(),
+                                      dnnl::stream(cpu_engine())};
   try {
+    p->a = memory(a_md, cpu_engine(), DNNL_MEMORY_NONE);
+    p->b = memory(pd.weights_desc(), cpu_engine(), handle_of(p->b_buffer));
+    p->c = memory(c_md, cpu_engine(), DNNL_MEMORY_NONE);
+    p->scratchpad = memory(pd.scratchpad_desc(), cpu_engine(), handle_of(p->scratchpad_buffer));
     const memory::desc b_md(memory::dims{k, n}, f32, tb ? memory::dims{1, ldb} : memory::dims{ldb, 1});
     memory source(b_md, cpu_engine(), const_cast<float*>(b));
     dnnl::reorder(source, p->b).execute(p->stream, source, p->b);

@@ -83,10 +83,9 @@ struct Pass {
   Pass(const Forward& fw, bool steps)
       : f(fw), bl(blocks_of(fw.d.hidden)), T(fw.d.steps), N(fw.d.rows), I(fw.d.inputs), H(fw.d.hidden),
         H3(kGates * fw.d.hidden) {
+    // Into a per-thread buffer of the block's rows (row stride 3w): ldc differs per block.
     if (steps && T > 0)
-      for (std::int64_t b = 0; b < bl.count; ++b)
-        recurrent.push_back(
-            std::make_unique<PackedProduct>(N, kGates * bl.width(b), H, f.wh + bl.base(b), H3, false, H, kGates * bl.width(b), false));
+      recurrent = recurrent_products(bl, f.wh, N, [&](std::int64_t b) { return kGates * bl.width(b); }, /*accumulate=*/false);
   }
   const float* h_prev(std::int64_t t) const { return t == 0 ? f.h0 : f.ys + (t - 1) * N * H; }
   // Per thread: the recurrent product's rows of a block, then the cell row's scratch.
@@ -163,7 +162,12 @@ void backward(const Backward& bw) {
   const Pass p(f, /*steps=*/!keep);  // the recomputation runs steps
   const std::int64_t T = p.T, N = p.N, I = p.I, H = p.H, H3 = p.H3;
   const UnitBlocks& bl = p.bl;
-  Array dh_buf, dxg_buf, dhg_buf, h_first_buf, chunk_acts_buf, chunk_hgn_buf;
+  // Per unit block of h: dh[:, block] += dhg . wh[block, :]^T. Packed (as the recomputation's
+  // products, in p) before the workspaces exist: a block's copy made for packing is then freed while
+  // little else is alive.
+  Products transposed;
+  if (T > 0) transposed = transposed_products(bl, f.wh, N, /*accumulate=*/true);
+  Array dh_buf, dxg_buf, dhgn_buf, dhg_buf, chunk_acts_buf, chunk_hgn_buf;
   float* dh = workspace(dh_buf, N * H);
   const std::size_t carry_bytes = static_cast<std::size_t>(N * H) * sizeof(float);
   if (bw.d_h_last) std::memcpy(dh, bw.d_h_last, carry_bytes);
@@ -173,17 +177,17 @@ void backward(const Backward& bw) {
   if (bw.d_bi) std::fill(bw.d_bi, bw.d_bi + H3, 0.0f);
   if (bw.d_bh) std::fill(bw.d_bh, bw.d_bh + H3, 0.0f);
   if (T > 0) {
-    // The gates' cotangents of a chunk: for the input product, and for the recurrent one (they
-    // differ in the n gate only).
-    float* dxg = workspace(dxg_buf, kChunk * N * H3);
-    float* dhg = workspace(dhg_buf, kChunk * N * H3);
-    const float* h_first = states_before_first_chunk(h_first_buf, f.d, f.h0, f.ys);
+    // The gates' cotangents of a chunk: dxg [r | z | n] for the input product, and the n gate's for
+    // the recurrent product, dhgn (its r and z gates' are dxg's). Recompute mode writes them over the
+    // recomputed activations and hg_n of the same steps (a step's cell reads those before it writes
+    // the cotangents, and nothing reads them after); kept activations are the forward's, which a
+    // second backward pass reads again, so then they get buffers of their own.
     float* chunk_acts = keep ? nullptr : workspace(chunk_acts_buf, kChunk * N * H3);
     float* chunk_hgn = keep ? nullptr : workspace(chunk_hgn_buf, kChunk * N * H);
-    // Per unit block of h: dh[:, block] += dhg . wh[block, :]^T.
-    Products transposed;
-    for (std::int64_t b = 0; b < bl.count; ++b)
-      transposed.push_back(std::make_unique<PackedProduct>(N, bl.width(b), H3, f.wh + bl.first(b) * H3, H3, true, H3, H, true));
+    float* dxg = keep ? workspace(dxg_buf, kChunk * N * H3) : chunk_acts;
+    float* dhgn = keep ? workspace(dhgn_buf, kChunk * N * H) : chunk_hgn;
+    // One step's cotangents for the recurrent product, [r | z | n] per block as wh's rows are.
+    float* dhg_t = workspace(dhg_buf, N * H3);
     const int team = linum::team_size();
     recurrent::PerThread buffers(team, p.thread_floats() + padded(bl.unit));
     Failure failure;
@@ -203,7 +207,7 @@ void backward(const Backward& bw) {
         }
         for (std::int64_t t = t0 + g - 1; t >= t0; --t) {
           float* dxg_t = dxg + (t - t0) * N * H3;
-          float* dhg_t = dhg + (t - t0) * N * H3;
+          float* dhgn_t = dhgn + (t - t0) * N * H;
 #pragma omp for schedule(static)
           for (std::int64_t b = 0; b < bl.count; ++b) {
             const std::int64_t u0 = bl.first(b), w = bl.width(b), base = bl.base(b);
@@ -218,8 +222,9 @@ void backward(const Backward& bw) {
               float* dxg_row = dxg_t + n * H3 + base;
               float* dhg_row = dhg_t + n * H3 + base;
               cell_row_backward(acts_of(t) + n * H3 + base, hgn_of(t) + n * H + u0, w, hp + n * H + u0, dh_in, dxg_row,
-                                dhg_row + 2 * w, dh + n * H + u0, scratch);
+                                dhgn_t + n * H + u0, dh + n * H + u0, scratch);
               std::memcpy(dhg_row, dxg_row, static_cast<std::size_t>(2 * w) * sizeof(float));
+              std::memcpy(dhg_row + 2 * w, dhgn_t + n * H + u0, static_cast<std::size_t>(w) * sizeof(float));
             }
           }
           // dh += dhg_t . wh^T, by blocks of h's units (each reads every block's gates: after the barrier).
@@ -228,17 +233,23 @@ void backward(const Backward& bw) {
             failure.run([&] { transposed[static_cast<std::size_t>(b)]->run(dhg_t, dh + bl.first(b)); });
         }
         // The chunk's weight gradients (one product each) and its inputs' gradients.
-        const float* hp = t0 == 0 ? h_first : f.ys + (t0 - 1) * N * H;
 #pragma omp for schedule(static) nowait
         for (std::int64_t b = 0; b < bl.count; ++b)
           failure.run([&] {
             const std::int64_t base = bl.base(b), w3 = kGates * bl.width(b);
-            if (bw.d_wh) gemm_f32_serial(true, false, H, w3, g * N, 1.0f, hp, H, dhg + base, H3, 1.0f, bw.d_wh + base, H3);
+            const std::int64_t u0 = bl.first(b), w = bl.width(b);
+            if (bw.d_wh) {  // the r and z columns from dxg, the n columns from dhgn
+              add_recurrent_gradient(f.d, t0, g, f.h0, f.ys, dxg + base, H3, 2 * w, bw.d_wh + base, H3);
+              add_recurrent_gradient(f.d, t0, g, f.h0, f.ys, dhgn + u0, H, w, bw.d_wh + base + 2 * w, H3);
+            }
             if (bw.d_wi)
               gemm_f32_serial(true, false, I, w3, g * N, 1.0f, f.x + t0 * N * I, I, dxg + base, H3, 1.0f, bw.d_wi + base, H3);
             for (std::int64_t r = 0; r < g * N; ++r) {
               if (bw.d_bi) Run(bw.d_bi + base, w3) += ConstRun(dxg + r * H3 + base, w3);
-              if (bw.d_bh) Run(bw.d_bh + base, w3) += ConstRun(dhg + r * H3 + base, w3);
+              if (bw.d_bh) {
+                Run(bw.d_bh + base, 2 * w) += ConstRun(dxg + r * H3 + base, 2 * w);
+                Run(bw.d_bh + base + 2 * w, w) += ConstRun(dhgn + r * H + u0, w);
+              }
             }
           });
 #pragma omp for schedule(static)

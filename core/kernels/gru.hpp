@@ -25,12 +25,15 @@ using Dims = recurrent::Dims;
 // The interleaved layout of [rows, 3H] matrices (the kernels', the biases', the gates').
 recurrent::UnitBlocks blocks_of(std::int64_t hidden);
 
-// Everything the passes read and write. wi [I, 3H], wh [H, 3H], bi and bh [3H] interleaved;
+// Everything the passes read and write. wi [I, 3H], bi and bh [3H] interleaved, wh [H, 3H] in gate
+// order (the passes pack it a block at a time);
 // x [T, N, I]; h0 [N, H]; ys [T, N, H] (the h of every step). acts [T, N, 3H] (r, z, n) and hgn
 // [T, N, H] (hg_n) keep what the backward pass reads, or both null: recompute mode.
 struct Forward {
   Dims d;
-  const float *x, *wi, *wh, *bi, *bh, *h0;
+  const float *x, *wi;
+  recurrent::GateColumns wh;
+  const float *bi, *bh, *h0;
   float* ys;
   float* acts;
   float* hgn;

@@ -92,9 +92,7 @@ struct Pass {
   Pass(const Forward& fw, bool steps)
       : f(fw), bl(blocks_of(fw.d.hidden)), T(fw.d.steps), N(fw.d.rows), I(fw.d.inputs), H(fw.d.hidden),
         H4(4 * fw.d.hidden) {
-    if (steps && T > 0)
-      for (std::int64_t b = 0; b < bl.count; ++b)
-        recurrent.push_back(std::make_unique<PackedProduct>(N, 4 * bl.width(b), H, f.wh + bl.base(b), H4, false, H, H4, true));
+    if (steps && T > 0) recurrent = recurrent_products(bl, f.wh, N, [&](std::int64_t) { return H4; }, /*accumulate=*/true);
   }
   const float* h_prev(std::int64_t t) const { return t == 0 ? f.h0 : f.ys + (t - 1) * N * H; }
 
@@ -199,7 +197,12 @@ void backward(const Backward& bw) {
   const Blocks& bl = p.bl;
   const bool keep_all = f.segment == 0;
   const std::int64_t S = keep_all ? std::max<std::int64_t>(T, 1) : f.segment;
-  Array dh_buf, dc_buf, dz_buf, h_first_buf, seg_acts_buf, seg_cs_buf;
+  // Per unit block of h: dh[:, block] = dz . wh[block, :]^T. Packed (as the recomputation's
+  // products, in p) before the workspaces exist: a block's copy made for packing is then freed
+  // while little else is alive.
+  Products transposed;
+  if (T > 0) transposed = transposed_products(bl, f.wh, N, /*accumulate=*/false);
+  Array dh_buf, dc_buf, dz_buf, seg_acts_buf, seg_cs_buf;
   float* dh = workspace(dh_buf, N * H);
   float* dc = workspace(dc_buf, N * H);
   const std::size_t carry_bytes = static_cast<std::size_t>(N * H) * sizeof(float);
@@ -209,16 +212,14 @@ void backward(const Backward& bw) {
   else std::fill(dc, dc + N * H, 0.0f);
   for (float* g : {bw.d_wi, bw.d_wh, bw.d_b})
     if (g != nullptr) std::fill(g, g + (g == bw.d_wi ? I * H4 : g == bw.d_wh ? H * H4 : H4), 0.0f);
-  float* dz = workspace(dz_buf, kChunk * N * H4);
-  const float* h_first = states_before_first_chunk(h_first_buf, f.d, f.h0, f.ys);
+  // The gates' cotangents of a chunk: their own buffer when the activations were kept (they are the
+  // forward's, which a second backward pass reads again); in recompute mode they replace the
+  // recomputed activations of the same steps in place (a step's cell reads its activations before
+  // it writes their cotangents, and nothing reads them after).
+  float* dz_kept_mode = keep_all ? workspace(dz_buf, kChunk * N * H4) : nullptr;
   // Recompute mode: a segment's activations and cell states (slot 0: the state before it).
   float* seg_acts = keep_all ? nullptr : workspace(seg_acts_buf, std::min(S, T) * N * H4);
   float* seg_cs = keep_all ? nullptr : workspace(seg_cs_buf, (std::min(S, T) + 1) * N * H);
-  // Per unit block of h: dh[:, block] = dz . wh[block, :]^T.
-  Products transposed;
-  if (T > 0)
-    for (std::int64_t b = 0; b < bl.count; ++b)
-      transposed.push_back(std::make_unique<PackedProduct>(N, bl.width(b), H4, f.wh + bl.first(b) * H4, H4, true, H4, H, false));
   const int team = linum::team_size();
   Scratch scratch(team, bl.unit);
   Array dh_in_buf = Array::empty(Shape{std::max(1, team) * padded(bl.unit)});
@@ -245,6 +246,7 @@ void backward(const Backward& bw) {
       const std::int64_t last_chunk = s0 + (s1 - s0 - 1) / kChunk * kChunk;
       for (std::int64_t t0 = last_chunk; t0 >= s0; t0 -= kChunk) {
         const std::int64_t g = std::min(kChunk, s1 - t0);
+        float* dz = keep_all ? dz_kept_mode : acts_of(t0);
         for (std::int64_t t = t0 + g - 1; t >= t0; --t) {
           float* dz_t = dz + (t - t0) * N * H4;
 #pragma omp for schedule(static)
@@ -265,12 +267,11 @@ void backward(const Backward& bw) {
             failure.run([&] { transposed[static_cast<std::size_t>(b)]->run(dz_t, dh + bl.first(b)); });
         }
         // The chunk's weight gradients (one product each) and its inputs' gradients.
-        const float* hp = t0 == 0 ? h_first : f.ys + (t0 - 1) * N * H;
 #pragma omp for schedule(static) nowait
         for (std::int64_t b = 0; b < bl.count; ++b)
           failure.run([&] {
             const std::int64_t base = bl.base(b), w4 = 4 * bl.width(b);
-            if (bw.d_wh) gemm_f32_serial(true, false, H, w4, g * N, 1.0f, hp, H, dz + base, H4, 1.0f, bw.d_wh + base, H4);
+            if (bw.d_wh) add_recurrent_gradient(f.d, t0, g, f.h0, f.ys, dz + base, H4, w4, bw.d_wh + base, H4);
             if (bw.d_wi)
               gemm_f32_serial(true, false, I, w4, g * N, 1.0f, f.x + t0 * N * I, I, dz + base, H4, 1.0f, bw.d_wi + base, H4);
             if (bw.d_b)

@@ -31,16 +31,20 @@ inline recurrent::UnitBlocks blocks_of(std::int64_t hidden) { return recurrent::
 std::int64_t cell_scratch_floats(std::int64_t w);
 void cell_row(float* gates, std::int64_t w, const float* c_prev, float* c, float* h, float* scratch);
 // Its backward step: from the activations, c_prev and c, the cotangent of h (dh) and of c (dc,
-// replaced by c_prev's), the gates' cotangents [i | f | g | o] into d_gates.
+// replaced by c_prev's), the gates' cotangents [i | f | g | o] into d_gates, which may be `acts`
+// itself (everything is read before anything is written).
 void cell_row_backward(const float* acts, std::int64_t w, const float* c_prev, const float* c, const float* dh, float* dc,
                        float* d_gates, float* scratch);
 
-// Everything the passes read and write. wi [I, 4H], wh [H, 4H] and b [4H] interleaved; x [T, N, I];
+// Everything the passes read and write. wi [I, 4H] and b [4H] interleaved, wh [H, 4H] in gate order
+// (the passes pack it a block at a time, recurrent_passes_internal.hpp); x [T, N, I];
 // c0, h0 [N, H]; ys [T, N, H] (the h of every step). acts [T', N, 4H] and cs [T', N, H] hold the
 // gate activations and cell states of the steps kept (T' = T when keeping all, else a segment).
 struct Forward {
   Dims d;
-  const float *x, *wi, *wh, *b, *c0, *h0;
+  const float *x, *wi;
+  recurrent::GateColumns wh;
+  const float *b, *c0, *h0;
   float* ys;
   float* acts;       // T steps (keep all) or null (recompute mode)
   float* cs;         // T steps (keep all), or the cell state at each segment's start (recompute mode)

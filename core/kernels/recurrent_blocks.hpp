@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 
@@ -15,6 +16,18 @@ struct Dims {
 
 inline constexpr std::int64_t kChunk = 16;      // time steps per input product and weight-gradient product
 inline constexpr std::int64_t kUnitBlock = 128;  // hidden units per block
+
+// A [rows, gates * H] matrix in gate order (a kernel, a bias, their gradients), given by where each
+// gate's H columns start and the row stride: one array [rows, gates * H] (gate k at data + k * H,
+// ld = gates * H), or one array per gate [rows, H] (ld = H; Flax's cells keep a kernel per gate).
+template <class T>
+struct GateColumnsOf {
+  std::array<T*, 4> gate{};
+  std::int64_t ld = 0;
+  T* row(int k, std::int64_t r) const { return gate[static_cast<std::size_t>(k)] + r * ld; }
+};
+using GateColumns = GateColumnsOf<const float>;
+using MutableGateColumns = GateColumnsOf<float>;
 
 // The hidden units in blocks of kUnitBlock (the last one narrower); columns of a [rows, gates * H]
 // matrix are interleaved so that block b's gates are adjacent: gate k of the block's units sits at
@@ -30,20 +43,31 @@ struct UnitBlocks {
     const std::int64_t b = u / unit;
     return base(b) + gate * width(b) + (u - first(b));
   }
-  // A [rows, gates * H] matrix with columns in gate order into the interleaved layout, and back.
-  void interleave(const float* in, float* out, std::int64_t rows) const { copy(in, out, rows, true); }
-  void deinterleave(const float* in, float* out, std::int64_t rows) const { copy(in, out, rows, false); }
-
- private:
-  void copy(const float* in, float* out, std::int64_t rows, bool to_blocks) const {
-    const std::int64_t stride = gates * hidden;
+  // Block b's columns of rows [r0, r0 + rows) as they sit in the interleaved layout: out [rows,
+  // gates * width(b)] (gate k's columns of the block's units at k * width(b)).
+  void gather_block(const GateColumns& in, std::int64_t r0, std::int64_t rows, std::int64_t b, float* out) const {
+    const std::int64_t w = width(b);
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (int k = 0; k < gates; ++k) copy_run(in.row(k, r0 + r) + first(b), w, out + (r * gates + k) * w);
+  }
+  // Rows [r0, r0 + rows) into the interleaved layout: out [rows, gates * H].
+  void interleave(const GateColumns& in, std::int64_t r0, std::int64_t rows, float* out) const {
     for (std::int64_t r = 0; r < rows; ++r)
       for (std::int64_t b = 0; b < count; ++b)
-        for (std::int64_t k = 0; k < gates; ++k) {
-          const std::int64_t plain = r * stride + k * hidden + first(b), blocked = r * stride + base(b) + k * width(b);
-          std::memcpy(out + (to_blocks ? blocked : plain), in + (to_blocks ? plain : blocked),
-                      static_cast<std::size_t>(width(b)) * sizeof(float));
-        }
+        for (int k = 0; k < gates; ++k)
+          copy_run(in.row(k, r0 + r) + first(b), width(b), out + r * gates * hidden + base(b) + k * width(b));
+  }
+  // An interleaved [rows, gates * H] matrix back into gate order.
+  void deinterleave(const float* in, std::int64_t rows, const MutableGateColumns& out) const {
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t b = 0; b < count; ++b)
+        for (int k = 0; k < gates; ++k)
+          copy_run(in + r * gates * hidden + base(b) + k * width(b), width(b), out.row(k, r) + first(b));
+  }
+
+ private:
+  static void copy_run(const float* from, std::int64_t n, float* to) {
+    std::memcpy(to, from, static_cast<std::size_t>(n) * sizeof(float));
   }
 };
 

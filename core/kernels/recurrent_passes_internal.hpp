@@ -5,6 +5,7 @@
 #pragma once
 
 #include <linum/core/array.hpp>
+#include <linum/core/kernels/gemm.hpp>
 #include <linum/core/kernels/recurrent_blocks.hpp>
 
 #include <Eigen/Core>
@@ -13,6 +14,8 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <memory>
+#include <vector>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -92,15 +95,47 @@ inline float* workspace(Array& a, std::int64_t floats) {
   return a.mutable_data();
 }
 
-// The hidden state before each step of the first chunk, contiguous (the weight gradient's operand
-// [steps * N, H]; later chunks read ys directly): h0, then ys of the chunk's steps but the last.
-inline float* states_before_first_chunk(Array& a, const Dims& d, const float* h0, const float* ys) {
-  const std::int64_t len = std::min(kChunk, d.steps), carry = d.rows * d.hidden;
-  float* out = workspace(a, len * carry);
-  if (len == 0) return out;
-  std::memcpy(out, h0, static_cast<std::size_t>(carry) * sizeof(float));
-  std::memcpy(out + carry, ys, static_cast<std::size_t>((len - 1) * carry) * sizeof(float));
+// The recurrent kernel's products for the fused layers' steps, per unit block, packed once from the
+// kernel in gate order (wh [H, gates * H], not interleaved), one block's columns or rows at a time:
+// no whole interleaved copy is made. Block b's forward product: c (+)= h . (wh's block b columns,
+// interleaved) (m rows, c's row stride ldc(b), accumulate: add to c).
+template <class Ldc>
+std::vector<std::unique_ptr<PackedProduct>> recurrent_products(const UnitBlocks& bl, const GateColumns& wh, std::int64_t m,
+                                                               Ldc ldc, bool accumulate) {
+  std::vector<std::unique_ptr<PackedProduct>> out;
+  for (std::int64_t b = 0; b < bl.count; ++b) {
+    const std::int64_t cols = bl.gates * bl.width(b);
+    Array block = Array::empty(Shape{bl.hidden * cols});
+    bl.gather_block(wh, 0, bl.hidden, b, block.mutable_data());
+    out.push_back(std::make_unique<PackedProduct>(m, cols, bl.hidden, block.data(), cols, false, bl.hidden, ldc(b), accumulate));
+  }
   return out;
+}
+// The backward products: dh[:, block b] (+)= d_gates . (wh's rows of block b, interleaved)^T, d_gates
+// [m, gates * H] interleaved (row stride gates * H), dh's row stride H.
+inline std::vector<std::unique_ptr<PackedProduct>> transposed_products(const UnitBlocks& bl, const GateColumns& wh,
+                                                                       std::int64_t m, bool accumulate) {
+  std::vector<std::unique_ptr<PackedProduct>> out;
+  const std::int64_t cols = bl.gates * bl.hidden;
+  for (std::int64_t b = 0; b < bl.count; ++b) {
+    Array rows = Array::empty(Shape{bl.width(b) * cols});
+    bl.interleave(wh, bl.first(b), bl.width(b), rows.mutable_data());
+    out.push_back(std::make_unique<PackedProduct>(m, bl.width(b), cols, rows.data(), cols, true, cols, bl.hidden, accumulate));
+  }
+  return out;
+}
+
+// dw[:, cols] += sum over the steps t of [t0, t0 + g) of h_before(t)^T . d_gates(t): the recurrent
+// kernel's gradient from one chunk, on the calling thread. h_before(t) is h0 for t = 0, else ys of
+// step t - 1 ([N, H] each); d_gates holds the chunk's steps' rows (row stride ld) from its first
+// step. One product over the chunk's rows, or two when the chunk starts at step 0 (h0 is not next to
+// ys): the same products whatever kept or recomputed the gates.
+inline void add_recurrent_gradient(const Dims& d, std::int64_t t0, std::int64_t g, const float* h0, const float* ys,
+                                   const float* d_gates, std::int64_t ld, std::int64_t cols, float* dw, std::int64_t ldw) {
+  const std::int64_t N = d.rows, H = d.hidden;
+  if (t0 > 0) return gemm_f32_serial(true, false, H, cols, g * N, 1.0f, ys + (t0 - 1) * N * H, H, d_gates, ld, 1.0f, dw, ldw);
+  gemm_f32_serial(true, false, H, cols, N, 1.0f, h0, H, d_gates, ld, 1.0f, dw, ldw);
+  if (g > 1) gemm_f32_serial(true, false, H, cols, (g - 1) * N, 1.0f, ys, H, d_gates + N * ld, ld, 1.0f, dw, ldw);
 }
 
 }  // namespace linum::kernels::recurrent

@@ -1,5 +1,6 @@
 #include <linum/core/ops/recurrent.hpp>
 
+#include <linum/core/autodiff/batching.hpp>
 #include <linum/core/autodiff/primitive.hpp>
 #include <linum/core/ops/batching.hpp>
 #include <linum/core/dtype.hpp>
@@ -181,48 +182,169 @@ std::pair<Array, Array> lstm_cell(const Array& x_gates, const Array& h_gates, co
 namespace {
 
 static_assert(kLSTMLayerChunk == lk::kChunk);
+namespace rb = kernels::recurrent;
+namespace gk = kernels::gru;
 
-struct LayerShape {
-  lk::Dims d;
+struct LayerArgs;
+
+// How many parts each weight of a layer op has and how many carries: what its backward rule needs
+// to read its flat inputs as LayerArgs (the rule keeps no arrays of its own).
+struct LayerStructure {
+  std::vector<std::size_t> parts;
+  std::size_t carries = 0;
+  LayerArgs with(const std::vector<Array>& flat_arrays) const;
 };
 
-LayerShape layer_shape(const Array& x, const Array& wi, const Array& b, const Array& wh, const Array& c0, const Array& h0) {
-  auto fail = [&](const std::string& why) -> LayerShape {
-    throw ShapeError("lstm_layer: " + why + "; got x " + x.type_str() + ", input_kernel " + wi.type_str() + ", bias " +
-                     b.type_str() + ", recurrent_kernel " + wh.type_str() + ", c0 " + c0.type_str() + ", h0 " + h0.type_str() +
-                     " (x [time, batch, in], input_kernel [in, 4 * hidden], bias [4 * hidden], recurrent_kernel "
-                     "[hidden, 4 * hidden], c0 and h0 [batch, hidden])");
-  };
-  for (const Array* a : {&x, &wi, &b, &wh, &c0, &h0}) {
-    if (!a->defined()) fail("an argument is undefined");
-    if (a->dtype() != DType::f32 && a->dtype() != DType::bf16) fail("arguments must be float32 or bfloat16");
-  }
-  if (x.rank() != 3 || wi.rank() != 2 || b.rank() != 1 || wh.rank() != 2 || c0.rank() != 2 || h0.rank() != 2)
-    fail("wrong ranks");
-  const std::int64_t T = x.dim(0), N = x.dim(1), I = x.dim(2), H = wh.dim(0);
-  if (H == 0 || wh.dim(1) != 4 * H) fail("recurrent_kernel must be [hidden, 4 * hidden] with hidden > 0");
-  if (wi.dim(0) != I || wi.dim(1) != 4 * H) fail("input_kernel must be [in, 4 * hidden]");
-  if (b.dim(0) != 4 * H) fail("bias must be [4 * hidden]");
-  if (!(c0.shape() == Shape{N, H}) || !(h0.shape() == Shape{N, H})) fail("c0 and h0 must be [batch, hidden]");
-  return {{T, N, I, H}};
-}
+// A layer op's arguments: x, its weights (kernels and biases, each one array or one per gate), and
+// its initial carries. The op's inputs are these flattened in that order.
+struct LayerArgs {
+  Array x;
+  std::vector<std::vector<Array>> weights;
+  std::vector<Array> carries;
 
-// A float32 [rows, gates * H] matrix (a kernel, a bias, their gradients) from gate order into a
-// layer kernel's block layout (to_blocks), or back.
-Array blocked(const Array& w, const kernels::recurrent::UnitBlocks& bl, bool to_blocks) {
-  Array out = Array::empty(w.shape());
-  const std::int64_t rows = w.numel() / (bl.gates * bl.hidden);
-  if (to_blocks) bl.interleave(w.data(), out.mutable_data(), rows);
-  else bl.deinterleave(w.data(), out.mutable_data(), rows);
+  std::vector<const Array*> flat() const {
+    std::vector<const Array*> out{&x};
+    for (const auto& w : weights)
+      for (const Array& p : w) out.push_back(&p);
+    for (const Array& c : carries) out.push_back(&c);
+    return out;
+  }
+  // The flat index of weight w's first part.
+  std::size_t first_input(std::size_t w) const {
+    std::size_t i = 1;
+    for (std::size_t k = 0; k < w; ++k) i += weights[k].size();
+    return i;
+  }
+  std::size_t carry_input(std::size_t c) const { return first_input(weights.size()) + c; }
+  LayerStructure structure() const {
+    LayerStructure out{{}, carries.size()};
+    for (const auto& w : weights) out.parts.push_back(w.size());
+    return out;
+  }
+  // The same structure over other arrays (flat, in the order of flat()).
+  LayerArgs with(const std::vector<Array>& flat_arrays) const { return structure().with(flat_arrays); }
+  template <class F>
+  LayerArgs map(F f) const {
+    std::vector<Array> arrays;
+    for (const Array* a : flat()) arrays.push_back(f(*a));
+    return with(arrays);
+  }
+  bool any(bool (*pred)(const Array&)) const {
+    for (const Array* a : flat())
+      if (pred(*a)) return true;
+    return false;
+  }
+  DType promoted() const {
+    DType dt = x.dtype();
+    for (const Array* a : flat()) dt = promote_types(dt, a->dtype());
+    return dt;
+  }
+};
+
+LayerArgs LayerStructure::with(const std::vector<Array>& flat_arrays) const {
+  LayerArgs out;
+  std::size_t i = 0;
+  out.x = flat_arrays.at(i++);
+  for (std::size_t count : parts) {
+    out.weights.emplace_back();
+    for (std::size_t k = 0; k < count; ++k) out.weights.back().push_back(flat_arrays.at(i++));
+  }
+  for (std::size_t c = 0; c < carries; ++c) out.carries.push_back(flat_arrays.at(i++));
   return out;
 }
+
+// What a weight is: a kernel with rows x's features or the hidden units, or a bias.
+enum class Rows { inputs, hidden, bias };
+struct WeightSpec {
+  const char* name;
+  Rows rows;
+};
+
+std::string describe(const std::vector<Array>& parts) {
+  if (parts.size() == 1) return parts[0].type_str();
+  std::string out = "[";
+  for (std::size_t k = 0; k < parts.size(); ++k) out += (k ? ", " : "") + parts[k].type_str();
+  return out + "]";
+}
+
+// Checks a layer op's arguments and returns its dims: x [time, batch, in]; each weight one array
+// ([rows, gates * hidden] or [gates * hidden]) or one per gate in gate order ([rows, hidden] or
+// [hidden]); the carries [batch, hidden]. hidden is read from weight `recurrent` (a kernel over the
+// hidden units).
+lk::Dims check_layer(const char* op, std::int64_t gates, const LayerArgs& a, const std::vector<WeightSpec>& specs,
+                     std::size_t recurrent, const std::vector<const char*>& carry_names, const char* usage) {
+  auto fail = [&](const std::string& why) {
+    std::string got = "x " + a.x.type_str();
+    for (std::size_t w = 0; w < specs.size(); ++w) got += std::string(", ") + specs[w].name + " " + describe(a.weights[w]);
+    for (std::size_t c = 0; c < carry_names.size(); ++c) got += std::string(", ") + carry_names[c] + " " + a.carries[c].type_str();
+    throw ShapeError(std::string(op) + ": " + why + "; got " + got + " (" + usage + ")");
+  };
+  for (std::size_t w = 0; w < specs.size(); ++w)
+    if (a.weights[w].size() != 1 && a.weights[w].size() != static_cast<std::size_t>(gates))
+      fail(std::string(specs[w].name) + " must be one array or " + std::to_string(gates) + " (one per gate)");
+  for (const Array* p : a.flat()) {
+    if (!p->defined()) fail("an argument is undefined");
+    if (p->dtype() != DType::f32 && p->dtype() != DType::bf16) fail("arguments must be float32 or bfloat16");
+  }
+  if (a.x.rank() != 3) fail("x must be [time, batch, in]");
+  const std::vector<Array>& rec = a.weights[recurrent];
+  if (rec[0].rank() != 2 || rec[0].dim(0) == 0) fail(std::string(specs[recurrent].name) + " must be [hidden, ...] with hidden > 0");
+  const std::int64_t T = a.x.dim(0), N = a.x.dim(1), I = a.x.dim(2), H = rec[0].dim(0);
+  for (std::size_t w = 0; w < specs.size(); ++w) {
+    const bool one = a.weights[w].size() == 1;
+    const std::int64_t cols = one ? gates * H : H;
+    const Shape want = specs[w].rows == Rows::bias ? Shape{cols} : Shape{specs[w].rows == Rows::inputs ? I : H, cols};
+    for (const Array& p : a.weights[w])
+      if (!(p.shape() == want))
+        fail(std::string(specs[w].name) + " must be " + (specs[w].rows == Rows::bias ? "[" : specs[w].rows == Rows::inputs ? "[in, " : "[hidden, ") +
+             (one ? std::to_string(gates) + " * hidden]" : "hidden] per gate") + " with hidden = " + std::to_string(H));
+  }
+  for (const Array& c : a.carries)
+    if (!(c.shape() == Shape{N, H})) fail("the initial carries must be [batch, hidden]");
+  return {T, N, I, H};
+}
+
+// A float32 weight's gates where they are: one array's column ranges, or one array per gate.
+rb::GateColumns columns_of(const std::vector<Array>& parts, std::int64_t hidden, std::int64_t gates) {
+  rb::GateColumns g;
+  for (std::int64_t k = 0; k < gates; ++k)
+    g.gate[static_cast<std::size_t>(k)] = parts.size() == 1 ? parts[0].data() + k * hidden : parts[static_cast<std::size_t>(k)].data();
+  g.ld = parts.size() == 1 ? gates * hidden : hidden;
+  return g;
+}
+
+std::int64_t rows_of(const std::vector<Array>& parts) { return parts[0].rank() == 1 ? 1 : parts[0].dim(0); }
+
+// A float32 weight in a layer kernel's interleaved block layout, [rows, gates * H] ([gates * H]).
+Array interleaved(const std::vector<Array>& parts, const rb::UnitBlocks& bl) {
+  const std::int64_t rows = rows_of(parts);
+  Array out = parts[0].rank() == 1 ? Array::empty(Shape{bl.gates * bl.hidden}) : Array::empty(Shape{rows, bl.gates * bl.hidden});
+  bl.interleave(columns_of(parts, bl.hidden, bl.gates), 0, rows, out.mutable_data());
+  return out;
+}
+
+// A weight's gradient, computed interleaved, in the parts' layout.
+std::vector<Array> gradient_parts(const Array& g, const std::vector<Array>& parts, const rb::UnitBlocks& bl) {
+  std::vector<Array> out;
+  rb::MutableGateColumns cols;
+  for (std::size_t k = 0; k < parts.size(); ++k) out.push_back(Array::empty(parts[k].shape()));
+  for (std::int64_t k = 0; k < bl.gates; ++k)
+    cols.gate[static_cast<std::size_t>(k)] =
+        out.size() == 1 ? out[0].mutable_data() + k * bl.hidden : out[static_cast<std::size_t>(k)].mutable_data();
+  cols.ld = out.size() == 1 ? bl.gates * bl.hidden : bl.hidden;
+  bl.deinterleave(g.data(), rows_of(parts), cols);
+  return out;
+}
+
+// The weight as one array (create-graph mode's composite reads it so).
+Array joined(const std::vector<Array>& parts) { return parts.size() == 1 ? parts[0] : concatenate(parts, -1); }
 
 // vmap of a layer op: the layer once per example (each example may have its own weights), results
 // stacked. `example_shapes`: one example's results (for a batch level of size 0).
 template <class Layer>
-std::vector<Array> per_example(const char* op, std::initializer_list<const Array*> inputs, const std::vector<Shape>& example_shapes,
+std::vector<Array> per_example(const char* op, const std::vector<const Array*>& inputs, const std::vector<Shape>& example_shapes,
                                Layer layer) {
-  const std::vector<BatchLevel> levels = ops::batching::levels_of(inputs, op);
+  const std::vector<BatchLevel> levels = autodiff::union_levels(std::span<const Array* const>(inputs.data(), inputs.size()), op);
   std::int64_t examples = 1;
   std::vector<std::int64_t> level_dims;
   for (const BatchLevel& l : levels) {
@@ -263,10 +385,20 @@ std::vector<Array> per_example(const char* op, std::initializer_list<const Array
   return out;
 }
 
-// The layer written with ops (create-graph mode differentiates it).
-std::vector<Array> composed_layer(const std::vector<Array>& in) {
-  const Array &x = in[0], &wi = in[1], &b = in[2], &wh = in[3];
-  Array c = in[4], h = in[5];
+bool is_batched(const Array& a) { return a.batched(); }
+bool not_f32(const Array& a) { return a.dtype() != DType::f32; }
+Array to_f32(const Array& a) { return a.dtype() == DType::f32 ? a : astype(a, DType::f32); }
+
+const std::vector<WeightSpec> kLSTMWeights{{"input_kernel", Rows::inputs}, {"bias", Rows::bias}, {"recurrent_kernel", Rows::hidden}};
+constexpr const char* kLSTMUsage =
+    "x [time, batch, in], input_kernel [in, 4 * hidden], bias [4 * hidden], recurrent_kernel [hidden, 4 * hidden] (or each "
+    "as 4 arrays, one per gate i, f, g, o), c0 and h0 [batch, hidden]";
+
+// The layer written with ops (create-graph mode differentiates it); `in` is the op's flat inputs.
+std::vector<Array> composed_layer(const LayerStructure& shape, const std::vector<Array>& in) {
+  const LayerArgs a = shape.with(in);
+  const Array &x = a.x, wi = joined(a.weights[0]), b = joined(a.weights[1]), wh = joined(a.weights[2]);
+  Array c = a.carries[0], h = a.carries[1];
   std::vector<Array> ys;
   for (std::int64_t t = 0; t < x.dim(0); ++t) {
     const Array xt = reshape(slice_axis(x, 0, t, t + 1), {x.dim(1), x.dim(2)});
@@ -279,40 +411,58 @@ std::vector<Array> composed_layer(const std::vector<Array>& in) {
   return {y, c, h};
 }
 
-}  // namespace
+// The input cotangents of a layer op's weights from their interleaved gradients (undefined: not
+// needed), and of x and the carries as computed.
+void set_layer_cotangents(Cotangents& cot, const LayerArgs& args, Array dx, std::vector<Array> weight_grads,
+                          std::vector<Array> carry_grads, const rb::UnitBlocks& bl) {
+  if (cot.needs(0)) cot.set(0, std::move(dx));
+  for (std::size_t w = 0; w < weight_grads.size(); ++w) {
+    if (!weight_grads[w].defined()) continue;
+    std::vector<Array> parts = gradient_parts(weight_grads[w], args.weights[w], bl);
+    for (std::size_t k = 0; k < parts.size(); ++k)
+      if (cot.needs(args.first_input(w) + k)) cot.set(args.first_input(w) + k, std::move(parts[k]));
+  }
+  for (std::size_t c = 0; c < carry_grads.size(); ++c)
+    if (cot.needs(args.carry_input(c))) cot.set(args.carry_input(c), std::move(carry_grads[c]));
+}
 
-std::tuple<Array, Array, Array> lstm_layer(const Array& x, const Array& wi, const Array& b, const Array& wh, const Array& c0,
-                                           const Array& h0, const LSTMLayerOptions& options) {
-  const LayerShape shape = layer_shape(x, wi, b, wh, c0, h0);
-  const lk::Dims d = shape.d;
+// Whether any of weight w's parts needs a gradient.
+bool needs_weight(const Cotangents& cot, const LayerArgs& args, std::size_t w) {
+  for (std::size_t k = 0; k < args.weights[w].size(); ++k)
+    if (cot.needs(args.first_input(w) + k)) return true;
+  return false;
+}
+
+std::tuple<Array, Array, Array> lstm_layer_op(const LayerArgs& args, const LSTMLayerOptions& options) {
+  const lk::Dims d = check_layer("lstm_layer", 4, args, kLSTMWeights, 2, {"c0", "h0"}, kLSTMUsage);
   if (options.recompute_segment < 0)
     throw ValueError("lstm_layer: recompute_segment must be >= 0 (0 keeps every step), got " +
                      std::to_string(options.recompute_segment));
-  if (x.batched() || wi.batched() || b.batched() || wh.batched() || c0.batched() || h0.batched()) [[unlikely]] {
+  if (args.any(is_batched)) [[unlikely]] {
     const std::vector<Array> out = per_example(
-        "lstm_layer", {&x, &wi, &b, &wh, &c0, &h0}, {Shape{d.steps, d.rows, d.hidden}, Shape{d.rows, d.hidden}, Shape{d.rows, d.hidden}},
-        [&](const std::vector<Array>& a) {
-          auto [y, c, h] = lstm_layer(a[0], a[1], a[2], a[3], a[4], a[5], options);
+        "lstm_layer", args.flat(), {Shape{d.steps, d.rows, d.hidden}, Shape{d.rows, d.hidden}, Shape{d.rows, d.hidden}},
+        [&](const std::vector<Array>& one) {
+          auto [y, c, h] = lstm_layer_op(args.with(one), options);
           return std::vector<Array>{y, c, h};
         });
     return {out[0], out[1], out[2]};
   }
-  const DType dt = promote_types(promote_types(promote_types(x.dtype(), wi.dtype()), promote_types(b.dtype(), wh.dtype())),
-                                 promote_types(c0.dtype(), h0.dtype()));
-  if (dt != DType::f32 || x.dtype() != DType::f32 || wi.dtype() != DType::f32 || b.dtype() != DType::f32 ||
-      wh.dtype() != DType::f32 || c0.dtype() != DType::f32 || h0.dtype() != DType::f32) {
-    auto f32 = [](const Array& a) { return a.dtype() == DType::f32 ? a : astype(a, DType::f32); };
-    auto [y, c, h] = lstm_layer(f32(x), f32(wi), f32(b), f32(wh), f32(c0), f32(h0), options);
+  if (args.any(not_f32)) {
+    const DType dt = args.promoted();
+    auto [y, c, h] = lstm_layer_op(args.map(to_f32), options);
     return {astype(y, dt), astype(c, dt), astype(h, dt)};
   }
   const std::int64_t segment =
       options.recompute_segment == 0 ? 0 : (options.recompute_segment + lk::kChunk - 1) / lk::kChunk * lk::kChunk;
-  const Array* const ins[] = {&x, &wi, &b, &wh, &c0, &h0};
+  const std::vector<const Array*> ins = args.flat();
+  const std::size_t n_in = ins.size();
   std::vector<Array> out = autodiff::primitive_multi(
       ops::kind::lstm_layer, std::span<const Array* const>(ins),
       [&](autodiff::Residuals& r) {
         const auto bl = lk::blocks_of(d.hidden);
-        const Array wi_i = blocked(wi, bl, true), wh_i = blocked(wh, bl, true), b_i = blocked(b, bl, true);
+        // The input kernel and bias interleaved for the per-block products; the recurrent kernel is
+        // packed a block at a time from where it is.
+        const Array wi_i = interleaved(args.weights[0], bl), b_i = interleaved(args.weights[1], bl);
         Array ys = Array::empty(Shape{d.steps, d.rows, d.hidden});
         Array c_last = Array::empty(Shape{d.rows, d.hidden});
         // What the backward pass reads: every step's activations and cell states, or the cell state
@@ -322,81 +472,62 @@ std::tuple<Array, Array, Array> lstm_layer(const Array& x, const Array& wi, cons
         Array acts = keep_all ? Array::empty(Shape{d.steps, d.rows, 4 * d.hidden}) : Array();
         Array cs = keep_all ? Array::empty(Shape{d.steps, d.rows, d.hidden})
                             : Array::empty(Shape{std::max<std::int64_t>(1, (d.steps + seg - 1) / seg), d.rows, d.hidden});
-        lk::forward({d, x.data(), wi_i.data(), wh_i.data(), b_i.data(), c0.data(), h0.data(), ys.mutable_data(),
-                     keep_all ? acts.mutable_data() : nullptr, cs.mutable_data(), seg, c_last.mutable_data()});
+        const Array &c0 = args.carries[0], &h0 = args.carries[1];
+        lk::forward({d, args.x.data(), wi_i.data(), columns_of(args.weights[2], d.hidden, 4), b_i.data(), c0.data(), h0.data(),
+                     ys.mutable_data(), keep_all ? acts.mutable_data() : nullptr, cs.mutable_data(), seg,
+                     c_last.mutable_data()});
         Array h_last = Array::empty(Shape{d.rows, d.hidden});
         std::memcpy(h_last.mutable_data(), d.steps == 0 ? h0.data() : ys.data() + (d.steps - 1) * d.rows * d.hidden,
                     static_cast<std::size_t>(d.rows * d.hidden) * sizeof(float));
-        r.keep(x, wi, b, wh, c0, h0, wi_i, wh_i, b_i, ys, acts, cs);
+        for (const Array* a : ins) r.keep(*a);
+        r.keep(wi_i, b_i, ys, acts, cs);
         return std::vector<Array>{std::move(ys), std::move(c_last), std::move(h_last)};
       },
-      autodiff::higher_order([d, segment](Cotangents& cot, autodiff::Saved s) {
+      autodiff::higher_order([d, segment, n_in, shape = args.structure()](Cotangents& cot, autodiff::Saved s) {
+        const std::vector<Array> inputs(s.begin(), s.begin() + static_cast<std::ptrdiff_t>(n_in));
         if (autodiff::creating_graph())
-          return autodiff::composite_rule(cot, {s[0], s[1], s[2], s[3], s[4], s[5]}, composed_layer);
-        const Array &x = s[0], &c0 = s[4], &h0 = s[5], &wi_i = s[6], &wh_i = s[7], &b_i = s[8], &ys = s[9], &acts = s[10],
-                    &cs = s[11];
-        auto f32_or_null = [](const Array& a) -> const float* {
-          if (!a.defined()) return nullptr;
-          return a.data();
-        };
+          return autodiff::composite_rule(cot, inputs, [&shape](const std::vector<Array>& in) { return composed_layer(shape, in); });
+        const LayerArgs a = shape.with(inputs);
+        const Array &wi_i = s[n_in], &b_i = s[n_in + 1], &ys = s[n_in + 2], &acts = s[n_in + 3], &cs = s[n_in + 4];
+        const Array &x = a.x, &c0 = a.carries[0], &h0 = a.carries[1];
+        auto f32_or_null = [](const Array& t) -> const float* { return t.defined() ? t.data() : nullptr; };
         const Array d_ys = cot.out(0).defined() ? linum::detail::convert_float(cot.out(0), DType::f32) : Array();
         const Array d_c = cot.out(1).defined() ? linum::detail::convert_float(cot.out(1), DType::f32) : Array();
         const Array d_h = cot.out(2).defined() ? linum::detail::convert_float(cot.out(2), DType::f32) : Array();
-        Array dx = cot.needs(0) ? Array::empty(x.shape()) : Array();
-        Array dwi = cot.needs(1) ? Array::empty(wi_i.shape()) : Array();
-        Array db = cot.needs(2) ? Array::empty(b_i.shape()) : Array();
-        Array dwh = cot.needs(3) ? Array::empty(wh_i.shape()) : Array();
-        Array dc0 = cot.needs(4) ? Array::empty(c0.shape()) : Array();
-        Array dh0 = cot.needs(5) ? Array::empty(h0.shape()) : Array();
-        auto out_ptr = [](Array& a) -> float* { return a.defined() ? a.mutable_data() : nullptr; };
+        auto maybe = [&](bool needed, const Shape& shape_) { return needed ? Array::empty(shape_) : Array(); };
+        Array dx = maybe(cot.needs(0), x.shape());
+        Array dwi = maybe(needs_weight(cot, a, 0), wi_i.shape()), db = maybe(needs_weight(cot, a, 1), b_i.shape());
+        Array dwh = maybe(needs_weight(cot, a, 2), Shape{d.hidden, 4 * d.hidden});
+        Array dc0 = maybe(cot.needs(a.carry_input(0)), c0.shape()), dh0 = maybe(cot.needs(a.carry_input(1)), h0.shape());
+        auto out_ptr = [](Array& t) -> float* { return t.defined() ? t.mutable_data() : nullptr; };
         const bool keep_all = acts.defined();
-        lk::backward({{d, x.data(), wi_i.data(), wh_i.data(), b_i.data(), c0.data(), h0.data(), const_cast<float*>(ys.data()),
-                       keep_all ? const_cast<float*>(acts.data()) : nullptr, const_cast<float*>(cs.data()),
-                       keep_all ? 0 : segment, nullptr},
+        lk::backward({{d, x.data(), wi_i.data(), columns_of(a.weights[2], d.hidden, 4), b_i.data(), c0.data(), h0.data(),
+                       const_cast<float*>(ys.data()), keep_all ? const_cast<float*>(acts.data()) : nullptr,
+                       const_cast<float*>(cs.data()), keep_all ? 0 : segment, nullptr},
                       f32_or_null(d_ys), f32_or_null(d_c), f32_or_null(d_h), out_ptr(dx), out_ptr(dwi), out_ptr(dwh),
                       out_ptr(db), out_ptr(dc0), out_ptr(dh0)});
-        if (cot.needs(0)) cot.set(0, std::move(dx));
-        if (cot.needs(1)) cot.set(1, blocked(dwi, lk::blocks_of(d.hidden), false));
-        if (cot.needs(2)) cot.set(2, blocked(db, lk::blocks_of(d.hidden), false));
-        if (cot.needs(3)) cot.set(3, blocked(dwh, lk::blocks_of(d.hidden), false));
-        if (cot.needs(4)) cot.set(4, std::move(dc0));
-        if (cot.needs(5)) cot.set(5, std::move(dh0));
+        set_layer_cotangents(cot, a, std::move(dx), {std::move(dwi), std::move(db), std::move(dwh)},
+                             {std::move(dc0), std::move(dh0)}, lk::blocks_of(d.hidden));
       }));
   return {std::move(out[0]), std::move(out[1]), std::move(out[2])};
 }
 
-namespace {
-
-namespace gk = kernels::gru;
-
-lk::Dims gru_shape(const Array& x, const Array& wi, const Array& bi, const Array& wh, const Array& bh, const Array& h0) {
-  auto fail = [&](const std::string& why) -> lk::Dims {
-    throw ShapeError("gru_layer: " + why + "; got x " + x.type_str() + ", input_kernel " + wi.type_str() + ", input_bias " +
-                     bi.type_str() + ", recurrent_kernel " + wh.type_str() + ", recurrent_bias " + bh.type_str() + ", h0 " +
-                     h0.type_str() +
-                     " (x [time, batch, in], input_kernel [in, 3 * hidden], recurrent_kernel [hidden, 3 * hidden], "
-                     "input_bias and recurrent_bias [3 * hidden], h0 [batch, hidden])");
-  };
-  for (const Array* a : {&x, &wi, &bi, &wh, &bh, &h0}) {
-    if (!a->defined()) fail("an argument is undefined");
-    if (a->dtype() != DType::f32 && a->dtype() != DType::bf16) fail("arguments must be float32 or bfloat16");
-  }
-  if (x.rank() != 3 || wi.rank() != 2 || bi.rank() != 1 || wh.rank() != 2 || bh.rank() != 1 || h0.rank() != 2)
-    fail("wrong ranks");
-  const std::int64_t T = x.dim(0), N = x.dim(1), I = x.dim(2), H = wh.dim(0);
-  if (H == 0 || wh.dim(1) != 3 * H) fail("recurrent_kernel must be [hidden, 3 * hidden] with hidden > 0");
-  if (wi.dim(0) != I || wi.dim(1) != 3 * H) fail("input_kernel must be [in, 3 * hidden]");
-  if (bi.dim(0) != 3 * H || bh.dim(0) != 3 * H) fail("input_bias and recurrent_bias must be [3 * hidden]");
-  if (!(h0.shape() == Shape{N, H})) fail("h0 must be [batch, hidden]");
-  return {T, N, I, H};
-}
+const std::vector<WeightSpec> kGRUWeights{{"input_kernel", Rows::inputs},
+                                          {"input_bias", Rows::bias},
+                                          {"recurrent_kernel", Rows::hidden},
+                                          {"recurrent_bias", Rows::bias}};
+constexpr const char* kGRUUsage =
+    "x [time, batch, in], input_kernel [in, 3 * hidden], recurrent_kernel [hidden, 3 * hidden], input_bias and "
+    "recurrent_bias [3 * hidden] (or each as 3 arrays, one per gate r, z, n), h0 [batch, hidden]";
 
 // The GRU layer written with ops (create-graph mode differentiates it), in Flax's GRUCell's form.
-std::vector<Array> composed_gru(const std::vector<Array>& in) {
-  const Array &x = in[0], &wi = in[1], &bi = in[2], &wh = in[3], &bh = in[4];
+std::vector<Array> composed_gru(const LayerStructure& shape, const std::vector<Array>& in) {
+  const LayerArgs a = shape.with(in);
+  const Array &x = a.x, wi = joined(a.weights[0]), bi = joined(a.weights[1]), wh = joined(a.weights[2]),
+              bh = joined(a.weights[3]);
   const std::int64_t H = wh.dim(0);
-  Array h = in[5];
-  auto gate = [&](const Array& a, int k) { return slice_axis(a, -1, k * H, (k + 1) * H); };
+  Array h = a.carries[0];
+  auto gate = [&](const Array& v, int k) { return slice_axis(v, -1, k * H, (k + 1) * H); };
   std::vector<Array> ys;
   for (std::int64_t t = 0; t < x.dim(0); ++t) {
     const Array xg = matmul(reshape(slice_axis(x, 0, t, t + 1), {x.dim(1), x.dim(2)}), wi) + bi;
@@ -410,75 +541,99 @@ std::vector<Array> composed_gru(const std::vector<Array>& in) {
   return {y, h};
 }
 
-}  // namespace
-
-std::pair<Array, Array> gru_layer(const Array& x, const Array& wi, const Array& bi, const Array& wh, const Array& bh,
-                                  const Array& h0, const GRULayerOptions& options) {
-  const lk::Dims d = gru_shape(x, wi, bi, wh, bh, h0);
-  if (x.batched() || wi.batched() || bi.batched() || wh.batched() || bh.batched() || h0.batched()) [[unlikely]] {
+std::pair<Array, Array> gru_layer_op(const LayerArgs& args, const GRULayerOptions& options) {
+  const lk::Dims d = check_layer("gru_layer", 3, args, kGRUWeights, 2, {"h0"}, kGRUUsage);
+  if (args.any(is_batched)) [[unlikely]] {
     const std::vector<Array> out =
-        per_example("gru_layer", {&x, &wi, &bi, &wh, &bh, &h0}, {Shape{d.steps, d.rows, d.hidden}, Shape{d.rows, d.hidden}},
-                    [&](const std::vector<Array>& a) {
-                      auto [y, h] = gru_layer(a[0], a[1], a[2], a[3], a[4], a[5], options);
+        per_example("gru_layer", args.flat(), {Shape{d.steps, d.rows, d.hidden}, Shape{d.rows, d.hidden}},
+                    [&](const std::vector<Array>& one) {
+                      auto [y, h] = gru_layer_op(args.with(one), options);
                       return std::vector<Array>{y, h};
                     });
     return {out[0], out[1]};
   }
-  bool all_f32 = true;
-  for (const Array* a : {&x, &wi, &bi, &wh, &bh, &h0}) all_f32 = all_f32 && a->dtype() == DType::f32;
-  const DType dt = promote_types(promote_types(promote_types(x.dtype(), wi.dtype()), promote_types(bi.dtype(), wh.dtype())),
-                     promote_types(bh.dtype(), h0.dtype()));
-  if (!all_f32) {
-    auto f32 = [](const Array& a) { return a.dtype() == DType::f32 ? a : astype(a, DType::f32); };
-    auto [y, h] = gru_layer(f32(x), f32(wi), f32(bi), f32(wh), f32(bh), f32(h0), options);
+  if (args.any(not_f32)) {
+    const DType dt = args.promoted();
+    auto [y, h] = gru_layer_op(args.map(to_f32), options);
     return {astype(y, dt), astype(h, dt)};
   }
-  const Array* const ins[] = {&x, &wi, &bi, &wh, &bh, &h0};
+  const std::vector<const Array*> ins = args.flat();
+  const std::size_t n_in = ins.size();
   const bool recompute = options.recompute;
   std::vector<Array> out = autodiff::primitive_multi(
       ops::kind::gru_layer, std::span<const Array* const>(ins),
       [&](autodiff::Residuals& r) {
         const auto bl = gk::blocks_of(d.hidden);
-        const Array wi_b = blocked(wi, bl, true), wh_b = blocked(wh, bl, true);
-        const Array bi_b = blocked(bi, bl, true), bh_b = blocked(bh, bl, true);
+        const Array wi_b = interleaved(args.weights[0], bl), bi_b = interleaved(args.weights[1], bl);
+        const Array bh_b = interleaved(args.weights[3], bl);
         Array ys = Array::empty(Shape{d.steps, d.rows, d.hidden});
         // What the backward pass reads besides ys: every step's gates, or nothing (recompute, or not
         // recording).
         const bool keep = r.recording() && !recompute;
         Array acts = keep ? Array::empty(Shape{d.steps, d.rows, gk::kGates * d.hidden}) : Array();
         Array hgn = keep ? Array::empty(Shape{d.steps, d.rows, d.hidden}) : Array();
-        gk::forward({d, x.data(), wi_b.data(), wh_b.data(), bi_b.data(), bh_b.data(), h0.data(), ys.mutable_data(),
-                     keep ? acts.mutable_data() : nullptr, keep ? hgn.mutable_data() : nullptr});
+        const Array& h0 = args.carries[0];
+        gk::forward({d, args.x.data(), wi_b.data(), columns_of(args.weights[2], d.hidden, 3), bi_b.data(), bh_b.data(),
+                     h0.data(), ys.mutable_data(), keep ? acts.mutable_data() : nullptr, keep ? hgn.mutable_data() : nullptr});
         Array h_last = Array::empty(Shape{d.rows, d.hidden});
         std::memcpy(h_last.mutable_data(), d.steps == 0 ? h0.data() : ys.data() + (d.steps - 1) * d.rows * d.hidden,
                     static_cast<std::size_t>(d.rows * d.hidden) * sizeof(float));
-        r.keep(x, wi, bi, wh, bh, h0, wi_b, wh_b, bi_b, bh_b, ys, acts, hgn);
+        for (const Array* a : ins) r.keep(*a);
+        r.keep(wi_b, bi_b, bh_b, ys, acts, hgn);
         return std::vector<Array>{std::move(ys), std::move(h_last)};
       },
-      autodiff::higher_order([d](Cotangents& cot, autodiff::Saved s) {
+      autodiff::higher_order([d, n_in, shape = args.structure()](Cotangents& cot, autodiff::Saved s) {
+        const std::vector<Array> inputs(s.begin(), s.begin() + static_cast<std::ptrdiff_t>(n_in));
         if (autodiff::creating_graph())
-          return autodiff::composite_rule(cot, {s[0], s[1], s[2], s[3], s[4], s[5]}, composed_gru);
-        const Array &x = s[0], &h0 = s[5], &wi_b = s[6], &wh_b = s[7], &bi_b = s[8], &bh_b = s[9], &ys = s[10];
-        const Array &acts = s[11], &hgn = s[12];
+          return autodiff::composite_rule(cot, inputs, [&shape](const std::vector<Array>& in) { return composed_gru(shape, in); });
+        const LayerArgs a = shape.with(inputs);
+        const Array &wi_b = s[n_in], &bi_b = s[n_in + 1], &bh_b = s[n_in + 2], &ys = s[n_in + 3], &acts = s[n_in + 4],
+                    &hgn = s[n_in + 5];
+        const Array &x = a.x, &h0 = a.carries[0];
         const Array d_ys = cot.out(0).defined() ? linum::detail::convert_float(cot.out(0), DType::f32) : Array();
         const Array d_h = cot.out(1).defined() ? linum::detail::convert_float(cot.out(1), DType::f32) : Array();
-        auto maybe = [&](int k, const Array& like) { return cot.needs(k) ? Array::empty(like.shape()) : Array(); };
-        Array dx = maybe(0, x), dwi = maybe(1, wi_b), dbi = maybe(2, bi_b), dwh = maybe(3, wh_b), dbh = maybe(4, bh_b);
-        Array dh0 = maybe(5, h0);
-        auto in_ptr = [](const Array& a) -> const float* { return a.defined() ? a.data() : nullptr; };
-        auto out_ptr = [](Array& a) -> float* { return a.defined() ? a.mutable_data() : nullptr; };
-        gk::backward({{d, x.data(), wi_b.data(), wh_b.data(), bi_b.data(), bh_b.data(), h0.data(), const_cast<float*>(ys.data()),
-                       const_cast<float*>(in_ptr(acts)), const_cast<float*>(in_ptr(hgn))},
+        auto maybe = [&](bool needed, const Shape& shape_) { return needed ? Array::empty(shape_) : Array(); };
+        Array dx = maybe(cot.needs(0), x.shape());
+        Array dwi = maybe(needs_weight(cot, a, 0), wi_b.shape()), dbi = maybe(needs_weight(cot, a, 1), bi_b.shape());
+        Array dwh = maybe(needs_weight(cot, a, 2), Shape{d.hidden, gk::kGates * d.hidden});
+        Array dbh = maybe(needs_weight(cot, a, 3), bh_b.shape());
+        Array dh0 = maybe(cot.needs(a.carry_input(0)), h0.shape());
+        auto in_ptr = [](const Array& t) -> const float* { return t.defined() ? t.data() : nullptr; };
+        auto out_ptr = [](Array& t) -> float* { return t.defined() ? t.mutable_data() : nullptr; };
+        gk::backward({{d, x.data(), wi_b.data(), columns_of(a.weights[2], d.hidden, 3), bi_b.data(), bh_b.data(), h0.data(),
+                       const_cast<float*>(ys.data()), const_cast<float*>(in_ptr(acts)), const_cast<float*>(in_ptr(hgn))},
                       in_ptr(d_ys), in_ptr(d_h), out_ptr(dx), out_ptr(dwi), out_ptr(dwh), out_ptr(dbi), out_ptr(dbh),
                       out_ptr(dh0)});
-        if (cot.needs(0)) cot.set(0, std::move(dx));
-        if (cot.needs(1)) cot.set(1, blocked(dwi, gk::blocks_of(d.hidden), false));
-        if (cot.needs(2)) cot.set(2, blocked(dbi, gk::blocks_of(d.hidden), false));
-        if (cot.needs(3)) cot.set(3, blocked(dwh, gk::blocks_of(d.hidden), false));
-        if (cot.needs(4)) cot.set(4, blocked(dbh, gk::blocks_of(d.hidden), false));
-        if (cot.needs(5)) cot.set(5, std::move(dh0));
+        set_layer_cotangents(cot, a, std::move(dx), {std::move(dwi), std::move(dbi), std::move(dwh), std::move(dbh)},
+                             {std::move(dh0)}, gk::blocks_of(d.hidden));
       }));
   return {std::move(out[0]), std::move(out[1])};
+}
+
+}  // namespace
+
+std::tuple<Array, Array, Array> lstm_layer(const Array& x, const Array& input_kernel, const Array& bias,
+                                           const Array& recurrent_kernel, const Array& c0, const Array& h0,
+                                           const LSTMLayerOptions& options) {
+  return lstm_layer_op({x, {{input_kernel}, {bias}, {recurrent_kernel}}, {c0, h0}}, options);
+}
+
+std::tuple<Array, Array, Array> lstm_layer(const Array& x, const std::vector<Array>& input_kernel, const std::vector<Array>& bias,
+                                           const std::vector<Array>& recurrent_kernel, const Array& c0, const Array& h0,
+                                           const LSTMLayerOptions& options) {
+  return lstm_layer_op({x, {input_kernel, bias, recurrent_kernel}, {c0, h0}}, options);
+}
+
+std::pair<Array, Array> gru_layer(const Array& x, const Array& input_kernel, const Array& input_bias,
+                                  const Array& recurrent_kernel, const Array& recurrent_bias, const Array& h0,
+                                  const GRULayerOptions& options) {
+  return gru_layer_op({x, {{input_kernel}, {input_bias}, {recurrent_kernel}, {recurrent_bias}}, {h0}}, options);
+}
+
+std::pair<Array, Array> gru_layer(const Array& x, const std::vector<Array>& input_kernel, const std::vector<Array>& input_bias,
+                                  const std::vector<Array>& recurrent_kernel, const std::vector<Array>& recurrent_bias,
+                                  const Array& h0, const GRULayerOptions& options) {
+  return gru_layer_op({x, {input_kernel, input_bias, recurrent_kernel, recurrent_bias}, {h0}}, options);
 }
 
 }  // namespace linum

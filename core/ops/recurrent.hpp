@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 namespace linum {
 
@@ -50,6 +51,14 @@ inline constexpr std::int64_t kLSTMLayerChunk = 16;  // steps per input product 
 std::tuple<Array, Array, Array> lstm_layer(const Array& x, const Array& input_kernel, const Array& bias,
                                            const Array& recurrent_kernel, const Array& c0, const Array& h0,
                                            const LSTMLayerOptions& options = {});
+// The same with each of the kernels and the bias given as one array or as one array per gate, in
+// gate order i, f, g, o: input kernels [in, hidden], biases [hidden], recurrent kernels [hidden,
+// hidden], as Flax's LSTMCell keeps them. The op reads the gates where they are (no concatenated
+// copy made or kept) and returns each part's own gradient; results are bitwise those of the
+// concatenated arrays.
+std::tuple<Array, Array, Array> lstm_layer(const Array& x, const std::vector<Array>& input_kernel, const std::vector<Array>& bias,
+                                           const std::vector<Array>& recurrent_kernel, const Array& c0, const Array& h0,
+                                           const LSTMLayerOptions& options = {});
 
 // A whole GRU layer over time in one op (PyTorch's nn.GRU; Flax's GRUCell scanned by nn.RNN):
 //
@@ -77,5 +86,11 @@ struct GRULayerOptions {
 std::pair<Array, Array> gru_layer(const Array& x, const Array& input_kernel, const Array& input_bias,
                                   const Array& recurrent_kernel, const Array& recurrent_bias, const Array& h0,
                                   const GRULayerOptions& options = {});
+// The same with each kernel and bias given as one array or as one array per gate, in gate order r,
+// z, n (as Flax's GRUCell keeps them; its absent recurrent biases of r and z are zeros), read where
+// they are; results bitwise those of the concatenated arrays.
+std::pair<Array, Array> gru_layer(const Array& x, const std::vector<Array>& input_kernel, const std::vector<Array>& input_bias,
+                                  const std::vector<Array>& recurrent_kernel, const std::vector<Array>& recurrent_bias,
+                                  const Array& h0, const GRULayerOptions& options = {});
 
 }  // namespace linum
