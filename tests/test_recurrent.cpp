@@ -6,8 +6,10 @@
 #include "testing/gradcheck.hpp"
 
 #include <linum/linum.hpp>
+#include <linum/core/kernels/lstm.hpp>
 
 #include <cmath>
+#include <cstring>
 
 using namespace linum;
 using linum::testing::random_array;
@@ -361,6 +363,43 @@ TEST_CASE("nn::RNN runs LSTMs on hoisted input products and the fused cell: the 
   const Tree g = grad([&](const Tree& p) { return mean(square(astype(apply(mixed, Tree{{"params", p}}, xs), DType::f32))); })(vars.at("params"));
   CHECK(g.at_path("cell/hi/kernel").array().dtype() == DType::f32);
   CHECK(linum::testing::max_abs(g.at_path("cell/hi/kernel").array()) > 0.0f);
+}
+
+TEST_CASE("the LSTM cell kernel gives the same bits computing in place (aligned rows) as through its scratch") {
+  // Rows of whole packets at 64-byte boundaries are computed where they are; anywhere else they are
+  // copied into aligned scratch first. Both must give the same bits (a layer's recomputation may
+  // see its rows elsewhere than the forward pass did).
+  namespace lk = kernels::lstm;
+  for (std::int64_t w : {16, 128, 144}) {
+    CAPTURE(w);
+    const Array src = random_array(Shape{16 * w}, 91, -3.0f, 3.0f);
+    Array scratch_buf = Array::empty(Shape{lk::cell_scratch_floats(w) + 16});
+    float* scratch = scratch_buf.mutable_data();
+    // Two layouts of the same values: at 64-byte boundaries, and one float off.
+    auto run = [&](std::int64_t off, bool in_place_grads) {
+      Array buf = Array::zeros(Shape{20 * w + 64});
+      float* b = buf.mutable_data() + off;
+      float *gates = b, *c_prev = b + 4 * w, *c = b + 5 * w, *h = b + 6 * w, *dh = b + 7 * w, *dc = b + 8 * w, *dg = b + 9 * w;
+      std::copy(src.data(), src.data() + 4 * w, gates);
+      std::copy(src.data() + 4 * w, src.data() + 5 * w, c_prev);
+      std::copy(src.data() + 6 * w, src.data() + 7 * w, dh);
+      std::copy(src.data() + 7 * w, src.data() + 8 * w, dc);
+      lk::cell_row(gates, w, c_prev, c, h, scratch);
+      lk::cell_row_backward(gates, w, c_prev, c, dh, dc, in_place_grads ? gates : dg, scratch);
+      std::vector<float> out(gates, gates + 4 * w);  // the gates' cotangents when in place
+      if (!in_place_grads) out.assign(dg, dg + 4 * w);
+      out.insert(out.end(), c, c + w);
+      out.insert(out.end(), h, h + w);
+      out.insert(out.end(), dc, dc + w);
+      return out;
+    };
+    for (bool in_place_grads : {false, true}) {
+      CAPTURE(in_place_grads);
+      const std::vector<float> aligned = run(0, in_place_grads), shifted = run(1, in_place_grads);
+      CHECK(std::memcmp(aligned.data(), shifted.data(), aligned.size() * sizeof(float)) == 0);
+    }
+    CHECK(run(0, true) == run(0, false));
+  }
 }
 
 TEST_CASE("lstm_layer: the cell over time; gradients equal finite differences; recompute segments bitwise") {

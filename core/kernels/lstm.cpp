@@ -10,6 +10,8 @@
 #include <Eigen/Core>
 
 #include <algorithm>
+#include <cstdint>
+#include <initializer_list>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -24,28 +26,72 @@ using Blocks = recurrent::UnitBlocks;
 
 }  // namespace
 
-std::int64_t cell_scratch_floats(std::int64_t units) { return 10 * padded(units); }
+std::int64_t cell_scratch_floats(std::int64_t units) { return 11 * padded(units); }
 
-// One step of the cell on one row of one unit block: `gates` holds the block's pre-activations
-// [i | f | g | o] (w each), replaced by the activations; c = f * c_prev + i * g, h = o * tanh(c)
-// (h null: not written).
-void cell_row(float* gates, std::int64_t w, const float* c_prev, float* c, float* h, float* scratch) {
-  const std::int64_t p = padded(w);
-  for (int k = 0; k < 4; ++k) load(gates + k * w, w, p, scratch + k * p);
-  load(c_prev, w, p, scratch + 4 * p);
-  Aligned i(scratch, p), f(scratch + p, p), g(scratch + 2 * p, p), o(scratch + 3 * p, p), cr(scratch + 4 * p, p);
-  Aligned cn(scratch + 5 * p, p), hn(scratch + 6 * p, p);
+namespace {
+
+using ConstAligned = Eigen::Map<const Eigen::ArrayXf, Eigen::Aligned64>;
+
+// Whether a row's runs of w units can be computed where they are: each starts on a 64-byte boundary
+// and w fills whole packets (the common case: hidden sizes that are multiples of 16). The arithmetic
+// is then the scratch path's exactly (the same functions below, on the same packets), without
+// copying the runs in and out.
+bool in_place(std::int64_t w, std::initializer_list<const float*> runs) {
+  if (w % kLanes != 0) return false;
+  for (const float* r : runs)
+    if (r != nullptr && reinterpret_cast<std::uintptr_t>(r) % 64 != 0) return false;
+  return true;
+}
+
+// The cell on n units: the gates' pre-activations replaced by the activations, c and h written
+// (h null: not).
+void forward_math(float* gates, std::int64_t stride, const float* c_prev, float* c, float* h, std::int64_t n) {
+  Aligned i(gates, n), f(gates + stride, n), g(gates + 2 * stride, n), o(gates + 3 * stride, n), cn(c, n);
+  const ConstAligned cr(c_prev, n);
   i = i.logistic();
   f = f.logistic();
   g = g.tanh();
   o = o.logistic();
   cn = f * cr + i * g;
-  for (int k = 0; k < 4; ++k) store(scratch + k * p, w, gates + k * w);
-  store(cn.data(), w, c);
   if (h != nullptr) {
+    Aligned hn(h, n);
     hn = o * cn.tanh();
-    store(hn.data(), w, h);
   }
+}
+
+// Its backward step on n units: the gates' cotangents into d_gates (run k at d_gates + k * stride),
+// which may be `acts` itself (each run is written after its last read), dc replaced by c_prev's
+// cotangent; t holds 3 runs of temporaries.
+void backward_math(const float* acts, float* d_gates, std::int64_t stride, const float* c_prev, const float* c,
+                   const float* dh_in, float* dc, float* t, std::int64_t n) {
+  const ConstAligned i(acts, n), f(acts + stride, n), g(acts + 2 * stride, n), o(acts + 3 * stride, n);
+  const ConstAligned cp(c_prev, n), cm(c, n), dh(dh_in, n);
+  Aligned dcm(dc, n), tc(t, n), dct(t + n, n), di(t + 2 * n, n);
+  Aligned d_i(d_gates, n), d_f(d_gates + stride, n), d_g(d_gates + 2 * stride, n), d_o(d_gates + 3 * stride, n);
+  tc = cm.tanh();
+  dct = dcm + dh * o * (1.0f - tc.square());
+  di = dct * g * i * (1.0f - i);
+  d_g = dct * i * (1.0f - g.square());
+  d_i = di;
+  dcm = dct * f;
+  d_f = dct * cp * f * (1.0f - f);
+  d_o = dh * tc * o * (1.0f - o);
+}
+
+}  // namespace
+
+// One step of the cell on one row of one unit block: `gates` holds the block's pre-activations
+// [i | f | g | o] (w each), replaced by the activations; c = f * c_prev + i * g, h = o * tanh(c)
+// (h null: not written).
+void cell_row(float* gates, std::int64_t w, const float* c_prev, float* c, float* h, float* scratch) {
+  if (in_place(w, {gates, c_prev, c, h})) return forward_math(gates, w, c_prev, c, h, w);
+  const std::int64_t p = padded(w);
+  for (int k = 0; k < 4; ++k) load(gates + k * w, w, p, scratch + k * p);
+  load(c_prev, w, p, scratch + 4 * p);
+  forward_math(scratch, p, scratch + 4 * p, scratch + 5 * p, h != nullptr ? scratch + 6 * p : nullptr, p);
+  for (int k = 0; k < 4; ++k) store(scratch + k * p, w, gates + k * w);
+  store(scratch + 5 * p, w, c);
+  if (h != nullptr) store(scratch + 6 * p, w, h);
 }
 
 // The backward step of one row of one unit block: from the activations, c_prev and c, the
@@ -54,25 +100,16 @@ void cell_row(float* gates, std::int64_t w, const float* c_prev, float* c, float
 void cell_row_backward(const float* acts, std::int64_t w, const float* c_prev, const float* c, const float* dh_in, float* dc,
                        float* d_gates, float* scratch) {
   const std::int64_t p = padded(w);
+  if (in_place(w, {acts, c_prev, c, dh_in, dc, d_gates, scratch}))
+    return backward_math(acts, d_gates, w, c_prev, c, dh_in, dc, scratch, w);
   for (int k = 0; k < 4; ++k) load(acts + k * w, w, p, scratch + k * p);
   load(c_prev, w, p, scratch + 4 * p);
   load(c, w, p, scratch + 5 * p);
   load(dh_in, w, p, scratch + 6 * p);
   load(dc, w, p, scratch + 7 * p);
-  Aligned i(scratch, p), f(scratch + p, p), g(scratch + 2 * p, p), o(scratch + 3 * p, p), cp(scratch + 4 * p, p);
-  Aligned tc(scratch + 5 * p, p), dh(scratch + 6 * p, p), dct(scratch + 7 * p, p), out(scratch + 8 * p, p);
-  tc = tc.tanh();
-  dct = dct + dh * o * (1.0f - tc.square());
-  out = dct * g * i * (1.0f - i);
-  store(out.data(), w, d_gates);
-  out = dct * cp * f * (1.0f - f);
-  store(out.data(), w, d_gates + w);
-  out = dct * i * (1.0f - g.square());
-  store(out.data(), w, d_gates + 2 * w);
-  out = dh * tc * o * (1.0f - o);
-  store(out.data(), w, d_gates + 3 * w);
-  out = dct * f;
-  store(out.data(), w, dc);
+  backward_math(scratch, scratch, p, scratch + 4 * p, scratch + 5 * p, scratch + 6 * p, scratch + 7 * p, scratch + 8 * p, p);
+  for (int k = 0; k < 4; ++k) store(scratch + k * p, w, d_gates + k * w);
+  store(scratch + 7 * p, w, dc);
 }
 
 namespace {
