@@ -299,7 +299,12 @@ void backward(const Backward& bw) {
             }
           }
           // dh = dz_t . wh^T, by blocks of h's units (each reads every block's gates: after the barrier).
-#pragma omp for schedule(static)
+          // No barrier after it: the same static schedule gives block b to the same thread in both
+          // loops, so the thread that writes dh's block b is the one that reads it in the next
+          // step's cell loop, and the other thread, still reading dz_t here, never sees that loop
+          // write dz_t (it writes the step before's rows; the chunk ends with the d_x loop's
+          // barrier before its buffer is reused).
+#pragma omp for schedule(static) nowait
           for (std::int64_t b = 0; b < bl.count; ++b)
             failure.run([&] { transposed[static_cast<std::size_t>(b)]->run(dz_t, dh + bl.first(b)); });
         }
