@@ -6,6 +6,7 @@
 #include "testing/gradcheck.hpp"
 
 #include <linum/linum.hpp>
+#include <linum/core/kernels/gru.hpp>
 #include <linum/core/kernels/lstm.hpp>
 
 #include <cmath>
@@ -402,9 +403,44 @@ TEST_CASE("the LSTM cell kernel gives the same bits computing in place (aligned 
   }
 }
 
+TEST_CASE("the GRU cell kernel gives the same bits computing in place (aligned rows) as through its scratch") {
+  namespace gk = kernels::gru;
+  for (std::int64_t w : {16, 128, 144}) {
+    CAPTURE(w);
+    const Array src = random_array(Shape{16 * w}, 92, -3.0f, 3.0f);
+    Array scratch_buf = Array::empty(Shape{gk::cell_scratch_floats(w) + 16});
+    float* scratch = scratch_buf.mutable_data();
+    auto run = [&](std::int64_t off, bool in_place_grads) {
+      Array buf = Array::zeros(Shape{20 * w + 64});
+      float* b = buf.mutable_data() + off;
+      float *gates = b, *hg = b + 3 * w, *bh = b + 6 * w, *h_prev = b + 9 * w, *hgn = b + 10 * w, *h = b + 11 * w;
+      float *dh = b + 12 * w, *dxg = b + 13 * w, *dhgn = b + 16 * w, *dh_prev = b + 17 * w;
+      std::copy(src.data(), src.data() + 10 * w, b);  // gates, hg, bh, h_prev
+      std::copy(src.data() + 12 * w, src.data() + 13 * w, dh);
+      gk::cell_row(gates, hg, bh, w, h_prev, hgn, h, scratch);
+      gk::cell_row_backward(gates, hgn, w, h_prev, dh, in_place_grads ? gates : dxg, in_place_grads ? hgn : dhgn, dh_prev,
+                            scratch);
+      std::vector<float> out(in_place_grads ? gates : dxg, (in_place_grads ? gates : dxg) + 3 * w);
+      const float* dn = in_place_grads ? hgn : dhgn;
+      out.insert(out.end(), dn, dn + w);
+      out.insert(out.end(), h, h + w);
+      out.insert(out.end(), dh_prev, dh_prev + w);
+      return out;
+    };
+    for (bool in_place_grads : {false, true}) {
+      CAPTURE(in_place_grads);
+      const std::vector<float> aligned = run(0, in_place_grads), shifted = run(1, in_place_grads);
+      CHECK(std::memcmp(aligned.data(), shifted.data(), aligned.size() * sizeof(float)) == 0);
+    }
+    CHECK(run(0, true) == run(0, false));
+  }
+}
+
 TEST_CASE("lstm_layer: the cell over time; gradients equal finite differences; recompute segments bitwise") {
-  // hidden 134: unit blocks of 128 and 6; 37 steps: chunks of 16, 16 and 5; a batch of 0.
-  for (const auto& dims : {std::array<std::int64_t, 4>{37, 3, 5, 134}, {5, 2, 3, 4}, {1, 1, 1, 1}, {20, 0, 3, 5}}) {
+  // hidden 134: unit blocks of 128 and 6; 37 steps: chunks of 16, 16 and 5; a batch of 0; hidden
+  // 160: blocks of 128 and 32 whose rows sit at 64-byte boundaries (the cell computes them in place).
+  for (const auto& dims :
+       {std::array<std::int64_t, 4>{37, 3, 5, 134}, {5, 2, 3, 4}, {1, 1, 1, 1}, {20, 0, 3, 5}, {37, 4, 8, 160}}) {
     const std::int64_t T = dims[0], N = dims[1], I = dims[2], H = dims[3];
     CAPTURE(T);
     CAPTURE(H);
@@ -650,8 +686,10 @@ Array composed_gru_step(const Array& x_t, const Array& h, const Array& wi, const
 }  // namespace
 
 TEST_CASE("gru_layer: the GRU over time; gradients equal finite differences; recomputation bitwise") {
-  // hidden 134: unit blocks of 128 and 6; 37 steps: chunks of 16, 16 and 5; a batch of 0.
-  for (const auto& dims : {std::array<std::int64_t, 4>{37, 3, 5, 134}, {5, 2, 3, 4}, {1, 1, 1, 1}, {20, 0, 3, 5}}) {
+  // hidden 134: unit blocks of 128 and 6; 37 steps: chunks of 16, 16 and 5; a batch of 0; hidden
+  // 160: blocks of 128 and 32 whose rows sit at 64-byte boundaries (the cell computes them in place).
+  for (const auto& dims :
+       {std::array<std::int64_t, 4>{37, 3, 5, 134}, {5, 2, 3, 4}, {1, 1, 1, 1}, {20, 0, 3, 5}, {37, 4, 8, 160}}) {
     const std::int64_t T = dims[0], N = dims[1], I = dims[2], H = dims[3];
     CAPTURE(T);
     CAPTURE(H);

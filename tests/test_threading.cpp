@@ -109,12 +109,16 @@ TEST_CASE("results do not depend on how many threads run them (what adaptive tea
         const Array wh = astype(rng::normal(rng::key(8), Shape{160, 640}) * 0.1f, dt);
         const Array b = astype(rng::normal(rng::key(9), Shape{640}), dt);
         const Array c0 = astype(rng::normal(rng::key(10), Shape{16, 160}), dt), h0 = c0 * 0.5f;
-        auto [v, g_x, g_wi, g_b, g_wh, g_c0, g_h0] =
-            value_and_grad<0, 1, 2, 3, 4, 5>([](const Array& x, const Array& i, const Array& bb, const Array& h, const Array& c, const Array& hh) {
-              auto [ys, cl, hl] = lstm_layer(x, i, bb, h, c, hh);
-              return sum(astype(square(ys), DType::f32)) + sum(astype(cl, DType::f32));
-            })(xs, wi, b, wh, c0, h0);
-        for (const Array* g : {&v, &g_x, &g_wi, &g_b, &g_wh, &g_c0, &g_h0}) out.push_back(*g);
+        // Every step kept, and recomputed in segments (the gates' cotangents then overwrite the
+        // recomputed activations; rows of 160 units sit at 64-byte boundaries: computed in place).
+        for (std::int64_t segment : {0, 16, 20}) {
+          auto [v, g_x, g_wi, g_b, g_wh, g_c0, g_h0] = value_and_grad<0, 1, 2, 3, 4, 5>(
+              [segment](const Array& x, const Array& i, const Array& bb, const Array& h, const Array& c, const Array& hh) {
+                auto [ys, cl, hl] = lstm_layer(x, i, bb, h, c, hh, {.recompute_segment = segment});
+                return sum(astype(square(ys), DType::f32)) + sum(astype(cl, DType::f32));
+              })(xs, wi, b, wh, c0, h0);
+          for (const Array* g : {&v, &g_x, &g_wi, &g_b, &g_wh, &g_c0, &g_h0}) out.push_back(*g);
+        }
       }
       {  // the fused GRU layer, hidden units in two blocks (128 and 32), forward and every gradient
         const Array xs = astype(rng::normal(rng::key(11), Shape{40, 16, 24}), dt);

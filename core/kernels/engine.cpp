@@ -80,6 +80,7 @@ PackedProduct::PackedProduct(std::int64_t m, std::int64_t n, std::int64_t k, con
   // b's rows (its columns when tb) into a compact copy.
   const std::int64_t rows = tb ? n : k, cols = ldb_;
   own_b_ = Array::empty(Shape{rows * cols});
+  if (rows == 0 || cols == 0) return;
   for (std::int64_t r = 0; r < rows; ++r)
     std::copy(b + r * ldb, b + r * ldb + cols, own_b_.mutable_data() + r * cols);
 }

@@ -8,6 +8,8 @@
 #include <linum/core/threading.hpp>
 
 #include <algorithm>
+#include <cstdint>
+#include <initializer_list>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -19,58 +21,95 @@ namespace {
 // The shared helpers (recurrent_passes_internal.hpp).
 using namespace recurrent;  // NOLINT(google-build-using-namespace)
 
-std::int64_t cell_scratch_floats(std::int64_t w) { return 8 * padded(w); }
+using ConstAligned = Eigen::Map<const Eigen::ArrayXf, Eigen::Aligned64>;
+
+// Whether a row's runs of w units can be computed where they are: each starts on a 64-byte boundary
+// and w fills whole packets. The arithmetic is then the scratch path's exactly (the same functions
+// below on the same packets), without copying the runs in and out.
+bool in_place(std::int64_t w, std::initializer_list<const float*> runs) {
+  if (w % kLanes != 0) return false;
+  for (const float* r : runs)
+    if (r != nullptr && reinterpret_cast<std::uintptr_t>(r) % 64 != 0) return false;
+  return true;
+}
+
+// The cell on n units: gates [r | z | n] (run k at gates + k * stride) replaced by the activations;
+// hg (the same layout) gets the recurrent biases added; hg_n to hgn and the new state to h (either
+// null: not written).
+void forward_math(float* gates, float* hg, const float* bh, std::int64_t stride, const float* h_prev, float* hgn, float* h,
+                  std::int64_t n) {
+  for (int k = 0; k < 3; ++k) Aligned(hg + k * stride, n) += ConstAligned(bh + k * stride, n);
+  Aligned r(gates, n), z(gates + stride, n), ng(gates + 2 * stride, n);
+  const ConstAligned hr(hg, n), hz(hg + stride, n), hn(hg + 2 * stride, n), hp(h_prev, n);
+  r = (r + hr).logistic();
+  z = (z + hz).logistic();
+  ng = (ng + r * hn).tanh();
+  if (hgn != nullptr) Aligned(hgn, n) = hn;
+  if (h != nullptr) Aligned(h, n) = (1.0f - z) * ng + z * hp;
+}
+
+// Its backward step on n units: d_xg may be `acts` and d_hgn may be `hgn` (each run is written after
+// its last read); t holds 2 runs of temporaries.
+void backward_math(const float* acts, const float* hgn, std::int64_t stride, const float* h_prev, const float* dh_in,
+                   float* d_xg, float* d_hgn, float* dh_prev, float* t, std::int64_t n) {
+  const ConstAligned r(acts, n), z(acts + stride, n), ng(acts + 2 * stride, n), hn(hgn, n), hp(h_prev, n), dh(dh_in, n);
+  Aligned dn(t, n), dhn(t + n, n);
+  dn = dh * (1.0f - z) * (1.0f - ng.square());
+  dhn = dn * r;
+  Aligned(dh_prev, n) = dh * z;
+  Aligned(d_xg + stride, n) = dh * (hp - ng) * z * (1.0f - z);
+  Aligned(d_xg, n) = dn * hn * r * (1.0f - r);
+  Aligned(d_hgn, n) = dhn;
+  Aligned(d_xg + 2 * stride, n) = dn;
+}
+
+}  // namespace
+
+std::int64_t cell_scratch_floats(std::int64_t w) { return 11 * padded(w); }
 
 // One row of the cell over a block of w units. `gates` holds xg [r | z | n] (w each), replaced by
-// the activations r, z, n; hg the recurrent product's row [r | z | n] and bh the block's recurrent
-// biases. Writes hg_n (with its bias) to hgn and the new state to h (either null: not written).
-void cell_row(float* gates, const float* hg, const float* bh, std::int64_t w, const float* h_prev, float* hgn, float* h,
+// the activations r, z, n; hg the recurrent product's row [r | z | n] (the biases are added to it)
+// and bh the block's recurrent biases. Writes hg_n (with its bias) to hgn and the new state to h
+// (either null: not written).
+void cell_row(float* gates, float* hg, const float* bh, std::int64_t w, const float* h_prev, float* hgn, float* h,
               float* scratch) {
+  if (in_place(w, {gates, hg, bh, h_prev, hgn, h})) return forward_math(gates, hg, bh, w, h_prev, hgn, h, w);
   const std::int64_t p = padded(w);
   for (int k = 0; k < 3; ++k) {
     load(gates + k * w, w, p, scratch + k * p);
     load(hg + k * w, w, p, scratch + (3 + k) * p);
-    load(bh + k * w, w, p, scratch + 7 * p);
-    Aligned(scratch + (3 + k) * p, p) += Aligned(scratch + 7 * p, p);
+    load(bh + k * w, w, p, scratch + (6 + k) * p);
   }
-  load(h_prev, w, p, scratch + 6 * p);
-  Aligned r(scratch, p), z(scratch + p, p), n(scratch + 2 * p, p), hr(scratch + 3 * p, p), hz(scratch + 4 * p, p);
-  Aligned hn(scratch + 5 * p, p), hp(scratch + 6 * p, p), out(scratch + 7 * p, p);
-  r = (r + hr).logistic();
-  z = (z + hz).logistic();
-  n = (n + r * hn).tanh();
+  load(h_prev, w, p, scratch + 9 * p);
+  forward_math(scratch, scratch + 3 * p, scratch + 6 * p, p, scratch + 9 * p, nullptr, h != nullptr ? scratch + 10 * p : nullptr,
+               p);
   for (int k = 0; k < 3; ++k) store(scratch + k * p, w, gates + k * w);
-  if (hgn != nullptr) store(hn.data(), w, hgn);
-  if (h != nullptr) {
-    out = (1.0f - z) * n + z * hp;
-    store(out.data(), w, h);
-  }
+  if (hgn != nullptr) store(scratch + 5 * p, w, hgn);
+  if (h != nullptr) store(scratch + 10 * p, w, h);
 }
 
 // The backward step of one row of one block: from the activations r, z, n, hg_n, the state before
 // the step and the cotangent reaching the new state (dh), the gates' cotangents for the input
 // product [r | z | n] into d_xg, the n gate's for the recurrent product into d_hgn (those of r and z
-// are d_xg's), and the part of h_prev's cotangent that does not go through the products into dh_prev.
+// are d_xg's), and the part of h_prev's cotangent that does not go through the products into
+// dh_prev. d_xg may be `acts` and d_hgn `hgn` (in place).
 void cell_row_backward(const float* acts, const float* hgn, std::int64_t w, const float* h_prev, const float* dh_in,
                        float* d_xg, float* d_hgn, float* dh_prev, float* scratch) {
+  if (in_place(w, {acts, hgn, h_prev, dh_in, d_xg, d_hgn, dh_prev, scratch}))
+    return backward_math(acts, hgn, w, h_prev, dh_in, d_xg, d_hgn, dh_prev, scratch, w);
   const std::int64_t p = padded(w);
   for (int k = 0; k < 3; ++k) load(acts + k * w, w, p, scratch + k * p);
   load(hgn, w, p, scratch + 3 * p);
   load(h_prev, w, p, scratch + 4 * p);
   load(dh_in, w, p, scratch + 5 * p);
-  Aligned r(scratch, p), z(scratch + p, p), n(scratch + 2 * p, p), hn(scratch + 3 * p, p), hp(scratch + 4 * p, p);
-  Aligned dh(scratch + 5 * p, p), dn(scratch + 6 * p, p), out(scratch + 7 * p, p);
-  dn = dh * (1.0f - z) * (1.0f - n.square());
-  store(dn.data(), w, d_xg + 2 * w);
-  out = dn * r;
-  store(out.data(), w, d_hgn);
-  out = dn * hn * r * (1.0f - r);
-  store(out.data(), w, d_xg);
-  out = dh * (hp - n) * z * (1.0f - z);
-  store(out.data(), w, d_xg + w);
-  out = dh * z;
-  store(out.data(), w, dh_prev);
+  backward_math(scratch, scratch + 3 * p, p, scratch + 4 * p, scratch + 5 * p, scratch, scratch + 3 * p, scratch + 6 * p,
+                scratch + 7 * p, p);
+  for (int k = 0; k < 3; ++k) store(scratch + k * p, w, d_xg + k * w);
+  store(scratch + 3 * p, w, d_hgn);
+  store(scratch + 6 * p, w, dh_prev);
 }
+
+namespace {
 
 using Products = std::vector<std::unique_ptr<PackedProduct>>;
 
@@ -186,8 +225,9 @@ void backward(const Backward& bw) {
     float* chunk_hgn = keep ? nullptr : workspace(chunk_hgn_buf, kChunk * N * H);
     float* dxg = keep ? workspace(dxg_buf, kChunk * N * H3) : chunk_acts;
     float* dhgn = keep ? workspace(dhgn_buf, kChunk * N * H) : chunk_hgn;
-    // One step's cotangents for the recurrent product, [r | z | n] per block as wh's rows are.
-    float* dhg_t = workspace(dhg_buf, N * H3);
+    // One step's cotangents for the recurrent product, [r | z | n] per block as wh's rows are, in two
+    // buffers used by turns (see the dh product's loop below).
+    float* dhg_steps = workspace(dhg_buf, 2 * N * H3);
     const int team = linum::team_size();
     recurrent::PerThread buffers(team, p.thread_floats() + padded(bl.unit));
     Failure failure;
@@ -208,6 +248,7 @@ void backward(const Backward& bw) {
         for (std::int64_t t = t0 + g - 1; t >= t0; --t) {
           float* dxg_t = dxg + (t - t0) * N * H3;
           float* dhgn_t = dhgn + (t - t0) * N * H;
+          float* dhg_t = dhg_steps + (t % 2) * N * H3;
 #pragma omp for schedule(static)
           for (std::int64_t b = 0; b < bl.count; ++b) {
             const std::int64_t u0 = bl.first(b), w = bl.width(b), base = bl.base(b);
@@ -228,11 +269,18 @@ void backward(const Backward& bw) {
             }
           }
           // dh += dhg_t . wh^T, by blocks of h's units (each reads every block's gates: after the barrier).
-#pragma omp for schedule(static)
+          // No barrier after it: the same static schedule gives block b to the same thread in both
+          // loops, so the thread that adds into dh's block b is the one that reads and writes it in
+          // the next step's cell loop; that loop writes the other buffer of dhg (so the other
+          // thread's product, still reading this one, never meets a write to it: the buffer comes
+          // round again only after the next cell loop's barrier), and the step before's rows of dxg
+          // and dhgn; each chunk ends with the d_x loop's barrier before they are reused.
+#pragma omp for schedule(static) nowait
           for (std::int64_t b = 0; b < bl.count; ++b)
             failure.run([&] { transposed[static_cast<std::size_t>(b)]->run(dhg_t, dh + bl.first(b)); });
         }
-        // The chunk's weight gradients (one product each) and its inputs' gradients.
+        // The chunk's weight gradients (one product per weight and block, the recurrent kernel's split
+        // where noted) and its inputs' gradients.
 #pragma omp for schedule(static) nowait
         for (std::int64_t b = 0; b < bl.count; ++b)
           failure.run([&] {

@@ -25,6 +25,21 @@ using Dims = recurrent::Dims;
 // The interleaved layout of [rows, 3H] matrices (the kernels', the biases', the gates').
 recurrent::UnitBlocks blocks_of(std::int64_t hidden);
 
+// One row of the cell over w units (the passes' kernel): `gates` holds xg [r | z | n] (w each),
+// replaced by the activations r, z, n; hg the recurrent product's row [r | z | n], to which the
+// recurrent biases bh are added; hg_n (with its bias) to hgn and the new state to h (either null:
+// not written). Computed where the runs are when they sit at 64-byte boundaries and w fills whole
+// packets, else in `scratch` (cell_scratch_floats(w) floats, 64-byte aligned): the same bits.
+std::int64_t cell_scratch_floats(std::int64_t w);
+void cell_row(float* gates, float* hg, const float* bh, std::int64_t w, const float* h_prev, float* hgn, float* h,
+              float* scratch);
+// Its backward step: from the activations, hg_n, h_prev and the cotangent reaching the new state,
+// the gates' cotangents for the input product into d_xg, the n gate's for the recurrent product into
+// d_hgn, and h_prev's cotangent not through the products into dh_prev. d_xg may be `acts` and d_hgn
+// `hgn` (each run is written after its last read), but must not overlap them otherwise.
+void cell_row_backward(const float* acts, const float* hgn, std::int64_t w, const float* h_prev, const float* dh_in,
+                       float* d_xg, float* d_hgn, float* dh_prev, float* scratch);
+
 // Everything the passes read and write. wi [I, 3H], bi and bh [3H] interleaved, wh [H, 3H] in gate
 // order (the passes pack it a block at a time);
 // x [T, N, I]; h0 [N, H]; ys [T, N, H] (the h of every step). acts [T, N, 3H] (r, z, n) and hgn

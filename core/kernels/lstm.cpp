@@ -308,7 +308,8 @@ void backward(const Backward& bw) {
           for (std::int64_t b = 0; b < bl.count; ++b)
             failure.run([&] { transposed[static_cast<std::size_t>(b)]->run(dz_t, dh + bl.first(b)); });
         }
-        // The chunk's weight gradients (one product each) and its inputs' gradients.
+        // The chunk's weight gradients (one product per weight and block, the recurrent kernel's split
+        // where noted) and its inputs' gradients.
 #pragma omp for schedule(static) nowait
         for (std::int64_t b = 0; b < bl.count; ++b)
           failure.run([&] {

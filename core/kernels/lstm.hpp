@@ -25,14 +25,15 @@ inline recurrent::UnitBlocks blocks_of(std::int64_t hidden) { return recurrent::
 
 // One row of the cell over `w` hidden units (also lstm_cell's kernel): `gates` holds the
 // pre-activations [i | f | g | o] (w each) and is replaced by the activations; c = f * c_prev + i *
-// g, h = o * tanh(c) (h null: not written). Computed in `scratch` (cell_scratch_floats(w) floats,
-// 64-byte aligned) on runs padded to whole packets, so the bits never depend on where the row is
-// stored.
+// g, h = o * tanh(c) (h null: not written). Computed where the runs are when they all sit at 64-byte
+// boundaries and w fills whole packets, else in `scratch` (cell_scratch_floats(w) floats, 64-byte
+// aligned) on runs padded to whole packets: the same functions on the same packets either way, so
+// the bits never depend on where the row is stored.
 std::int64_t cell_scratch_floats(std::int64_t w);
 void cell_row(float* gates, std::int64_t w, const float* c_prev, float* c, float* h, float* scratch);
 // Its backward step: from the activations, c_prev and c, the cotangent of h (dh) and of c (dc,
 // replaced by c_prev's), the gates' cotangents [i | f | g | o] into d_gates, which may be `acts`
-// itself (everything is read before anything is written).
+// itself (each gate's run is written after its last read) but must not overlap it otherwise.
 void cell_row_backward(const float* acts, std::int64_t w, const float* c_prev, const float* c, const float* dh, float* dc,
                        float* d_gates, float* scratch);
 

@@ -23,10 +23,11 @@
 
 namespace linum::kernels::recurrent {
 
-// A cell row is computed in aligned scratch, each run of w units padded to whole packets (padding
-// repeats the run's first element): Eigen then takes the same packet path for every element
-// whatever the address it is stored at, so a forward pass, its recomputation in another buffer and
-// any thread give the same bits.
+// A cell row is computed where it is when its runs sit at 64-byte boundaries and fill whole packets,
+// else in aligned scratch, each run of w units padded to whole packets (padding repeats the run's
+// first element): Eigen then takes the same packet path for every element whatever the address it
+// is stored at, so a forward pass, its recomputation in another buffer and any thread give the same
+// bits.
 inline constexpr std::int64_t kLanes = 16;
 // A chunk's first step starts a whole number of packets into a [T, N, width] buffer whatever N and
 // width: keeping and recomputing a chunk's gates then see the same alignment.

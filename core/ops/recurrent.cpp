@@ -299,8 +299,8 @@ lk::Dims check_layer(const char* op, std::int64_t gates, const LayerArgs& a, con
         fail(std::string(specs[w].name) + " must be " + (specs[w].rows == Rows::bias ? "[" : specs[w].rows == Rows::inputs ? "[in, " : "[hidden, ") +
              (one ? std::to_string(gates) + " * hidden]" : "hidden] per gate") + " with hidden = " + std::to_string(H));
   }
-  for (const Array& c : a.carries)
-    if (!(c.shape() == Shape{N, H})) fail("the initial carries must be [batch, hidden]");
+  for (std::size_t c = 0; c < a.carries.size(); ++c)
+    if (!(a.carries[c].shape() == Shape{N, H})) fail(std::string(carry_names[c]) + " must be [batch, hidden]");
   return {T, N, I, H};
 }
 
