@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <initializer_list>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -20,18 +19,6 @@ namespace {
 
 // The shared helpers (recurrent_passes_internal.hpp).
 using namespace recurrent;  // NOLINT(google-build-using-namespace)
-
-using ConstAligned = Eigen::Map<const Eigen::ArrayXf, Eigen::Aligned64>;
-
-// Whether a row's runs of w units can be computed where they are: each starts on a 64-byte boundary
-// and w fills whole packets. The arithmetic is then the scratch path's exactly (the same functions
-// below on the same packets), without copying the runs in and out.
-bool in_place(std::int64_t w, std::initializer_list<const float*> runs) {
-  if (w % kLanes != 0) return false;
-  for (const float* r : runs)
-    if (r != nullptr && reinterpret_cast<std::uintptr_t>(r) % 64 != 0) return false;
-  return true;
-}
 
 // The cell on n units: gates [r | z | n] (run k at gates + k * stride) replaced by the activations;
 // hg (the same layout) gets the recurrent biases added; hg_n to hgn and the new state to h (either

@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <initializer_list>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -29,19 +28,6 @@ using Blocks = recurrent::UnitBlocks;
 std::int64_t cell_scratch_floats(std::int64_t units) { return 11 * padded(units); }
 
 namespace {
-
-using ConstAligned = Eigen::Map<const Eigen::ArrayXf, Eigen::Aligned64>;
-
-// Whether a row's runs of w units can be computed where they are: each starts on a 64-byte boundary
-// and w fills whole packets (the common case: hidden sizes that are multiples of 16). The arithmetic
-// is then the scratch path's exactly (the same functions below, on the same packets), without
-// copying the runs in and out.
-bool in_place(std::int64_t w, std::initializer_list<const float*> runs) {
-  if (w % kLanes != 0) return false;
-  for (const float* r : runs)
-    if (r != nullptr && reinterpret_cast<std::uintptr_t>(r) % 64 != 0) return false;
-  return true;
-}
 
 // The cell on n units: the gates' pre-activations replaced by the activations, c and h written
 // (h null: not).

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <initializer_list>
 #include <memory>
 #include <vector>
 
@@ -34,6 +35,17 @@ inline constexpr std::int64_t kLanes = 16;
 static_assert(kChunk % kLanes == 0);
 inline std::int64_t padded(std::int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
 using Aligned = Eigen::Map<Eigen::ArrayXf, Eigen::Aligned64>;
+using ConstAligned = Eigen::Map<const Eigen::ArrayXf, Eigen::Aligned64>;
+
+// Whether a row's runs of w units can be computed where they are: each starts on a 64-byte boundary
+// (null: absent) and w fills whole packets (hidden sizes that are multiples of 16). The cells then
+// run the scratch path's functions on the same packets, without copying the runs in and out.
+inline bool in_place(std::int64_t w, std::initializer_list<const float*> runs) {
+  if (w % kLanes != 0) return false;
+  for (const float* r : runs)
+    if (r != nullptr && reinterpret_cast<std::uintptr_t>(r) % 64 != 0) return false;
+  return true;
+}
 using Run = Eigen::Map<Eigen::ArrayXf>;
 using ConstRun = Eigen::Map<const Eigen::ArrayXf>;
 
