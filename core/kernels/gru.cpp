@@ -212,9 +212,11 @@ void backward(const Backward& bw) {
     float* chunk_hgn = keep ? nullptr : workspace(chunk_hgn_buf, kChunk * N * H);
     float* dxg = keep ? workspace(dxg_buf, kChunk * N * H3) : chunk_acts;
     float* dhgn = keep ? workspace(dhgn_buf, kChunk * N * H) : chunk_hgn;
-    // One step's cotangents for the recurrent product, [r | z | n] per block as wh's rows are, in two
-    // buffers used by turns (see the dh product's loop below).
-    float* dhg_steps = workspace(dhg_buf, 2 * N * H3);
+    // One step's cotangents for the recurrent product, [r | z | n] per block as wh's rows are. (Two
+    // such buffers used by turns would spare the barrier after the dh product, as the LSTM's
+    // backward does without one; at 64 steps of 256 units that step's 98 KB was the remat step's
+    // margin below JAX's bytes, for no speed-up measurable here.)
+    float* dhg_t = workspace(dhg_buf, N * H3);
     const int team = linum::team_size();
     recurrent::PerThread buffers(team, p.thread_floats() + padded(bl.unit));
     Failure failure;
@@ -235,7 +237,6 @@ void backward(const Backward& bw) {
         for (std::int64_t t = t0 + g - 1; t >= t0; --t) {
           float* dxg_t = dxg + (t - t0) * N * H3;
           float* dhgn_t = dhgn + (t - t0) * N * H;
-          float* dhg_t = dhg_steps + (t % 2) * N * H3;
 #pragma omp for schedule(static)
           for (std::int64_t b = 0; b < bl.count; ++b) {
             const std::int64_t u0 = bl.first(b), w = bl.width(b), base = bl.base(b);
@@ -256,13 +257,7 @@ void backward(const Backward& bw) {
             }
           }
           // dh += dhg_t . wh^T, by blocks of h's units (each reads every block's gates: after the barrier).
-          // No barrier after it: the same static schedule gives block b to the same thread in both
-          // loops, so the thread that adds into dh's block b is the one that reads and writes it in
-          // the next step's cell loop; that loop writes the other buffer of dhg (so the other
-          // thread's product, still reading this one, never meets a write to it: the buffer comes
-          // round again only after the next cell loop's barrier), and the step before's rows of dxg
-          // and dhgn; each chunk ends with the d_x loop's barrier before they are reused.
-#pragma omp for schedule(static) nowait
+#pragma omp for schedule(static)
           for (std::int64_t b = 0; b < bl.count; ++b)
             failure.run([&] { transposed[static_cast<std::size_t>(b)]->run(dhg_t, dh + bl.first(b)); });
         }
