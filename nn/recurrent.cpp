@@ -156,14 +156,10 @@ std::vector<Array> LSTMWeights::operator()(Scope& s, const Array& inputs) const 
   // The computation dtype of the cell's Dense layers (Flax's promote_dtype over inputs and params).
   const Array& k0 = in_kernels[0];
   const DType dt = computation_dtype({&inputs, &k0}, dtype);
-  if (per_gate) {
-    std::vector<Array> out;
-    for (const auto* group : {&in_kernels, &rec_kernels, &rec_biases})
-      for (const Array& a : *group) out.push_back(astype(a, dt));
-    return out;
-  }
-  return {astype(concatenate(in_kernels, -1), dt), astype(concatenate(rec_kernels, -1), dt),
-          astype(concatenate(rec_biases, -1), dt)};
+  std::vector<Array> out;
+  for (const auto* group : {&in_kernels, &rec_kernels, &rec_biases})
+    for (const Array& a : *group) out.push_back(astype(a, dt));
+  return out;
 }
 
 std::vector<Array> GRUWeights::operator()(Scope& s, const Array& inputs) const {
@@ -181,17 +177,12 @@ std::vector<Array> GRUWeights::operator()(Scope& s, const Array& inputs) const {
   }
   const Array& k0 = in_kernels[0];
   const DType dt = computation_dtype({&inputs, &k0}, dtype);
-  if (per_gate) {
-    const Array zero = Array::zeros(Shape{features}, hn_bias.dtype());
-    std::vector<Array> out;
-    for (const auto* group : {&in_kernels, &in_biases, &rec_kernels})
-      for (const Array& a : *group) out.push_back(astype(a, dt));
-    for (const Array& a : {zero, zero, hn_bias}) out.push_back(astype(a, dt));
-    return out;
-  }
-  const Array zero = Array::zeros(Shape{2 * features}, hn_bias.dtype());
-  return {astype(concatenate(in_kernels, -1), dt), astype(concatenate(in_biases, -1), dt),
-          astype(concatenate(rec_kernels, -1), dt), astype(concatenate({zero, hn_bias}, -1), dt)};
+  const Array zero = Array::zeros(Shape{features}, hn_bias.dtype());
+  std::vector<Array> out;
+  for (const auto* group : {&in_kernels, &in_biases, &rec_kernels})
+    for (const Array& a : *group) out.push_back(astype(a, dt));
+  for (const Array& a : {zero, zero, hn_bias}) out.push_back(astype(a, dt));
+  return out;
 }
 
 LayerRows::LayerRows(const Array& x, std::int64_t f) : dims(x.shape().vec()), features(f) {

@@ -157,31 +157,26 @@ struct RNNStep {
 };
 
 // An LSTM's parameters under Flax's names, created (at init) in Flax's order ii, hi, if, hf, ig,
-// hg, io, ho, and returned concatenated in gate order i, f, g, o and cast to the computation
-// dtype: the input kernel [in, 4 features], the recurrent kernel [features, 4 features] and the
-// recurrent biases [4 features]. With `per_gate`, not concatenated: the 4 input kernels, then the 4
-// recurrent kernels, then the 4 biases (the layer op reads them where they are). Called in the
-// cell's scope.
+// hg, io, ho, and returned one per gate in gate order i, f, g, o, cast to the computation dtype:
+// the 4 input kernels [in, features], the 4 recurrent kernels [features, features], the 4
+// recurrent biases [features] (the layer op reads them where they are). Called in the cell's scope.
 struct LSTMWeights {
   std::int64_t features = 0;
   Initializer kernel_init, recurrent_kernel_init, bias_init;
   std::optional<DType> dtype;
   DType param_dtype = DType::f32;
-  bool per_gate = false;
   std::vector<Array> operator()(Scope& s, const Array& inputs) const;
 };
 
 // A GRU's parameters under Flax's names, created (at init) in Flax's order ir, hr, iz, hz, in, hn,
-// and returned concatenated in gate order r, z, n and cast to the computation dtype: the input
-// kernel [in, 3 features], the input biases [3 features], the recurrent kernel [features,
-// 3 features] and the recurrent biases [0 | 0 | hn's bias]. With `per_gate`, not concatenated:
-// 3 arrays for each of the four in that order. Called in the cell's scope.
+// and returned one per gate in gate order r, z, n, cast to the computation dtype: the 3 input
+// kernels, the 3 input biases, the 3 recurrent kernels and the 3 recurrent biases (zeros, zeros,
+// hn's bias). Called in the cell's scope.
 struct GRUWeights {
   std::int64_t features = 0;
   Initializer kernel_init, recurrent_kernel_init, bias_init;
   std::optional<DType> dtype;
   DType param_dtype = DType::f32;
-  bool per_gate = false;
   std::vector<Array> operator()(Scope& s, const Array& inputs) const;
 };
 
@@ -299,10 +294,10 @@ struct RNN {
   // cell's (same names, shapes and initial values); results equal the cell's within float rounding.
   std::pair<LSTMCarry, Array> run_fused(Scope& s, const Array& xs, const LSTMCarry& carry, const Array& t,
                                         const Array& lengths, bool masked) const {
-    recurrent_detail::LSTMWeights weights{cell.features, cell.kernel_init, cell.recurrent_kernel_init,
-                                          cell.bias_init,  cell.dtype,       cell.param_dtype};
-    weights.per_gate = true;
-    const std::vector<Array> parts = s("cell", weights, xs);
+    const std::vector<Array> parts =
+        s("cell", recurrent_detail::LSTMWeights{cell.features, cell.kernel_init, cell.recurrent_kernel_init,
+                                                cell.bias_init, cell.dtype, cell.param_dtype},
+          xs);
     const DType dt = parts[0].dtype();
     const Array x = xs.dtype() == dt ? xs : astype(xs, dt);
     const std::int64_t steps = xs.dim(0);
@@ -333,10 +328,11 @@ struct RNN {
   // op (gru_layer; remat and schedules make it keep nothing but the outputs, with gradients bitwise
   // those without). Other dtypes: nothing (the scan runs the cell). The parameters are the cell's.
   std::optional<std::pair<Array, Array>> run_fused_gru(Scope& s, const Array& xs, const Array& carry) const {
-    recurrent_detail::GRUWeights weights{cell.features, cell.kernel_init, cell.recurrent_kernel_init, cell.bias_init,
-                                         cell.dtype,    cell.param_dtype};
-    weights.per_gate = true;  // the parameters as they are: the op makes no concatenated copy
-    const std::vector<Array> w = s("cell", weights, xs);
+    // The parameters as they are, one per gate: the op makes no concatenated copy.
+    const std::vector<Array> w =
+        s("cell", recurrent_detail::GRUWeights{cell.features, cell.kernel_init, cell.recurrent_kernel_init, cell.bias_init,
+                                               cell.dtype, cell.param_dtype},
+          xs);
     if (w[0].dtype() != DType::f32 || carry.dtype() != DType::f32) return std::nullopt;
     const Array x = astype(xs, DType::f32);
     const recurrent_detail::LayerRows rows(x, cell.features);
