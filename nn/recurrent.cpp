@@ -220,17 +220,44 @@ bool fusable_cell(const CellFunction& gate_fn, const CellFunction& activation_fn
   return is(gate_fn, Sigmoid{}, static_cast<Fn>(&linum::sigmoid)) && is(activation_fn, Tanh{}, static_cast<Fn>(&linum::tanh));
 }
 
-std::pair<LSTMCarry, Array> FusedLSTMStep::operator()(Scope&, const LSTMCarry& carry, const Array& x, const Array& t,
-                                                      const Array& lengths, const Array& input_kernel, const Array& bias,
-                                                      const Array& recurrent_kernel) const {
-  check_carry(carry.h, x, recurrent_kernel.dim(0), "nn::LSTMCell");
-  const Array h = carry.h.dtype() == recurrent_kernel.dtype() ? carry.h : astype(carry.h, recurrent_kernel.dtype());
-  Array x_gates = matmul(x, input_kernel);
-  x_gates = x_gates + bias;
-  auto [c_next, h_next] = lstm_cell(x_gates, matmul(h, recurrent_kernel), carry.c);
-  LSTMCarry next{std::move(c_next), h_next};
-  if (masked) next = keep_active(next, carry, t, lengths);
-  return {std::move(next), std::move(h_next)};
+Array flip_sequences(const Array& xs, const Array& lengths) {
+  const std::int64_t T = xs.dim(0), B = xs.dim(1);
+  if (lengths.batched())
+    throw ValueError("nn::RNN: reverse with seq_lengths batched by vmap is not supported: give each example's lengths "
+                     "unbatched, or flip the rows yourself and run forwards");
+  if (T == 0) return xs;
+  // One gather of xs' [time * batch] rows: row (t, b) reads step (T - 1 - t + lengths[b]) mod T of row b.
+  std::vector<std::int32_t> index(static_cast<std::size_t>(T * B));
+  for (std::int64_t t = 0; t < T; ++t)
+    for (std::int64_t b = 0; b < B; ++b)
+      index[static_cast<std::size_t>(t * B + b)] =
+          static_cast<std::int32_t>(((T - 1 - t + lengths.data_i32()[b]) % T) * B + b);
+  const std::vector<std::int64_t> dims = xs.shape().vec();
+  const Array rows = reshape(xs, {T * B, xs.numel() / std::max<std::int64_t>(1, T * B)});
+  return reshape(take(rows, Array::from_i32(Shape{T * B}, index), 0), dims);
+}
+
+Array checked_lengths(const Array& lengths, std::int64_t batch, std::int64_t steps) {
+  if (!lengths.defined() || lengths.dtype() != DType::i32 || !(lengths.shape() == Shape{batch}))
+    throw ShapeError("nn::RNN: seq_lengths must be int32 [batch] with batch = " + std::to_string(batch) + ", got " +
+                     (lengths.defined() ? lengths.type_str() : std::string("an undefined array")));
+  if (lengths.batched()) return lengths;  // under vmap: the layer op checks each example's
+  for (std::int64_t b = 0; b < batch; ++b) {
+    const std::int32_t len = lengths.data_i32()[b];
+    if (len < 0 || len > steps)
+      throw ValueError("nn::RNN: seq_lengths[" + std::to_string(b) + "] = " + std::to_string(len) +
+                       " is not a number of steps in [0, " + std::to_string(steps) + "] (the inputs have " +
+                       std::to_string(steps) + " time steps)");
+  }
+  return lengths;
+}
+
+Array lengths_per_row(const Array& lengths, std::int64_t rows) {
+  const std::int64_t batch = lengths.dim(0);
+  if (rows == batch) return lengths;
+  // Inputs with more batch axes: the layer's rows are [batch, rest...] flattened, one length per batch entry.
+  const std::int64_t rest = batch == 0 ? 0 : rows / batch;
+  return reshape(broadcast_to(reshape(lengths, {batch, 1}), Shape{batch, rest}), {rows});
 }
 
 std::int64_t lstm_recompute_segment(bool remat, const lift::ScanSchedule& schedule, std::int64_t steps) {

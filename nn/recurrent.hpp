@@ -34,8 +34,8 @@ namespace linum::nn {
 using CellFunction = std::function<Array(const Array&)>;
 
 // The cells' default gate and activation functions, as named types: nn::RNN recognizes them (and
-// linum::sigmoid / linum::tanh given as functions) and runs an LSTM's steps on the fused
-// lstm_cell op.
+// linum::sigmoid / linum::tanh given as functions) and runs LSTMs and GRUs as one fused layer op
+// (lstm_layer, gru_layer).
 struct Sigmoid {
   Array operator()(const Array& x) const { return sigmoid(x); }
 };
@@ -126,35 +126,60 @@ struct SimpleCell {
 // Per-call settings of nn::RNN (Flax's call arguments).
 struct RNNOptions {
   bool return_carry = false;           // return (final carry, outputs) instead of the outputs
-  std::optional<Array> seq_lengths;    // int32 [batch]: steps at or past a row's length leave its carry alone
+  // int32 [batch], each in [0, time]: row b's final carry is its carry after seq_lengths[b] steps
+  // (the initial carry for 0), and `reverse` runs each row's first seq_lengths[b] steps backwards
+  // (padding stays at the end). As Flax's nn.RNN, every row still runs all the steps: outputs at
+  // padded steps are the unmasked recurrence's (mask them in the loss).
+  std::optional<Array> seq_lengths;
 };
 
 namespace recurrent_detail {
 
-// The next carry where t < lengths[b], the old one elsewhere (seq_lengths).
-template <class Carry>
-Carry keep_active(const Carry& next, const Carry& carry, const Array& t, const Array& lengths) {
-  // active[b] = t < lengths[b], as a float column broadcast over the features.
-  const Array active = reshape(astype(less(astype(t, DType::f32), astype(lengths, DType::f32)), DType::f32),
-                               {lengths.dim(0), 1});
-  const std::vector<Array> n = pytree::flatten(next), o = pytree::flatten(carry);
-  std::vector<Array> kept;
-  for (std::size_t k = 0; k < n.size(); ++k) kept.push_back(where(active, n[k], o[k]));
-  return pytree::rebuild(carry, std::span<const Array>(kept));
-}
-
-// One time step inside the scan: the cell on (carry, x), the carry kept where t >= length.
+// One time step inside the scan: the cell on (carry, x).
 template <class Cell>
 struct RNNStep {
   Cell cell;
-  bool masked = false;
-  std::pair<typename Cell::Carry, Array> operator()(Scope& s, const typename Cell::Carry& carry, const Array& x,
-                                                    const Array& t, const Array& lengths) const {
-    auto [next, y] = cell(s, carry, x);  // the cell's params live in this (the "cell") scope
-    if (!masked) return {next, y};
-    return {keep_active(next, carry, t, lengths), y};
+  std::pair<typename Cell::Carry, Array> operator()(Scope& s, const typename Cell::Carry& carry, const Array& x) const {
+    return cell(s, carry, x);  // the cell's params live in this (the "cell") scope
   }
 };
+
+// `next` where step t is row b's last (t + 1 == lengths[b]), `selected` elsewhere.
+template <class Carry>
+Carry select_last_step(const Carry& next, const Carry& selected, const Array& t, const Array& lengths) {
+  const Array last_f = astype(equal(astype(t, DType::f32) + 1.0f, astype(lengths, DType::f32)), DType::f32);
+  const std::vector<Array> n = pytree::flatten(next), o = pytree::flatten(selected);
+  std::vector<Array> kept;
+  for (std::size_t k = 0; k < n.size(); ++k) {
+    std::vector<std::int64_t> dims(static_cast<std::size_t>(n[k].rank()), 1);
+    dims[0] = lengths.dim(0);
+    kept.push_back(where(reshape(last_f, dims), n[k], o[k]));
+  }
+  return pytree::rebuild(selected, std::span<const Array>(kept));
+}
+
+// With seq_lengths: the cell on the running carry, and each row's carry at its last step kept
+// beside it (Flax picks it from every step's carry afterwards; this keeps one).
+template <class Cell>
+struct SelectingRNNStep {
+  Cell cell;
+  using Carry = typename Cell::Carry;
+  std::pair<std::pair<Carry, Carry>, Array> operator()(Scope& s, const std::pair<Carry, Carry>& carry, const Array& x,
+                                                       const Array& t, const Array& lengths) const {
+    auto [next, y] = cell(s, carry.first, x);
+    Carry selected = select_last_step(next, carry.second, t, lengths);
+    return {{std::move(next), std::move(selected)}, std::move(y)};
+  }
+};
+
+// Flax's flip_sequences: xs [time, batch, ...] with row b's first lengths[b] steps reversed, and
+// its padding steps reversed after them.
+Array flip_sequences(const Array& xs, const Array& lengths);
+
+// seq_lengths checked (int32 [batch], each in [0, steps]) and given one per row of the layer ops
+// (x's batch axes flattened: `rows` = batch * the other batch axes).
+Array checked_lengths(const Array& lengths, std::int64_t batch, std::int64_t steps);
+Array lengths_per_row(const Array& lengths, std::int64_t rows);
 
 // An LSTM's parameters under Flax's names, created (at init) in Flax's order ii, hi, if, hf, ig,
 // hg, io, ho, and returned one per gate in gate order i, f, g, o, cast to the computation dtype:
@@ -182,15 +207,6 @@ struct GRUWeights {
 
 // Whether a cell's gate and activation functions are those the fused ops compute (sigmoid, tanh).
 bool fusable_cell(const CellFunction& gate_fn, const CellFunction& activation_fn);
-
-// nn::RNN's LSTM step where the whole-layer op does not apply (bf16 computation, seq_lengths): the
-// input and recurrent products, then the fused cell.
-struct FusedLSTMStep {
-  bool masked = false;
-  std::pair<LSTMCarry, Array> operator()(Scope& s, const LSTMCarry& carry, const Array& x, const Array& t,
-                                         const Array& lengths, const Array& input_kernel, const Array& bias,
-                                         const Array& recurrent_kernel) const;
-};
 
 // The recompute segment of lstm_layer for nn::RNN's remat and schedule settings (0: keep every
 // step): remat per step and sqrt_segments() keep the cell state every 16 or about sqrt(T) steps,
@@ -249,51 +265,63 @@ struct RNN {
                                              const std::optional<typename Cell::Carry>& initial_carry) const {
     if (inputs.rank() < 3)
       throw ShapeError(detail_cat_shape("nn::RNN: inputs must be [batch, time, features] (or time-major), got ", inputs));
-    const Array xs = time_major ? inputs : swapaxes(inputs, 0, 1);  // [time, batch, ...]
+    Array xs = time_major ? inputs : swapaxes(inputs, 0, 1);  // [time, batch, ...]
     const std::int64_t steps = xs.dim(0), batch = xs.dim(1);
     const std::vector<std::int64_t> dims = xs.shape().vec();
     const Shape step_shape(std::vector<std::int64_t>(dims.begin() + 1, dims.end()));
-    typename Cell::Carry carry = initial_carry ? *initial_carry : cell.initialize_carry(step_shape);
-    std::vector<std::int32_t> t_values(static_cast<std::size_t>(steps));
-    for (std::int64_t i = 0; i < steps; ++i) t_values[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(i);
-    const Array t = Array::from_i32(Shape{steps}, t_values);
-    const bool masked = options.seq_lengths.has_value();
-    const Array lengths = masked ? *options.seq_lengths : Array::full_i32(Shape{batch}, static_cast<std::int32_t>(steps));
-    if (masked && !(lengths.shape() == Shape{batch}))
-      throw ShapeError(detail_cat_shape("nn::RNN: seq_lengths must be int32 [batch], got ", lengths));
-    if constexpr (recurrent_detail::kLSTM<Cell>)
-      if (recurrent_detail::fusable_cell(cell.gate_fn, cell.activation_fn))
-        return finish(run_fused(s, xs, carry, t, lengths, masked));
-    if constexpr (std::is_same_v<Cell, GRUCell>)
-      if (!masked && recurrent_detail::fusable_cell(cell.gate_fn, cell.activation_fn))
-        if (auto fused = run_fused_gru(s, xs, carry)) return finish(std::move(*fused));
-    using Step = recurrent_detail::RNNStep<Cell>;
-    auto scan_with = [&](auto body_type) {
-      using Body = decltype(body_type);
-      using Scan = lift::scan<Body>;
-      Scan scan{};
-      scan.body = Body{Step{cell, masked}};
-      scan.variable_broadcast = {"params"};
-      scan.split_rngs = {{"params", false}};
-      scan.reverse = reverse;
-      scan.schedule = schedule;
-      return s("cell", scan, carry, lift::scanned(xs), lift::scanned(t), lengths);
-    };
-    return finish(remat ? scan_with(lift::remat<Step>{}) : scan_with(Step{}));
-  }
-  // The scan's (carry, ys [time, batch, ...] in input order) as the caller asked for them.
-  std::pair<typename Cell::Carry, Array> finish(std::pair<typename Cell::Carry, Array> out) const {
-    if (reverse && !keep_order) out.second = flip_time(out.second);
+    const typename Cell::Carry carry = initial_carry ? *initial_carry : cell.initialize_carry(step_shape);
+    std::optional<Array> lengths;
+    if (options.seq_lengths) lengths = recurrent_detail::checked_lengths(*options.seq_lengths, batch, steps);
+    // With seq_lengths, reverse reverses each row within its length (Flax's flip_sequences), and the
+    // steps then run forwards; without, the steps run from the last.
+    const bool flip_rows = lengths && reverse;
+    if (flip_rows) xs = recurrent_detail::flip_sequences(xs, *lengths);
+    const bool backwards = reverse && !flip_rows;
+    auto out = over_time(s, xs, carry, lengths, backwards);  // outputs in input order
+    if (flip_rows && keep_order) out.second = recurrent_detail::flip_sequences(out.second, *lengths);
+    if (backwards && !keep_order) out.second = flip_time(out.second);
     if (!time_major) out.second = swapaxes(out.second, 0, 1);
     return out;
   }
-  // An LSTM with sigmoid gates and tanh. Computed in float32 without seq_lengths, the whole layer
-  // is one op (lstm_layer: input products per chunk of steps, one recurrent product per step, the
-  // weights' gradients per chunk; remat and schedules become its recompute segments, with gradients
-  // bitwise those without). Otherwise the scan runs the fused cell per step. The parameters are the
-  // cell's (same names, shapes and initial values); results equal the cell's within float rounding.
-  std::pair<LSTMCarry, Array> run_fused(Scope& s, const Array& xs, const LSTMCarry& carry, const Array& t,
-                                        const Array& lengths, bool masked) const {
+  // The cell over xs [time, batch, ...] from `carry` (from the last step if `backwards`): the final
+  // carry (each row's after its length, with lengths) and the outputs [time, batch, ...] in xs' order.
+  std::pair<typename Cell::Carry, Array> over_time(Scope& s, const Array& xs, const typename Cell::Carry& carry,
+                                                   const std::optional<Array>& lengths, bool backwards) const {
+    if constexpr (recurrent_detail::kLSTM<Cell>)
+      if (recurrent_detail::fusable_cell(cell.gate_fn, cell.activation_fn)) return run_fused(s, xs, carry, lengths, backwards);
+    if constexpr (std::is_same_v<Cell, GRUCell>)
+      if (recurrent_detail::fusable_cell(cell.gate_fn, cell.activation_fn))
+        return run_fused_gru(s, xs, carry, lengths, backwards);
+    auto scan_with = [&](auto body, const auto& initial, auto... broadcast) {
+      lift::scan<decltype(body)> scan{};
+      scan.body = body;
+      scan.variable_broadcast = {"params"};
+      scan.split_rngs = {{"params", false}};
+      scan.reverse = backwards;
+      scan.schedule = schedule;
+      return s("cell", scan, initial, lift::scanned(xs), broadcast...);
+    };
+    if (!lengths) {
+      using Step = recurrent_detail::RNNStep<Cell>;
+      return remat ? scan_with(lift::remat<Step>{Step{cell}}, carry) : scan_with(Step{cell}, carry);
+    }
+    std::vector<std::int32_t> t_values(static_cast<std::size_t>(xs.dim(0)));
+    for (std::size_t i = 0; i < t_values.size(); ++i) t_values[i] = static_cast<std::int32_t>(i);
+    const Array t = Array::from_i32(Shape{xs.dim(0)}, t_values);
+    using Step = recurrent_detail::SelectingRNNStep<Cell>;
+    const std::pair<typename Cell::Carry, typename Cell::Carry> both{carry, carry};
+    auto [carries, ys] = remat ? scan_with(lift::remat<Step>{Step{cell}}, both, lift::scanned(t), *lengths)
+                               : scan_with(Step{cell}, both, lift::scanned(t), *lengths);
+    return {std::move(carries.second), std::move(ys)};
+  }
+  // An LSTM with sigmoid gates and tanh: the whole layer is one op (lstm_layer: input products per
+  // chunk of steps, one recurrent product per step, the weights' gradients per chunk; remat and
+  // schedules become its recompute segments, with gradients bitwise those without), computed in
+  // float32 (bf16 operands widened, results rounded once). The parameters are the cell's (same
+  // names, shapes and initial values), read where they are; results equal the cell's within float
+  // rounding.
+  std::pair<LSTMCarry, Array> run_fused(Scope& s, const Array& xs, const LSTMCarry& carry, const std::optional<Array>& lengths,
+                                        bool backwards) const {
     const std::vector<Array> parts =
         s("cell", recurrent_detail::LSTMWeights{cell.features, cell.kernel_init, cell.recurrent_kernel_init,
                                                 cell.bias_init, cell.dtype, cell.param_dtype},
@@ -302,45 +330,30 @@ struct RNN {
     const Array x = xs.dtype() == dt ? xs : astype(xs, dt);
     const std::int64_t steps = xs.dim(0);
     auto gates = [&](std::size_t first) { return std::vector<Array>(parts.begin() + first, parts.begin() + first + 4); };
-    if (!masked && dt == DType::f32 && carry.c.dtype() == DType::f32 && carry.h.dtype() == DType::f32) {
-      // The parameters as they are, one per gate: the op makes no concatenated copy.
-      const recurrent_detail::LayerRows rows(x, cell.features);
-      auto [ys, c, h] = lstm_layer(rows.inputs(x, reverse), gates(0), gates(8), gates(4), rows.carry(carry.c, "LSTM", "c"),
-                                   rows.carry(carry.h, "LSTM", "h"),
-                                   {.recompute_segment = recurrent_detail::lstm_recompute_segment(remat, schedule, steps)});
-      return {LSTMCarry{reshape(c, carry.c.shape().vec()), reshape(h, carry.h.shape().vec())}, rows.outputs(ys, reverse)};
-    }
-    const std::vector<Array> w{concatenate(gates(0), -1), concatenate(gates(4), -1), concatenate(gates(8), -1)};
-    using Step = recurrent_detail::FusedLSTMStep;
-    auto scan_with = [&](auto body_type) {
-      using Body = decltype(body_type);
-      lift::scan<Body> scan{};
-      scan.body = Body{Step{masked}};
-      scan.variable_broadcast = {"params"};
-      scan.split_rngs = {{"params", false}};
-      scan.reverse = reverse;
-      scan.schedule = schedule;
-      return s("cell", scan, carry, lift::scanned(x), lift::scanned(t), lengths, w[0], w[2], w[1]);
-    };
-    return remat ? scan_with(lift::remat<Step>{}) : scan_with(Step{});
+    const recurrent_detail::LayerRows rows(x, cell.features);
+    LSTMLayerOptions options{.recompute_segment = recurrent_detail::lstm_recompute_segment(remat, schedule, steps)};
+    if (lengths) options.seq_lengths = recurrent_detail::lengths_per_row(*lengths, rows.rows);
+    auto [ys, c, h] = lstm_layer(rows.inputs(x, backwards), gates(0), gates(8), gates(4), rows.carry(carry.c, "LSTM", "c"),
+                                 rows.carry(carry.h, "LSTM", "h"), options);
+    return {LSTMCarry{reshape(c, carry.c.shape().vec()), reshape(h, carry.h.shape().vec())}, rows.outputs(ys, backwards)};
   }
-  // A GRU with sigmoid gates and tanh, computed in float32 without seq_lengths: the whole layer is one
-  // op (gru_layer; remat and schedules make it keep nothing but the outputs, with gradients bitwise
-  // those without). Other dtypes: nothing (the scan runs the cell). The parameters are the cell's.
-  std::optional<std::pair<Array, Array>> run_fused_gru(Scope& s, const Array& xs, const Array& carry) const {
-    // The parameters as they are, one per gate: the op makes no concatenated copy.
+  // A GRU with sigmoid gates and tanh: the whole layer is one op (gru_layer; remat and schedules make
+  // it keep nothing but the outputs, with gradients bitwise those without), computed in float32 (bf16
+  // operands widened, results rounded once). The parameters are the cell's, read where they are.
+  std::pair<Array, Array> run_fused_gru(Scope& s, const Array& xs, const Array& carry, const std::optional<Array>& lengths,
+                                        bool backwards) const {
     const std::vector<Array> w =
         s("cell", recurrent_detail::GRUWeights{cell.features, cell.kernel_init, cell.recurrent_kernel_init, cell.bias_init,
                                                cell.dtype, cell.param_dtype},
           xs);
-    if (w[0].dtype() != DType::f32 || carry.dtype() != DType::f32) return std::nullopt;
-    const Array x = astype(xs, DType::f32);
+    const Array x = xs.dtype() == w[0].dtype() ? xs : astype(xs, w[0].dtype());
     const recurrent_detail::LayerRows rows(x, cell.features);
-    const bool recompute = remat || schedule.kind != lift::ScanSchedule::Kind::none;
+    GRULayerOptions options{.recompute = remat || schedule.kind != lift::ScanSchedule::Kind::none};
+    if (lengths) options.seq_lengths = recurrent_detail::lengths_per_row(*lengths, rows.rows);
     auto gates = [&](std::size_t first) { return std::vector<Array>(w.begin() + first, w.begin() + first + 3); };
-    auto [ys, h] = gru_layer(rows.inputs(x, reverse), gates(0), gates(3), gates(6), gates(9), rows.carry(carry, "GRU", "h"),
-                             {.recompute = recompute});
-    return std::pair<Array, Array>{reshape(h, carry.shape().vec()), rows.outputs(ys, reverse)};
+    auto [ys, h] = gru_layer(rows.inputs(x, backwards), gates(0), gates(3), gates(6), gates(9), rows.carry(carry, "GRU", "h"),
+                             options);
+    return {reshape(h, carry.shape().vec()), rows.outputs(ys, backwards)};
   }
   static std::string detail_cat_shape(const char* what, const Array& a) { return std::string(what) + a.type_str(); }
   static Array swapaxes(const Array& x, int a, int b) {

@@ -289,6 +289,16 @@ LayerCase array_cell(std::string name, Cell cell) {
           }};
 }
 
+// nn::RNN with seq_lengths and return_carry: inputs (x, lengths), outputs (carry..., ys).
+template <class M>
+LayerCase rnn_with_lengths(std::string name, M m) {
+  auto options = [](const std::vector<Array>& x) { return nn::RNNOptions{.return_carry = true, .seq_lengths = x.at(1)}; };
+  return {std::move(name), [m, options](const std::vector<Array>& x) { return init(m, rng::key(0), x.at(0), options(x)); },
+          [m, options](const Tree& vars, const std::vector<Array>& x) {
+            return std::make_pair(pytree::flatten(apply(m, vars, x.at(0), options(x))), Tree{});
+          }};
+}
+
 std::vector<LayerCase> layer_cases() {
   const rng::Streams dropout_init{{"params", rng::key(0)}, {"dropout", rng::key(1)}};
   return {
@@ -327,6 +337,9 @@ std::vector<LayerCase> layer_cases() {
       array_cell("simple_cell", nn::SimpleCell{.features = 5}),
       one_input("rnn_lstm", nn::RNN<nn::LSTMCell>{.cell = {.features = 4}}),
       one_input("rnn_gru_reverse", nn::RNN<nn::GRUCell>{.cell = {.features = 3}, .reverse = true, .keep_order = true}),
+      rnn_with_lengths("rnn_lstm_lengths", nn::RNN<nn::LSTMCell>{.cell = {.features = 4}}),
+      rnn_with_lengths("rnn_gru_reverse_lengths",
+                       nn::RNN<nn::GRUCell>{.cell = {.features = 3}, .reverse = true, .keep_order = true}),
       one_input("dropout", nn::Dropout{.rate = 0.5, .deterministic = false}, {.rngs = {{"dropout", rng::key(1)}}},
                 dropout_init),
       one_input("dropout_broadcast", nn::Dropout{.rate = 0.3, .broadcast_dims = {0}, .deterministic = false},
@@ -336,6 +349,8 @@ std::vector<LayerCase> layer_cases() {
       one_input("layer_norm_bf16", nn::LayerNorm{.dtype = DType::bf16}),
       one_input("attention_bf16", nn::MultiHeadDotProductAttention{.num_heads = 2, .qkv_features = 8, .dtype = DType::bf16}),
       lstm_cell("lstm_cell_bf16", nn::LSTMCell{.features = 5, .dtype = DType::bf16}),
+      one_input("rnn_lstm_bf16", nn::RNN<nn::LSTMCell>{.cell = {.features = 4, .dtype = DType::bf16}}),
+      one_input("rnn_gru_bf16", nn::RNN<nn::GRUCell>{.cell = {.features = 3, .dtype = DType::bf16}}),
   };
 }
 

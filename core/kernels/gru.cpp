@@ -196,7 +196,9 @@ void backward(const Backward& bw) {
   Array dh_buf, dxg_buf, dhgn_buf, dhg_buf, chunk_acts_buf, chunk_hgn_buf;
   float* dh = workspace(dh_buf, N * H);
   const std::size_t carry_bytes = static_cast<std::size_t>(N * H) * sizeof(float);
-  if (bw.d_h_last) std::memcpy(dh, bw.d_h_last, carry_bytes);
+  // The final carry's cotangent enters at the last step, or with lengths at each row's own (below).
+  const std::int32_t* lengths = f.lengths;
+  if (bw.d_h_last && !lengths) std::memcpy(dh, bw.d_h_last, carry_bytes);
   else std::fill(dh, dh + N * H, 0.0f);
   if (bw.d_wi) std::fill(bw.d_wi, bw.d_wi + I * H3, 0.0f);
   if (bw.d_wh) std::fill(bw.d_wh, bw.d_wh + H * H3, 0.0f);
@@ -248,6 +250,8 @@ void backward(const Backward& bw) {
               // The cotangent reaching h: from the next step, plus the step's output's.
               for (std::int64_t j = 0; j < w; ++j)
                 dh_in[j] = dh[n * H + u0 + j] + (bw.d_ys != nullptr ? bw.d_ys[t * N * H + n * H + u0 + j] : 0.0f);
+              if (lengths != nullptr && lengths[n] == t + 1 && bw.d_h_last != nullptr)
+                for (std::int64_t j = 0; j < w; ++j) dh_in[j] += bw.d_h_last[n * H + u0 + j];
               float* dxg_row = dxg_t + n * H3 + base;
               float* dhg_row = dhg_t + n * H3 + base;
               cell_row_backward(acts_of(t) + n * H3 + base, hgn_of(t) + n * H + u0, w, hp + n * H + u0, dh_in, dxg_row,
@@ -292,6 +296,10 @@ void backward(const Backward& bw) {
     }
     failure.rethrow();
   }
+  if (lengths != nullptr && bw.d_h_last != nullptr)  // rows of length 0: their final carry is h0
+    for (std::int64_t n = 0; n < N; ++n)
+      if (lengths[n] == 0)
+        for (std::int64_t j = 0; j < H; ++j) dh[n * H + j] += bw.d_h_last[n * H + j];
   if (bw.d_h0) std::memcpy(bw.d_h0, dh, carry_bytes);
 }
 

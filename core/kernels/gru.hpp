@@ -52,13 +52,17 @@ struct Forward {
   float* ys;
   float* acts;
   float* hgn;
+  // Null, or each row's length [N] (0 <= lengths[n] <= T): all T steps run for every row (Flax's
+  // nn.RNN with seq_lengths), the final carry of row n is its state after lengths[n] steps (the op
+  // reads it from ys), and the backward pass adds the final carry's cotangent there.
+  const std::int32_t* lengths = nullptr;
 };
 void forward(const Forward& f);
 
 struct Backward {
   Forward fw;             // the forward's operands and what it kept (acts / hgn, or null)
   const float* d_ys;      // [T, N, H] or null
-  const float* d_h_last;  // [N, H] or null
+  const float* d_h_last;  // [N, H] or null (with fw.lengths: added at each row's last step)
   float *d_x, *d_wi, *d_wh, *d_bi, *d_bh, *d_h0;  // outputs (interleaved weights' gradients); any may be null
 };
 void backward(const Backward& b);

@@ -133,6 +133,11 @@ struct Pass {
     for (std::int64_t n = 0; n < N; ++n)
       cell_row(acts_t + n * H4 + base, w, c_prev + n * H + u0, c + n * H + u0, h == nullptr ? nullptr : h + n * H + u0,
                scratch);
+    // The forward pass (h written) with lengths: the final cell state of rows whose last step this is.
+    if (h != nullptr && f.lengths != nullptr)
+      for (std::int64_t n = 0; n < N; ++n)
+        if (f.lengths[n] == t + 1)
+          std::memcpy(f.c_last + n * H + u0, c + n * H + u0, static_cast<std::size_t>(w) * sizeof(float));
   }
   // The forward pass over steps [t_begin, t_end) (chunk-aligned), inside a parallel region.
   // acts_of(t) / c_of(t): where step t's activations and cell state go; c_before: the cell state
@@ -208,9 +213,26 @@ void forward(const Forward& f) {
     }
   }
   failure.rethrow();
+  if (f.lengths != nullptr) {  // the steps wrote the other rows
+    for (std::int64_t n = 0; n < N; ++n)
+      if (f.lengths[n] == 0) std::memcpy(f.c_last + n * H, f.c0 + n * H, static_cast<std::size_t>(H) * sizeof(float));
+    return;
+  }
   const float* last = keep_all ? f.cs + (T - 1) * N * H : chunk_cs + ((T - 1) % kChunk + 1) * N * H;
   std::memcpy(f.c_last, last, static_cast<std::size_t>(N * H) * sizeof(float));
 }
+
+namespace {
+
+// The final carry's cotangents of w units from `offset` (a row's, with lengths) added to h's and c's.
+void add_final_carry(const Backward& bw, std::int64_t offset, std::int64_t w, float* dh, float* dc) {
+  if (bw.d_h_last != nullptr)
+    for (std::int64_t j = 0; j < w; ++j) dh[j] += bw.d_h_last[offset + j];
+  if (bw.d_c_last != nullptr)
+    for (std::int64_t j = 0; j < w; ++j) dc[j] += bw.d_c_last[offset + j];
+}
+
+}  // namespace
 
 void backward(const Backward& bw) {
   const Forward& f = bw.fw;
@@ -229,9 +251,11 @@ void backward(const Backward& bw) {
   float* dh = workspace(dh_buf, N * H);
   float* dc = workspace(dc_buf, N * H);
   const std::size_t carry_bytes = static_cast<std::size_t>(N * H) * sizeof(float);
-  if (bw.d_h_last) std::memcpy(dh, bw.d_h_last, carry_bytes);
+  // The final carry's cotangents enter at the last step, or with lengths at each row's own (below).
+  const std::int32_t* lengths = f.lengths;
+  if (bw.d_h_last && !lengths) std::memcpy(dh, bw.d_h_last, carry_bytes);
   else std::fill(dh, dh + N * H, 0.0f);
-  if (bw.d_c_last) std::memcpy(dc, bw.d_c_last, carry_bytes);
+  if (bw.d_c_last && !lengths) std::memcpy(dc, bw.d_c_last, carry_bytes);
   else std::fill(dc, dc + N * H, 0.0f);
   for (float* g : {bw.d_wi, bw.d_wh, bw.d_b})
     if (g != nullptr) std::fill(g, g + (g == bw.d_wi ? I * H4 : g == bw.d_wh ? H * H4 : H4), 0.0f);
@@ -280,6 +304,7 @@ void backward(const Backward& bw) {
               // The cotangent reaching h: from the next step, plus the step's output's.
               for (std::int64_t j = 0; j < w; ++j)
                 dh_in[j] = dh[n * H + u0 + j] + (bw.d_ys != nullptr ? bw.d_ys[t * N * H + n * H + u0 + j] : 0.0f);
+              if (lengths != nullptr && lengths[n] == t + 1) add_final_carry(bw, n * H + u0, w, dh_in, dc + n * H + u0);
               cell_row_backward(acts_of(t) + n * H4 + base, w, c_prev_of(t) + n * H + u0, c_of(t) + n * H + u0, dh_in,
                                 dc + n * H + u0, dz_t + n * H4 + base, scratch.of_this_thread());
             }
@@ -317,6 +342,9 @@ void backward(const Backward& bw) {
     }
   }
   failure.rethrow();
+  if (lengths != nullptr)  // rows of length 0: their final carry is the initial one
+    for (std::int64_t n = 0; n < N; ++n)
+      if (lengths[n] == 0) add_final_carry(bw, n * H, H, dh + n * H, dc + n * H);
   if (bw.d_c0) std::memcpy(bw.d_c0, dc, carry_bytes);
   if (bw.d_h0) std::memcpy(bw.d_h0, dh, carry_bytes);
 }

@@ -50,15 +50,20 @@ struct Forward {
   float* acts;       // T steps (keep all) or null (recompute mode)
   float* cs;         // T steps (keep all), or the cell state at each segment's start (recompute mode)
   std::int64_t segment = 0;  // 0: keep all; else a multiple of kChunk
-  float* c_last;     // [N, H]: the final cell state
+  float* c_last;     // [N, H]: the final cell state (row n's at step lengths[n] - 1 with lengths)
+  // Null, or each row's length [N] (0 <= lengths[n] <= T): every row still runs all T steps (ys
+  // are the unmasked recurrence's, as Flax's nn.RNN with seq_lengths), but row n's final carry is
+  // its state after lengths[n] steps (c0 / h0 for 0), and the backward pass adds the final carry's
+  // cotangent there.
+  const std::int32_t* lengths = nullptr;
 };
 void forward(const Forward& f);
 
 struct Backward {
   Forward fw;            // the forward's operands and what it kept (acts / cs as above)
   const float* d_ys;     // [T, N, H] or null
-  const float* d_c_last; // [N, H] or null
-  const float* d_h_last; // [N, H] or null
+  const float* d_c_last; // [N, H] or null (with fw.lengths: added at each row's last step)
+  const float* d_h_last; // [N, H] or null (likewise)
   float *d_x, *d_wi, *d_wh, *d_b, *d_c0, *d_h0;  // outputs (interleaved weights' gradients); any may be null
 };
 void backward(const Backward& b);

@@ -16,6 +16,7 @@
 
 
 #include <algorithm>
+#include <optional>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -389,26 +390,90 @@ bool is_batched(const Array& a) { return a.batched(); }
 bool not_f32(const Array& a) { return a.dtype() != DType::f32; }
 Array to_f32(const Array& a) { return a.dtype() == DType::f32 ? a : astype(a, DType::f32); }
 
+// A layer op's seq_lengths as values (empty: none given), checked: int32 [batch], each a count of
+// steps in [0, time].
+std::vector<std::int32_t> lengths_of(const char* op, const std::optional<Array>& seq_lengths, const lk::Dims& d) {
+  if (!seq_lengths) return {};
+  const Array& l = *seq_lengths;
+  if (!l.defined() || l.dtype() != DType::i32 || !(l.shape() == Shape{d.rows}))
+    throw ShapeError(std::string(op) + ": seq_lengths must be int32 [batch] with batch = " + std::to_string(d.rows) + ", got " +
+                     (l.defined() ? l.type_str() : std::string("an undefined array")));
+  std::vector<std::int32_t> out(l.data_i32(), l.data_i32() + d.rows);
+  for (std::size_t n = 0; n < out.size(); ++n)
+    if (out[n] < 0 || out[n] > d.steps)
+      throw ValueError(std::string(op) + ": seq_lengths[" + std::to_string(n) + "] = " + std::to_string(out[n]) +
+                       " is not a number of steps in [0, " + std::to_string(d.steps) + "] (x has " + std::to_string(d.steps) +
+                       " time steps)");
+  return out;
+}
+
+// Each row's final state from the states of every step (ys [T, N, H]): row n's after lengths[n]
+// steps, the initial state's row for 0 (no lengths: the last step's).
+Array final_state(const Array& ys, const Array& initial, const std::vector<std::int32_t>& lengths) {
+  const std::int64_t T = ys.dim(0), N = initial.dim(0), H = initial.dim(1);
+  Array out = Array::empty(Shape{N, H});
+  for (std::int64_t n = 0; n < N; ++n) {
+    const std::int64_t len = lengths.empty() ? T : lengths[static_cast<std::size_t>(n)];
+    const float* src = len == 0 ? initial.data() + n * H : ys.data() + ((len - 1) * N + n) * H;
+    std::memcpy(out.mutable_data() + n * H, src, static_cast<std::size_t>(H) * sizeof(float));
+  }
+  return out;
+}
+
+// The composed layers' final carry with lengths: the state after each row's length, kept with
+// masks as the steps go (create-graph mode differentiates it).
+struct SelectedState {
+  const std::vector<std::int32_t>& lengths;
+  Array selected;  // starts as the initial state (rows of length 0)
+  void after_step(std::int64_t t, const Array& state) {
+    if (lengths.empty()) return;
+    std::vector<float> mask(lengths.size());
+    for (std::size_t n = 0; n < lengths.size(); ++n) mask[n] = lengths[n] == t + 1 ? 1.0f : 0.0f;
+    selected = where(Array::from(Shape{static_cast<std::int64_t>(mask.size()), 1}, mask), state, selected);
+  }
+  Array final_or(const Array& last) const { return lengths.empty() ? last : selected; }
+};
+
+// vmap of a layer op with seq_lengths batched too: the lengths join the per-example inputs (last).
+template <class Options>
+std::vector<const Array*> with_batched_lengths(std::vector<const Array*> inputs, const Options& options) {
+  if (options.seq_lengths && options.seq_lengths->batched()) inputs.push_back(&*options.seq_lengths);
+  return inputs;
+}
+template <class Options>
+std::pair<std::vector<Array>, Options> split_batched_lengths(std::vector<Array> one, Options options) {
+  if (options.seq_lengths && options.seq_lengths->batched()) {
+    options.seq_lengths = one.back();
+    one.pop_back();
+  }
+  return {std::move(one), std::move(options)};
+}
+bool lengths_batched(const std::optional<Array>& seq_lengths) { return seq_lengths && seq_lengths->batched(); }
+
 const std::vector<WeightSpec> kLSTMWeights{{"input_kernel", Rows::inputs}, {"bias", Rows::bias}, {"recurrent_kernel", Rows::hidden}};
 constexpr const char* kLSTMUsage =
     "x [time, batch, in], input_kernel [in, 4 * hidden], bias [4 * hidden], recurrent_kernel [hidden, 4 * hidden] (or each "
     "as 4 arrays, one per gate i, f, g, o), c0 and h0 [batch, hidden]";
 
 // The layer written with ops (create-graph mode differentiates it); `in` is the op's flat inputs.
-std::vector<Array> composed_layer(const LayerStructure& shape, const std::vector<Array>& in) {
+std::vector<Array> composed_layer(const LayerStructure& shape, const std::vector<Array>& in,
+                                  const std::vector<std::int32_t>& lengths) {
   const LayerArgs a = shape.with(in);
   const Array &x = a.x, wi = joined(a.weights[0]), b = joined(a.weights[1]), wh = joined(a.weights[2]);
   Array c = a.carries[0], h = a.carries[1];
+  SelectedState c_final{lengths, c}, h_final{lengths, h};
   std::vector<Array> ys;
   for (std::int64_t t = 0; t < x.dim(0); ++t) {
     const Array xt = reshape(slice_axis(x, 0, t, t + 1), {x.dim(1), x.dim(2)});
     auto [cn, hn] = lstm_cell(matmul(xt, wi) + b, matmul(h, wh), c);
     c = cn;
     h = hn;
+    c_final.after_step(t, c);
+    h_final.after_step(t, h);
     ys.push_back(hn);
   }
   Array y = ys.empty() ? Array::zeros(Shape{0, x.dim(1), wh.dim(0)}) : stack(ys);
-  return {y, c, h};
+  return {y, c_final.final_or(c), h_final.final_or(h)};
 }
 
 // The input cotangents of a layer op's weights from their interleaved gradients (undefined: not
@@ -438,11 +503,13 @@ std::tuple<Array, Array, Array> lstm_layer_op(const LayerArgs& args, const LSTML
   if (options.recompute_segment < 0)
     throw ValueError("lstm_layer: recompute_segment must be >= 0 (0 keeps every step), got " +
                      std::to_string(options.recompute_segment));
-  if (args.any(is_batched)) [[unlikely]] {
+  if (args.any(is_batched) || lengths_batched(options.seq_lengths)) [[unlikely]] {
     const std::vector<Array> out = per_example(
-        "lstm_layer", args.flat(), {Shape{d.steps, d.rows, d.hidden}, Shape{d.rows, d.hidden}, Shape{d.rows, d.hidden}},
+        "lstm_layer", with_batched_lengths(args.flat(), options),
+        {Shape{d.steps, d.rows, d.hidden}, Shape{d.rows, d.hidden}, Shape{d.rows, d.hidden}},
         [&](const std::vector<Array>& one) {
-          auto [y, c, h] = lstm_layer_op(args.with(one), options);
+          auto [flat, o] = split_batched_lengths(one, options);
+          auto [y, c, h] = lstm_layer_op(args.with(flat), o);
           return std::vector<Array>{y, c, h};
         });
     return {out[0], out[1], out[2]};
@@ -452,6 +519,8 @@ std::tuple<Array, Array, Array> lstm_layer_op(const LayerArgs& args, const LSTML
     auto [y, c, h] = lstm_layer_op(args.map(to_f32), options);
     return {astype(y, dt), astype(c, dt), astype(h, dt)};
   }
+  const std::vector<std::int32_t> lengths = lengths_of("lstm_layer", options.seq_lengths, d);
+  const std::int32_t* lengths_ptr = lengths.empty() ? nullptr : lengths.data();
   const std::int64_t segment =
       options.recompute_segment == 0 ? 0 : (options.recompute_segment + lk::kChunk - 1) / lk::kChunk * lk::kChunk;
   const std::vector<const Array*> ins = args.flat();
@@ -475,18 +544,17 @@ std::tuple<Array, Array, Array> lstm_layer_op(const LayerArgs& args, const LSTML
         const Array &c0 = args.carries[0], &h0 = args.carries[1];
         lk::forward({d, args.x.data(), wi_i.data(), columns_of(args.weights[2], d.hidden, 4), b_i.data(), c0.data(), h0.data(),
                      ys.mutable_data(), keep_all ? acts.mutable_data() : nullptr, cs.mutable_data(), seg,
-                     c_last.mutable_data()});
-        Array h_last = Array::empty(Shape{d.rows, d.hidden});
-        std::memcpy(h_last.mutable_data(), d.steps == 0 ? h0.data() : ys.data() + (d.steps - 1) * d.rows * d.hidden,
-                    static_cast<std::size_t>(d.rows * d.hidden) * sizeof(float));
+                     c_last.mutable_data(), lengths_ptr});
+        Array h_last = final_state(ys, h0, lengths);
         for (const Array* a : ins) r.keep(*a);
         r.keep(wi_i, b_i, ys, acts, cs);
         return std::vector<Array>{std::move(ys), std::move(c_last), std::move(h_last)};
       },
-      autodiff::higher_order([d, segment, n_in, shape = args.structure()](Cotangents& cot, autodiff::Saved s) {
+      autodiff::higher_order([d, segment, n_in, lengths, shape = args.structure()](Cotangents& cot, autodiff::Saved s) {
         const std::vector<Array> inputs(s.begin(), s.begin() + static_cast<std::ptrdiff_t>(n_in));
         if (autodiff::creating_graph())
-          return autodiff::composite_rule(cot, inputs, [&shape](const std::vector<Array>& in) { return composed_layer(shape, in); });
+          return autodiff::composite_rule(
+              cot, inputs, [&shape, &lengths](const std::vector<Array>& in) { return composed_layer(shape, in, lengths); });
         const LayerArgs a = shape.with(inputs);
         const Array &wi_i = s[n_in], &b_i = s[n_in + 1], &ys = s[n_in + 2], &acts = s[n_in + 3], &cs = s[n_in + 4];
         const Array &x = a.x, &c0 = a.carries[0], &h0 = a.carries[1];
@@ -503,7 +571,8 @@ std::tuple<Array, Array, Array> lstm_layer_op(const LayerArgs& args, const LSTML
         const bool keep_all = acts.defined();
         lk::backward({{d, x.data(), wi_i.data(), columns_of(a.weights[2], d.hidden, 4), b_i.data(), c0.data(), h0.data(),
                        const_cast<float*>(ys.data()), keep_all ? const_cast<float*>(acts.data()) : nullptr,
-                       const_cast<float*>(cs.data()), keep_all ? 0 : segment, nullptr},
+                       const_cast<float*>(cs.data()), keep_all ? 0 : segment, nullptr,
+                       lengths.empty() ? nullptr : lengths.data()},
                       f32_or_null(d_ys), f32_or_null(d_c), f32_or_null(d_h), out_ptr(dx), out_ptr(dwi), out_ptr(dwh),
                       out_ptr(db), out_ptr(dc0), out_ptr(dh0)});
         set_layer_cotangents(cot, a, std::move(dx), {std::move(dwi), std::move(db), std::move(dwh)},
@@ -521,12 +590,14 @@ constexpr const char* kGRUUsage =
     "recurrent_bias [3 * hidden] (or each as 3 arrays, one per gate r, z, n), h0 [batch, hidden]";
 
 // The GRU layer written with ops (create-graph mode differentiates it), in Flax's GRUCell's form.
-std::vector<Array> composed_gru(const LayerStructure& shape, const std::vector<Array>& in) {
+std::vector<Array> composed_gru(const LayerStructure& shape, const std::vector<Array>& in,
+                                const std::vector<std::int32_t>& lengths) {
   const LayerArgs a = shape.with(in);
   const Array &x = a.x, wi = joined(a.weights[0]), bi = joined(a.weights[1]), wh = joined(a.weights[2]),
               bh = joined(a.weights[3]);
   const std::int64_t H = wh.dim(0);
   Array h = a.carries[0];
+  SelectedState h_final{lengths, h};
   auto gate = [&](const Array& v, int k) { return slice_axis(v, -1, k * H, (k + 1) * H); };
   std::vector<Array> ys;
   for (std::int64_t t = 0; t < x.dim(0); ++t) {
@@ -535,21 +606,23 @@ std::vector<Array> composed_gru(const LayerStructure& shape, const std::vector<A
     const Array r = sigmoid(gate(xg, 0) + gate(hg, 0)), z = sigmoid(gate(xg, 1) + gate(hg, 1));
     const Array n = tanh(gate(xg, 2) + r * gate(hg, 2));
     h = (1.0f - z) * n + z * h;
+    h_final.after_step(t, h);
     ys.push_back(h);
   }
   Array y = ys.empty() ? Array::zeros(Shape{0, x.dim(1), H}) : stack(ys);
-  return {y, h};
+  return {y, h_final.final_or(h)};
 }
 
 std::pair<Array, Array> gru_layer_op(const LayerArgs& args, const GRULayerOptions& options) {
   const lk::Dims d = check_layer("gru_layer", 3, args, kGRUWeights, 2, {"h0"}, kGRUUsage);
-  if (args.any(is_batched)) [[unlikely]] {
-    const std::vector<Array> out =
-        per_example("gru_layer", args.flat(), {Shape{d.steps, d.rows, d.hidden}, Shape{d.rows, d.hidden}},
-                    [&](const std::vector<Array>& one) {
-                      auto [y, h] = gru_layer_op(args.with(one), options);
-                      return std::vector<Array>{y, h};
-                    });
+  if (args.any(is_batched) || lengths_batched(options.seq_lengths)) [[unlikely]] {
+    const std::vector<Array> out = per_example("gru_layer", with_batched_lengths(args.flat(), options),
+                                               {Shape{d.steps, d.rows, d.hidden}, Shape{d.rows, d.hidden}},
+                                               [&](const std::vector<Array>& one) {
+                                                 auto [flat, o] = split_batched_lengths(one, options);
+                                                 auto [y, h] = gru_layer_op(args.with(flat), o);
+                                                 return std::vector<Array>{y, h};
+                                               });
     return {out[0], out[1]};
   }
   if (args.any(not_f32)) {
@@ -557,6 +630,7 @@ std::pair<Array, Array> gru_layer_op(const LayerArgs& args, const GRULayerOption
     auto [y, h] = gru_layer_op(args.map(to_f32), options);
     return {astype(y, dt), astype(h, dt)};
   }
+  const std::vector<std::int32_t> lengths = lengths_of("gru_layer", options.seq_lengths, d);
   const std::vector<const Array*> ins = args.flat();
   const std::size_t n_in = ins.size();
   const bool recompute = options.recompute;
@@ -575,17 +649,16 @@ std::pair<Array, Array> gru_layer_op(const LayerArgs& args, const GRULayerOption
         const Array& h0 = args.carries[0];
         gk::forward({d, args.x.data(), wi_b.data(), columns_of(args.weights[2], d.hidden, 3), bi_b.data(), bh_b.data(),
                      h0.data(), ys.mutable_data(), keep ? acts.mutable_data() : nullptr, keep ? hgn.mutable_data() : nullptr});
-        Array h_last = Array::empty(Shape{d.rows, d.hidden});
-        std::memcpy(h_last.mutable_data(), d.steps == 0 ? h0.data() : ys.data() + (d.steps - 1) * d.rows * d.hidden,
-                    static_cast<std::size_t>(d.rows * d.hidden) * sizeof(float));
+        Array h_last = final_state(ys, h0, lengths);
         for (const Array* a : ins) r.keep(*a);
         r.keep(wi_b, bi_b, bh_b, ys, acts, hgn);
         return std::vector<Array>{std::move(ys), std::move(h_last)};
       },
-      autodiff::higher_order([d, n_in, shape = args.structure()](Cotangents& cot, autodiff::Saved s) {
+      autodiff::higher_order([d, n_in, lengths, shape = args.structure()](Cotangents& cot, autodiff::Saved s) {
         const std::vector<Array> inputs(s.begin(), s.begin() + static_cast<std::ptrdiff_t>(n_in));
         if (autodiff::creating_graph())
-          return autodiff::composite_rule(cot, inputs, [&shape](const std::vector<Array>& in) { return composed_gru(shape, in); });
+          return autodiff::composite_rule(
+              cot, inputs, [&shape, &lengths](const std::vector<Array>& in) { return composed_gru(shape, in, lengths); });
         const LayerArgs a = shape.with(inputs);
         const Array &wi_b = s[n_in], &bi_b = s[n_in + 1], &bh_b = s[n_in + 2], &ys = s[n_in + 3], &acts = s[n_in + 4],
                     &hgn = s[n_in + 5];
@@ -601,7 +674,8 @@ std::pair<Array, Array> gru_layer_op(const LayerArgs& args, const GRULayerOption
         auto in_ptr = [](const Array& t) -> const float* { return t.defined() ? t.data() : nullptr; };
         auto out_ptr = [](Array& t) -> float* { return t.defined() ? t.mutable_data() : nullptr; };
         gk::backward({{d, x.data(), wi_b.data(), columns_of(a.weights[2], d.hidden, 3), bi_b.data(), bh_b.data(), h0.data(),
-                       const_cast<float*>(ys.data()), const_cast<float*>(in_ptr(acts)), const_cast<float*>(in_ptr(hgn))},
+                       const_cast<float*>(ys.data()), const_cast<float*>(in_ptr(acts)), const_cast<float*>(in_ptr(hgn)),
+                       lengths.empty() ? nullptr : lengths.data()},
                       in_ptr(d_ys), in_ptr(d_h), out_ptr(dx), out_ptr(dwi), out_ptr(dwh), out_ptr(dbi), out_ptr(dbh),
                       out_ptr(dh0)});
         set_layer_cotangents(cot, a, std::move(dx), {std::move(dwi), std::move(dbi), std::move(dwh), std::move(dbh)},

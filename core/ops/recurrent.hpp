@@ -18,6 +18,7 @@
 #include <linum/core/array.hpp>
 
 #include <cstdint>
+#include <optional>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -44,8 +45,14 @@ std::pair<Array, Array> lstm_cell(const Array& x_gates, const Array& h_gates, co
 // hidden unit and row), or, with `recompute_segment` S > 0 (rounded up to a multiple of 16), only
 // the cell state every S steps; the backward pass then computes each segment's steps again from
 // it (remat over time inside the op). Both give bitwise the same gradients.
+//
+// `seq_lengths` (int32 [batch], each in [0, time]), as Flax's nn.RNN: every row still runs all the
+// steps (ys are the unmasked recurrence's; mask the padded steps' outputs in the loss), and row b's
+// final carry (c_last, h_last) is its state after seq_lengths[b] steps, c0 / h0 for 0. (Flax reads a
+// length of 0 as the last step's carry, an artefact of indexing at -1.)
 struct LSTMLayerOptions {
   std::int64_t recompute_segment = 0;
+  std::optional<Array> seq_lengths;
 };
 inline constexpr std::int64_t kLSTMLayerChunk = 16;  // steps per input product and weight-gradient product
 std::tuple<Array, Array, Array> lstm_layer(const Array& x, const Array& input_kernel, const Array& bias,
@@ -80,8 +87,11 @@ std::tuple<Array, Array, Array> lstm_layer(const Array& x, const std::vector<Arr
 // row), or with `recompute` nothing beyond the outputs: a GRU's state is its output, so the backward
 // pass computes each chunk's gates again from ys with the forward pass's products (remat over time
 // at the cost of the forward's products, without segments); the gradients are bitwise the same.
+// `seq_lengths` as lstm_layer's: all steps run; row b's h_last is its state after seq_lengths[b]
+// steps (h0 for 0).
 struct GRULayerOptions {
   bool recompute = false;
+  std::optional<Array> seq_lengths;
 };
 std::pair<Array, Array> gru_layer(const Array& x, const Array& input_kernel, const Array& input_bias,
                                   const Array& recurrent_kernel, const Array& recurrent_bias, const Array& h0,

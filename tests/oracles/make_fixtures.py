@@ -194,6 +194,8 @@ def layer_values():
     seq = fixed_normal(3, (2, 5, 6))
     feat = fixed_normal(4, (3, 6))
     ids = np.array([[1, 5, 9], [0, 3, 3]], dtype=np.int32)
+    padded = fixed_normal(31, (4, 6, 3))
+    lengths = np.array([6, 2, 1, 4], dtype=np.int32)
     cases = {
         "dense": layer_case(nn.Dense(3), [x24]),
         "dense_no_bias": layer_case(nn.Dense(5, use_bias=False), [x24]),
@@ -222,6 +224,11 @@ def layer_values():
         "simple_cell": layer_case(nn.SimpleCell(5), [fixed_normal(9, (2, 5)), x24]),
         "rnn_lstm": layer_case(nn.RNN(nn.LSTMCell(4)), [seq]),
         "rnn_gru_reverse": layer_case(nn.RNN(nn.GRUCell(3), reverse=True, keep_order=True), [seq]),
+        # seq_lengths (a length of 1, the full 6, others), return_carry: each row's carry at its length.
+        "rnn_lstm_lengths": layer_case(nn.RNN(nn.LSTMCell(4)), [padded, lengths],
+                                       call=lambda m, x, n: m(x, seq_lengths=n, return_carry=True)),
+        "rnn_gru_reverse_lengths": layer_case(nn.RNN(nn.GRUCell(3), reverse=True, keep_order=True), [padded, lengths],
+                                              call=lambda m, x, n: m(x, seq_lengths=n, return_carry=True)),
         "dropout": layer_case(nn.Dropout(0.5, deterministic=False), [fixed_normal(10, (4, 6))],
                               apply_rngs={"dropout": jax.random.key(1)}),
         "dropout_broadcast": layer_case(nn.Dropout(0.3, broadcast_dims=(0,), deterministic=False),
@@ -232,6 +239,8 @@ def layer_values():
         "layer_norm_bf16": layer_case(nn.LayerNorm(dtype=bf16), [seq]),
         "attention_bf16": layer_case(nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=8, dtype=bf16), [seq]),
         "lstm_cell_bf16": layer_case(nn.LSTMCell(5, dtype=bf16), [(fixed_normal(7, (2, 5)), fixed_normal(8, (2, 5))), x24]),
+        "rnn_lstm_bf16": layer_case(nn.RNN(nn.LSTMCell(4, dtype=bf16)), [seq]),
+        "rnn_gru_bf16": layer_case(nn.RNN(nn.GRUCell(3, dtype=bf16)), [seq]),
     }
     return cases
 
