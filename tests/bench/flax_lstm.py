@@ -11,7 +11,9 @@ Variants:
   gru             nn.RNN(nn.GRUCell(256))
   gru_remat       nn.RNN(nn.remat(nn.GRUCell)(256)): remat per time step
 
-  python3 tests/bench/flax_lstm.py [--lengths 64,256,1024] [--variants ...]
+  python3 tests/bench/flax_lstm.py [--lengths 64,256,1024] [--variants ...] [--dtype f32|bf16] [--masked]
+--dtype bf16: the cells compute in bf16 (dtype=jnp.bfloat16, float32 parameters). --masked: nn.RNN
+with seq_lengths (rows' lengths spread over [T/2, T], as linum-bench rnn --masked).
 Threads: XLA's CPU backend uses every core it sees (2 on the project's machines).
 """
 import argparse, json, time
@@ -27,22 +29,27 @@ p.add_argument("--features", type=int, default=256)
 p.add_argument("--inputs", type=int, default=64)
 p.add_argument("--steps", type=int, default=3)
 p.add_argument("--variants", default="lstm,optimized,optimized_remat")
+p.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
+p.add_argument("--masked", action="store_true")
 a = p.parse_args()
 B, H, I = a.batch, a.features, a.inputs
 
-cells = {"lstm": lambda: nn.LSTMCell(H), "optimized": lambda: nn.OptimizedLSTMCell(H),
-         "optimized_remat": lambda: nn.remat(nn.OptimizedLSTMCell)(H), "gru": lambda: nn.GRUCell(H),
-         "gru_remat": lambda: nn.remat(nn.GRUCell)(H)}
+dt = jnp.bfloat16 if a.dtype == "bf16" else None
+cells = {"lstm": lambda: nn.LSTMCell(H, dtype=dt), "optimized": lambda: nn.OptimizedLSTMCell(H, dtype=dt),
+         "optimized_remat": lambda: nn.remat(nn.OptimizedLSTMCell)(H, dtype=dt), "gru": lambda: nn.GRUCell(H, dtype=dt),
+         "gru_remat": lambda: nn.remat(nn.GRUCell)(H, dtype=dt)}
 
 for T in [int(t) for t in a.lengths.split(",")]:
     xs = jax.random.normal(jax.random.key(1), (B, T, I))
+    lengths = jnp.array([T - (T // 2) * b // max(1, B - 1) for b in range(B)], jnp.int32) if a.masked else None
     for v in a.variants.split(","):
         model = nn.RNN(cells[v]())
         params = model.init(jax.random.key(0), xs)
 
         @jax.jit
         def step(params, xs):
-            return jax.value_and_grad(lambda p: jnp.mean(jnp.square(model.apply(p, xs))))(params)
+            return jax.value_and_grad(
+                lambda p: jnp.mean(jnp.square(model.apply(p, xs, seq_lengths=lengths).astype(jnp.float32))))(params)
 
         t0 = time.perf_counter()
         jax.block_until_ready(step(params, xs))
@@ -55,5 +62,6 @@ for T in [int(t) for t in a.lengths.split(",")]:
         # XLA's buffer assignment for the compiled step: its temporaries (activations and workspace).
         temp = step.lower(params, xs).compile().memory_analysis().temp_size_in_bytes
         print(json.dumps({"peer": f"jax-{jax.__version__}+flax-{flax.__version__}", "bench": "rnn", "model": "gru" if v.startswith("gru") else "lstm", "variant": v,
-                          "length": T, "batch": B, "features": H, "inputs": I, "compile_s": first,
+                          "length": T, "batch": B, "features": H, "inputs": I, "dtype": a.dtype,
+                          **({"masked": True} if a.masked else {}), "compile_s": first,
                           "step_s_min": min(times), "xla_temp_bytes": temp}), flush=True)

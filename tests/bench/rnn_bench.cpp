@@ -9,7 +9,11 @@
 //
 //   linum-bench rnn [--lengths 64,256,1024] [--batch 32] [--features 256] [--inputs 64] [--steps 3]
 //                   [--snapshots 8] [--variants none,per_step,sqrt,binomial] [--cell layer|scan]
-//                   [--model lstm|gru]
+//                   [--model lstm|gru] [--dtype f32|bf16] [--masked 1]
+//
+// --dtype bf16: the cell computes in bf16 with float32 parameters (Flax's dtype / param_dtype).
+// --masked 1: nn::RNN with seq_lengths, rows of lengths spread over [T/2, T] (Flax's rule: all steps
+// run, each row's carry is picked at its length).
 //
 // One JSON line per (length, remat): peak_activation_bytes (the exact accounting's peak of a
 // training step above what was alive before it, minus the gradients), step_s_min and the step
@@ -22,6 +26,7 @@
 #include <algorithm>
 #include <chrono>
 #include <iostream>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -58,11 +63,22 @@ int bench_rnn(const Flags& f) {
     std::cerr << "linum-bench rnn: --model is lstm or gru\n";
     return 2;
   }
+  const std::string dtype_name = f.text("dtype", "f32");
+  if (dtype_name != "f32" && dtype_name != "bf16") {
+    std::cerr << "linum-bench rnn: --dtype is f32 or bf16\n";
+    return 2;
+  }
+  const std::optional<DType> dtype = dtype_name == "bf16" ? std::optional<DType>(DType::bf16) : std::nullopt;
+  const bool masked = f.get("masked", 0) != 0;
   // The scan path: the same cell with a gate function nn::RNN does not take for the layer op.
   const nn::CellFunction gate = path == "layer" ? nn::CellFunction(nn::Sigmoid{})
                                                 : nn::CellFunction([](const Array& x) { return sigmoid(x); });
   for (long T : lengths) {
     const Array xs = random_normal(Shape{B, T, I}, 3u, 1.0f);
+    std::vector<std::int32_t> length_values(static_cast<std::size_t>(B));
+    for (long b = 0; b < B; ++b) length_values[static_cast<std::size_t>(b)] = static_cast<std::int32_t>(T - (T / 2) * b / std::max(1L, B - 1));
+    const std::optional<Array> seq_lengths =
+        masked ? std::optional<Array>(Array::from_i32(Shape{B}, length_values)) : std::nullopt;
     for (const Variant& v : variants) {
       if (chosen.find("," + v.key + ",") == std::string::npos) continue;
       const bool gru = model == "gru";
@@ -72,7 +88,10 @@ int bench_rnn(const Flags& f) {
       std::int64_t peak = 0, evaluations = 0;
       auto measure = [&](const auto& rnn) {
         const Tree params = init(rnn, rng::key(0), xs).at("params");
-        auto loss = [&](const Tree& p) { return mean(square(apply(rnn, Tree{{"params", p}}, xs))); };
+        auto loss = [&](const Tree& p) {
+          const Array ys = apply(rnn, Tree{{"params", p}}, xs, nn::RNNOptions{.seq_lengths = seq_lengths}).second;
+          return mean(square(astype(ys, DType::f32)));
+        };
         for (long s = 0; s < steps; ++s) {
           lift::reset_step_evaluations();
           memory::PeakScope scope;
@@ -83,14 +102,17 @@ int bench_rnn(const Flags& f) {
           evaluations = lift::step_evaluations();
         }
       };
-      if (gru) measure(nn::RNN<nn::GRUCell>{.cell = {.features = H, .gate_fn = gate}, .remat = v.remat, .schedule = v.schedule});
-      else measure(nn::RNN<nn::LSTMCell>{.cell = {.features = H, .gate_fn = gate}, .remat = v.remat, .schedule = v.schedule});
+      if (gru)
+        measure(nn::RNN<nn::GRUCell>{.cell = {.features = H, .gate_fn = gate, .dtype = dtype}, .remat = v.remat, .schedule = v.schedule});
+      else
+        measure(nn::RNN<nn::LSTMCell>{.cell = {.features = H, .gate_fn = gate, .dtype = dtype}, .remat = v.remat, .schedule = v.schedule});
       if (path == "layer") evaluations = segment > 0 ? 2 * T : T;
       else if (v.schedule.kind == lift::ScanSchedule::Kind::none) evaluations = T;
       nlohmann::json out = {{"bench", "rnn"}, {"cell", gru ? "GRUCell" : "LSTMCell"}, {"path", path}, {"length", T}, {"batch", B},
                                   {"features", H}, {"inputs", I}, {"remat", v.name},
                                   {"step_evaluations", evaluations},
-                                  {"peak_activation_bytes", peak}, {"step_s_min", best}};
+                                  {"peak_activation_bytes", peak}, {"step_s_min", best}, {"dtype", dtype_name}};
+      if (masked) out["masked"] = true;
       if (path == "layer" && gru) out["recompute"] = segment > 0;  // nothing kept but the outputs
       else if (path == "layer") out["recompute_segment"] = segment;
       std::cout << out.dump() << std::endl;

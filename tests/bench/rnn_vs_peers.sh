@@ -5,9 +5,11 @@
 # PyTorch 1.13 when /usr/bin/python3 has torch, and Flax on JAX jit (nn.LSTMCell, OptimizedLSTMCell,
 # nn.remat per step), alternating. Every line is JSON; compare the minimum per variant over rounds.
 #
-# MODEL=gru runs the same sitting for a GRU (nn.GRU, Flax's GRUCell).
+# MODEL=gru runs the same sitting for a GRU (nn.GRU, Flax's GRUCell). DTYPE=bf16 runs it in bf16
+# (Linum and Flax: bf16 computation, float32 parameters; PyTorch: torch.autocast). MASKED=1 passes
+# seq_lengths (Linum and Flax; PyTorch's nn.LSTM has no such argument, so it is left out).
 #
-#   bash tests/bench/rnn_vs_peers.sh [BUILD_DIR]      (LENGTHS=64,256,1024 ROUNDS=3 STEPS=5 MODEL=lstm)
+#   bash tests/bench/rnn_vs_peers.sh [BUILD_DIR]      (LENGTHS=64,256,1024 ROUNDS=3 STEPS=5 MODEL=lstm DTYPE=f32 MASKED=0)
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 build="${1:-build}"
@@ -16,15 +18,22 @@ lengths="${LENGTHS:-64,256,1024}"
 rounds="${ROUNDS:-3}"
 steps="${STEPS:-5}"
 model="${MODEL:-lstm}"
+dtype="${DTYPE:-f32}"
+masked="${MASKED:-0}"
+flax_masked=""
+[ "$masked" = 1 ] && flax_masked=--masked
 flax_variants=lstm,optimized,optimized_remat
 [ "$model" = gru ] && flax_variants=gru,gru_remat
 for round in $(seq "$rounds"); do
   for T in ${lengths//,/ }; do
-    "$bench" rnn --model "$model" --lengths "$T" --steps "$steps" --variants none,per_step,sqrt
-    python3 "$here/torch_lstm.py" --model "$model" --lengths "$T" --steps "$steps" --variants nn_lstm,nn_lstm_compile,cell_ckpt --memory
-    if /usr/bin/python3 -c 'import torch' 2>/dev/null; then
-      /usr/bin/python3 "$here/torch_lstm.py" --model "$model" --lengths "$T" --steps "$steps" --variants nn_lstm,cell_ckpt
+    "$bench" rnn --model "$model" --lengths "$T" --steps "$steps" --variants none,per_step,sqrt --dtype "$dtype" --masked "$masked"
+    if [ "$masked" != 1 ]; then
+      python3 "$here/torch_lstm.py" --model "$model" --lengths "$T" --steps "$steps" --variants nn_lstm,nn_lstm_compile,cell_ckpt \
+        --memory --dtype "$dtype"
+      if /usr/bin/python3 -c 'import torch' 2>/dev/null; then
+        /usr/bin/python3 "$here/torch_lstm.py" --model "$model" --lengths "$T" --steps "$steps" --variants nn_lstm,cell_ckpt --dtype "$dtype"
+      fi
     fi
-    python3 "$here/flax_lstm.py" --lengths "$T" --steps "$steps" --variants "$flax_variants" 2>/dev/null
+    python3 "$here/flax_lstm.py" --lengths "$T" --steps "$steps" --variants "$flax_variants" --dtype "$dtype" $flax_masked 2>/dev/null
   done
 done

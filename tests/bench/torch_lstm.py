@@ -11,6 +11,9 @@ Variants:
   cell_ckpt      the same loop with torch.utils.checkpoint around every step (remat per time step)
 
   python3 tests/bench/torch_lstm.py [--lengths 64,256,1024] [--variants ...] [--threads 2] [--model lstm|gru]
+                                   [--dtype f32|bf16]
+--dtype bf16: the step under torch.autocast("cpu", dtype=torch.bfloat16), as PyTorch users train in
+bf16 (float32 parameters; nn.LSTM/nn.GRU run on oneDNN's bf16 RNN kernels in PyTorch 2).
 """
 import argparse, json, time
 import torch
@@ -25,6 +28,7 @@ p.add_argument("--steps", type=int, default=3)
 p.add_argument("--threads", type=int, default=2)
 p.add_argument("--variants", default="nn_lstm,nn_lstm_compile,cell_loop,cell_ckpt")
 p.add_argument("--model", default="lstm", choices=["lstm", "gru"])
+p.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
 p.add_argument("--memory", action="store_true",
                help="one extra untimed step under the profiler: peak of live tensor bytes (PyTorch 2)")
 a = p.parse_args()
@@ -37,9 +41,14 @@ cell = (torch.nn.GRUCell if gru else torch.nn.LSTMCell)(I, H)
 compiled = None
 
 
+def autocast():
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.dtype == "bf16")
+
+
 def step_module(module, xs):
-    out, _ = module(xs)
-    loss = (out * out).mean()
+    with autocast():
+        out, _ = module(xs)
+        loss = (out.float() * out.float()).mean()
     loss.backward()
 
 
@@ -49,13 +58,14 @@ def step_cells(xs, ckpt):
     outs = []
     for t in range(xs.shape[1]):
         state = h if gru else (h, c)
-        if ckpt:
-            state = checkpoint(cell, xs[:, t], state, use_reentrant=False)
-        else:
-            state = cell(xs[:, t], state)
+        with autocast():
+            if ckpt:
+                state = checkpoint(cell, xs[:, t], state, use_reentrant=False)
+            else:
+                state = cell(xs[:, t], state)
         h, c = (state, None) if gru else state
         outs.append(h)
-    out = torch.stack(outs, 1)
+    out = torch.stack(outs, 1).float()
     loss = (out * out).mean()
     loss.backward()
 
@@ -96,7 +106,7 @@ for T in [int(t) for t in a.lengths.split(",")]:
             f()
             times.append(time.perf_counter() - t0)
         out = {"peer": "torch-" + torch.__version__, "bench": "rnn", "model": a.model, "variant": v, "length": T, "batch": B,
-               "features": H, "inputs": I, "step_s_min": min(times)}
+               "features": H, "inputs": I, "dtype": a.dtype, "step_s_min": min(times)}
         if v == "nn_lstm_compile":
             out["compile_s"] = first
         if a.memory and v != "nn_lstm_compile":
