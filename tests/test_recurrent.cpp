@@ -790,6 +790,66 @@ TEST_CASE("lstm_layer and gru_layer with seq_lengths: every step runs, each row'
                        doctest::Contains("gru_layer: seq_lengths[1] = -1"), ValueError);
 }
 
+TEST_CASE("lstm_layer and gru_layer with bf16 weights: every product on bf16-rounded operands, summed in float32") {
+  // As oneDNN's and PyTorch's bf16 layers: the states stay float32, but each product rounds its
+  // operands (here h before the recurrent product) to bf16. The step-by-step composition that
+  // rounds the same operands agrees to float32 summation order; one that does not round h differs.
+  const std::int64_t T = 20, N = 3, I = 5, H = 134;
+  auto bf = [](const Array& a) { return astype(a, DType::bf16); };
+  auto rounded = [](const Array& a) { return astype(astype(a, DType::bf16), DType::f32); };
+  const Array x = random_array(Shape{T, N, I}, 121), c0 = random_array(Shape{N, H}, 125), h0 = random_array(Shape{N, H}, 126);
+  const Array wi = random_array(Shape{I, 4 * H}, 122) * 0.5f, wh = random_array(Shape{H, 4 * H}, 123) * 0.3f;
+  const Array b = random_array(Shape{4 * H}, 124);
+  auto [ys, c, h] = lstm_layer(bf(x), bf(wi), bf(b), bf(wh), c0, h0);
+  CHECK(ys.dtype() == DType::f32);  // float32 carries: the results promote
+  float worst_rounded = 0, worst_unrounded = 0;
+  Array cr = c0, hr = h0, cu = c0, hu = h0;
+  for (std::int64_t t = 0; t < T; ++t) {
+    const Array xg = matmul(rounded(reshape(slice_axis(x, 0, t, t + 1), {N, I})), rounded(wi)) + rounded(b);
+    auto [cn, hn] = composed_lstm(xg, matmul(rounded(hr), rounded(wh)), cr);
+    auto [cn2, hn2] = composed_lstm(xg, matmul(hu, rounded(wh)), cu);
+    cr = cn, hr = hn, cu = cn2, hu = hn2;
+    const Array yt = reshape(slice_axis(ys, 0, t, t + 1), {N, H});
+    worst_rounded = std::max(worst_rounded, max_diff(yt, hn));
+    worst_unrounded = std::max(worst_unrounded, max_diff(yt, hn2));
+  }
+  MESSAGE("bf16 lstm_layer vs composition: ", worst_rounded, " rounding h, ", worst_unrounded, " not");
+  CHECK(worst_rounded < 2e-5f);
+  CHECK(worst_unrounded > 10 * worst_rounded);
+  // Gradients: recompute segments bitwise the kept activations'; within bf16 rounding of float32's.
+  auto grads = [&](const Array& wi_, const Array& b_, const Array& wh_, std::int64_t segment) {
+    auto r = value_and_grad<0, 1, 2, 3>([&](const Array& xx, const Array& i, const Array& bb, const Array& hh) {
+      auto [y, cl, hl] = lstm_layer(xx, i, bb, hh, c0, h0, {.recompute_segment = segment});
+      return sum(square(astype(y, DType::f32))) * 0.5f + sum(astype(cl, DType::f32));
+    })(x, wi_, b_, wh_);
+    return std::vector<Array>{astype(std::get<1>(r), DType::f32), astype(std::get<2>(r), DType::f32),
+                              astype(std::get<3>(r), DType::f32), astype(std::get<4>(r), DType::f32)};
+  };
+  const std::vector<Array> g16 = grads(bf(wi), bf(b), bf(wh), 0), g16r = grads(bf(wi), bf(b), bf(wh), 16);
+  const std::vector<Array> g32 = grads(rounded(wi), rounded(b), rounded(wh), 0);
+  for (std::size_t k = 0; k < g16.size(); ++k) {
+    CAPTURE(k);
+    CHECK(g16[k].bitwise_equal(g16r[k]));
+    CHECK(max_diff(g16[k], g32[k]) <= 0.02f * std::max(1.0f, linum::testing::max_abs(g32[k])));
+  }
+  // The GRU: the same rounding of h before its recurrent product.
+  const Array gwi = random_array(Shape{I, 3 * H}, 127) * 0.5f, gwh = random_array(Shape{H, 3 * H}, 128) * 0.3f;
+  const Array gbi = random_array(Shape{3 * H}, 129), gbh = random_array(Shape{3 * H}, 130);
+  auto [gys, gh] = gru_layer(bf(x), bf(gwi), bf(gbi), bf(gwh), bf(gbh), h0);
+  Array hh = h0;
+  float worst = 0;
+  auto gate = [&](const Array& v, int k) { return slice_axis(v, -1, k * H, (k + 1) * H); };
+  for (std::int64_t t = 0; t < T; ++t) {
+    const Array xg = matmul(rounded(reshape(slice_axis(x, 0, t, t + 1), {N, I})), rounded(gwi)) + rounded(gbi);
+    const Array hg = matmul(rounded(hh), rounded(gwh)) + rounded(gbh);
+    const Array r = sigmoid(gate(xg, 0) + gate(hg, 0)), z = sigmoid(gate(xg, 1) + gate(hg, 1));
+    const Array n = tanh(gate(xg, 2) + r * gate(hg, 2));
+    hh = (1.0f - z) * n + z * hh;
+    worst = std::max(worst, max_diff(reshape(slice_axis(gys, 0, t, t + 1), {N, H}), hh));
+  }
+  CHECK(worst < 2e-5f);
+}
+
 TEST_CASE("nn::RNN with seq_lengths is Flax's: padded steps run unmasked, reverse flips within each length") {
   const Array xs = random_array(Shape{4, 9, 3}, 111);  // [batch, time, in]
   const Array lengths = Array::from_i32(Shape{4}, {9, 0, 4, 1});

@@ -68,21 +68,64 @@ void gemm_f32_serial(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int6
   gemm_f32_serial_eigen(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
+namespace {
+
+// x rounded to the nearest bfloat16 (ties to even), as float32.
+void round_to_bf16(float* x, std::int64_t n) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    bfloat16 h;
+    h.bits = bfloat16::round_bits(x[i]);
+    x[i] = static_cast<float>(h);
+  }
+}
+
+}  // namespace
+
+void gemm_bf16_rounded_serial(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
+                              std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  // Each operand as stored (rows x cols, row stride ld) into a compact rounded copy.
+  auto rounded = [](const float* x, std::int64_t rows, std::int64_t cols, std::int64_t ld, DType dt) {
+    Array out = Array::empty(Shape{rows * cols}, dt);
+    if (dt == DType::bf16) {
+      auto* o = static_cast<bfloat16*>(out.mutable_raw());
+      for (std::int64_t r = 0; r < rows; ++r) f32_to_bf16(x + r * ld, o + r * cols, cols);
+    } else {
+      float* o = out.mutable_data();
+      for (std::int64_t r = 0; r < rows; ++r) std::copy(x + r * ld, x + r * ld + cols, o + r * cols);
+      round_to_bf16(o, rows * cols);
+    }
+    return out;
+  };
+  const std::int64_t a_rows = ta ? k : m, a_cols = ta ? m : k, b_rows = tb ? n : k, b_cols = tb ? k : n;
+#if LINUM_HAVE_ONEDNN
+  if (engine() == Engine::onednn && k > 0) {
+    const Array a16 = rounded(a, a_rows, a_cols, lda, DType::bf16), b16 = rounded(b, b_rows, b_cols, ldb, DType::bf16);
+    return gemm_bf16_serial_onednn(ta, tb, m, n, k, alpha, static_cast<const bfloat16*>(a16.raw()), a_cols,
+                                   static_cast<const bfloat16*>(b16.raw()), b_cols, beta, c, ldc);
+  }
+#endif
+  const Array ar = rounded(a, a_rows, a_cols, lda, DType::f32), br = rounded(b, b_rows, b_cols, ldb, DType::f32);
+  gemm_f32_serial_eigen(ta, tb, m, n, k, alpha, ar.data(), a_cols, br.data(), b_cols, beta, c, ldc);
+}
+
 PackedProduct::PackedProduct(std::int64_t m, std::int64_t n, std::int64_t k, const float* b, std::int64_t ldb, bool tb,
-                             std::int64_t lda, std::int64_t ldc, bool accumulate)
-    : m_(m), n_(n), k_(k), ldb_(tb ? k : n), lda_(lda), ldc_(ldc), tb_(tb), accumulate_(accumulate) {
+                             std::int64_t lda, std::int64_t ldc, bool accumulate, Operands operands)
+    : m_(m), n_(n), k_(k), ldb_(tb ? k : n), lda_(lda), ldc_(ldc), tb_(tb), accumulate_(accumulate), operands_(operands) {
 #if LINUM_HAVE_ONEDNN
   if (engine() == Engine::onednn && m > 0 && n > 0 && k > 0) {
-    onednn_ = onednn_pack(m, n, k, b, ldb, tb, lda, ldc, accumulate);
+    onednn_ = onednn_pack(m, n, k, b, ldb, tb, lda, ldc, accumulate, operands);
     return;
   }
 #endif
   // b's rows (its columns when tb) into a compact copy.
   const std::int64_t rows = tb ? n : k, cols = ldb_;
   own_b_ = Array::empty(Shape{rows * cols});
+  if (operands == Operands::bf16) rounded_a_ = Array::empty(Shape{m * k});
   if (rows == 0 || cols == 0) return;
   for (std::int64_t r = 0; r < rows; ++r)
     std::copy(b + r * ldb, b + r * ldb + cols, own_b_.mutable_data() + r * cols);
+  if (operands == Operands::bf16) round_to_bf16(own_b_.mutable_data(), rows * cols);
 }
 
 PackedProduct::~PackedProduct() {
@@ -97,7 +140,15 @@ void PackedProduct::run(const float* a, float* c) const {
 #endif
   // Eigen (the engine at construction, or an empty product): not the current engine, which a
   // set_engine between a forward pass and its recomputation could change.
-  gemm_f32_serial_eigen(false, tb_, m_, n_, k_, 1.0f, a, lda_, own_b_.data(), ldb_, accumulate_ ? 1.0f : 0.0f, c, ldc_);
+  std::int64_t lda = lda_;
+  if (operands_ == Operands::bf16 && m_ > 0 && k_ > 0) {
+    float* r = rounded_a_.mutable_data();
+    for (std::int64_t i = 0; i < m_; ++i) std::copy(a + i * lda_, a + i * lda_ + k_, r + i * k_);
+    round_to_bf16(r, m_ * k_);
+    a = r;
+    lda = k_;
+  }
+  gemm_f32_serial_eigen(false, tb_, m_, n_, k_, 1.0f, a, lda, own_b_.data(), ldb_, accumulate_ ? 1.0f : 0.0f, c, ldc_);
 }
 
 }  // namespace kernels

@@ -171,6 +171,8 @@ struct PackedProduct::Onednn {
   Array b_buffer, scratchpad_buffer;  // the packed weights and the scratchpad, counted as Arrays
   memory a, b, c, scratchpad;
   dnnl::stream stream;
+  Array a_bf16;  // Operands::bf16: a rounded, [m, k] (a's row stride lda)
+  std::int64_t m = 0, k = 0, lda = 0;
 };
 
 namespace {
@@ -185,10 +187,12 @@ void* handle_of(Array& buffer) { return buffer.numel() == 0 ? DNNL_MEMORY_NONE :
 }  // namespace
 
 PackedProduct::Onednn* onednn_pack(std::int64_t m, std::int64_t n, std::int64_t k, const float* b, std::int64_t ldb, bool tb,
-                                   std::int64_t lda, std::int64_t ldc, bool accumulate) {
+                                   std::int64_t lda, std::int64_t ldc, bool accumulate, Operands operands) {
   const auto f32 = memory::data_type::f32;
-  const memory::desc a_md(memory::dims{m, k}, f32, memory::dims{lda, 1});
-  const memory::desc b_any(memory::dims{k, n}, f32, memory::format_tag::any);
+  const bool bf16 = operands == Operands::bf16;
+  const auto in_type = bf16 ? memory::data_type::bf16 : f32;
+  const memory::desc a_md(memory::dims{m, k}, in_type, memory::dims{bf16 ? k : lda, 1});
+  const memory::desc b_any(memory::dims{k, n}, in_type, memory::format_tag::any);
   const memory::desc c_md(memory::dims{m, n}, f32, memory::dims{ldc, 1});
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);  // each object its own: runs need no lock
@@ -211,7 +215,13 @@ PackedProduct::Onednn* onednn_pack(std::int64_t m, std::int64_t n, std::int64_t 
                                       counted_buffer(pd.scratchpad_desc().get_size()), memory(), memory(), memory(), memory(),
                                       dnnl::stream(cpu_engine())};
   try {
-    p->a = memory(a_md, cpu_engine(), DNNL_MEMORY_NONE);
+    if (bf16) {
+      p->a_bf16 = Array::empty(Shape{m * k}, DType::bf16);
+      p->m = m;
+      p->k = k;
+      p->lda = lda;
+    }
+    p->a = memory(a_md, cpu_engine(), bf16 ? p->a_bf16.mutable_raw() : DNNL_MEMORY_NONE);
     p->b = memory(pd.weights_desc(), cpu_engine(), handle_of(p->b_buffer));
     p->c = memory(c_md, cpu_engine(), DNNL_MEMORY_NONE);
     p->scratchpad = memory(pd.scratchpad_desc(), cpu_engine(), handle_of(p->scratchpad_buffer));
@@ -227,7 +237,12 @@ PackedProduct::Onednn* onednn_pack(std::int64_t m, std::int64_t n, std::int64_t 
 }
 
 void onednn_run(PackedProduct::Onednn* p, const float* a, float* c) {
-  p->a.set_data_handle(const_cast<float*>(a));
+  if (p->a_bf16.defined()) {  // Operands::bf16: a rounded into the object's buffer
+    auto* r = static_cast<bfloat16*>(p->a_bf16.mutable_raw());
+    for (std::int64_t i = 0; i < p->m; ++i) f32_to_bf16(a + i * p->lda, r + i * p->k, p->k);
+  } else {
+    p->a.set_data_handle(const_cast<float*>(a));
+  }
   p->c.set_data_handle(c);
   p->primitive.execute(p->stream, {{DNNL_ARG_SRC, p->a}, {DNNL_ARG_WEIGHTS, p->b}, {DNNL_ARG_DST, p->c},
                                    {DNNL_ARG_SCRATCHPAD, p->scratchpad}});
@@ -235,6 +250,41 @@ void onednn_run(PackedProduct::Onednn* p, const float* a, float* c) {
 }
 
 void onednn_free(PackedProduct::Onednn* p) { delete p; }
+
+void gemm_bf16_serial_onednn(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
+                             const bfloat16* a, std::int64_t lda, const bfloat16* b, std::int64_t ldb, float beta, float* c,
+                             std::int64_t ldc) {
+  if (alpha != 1.0f || (beta != 0.0f && beta != 1.0f))
+    throw Error("gemm_bf16_serial_onednn: alpha must be 1 and beta 0 or 1");
+  // A matmul on the calling thread only (made and run with a team of one, as PackedProduct's), its
+  // scratchpad an Array of its own; oneDNN's primitive cache makes the repeated creation cheap.
+#ifdef _OPENMP
+  const int saved_threads = omp_get_max_threads();
+  omp_set_num_threads(1);
+  struct Restore {
+    int n;
+    ~Restore() { omp_set_num_threads(n); }
+  } restore{saved_threads};
+#endif
+  const auto bf16 = memory::data_type::bf16;
+  const memory::desc a_md(memory::dims{m, k}, bf16, ta ? memory::dims{1, lda} : memory::dims{lda, 1});
+  const memory::desc b_md(memory::dims{k, n}, bf16, tb ? memory::dims{1, ldb} : memory::dims{ldb, 1});
+  const memory::desc c_md(memory::dims{m, n}, memory::data_type::f32, memory::dims{ldc, 1});
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  if (beta == 1.0f) {
+    dnnl::post_ops ops;
+    ops.append_sum(1.0f);
+    attr.set_post_ops(ops);
+  }
+  const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, b_md, c_md), attr, cpu_engine());
+  Array scratch = counted_buffer(pd.scratchpad_desc().get_size());
+  memory am(a_md, cpu_engine(), const_cast<bfloat16*>(a)), bm(b_md, cpu_engine(), const_cast<bfloat16*>(b));
+  memory cm(c_md, cpu_engine(), c), sm(pd.scratchpad_desc(), cpu_engine(), handle_of(scratch));
+  dnnl::stream stream(cpu_engine());
+  dnnl::matmul(pd).execute(stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}, {DNNL_ARG_SCRATCHPAD, sm}});
+  stream.wait();
+}
 
 void gemm_f32_serial_onednn(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
                             const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c,

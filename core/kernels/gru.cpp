@@ -111,7 +111,8 @@ struct Pass {
         H3(kGates * fw.d.hidden) {
     // Into a per-thread buffer of the block's rows (row stride 3w): ldc differs per block.
     if (steps && T > 0)
-      recurrent = recurrent_products(bl, f.wh, N, [&](std::int64_t b) { return kGates * bl.width(b); }, /*accumulate=*/false);
+      recurrent = recurrent_products(bl, f.wh, N, [&](std::int64_t b) { return kGates * bl.width(b); }, /*accumulate=*/false,
+                                     step_operands(f.d));
   }
   const float* h_prev(std::int64_t t) const { return t == 0 ? f.h0 : f.ys + (t - 1) * N * H; }
   // Per thread: the recurrent product's rows of a block, then the cell row's scratch.
@@ -121,7 +122,7 @@ struct Pass {
   // first step at acts), biases added.
   void project(std::int64_t b, std::int64_t t0, std::int64_t g, float* acts) const {
     const std::int64_t base = bl.base(b), w3 = kGates * bl.width(b);
-    gemm_f32_serial(false, false, g * N, w3, I, 1.0f, f.x + t0 * N * I, I, f.wi + base, H3, 0.0f, acts + base, H3);
+    layer_gemm(f.d, false, false, g * N, w3, I, f.x + t0 * N * I, I, f.wi + base, H3, 0.0f, acts + base, H3);
     for (std::int64_t r = 0; r < g * N; ++r) Run(acts + r * H3 + base, w3) += ConstRun(f.bi + base, w3);
   }
   // Step t for unit block b: the recurrent product, then the cell on every row. h: ys of step t, or
@@ -192,7 +193,7 @@ void backward(const Backward& bw) {
   // products, in p) before the workspaces exist: a block's copy made for packing is then freed while
   // little else is alive.
   Products transposed;
-  if (T > 0) transposed = transposed_products(bl, f.wh, N, /*accumulate=*/true);
+  if (T > 0) transposed = transposed_products(bl, f.wh, N, /*accumulate=*/true, step_operands(f.d));
   Array dh_buf, dxg_buf, dhgn_buf, dhg_buf, chunk_acts_buf, chunk_hgn_buf;
   float* dh = workspace(dh_buf, N * H);
   const std::size_t carry_bytes = static_cast<std::size_t>(N * H) * sizeof(float);
@@ -277,7 +278,7 @@ void backward(const Backward& bw) {
               add_recurrent_gradient(f.d, t0, g, f.h0, f.ys, dhgn + u0, H, w, bw.d_wh + base + 2 * w, H3);
             }
             if (bw.d_wi)
-              gemm_f32_serial(true, false, I, w3, g * N, 1.0f, f.x + t0 * N * I, I, dxg + base, H3, 1.0f, bw.d_wi + base, H3);
+              layer_gemm(f.d, true, false, I, w3, g * N, f.x + t0 * N * I, I, dxg + base, H3, 1.0f, bw.d_wi + base, H3);
             for (std::int64_t r = 0; r < g * N; ++r) {
               if (bw.d_bi) Run(bw.d_bi + base, w3) += ConstRun(dxg + r * H3 + base, w3);
               if (bw.d_bh) {
@@ -290,7 +291,7 @@ void backward(const Backward& bw) {
         for (std::int64_t t = t0; t < t0 + g; ++t)
           if (bw.d_x)
             failure.run([&] {
-              gemm_f32_serial(false, true, N, I, H3, 1.0f, dxg + (t - t0) * N * H3, H3, f.wi, H3, 0.0f, bw.d_x + t * N * I, I);
+              layer_gemm(f.d, false, true, N, I, H3, dxg + (t - t0) * N * H3, H3, f.wi, H3, 0.0f, bw.d_x + t * N * I, I);
             });
       }
     }

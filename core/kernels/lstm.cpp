@@ -115,7 +115,8 @@ struct Pass {
   Pass(const Forward& fw, bool steps)
       : f(fw), bl(blocks_of(fw.d.hidden)), T(fw.d.steps), N(fw.d.rows), I(fw.d.inputs), H(fw.d.hidden),
         H4(4 * fw.d.hidden) {
-    if (steps && T > 0) recurrent = recurrent_products(bl, f.wh, N, [&](std::int64_t) { return H4; }, /*accumulate=*/true);
+    if (steps && T > 0)
+      recurrent = recurrent_products(bl, f.wh, N, [&](std::int64_t) { return H4; }, /*accumulate=*/true, step_operands(f.d));
   }
   const float* h_prev(std::int64_t t) const { return t == 0 ? f.h0 : f.ys + (t - 1) * N * H; }
 
@@ -123,7 +124,7 @@ struct Pass {
   // first step at acts), biases added.
   void project(std::int64_t b, std::int64_t t0, std::int64_t g, float* acts) const {
     const std::int64_t base = bl.base(b), w4 = 4 * bl.width(b);
-    gemm_f32_serial(false, false, g * N, w4, I, 1.0f, f.x + t0 * N * I, I, f.wi + base, H4, 0.0f, acts + base, H4);
+    layer_gemm(f.d, false, false, g * N, w4, I, f.x + t0 * N * I, I, f.wi + base, H4, 0.0f, acts + base, H4);
     for (std::int64_t r = 0; r < g * N; ++r) Run(acts + r * H4 + base, w4) += ConstRun(f.b + base, w4);
   }
   // Step t for unit block b: the recurrent product added to the step's gates, then the cell.
@@ -246,7 +247,7 @@ void backward(const Backward& bw) {
   // products, in p) before the workspaces exist: a block's copy made for packing is then freed
   // while little else is alive.
   Products transposed;
-  if (T > 0) transposed = transposed_products(bl, f.wh, N, /*accumulate=*/false);
+  if (T > 0) transposed = transposed_products(bl, f.wh, N, /*accumulate=*/false, step_operands(f.d));
   Array dh_buf, dc_buf, dz_buf, seg_acts_buf, seg_cs_buf;
   float* dh = workspace(dh_buf, N * H);
   float* dc = workspace(dc_buf, N * H);
@@ -327,7 +328,7 @@ void backward(const Backward& bw) {
             const std::int64_t base = bl.base(b), w4 = 4 * bl.width(b);
             if (bw.d_wh) add_recurrent_gradient(f.d, t0, g, f.h0, f.ys, dz + base, H4, w4, bw.d_wh + base, H4);
             if (bw.d_wi)
-              gemm_f32_serial(true, false, I, w4, g * N, 1.0f, f.x + t0 * N * I, I, dz + base, H4, 1.0f, bw.d_wi + base, H4);
+              layer_gemm(f.d, true, false, I, w4, g * N, f.x + t0 * N * I, I, dz + base, H4, 1.0f, bw.d_wi + base, H4);
             if (bw.d_b)
               for (std::int64_t r = 0; r < g * N; ++r) Run(bw.d_b + base, w4) += ConstRun(dz + r * H4 + base, w4);
           });
@@ -335,7 +336,7 @@ void backward(const Backward& bw) {
         for (std::int64_t t = t0; t < t0 + g; ++t)
           if (bw.d_x)
             failure.run([&] {
-              gemm_f32_serial(false, true, N, I, H4, 1.0f, dz + (t - t0) * N * H4, H4, f.wi, H4, 0.0f,
+              layer_gemm(f.d, false, true, N, I, H4, dz + (t - t0) * N * H4, H4, f.wi, H4, 0.0f,
                               bw.d_x + t * N * I, I);
             });
       }

@@ -12,6 +12,10 @@ namespace linum::kernels::recurrent {
 
 struct Dims {
   std::int64_t steps = 0, rows = 0, inputs = 0, hidden = 0;  // T, N, I, H
+  // Every product of the passes (the recurrent ones per step, the input projections, the weights'
+  // and the inputs' cotangents) on bf16-rounded operands with float32 sums, for layers whose
+  // weights are bf16; the cells and every sum of products stay float32.
+  bool bf16_products = false;
 };
 
 inline constexpr std::int64_t kChunk = 16;      // time steps per input product and weight-gradient product

@@ -102,6 +102,17 @@ struct PerThread {
   float* of_this_thread() { return buffer.mutable_data() + thread_index() * per_thread; }
 };
 
+// The per-step products' operands for a layer of these dims.
+inline Operands step_operands(const Dims& d) { return d.bf16_products ? Operands::bf16 : Operands::f32; }
+
+// The passes' other products (input projections, weight gradients, the inputs' cotangents):
+// gemm_f32_serial, or on bf16-rounded operands for bf16 layers.
+inline void layer_gemm(const Dims& d, bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, const float* a,
+                       std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
+  if (d.bf16_products) return gemm_bf16_rounded_serial(ta, tb, m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
+  gemm_f32_serial(ta, tb, m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
+}
+
 // Workspace as Arrays, so that the memory accounting (peaks, timelines) sees it.
 inline float* workspace(Array& a, std::int64_t floats) {
   a = Array::empty(Shape{floats});
@@ -114,26 +125,28 @@ inline float* workspace(Array& a, std::int64_t floats) {
 // interleaved) (m rows, c's row stride ldc(b), accumulate: add to c).
 template <class Ldc>
 std::vector<std::unique_ptr<PackedProduct>> recurrent_products(const UnitBlocks& bl, const GateColumns& wh, std::int64_t m,
-                                                               Ldc ldc, bool accumulate) {
+                                                               Ldc ldc, bool accumulate, Operands operands) {
   std::vector<std::unique_ptr<PackedProduct>> out;
   for (std::int64_t b = 0; b < bl.count; ++b) {
     const std::int64_t cols = bl.gates * bl.width(b);
     Array block = Array::empty(Shape{bl.hidden * cols});
     bl.gather_block(wh, 0, bl.hidden, b, block.mutable_data());
-    out.push_back(std::make_unique<PackedProduct>(m, cols, bl.hidden, block.data(), cols, false, bl.hidden, ldc(b), accumulate));
+    out.push_back(std::make_unique<PackedProduct>(m, cols, bl.hidden, block.data(), cols, false, bl.hidden, ldc(b), accumulate,
+                                                  operands));
   }
   return out;
 }
 // The backward products: dh[:, block b] (+)= d_gates . (wh's rows of block b, interleaved)^T, d_gates
 // [m, gates * H] interleaved (row stride gates * H), dh's row stride H.
 inline std::vector<std::unique_ptr<PackedProduct>> transposed_products(const UnitBlocks& bl, const GateColumns& wh,
-                                                                       std::int64_t m, bool accumulate) {
+                                                                       std::int64_t m, bool accumulate, Operands operands) {
   std::vector<std::unique_ptr<PackedProduct>> out;
   const std::int64_t cols = bl.gates * bl.hidden;
   for (std::int64_t b = 0; b < bl.count; ++b) {
     Array rows = Array::empty(Shape{bl.width(b) * cols});
     bl.interleave(wh, bl.first(b), bl.width(b), rows.mutable_data());
-    out.push_back(std::make_unique<PackedProduct>(m, bl.width(b), cols, rows.data(), cols, true, cols, bl.hidden, accumulate));
+    out.push_back(std::make_unique<PackedProduct>(m, bl.width(b), cols, rows.data(), cols, true, cols, bl.hidden, accumulate,
+                                                  operands));
   }
   return out;
 }
@@ -146,9 +159,9 @@ inline std::vector<std::unique_ptr<PackedProduct>> transposed_products(const Uni
 inline void add_recurrent_gradient(const Dims& d, std::int64_t t0, std::int64_t g, const float* h0, const float* ys,
                                    const float* d_gates, std::int64_t ld, std::int64_t cols, float* dw, std::int64_t ldw) {
   const std::int64_t N = d.rows, H = d.hidden;
-  if (t0 > 0) return gemm_f32_serial(true, false, H, cols, g * N, 1.0f, ys + (t0 - 1) * N * H, H, d_gates, ld, 1.0f, dw, ldw);
-  gemm_f32_serial(true, false, H, cols, N, 1.0f, h0, H, d_gates, ld, 1.0f, dw, ldw);
-  if (g > 1) gemm_f32_serial(true, false, H, cols, (g - 1) * N, 1.0f, ys, H, d_gates + N * ld, ld, 1.0f, dw, ldw);
+  if (t0 > 0) return layer_gemm(d, true, false, H, cols, g * N, ys + (t0 - 1) * N * H, H, d_gates, ld, 1.0f, dw, ldw);
+  layer_gemm(d, true, false, H, cols, N, h0, H, d_gates, ld, 1.0f, dw, ldw);
+  if (g > 1) layer_gemm(d, true, false, H, cols, (g - 1) * N, ys, H, d_gates + N * ld, ld, 1.0f, dw, ldw);
 }
 
 }  // namespace linum::kernels::recurrent

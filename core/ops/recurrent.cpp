@@ -387,6 +387,13 @@ std::vector<Array> per_example(const char* op, const std::vector<const Array*>& 
 }
 
 bool is_batched(const Array& a) { return a.batched(); }
+// Whether a layer's recurrent kernel (weight 2, every part) is bf16: its per-step products then run
+// on bf16 operands, as bf16 layers do in oneDNN and PyTorch.
+bool recurrent_kernel_bf16(const LayerArgs& a) {
+  for (const Array& p : a.weights[2])
+    if (p.dtype() != DType::bf16) return false;
+  return true;
+}
 bool not_f32(const Array& a) { return a.dtype() != DType::f32; }
 Array to_f32(const Array& a) { return a.dtype() == DType::f32 ? a : astype(a, DType::f32); }
 
@@ -498,8 +505,11 @@ bool needs_weight(const Cotangents& cot, const LayerArgs& args, std::size_t w) {
   return false;
 }
 
-std::tuple<Array, Array, Array> lstm_layer_op(const LayerArgs& args, const LSTMLayerOptions& options) {
-  const lk::Dims d = check_layer("lstm_layer", 4, args, kLSTMWeights, 2, {"c0", "h0"}, kLSTMUsage);
+// bf16_products: the arguments were bf16 weights widened to float32 (the per-step products then
+// round their operands to bf16 again, see kernels::recurrent::Dims).
+std::tuple<Array, Array, Array> lstm_layer_op(const LayerArgs& args, const LSTMLayerOptions& options, bool bf16_products = false) {
+  lk::Dims d = check_layer("lstm_layer", 4, args, kLSTMWeights, 2, {"c0", "h0"}, kLSTMUsage);
+  d.bf16_products = bf16_products;
   if (options.recompute_segment < 0)
     throw ValueError("lstm_layer: recompute_segment must be >= 0 (0 keeps every step), got " +
                      std::to_string(options.recompute_segment));
@@ -516,7 +526,7 @@ std::tuple<Array, Array, Array> lstm_layer_op(const LayerArgs& args, const LSTML
   }
   if (args.any(not_f32)) {
     const DType dt = args.promoted();
-    auto [y, c, h] = lstm_layer_op(args.map(to_f32), options);
+    auto [y, c, h] = lstm_layer_op(args.map(to_f32), options, recurrent_kernel_bf16(args));
     return {astype(y, dt), astype(c, dt), astype(h, dt)};
   }
   const std::vector<std::int32_t> lengths = lengths_of("lstm_layer", options.seq_lengths, d);
@@ -613,8 +623,9 @@ std::vector<Array> composed_gru(const LayerStructure& shape, const std::vector<A
   return {y, h_final.final_or(h)};
 }
 
-std::pair<Array, Array> gru_layer_op(const LayerArgs& args, const GRULayerOptions& options) {
-  const lk::Dims d = check_layer("gru_layer", 3, args, kGRUWeights, 2, {"h0"}, kGRUUsage);
+std::pair<Array, Array> gru_layer_op(const LayerArgs& args, const GRULayerOptions& options, bool bf16_products = false) {
+  lk::Dims d = check_layer("gru_layer", 3, args, kGRUWeights, 2, {"h0"}, kGRUUsage);
+  d.bf16_products = bf16_products;
   if (args.any(is_batched) || lengths_batched(options.seq_lengths)) [[unlikely]] {
     const std::vector<Array> out = per_example("gru_layer", with_batched_lengths(args.flat(), options),
                                                {Shape{d.steps, d.rows, d.hidden}, Shape{d.rows, d.hidden}},
@@ -627,7 +638,7 @@ std::pair<Array, Array> gru_layer_op(const LayerArgs& args, const GRULayerOption
   }
   if (args.any(not_f32)) {
     const DType dt = args.promoted();
-    auto [y, h] = gru_layer_op(args.map(to_f32), options);
+    auto [y, h] = gru_layer_op(args.map(to_f32), options, recurrent_kernel_bf16(args));
     return {astype(y, dt), astype(h, dt)};
   }
   const std::vector<std::int32_t> lengths = lengths_of("gru_layer", options.seq_lengths, d);
