@@ -222,6 +222,7 @@ void backward(const Backward& bw) {
     float* dhg_t = workspace(dhg_buf, N * H3);
     const int team = linum::team_size();
     recurrent::PerThread buffers(team, p.thread_floats() + padded(bl.unit));
+    const InputCotangents input_cotangents(f.d, f.wi, H3, team, bw.d_x != nullptr);
     Failure failure;
 #pragma omp parallel num_threads(team)
     {
@@ -290,9 +291,7 @@ void backward(const Backward& bw) {
 #pragma omp for schedule(static)
         for (std::int64_t t = t0; t < t0 + g; ++t)
           if (bw.d_x)
-            failure.run([&] {
-              layer_gemm(f.d, false, true, N, I, H3, dxg + (t - t0) * N * H3, H3, f.wi, H3, 0.0f, bw.d_x + t * N * I, I);
-            });
+            failure.run([&] { input_cotangents.run(dxg + (t - t0) * N * H3, bw.d_x + t * N * I); });
       }
     }
     failure.rethrow();

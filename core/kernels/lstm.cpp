@@ -270,6 +270,7 @@ void backward(const Backward& bw) {
   float* seg_cs = keep_all ? nullptr : workspace(seg_cs_buf, (std::min(S, T) + 1) * N * H);
   const int team = linum::team_size();
   Scratch scratch(team, bl.unit);
+  const InputCotangents input_cotangents(f.d, f.wi, H4, team, bw.d_x != nullptr);
   Array dh_in_buf = Array::empty(Shape{std::max(1, team) * padded(bl.unit)});
   Failure failure;
 #pragma omp parallel num_threads(team)
@@ -335,10 +336,7 @@ void backward(const Backward& bw) {
 #pragma omp for schedule(static)
         for (std::int64_t t = t0; t < t0 + g; ++t)
           if (bw.d_x)
-            failure.run([&] {
-              layer_gemm(f.d, false, true, N, I, H4, dz + (t - t0) * N * H4, H4, f.wi, H4, 0.0f,
-                              bw.d_x + t * N * I, I);
-            });
+            failure.run([&] { input_cotangents.run(dz + (t - t0) * N * H4, bw.d_x + t * N * I); });
       }
     }
   }

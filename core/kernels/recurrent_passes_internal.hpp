@@ -113,6 +113,26 @@ inline void layer_gemm(const Dims& d, bool ta, bool tb, std::int64_t m, std::int
   gemm_f32_serial(ta, tb, m, n, k, 1.0f, a, lda, b, ldb, beta, c, ldc);
 }
 
+// The inputs' cotangents of one step, d_x = d_gates . wi^T (d_gates [N, cols] and wi [I, cols],
+// both interleaved): gemm_f32_serial per step; for bf16 layers one packed bf16 product per thread,
+// wi rounded and packed once for the pass rather than on every step.
+struct InputCotangents {
+  Dims d;
+  const float* wi;
+  std::int64_t cols;
+  std::vector<std::unique_ptr<PackedProduct>> per_thread;
+  InputCotangents(const Dims& dims, const float* w, std::int64_t c, int team, bool needed) : d(dims), wi(w), cols(c) {
+    if (needed && d.bf16_products && d.rows > 0 && d.inputs > 0 && d.steps > 0)
+      for (int i = 0; i < std::max(1, team); ++i)
+        per_thread.push_back(std::make_unique<PackedProduct>(d.rows, d.inputs, cols, wi, cols, /*tb=*/true, cols, d.inputs,
+                                                             /*accumulate=*/false, Operands::bf16));
+  }
+  void run(const float* d_gates, float* dx) const {
+    if (!per_thread.empty()) return per_thread[static_cast<std::size_t>(thread_index())]->run(d_gates, dx);
+    layer_gemm(d, false, true, d.rows, d.inputs, cols, d_gates, cols, wi, cols, 0.0f, dx, d.inputs);
+  }
+};
+
 // Workspace as Arrays, so that the memory accounting (peaks, timelines) sees it.
 inline float* workspace(Array& a, std::int64_t floats) {
   a = Array::empty(Shape{floats});
