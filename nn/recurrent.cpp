@@ -2,6 +2,7 @@
 #include <linum/nn/dense.hpp>
 #include <linum/nn/dtypes.hpp>
 #include <linum/core/ops/all.hpp>
+#include <linum/core/ops/batching.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -241,11 +242,13 @@ Array checked_lengths(const Array& lengths, std::int64_t batch, std::int64_t ste
   if (!lengths.defined() || lengths.dtype() != DType::i32 || !(lengths.shape() == Shape{batch}))
     throw ShapeError("nn::RNN: seq_lengths must be int32 [batch] with batch = " + std::to_string(batch) + ", got " +
                      (lengths.defined() ? lengths.type_str() : std::string("an undefined array")));
-  if (lengths.batched()) return lengths;  // under vmap: the layer op checks each example's
-  for (std::int64_t b = 0; b < batch; ++b) {
-    const std::int32_t len = lengths.data_i32()[b];
+  // Under vmap, every example's lengths (the physical array's leading axes are the examples).
+  const Array values =
+      lengths.batched() ? ops::batching::materialized(lengths, ops::batching::levels_of({&lengths}, "nn::RNN")) : lengths;
+  for (std::int64_t i = 0; i < values.numel(); ++i) {
+    const std::int32_t len = values.data_i32()[i];
     if (len < 0 || len > steps)
-      throw ValueError("nn::RNN: seq_lengths[" + std::to_string(b) + "] = " + std::to_string(len) +
+      throw ValueError("nn::RNN: seq_lengths[" + std::to_string(batch == 0 ? 0 : i % batch) + "] = " + std::to_string(len) +
                        " is not a number of steps in [0, " + std::to_string(steps) + "] (the inputs have " +
                        std::to_string(steps) + " time steps)");
   }

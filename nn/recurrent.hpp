@@ -126,10 +126,11 @@ struct SimpleCell {
 // Per-call settings of nn::RNN (Flax's call arguments).
 struct RNNOptions {
   bool return_carry = false;           // return (final carry, outputs) instead of the outputs
-  // int32 [batch], each in [0, time]: row b's final carry is its carry after seq_lengths[b] steps
-  // (the initial carry for 0), and `reverse` runs each row's first seq_lengths[b] steps backwards
+  // int32 [batch], each in [0, time] (else ValueError): row b's final carry is its carry after
+  // seq_lengths[b] steps, and `reverse` runs each row's first seq_lengths[b] steps backwards
   // (padding stays at the end). As Flax's nn.RNN, every row still runs all the steps: outputs at
-  // padded steps are the unmasked recurrence's (mask them in the loss).
+  // padded steps are the unmasked recurrence's (mask them in the loss). One difference: a length
+  // of 0 gives the initial carry, where Flax indexes step -1 and returns the last step's carry.
   std::optional<Array> seq_lengths;
 };
 

@@ -699,6 +699,29 @@ TEST_CASE("lstm_layer and gru_layer with seq_lengths: every step runs, each row'
       same(grads(segment, lengths), kept);
     }
     same(grads(0, Array::full_i32(Shape{N}, static_cast<std::int32_t>(T))), grads(0, std::nullopt));
+    // Against the step-by-step composition with each row's carry picked by masks (every input).
+    auto composed_loss = [&](const Array& x, const Array& wi, const Array& b, const Array& wh, const Array& c0, const Array& h0) {
+      Array cc = c0, hh = h0, c_pick = c0, h_pick = h0, total = Array::scalar(0.0f);
+      for (std::int64_t t = 0; t < T; ++t) {
+        auto [cn, hn] = composed_lstm(matmul(reshape(slice_axis(x, 0, t, t + 1), {N, I}), wi) + b, matmul(hh, wh), cc);
+        cc = cn;
+        hh = hn;
+        std::vector<float> last(static_cast<std::size_t>(N));
+        for (std::int64_t n = 0; n < N; ++n) last[static_cast<std::size_t>(n)] = lengths.data_i32()[n] == t + 1 ? 1.0f : 0.0f;
+        const Array m = Array::from(Shape{N, 1}, last);
+        c_pick = where(m, cn, c_pick);
+        h_pick = where(m, hn, h_pick);
+        total = total + sum(square(hn)) * 0.5f;
+      }
+      return total + sum(c_pick * wc) + sum(h_pick * whl);
+    };
+    auto composed = value_and_grad<0, 1, 2, 3, 4, 5>(composed_loss)(x, wi, b, wh, c0, h0);
+    const std::vector<Array> want{std::get<0>(composed), std::get<1>(composed), std::get<2>(composed), std::get<3>(composed),
+                                  std::get<4>(composed), std::get<5>(composed), std::get<6>(composed)};
+    for (std::size_t k = 0; k < want.size(); ++k) {
+      CAPTURE(k);
+      CHECK(max_diff(kept[k], want[k]) <= 1e-4f * std::max(1.0f, linum::testing::max_abs(want[k])));
+    }
     // The GRU: the same rule for its one carry.
     const Array gwi = random_array(Shape{I, 3 * H}, 89) * 0.5f, gwh = random_array(Shape{H, 3 * H}, 90) * 0.3f;
     const Array gbi = random_array(Shape{3 * H}, 91), gbh = random_array(Shape{3 * H}, 92);
@@ -776,9 +799,16 @@ TEST_CASE("lstm_layer and gru_layer with seq_lengths: every step runs, each row'
     return reshape(c, {1, N, H}) + reshape(h * 2.0f, {1, N, H}) + ys;
   };
   const Array batched = vmap(f, {.in_axes = {0, 0}})(xs, lens2);
-  for (std::int64_t e = 0; e < 2; ++e)
-    CHECK(reshape(slice_axis(batched, 0, e, e + 1), {T, N, H})
-              .bitwise_equal(f(reshape(slice_axis(xs, 0, e, e + 1), {T, N, I}), reshape(slice_axis(lens2, 0, e, e + 1), {N}))));
+  auto fg = [&](const Array& x1, const Array& l1) {
+    auto [ys, h] = gru_layer(x1, gwi, gb, gwh, gb * 0.5f, h0, {.seq_lengths = l1});
+    return reshape(h * 2.0f, {1, N, H}) + ys;
+  };
+  const Array gru_batched = vmap(fg, {.in_axes = {0, 0}})(xs, lens2);
+  for (std::int64_t e = 0; e < 2; ++e) {
+    const Array x1 = reshape(slice_axis(xs, 0, e, e + 1), {T, N, I}), l1 = reshape(slice_axis(lens2, 0, e, e + 1), {N});
+    CHECK(reshape(slice_axis(batched, 0, e, e + 1), {T, N, H}).bitwise_equal(f(x1, l1)));
+    CHECK(reshape(slice_axis(gru_batched, 0, e, e + 1), {T, N, H}).bitwise_equal(fg(x1, l1)));
+  }
   // Bad lengths: typed errors naming the op, what is wrong and what is allowed.
   CHECK_THROWS_WITH_AS(lstm_layer(x, wi, b, wh, c0, h0, {.seq_lengths = Array::zeros(Shape{N})}),
                        doctest::Contains("lstm_layer: seq_lengths must be int32 [batch]"), ShapeError);
@@ -816,6 +846,26 @@ TEST_CASE("lstm_layer and gru_layer with bf16 weights: every product on bf16-rou
   MESSAGE("bf16 lstm_layer vs composition: ", worst_rounded, " rounding h, ", worst_unrounded, " not");
   CHECK(worst_rounded < 2e-5f);
   CHECK(worst_unrounded > 10 * worst_rounded);
+  // With seq_lengths: each row's carry is the rounded composition's state after its length.
+  const Array lengths = Array::from_i32(Shape{N}, {20, 0, 7});
+  auto [ys_l, c_l, h_l] = lstm_layer(bf(x), bf(wi), bf(b), bf(wh), c0, h0, {.seq_lengths = lengths});
+  CHECK(ys_l.bitwise_equal(ys));
+  {
+    Array cc = c0, hh = h0;
+    std::vector<Array> cs{c0}, hs{h0};
+    for (std::int64_t t = 0; t < T; ++t) {
+      const Array xg = matmul(rounded(reshape(slice_axis(x, 0, t, t + 1), {N, I})), rounded(wi)) + rounded(b);
+      auto [cn, hn] = composed_lstm(xg, matmul(rounded(hh), rounded(wh)), cc);
+      cc = cn, hh = hn;
+      cs.push_back(cn);
+      hs.push_back(hn);
+    }
+    for (std::int64_t n = 0; n < N; ++n) {
+      const std::int32_t len = lengths.data_i32()[n];
+      CHECK(max_diff(slice_axis(c_l, 0, n, n + 1), slice_axis(cs[static_cast<std::size_t>(len)], 0, n, n + 1)) < 2e-5f);
+      CHECK(max_diff(slice_axis(h_l, 0, n, n + 1), slice_axis(hs[static_cast<std::size_t>(len)], 0, n, n + 1)) < 2e-5f);
+    }
+  }
   // Gradients: recompute segments bitwise the kept activations'; within bf16 rounding of float32's.
   auto grads = [&](const Array& wi_, const Array& b_, const Array& wh_, std::int64_t segment) {
     auto r = value_and_grad<0, 1, 2, 3>([&](const Array& xx, const Array& i, const Array& bb, const Array& hh) {
@@ -887,6 +937,7 @@ TEST_CASE("nn::RNN with seq_lengths is Flax's: padded steps run unmasked, revers
     const Array flipped = concatenate(rows, 0);
     auto [fcarry, fys] = apply(fwd, vars, flipped, with_lengths);
     CHECK(max_diff(rcarry.c, fcarry.c) < 1e-6f);
+    CHECK(max_diff(rcarry.h, fcarry.h) < 1e-6f);
     for (std::int64_t b = 0; b < 4; ++b) {
       const std::int32_t len = lengths.data_i32()[b];
       for (std::int64_t t = 0; t < 9; ++t) {

@@ -99,7 +99,7 @@ void gemm_bf16_rounded_serial(bool ta, bool tb, std::int64_t m, std::int64_t n, 
   };
   const std::int64_t a_rows = ta ? k : m, a_cols = ta ? m : k, b_rows = tb ? n : k, b_cols = tb ? k : n;
 #if LINUM_HAVE_ONEDNN
-  if (engine() == Engine::onednn && k > 0) {
+  if (engine() == Engine::onednn && k > 0 && onednn_bf16_matmul_available()) {
     const Array a16 = rounded(a, a_rows, a_cols, lda, DType::bf16), b16 = rounded(b, b_rows, b_cols, ldb, DType::bf16);
     return gemm_bf16_serial_onednn(ta, tb, m, n, k, alpha, static_cast<const bfloat16*>(a16.raw()), a_cols,
                                    static_cast<const bfloat16*>(b16.raw()), b_cols, beta, c, ldc);
@@ -113,7 +113,7 @@ PackedProduct::PackedProduct(std::int64_t m, std::int64_t n, std::int64_t k, con
                              std::int64_t lda, std::int64_t ldc, bool accumulate, Operands operands)
     : m_(m), n_(n), k_(k), ldb_(tb ? k : n), lda_(lda), ldc_(ldc), tb_(tb), accumulate_(accumulate), operands_(operands) {
 #if LINUM_HAVE_ONEDNN
-  if (engine() == Engine::onednn && m > 0 && n > 0 && k > 0) {
+  if (engine() == Engine::onednn && m > 0 && n > 0 && k > 0 && (operands == Operands::f32 || onednn_bf16_matmul_available())) {
     onednn_ = onednn_pack(m, n, k, b, ldb, tb, lda, ldc, accumulate, operands);
     return;
   }

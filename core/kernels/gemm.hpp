@@ -49,6 +49,9 @@ void gemm_f32_serial_onednn(bool ta, bool tb, std::int64_t m, std::int64_t n, st
 void gemm_bf16_rounded_serial(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
                               std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc);
 #if LINUM_HAVE_ONEDNN
+// Whether this CPU runs oneDNN's bf16 matmul (oneDNN 2.6 needs AVX-512; elsewhere the bf16 products
+// above take Eigen's path: the same rounding, float32 products).
+bool onednn_bf16_matmul_available();
 void gemm_bf16_serial_onednn(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
                              const bfloat16* a, std::int64_t lda, const bfloat16* b, std::int64_t ldb, float beta, float* c,
                              std::int64_t ldc);

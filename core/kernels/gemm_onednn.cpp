@@ -251,6 +251,20 @@ void onednn_run(PackedProduct::Onednn* p, const float* a, float* c) {
 
 void onednn_free(PackedProduct::Onednn* p) { delete p; }
 
+bool onednn_bf16_matmul_available() {
+  static const bool available = [] {
+    try {
+      const auto bf16 = memory::data_type::bf16;
+      const memory::desc a(memory::dims{2, 2}, bf16, memory::dims{2, 1}), c(memory::dims{2, 2}, memory::data_type::f32, memory::dims{2, 1});
+      const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, a, c), cpu_engine());
+      return true;
+    } catch (const dnnl::error&) {
+      return false;
+    }
+  }();
+  return available;
+}
+
 void gemm_bf16_serial_onednn(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
                              const bfloat16* a, std::int64_t lda, const bfloat16* b, std::int64_t ldb, float beta, float* c,
                              std::int64_t ldc) {

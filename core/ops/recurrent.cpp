@@ -463,8 +463,16 @@ constexpr const char* kLSTMUsage =
     "as 4 arrays, one per gate i, f, g, o), c0 and h0 [batch, hidden]";
 
 // The layer written with ops (create-graph mode differentiates it); `in` is the op's flat inputs.
+// A layer's product as its kernels compute it: with bf16 products the operands rounded to bf16 and
+// multiplied in float32 (what oneDNN's bf16 products compute), else float32.
+Array layer_matmul(const Array& a, const Array& b, bool bf16_products) {
+  if (!bf16_products) return matmul(a, b);
+  auto rounded = [](const Array& v) { return astype(astype(v, DType::bf16), DType::f32); };
+  return matmul(rounded(a), rounded(b));
+}
+
 std::vector<Array> composed_layer(const LayerStructure& shape, const std::vector<Array>& in,
-                                  const std::vector<std::int32_t>& lengths) {
+                                  const std::vector<std::int32_t>& lengths, bool bf16_products) {
   const LayerArgs a = shape.with(in);
   const Array &x = a.x, wi = joined(a.weights[0]), b = joined(a.weights[1]), wh = joined(a.weights[2]);
   Array c = a.carries[0], h = a.carries[1];
@@ -472,7 +480,7 @@ std::vector<Array> composed_layer(const LayerStructure& shape, const std::vector
   std::vector<Array> ys;
   for (std::int64_t t = 0; t < x.dim(0); ++t) {
     const Array xt = reshape(slice_axis(x, 0, t, t + 1), {x.dim(1), x.dim(2)});
-    auto [cn, hn] = lstm_cell(matmul(xt, wi) + b, matmul(h, wh), c);
+    auto [cn, hn] = lstm_cell(layer_matmul(xt, wi, bf16_products) + b, layer_matmul(h, wh, bf16_products), c);
     c = cn;
     h = hn;
     c_final.after_step(t, c);
@@ -564,7 +572,9 @@ std::tuple<Array, Array, Array> lstm_layer_op(const LayerArgs& args, const LSTML
         const std::vector<Array> inputs(s.begin(), s.begin() + static_cast<std::ptrdiff_t>(n_in));
         if (autodiff::creating_graph())
           return autodiff::composite_rule(
-              cot, inputs, [&shape, &lengths](const std::vector<Array>& in) { return composed_layer(shape, in, lengths); });
+              cot, inputs, [&shape, &lengths, &d](const std::vector<Array>& in) {
+                return composed_layer(shape, in, lengths, d.bf16_products);
+              });
         const LayerArgs a = shape.with(inputs);
         const Array &wi_i = s[n_in], &b_i = s[n_in + 1], &ys = s[n_in + 2], &acts = s[n_in + 3], &cs = s[n_in + 4];
         const Array &x = a.x, &c0 = a.carries[0], &h0 = a.carries[1];
@@ -601,7 +611,7 @@ constexpr const char* kGRUUsage =
 
 // The GRU layer written with ops (create-graph mode differentiates it), in Flax's GRUCell's form.
 std::vector<Array> composed_gru(const LayerStructure& shape, const std::vector<Array>& in,
-                                const std::vector<std::int32_t>& lengths) {
+                                const std::vector<std::int32_t>& lengths, bool bf16_products) {
   const LayerArgs a = shape.with(in);
   const Array &x = a.x, wi = joined(a.weights[0]), bi = joined(a.weights[1]), wh = joined(a.weights[2]),
               bh = joined(a.weights[3]);
@@ -611,8 +621,8 @@ std::vector<Array> composed_gru(const LayerStructure& shape, const std::vector<A
   auto gate = [&](const Array& v, int k) { return slice_axis(v, -1, k * H, (k + 1) * H); };
   std::vector<Array> ys;
   for (std::int64_t t = 0; t < x.dim(0); ++t) {
-    const Array xg = matmul(reshape(slice_axis(x, 0, t, t + 1), {x.dim(1), x.dim(2)}), wi) + bi;
-    const Array hg = matmul(h, wh) + bh;
+    const Array xg = layer_matmul(reshape(slice_axis(x, 0, t, t + 1), {x.dim(1), x.dim(2)}), wi, bf16_products) + bi;
+    const Array hg = layer_matmul(h, wh, bf16_products) + bh;
     const Array r = sigmoid(gate(xg, 0) + gate(hg, 0)), z = sigmoid(gate(xg, 1) + gate(hg, 1));
     const Array n = tanh(gate(xg, 2) + r * gate(hg, 2));
     h = (1.0f - z) * n + z * h;
@@ -669,7 +679,9 @@ std::pair<Array, Array> gru_layer_op(const LayerArgs& args, const GRULayerOption
         const std::vector<Array> inputs(s.begin(), s.begin() + static_cast<std::ptrdiff_t>(n_in));
         if (autodiff::creating_graph())
           return autodiff::composite_rule(
-              cot, inputs, [&shape, &lengths](const std::vector<Array>& in) { return composed_gru(shape, in, lengths); });
+              cot, inputs, [&shape, &lengths, &d](const std::vector<Array>& in) {
+                return composed_gru(shape, in, lengths, d.bf16_products);
+              });
         const LayerArgs a = shape.with(inputs);
         const Array &wi_b = s[n_in], &bi_b = s[n_in + 1], &bh_b = s[n_in + 2], &ys = s[n_in + 3], &acts = s[n_in + 4],
                     &hgn = s[n_in + 5];

@@ -13,7 +13,8 @@ Variants:
 
   python3 tests/bench/flax_lstm.py [--lengths 64,256,1024] [--variants ...] [--dtype f32|bf16] [--masked]
 --dtype bf16: the cells compute in bf16 (dtype=jnp.bfloat16, float32 parameters). --masked: nn.RNN
-with seq_lengths (rows' lengths spread over [T/2, T], as linum-bench rnn --masked).
+with seq_lengths and return_carry (rows' lengths spread over [T/2, T], the final carry's h added to
+the loss, as linum-bench rnn --masked 1).
 Threads: XLA's CPU backend uses every core it sees (2 on the project's machines).
 """
 import argparse, json, time
@@ -48,8 +49,14 @@ for T in [int(t) for t in a.lengths.split(",")]:
 
         @jax.jit
         def step(params, xs):
-            return jax.value_and_grad(
-                lambda p: jnp.mean(jnp.square(model.apply(p, xs, seq_lengths=lengths).astype(jnp.float32))))(params)
+            def loss(p):
+                if lengths is None:
+                    return jnp.mean(jnp.square(model.apply(p, xs).astype(jnp.float32)))
+                # Masked: the final carry (each row's at its length) joins the loss, as a user's would.
+                carry, ys = model.apply(p, xs, seq_lengths=lengths, return_carry=True)
+                h = jax.tree_util.tree_leaves(carry)[-1]
+                return jnp.mean(jnp.square(ys.astype(jnp.float32))) + jnp.mean(h.astype(jnp.float32))
+            return jax.value_and_grad(loss)(params)
 
         t0 = time.perf_counter()
         jax.block_until_ready(step(params, xs))

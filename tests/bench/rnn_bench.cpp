@@ -13,7 +13,7 @@
 //
 // --dtype bf16: the cell computes in bf16 with float32 parameters (Flax's dtype / param_dtype).
 // --masked 1: nn::RNN with seq_lengths, rows of lengths spread over [T/2, T] (Flax's rule: all steps
-// run, each row's carry is picked at its length).
+// run, each row's carry is picked at its length), the final carry's h added to the loss.
 //
 // One JSON line per (length, remat): peak_activation_bytes (the exact accounting's peak of a
 // training step above what was alive before it, minus the gradients), step_s_min and the step
@@ -88,9 +88,12 @@ int bench_rnn(const Flags& f) {
       std::int64_t peak = 0, evaluations = 0;
       auto measure = [&](const auto& rnn) {
         const Tree params = init(rnn, rng::key(0), xs).at("params");
+        // Masked: the final carry (each row's at its length) joins the loss, as a user's would.
         auto loss = [&](const Tree& p) {
-          const Array ys = apply(rnn, Tree{{"params", p}}, xs, nn::RNNOptions{.seq_lengths = seq_lengths}).second;
-          return mean(square(astype(ys, DType::f32)));
+          auto [carry, ys] = apply(rnn, Tree{{"params", p}}, xs, nn::RNNOptions{.return_carry = masked, .seq_lengths = seq_lengths});
+          Array l = mean(square(astype(ys, DType::f32)));
+          if (masked) l = l + mean(astype(pytree::flatten(carry).back(), DType::f32));
+          return l;
         };
         for (long s = 0; s < steps; ++s) {
           lift::reset_step_evaluations();
