@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <tuple>
 
 using namespace linum;
 using linum::testing::random_array;
@@ -643,6 +644,24 @@ TEST_CASE("lstm_layer and gru_layer under vmap and in create-graph mode (second 
   CHECK(max_diff(d2_op, Array::zeros(d2_op.shape())) > 1e-3f);  // not trivially zero
 }
 
+namespace {
+
+// An LSTM's (c, h) at each row's length, picked by masks as the steps go (the initial carry for 0).
+struct PickedAtLength {
+  const Array& lengths;
+  Array c, h;
+  void after_step(std::int64_t t, const Array& c_next, const Array& h_next) {
+    const std::int64_t N = lengths.dim(0);
+    std::vector<float> last(static_cast<std::size_t>(N));
+    for (std::int64_t n = 0; n < N; ++n) last[static_cast<std::size_t>(n)] = lengths.data_i32()[n] == t + 1 ? 1.0f : 0.0f;
+    const Array m = Array::from(Shape{N, 1}, last);
+    c = where(m, c_next, c);
+    h = where(m, h_next, h);
+  }
+};
+
+}  // namespace
+
 TEST_CASE("lstm_layer and gru_layer with seq_lengths: every step runs, each row's final carry at its length") {
   // As Flax's nn.RNN: the recurrence is not masked (ys are those without lengths), and row n's final
   // carry is its state after lengths[n] steps (the initial carry for 0); the final carry's cotangent
@@ -701,19 +720,14 @@ TEST_CASE("lstm_layer and gru_layer with seq_lengths: every step runs, each row'
     same(grads(0, Array::full_i32(Shape{N}, static_cast<std::int32_t>(T))), grads(0, std::nullopt));
     // Against the step-by-step composition with each row's carry picked by masks (every input).
     auto composed_loss = [&](const Array& x, const Array& wi, const Array& b, const Array& wh, const Array& c0, const Array& h0) {
-      Array cc = c0, hh = h0, c_pick = c0, h_pick = h0, total = Array::scalar(0.0f);
+      Array cc = c0, hh = h0, total = Array::scalar(0.0f);
+      PickedAtLength picked{lengths, c0, h0};
       for (std::int64_t t = 0; t < T; ++t) {
-        auto [cn, hn] = composed_lstm(matmul(reshape(slice_axis(x, 0, t, t + 1), {N, I}), wi) + b, matmul(hh, wh), cc);
-        cc = cn;
-        hh = hn;
-        std::vector<float> last(static_cast<std::size_t>(N));
-        for (std::int64_t n = 0; n < N; ++n) last[static_cast<std::size_t>(n)] = lengths.data_i32()[n] == t + 1 ? 1.0f : 0.0f;
-        const Array m = Array::from(Shape{N, 1}, last);
-        c_pick = where(m, cn, c_pick);
-        h_pick = where(m, hn, h_pick);
-        total = total + sum(square(hn)) * 0.5f;
+        std::tie(cc, hh) = composed_lstm(matmul(reshape(slice_axis(x, 0, t, t + 1), {N, I}), wi) + b, matmul(hh, wh), cc);
+        picked.after_step(t, cc, hh);
+        total = total + sum(square(hh)) * 0.5f;
       }
-      return total + sum(c_pick * wc) + sum(h_pick * whl);
+      return total + sum(picked.c * wc) + sum(picked.h * whl);
     };
     auto composed = value_and_grad<0, 1, 2, 3, 4, 5>(composed_loss)(x, wi, b, wh, c0, h0);
     const std::vector<Array> want{std::get<0>(composed), std::get<1>(composed), std::get<2>(composed), std::get<3>(composed),
@@ -774,19 +788,14 @@ TEST_CASE("lstm_layer and gru_layer with seq_lengths: every step runs, each row'
     return sum(square(ys)) * 0.5f + sum(c) + sum(square(h));
   };
   auto loss_steps = [&](const Array& w) {
-    Array cc = c0, hh = h0, c_pick = c0, h_pick = h0, total = Array::scalar(0.0f);
+    Array cc = c0, hh = h0, total = Array::scalar(0.0f);
+    PickedAtLength picked{lengths, c0, h0};
     for (std::int64_t t = 0; t < T; ++t) {
-      auto [cn, hn] = lstm_cell(matmul(reshape(slice_axis(x, 0, t, t + 1), {N, I}), wi) + b, matmul(hh, w), cc);
-      cc = cn;
-      hh = hn;
-      std::vector<float> last(static_cast<std::size_t>(N));
-      for (std::int64_t n = 0; n < N; ++n) last[static_cast<std::size_t>(n)] = lengths.data_i32()[n] == t + 1 ? 1.0f : 0.0f;
-      const Array m = Array::from(Shape{N, 1}, last);
-      c_pick = where(m, cn, c_pick);
-      h_pick = where(m, hn, h_pick);
-      total = total + sum(square(hn)) * 0.5f;
+      std::tie(cc, hh) = lstm_cell(matmul(reshape(slice_axis(x, 0, t, t + 1), {N, I}), wi) + b, matmul(hh, w), cc);
+      picked.after_step(t, cc, hh);
+      total = total + sum(square(hh)) * 0.5f;
     }
-    return total + sum(c_pick) + sum(square(h_pick));
+    return total + sum(picked.c) + sum(square(picked.h));
   };
   const Array d2_op = grad([&](const Array& w) { return sum(grad(loss_op)(w)); })(wh);
   const Array d2_steps = grad([&](const Array& w) { return sum(grad(loss_steps)(w)); })(wh);

@@ -177,6 +177,16 @@ struct PackedProduct::Onednn {
 
 namespace {
 
+// The calling thread's OpenMP team size set to one while alive: oneDNN plans a primitive for the
+// threads it sees, and the fused kernels make and run theirs on one thread.
+struct OneThread {
+#ifdef _OPENMP
+  int saved = omp_get_max_threads();
+  OneThread() { omp_set_num_threads(1); }
+  ~OneThread() { omp_set_num_threads(saved); }
+#endif
+};
+
 // A buffer of at least `bytes` for oneDNN, as an Array so that the memory accounting counts it.
 Array counted_buffer(std::size_t bytes) {
   return Array::empty(Shape{static_cast<std::int64_t>((bytes + sizeof(float) - 1) / sizeof(float))});
@@ -202,14 +212,7 @@ PackedProduct::Onednn* onednn_pack(std::int64_t m, std::int64_t n, std::int64_t 
     attr.set_post_ops(ops);
   }
   // Made for one thread, as it runs (a plan made for a team could depend on its size).
-#ifdef _OPENMP
-  const int saved_threads = omp_get_max_threads();
-  omp_set_num_threads(1);
-  struct Restore {
-    int n;
-    ~Restore() { omp_set_num_threads(n); }
-  } restore{saved_threads};
-#endif
+  [[maybe_unused]] const OneThread one_thread{};
   const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, b_any, c_md), attr, cpu_engine());
   auto* p = new PackedProduct::Onednn{dnnl::matmul(pd), counted_buffer(pd.weights_desc().get_size()),
                                       counted_buffer(pd.scratchpad_desc().get_size()), memory(), memory(), memory(), memory(),
@@ -272,14 +275,7 @@ void gemm_bf16_serial_onednn(bool ta, bool tb, std::int64_t m, std::int64_t n, s
     throw Error("gemm_bf16_serial_onednn: alpha must be 1 and beta 0 or 1");
   // A matmul on the calling thread only (made and run with a team of one, as PackedProduct's), its
   // scratchpad an Array of its own; oneDNN's primitive cache makes the repeated creation cheap.
-#ifdef _OPENMP
-  const int saved_threads = omp_get_max_threads();
-  omp_set_num_threads(1);
-  struct Restore {
-    int n;
-    ~Restore() { omp_set_num_threads(n); }
-  } restore{saved_threads};
-#endif
+  [[maybe_unused]] const OneThread one_thread{};
   const auto bf16 = memory::data_type::bf16;
   const memory::desc a_md(memory::dims{m, k}, bf16, ta ? memory::dims{1, lda} : memory::dims{lda, 1});
   const memory::desc b_md(memory::dims{k, n}, bf16, tb ? memory::dims{1, ldb} : memory::dims{ldb, 1});
