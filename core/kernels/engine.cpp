@@ -68,33 +68,14 @@ void gemm_f32_serial(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int6
   gemm_f32_serial_eigen(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
-namespace {
-
-// x rounded to the nearest bfloat16 (ties to even), as float32.
-void round_to_bf16(float* x, std::int64_t n) {
-  for (std::int64_t i = 0; i < n; ++i) {
-    bfloat16 h;
-    h.bits = bfloat16::round_bits(x[i]);
-    x[i] = static_cast<float>(h);
-  }
-}
-
-}  // namespace
-
 void gemm_bf16_rounded_serial(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
                               std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
   if (m == 0 || n == 0) return;
   // Each operand as stored (rows x cols, row stride ld) into a compact rounded copy.
   auto rounded = [](const float* x, std::int64_t rows, std::int64_t cols, std::int64_t ld, DType dt) {
     Array out = Array::empty(Shape{rows * cols}, dt);
-    if (dt == DType::bf16) {
-      auto* o = static_cast<bfloat16*>(out.mutable_raw());
-      for (std::int64_t r = 0; r < rows; ++r) f32_to_bf16(x + r * ld, o + r * cols, cols);
-    } else {
-      float* o = out.mutable_data();
-      for (std::int64_t r = 0; r < rows; ++r) std::copy(x + r * ld, x + r * ld + cols, o + r * cols);
-      round_to_bf16(o, rows * cols);
-    }
+    if (dt == DType::bf16) f32_rows_to_bf16(x, ld, rows, cols, static_cast<bfloat16*>(out.mutable_raw()));
+    else f32_rows_rounded_to_bf16(x, ld, rows, cols, out.mutable_data());
     return out;
   };
   const std::int64_t a_rows = ta ? k : m, a_cols = ta ? m : k, b_rows = tb ? n : k, b_cols = tb ? k : n;
@@ -123,9 +104,12 @@ PackedProduct::PackedProduct(std::int64_t m, std::int64_t n, std::int64_t k, con
   own_b_ = Array::empty(Shape{rows * cols});
   if (operands == Operands::bf16) rounded_a_ = Array::empty(Shape{m * k});
   if (rows == 0 || cols == 0) return;
+  if (operands == Operands::bf16) {
+    f32_rows_rounded_to_bf16(b, ldb, rows, cols, own_b_.mutable_data());
+    return;
+  }
   for (std::int64_t r = 0; r < rows; ++r)
     std::copy(b + r * ldb, b + r * ldb + cols, own_b_.mutable_data() + r * cols);
-  if (operands == Operands::bf16) round_to_bf16(own_b_.mutable_data(), rows * cols);
 }
 
 PackedProduct::~PackedProduct() {
@@ -142,10 +126,8 @@ void PackedProduct::run(const float* a, float* c) const {
   // set_engine between a forward pass and its recomputation could change.
   std::int64_t lda = lda_;
   if (operands_ == Operands::bf16 && m_ > 0 && k_ > 0) {
-    float* r = rounded_a_.mutable_data();
-    for (std::int64_t i = 0; i < m_; ++i) std::copy(a + i * lda_, a + i * lda_ + k_, r + i * k_);
-    round_to_bf16(r, m_ * k_);
-    a = r;
+    f32_rows_rounded_to_bf16(a, lda_, m_, k_, rounded_a_.mutable_data());
+    a = rounded_a_.data();
     lda = k_;
   }
   gemm_f32_serial_eigen(false, tb_, m_, n_, k_, 1.0f, a, lda, own_b_.data(), ldb_, accumulate_ ? 1.0f : 0.0f, c, ldc_);

@@ -112,6 +112,10 @@ void pack_bf16_pairs(const bfloat16* b, std::int64_t ldb, bool tb, std::int64_t 
 void gemm_bf16_packed_serial(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const bfloat16* a,
                              std::int64_t lda, const std::uint32_t* packed_b, std::int64_t ldp, float beta, float* c,
                              std::int64_t ldc);
+// out[r, c] = bf16(a[r, c]) for a float32 [rows, cols] (row stride lda); out compact (row stride cols).
+void f32_rows_to_bf16(const float* a, std::int64_t lda, std::int64_t rows, std::int64_t cols, bfloat16* out);
+// The same rounding, the values kept as float32 (what the Eigen path of the bf16 products multiplies).
+void f32_rows_rounded_to_bf16(const float* a, std::int64_t lda, std::int64_t rows, std::int64_t cols, float* out);
 // out[c, r] = bf16(a[r, c]) for a float32 [rows, cols] (row stride lda); out's row stride is ldo.
 void f32_to_bf16_transposed(const float* a, std::int64_t lda, std::int64_t rows, std::int64_t cols, bfloat16* out,
                             std::int64_t ldo);

@@ -47,6 +47,15 @@ void pack_bf16_pairs(const bfloat16* b, std::int64_t ldb, bool tb, std::int64_t 
   }
 }
 
+void f32_rows_to_bf16(const float* a, std::int64_t lda, std::int64_t rows, std::int64_t cols, bfloat16* out) {
+  for (std::int64_t r = 0; r < rows; ++r) f32_to_bf16(a + r * lda, out + r * cols, cols);
+}
+
+void f32_rows_rounded_to_bf16(const float* a, std::int64_t lda, std::int64_t rows, std::int64_t cols, float* out) {
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < cols; ++c) out[r * cols + c] = static_cast<float>(bfloat16(a[r * lda + c]));
+}
+
 void f32_to_bf16_transposed(const float* a, std::int64_t lda, std::int64_t rows, std::int64_t cols, bfloat16* out,
                             std::int64_t ldo) {
   constexpr std::int64_t kTile = 16;  // stay within a few cache lines of both matrices

@@ -241,8 +241,7 @@ PackedProduct::Onednn* onednn_pack(std::int64_t m, std::int64_t n, std::int64_t 
 
 void onednn_run(PackedProduct::Onednn* p, const float* a, float* c) {
   if (p->a_bf16.defined()) {  // Operands::bf16: a rounded into the object's buffer
-    auto* r = static_cast<bfloat16*>(p->a_bf16.mutable_raw());
-    for (std::int64_t i = 0; i < p->m; ++i) f32_to_bf16(a + i * p->lda, r + i * p->k, p->k);
+    f32_rows_to_bf16(a, p->lda, p->m, p->k, static_cast<bfloat16*>(p->a_bf16.mutable_raw()));
   } else {
     p->a.set_data_handle(const_cast<float*>(a));
   }

@@ -387,8 +387,8 @@ std::vector<Array> per_example(const char* op, const std::vector<const Array*>& 
 }
 
 bool is_batched(const Array& a) { return a.batched(); }
-// Whether a layer's recurrent kernel (weight 2, every part) is bf16: its per-step products then run
-// on bf16 operands, as bf16 layers do in oneDNN and PyTorch.
+// Whether a layer's recurrent kernel (weight 2, every part) is bf16: its products then run on bf16
+// operands, as bf16 layers do in oneDNN and PyTorch.
 bool recurrent_kernel_bf16(const LayerArgs& a) {
   for (const Array& p : a.weights[2])
     if (p.dtype() != DType::bf16) return false;
@@ -513,8 +513,8 @@ bool needs_weight(const Cotangents& cot, const LayerArgs& args, std::size_t w) {
   return false;
 }
 
-// bf16_products: the arguments were bf16 weights widened to float32 (the per-step products then
-// round their operands to bf16 again, see kernels::recurrent::Dims).
+// bf16_products: the arguments were bf16 weights widened to float32 (every product then rounds its
+// operands to bf16 again, see kernels::recurrent::Dims).
 std::tuple<Array, Array, Array> lstm_layer_op(const LayerArgs& args, const LSTMLayerOptions& options, bool bf16_products = false) {
   lk::Dims d = check_layer("lstm_layer", 4, args, kLSTMWeights, 2, {"c0", "h0"}, kLSTMUsage);
   d.bf16_products = bf16_products;
