@@ -85,6 +85,8 @@ TEST_CASE("fashion_mnist trains, resumes to the same result, evaluates, and repo
   make_split(data, "train", 512, 1);
   make_split(data, "t10k", 256, 2);
   const std::string common = "--data " + data.string() + " --batch 64 --lr 0.003 --depth 3 --width 12 --memory-plot none ";
+  // The runs after the first only train: without the measurement (one epoch's worth of steps here).
+  const std::string train_only = common + "--measure none ";
 
   Run full = run(common + "--epochs 2 --checkpoint " + (tmp.path / "full.msgpack").string());
   INFO(full.output);
@@ -115,18 +117,20 @@ TEST_CASE("fashion_mnist trains, resumes to the same result, evaluates, and repo
 
   // One epoch, then --resume for the second: the same model as the uninterrupted run, bit for bit.
   const std::string ck = (tmp.path / "resumed.msgpack").string();
-  REQUIRE(run(common + "--epochs 1 --checkpoint " + ck).status == 0);
-  Run resumed = run(common + "--epochs 2 --resume --checkpoint " + ck);
+  REQUIRE(run(train_only + "--epochs 1 --checkpoint " + ck).status == 0);
+  Run resumed = run(train_only + "--epochs 2 --resume --checkpoint " + ck);
   INFO(resumed.output);
   REQUIRE(resumed.status == 0);
   CHECK(last_line(resumed.output)["test_accuracy"] == result["test_accuracy"]);
+  CHECK(!last_line(resumed.output).contains("peak_activation_bytes"));  // --measure none: not measured
+  CHECK(resumed.output.find("activation memory") == std::string::npos);
   CHECK(bitwise_equal(serialization::load(ck), serialization::load(tmp.path / "full.msgpack")));
 
   // The same through a CheckpointManager directory: one step per epoch, resumed from the latest.
   const std::string dir = (tmp.path / "managed").string();
-  REQUIRE(run(common + "--epochs 1 --checkpoint-dir " + dir).status == 0);
+  REQUIRE(run(train_only + "--epochs 1 --checkpoint-dir " + dir).status == 0);
   CHECK(CheckpointManager(dir).all_steps() == std::vector<std::int64_t>{1});
-  Run managed = run(common + "--epochs 2 --resume --checkpoint-dir " + dir);
+  Run managed = run(train_only + "--epochs 2 --resume --checkpoint-dir " + dir);
   INFO(managed.output);
   REQUIRE(managed.status == 0);
   CHECK(last_line(managed.output)["test_accuracy"] == result["test_accuracy"]);
@@ -134,22 +138,22 @@ TEST_CASE("fashion_mnist trains, resumes to the same result, evaluates, and repo
   CHECK(bitwise_equal(CheckpointManager(dir).restore(2), serialization::load(tmp.path / "full.msgpack")));
 
   // --eval only evaluates the saved model.
-  Run eval = run(common + "--eval --checkpoint " + ck);
+  Run eval = run(train_only + "--eval --checkpoint " + ck);
   REQUIRE(eval.status == 0);
   CHECK(last_line(eval.output)["test_accuracy"] == result["test_accuracy"]);
 
   // Without remat the same training gives the same model (remat changes memory, not results).
-  Run plain = run(common + "--epochs 2 --remat none --checkpoint " + (tmp.path / "plain.msgpack").string());
+  Run plain = run(train_only + "--epochs 2 --remat none --checkpoint " + (tmp.path / "plain.msgpack").string());
   REQUIRE(plain.status == 0);
   CHECK(bitwise_equal(serialization::load(tmp.path / "plain.msgpack"), serialization::load(tmp.path / "full.msgpack")));
 
   // Mixed precision: bf16 trains as well; remat none and full still give bitwise the same model.
-  Run bf16 = run(common + "--epochs 2 --dtype bf16 --checkpoint " + (tmp.path / "bf16.msgpack").string());
+  Run bf16 = run(train_only + "--epochs 2 --dtype bf16 --checkpoint " + (tmp.path / "bf16.msgpack").string());
   INFO(bf16.output);
   REQUIRE(bf16.status == 0);
   CHECK(last_line(bf16.output)["dtype"] == "bf16");
   CHECK(last_line(bf16.output)["test_accuracy"].get<double>() > 0.9);
-  Run bf16_plain = run(common + "--epochs 2 --dtype bf16 --remat none --checkpoint " + (tmp.path / "bf16p.msgpack").string());
+  Run bf16_plain = run(train_only + "--epochs 2 --dtype bf16 --remat none --checkpoint " + (tmp.path / "bf16p.msgpack").string());
   REQUIRE(bf16_plain.status == 0);
   const Tree bf16_model = serialization::load(tmp.path / "bf16.msgpack");
   CHECK(bitwise_equal(serialization::load(tmp.path / "bf16p.msgpack"), bf16_model));
@@ -157,7 +161,7 @@ TEST_CASE("fashion_mnist trains, resumes to the same result, evaluates, and repo
 
   // Pure bf16 (param_dtype=bf16, as Flax allows): bf16 parameters get their gradients and the model
   // learns as the float32 one does (before the one primitive path they got zeros and it did not).
-  Run pure = run(common + "--epochs 2 --dtype bf16 --param-dtype bf16 --checkpoint " + (tmp.path / "pure.msgpack").string());
+  Run pure = run(train_only + "--epochs 2 --dtype bf16 --param-dtype bf16 --checkpoint " + (tmp.path / "pure.msgpack").string());
   INFO(pure.output);
   REQUIRE(pure.status == 0);
   const auto pure_result = last_line(pure.output);
@@ -177,11 +181,12 @@ TEST_CASE("fashion_mnist trains, resumes to the same result, evaluates, and repo
     const auto size = fs::file_size(f);
     fs::resize_file(f, size / 2);
   }
-  Run corrupt = run(common + "--epochs 1 --checkpoint " + (tmp.path / "c.msgpack").string());
+  Run corrupt = run(train_only + "--epochs 1 --checkpoint " + (tmp.path / "c.msgpack").string());
   CHECK(corrupt.status == 1);
   CHECK(corrupt.output.find("t10k-images-idx3-ubyte.gz") != std::string::npos);
   // Bad flags: exit code 2 with usage.
   CHECK(run("--remat sometimes").status == 2);
+  CHECK(run("--measure sometimes").status == 2);
 }
 
 TEST_CASE("fashion_mnist under mpirun: any rank count trains bitwise the same model, and resumes from any other") {
@@ -201,7 +206,7 @@ TEST_CASE("fashion_mnist under mpirun: any rank count trains bitwise the same mo
     const std::string launcher = "ASAN_OPTIONS=detect_leaks=0 " + std::string(mpirun) + " --allow-run-as-root --oversubscribe -np " + std::to_string(ranks) + " ";
     return run_command(launcher + g_binary + " " + common + args);
   };
-  Run single = run(common + "--epochs 2 --checkpoint " + (tmp.path / "single.msgpack").string());
+  Run single = run(common + "--measure none --epochs 2 --checkpoint " + (tmp.path / "single.msgpack").string());
   INFO(single.output);
   REQUIRE(single.status == 0);
   const auto expected = last_line(single.output);
@@ -209,7 +214,8 @@ TEST_CASE("fashion_mnist under mpirun: any rank count trains bitwise the same mo
   for (int ranks : {1, 2, 3}) {
     CAPTURE(ranks);
     const fs::path ck = tmp.path / ("np" + std::to_string(ranks) + ".msgpack");
-    Run r = on(ranks, "--epochs 2 --checkpoint " + ck.string());
+    // (the measurement before training runs collective steps too: once, on 2 ranks)
+    Run r = on(ranks, std::string(ranks == 2 ? "" : "--measure none ") + "--epochs 2 --checkpoint " + ck.string());
     INFO(r.output);
     REQUIRE(r.status == 0);
     const auto got = last_line(r.output);
@@ -220,13 +226,13 @@ TEST_CASE("fashion_mnist under mpirun: any rank count trains bitwise the same mo
   }
   // One epoch on 3 ranks, the second resumed on 2: the uninterrupted single-process model.
   const std::string ck = (tmp.path / "switch.msgpack").string();
-  REQUIRE(on(3, "--epochs 1 --checkpoint " + ck).status == 0);
-  Run resumed = on(2, "--epochs 2 --resume --checkpoint " + ck);
+  REQUIRE(on(3, "--measure none --epochs 1 --checkpoint " + ck).status == 0);
+  Run resumed = on(2, "--measure none --epochs 2 --resume --checkpoint " + ck);
   INFO(resumed.output);
   REQUIRE(resumed.status == 0);
   CHECK(last_line(resumed.output)["params_checksum"] == expected["params_checksum"]);
   // Fast mode trains too (other bits: its sum follows the rank count).
-  Run fast = on(2, "--epochs 2 --reduction fast --checkpoint " + (tmp.path / "fast.msgpack").string());
+  Run fast = on(2, "--measure none --epochs 2 --reduction fast --checkpoint " + (tmp.path / "fast.msgpack").string());
   INFO(fast.output);
   REQUIRE(fast.status == 0);
   CHECK(last_line(fast.output)["test_accuracy"].get<double>() > 0.8);

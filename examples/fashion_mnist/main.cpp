@@ -3,6 +3,7 @@
 //   fashion_mnist [--epochs 3] [--remat full|dots|none] [--batch 128] [--lr 0.001] [--optimizer adam|sgd]
 //                 [--depth 8] [--width 24] [--no-batchnorm] [--dropout 0.0] [--seed 0] [--data DIR]
 //                 [--checkpoint FILE] [--resume] [--checkpoint-dir DIR] [--memory-plot FILE.svg|none]
+//                 [--measure step|none]
 //                 [--eval] [--limit N] [--dtype f32|bf16] [--param-dtype f32|bf16]
 //                 [--micro-batches 4] [--reduction reproducible|fast] [--batch-stats average|per-rank]
 //                 [--residuals ram|bf16|int8|fp8_e4m3|disk|disk+int8|...]
@@ -13,8 +14,9 @@
 // input, the backward pass runs it again. Before training, the example measures what that buys: the
 // activation memory of one forward and backward pass with remat and without (exact, from the memory
 // accounting), the time of one training step with and without, and draws the pass's memory timeline
-// for each remat choice to --memory-plot (fashion_mnist_memory.svg by default). The learning rate
-// halves every epoch.
+// for each remat choice to --memory-plot (fashion_mnist_memory.svg by default); --measure none skips
+// that (for runs that only train: the measurement costs about one epoch of a small dataset). The
+// learning rate halves every epoch.
 //
 // --residuals keeps what the training step saves for its backward pass compressed or in the spill
 // file (lift::ResidualScope, core/storage/): with --remat none, every residual; with remat, what the
@@ -88,6 +90,7 @@ struct Options {
   dist::Sync batch_stats_sync = dist::Sync::average;
   // --memory-plot FILE.svg: the memory timeline of one step, with and without remat ("none": no plot)
   fs::path memory_plot = "fashion_mnist_memory.svg";
+  bool measure = true;  // --measure none: no memory or step-time measurement before training (and no plot)
   storage::Placement residuals;  // --residuals: where the step's residuals live (default: RAM, as they are)
 };
 
@@ -105,7 +108,7 @@ const char* remat_name(Remat r) { return r == Remat::none ? "none" : r == Remat:
 [[noreturn]] void usage_error(const std::string& message) {
   std::cerr << "fashion_mnist: " << message << "\n"
             << "usage: fashion_mnist [--epochs N] [--remat full|dots|none] [--batch N] [--lr X] [--optimizer adam|sgd]\n"
-            << "                     [--memory-plot FILE.svg|none] [--residuals ram|bf16|int8|fp8_e4m3|disk|disk+<codec>]\n"
+            << "                     [--memory-plot FILE.svg|none] [--measure step|none] [--residuals ram|bf16|int8|fp8_e4m3|disk|disk+<codec>]\n"
             << "                     [--dropout X] [--depth N] [--width N] [--no-batchnorm] [--seed N] [--data DIR] [--checkpoint FILE] [--resume]\n"
             << "                     [--checkpoint-dir DIR]\n"
             << "                     [--eval] [--limit N] [--dtype f32|bf16] [--param-dtype f32|bf16]\n"
@@ -159,6 +162,11 @@ Options parse(int argc, char** argv) {
     else if (a == "--memory-plot") {
       o.memory_plot = value();
       if (o.memory_plot == "none") o.memory_plot.clear();
+    } else if (a == "--measure") {
+      const std::string m = value();
+      if (m == "step") o.measure = true;
+      else if (m == "none") o.measure = false;
+      else usage_error("--measure must be step or none, got '" + m + "'");
     }
     else if (a == "--optimizer") {
       o.optimizer = value();
@@ -423,11 +431,12 @@ int run(const Options& o) {
   const std::int64_t pass_rows =
       std::max<std::int64_t>(1, batch / (o.reduction == dist::Reduction::reproducible ? o.micro_batches : ranks));
   const Array px = slice_axis(mx, 0, 0, pass_rows), py = slice_axis(my, 0, 0, pass_rows);
-  const bool plot = lead && !o.memory_plot.empty();
+  const bool plot = lead && o.measure && !o.memory_plot.empty();
   std::map<Remat, std::int64_t> peaks;
   std::map<Remat, double> seconds;
   std::vector<memory::Timeline> runs;
   for (Remat r : {Remat::none, Remat::dots, Remat::full}) {
+    if (!o.measure) break;
     if (r != Remat::none && r != o.remat && !plot) continue;
     Trainer probe = t;
     probe.model.remat = r;
@@ -488,18 +497,20 @@ int run(const Options& o) {
   const double per_epoch = epochs_run ? train_seconds / epochs_run : 0.0;
   std::printf("test accuracy %.4f", accuracy);
   if (epochs_run) std::printf(", %.1f s per epoch", per_epoch);
-  const std::int64_t peak = peaks.at(o.remat), peak_plain = peaks.at(Remat::none);
-  const double step = seconds.at(o.remat), step_plain = seconds.at(Remat::none);
-  std::printf("\nactivation memory of a forward and backward pass (%lld images): %.1f MiB with remat=%s%s, %.1f MiB without remat\n",
-              static_cast<long long>(pass_rows), peak / 1048576.0, remat_name(o.remat),
-              o.residuals == storage::Placement{} ? "" : (" and residuals=" + o.residuals.str()).c_str(), peak_plain / 1048576.0);
-  std::printf("time of a training step (batch %lld): %.3f s with remat=%s, %.3f s without remat", static_cast<long long>(batch),
-              step, remat_name(o.remat), step_plain);
-  if (o.remat != Remat::none && peak > 0)
-    std::printf("\nremat: %.1fx less activation memory for %.2fx the step time",
-                static_cast<double>(peak_plain) / static_cast<double>(peak), step / step_plain);
+  if (o.measure) {
+    const std::int64_t peak = peaks.at(o.remat), peak_plain = peaks.at(Remat::none);
+    const double step = seconds.at(o.remat), step_plain = seconds.at(Remat::none);
+    std::printf("\nactivation memory of a forward and backward pass (%lld images): %.1f MiB with remat=%s%s, %.1f MiB without remat\n",
+                static_cast<long long>(pass_rows), peak / 1048576.0, remat_name(o.remat),
+                o.residuals == storage::Placement{} ? "" : (" and residuals=" + o.residuals.str()).c_str(), peak_plain / 1048576.0);
+    std::printf("time of a training step (batch %lld): %.3f s with remat=%s, %.3f s without remat", static_cast<long long>(batch),
+                step, remat_name(o.remat), step_plain);
+    if (o.remat != Remat::none && peak > 0)
+      std::printf("\nremat: %.1fx less activation memory for %.2fx the step time",
+                  static_cast<double>(peak_plain) / static_cast<double>(peak), step / step_plain);
+  }
   std::printf("\n");
-  const nlohmann::json result = {{"test_accuracy", accuracy},
+  nlohmann::json result = {{"test_accuracy", accuracy},
                                  {"epochs", o.eval_only ? first_epoch : o.epochs},
                                  {"seconds_per_epoch", per_epoch},
                                  {"remat", remat_name(o.remat)},
@@ -512,11 +523,13 @@ int run(const Options& o) {
                                  {"micro_batches", o.micro_batches},
                                  {"params_checksum", dist::checksum_hex(t.params)},
                                  {"depth", o.depth},
-                                 {"width", o.width},
-                                 {"peak_activation_bytes", peak},
-                                 {"peak_activation_bytes_plain", peak_plain},
-                                 {"step_seconds", step},
-                                 {"step_seconds_plain", step_plain}};
+                                 {"width", o.width}};
+  if (o.measure) {  // (without the measurement these fields are absent, not zero)
+    result["peak_activation_bytes"] = peaks.at(o.remat);
+    result["peak_activation_bytes_plain"] = peaks.at(Remat::none);
+    result["step_seconds"] = seconds.at(o.remat);
+    result["step_seconds_plain"] = seconds.at(Remat::none);
+  }
   std::printf("%s\n", result.dump().c_str());
   return 0;
 }
