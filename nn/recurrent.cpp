@@ -154,12 +154,9 @@ std::vector<Array> LSTMWeights::operator()(Scope& s, const Array& inputs) const 
     rec_kernels.push_back(hp[0]);
     rec_biases.push_back(hp[1]);
   }
-  // The computation dtype of the cell's Dense layers (Flax's promote_dtype over inputs and params).
-  const Array& k0 = in_kernels[0];
-  const DType dt = computation_dtype({&inputs, &k0}, dtype);
   std::vector<Array> out;
   for (const auto* group : {&in_kernels, &rec_kernels, &rec_biases})
-    for (const Array& a : *group) out.push_back(astype(a, dt));
+    for (const Array& a : *group) out.push_back(a);
   return out;
 }
 
@@ -176,13 +173,11 @@ std::vector<Array> GRUWeights::operator()(Scope& s, const Array& inputs) const {
     rec_kernels.push_back(hp[0]);
     if (n) hn_bias = hp[1];
   }
-  const Array& k0 = in_kernels[0];
-  const DType dt = computation_dtype({&inputs, &k0}, dtype);
   const Array zero = Array::zeros(Shape{features}, hn_bias.dtype());
   std::vector<Array> out;
   for (const auto* group : {&in_kernels, &in_biases, &rec_kernels})
-    for (const Array& a : *group) out.push_back(astype(a, dt));
-  for (const Array& a : {zero, zero, hn_bias}) out.push_back(astype(a, dt));
+    for (const Array& a : *group) out.push_back(a);
+  for (const Array& a : {zero, zero, hn_bias}) out.push_back(a);
   return out;
 }
 

@@ -18,6 +18,7 @@
 #include <linum/lift/scan.hpp>
 #include <linum/modules/initializers.hpp>
 #include <linum/modules/scope.hpp>
+#include <linum/nn/dtypes.hpp>
 
 #include <cstdint>
 #include <functional>
@@ -183,25 +184,24 @@ Array checked_lengths(const Array& lengths, std::int64_t batch, std::int64_t ste
 Array lengths_per_row(const Array& lengths, std::int64_t rows);
 
 // An LSTM's parameters under Flax's names, created (at init) in Flax's order ii, hi, if, hf, ig,
-// hg, io, ho, and returned one per gate in gate order i, f, g, o, cast to the computation dtype:
-// the 4 input kernels [in, features], the 4 recurrent kernels [features, features], the 4
-// recurrent biases [features] (the layer op reads them where they are). Called in the cell's scope.
+// hg, io, ho, and returned one per gate in gate order i, f, g, o, as stored (param_dtype; the layer
+// op computes in the cell's dtype itself, LSTMLayerOptions::dtype): the 4 input kernels [in,
+// features], the 4 recurrent kernels [features, features], the 4 recurrent biases [features] (the
+// layer op reads them where they are). Called in the cell's scope.
 struct LSTMWeights {
   std::int64_t features = 0;
   Initializer kernel_init, recurrent_kernel_init, bias_init;
-  std::optional<DType> dtype;
   DType param_dtype = DType::f32;
   std::vector<Array> operator()(Scope& s, const Array& inputs) const;
 };
 
 // A GRU's parameters under Flax's names, created (at init) in Flax's order ir, hr, iz, hz, in, hn,
-// and returned one per gate in gate order r, z, n, cast to the computation dtype: the 3 input
-// kernels, the 3 input biases, the 3 recurrent kernels and the 3 recurrent biases (zeros, zeros,
-// hn's bias). Called in the cell's scope.
+// and returned one per gate in gate order r, z, n, as stored (param_dtype): the 3 input kernels, the
+// 3 input biases, the 3 recurrent kernels and the 3 recurrent biases (zeros, zeros, hn's bias).
+// Called in the cell's scope.
 struct GRUWeights {
   std::int64_t features = 0;
   Initializer kernel_init, recurrent_kernel_init, bias_init;
-  std::optional<DType> dtype;
   DType param_dtype = DType::f32;
   std::vector<Array> operator()(Scope& s, const Array& inputs) const;
 };
@@ -317,42 +317,42 @@ struct RNN {
   }
   // An LSTM with sigmoid gates and tanh: the whole layer is one op (lstm_layer: input products per
   // chunk of steps, one recurrent product per step, the weights' gradients per chunk; remat and
-  // schedules become its recompute segments, with gradients bitwise those without), computed in
-  // float32 (bf16 operands widened, results rounded once). The parameters are the cell's (same
-  // names, shapes and initial values), read where they are; results equal the cell's within float
-  // rounding.
+  // schedules become its recompute segments, with gradients bitwise those without), in the cell's
+  // computation dtype (Flax's promote_dtype over the inputs and the parameters, or its dtype): with
+  // bf16 the products' operands are bf16, read from the float32 parameters where they are (no cast
+  // copies), as the cell's Dense layers would cast them. The parameters are the cell's (same names,
+  // shapes and initial values); results equal the cell's within float rounding.
   std::pair<LSTMCarry, Array> run_fused(Scope& s, const Array& xs, const LSTMCarry& carry, const std::optional<Array>& lengths,
                                         bool backwards) const {
     const std::vector<Array> parts =
         s("cell", recurrent_detail::LSTMWeights{cell.features, cell.kernel_init, cell.recurrent_kernel_init,
-                                                cell.bias_init, cell.dtype, cell.param_dtype},
+                                                cell.bias_init, cell.param_dtype},
           xs);
-    const DType dt = parts[0].dtype();
-    const Array x = xs.dtype() == dt ? xs : astype(xs, dt);
     const std::int64_t steps = xs.dim(0);
     auto gates = [&](std::size_t first) { return std::vector<Array>(parts.begin() + first, parts.begin() + first + 4); };
-    const recurrent_detail::LayerRows rows(x, cell.features);
-    LSTMLayerOptions options{.recompute_segment = recurrent_detail::lstm_recompute_segment(remat, schedule, steps)};
+    const recurrent_detail::LayerRows rows(xs, cell.features);
+    LSTMLayerOptions options{.recompute_segment = recurrent_detail::lstm_recompute_segment(remat, schedule, steps),
+                             .dtype = computation_dtype({&xs, &parts[0]}, cell.dtype)};
     if (lengths) options.seq_lengths = recurrent_detail::lengths_per_row(*lengths, rows.rows);
-    auto [ys, c, h] = lstm_layer(rows.inputs(x, backwards), gates(0), gates(8), gates(4), rows.carry(carry.c, "LSTM", "c"),
+    auto [ys, c, h] = lstm_layer(rows.inputs(xs, backwards), gates(0), gates(8), gates(4), rows.carry(carry.c, "LSTM", "c"),
                                  rows.carry(carry.h, "LSTM", "h"), options);
     return {LSTMCarry{reshape(c, carry.c.shape().vec()), reshape(h, carry.h.shape().vec())}, rows.outputs(ys, backwards)};
   }
   // A GRU with sigmoid gates and tanh: the whole layer is one op (gru_layer; remat and schedules make
-  // it keep nothing but the outputs, with gradients bitwise those without), computed in float32 (bf16
-  // operands widened, results rounded once). The parameters are the cell's, read where they are.
+  // it keep nothing but the outputs, with gradients bitwise those without), in the cell's computation
+  // dtype as run_fused. The parameters are the cell's, read where they are.
   std::pair<Array, Array> run_fused_gru(Scope& s, const Array& xs, const Array& carry, const std::optional<Array>& lengths,
                                         bool backwards) const {
     const std::vector<Array> w =
         s("cell", recurrent_detail::GRUWeights{cell.features, cell.kernel_init, cell.recurrent_kernel_init, cell.bias_init,
-                                               cell.dtype, cell.param_dtype},
+                                               cell.param_dtype},
           xs);
-    const Array x = xs.dtype() == w[0].dtype() ? xs : astype(xs, w[0].dtype());
-    const recurrent_detail::LayerRows rows(x, cell.features);
-    GRULayerOptions options{.recompute = remat || schedule.kind != lift::ScanSchedule::Kind::none};
+    const recurrent_detail::LayerRows rows(xs, cell.features);
+    GRULayerOptions options{.recompute = remat || schedule.kind != lift::ScanSchedule::Kind::none,
+                            .dtype = computation_dtype({&xs, &w[0]}, cell.dtype)};
     if (lengths) options.seq_lengths = recurrent_detail::lengths_per_row(*lengths, rows.rows);
     auto gates = [&](std::size_t first) { return std::vector<Array>(w.begin() + first, w.begin() + first + 3); };
-    auto [ys, h] = gru_layer(rows.inputs(x, backwards), gates(0), gates(3), gates(6), gates(9), rows.carry(carry, "GRU", "h"),
+    auto [ys, h] = gru_layer(rows.inputs(xs, backwards), gates(0), gates(3), gates(6), gates(9), rows.carry(carry, "GRU", "h"),
                              options);
     return {reshape(h, carry.shape().vec()), rows.outputs(ys, backwards)};
   }

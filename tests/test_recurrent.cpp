@@ -909,6 +909,133 @@ TEST_CASE("lstm_layer and gru_layer with bf16 weights: every product on bf16-rou
   CHECK(worst < 2e-5f);
 }
 
+TEST_CASE("lstm_layer and gru_layer with dtype = bf16: bitwise the layer on bf16 casts, gradients too, no cast copies kept") {
+  // Flax's dtype=bf16 with float32 parameters: the op reads the float32 arrays and rounds what it
+  // reads. Against the same layer on cast copies (differentiated through the casts): the same bits
+  // forward and backward, with the weights joined or per gate, kept or recomputed activations, and
+  // seq_lengths; second derivatives (create-graph mode) as the step-by-step composition's.
+  const std::int64_t T = 19, N = 3, I = 5, H = 134;
+  auto bf = [](const Array& a) { return astype(a, DType::bf16); };
+  auto bfs = [&](const std::vector<Array>& v) {
+    std::vector<Array> out;
+    for (const Array& a : v) out.push_back(bf(a));
+    return out;
+  };
+  const Array x = random_array(Shape{T, N, I}, 141), c0 = random_array(Shape{N, H}, 145), h0 = random_array(Shape{N, H}, 146);
+  const Array lengths = Array::from_i32(Shape{N}, {19, 0, 7});
+  const Array wi = random_array(Shape{I, 4 * H}, 142) * 0.5f, wh = random_array(Shape{H, 4 * H}, 143) * 0.3f;
+  const Array b = random_array(Shape{4 * H}, 144);
+  for (bool gates : {false, true})
+    for (std::int64_t segment : {0, 16})
+      for (bool lens : {false, true}) {
+        CAPTURE(gates);
+        CAPTURE(segment);
+        CAPTURE(lens);
+        auto parts = [&](const Array& w) { return gates ? per_gate(w, 4) : std::vector<Array>{w}; };
+        const std::optional<Array> l = lens ? std::optional<Array>(lengths) : std::nullopt;
+        auto loss = [&](bool cast) {
+          return [&, cast](const Array& xx, const Array& i, const Array& bb, const Array& hh, const Array& c, const Array& h) {
+            auto [y, cl, hl] =
+                cast ? lstm_layer(bf(xx), bfs(parts(i)), bfs(parts(bb)), bfs(parts(hh)), c, h,
+                                  {.recompute_segment = segment, .seq_lengths = l})
+                     : lstm_layer(xx, parts(i), parts(bb), parts(hh), c, h,
+                                  {.recompute_segment = segment, .seq_lengths = l, .dtype = DType::bf16});
+            CHECK(y.dtype() == DType::f32);  // float32 carries: the results promote, as with casts
+            return sum(square(y)) * 0.5f + sum(cl) + sum(hl * 0.25f);
+          };
+        };
+        auto fused = value_and_grad<0, 1, 2, 3, 4, 5>(loss(false))(x, wi, b, wh, c0, h0);
+        auto cast = value_and_grad<0, 1, 2, 3, 4, 5>(loss(true))(x, wi, b, wh, c0, h0);
+        CHECK(std::get<0>(fused).bitwise_equal(std::get<0>(cast)));
+        CHECK(std::get<1>(fused).bitwise_equal(std::get<1>(cast)));
+        CHECK(std::get<2>(fused).bitwise_equal(std::get<2>(cast)));
+        CHECK(std::get<3>(fused).bitwise_equal(std::get<3>(cast)));
+        CHECK(std::get<4>(fused).bitwise_equal(std::get<4>(cast)));
+        CHECK(std::get<5>(fused).bitwise_equal(std::get<5>(cast)));
+        CHECK(std::get<6>(fused).bitwise_equal(std::get<6>(cast)));
+      }
+  // The GRU likewise.
+  const Array gwi = random_array(Shape{I, 3 * H}, 147) * 0.5f, gwh = random_array(Shape{H, 3 * H}, 148) * 0.3f;
+  const Array gbi = random_array(Shape{3 * H}, 149), gbh = random_array(Shape{3 * H}, 150);
+  for (bool gates : {false, true})
+    for (bool recompute : {false, true})
+      for (bool lens : {false, true}) {
+        CAPTURE(gates);
+        CAPTURE(recompute);
+        CAPTURE(lens);
+        auto parts = [&](const Array& w) { return gates ? per_gate(w, 3) : std::vector<Array>{w}; };
+        const std::optional<Array> l = lens ? std::optional<Array>(lengths) : std::nullopt;
+        auto loss = [&](bool cast) {
+          return [&, cast](const Array& xx, const Array& i, const Array& bi, const Array& hh, const Array& bh, const Array& h) {
+            auto [y, hl] = cast ? gru_layer(bf(xx), bfs(parts(i)), bfs(parts(bi)), bfs(parts(hh)), bfs(parts(bh)), h,
+                                            {.recompute = recompute, .seq_lengths = l})
+                                : gru_layer(xx, parts(i), parts(bi), parts(hh), parts(bh), h,
+                                            {.recompute = recompute, .seq_lengths = l, .dtype = DType::bf16});
+            return sum(square(y)) * 0.5f + sum(hl * 0.25f);
+          };
+        };
+        auto fused = value_and_grad<0, 1, 2, 3, 4, 5>(loss(false))(x, gwi, gbi, gwh, gbh, h0);
+        auto cast = value_and_grad<0, 1, 2, 3, 4, 5>(loss(true))(x, gwi, gbi, gwh, gbh, h0);
+        CHECK(std::get<0>(fused).bitwise_equal(std::get<0>(cast)));
+        CHECK(std::get<1>(fused).bitwise_equal(std::get<1>(cast)));
+        CHECK(std::get<2>(fused).bitwise_equal(std::get<2>(cast)));
+        CHECK(std::get<3>(fused).bitwise_equal(std::get<3>(cast)));
+        CHECK(std::get<4>(fused).bitwise_equal(std::get<4>(cast)));
+        CHECK(std::get<5>(fused).bitwise_equal(std::get<5>(cast)));
+        CHECK(std::get<6>(fused).bitwise_equal(std::get<6>(cast)));
+      }
+  // Second derivatives (the rule then differentiates the layer written with ops, casts included).
+  const Array xs = slice_axis(x, 0, 0, 4);
+  auto d2 = [&](bool cast) {
+    return grad([&, cast](const Array& w) {
+      return sum(grad([&, cast](const Array& ww) {
+        auto [y, cl, hl] = cast ? lstm_layer(bf(xs), bf(wi), bf(b), bf(ww), c0, h0)
+                                : lstm_layer(xs, wi, b, ww, c0, h0, {.dtype = DType::bf16});
+        return sum(square(y)) * 0.5f + sum(cl);
+      })(w));
+    })(wh);
+  };
+  const Array d2_fused = d2(false), d2_cast = d2(true);
+  auto d2_steps = grad([&](const Array& w) {
+    return sum(grad([&](const Array& ww) {
+      auto r = [](const Array& a) { return astype(astype(a, DType::bf16), DType::f32); };
+      Array cc = c0, hh = h0, total = Array::scalar(0.0f);
+      for (std::int64_t t = 0; t < xs.dim(0); ++t) {
+        auto [cn, hn] = lstm_cell(matmul(r(reshape(slice_axis(xs, 0, t, t + 1), {N, I})), r(wi)) + r(b), matmul(r(hh), r(ww)), cc);
+        cc = cn;
+        hh = hn;
+        total = total + sum(square(hn)) * 0.5f;
+      }
+      return total + sum(cc);
+    })(w));
+  })(wh);
+  // (Through bf16 roundings of cotangents the second derivatives agree to bf16's precision: the
+  // cast copies' graph rounds in other places than the step-by-step one, each ~0.5% off the other.)
+  const float tol = 0.02f * linum::testing::max_abs(d2_steps);
+  CHECK(max_diff(d2_fused, d2_steps) < tol);
+  CHECK(max_diff(d2_cast, d2_steps) < tol);
+  CHECK(max_diff(d2_fused, Array::zeros(d2_fused.shape())) > 1e-3f);  // not trivially zero
+  // The activation memory: no float32 or bf16 copy of the weights or of x is kept. The layer on
+  // casts keeps its widened copies (the weights' 4 bytes per element).
+  auto peak_of = [&](bool cast) {
+    const Array big_wh = random_array(Shape{512, 2048}, 151) * 0.05f, big_wi = random_array(Shape{I, 2048}, 152);
+    const Array big_b = random_array(Shape{2048}, 153), hc = Array::zeros(Shape{N, 512});
+    memory::PeakScope scope;
+    Array g = grad([&](const Array& w) {
+      auto [y, cl, hl] = cast ? lstm_layer(bf(x), bf(big_wi), bf(big_b), bf(w), hc, hc)
+                              : lstm_layer(x, big_wi, big_b, w, hc, hc, {.dtype = DType::bf16});
+      return sum(square(y));
+    })(big_wh);
+    return scope.peak_growth() - byte_count(g);
+  };
+  const std::int64_t fused_peak = peak_of(false), cast_peak = peak_of(true);
+  MESSAGE("peak bytes, dtype = bf16: ", fused_peak, "; on casts: ", cast_peak);
+  CHECK(fused_peak + 512 * 2048 * 4 <= cast_peak);
+  // A dtype the layers do not compute in: an error naming the op.
+  CHECK_THROWS_WITH_AS(lstm_layer(x, wi, b, wh, c0, h0, {.dtype = DType::i32}), doctest::Contains("lstm_layer: dtype"), ValueError);
+  CHECK_THROWS_WITH_AS(gru_layer(x, gwi, gbi, gwh, gbh, h0, {.dtype = DType::i32}), doctest::Contains("gru_layer: dtype"), ValueError);
+}
+
 TEST_CASE("nn::RNN with seq_lengths is Flax's: padded steps run unmasked, reverse flips within each length") {
   const Array xs = random_array(Shape{4, 9, 3}, 111);  // [batch, time, in]
   const Array lengths = Array::from_i32(Shape{4}, {9, 0, 4, 1});

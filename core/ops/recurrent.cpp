@@ -5,6 +5,7 @@
 #include <linum/core/ops/batching.hpp>
 #include <linum/core/dtype.hpp>
 #include <linum/core/error.hpp>
+#include <linum/core/kernels/gemm.hpp>
 #include <linum/core/kernels/gru.hpp>
 #include <linum/core/kernels/lstm.hpp>
 #include <linum/core/ops/elementwise.hpp>
@@ -43,6 +44,11 @@ void store_row(Array& out, std::int64_t start, std::int64_t n, const float* src)
     std::memcpy(static_cast<float*>(out.mutable_raw()) + start, src, static_cast<std::size_t>(n) * sizeof(float));
   else
     f32_to_bf16(src, static_cast<bfloat16*>(out.mutable_raw()) + start, n);
+}
+
+// Float32 values rounded to bf16 in place (a rounded input's cotangent; undefined: nothing to do).
+void round_to_bf16_values(Array& a) {
+  if (a.defined() && a.numel() > 0) kernels::f32_rows_rounded_to_bf16(a.data(), a.numel(), 1, a.numel(), a.mutable_data());
 }
 
 struct Geometry {
@@ -316,11 +322,13 @@ rb::GateColumns columns_of(const std::vector<Array>& parts, std::int64_t hidden,
 
 std::int64_t rows_of(const std::vector<Array>& parts) { return parts[0].rank() == 1 ? 1 : parts[0].dim(0); }
 
-// A float32 weight in a layer kernel's interleaved block layout, [rows, gates * H] ([gates * H]).
-Array interleaved(const std::vector<Array>& parts, const rb::UnitBlocks& bl) {
+// A float32 weight in a layer kernel's interleaved block layout, [rows, gates * H] ([gates * H]),
+// its values rounded to bf16 when `round`.
+Array interleaved(const std::vector<Array>& parts, const rb::UnitBlocks& bl, bool round = false) {
   const std::int64_t rows = rows_of(parts);
   Array out = parts[0].rank() == 1 ? Array::empty(Shape{bl.gates * bl.hidden}) : Array::empty(Shape{rows, bl.gates * bl.hidden});
   bl.interleave(columns_of(parts, bl.hidden, bl.gates), 0, rows, out.mutable_data());
+  if (round) round_to_bf16_values(out);
   return out;
 }
 
@@ -396,6 +404,37 @@ bool recurrent_kernel_bf16(const LayerArgs& a) {
 }
 bool not_f32(const Array& a) { return a.dtype() != DType::f32; }
 Array to_f32(const Array& a) { return a.dtype() == DType::f32 ? a : astype(a, DType::f32); }
+
+// How a layer op's kernels (all on float32 arrays) treat bf16.
+enum class Precision {
+  f32,            // float32 products
+  bf16_products,  // a bf16 recurrent kernel, given widened: every product rounds its operands to bf16
+  // options.dtype = bf16: x and the weights read as bf16, rounded where they are read (the products'
+  // operands, the interleaved copies of the input kernel and the biases; no rounded copy of x or the
+  // recurrent kernel is made or kept), and their cotangents rounded as a cast's would be: bitwise
+  // the layer on x and weights cast to bf16 first, without the casts' copies.
+  bf16_inputs,
+};
+bool bf16_products(Precision p) { return p != Precision::f32; }
+
+// The op's arguments for Precision::bf16_inputs: x and the weights float32 (bf16 ones widened: their
+// values are already bf16's), the carries float32.
+LayerArgs widened(const LayerArgs& a) { return a.map(to_f32); }
+
+// Create-graph mode of Precision::bf16_inputs: x and the weights (flat inputs before the carries)
+// cast to bf16 and back, so that the composed layer differentiates the casts too.
+std::vector<Array> rounded_through_casts(const LayerStructure& shape, std::vector<Array> in) {
+  const std::size_t carries_from = in.size() - shape.carries;
+  for (std::size_t i = 0; i < carries_from; ++i) in[i] = astype(astype(in[i], DType::bf16), DType::f32);
+  return in;
+}
+
+// options.dtype: float32 or bf16 (the dtypes the layer ops compute in).
+void check_compute_dtype(const char* op, const std::optional<DType>& dtype) {
+  if (dtype && *dtype != DType::f32 && *dtype != DType::bf16)
+    throw ValueError(std::string(op) + ": dtype must be float32 or bfloat16 (the computation dtype, as Flax's dtype), got " +
+                     dtype_name(*dtype));
+}
 
 // A layer op's seq_lengths as values (empty: none given), checked: int32 [batch], each a count of
 // steps in [0, time].
@@ -513,11 +552,20 @@ bool needs_weight(const Cotangents& cot, const LayerArgs& args, std::size_t w) {
   return false;
 }
 
-// bf16_products: the arguments were bf16 weights widened to float32 (every product then rounds its
-// operands to bf16 again, see kernels::recurrent::Dims).
-std::tuple<Array, Array, Array> lstm_layer_op(const LayerArgs& args, const LSTMLayerOptions& options, bool bf16_products = false) {
+// The dtypes of a layer op's results when it computes in `dtype` (options.dtype): those of the layer
+// on x and the weights cast to it, the carries as given.
+DType result_dtype(const LayerArgs& a, DType dtype) {
+  DType dt = dtype;
+  for (const Array& c : a.carries) dt = promote_types(dt, c.dtype());
+  return dt;
+}
+
+// precision: see Precision (the arguments are then float32).
+std::tuple<Array, Array, Array> lstm_layer_op(const LayerArgs& args, const LSTMLayerOptions& options,
+                                              Precision precision = Precision::f32) {
   lk::Dims d = check_layer("lstm_layer", 4, args, kLSTMWeights, 2, {"c0", "h0"}, kLSTMUsage);
-  d.bf16_products = bf16_products;
+  check_compute_dtype("lstm_layer", options.dtype);
+  d.bf16_products = bf16_products(precision);
   if (options.recompute_segment < 0)
     throw ValueError("lstm_layer: recompute_segment must be >= 0 (0 keeps every step), got " +
                      std::to_string(options.recompute_segment));
@@ -532,9 +580,17 @@ std::tuple<Array, Array, Array> lstm_layer_op(const LayerArgs& args, const LSTML
         });
     return {out[0], out[1], out[2]};
   }
+  if (options.dtype) {  // as if x and the weights were cast to dtype
+    const DType dt = result_dtype(args, *options.dtype);
+    LSTMLayerOptions rest = options;
+    rest.dtype.reset();
+    auto [y, c, h] = lstm_layer_op(widened(args), rest, *options.dtype == DType::bf16 ? Precision::bf16_inputs : Precision::f32);
+    return {astype(y, dt), astype(c, dt), astype(h, dt)};
+  }
   if (args.any(not_f32)) {
     const DType dt = args.promoted();
-    auto [y, c, h] = lstm_layer_op(args.map(to_f32), options, recurrent_kernel_bf16(args));
+    auto [y, c, h] = lstm_layer_op(args.map(to_f32), options,
+                                   recurrent_kernel_bf16(args) ? Precision::bf16_products : Precision::f32);
     return {astype(y, dt), astype(c, dt), astype(h, dt)};
   }
   const std::vector<std::int32_t> lengths = lengths_of("lstm_layer", options.seq_lengths, d);
@@ -549,7 +605,8 @@ std::tuple<Array, Array, Array> lstm_layer_op(const LayerArgs& args, const LSTML
         const auto bl = lk::blocks_of(d.hidden);
         // The input kernel and bias interleaved for the per-block products; the recurrent kernel is
         // packed a block at a time from where it is.
-        const Array wi_i = interleaved(args.weights[0], bl), b_i = interleaved(args.weights[1], bl);
+        const bool round = precision == Precision::bf16_inputs;
+        const Array wi_i = interleaved(args.weights[0], bl, round), b_i = interleaved(args.weights[1], bl, round);
         Array ys = Array::empty(Shape{d.steps, d.rows, d.hidden});
         Array c_last = Array::empty(Shape{d.rows, d.hidden});
         // What the backward pass reads: every step's activations and cell states, or the cell state
@@ -568,12 +625,13 @@ std::tuple<Array, Array, Array> lstm_layer_op(const LayerArgs& args, const LSTML
         r.keep(wi_i, b_i, ys, acts, cs);
         return std::vector<Array>{std::move(ys), std::move(c_last), std::move(h_last)};
       },
-      autodiff::higher_order([d, segment, n_in, lengths, shape = args.structure()](Cotangents& cot, autodiff::Saved s) {
+      autodiff::higher_order([d, segment, n_in, lengths, precision, shape = args.structure()](Cotangents& cot, autodiff::Saved s) {
         const std::vector<Array> inputs(s.begin(), s.begin() + static_cast<std::ptrdiff_t>(n_in));
         if (autodiff::creating_graph())
           return autodiff::composite_rule(
-              cot, inputs, [&shape, &lengths, &d](const std::vector<Array>& in) {
-                return composed_layer(shape, in, lengths, d.bf16_products);
+              cot, inputs, [&shape, &lengths, &d, precision](const std::vector<Array>& in) {
+                return composed_layer(shape, precision == Precision::bf16_inputs ? rounded_through_casts(shape, in) : in,
+                                      lengths, d.bf16_products);
               });
         const LayerArgs a = shape.with(inputs);
         const Array &wi_i = s[n_in], &b_i = s[n_in + 1], &ys = s[n_in + 2], &acts = s[n_in + 3], &cs = s[n_in + 4];
@@ -595,6 +653,8 @@ std::tuple<Array, Array, Array> lstm_layer_op(const LayerArgs& args, const LSTML
                        lengths.empty() ? nullptr : lengths.data()},
                       f32_or_null(d_ys), f32_or_null(d_c), f32_or_null(d_h), out_ptr(dx), out_ptr(dwi), out_ptr(dwh),
                       out_ptr(db), out_ptr(dc0), out_ptr(dh0)});
+        if (precision == Precision::bf16_inputs)
+          for (Array* g : {&dx, &dwi, &db, &dwh}) round_to_bf16_values(*g);
         set_layer_cotangents(cot, a, std::move(dx), {std::move(dwi), std::move(db), std::move(dwh)},
                              {std::move(dc0), std::move(dh0)}, lk::blocks_of(d.hidden));
       }));
@@ -633,9 +693,11 @@ std::vector<Array> composed_gru(const LayerStructure& shape, const std::vector<A
   return {y, h_final.final_or(h)};
 }
 
-std::pair<Array, Array> gru_layer_op(const LayerArgs& args, const GRULayerOptions& options, bool bf16_products = false) {
+std::pair<Array, Array> gru_layer_op(const LayerArgs& args, const GRULayerOptions& options,
+                                     Precision precision = Precision::f32) {
   lk::Dims d = check_layer("gru_layer", 3, args, kGRUWeights, 2, {"h0"}, kGRUUsage);
-  d.bf16_products = bf16_products;
+  check_compute_dtype("gru_layer", options.dtype);
+  d.bf16_products = bf16_products(precision);
   if (args.any(is_batched) || lengths_batched(options.seq_lengths)) [[unlikely]] {
     const std::vector<Array> out = per_example("gru_layer", with_batched_lengths(args.flat(), options),
                                                {Shape{d.steps, d.rows, d.hidden}, Shape{d.rows, d.hidden}},
@@ -646,9 +708,16 @@ std::pair<Array, Array> gru_layer_op(const LayerArgs& args, const GRULayerOption
                                                });
     return {out[0], out[1]};
   }
+  if (options.dtype) {  // as if x and the weights were cast to dtype
+    const DType dt = result_dtype(args, *options.dtype);
+    GRULayerOptions rest = options;
+    rest.dtype.reset();
+    auto [y, h] = gru_layer_op(widened(args), rest, *options.dtype == DType::bf16 ? Precision::bf16_inputs : Precision::f32);
+    return {astype(y, dt), astype(h, dt)};
+  }
   if (args.any(not_f32)) {
     const DType dt = args.promoted();
-    auto [y, h] = gru_layer_op(args.map(to_f32), options, recurrent_kernel_bf16(args));
+    auto [y, h] = gru_layer_op(args.map(to_f32), options, recurrent_kernel_bf16(args) ? Precision::bf16_products : Precision::f32);
     return {astype(y, dt), astype(h, dt)};
   }
   const std::vector<std::int32_t> lengths = lengths_of("gru_layer", options.seq_lengths, d);
@@ -659,8 +728,9 @@ std::pair<Array, Array> gru_layer_op(const LayerArgs& args, const GRULayerOption
       ops::kind::gru_layer, std::span<const Array* const>(ins),
       [&](autodiff::Residuals& r) {
         const auto bl = gk::blocks_of(d.hidden);
-        const Array wi_b = interleaved(args.weights[0], bl), bi_b = interleaved(args.weights[1], bl);
-        const Array bh_b = interleaved(args.weights[3], bl);
+        const bool round = precision == Precision::bf16_inputs;
+        const Array wi_b = interleaved(args.weights[0], bl, round), bi_b = interleaved(args.weights[1], bl, round);
+        const Array bh_b = interleaved(args.weights[3], bl, round);
         Array ys = Array::empty(Shape{d.steps, d.rows, d.hidden});
         // What the backward pass reads besides ys: every step's gates, or nothing (recompute, or not
         // recording).
@@ -675,12 +745,13 @@ std::pair<Array, Array> gru_layer_op(const LayerArgs& args, const GRULayerOption
         r.keep(wi_b, bi_b, bh_b, ys, acts, hgn);
         return std::vector<Array>{std::move(ys), std::move(h_last)};
       },
-      autodiff::higher_order([d, n_in, lengths, shape = args.structure()](Cotangents& cot, autodiff::Saved s) {
+      autodiff::higher_order([d, n_in, lengths, precision, shape = args.structure()](Cotangents& cot, autodiff::Saved s) {
         const std::vector<Array> inputs(s.begin(), s.begin() + static_cast<std::ptrdiff_t>(n_in));
         if (autodiff::creating_graph())
           return autodiff::composite_rule(
-              cot, inputs, [&shape, &lengths, &d](const std::vector<Array>& in) {
-                return composed_gru(shape, in, lengths, d.bf16_products);
+              cot, inputs, [&shape, &lengths, &d, precision](const std::vector<Array>& in) {
+                return composed_gru(shape, precision == Precision::bf16_inputs ? rounded_through_casts(shape, in) : in,
+                                    lengths, d.bf16_products);
               });
         const LayerArgs a = shape.with(inputs);
         const Array &wi_b = s[n_in], &bi_b = s[n_in + 1], &bh_b = s[n_in + 2], &ys = s[n_in + 3], &acts = s[n_in + 4],
@@ -701,6 +772,8 @@ std::pair<Array, Array> gru_layer_op(const LayerArgs& args, const GRULayerOption
                        lengths.empty() ? nullptr : lengths.data()},
                       in_ptr(d_ys), in_ptr(d_h), out_ptr(dx), out_ptr(dwi), out_ptr(dwh), out_ptr(dbi), out_ptr(dbh),
                       out_ptr(dh0)});
+        if (precision == Precision::bf16_inputs)
+          for (Array* g : {&dx, &dwi, &dbi, &dwh, &dbh}) round_to_bf16_values(*g);
         set_layer_cotangents(cot, a, std::move(dx), {std::move(dwi), std::move(dbi), std::move(dwh), std::move(dbh)},
                              {std::move(dh0)}, gk::blocks_of(d.hidden));
       }));

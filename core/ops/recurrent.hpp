@@ -54,9 +54,18 @@ std::pair<Array, Array> lstm_cell(const Array& x_gates, const Array& h_gates, co
 // steps (ys are the unmasked recurrence's; mask the padded steps' outputs in the loss), and row b's
 // final carry (c_last, h_last) is its state after seq_lengths[b] steps, c0 / h0 for 0. (Flax reads a
 // length of 0 as the last step's carry, an artefact of indexing at -1.)
+//
+// `dtype`, as Flax's modules' dtype: the layer computes as if x and the weights were cast to it
+// first (the carries as given; results in the promoted dtype of it and the carries). With bf16 and
+// float32 parameters (Flax's dtype=bf16, param_dtype=float32; PyTorch's autocast) the op reads the
+// float32 arrays where they are and rounds what it reads (each product's operands, its interleaved
+// copies of the input kernel and the biases): bitwise the layer on cast copies, with the same
+// gradients (the cotangents of x and the weights rounded to bf16, as the casts' would be), but no
+// cast copy is made, and none kept for the backward pass.
 struct LSTMLayerOptions {
   std::int64_t recompute_segment = 0;
   std::optional<Array> seq_lengths;
+  std::optional<DType> dtype;  // the computation dtype (float32 or bf16); none: the arguments' own
 };
 inline constexpr std::int64_t kLSTMLayerChunk = 16;  // steps per input product and weight-gradient product
 std::tuple<Array, Array, Array> lstm_layer(const Array& x, const Array& input_kernel, const Array& bias,
@@ -92,10 +101,11 @@ std::tuple<Array, Array, Array> lstm_layer(const Array& x, const std::vector<Arr
 // pass computes each chunk's gates again from ys with the forward pass's products (remat over time
 // at the cost of the forward's products, without segments); the gradients are bitwise the same.
 // `seq_lengths` as lstm_layer's: all steps run; row b's h_last is its state after seq_lengths[b]
-// steps (h0 for 0).
+// steps (h0 for 0). `dtype` as lstm_layer's.
 struct GRULayerOptions {
   bool recompute = false;
   std::optional<Array> seq_lengths;
+  std::optional<DType> dtype;
 };
 std::pair<Array, Array> gru_layer(const Array& x, const Array& input_kernel, const Array& input_bias,
                                   const Array& recurrent_kernel, const Array& recurrent_bias, const Array& h0,
