@@ -71,6 +71,14 @@ void gemm_f32_serial(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int6
 void gemm_bf16_rounded_serial(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
                               std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
   if (m == 0 || n == 0) return;
+  if (k > kRoundedSumPiece) {  // long sums in pieces, each piece's product added to C in float32
+    for (std::int64_t k0 = 0; k0 < k; k0 += kRoundedSumPiece) {
+      const std::int64_t kk = std::min(kRoundedSumPiece, k - k0);
+      gemm_bf16_rounded_serial(ta, tb, m, n, kk, alpha, ta ? a + k0 * lda : a + k0, lda, tb ? b + k0 : b + k0 * ldb, ldb,
+                               k0 == 0 ? beta : 1.0f, c, ldc);
+    }
+    return;
+  }
   // Each operand as stored (rows x cols, row stride ld) into a compact rounded copy.
   auto rounded = [](const float* x, std::int64_t rows, std::int64_t cols, std::int64_t ld, DType dt) {
     Array out = Array::empty(Shape{rows * cols}, dt);
