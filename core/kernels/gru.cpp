@@ -206,15 +206,17 @@ void backward(const Backward& bw) {
   if (bw.d_bi) std::fill(bw.d_bi, bw.d_bi + H3, 0.0f);
   if (bw.d_bh) std::fill(bw.d_bh, bw.d_bh + H3, 0.0f);
   if (T > 0) {
-    // The gates' cotangents of a chunk: dxg [r | z | n] for the input product, and the n gate's for
-    // the recurrent product, dhgn (its r and z gates' are dxg's). Recompute mode writes them over the
-    // recomputed activations and hg_n of the same steps (a step's cell reads those before it writes
-    // the cotangents, and nothing reads them after); kept activations are the forward's, which a
-    // second backward pass reads again, so then they get buffers of their own.
+    // The gates' cotangents of a part of a chunk (kGradientSteps steps): dxg [r | z | n] for the
+    // input product, and the n gate's for the recurrent product, dhgn (its r and z gates' are dxg's).
+    // Recompute mode writes them over the recomputed activations and hg_n of the same steps (a step's
+    // cell reads those before it writes the cotangents, and nothing reads them after); kept
+    // activations are the forward's, which a second backward pass reads again, so then they get
+    // buffers of their own, a part's steps long (the weights' gradients are summed a part at a time
+    // in both modes, so their bits agree).
     float* chunk_acts = keep ? nullptr : workspace(chunk_acts_buf, kChunk * N * H3);
     float* chunk_hgn = keep ? nullptr : workspace(chunk_hgn_buf, kChunk * N * H);
-    float* dxg = keep ? workspace(dxg_buf, kChunk * N * H3) : chunk_acts;
-    float* dhgn = keep ? workspace(dhgn_buf, kChunk * N * H) : chunk_hgn;
+    float* dxg_part = keep ? workspace(dxg_buf, kGradientSteps * N * H3) : nullptr;
+    float* dhgn_part = keep ? workspace(dhgn_buf, kGradientSteps * N * H) : nullptr;
     // One step's cotangents for the recurrent product, [r | z | n] per block as wh's rows are. (Two
     // such buffers used by turns would spare the barrier after the dh product, as the LSTM's
     // backward does without one; at 64 steps of 256 units that step's 98 KB was the remat step's
@@ -238,60 +240,65 @@ void backward(const Backward& bw) {
           for (std::int64_t b = 0; b < bl.count; ++b)
             failure.run([&] { p.recompute(b, t0, g, chunk_acts, chunk_hgn, buffers.of_this_thread()); });
         }
-        for (std::int64_t t = t0 + g - 1; t >= t0; --t) {
-          float* dxg_t = dxg + (t - t0) * N * H3;
-          float* dhgn_t = dhgn + (t - t0) * N * H;
+        for (std::int64_t s0 = t0 + (g - 1) / kGradientSteps * kGradientSteps; s0 >= t0; s0 -= kGradientSteps) {
+          const std::int64_t gs = std::min(kGradientSteps, t0 + g - s0);
+          float* dxg = keep ? dxg_part : chunk_acts + (s0 - t0) * N * H3;  // the part's first step's
+          float* dhgn = keep ? dhgn_part : chunk_hgn + (s0 - t0) * N * H;
+          for (std::int64_t t = s0 + gs - 1; t >= s0; --t) {
+            float* dxg_t = dxg + (t - s0) * N * H3;
+            float* dhgn_t = dhgn + (t - s0) * N * H;
 #pragma omp for schedule(static)
-          for (std::int64_t b = 0; b < bl.count; ++b) {
-            const std::int64_t u0 = bl.first(b), w = bl.width(b), base = bl.base(b);
-            float* buffer = buffers.of_this_thread();
-            float* scratch = buffer + padded(N * kGates * bl.unit);
-            float* dh_in = buffer + p.thread_floats();
-            const float* hp = p.h_prev(t);
-            for (std::int64_t n = 0; n < N; ++n) {
-              // The cotangent reaching h: from the next step, plus the step's output's.
-              for (std::int64_t j = 0; j < w; ++j)
-                dh_in[j] = dh[n * H + u0 + j] + (bw.d_ys != nullptr ? bw.d_ys[t * N * H + n * H + u0 + j] : 0.0f);
-              if (lengths != nullptr && lengths[n] == t + 1 && bw.d_h_last != nullptr)
-                for (std::int64_t j = 0; j < w; ++j) dh_in[j] += bw.d_h_last[n * H + u0 + j];
-              float* dxg_row = dxg_t + n * H3 + base;
-              float* dhg_row = dhg_t + n * H3 + base;
-              cell_row_backward(acts_of(t) + n * H3 + base, hgn_of(t) + n * H + u0, w, hp + n * H + u0, dh_in, dxg_row,
-                                dhgn_t + n * H + u0, dh + n * H + u0, scratch);
-              std::memcpy(dhg_row, dxg_row, static_cast<std::size_t>(2 * w) * sizeof(float));
-              std::memcpy(dhg_row + 2 * w, dhgn_t + n * H + u0, static_cast<std::size_t>(w) * sizeof(float));
-            }
-          }
-          // dh += dhg_t . wh^T, by blocks of h's units (each reads every block's gates: after the barrier).
-#pragma omp for schedule(static)
-          for (std::int64_t b = 0; b < bl.count; ++b)
-            failure.run([&] { transposed[static_cast<std::size_t>(b)]->run(dhg_t, dh + bl.first(b)); });
-        }
-        // The chunk's weight gradients (one product per weight and block, the recurrent kernel's split
-        // where noted) and its inputs' gradients.
-#pragma omp for schedule(static) nowait
-        for (std::int64_t b = 0; b < bl.count; ++b)
-          failure.run([&] {
-            const std::int64_t base = bl.base(b), w3 = kGates * bl.width(b);
-            const std::int64_t u0 = bl.first(b), w = bl.width(b);
-            if (bw.d_wh) {  // the r and z columns from dxg, the n columns from dhgn
-              add_recurrent_gradient(f.d, t0, g, f.h0, f.ys, dxg + base, H3, 2 * w, bw.d_wh + base, H3);
-              add_recurrent_gradient(f.d, t0, g, f.h0, f.ys, dhgn + u0, H, w, bw.d_wh + base + 2 * w, H3);
-            }
-            if (bw.d_wi)
-              layer_gemm(f.d, true, false, I, w3, g * N, f.x + t0 * N * I, I, dxg + base, H3, 1.0f, bw.d_wi + base, H3);
-            for (std::int64_t r = 0; r < g * N; ++r) {
-              if (bw.d_bi) Run(bw.d_bi + base, w3) += ConstRun(dxg + r * H3 + base, w3);
-              if (bw.d_bh) {
-                Run(bw.d_bh + base, 2 * w) += ConstRun(dxg + r * H3 + base, 2 * w);
-                Run(bw.d_bh + base + 2 * w, w) += ConstRun(dhgn + r * H + u0, w);
+            for (std::int64_t b = 0; b < bl.count; ++b) {
+              const std::int64_t u0 = bl.first(b), w = bl.width(b), base = bl.base(b);
+              float* buffer = buffers.of_this_thread();
+              float* scratch = buffer + padded(N * kGates * bl.unit);
+              float* dh_in = buffer + p.thread_floats();
+              const float* hp = p.h_prev(t);
+              for (std::int64_t n = 0; n < N; ++n) {
+                // The cotangent reaching h: from the next step, plus the step's output's.
+                for (std::int64_t j = 0; j < w; ++j)
+                  dh_in[j] = dh[n * H + u0 + j] + (bw.d_ys != nullptr ? bw.d_ys[t * N * H + n * H + u0 + j] : 0.0f);
+                if (lengths != nullptr && lengths[n] == t + 1 && bw.d_h_last != nullptr)
+                  for (std::int64_t j = 0; j < w; ++j) dh_in[j] += bw.d_h_last[n * H + u0 + j];
+                float* dxg_row = dxg_t + n * H3 + base;
+                float* dhg_row = dhg_t + n * H3 + base;
+                cell_row_backward(acts_of(t) + n * H3 + base, hgn_of(t) + n * H + u0, w, hp + n * H + u0, dh_in, dxg_row,
+                                  dhgn_t + n * H + u0, dh + n * H + u0, scratch);
+                std::memcpy(dhg_row, dxg_row, static_cast<std::size_t>(2 * w) * sizeof(float));
+                std::memcpy(dhg_row + 2 * w, dhgn_t + n * H + u0, static_cast<std::size_t>(w) * sizeof(float));
               }
             }
-          });
+            // dh += dhg_t . wh^T, by blocks of h's units (each reads every block's gates: after the barrier).
 #pragma omp for schedule(static)
-        for (std::int64_t t = t0; t < t0 + g; ++t)
-          if (bw.d_x)
-            failure.run([&] { input_cotangents.run(dxg + (t - t0) * N * H3, bw.d_x + t * N * I); });
+            for (std::int64_t b = 0; b < bl.count; ++b)
+              failure.run([&] { transposed[static_cast<std::size_t>(b)]->run(dhg_t, dh + bl.first(b)); });
+          }
+          // The part's weight gradients (one product per weight and block, the recurrent kernel's split
+          // where noted) and its inputs' gradients.
+#pragma omp for schedule(static) nowait
+          for (std::int64_t b = 0; b < bl.count; ++b)
+            failure.run([&] {
+              const std::int64_t base = bl.base(b), w3 = kGates * bl.width(b);
+              const std::int64_t u0 = bl.first(b), w = bl.width(b);
+              if (bw.d_wh) {  // the r and z columns from dxg, the n columns from dhgn
+                add_recurrent_gradient(f.d, s0, gs, f.h0, f.ys, dxg + base, H3, 2 * w, bw.d_wh + base, H3);
+                add_recurrent_gradient(f.d, s0, gs, f.h0, f.ys, dhgn + u0, H, w, bw.d_wh + base + 2 * w, H3);
+              }
+              if (bw.d_wi)
+                layer_gemm(f.d, true, false, I, w3, gs * N, f.x + s0 * N * I, I, dxg + base, H3, 1.0f, bw.d_wi + base, H3);
+              for (std::int64_t r = 0; r < gs * N; ++r) {
+                if (bw.d_bi) Run(bw.d_bi + base, w3) += ConstRun(dxg + r * H3 + base, w3);
+                if (bw.d_bh) {
+                  Run(bw.d_bh + base, 2 * w) += ConstRun(dxg + r * H3 + base, 2 * w);
+                  Run(bw.d_bh + base + 2 * w, w) += ConstRun(dhgn + r * H + u0, w);
+                }
+              }
+            });
+#pragma omp for schedule(static)
+          for (std::int64_t t = s0; t < s0 + gs; ++t)
+            if (bw.d_x)
+              failure.run([&] { input_cotangents.run(dxg + (t - s0) * N * H3, bw.d_x + t * N * I); });
+        }
       }
     }
     failure.rethrow();
