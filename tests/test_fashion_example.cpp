@@ -82,7 +82,7 @@ TEST_CASE("fashion_mnist trains, resumes to the same result, evaluates, and repo
   TempDir tmp;
   const fs::path data = tmp.path / "data";
   fs::create_directories(data);
-  make_split(data, "train", 512, 1);
+  make_split(data, "train", 256, 1);
   make_split(data, "t10k", 256, 2);
   const std::string common = "--data " + data.string() + " --batch 64 --lr 0.003 --depth 3 --width 12 --memory-plot none ";
   // The runs after the first only train: without the measurement (one epoch's worth of steps here).
@@ -198,7 +198,7 @@ TEST_CASE("fashion_mnist under mpirun: any rank count trains bitwise the same mo
   TempDir tmp;
   const fs::path data = tmp.path / "data";
   fs::create_directories(data);
-  make_split(data, "train", 384, 1);
+  make_split(data, "train", 192, 1);
   make_split(data, "t10k", 128, 2);
   const std::string common = "--data " + data.string() + " --batch 64 --lr 0.003 --depth 3 --width 12 --dropout 0.2 --memory-plot none ";
   auto on = [&](int ranks, const std::string& args) {
