@@ -3,7 +3,7 @@
 # example's rematerialized CNN), clipped and noised by optim::dpsgd, still train the model (test
 # accuracy above 0.7 after two short epochs).
 set -euo pipefail
-out=$("$1" --synthetic 1024 --batch 64 --epochs 2)
+out=$("$1" --synthetic 512 --batch 64 --epochs 2)
 echo "$out"
 last=$(tail -n 1 <<<"$out")
 acc=$(sed -n 's/.*"test_accuracy":\([0-9.e+-]*\).*/\1/p' <<<"$last")
