@@ -13,11 +13,26 @@
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <utility>
 
 using namespace linum;
 using linum::testing::random_array;
 
 namespace {
+
+// Every element of two value_and_grad results (the value, then each gradient) bitwise equal.
+void check_bitwise_one(const Array& a, const Array& b, std::size_t k) {
+  CAPTURE(k);
+  CHECK(a.bitwise_equal(b));
+}
+template <class Tuple, std::size_t... K>
+void check_bitwise(const Tuple& a, const Tuple& b, std::index_sequence<K...>) {
+  (check_bitwise_one(std::get<K>(a), std::get<K>(b), K), ...);
+}
+template <class Tuple>
+void check_bitwise(const Tuple& a, const Tuple& b) {
+  check_bitwise(a, b, std::make_index_sequence<std::tuple_size_v<Tuple>>{});
+}
 
 Array dense(const Tree& p, const Array& x) {
   Array y = matmul(x, p.at("kernel").array());
@@ -482,13 +497,7 @@ TEST_CASE("lstm_layer: the cell over time; gradients equal finite differences; r
     for (std::int64_t segment : {1, 16, 20, 32, 1000}) {
       CAPTURE(segment);
       auto again = value_and_grad<0, 1, 2, 3, 4, 5>(loss(segment))(x, wi, b, wh, c0, h0);
-      CHECK(std::get<0>(again).bitwise_equal(std::get<0>(plain)));
-      CHECK(std::get<1>(again).bitwise_equal(std::get<1>(plain)));
-      CHECK(std::get<2>(again).bitwise_equal(std::get<2>(plain)));
-      CHECK(std::get<3>(again).bitwise_equal(std::get<3>(plain)));
-      CHECK(std::get<4>(again).bitwise_equal(std::get<4>(plain)));
-      CHECK(std::get<5>(again).bitwise_equal(std::get<5>(plain)));
-      CHECK(std::get<6>(again).bitwise_equal(std::get<6>(plain)));
+      check_bitwise(again, plain);
     }
     if (T <= 5) {
       const auto f = [](const std::vector<Array>& in) {
@@ -593,11 +602,7 @@ TEST_CASE("lstm_layer and gru_layer take kernels per gate: bitwise the concatena
       // placed in zeros, then summed: exact), so the two must agree bitwise.
       auto want = value_and_grad<0, 1, 2, 3>(loss_whole)(wi, bi, wh, bh);
       auto got = value_and_grad<0, 1, 2, 3>(loss_split)(wi, bi, wh, bh);
-      CHECK(std::get<0>(got).bitwise_equal(std::get<0>(want)));
-      CHECK(std::get<1>(got).bitwise_equal(std::get<1>(want)));
-      CHECK(std::get<2>(got).bitwise_equal(std::get<2>(want)));
-      CHECK(std::get<3>(got).bitwise_equal(std::get<3>(want)));
-      CHECK(std::get<4>(got).bitwise_equal(std::get<4>(want)));
+      check_bitwise(got, want);
     }
   }
 }
@@ -946,13 +951,7 @@ TEST_CASE("lstm_layer and gru_layer with dtype = bf16: bitwise the layer on bf16
         };
         auto fused = value_and_grad<0, 1, 2, 3, 4, 5>(loss(false))(x, wi, b, wh, c0, h0);
         auto cast = value_and_grad<0, 1, 2, 3, 4, 5>(loss(true))(x, wi, b, wh, c0, h0);
-        CHECK(std::get<0>(fused).bitwise_equal(std::get<0>(cast)));
-        CHECK(std::get<1>(fused).bitwise_equal(std::get<1>(cast)));
-        CHECK(std::get<2>(fused).bitwise_equal(std::get<2>(cast)));
-        CHECK(std::get<3>(fused).bitwise_equal(std::get<3>(cast)));
-        CHECK(std::get<4>(fused).bitwise_equal(std::get<4>(cast)));
-        CHECK(std::get<5>(fused).bitwise_equal(std::get<5>(cast)));
-        CHECK(std::get<6>(fused).bitwise_equal(std::get<6>(cast)));
+        check_bitwise(fused, cast);
       }
   // The GRU likewise.
   const Array gwi = random_array(Shape{I, 3 * H}, 147) * 0.5f, gwh = random_array(Shape{H, 3 * H}, 148) * 0.3f;
@@ -976,13 +975,7 @@ TEST_CASE("lstm_layer and gru_layer with dtype = bf16: bitwise the layer on bf16
         };
         auto fused = value_and_grad<0, 1, 2, 3, 4, 5>(loss(false))(x, gwi, gbi, gwh, gbh, h0);
         auto cast = value_and_grad<0, 1, 2, 3, 4, 5>(loss(true))(x, gwi, gbi, gwh, gbh, h0);
-        CHECK(std::get<0>(fused).bitwise_equal(std::get<0>(cast)));
-        CHECK(std::get<1>(fused).bitwise_equal(std::get<1>(cast)));
-        CHECK(std::get<2>(fused).bitwise_equal(std::get<2>(cast)));
-        CHECK(std::get<3>(fused).bitwise_equal(std::get<3>(cast)));
-        CHECK(std::get<4>(fused).bitwise_equal(std::get<4>(cast)));
-        CHECK(std::get<5>(fused).bitwise_equal(std::get<5>(cast)));
-        CHECK(std::get<6>(fused).bitwise_equal(std::get<6>(cast)));
+        check_bitwise(fused, cast);
       }
   // Second derivatives (the rule then differentiates the layer written with ops, casts included).
   const Array xs = slice_axis(x, 0, 0, 4);
@@ -1174,13 +1167,7 @@ TEST_CASE("gru_layer: the GRU over time; gradients equal finite differences; rec
     };
     auto plain = value_and_grad<0, 1, 2, 3, 4, 5>(loss(false))(x, wi, bi, wh, bh, h0);
     auto again = value_and_grad<0, 1, 2, 3, 4, 5>(loss(true))(x, wi, bi, wh, bh, h0);
-    CHECK(std::get<0>(again).bitwise_equal(std::get<0>(plain)));
-    CHECK(std::get<1>(again).bitwise_equal(std::get<1>(plain)));
-    CHECK(std::get<2>(again).bitwise_equal(std::get<2>(plain)));
-    CHECK(std::get<3>(again).bitwise_equal(std::get<3>(plain)));
-    CHECK(std::get<4>(again).bitwise_equal(std::get<4>(plain)));
-    CHECK(std::get<5>(again).bitwise_equal(std::get<5>(plain)));
-    CHECK(std::get<6>(again).bitwise_equal(std::get<6>(plain)));
+    check_bitwise(again, plain);
     // Against the gradients of the composed steps (relative to each gradient's size), with the
     // loss on every output, and on the last state alone (no cotangent reaches ys).
     for (bool last_only : {false, true}) {
