@@ -330,11 +330,13 @@ struct RNN {
           xs);
     const std::int64_t steps = xs.dim(0);
     auto gates = [&](std::size_t first) { return std::vector<Array>(parts.begin() + first, parts.begin() + first + 4); };
-    const recurrent_detail::LayerRows rows(xs, cell.features);
+    const DType dt = computation_dtype({&xs, &parts[0]}, cell.dtype);
+    const Array x = is_floating(xs.dtype()) ? xs : astype(xs, dt);  // (integer inputs as the cell's Dense takes them)
+    const recurrent_detail::LayerRows rows(x, cell.features);
     LSTMLayerOptions options{.recompute_segment = recurrent_detail::lstm_recompute_segment(remat, schedule, steps),
-                             .dtype = computation_dtype({&xs, &parts[0]}, cell.dtype)};
+                             .dtype = dt};
     if (lengths) options.seq_lengths = recurrent_detail::lengths_per_row(*lengths, rows.rows);
-    auto [ys, c, h] = lstm_layer(rows.inputs(xs, backwards), gates(0), gates(8), gates(4), rows.carry(carry.c, "LSTM", "c"),
+    auto [ys, c, h] = lstm_layer(rows.inputs(x, backwards), gates(0), gates(8), gates(4), rows.carry(carry.c, "LSTM", "c"),
                                  rows.carry(carry.h, "LSTM", "h"), options);
     return {LSTMCarry{reshape(c, carry.c.shape().vec()), reshape(h, carry.h.shape().vec())}, rows.outputs(ys, backwards)};
   }
@@ -347,12 +349,13 @@ struct RNN {
         s("cell", recurrent_detail::GRUWeights{cell.features, cell.kernel_init, cell.recurrent_kernel_init, cell.bias_init,
                                                cell.param_dtype},
           xs);
-    const recurrent_detail::LayerRows rows(xs, cell.features);
-    GRULayerOptions options{.recompute = remat || schedule.kind != lift::ScanSchedule::Kind::none,
-                            .dtype = computation_dtype({&xs, &w[0]}, cell.dtype)};
+    const DType dt = computation_dtype({&xs, &w[0]}, cell.dtype);
+    const Array x = is_floating(xs.dtype()) ? xs : astype(xs, dt);
+    const recurrent_detail::LayerRows rows(x, cell.features);
+    GRULayerOptions options{.recompute = remat || schedule.kind != lift::ScanSchedule::Kind::none, .dtype = dt};
     if (lengths) options.seq_lengths = recurrent_detail::lengths_per_row(*lengths, rows.rows);
     auto gates = [&](std::size_t first) { return std::vector<Array>(w.begin() + first, w.begin() + first + 3); };
-    auto [ys, h] = gru_layer(rows.inputs(xs, backwards), gates(0), gates(3), gates(6), gates(9), rows.carry(carry, "GRU", "h"),
+    auto [ys, h] = gru_layer(rows.inputs(x, backwards), gates(0), gates(3), gates(6), gates(9), rows.carry(carry, "GRU", "h"),
                              options);
     return {reshape(h, carry.shape().vec()), rows.outputs(ys, backwards)};
   }

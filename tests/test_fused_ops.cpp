@@ -7,6 +7,7 @@
 
 #include <linum/core/kernels/gemm.hpp>
 
+#include <bit>
 #include <cmath>
 
 
@@ -188,6 +189,67 @@ TEST_CASE("bf16 packed products equal the float64 product of the bf16 values (ta
       }
     }
   }
+}
+
+TEST_CASE("bf16-rounded products: the float64 product of the operands rounded as bfloat16() rounds (long sums, transposes)") {
+  // gemm_bf16_rounded_serial (sums longer than kRoundedSumPiece in pieces) and PackedProduct with
+  // Operands::bf16 (b packed once, a rounded per run): what the fused recurrent layers' products
+  // compute on float32 arrays, on every engine.
+  auto r = [](float v) { return static_cast<double>(static_cast<float>(bfloat16(v))); };
+  struct Case { std::int64_t m, n, k; };
+  for (const Case c : {Case{3, 5, 0}, Case{7, 33, 5}, Case{16, 40, kernels::kRoundedSumPiece}, Case{9, 24, kernels::kRoundedSumPiece + 1},
+                       Case{5, 17, 600}}) {
+    for (bool ta : {false, true})
+      for (bool tb : {false, true})
+        for (float beta : {0.0f, 1.0f}) {
+          CAPTURE(c.m); CAPTURE(c.n); CAPTURE(c.k); CAPTURE(ta); CAPTURE(tb); CAPTURE(beta);
+          const std::int64_t lda = (ta ? c.m : c.k) + 3, ldb = (tb ? c.k : c.n) + 2, ldc = c.n + 1;
+          const auto a = random_array(Shape{ta ? c.k : c.m, lda}, 50).to_vector();
+          const auto b = random_array(Shape{tb ? c.n : c.k, ldb}, 51).to_vector();
+          auto at = [&](std::int64_t i, std::int64_t kk) { return r(a[static_cast<std::size_t>(ta ? kk * lda + i : i * lda + kk)]); };
+          auto bt = [&](std::int64_t kk, std::int64_t j) { return r(b[static_cast<std::size_t>(tb ? j * ldb + kk : kk * ldb + j)]); };
+          std::vector<float> out(static_cast<std::size_t>(c.m * ldc), 0.25f);
+          kernels::gemm_bf16_rounded_serial(ta, tb, c.m, c.n, c.k, 1.0f, a.data(), lda, b.data(), ldb, beta, out.data(), ldc);
+          double worst = 0;
+          for (std::int64_t i = 0; i < c.m; ++i)
+            for (std::int64_t j = 0; j < c.n; ++j) {
+              double exact = beta != 0.0f ? 0.25 : 0.0, magnitude = 1.0;
+              for (std::int64_t kk = 0; kk < c.k; ++kk) {
+                exact += at(i, kk) * bt(kk, j);
+                magnitude += std::abs(at(i, kk) * bt(kk, j));
+              }
+              worst = std::max(worst, std::abs(out[static_cast<std::size_t>(i * ldc + j)] - exact) / magnitude);
+            }
+          CHECK(worst < 1e-6);  // float32 sums of exact products of bf16 values
+          for (std::int64_t i = 0; i < c.m; ++i) CHECK(out[static_cast<std::size_t>(i * ldc + c.n)] == 0.25f);
+          if (ta) continue;  // PackedProduct: a [m, k] row-major
+          std::vector<float> packed_out(static_cast<std::size_t>(c.m * ldc), 0.25f);
+          const kernels::PackedProduct product(c.m, c.n, c.k, b.data(), ldb, tb, lda, ldc, beta != 0.0f, kernels::Operands::bf16);
+          product.run(a.data(), packed_out.data());
+          double worst_packed = 0;
+          for (std::int64_t i = 0; i < c.m; ++i)
+            for (std::int64_t j = 0; j < c.n; ++j) {
+              double exact = beta != 0.0f ? 0.25 : 0.0, magnitude = 1.0;
+              for (std::int64_t kk = 0; kk < c.k; ++kk) {
+                exact += at(i, kk) * bt(kk, j);
+                magnitude += std::abs(at(i, kk) * bt(kk, j));
+              }
+              worst_packed = std::max(worst_packed, std::abs(packed_out[static_cast<std::size_t>(i * ldc + j)] - exact) / magnitude);
+            }
+          CHECK(worst_packed < 1e-6);
+        }
+  }
+  // The weights are rounded as bfloat16() rounds, also the largest float32 subnormal (up to 2^-126,
+  // the smallest normal; a conversion that flushes subnormals would give 0).
+  const float subnormal = std::bit_cast<float>(0x007fffffu), one = 1.0f;
+  const kernels::PackedProduct product(1, 1, 1, &subnormal, 1, false, 1, 1, false, kernels::Operands::bf16);
+  float got = -1.0f;
+  product.run(&one, &got);
+  CHECK(got == static_cast<float>(bfloat16(subnormal)));
+  CHECK(got == std::ldexp(1.0f, -126));
+  float got_gemm = -1.0f;
+  kernels::gemm_bf16_rounded_serial(false, false, 1, 1, 1, 1.0f, &one, 1, &subnormal, 1, 0.0f, &got_gemm, 1);
+  CHECK(got_gemm == std::ldexp(1.0f, -126));
 }
 
 TEST_CASE("fused attention in bf16 against float32 attention of the same bf16 values: long, odd, masked, q shorter than k") {

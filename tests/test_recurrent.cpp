@@ -381,6 +381,21 @@ TEST_CASE("nn::RNN runs LSTMs on hoisted input products and the fused cell: the 
   const Tree g = grad([&](const Tree& p) { return mean(square(astype(apply(mixed, Tree{{"params", p}}, xs), DType::f32))); })(vars.at("params"));
   CHECK(g.at_path("cell/hi/kernel").array().dtype() == DType::f32);
   CHECK(linum::testing::max_abs(g.at_path("cell/hi/kernel").array()) > 0.0f);
+  // Integer inputs, as the cell's Dense layers take them (cast to the computation dtype), for the
+  // LSTM and the GRU, in float32 and bf16.
+  const Array ints = astype(random_array(Shape{3, 7, 5}, 22) * 3.0f, DType::i32);
+  for (std::optional<DType> dt : {std::optional<DType>(), std::optional<DType>(DType::bf16)}) {
+    const nn::RNN<nn::LSTMCell> lstm{.cell = {.features = 6, .dtype = dt}};
+    auto lstm_slow = lstm;
+    lstm_slow.cell = unfused(lstm.cell);
+    const Tree lv = init(lstm, rng::key(7), ints);
+    CHECK(max_diff_any(apply(lstm, lv, ints), apply(lstm_slow, lv, ints)) < (dt ? 0.05f : 1e-5f));
+    const nn::RNN<nn::GRUCell> gru{.cell = {.features = 6, .dtype = dt}};
+    auto gru_slow = gru;
+    gru_slow.cell = unfused(gru.cell);
+    const Tree gv = init(gru, rng::key(8), ints);
+    CHECK(max_diff_any(apply(gru, gv, ints), apply(gru_slow, gv, ints)) < (dt ? 0.05f : 1e-5f));
+  }
 }
 
 namespace {

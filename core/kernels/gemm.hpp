@@ -46,8 +46,9 @@ void gemm_f32_serial_onednn(bool ta, bool tb, std::int64_t m, std::int64_t n, st
 // The same with A and B rounded to bfloat16 (to nearest even) and their products summed in float32
 // (oneDNN's gemm_bf16bf16f32; Eigen: the rounded values multiplied in float32), for layers whose
 // weights are bf16: the rounded copies are Arrays (counted), made on every call. Sums longer than
-// kRoundedSumPiece (the weight gradients' sums over a chunk of steps' rows) run in pieces added to
-// C one after the other, so that the copies of a piece stay small (a few hundred KB per thread).
+// kRoundedSumPiece (the weight gradients' sums over a part's rows; the input products of inputs
+// wider than that) run in pieces added to C one after the other, so that the copies of a piece stay
+// small (a few hundred KB per thread).
 inline constexpr std::int64_t kRoundedSumPiece = 256;
 void gemm_bf16_rounded_serial(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
                               std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc);

@@ -228,8 +228,20 @@ PackedProduct::Onednn* onednn_pack(std::int64_t m, std::int64_t n, std::int64_t 
     p->b = memory(pd.weights_desc(), cpu_engine(), handle_of(p->b_buffer));
     p->c = memory(c_md, cpu_engine(), DNNL_MEMORY_NONE);
     p->scratchpad = memory(pd.scratchpad_desc(), cpu_engine(), handle_of(p->scratchpad_buffer));
-    const memory::desc b_md(memory::dims{k, n}, f32, tb ? memory::dims{1, ldb} : memory::dims{ldb, 1});
-    memory source(b_md, cpu_engine(), const_cast<float*>(b));
+    // Operands::bf16: b rounded by Linum's rounding first (oneDNN's conversion flushes subnormals
+    // to zero), then packed; the compact copy lives while packing only.
+    Array rounded;
+    memory source;
+    if (bf16) {
+      const std::int64_t rows = tb ? n : k, cols = tb ? k : n;
+      rounded = Array::empty(Shape{rows * cols}, DType::bf16);
+      f32_rows_to_bf16(b, ldb, rows, cols, static_cast<bfloat16*>(rounded.mutable_raw()));
+      const memory::desc r_md(memory::dims{k, n}, in_type, tb ? memory::dims{1, cols} : memory::dims{cols, 1});
+      source = memory(r_md, cpu_engine(), rounded.mutable_raw());
+    } else {
+      const memory::desc b_md(memory::dims{k, n}, f32, tb ? memory::dims{1, ldb} : memory::dims{ldb, 1});
+      source = memory(b_md, cpu_engine(), const_cast<float*>(b));
+    }
     dnnl::reorder(source, p->b).execute(p->stream, source, p->b);
     p->stream.wait();
   } catch (...) {

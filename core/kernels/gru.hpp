@@ -20,9 +20,6 @@
 namespace linum::kernels::gru {
 
 inline constexpr std::int64_t kGates = 3;
-// Steps per part of a chunk in the backward pass: the weights' gradients are summed one product per
-// part (half a chunk), so that with kept activations the gates' cotangents need a part's buffer only.
-inline constexpr std::int64_t kGradientSteps = recurrent::kChunk / 2;
 using Dims = recurrent::Dims;
 
 // The interleaved layout of [rows, 3H] matrices (the kernels', the biases', the gates').

@@ -260,11 +260,12 @@ void backward(const Backward& bw) {
   else std::fill(dc, dc + N * H, 0.0f);
   for (float* g : {bw.d_wi, bw.d_wh, bw.d_b})
     if (g != nullptr) std::fill(g, g + (g == bw.d_wi ? I * H4 : g == bw.d_wh ? H * H4 : H4), 0.0f);
-  // The gates' cotangents of a chunk: their own buffer when the activations were kept (they are the
-  // forward's, which a second backward pass reads again); in recompute mode they replace the
-  // recomputed activations of the same steps in place (a step's cell reads its activations before
-  // it writes their cotangents, and nothing reads them after).
-  float* dz_kept_mode = keep_all ? workspace(dz_buf, kChunk * N * H4) : nullptr;
+  // The gates' cotangents of a part (kGradientSteps steps, whose weight gradients are one product):
+  // their own buffer when the activations were kept (they are the forward's, which a second backward
+  // pass reads again); in recompute mode they replace the recomputed activations of the same steps
+  // in place (a step's cell reads its activations before it writes their cotangents, and nothing
+  // reads them after).
+  float* dz_kept_mode = keep_all ? workspace(dz_buf, kGradientSteps * N * H4) : nullptr;
   // Recompute mode: a segment's activations and cell states (slot 0: the state before it).
   float* seg_acts = keep_all ? nullptr : workspace(seg_acts_buf, std::min(S, T) * N * H4);
   float* seg_cs = keep_all ? nullptr : workspace(seg_cs_buf, (std::min(S, T) + 1) * N * H);
@@ -292,9 +293,9 @@ void backward(const Backward& bw) {
         p.run(s0, s1, seg_cs, acts_of, c_of, false, failure, scratch);
 #pragma omp barrier
       }
-      const std::int64_t last_chunk = s0 + (s1 - s0 - 1) / kChunk * kChunk;
-      for (std::int64_t t0 = last_chunk; t0 >= s0; t0 -= kChunk) {
-        const std::int64_t g = std::min(kChunk, s1 - t0);
+      const std::int64_t last_part = s0 + (s1 - s0 - 1) / kGradientSteps * kGradientSteps;
+      for (std::int64_t t0 = last_part; t0 >= s0; t0 -= kGradientSteps) {
+        const std::int64_t g = std::min(kGradientSteps, s1 - t0);
         float* dz = keep_all ? dz_kept_mode : acts_of(t0);
         for (std::int64_t t = t0 + g - 1; t >= t0; --t) {
           float* dz_t = dz + (t - t0) * N * H4;
@@ -315,14 +316,13 @@ void backward(const Backward& bw) {
           // No barrier after it: the same static schedule gives block b to the same thread in both
           // loops, so the thread that writes dh's block b is the one that reads it in the next
           // step's cell loop, and the other thread, still reading dz_t here, never sees that loop
-          // write dz_t (it writes the step before's rows; the chunk ends with the d_x loop's
+          // write dz_t (it writes the step before's rows; the part ends with the d_x loop's
           // barrier before its buffer is reused).
 #pragma omp for schedule(static) nowait
           for (std::int64_t b = 0; b < bl.count; ++b)
             failure.run([&] { transposed[static_cast<std::size_t>(b)]->run(dz_t, dh + bl.first(b)); });
         }
-        // The chunk's weight gradients (one product per weight and block, the recurrent kernel's split
-        // where noted) and its inputs' gradients.
+        // The part's weight gradients (one product per weight and block) and its inputs' gradients.
 #pragma omp for schedule(static) nowait
         for (std::int64_t b = 0; b < bl.count; ++b)
           failure.run([&] {

@@ -18,7 +18,10 @@ struct Dims {
   bool bf16_products = false;
 };
 
-inline constexpr std::int64_t kChunk = 16;      // time steps per input product and weight-gradient product
+inline constexpr std::int64_t kChunk = 16;  // time steps per input product (and per recomputation of a GRU's gates)
+// Time steps per weight-gradient product in the backward passes (half a chunk): with kept
+// activations the gates' cotangents then need a buffer this many steps long.
+inline constexpr std::int64_t kGradientSteps = kChunk / 2;
 inline constexpr std::int64_t kUnitBlock = 128;  // hidden units per block
 
 // A [rows, gates * H] matrix in gate order (a kernel, a bias, their gradients), given by where each

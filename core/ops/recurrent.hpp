@@ -43,7 +43,7 @@ std::pair<Array, Array> lstm_cell(const Array& x_gates, const Array& h_gates, co
 // math and the states stay float32.
 //
 // The input products run as one product per chunk of 16 steps, and the backward pass computes the
-// weights' gradients as one product per chunk (not one per step), the hidden units split into
+// weights' gradients as one product per 8 steps (not one per step), the hidden units split into
 // fixed blocks among the threads: results are bitwise the same for any thread count.
 // What the forward pass keeps: every step's gate activations and cell state (4 + 1 floats per
 // hidden unit and row), or, with `recompute_segment` S > 0 (rounded up to a multiple of 16), only
@@ -95,7 +95,7 @@ std::tuple<Array, Array, Array> lstm_layer(const Array& x, const std::vector<Arr
 // widened, results rounded back; a bf16 recurrent kernel makes the products bf16, as lstm_layer's).
 //
 // Products and threads as lstm_layer's: input products per chunk of 16 steps, one recurrent product
-// per step, the weights' gradients per chunk, results bitwise the same for any thread count. What
+// per step, the weights' gradients per 8 steps, results bitwise the same for any thread count. What
 // the forward pass keeps: the gates r, z, n and hg_n of every step (4 floats per hidden unit and
 // row), or with `recompute` nothing beyond the outputs: a GRU's state is its output, so the backward
 // pass computes each chunk's gates again from ys with the forward pass's products (remat over time
