@@ -641,6 +641,17 @@ TEST_CASE("lstm_layer and gru_layer under vmap and in create-graph mode (second 
   const Array gru_batched = vmap(g, {.in_axes = {0}})(xs);
   for (std::int64_t e = 0; e < 3; ++e)
     CHECK(reshape(slice_axis(gru_batched, 0, e, e + 1), {T, N, H}).bitwise_equal(g(reshape(slice_axis(xs, 0, e, e + 1), {T, N, I}))));
+  // A batch of no examples: empty results of one example's shapes and dtype (bf16 arguments, or
+  // the dtype option with float32 carries).
+  auto bf = [](const Array& a) { return astype(a, DType::bf16); };
+  auto f16 = [&](const Array& x) { return std::get<0>(lstm_layer(x, bf(wi), bf(b), bf(wh), bf(c0), bf(h0))); };
+  const Array none16 = vmap(f16, {.in_axes = {0}})(Array::zeros(Shape{0, T, N, I}, DType::bf16));
+  CHECK(none16.shape() == Shape{0, T, N, H});
+  CHECK(none16.dtype() == DType::bf16);
+  auto g16 = [&](const Array& x) { return gru_layer(x, bf(gwi), bf(gbi), bf(gwh), bf(gbh), h0, {.dtype = DType::bf16}).first; };
+  const Array none_g = vmap(g16, {.in_axes = {0}})(Array::zeros(Shape{0, T, N, I}));
+  CHECK(none_g.shape() == Shape{0, T, N, H});
+  CHECK(none_g.dtype() == DType::f32);  // float32 carries promote
   // Second derivatives: d/dwh of sum(dL/dwh) through the op (its rule differentiates the layer
   // written with ops) against the same through the step-by-step composition.
   const Array x = reshape(slice_axis(xs, 0, 0, 1), {T, N, I});

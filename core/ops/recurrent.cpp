@@ -349,10 +349,10 @@ std::vector<Array> gradient_parts(const Array& g, const std::vector<Array>& part
 Array joined(const std::vector<Array>& parts) { return parts.size() == 1 ? parts[0] : concatenate(parts, -1); }
 
 // vmap of a layer op: the layer once per example (each example may have its own weights), results
-// stacked. `example_shapes`: one example's results (for a batch level of size 0).
+// stacked. `example_shapes` and `dtype`: one example's results (for a batch level of size 0).
 template <class Layer>
 std::vector<Array> per_example(const char* op, const std::vector<const Array*>& inputs, const std::vector<Shape>& example_shapes,
-                               Layer layer) {
+                               DType dtype, Layer layer) {
   const std::vector<BatchLevel> levels = autodiff::union_levels(std::span<const Array* const>(inputs.data(), inputs.size()), op);
   std::int64_t examples = 1;
   std::vector<std::int64_t> level_dims;
@@ -370,7 +370,7 @@ std::vector<Array> per_example(const char* op, const std::vector<const Array*>& 
     for (const Shape& s : example_shapes) {
       std::vector<std::int64_t> dims = level_dims;
       for (std::int64_t v : s.vec()) dims.push_back(v);
-      out.push_back(wrap(Array::zeros(Shape(dims)), s));
+      out.push_back(wrap(Array::zeros(Shape(dims), dtype), s));
     }
     return out;
   }
@@ -559,6 +559,9 @@ DType result_dtype(const LayerArgs& a, DType dtype) {
   for (const Array& c : a.carries) dt = promote_types(dt, c.dtype());
   return dt;
 }
+DType result_dtype(const LayerArgs& a, const std::optional<DType>& dtype) {
+  return dtype ? result_dtype(a, *dtype) : a.promoted();
+}
 
 // precision: see Precision (the arguments are then float32).
 std::tuple<Array, Array, Array> lstm_layer_op(const LayerArgs& args, const LSTMLayerOptions& options,
@@ -572,7 +575,7 @@ std::tuple<Array, Array, Array> lstm_layer_op(const LayerArgs& args, const LSTML
   if (args.any(is_batched) || lengths_batched(options.seq_lengths)) [[unlikely]] {
     const std::vector<Array> out = per_example(
         "lstm_layer", with_batched_lengths(args.flat(), options),
-        {Shape{d.steps, d.rows, d.hidden}, Shape{d.rows, d.hidden}, Shape{d.rows, d.hidden}},
+        {Shape{d.steps, d.rows, d.hidden}, Shape{d.rows, d.hidden}, Shape{d.rows, d.hidden}}, result_dtype(args, options.dtype),
         [&](const std::vector<Array>& one) {
           auto [flat, o] = split_batched_lengths(one, options);
           auto [y, c, h] = lstm_layer_op(args.with(flat), o);
@@ -701,7 +704,7 @@ std::pair<Array, Array> gru_layer_op(const LayerArgs& args, const GRULayerOption
   if (args.any(is_batched) || lengths_batched(options.seq_lengths)) [[unlikely]] {
     const std::vector<Array> out = per_example("gru_layer", with_batched_lengths(args.flat(), options),
                                                {Shape{d.steps, d.rows, d.hidden}, Shape{d.rows, d.hidden}},
-                                               [&](const std::vector<Array>& one) {
+                                               result_dtype(args, options.dtype), [&](const std::vector<Array>& one) {
                                                  auto [flat, o] = split_batched_lengths(one, options);
                                                  auto [y, h] = gru_layer_op(args.with(flat), o);
                                                  return std::vector<Array>{y, h};
