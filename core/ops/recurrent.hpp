@@ -61,7 +61,8 @@ std::pair<Array, Array> lstm_cell(const Array& x_gates, const Array& h_gates, co
 // float32 arrays where they are and rounds what it reads (each product's operands, its interleaved
 // copies of the input kernel and the biases): bitwise the layer on cast copies, with the same
 // gradients (the cotangents of x and the weights rounded to bf16, as the casts' would be), but no
-// cast copy is made, and none kept for the backward pass.
+// cast copy is made, and none kept for the backward pass. (Arguments already bf16 are widened to
+// float32 copies, as without the option.)
 struct LSTMLayerOptions {
   std::int64_t recompute_segment = 0;
   std::optional<Array> seq_lengths;
