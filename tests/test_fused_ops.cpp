@@ -208,35 +208,30 @@ TEST_CASE("bf16-rounded products: the float64 product of the operands rounded as
           const auto b = random_array(Shape{tb ? c.n : c.k, ldb}, 51).to_vector();
           auto at = [&](std::int64_t i, std::int64_t kk) { return r(a[static_cast<std::size_t>(ta ? kk * lda + i : i * lda + kk)]); };
           auto bt = [&](std::int64_t kk, std::int64_t j) { return r(b[static_cast<std::size_t>(tb ? j * ldb + kk : kk * ldb + j)]); };
+          // The largest error of out [m, n] (row stride ldc, started at 0.25) against the float64
+          // product, relative to the sum of the products' magnitudes.
+          auto worst_error = [&](const std::vector<float>& out) {
+            double worst = 0;
+            for (std::int64_t i = 0; i < c.m; ++i)
+              for (std::int64_t j = 0; j < c.n; ++j) {
+                double exact = beta != 0.0f ? 0.25 : 0.0, magnitude = 1.0;
+                for (std::int64_t kk = 0; kk < c.k; ++kk) {
+                  exact += at(i, kk) * bt(kk, j);
+                  magnitude += std::abs(at(i, kk) * bt(kk, j));
+                }
+                worst = std::max(worst, std::abs(out[static_cast<std::size_t>(i * ldc + j)] - exact) / magnitude);
+              }
+            return worst;
+          };
           std::vector<float> out(static_cast<std::size_t>(c.m * ldc), 0.25f);
           kernels::gemm_bf16_rounded_serial(ta, tb, c.m, c.n, c.k, 1.0f, a.data(), lda, b.data(), ldb, beta, out.data(), ldc);
-          double worst = 0;
-          for (std::int64_t i = 0; i < c.m; ++i)
-            for (std::int64_t j = 0; j < c.n; ++j) {
-              double exact = beta != 0.0f ? 0.25 : 0.0, magnitude = 1.0;
-              for (std::int64_t kk = 0; kk < c.k; ++kk) {
-                exact += at(i, kk) * bt(kk, j);
-                magnitude += std::abs(at(i, kk) * bt(kk, j));
-              }
-              worst = std::max(worst, std::abs(out[static_cast<std::size_t>(i * ldc + j)] - exact) / magnitude);
-            }
-          CHECK(worst < 1e-6);  // float32 sums of exact products of bf16 values
+          CHECK(worst_error(out) < 1e-6);  // float32 sums of exact products of bf16 values
           for (std::int64_t i = 0; i < c.m; ++i) CHECK(out[static_cast<std::size_t>(i * ldc + c.n)] == 0.25f);
           if (ta) continue;  // PackedProduct: a [m, k] row-major
           std::vector<float> packed_out(static_cast<std::size_t>(c.m * ldc), 0.25f);
           const kernels::PackedProduct product(c.m, c.n, c.k, b.data(), ldb, tb, lda, ldc, beta != 0.0f, kernels::Operands::bf16);
           product.run(a.data(), packed_out.data());
-          double worst_packed = 0;
-          for (std::int64_t i = 0; i < c.m; ++i)
-            for (std::int64_t j = 0; j < c.n; ++j) {
-              double exact = beta != 0.0f ? 0.25 : 0.0, magnitude = 1.0;
-              for (std::int64_t kk = 0; kk < c.k; ++kk) {
-                exact += at(i, kk) * bt(kk, j);
-                magnitude += std::abs(at(i, kk) * bt(kk, j));
-              }
-              worst_packed = std::max(worst_packed, std::abs(packed_out[static_cast<std::size_t>(i * ldc + j)] - exact) / magnitude);
-            }
-          CHECK(worst_packed < 1e-6);
+          CHECK(worst_error(packed_out) < 1e-6);
         }
   }
   // The weights are rounded as bfloat16() rounds, also the largest float32 subnormal (up to 2^-126,

@@ -417,10 +417,6 @@ enum class Precision {
 };
 bool bf16_products(Precision p) { return p != Precision::f32; }
 
-// The op's arguments for Precision::bf16_inputs: x and the weights float32 (bf16 ones widened: their
-// values are already bf16's), the carries float32.
-LayerArgs widened(const LayerArgs& a) { return a.map(to_f32); }
-
 // Create-graph mode of Precision::bf16_inputs: x and the weights (flat inputs before the carries)
 // cast to bf16 and back, so that the composed layer differentiates the casts too.
 std::vector<Array> rounded_through_casts(const LayerStructure& shape, std::vector<Array> in) {
@@ -583,11 +579,11 @@ std::tuple<Array, Array, Array> lstm_layer_op(const LayerArgs& args, const LSTML
         });
     return {out[0], out[1], out[2]};
   }
-  if (options.dtype) {  // as if x and the weights were cast to dtype
+  if (options.dtype) {  // as if x and the weights were cast to dtype (bf16 arguments widened: exact)
     const DType dt = result_dtype(args, *options.dtype);
     LSTMLayerOptions rest = options;
     rest.dtype.reset();
-    auto [y, c, h] = lstm_layer_op(widened(args), rest, *options.dtype == DType::bf16 ? Precision::bf16_inputs : Precision::f32);
+    auto [y, c, h] = lstm_layer_op(args.map(to_f32), rest, *options.dtype == DType::bf16 ? Precision::bf16_inputs : Precision::f32);
     return {astype(y, dt), astype(c, dt), astype(h, dt)};
   }
   if (args.any(not_f32)) {
@@ -711,11 +707,11 @@ std::pair<Array, Array> gru_layer_op(const LayerArgs& args, const GRULayerOption
                                                });
     return {out[0], out[1]};
   }
-  if (options.dtype) {  // as if x and the weights were cast to dtype
+  if (options.dtype) {  // as if x and the weights were cast to dtype (bf16 arguments widened: exact)
     const DType dt = result_dtype(args, *options.dtype);
     GRULayerOptions rest = options;
     rest.dtype.reset();
-    auto [y, h] = gru_layer_op(widened(args), rest, *options.dtype == DType::bf16 ? Precision::bf16_inputs : Precision::f32);
+    auto [y, h] = gru_layer_op(args.map(to_f32), rest, *options.dtype == DType::bf16 ? Precision::bf16_inputs : Precision::f32);
     return {astype(y, dt), astype(h, dt)};
   }
   if (args.any(not_f32)) {
