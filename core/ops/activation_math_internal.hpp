@@ -5,7 +5,7 @@
 // relu, tanh and sigmoid take their derivative from their output. gelu (both forms) and silu take it
 // from their input, through the transcendental their value also needs: `value_and_derivative`
 // computes both from one evaluation of it, so the fused linear op can keep the derivative instead of
-// the pre-activation (in float32) and its backward pass is a product (no second tanh, erf or exp).
+// the pre-activation and its backward pass is a product (no second tanh, erf or exp).
 #pragma once
 
 #include <linum/core/ops/linear.hpp>
@@ -37,8 +37,8 @@ constexpr bool derivative_from_input(Activation act) {
 }
 
 // For an activation whose derivative reads its input: y = act(x) and/or d = act'(x) (either pointer
-// may be null), p floats each, from one evaluation of the shared term into `u` (p floats of scratch,
-// not aliasing x). d may be x's own memory or u's (each element is read before it is written).
+// may be null), p floats each (a whole number of packets), from one evaluation of the shared term
+// (into `u`, p floats of scratch not aliasing x, where the activation needs it). d may be x's own memory or u's (each element is read before it is written).
 // Compiled once (activation_math.cpp), so every caller gets the same bits whatever the compiler
 // would contract into fused multiply-adds in its own translation unit.
 void value_and_derivative(Activation act, const float* x, float* y, float* d, float* u, std::int64_t p);

@@ -40,9 +40,11 @@ Array activate(const Array& x, Activation act);
 //
 // It is one op: a remat policy that saves products (dots_saveable,
 // dots_with_no_batch_dims_saveable) saves its output and, with an activation, what it keeps for the
-// backward pass (the pre-activation; for gelu and silu in float32 their derivative; JAX would save
-// the product and recompute the activation); to save only the product, apply the activation as a
-// separate op. Under vmap it runs as those separate ops.
+// backward pass (relu, tanh, sigmoid: the output; gelu, gelu_exact, silu: their derivative, computed
+// in the forward pass from the same tanh, erf or sigmoid and stored in the product's dtype, so in
+// bf16 its gradients are one rounding from the unfused ops'; JAX would save the product and
+// recompute the activation); to save only the product, apply the activation as a separate op. Under
+// vmap it runs as those separate ops.
 Array linear(const Array& x, const Array& kernel, const Array& bias = Array(), Activation act = Activation::none);
 
 }  // namespace linum
