@@ -92,11 +92,23 @@ std::pair<Array, Array> value_and_derivative(Array z, Activation act) {
   return {std::move(y), std::move(d)};
 }
 
-// One row of g2 = g * d for an activation whose float32 derivative d was kept, straight from
-// storage (g2 may be g's own memory) and, with Sum, added to the bias sums `acc`: derivative_row's
-// product and the general path's sums in one loop, with the same roundings.
-template <bool Sum>
-void product_row(const float* g, const float* d, float* out, float* acc, std::int64_t n) {
+// acc[j] += row[j] (distinct arrays), vectorised: each column's sum keeps its order.
+void add_row(float* __restrict acc, const float* __restrict row, std::int64_t n) {
+  for (std::int64_t j = 0; j < n; ++j) acc[j] += row[j];
+}
+
+// One row of the backward pass straight from storage, for g, v and g2 of one dtype (float32 or
+// bf16): each element widened to float32; g itself (Kind::sum), g * d for a kept derivative
+// (Kind::product) or relu's select from its output (Kind::relu); with Sum added unrounded to the
+// bias sums `acc`, and (unless Kind::sum) written to out, rounded once in bf16. derivative_row's
+// arithmetic and the general path's roundings in one vectorised loop, without scratch rows.
+enum class RowKind { sum, product, relu };
+inline float widen(float v) { return v; }
+inline float widen(bfloat16 v) { return static_cast<float>(v); }
+inline void store(float* out, float v) { *out = v; }
+inline void store(bfloat16* out, float v) { out->bits = bfloat16::round_bits(v); }
+template <class T, bool Sum, RowKind Kind>
+void storage_row(const T* g, const T* v, T* out, float* acc, std::int64_t n) {
   // out may be g itself: element j is read before it is written, no other overlap (so the compiler
   // may vectorise without its runtime overlap check, which exact aliasing would fail).
 #if defined(__clang__)
@@ -105,28 +117,32 @@ void product_row(const float* g, const float* d, float* out, float* acc, std::in
 #pragma GCC ivdep
 #endif
   for (std::int64_t j = 0; j < n; ++j) {
-    const float o = g[j] * d[j];
+    const float gj = widen(g[j]);
+    float o = gj;
+    if constexpr (Kind == RowKind::product) o = gj * widen(v[j]);
+    if constexpr (Kind == RowKind::relu) o = widen(v[j]) > 0.0f ? gj : 0.0f;
     if constexpr (Sum) acc[j] += o;
-    out[j] = o;
+    if constexpr (Kind != RowKind::sum) store(out + j, o);
   }
 }
-
-// The same row for bf16 g and a bf16 `v` (the kept derivative, or relu's output), from storage in
-// one loop: each element widened, g * d (or relu's select) in float32, added unrounded to the bias
-// sums and rounded once into out (which may be g's memory): derivative_row's arithmetic and the
-// general path's rounding, without the widening and rounding passes through scratch rows.
-template <bool Sum, bool Relu>
-void bf16_row(const bfloat16* g, const bfloat16* v, bfloat16* out, float* acc, std::int64_t n) {
-#if defined(__clang__)
-#pragma clang loop vectorize(assume_safety)
-#elif defined(__GNUC__)
-#pragma GCC ivdep
-#endif
-  for (std::int64_t j = 0; j < n; ++j) {
-    const float gj = static_cast<float>(g[j]), vj = static_cast<float>(v[j]);
-    const float o = Relu ? (vj > 0.0f ? gj : 0.0f) : gj * vj;
-    if constexpr (Sum) acc[j] += o;
-    out[j].bits = bfloat16::round_bits(o);
+template <class T, RowKind Kind>
+void storage_row(const T* g, const T* v, T* out, float* acc, std::int64_t n) {
+  if (acc != nullptr) storage_row<T, true, Kind>(g, v, out, acc, n);
+  else storage_row<T, false, Kind>(g, v, out, acc, n);
+}
+// Rows [begin, end) of a pass from storage (see storage_row), rows n wide.
+template <class T>
+void storage_rows(RowKind kind, const T* g, const T* v, T* out, float* acc, std::int64_t begin, std::int64_t end,
+                  std::int64_t n) {
+  for (std::int64_t r = begin; r < end; ++r) {
+    const T* gr = g + r * n;
+    const T* vr = v == nullptr ? nullptr : v + r * n;
+    T* o = out == nullptr ? nullptr : out + r * n;
+    switch (kind) {
+      case RowKind::sum: storage_row<T, RowKind::sum>(gr, vr, o, acc, n); break;
+      case RowKind::product: storage_row<T, RowKind::product>(gr, vr, o, acc, n); break;
+      case RowKind::relu: storage_row<T, RowKind::relu>(gr, vr, o, acc, n); break;
+    }
   }
 }
 
@@ -141,18 +157,20 @@ std::pair<Array, Array> cotangent_pass(Array g, const Array& v, Activation act, 
   const bool write = act != Activation::none;
   if (!write && !bias_dtype) return {std::move(g), Array()};  // nothing to compute
   Array g2 = !write ? g : in_place ? g : Array::empty(g.shape(), g.dtype());
-  // The kept derivative's product, in one loop per row from storage when g is float32 too.
-  const bool product = derivative_kept && g.dtype() == DType::f32 && v.dtype() == DType::f32;
-  const float* gp = product ? g.data() : nullptr;  // (fetched before the region: the accessors check)
-  const float* dp = product ? v.data() : nullptr;
-  float* g2p = product ? g2.mutable_data() : nullptr;
-  // In bf16 the kept derivative's product and relu's select run from storage too.
-  const bool bf16_rows = write && (derivative_kept || act == Activation::relu) && g.dtype() == DType::bf16 &&
-                         v.dtype() == DType::bf16 && g2.dtype() == DType::bf16;
-  const bfloat16* gb = bf16_rows ? static_cast<const bfloat16*>(g.raw()) : nullptr;
-  const bfloat16* vb = bf16_rows ? static_cast<const bfloat16*>(v.raw()) : nullptr;
-  bfloat16* g2b = bf16_rows ? static_cast<bfloat16*>(g2.mutable_raw()) : nullptr;
-  const bool relu = act == Activation::relu;
+  // From storage in one loop per row (storage_rows) when g, v and g2 share a dtype and the
+  // activation's backward is a product with a kept derivative, relu's select, or nothing (the bias
+  // sum alone); tanh and sigmoid take the general path (their Eigen expressions, the activation ops'
+  // own arithmetic).
+  const DType dt = g.dtype();
+  const std::optional<RowKind> kind = !write                          ? std::optional<RowKind>(RowKind::sum)
+                                      : derivative_kept               ? std::optional<RowKind>(RowKind::product)
+                                      : act == Activation::relu       ? std::optional<RowKind>(RowKind::relu)
+                                                                      : std::nullopt;
+  const bool from_storage = kind && g2.dtype() == dt && (!write || v.dtype() == dt);
+  // (raw pointers fetched before the region: the accessors check)
+  const void* graw = from_storage ? g.raw() : nullptr;
+  const void* vraw = from_storage && write ? v.raw() : nullptr;
+  void* g2raw = from_storage && write ? g2.mutable_raw() : nullptr;
   const std::int64_t blocks = (m + kRowsPerBlock - 1) / kRowsPerBlock;
   // The blocks' column sums (an Array: counted by memory accounting and the remat planner).
   Array partial = bias_dtype ? Array::empty(Shape{blocks, n}, DType::f32) : Array();
@@ -160,7 +178,7 @@ std::pair<Array, Array> cotangent_pass(Array g, const Array& v, Activation act, 
   // Per thread: g's row, v's row, the result row (each p floats, 64-byte aligned: Eigen computes the
   // elements before a destination's first aligned one without vectors, which would change their
   // last bits), allocated before the region.
-  ops::detail::AlignedScratch scratch(static_cast<std::int64_t>(threads) * 3 * p);
+  ops::detail::AlignedScratch scratch(from_storage ? 0 : static_cast<std::int64_t>(threads) * 3 * p);
 #ifdef _OPENMP
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
 #endif
@@ -171,25 +189,22 @@ std::pair<Array, Array> cotangent_pass(Array g, const Array& v, Activation act, 
 #else
     const int t = 0;
 #endif
-    float* sg = scratch.data() + static_cast<std::size_t>(t) * 3 * p;
-    float* sv = sg + p;
-    float* so = sv + p;
     float* acc = bias_dtype ? partial.mutable_data() + b * n : nullptr;
     if (acc != nullptr) std::fill(acc, acc + n, 0.0f);
     const std::int64_t end = std::min(m, (b + 1) * kRowsPerBlock);
+    if (from_storage) {
+      if (dt == DType::f32)
+        storage_rows(*kind, static_cast<const float*>(graw), static_cast<const float*>(vraw), static_cast<float*>(g2raw), acc,
+                     b * kRowsPerBlock, end, n);
+      else
+        storage_rows(*kind, static_cast<const bfloat16*>(graw), static_cast<const bfloat16*>(vraw),
+                     static_cast<bfloat16*>(g2raw), acc, b * kRowsPerBlock, end, n);
+      continue;
+    }
+    float* sg = scratch.data() + static_cast<std::size_t>(t) * 3 * p;
+    float* sv = sg + p;
+    float* so = sv + p;
     for (std::int64_t r = b * kRowsPerBlock; r < end; ++r) {
-      if (product) {
-        if (acc != nullptr) product_row<true>(gp + r * n, dp + r * n, g2p + r * n, acc, n);
-        else product_row<false>(gp + r * n, dp + r * n, g2p + r * n, nullptr, n);
-        continue;
-      }
-      if (bf16_rows) {
-        const bfloat16 *gr = gb + r * n, *vr = vb + r * n;
-        bfloat16* o = g2b + r * n;
-        if (acc != nullptr) relu ? bf16_row<true, true>(gr, vr, o, acc, n) : bf16_row<true, false>(gr, vr, o, acc, n);
-        else relu ? bf16_row<false, true>(gr, vr, o, nullptr, n) : bf16_row<false, false>(gr, vr, o, nullptr, n);
-        continue;
-      }
       const float* gr = row_f32(g, r, n, sg);
       const float* out = gr;
       if (write) {
@@ -198,16 +213,15 @@ std::pair<Array, Array> cotangent_pass(Array g, const Array& v, Activation act, 
         if (g2.dtype() == DType::f32) std::memcpy(g2.mutable_data() + r * n, so, static_cast<std::size_t>(n) * sizeof(float));
         else ops::detail::f32_commit(g2, r * n, n, so);
       }
-      if (acc != nullptr)
-        for (std::int64_t j = 0; j < n; ++j) acc[j] += out[j];
+      if (acc != nullptr) add_row(acc, out, n);
     }
   }
   Array db;
   if (bias_dtype) {
     Array sum = Array::zeros(Shape{n}, DType::f32);
     float* s = sum.mutable_data();
-    for (std::int64_t b = 0; b < blocks; ++b)
-      for (std::int64_t j = 0; j < n; ++j) s[j] += partial.data()[b * n + j];
+    const float* sums = partial.data();
+    for (std::int64_t b = 0; b < blocks; ++b) add_row(s, sums + b * n, n);
     db = *bias_dtype == DType::f32 ? sum : astype(sum, *bias_dtype);
   }
   return {std::move(g2), std::move(db)};
