@@ -10,7 +10,8 @@
 // is applied in the same op, whose backward pass computes the activation's derivative and the bias
 // gradient in one pass. nn::gelu(s(nn::Dense{...}, x)) gives the same values as .activation = gelu;
 // the fused form passes over the activations fewer times. A remat policy that saves products saves
-// a fused Dense's output with its pre-activation (see linear.hpp).
+// a fused Dense's output with what the op keeps for its backward pass (the output, or gelu's and
+// silu's derivative; see linear.hpp).
 //
 // Parameter names, shapes, defaults and initializer calls are Flax's, so variable dicts move
 // between the two and the same key gives the same parameters.

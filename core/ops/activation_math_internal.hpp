@@ -1,4 +1,5 @@
-// Internal: the activations' values and derivatives as Eigen array expressions on float32 runs,
+// Internal: the activations' values and derivatives on float32 runs (Eigen array expressions; gelu's
+// tanh form as one loop of Eigen packets),
 // shared by the activation ops (elementwise.cpp) and the fused linear op (linear.cpp), so every path
 // computes each element the same way, bit for bit. Not installed (pulls in Eigen).
 //

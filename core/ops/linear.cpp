@@ -1,7 +1,7 @@
 // The fused dense layer (linear.hpp): one primitive whose forward is a product with the bias in its
-// epilogue followed by the activation (in float32, gelu and silu compute their derivative in the
-// same pass and keep it), and whose backward rule passes over the cotangent once (the activation's
-// derivative and the bias sum together) before the two products.
+// epilogue followed by the activation (gelu and silu compute their derivative in the same pass and
+// keep it), and whose backward rule passes over the cotangent once (the activation's derivative and
+// the bias sum together) before the two products.
 #include <linum/core/ops/linear.hpp>
 
 #include <linum/core/autodiff/primitive.hpp>
@@ -49,8 +49,8 @@ constexpr std::array<std::pair<Activation, std::string_view>, 7> kNames{{
 constexpr std::int64_t kRowsPerBlock = 64;
 // One row of g2 = g * act'(x) in float32 (n floats, padded to whole packets in the scratch runs),
 // from what the op keeps (`v`): the output for relu, tanh and sigmoid; for gelu and silu the
-// derivative itself when `derivative_kept` (float32), else their input.
-void derivative_row(Activation act, bool derivative_kept, const float* g, const float* v, float* out, std::int64_t n) {
+// derivative itself.
+void derivative_row(Activation act, const float* g, const float* v, float* out, std::int64_t n) {
   const am::CVec G(g, n), V(v, n);
   am::OVec O(out, n);
   switch (act) {
@@ -59,8 +59,7 @@ void derivative_row(Activation act, bool derivative_kept, const float* g, const 
     case Activation::gelu:
     case Activation::gelu_exact:
     case Activation::silu:
-      if (derivative_kept) O = G * V;
-      else am::grad_from_input(act, G, V, O);
+      O = G * V;
       break;
     case Activation::tanh: O = am::tanh_grad(G, V); break;
     case Activation::sigmoid: O = am::sigmoid_grad(G, V); break;
@@ -150,8 +149,8 @@ void storage_rows(RowKind kind, const T* g, const T* v, T* out, float* acc, std:
 // derivative_row; g itself for none; written over g when `in_place`), and, when `bias_dtype` is
 // given, the column sums of g2 (the bias gradient, summed in float32 and rounded once; in bf16 it
 // sums g2 before g2 is rounded, while the products read the rounded g2).
-std::pair<Array, Array> cotangent_pass(Array g, const Array& v, Activation act, bool derivative_kept,
-                                       std::optional<DType> bias_dtype, bool in_place) {
+std::pair<Array, Array> cotangent_pass(Array g, const Array& v, Activation act, std::optional<DType> bias_dtype,
+                                       bool in_place) {
   const std::int64_t n = g.dim(-1), m = n == 0 ? 0 : g.numel() / n;
   const std::int64_t p = od::whole_packets(n);
   const bool write = act != Activation::none;
@@ -163,7 +162,7 @@ std::pair<Array, Array> cotangent_pass(Array g, const Array& v, Activation act, 
   // own arithmetic).
   const DType dt = g.dtype();
   const std::optional<RowKind> kind = !write                          ? std::optional<RowKind>(RowKind::sum)
-                                      : derivative_kept               ? std::optional<RowKind>(RowKind::product)
+                                      : am::derivative_from_input(act) ? std::optional<RowKind>(RowKind::product)
                                       : act == Activation::relu       ? std::optional<RowKind>(RowKind::relu)
                                                                       : std::nullopt;
   const bool from_storage = kind && g2.dtype() == dt && (!write || v.dtype() == dt);
@@ -208,7 +207,7 @@ std::pair<Array, Array> cotangent_pass(Array g, const Array& v, Activation act, 
       const float* gr = row_f32(g, r, n, sg);
       const float* out = gr;
       if (write) {
-        derivative_row(act, derivative_kept, gr, row_f32(v, r, n, sv), so, p);
+        derivative_row(act, gr, row_f32(v, r, n, sv), so, p);
         out = so;
         if (g2.dtype() == DType::f32) std::memcpy(g2.mutable_data() + r * n, so, static_cast<std::size_t>(n) * sizeof(float));
         else ops::detail::f32_commit(g2, r * n, n, so);
@@ -294,7 +293,7 @@ Array linear(const Array& x_in, const Array& kernel_in, const Array& bias_in, Ac
   const Array x2 = reshape(x, {rows, k});
   const Shape rows_shape{x2.dim(0), n};
   const bool has_bias = bias.defined();
-  const bool keep_derivative = am::derivative_from_input(act);  // (any float dtype)
+  const bool keep_derivative = am::derivative_from_input(act);  // gelu, gelu_exact, silu (any float dtype)
   auto forward = [&](Residuals& r) {
     Array z = has_bias ? kernels::gemm_bias(x2, kernel, bias) : kernels::batched_gemm(x2, kernel, false, false);
     // The output at its own shape, so a kept output is recognised as the op's output (remat
@@ -304,7 +303,7 @@ Array linear(const Array& x_in, const Array& kernel_in, const Array& bias_in, Ac
       // backward pass reads the derivative (kept in z's place, in z's dtype) and multiplies. In bf16
       // the kept derivative is rounded, one rounding more than the unfused ops make (they compute it
       // in float32 in their backward rule): a second tanh per element in every backward pass cost
-      // about 3% of a bf16 MLP step (24 x 512, batch 2048), the rounding 2^-9 relative.
+      // about 3% of a bf16 MLP step (24 x 512, batch 2048), the rounding at most 2^-8 relative.
       auto [y, d] = value_and_derivative(std::move(z), act);
       r.keep(x2, kernel, has_bias ? bias : Array(), d);
       return y.with_shape(out_shape);
@@ -312,11 +311,11 @@ Array linear(const Array& x_in, const Array& kernel_in, const Array& bias_in, Ac
     const Array y = activate(z, act).with_shape(out_shape);  // recording is off here: the kernel alone
     if (r.recording()) {
       if (act == Activation::none) r.keep(kernel.node() ? x2 : Array(), x2.node() ? kernel : Array());
-      else r.keep(x2, kernel, has_bias ? bias : Array(), am::derivative_from_input(act) ? z : y);
+      else r.keep(x2, kernel, has_bias ? bias : Array(), y);  // relu, tanh, sigmoid: from the output
     }
     return y;
   };
-  auto rule = autodiff::higher_order([act, has_bias, keep_derivative, rows_shape, out_shape, x_shape = x2.shape()](Cotangents& c,
+  auto rule = autodiff::higher_order([act, has_bias, rows_shape, out_shape, x_shape = x2.shape()](Cotangents& c,
                                                                                                  autodiff::Saved s) {
     if (autodiff::creating_graph()) {  // the same function in differentiable ops
       if (act == Activation::none) {
@@ -336,7 +335,7 @@ Array linear(const Array& x_in, const Array& kernel_in, const Array& bias_in, Ac
     Array g = c.take_out(0).with_shape(rows_shape);
     const std::optional<DType> bias_dtype = has_bias && c.needs(2) ? std::optional<DType>(g.dtype()) : std::nullopt;
     const bool in_place = act != Activation::none && g.owns_buffer_alone();
-    auto [g2, db] = cotangent_pass(std::move(g), act == Activation::none ? Array() : s[3], act, keep_derivative, bias_dtype,
+    auto [g2, db] = cotangent_pass(std::move(g), act == Activation::none ? Array() : s[3], act, bias_dtype,
                                    in_place);
     if (c.needs(0)) c.set(0, kernels::batched_gemm(g2, s[1], false, true).with_shape(x_shape));  // dx = g2 W^T
     if (c.needs(1)) c.set(1, kernels::batched_gemm(s[0], g2, true, false));                      // dW = x^T g2

@@ -44,7 +44,8 @@ Array activate(const Array& x, Activation act);
 // in the forward pass from the same tanh, erf or sigmoid and stored in the product's dtype, so in
 // bf16 its gradients are one rounding from the unfused ops'; JAX would save the product and
 // recompute the activation); to save only the product, apply the activation as a separate op. Under
-// vmap it runs as those separate ops.
+// vmap, and when differentiated with create_graph, it runs as those separate ops (in bf16 their
+// gelu and silu gradients lack the kept derivative's rounding).
 Array linear(const Array& x, const Array& kernel, const Array& bias = Array(), Activation act = Activation::none);
 
 }  // namespace linum
