@@ -61,6 +61,30 @@ TEST_CASE("bfloat16 conversion rounds to nearest even, as JAX/XLA") {
   for (std::size_t i = 0; i < v.size(); ++i) CHECK(bfloat16(back[i]).bits == out[i].bits);
 }
 
+TEST_CASE("the bulk bf16 rounding agrees with the scalar one in whole blocks of 16, subnormals included") {
+  // Blocks of 16 take the vector path (AVX512-BF16's instruction where the CPU has it, which
+  // flushes subnormals: a block with one must fall back). Ties, NaN payloads, infinities, the
+  // largest finite value, signed zeros and subnormals in some blocks but not others.
+  const std::uint32_t kinds[] = {0x3f808000u, 0x3f818000u, 0x3f808001u, 0x3f807fffu, 0x7f800001u, 0xffc12345u,
+                                 0x7f800000u, 0xff800000u, 0x7f7fffffu, 0x80000000u, 0x00000000u, 0x00800000u,
+                                 0x3dcccccdu, 0xc2c80000u, 0x477fe000u, 0x33800000u};
+  std::vector<float> v;
+  for (int block = 0; block < 8; ++block)
+    for (int i = 0; i < 16; ++i) {
+      std::uint32_t u = kinds[(i + block) % 16] ^ (static_cast<std::uint32_t>(block) << 1);  // vary the low bits
+      if (block % 3 == 1 && i == block) u = 0x007fffffu ^ static_cast<std::uint32_t>(i);       // a subnormal
+      if (block == 5 && i == 0) u = 0x80000001u;                                               // the smallest negative one
+      v.push_back(from_bits(u));
+    }
+  std::vector<bfloat16> out(v.size());
+  f32_to_bf16(v.data(), out.data(), static_cast<std::int64_t>(v.size()));
+  int differ = 0;
+  for (std::size_t i = 0; i < v.size(); ++i) differ += out[i].bits != bfloat16::round_bits(v[i]);
+  CHECK(differ == 0);
+  CHECK(out[16 + 1].bits == bfloat16::round_bits(from_bits(0x007fffffu ^ 1u)));  // a subnormal rounds up to 2^-126
+  CHECK(out[16 + 1].bits == 0x0080);
+}
+
 TEST_CASE("arrays: bf16 storage is 2 bytes per element, printed as JAX prints types") {
   const Array x = astype(Array::from(Shape{2, 3}, {1, 2, 3, 4, 5, 6}), DType::bf16);
   CHECK(x.dtype() == DType::bf16);
