@@ -1055,6 +1055,77 @@ TEST_CASE("lstm_layer and gru_layer with dtype = bf16: bitwise the layer on bf16
   CHECK_THROWS_WITH_AS(gru_layer(x, gwi, gbi, gwh, gbh, h0, {.dtype = DType::i32}), doctest::Contains("gru_layer: dtype"), ValueError);
 }
 
+TEST_CASE("the dtype option with bf16 carries, with dtype = float32, and under vmap: as the layer on casts") {
+  const std::int64_t T = 4, N = 3, I = 5, H = 7;
+  auto bf = [](const Array& a) { return astype(a, DType::bf16); };
+  auto f32 = [](const Array& a) { return astype(a, DType::f32); };
+  const Array x = random_array(Shape{T, N, I}, 161), c0 = random_array(Shape{N, H}, 162), h0 = random_array(Shape{N, H}, 163);
+  const Array wi = random_array(Shape{I, 4 * H}, 164) * 0.5f, wh = random_array(Shape{H, 4 * H}, 165) * 0.3f;
+  const Array b = random_array(Shape{4 * H}, 166);
+  const Array gwi = random_array(Shape{I, 3 * H}, 167) * 0.5f, gwh = random_array(Shape{H, 3 * H}, 168) * 0.3f;
+  const Array gbi = random_array(Shape{3 * H}, 169), gbh = random_array(Shape{3 * H}, 170);
+  // bf16 carries with dtype = bf16: everything bf16, results bf16; values and gradients bitwise the
+  // layer on casts (the gradients of the float32 parameters through the casts).
+  {
+    auto loss = [&](bool cast) {
+      return [&, cast](const Array& xx, const Array& i, const Array& bb, const Array& hh, const Array& c, const Array& h) {
+        auto [y, cl, hl] = cast ? lstm_layer(bf(xx), bf(i), bf(bb), bf(hh), c, h)
+                                : lstm_layer(xx, i, bb, hh, c, h, {.dtype = DType::bf16});
+        CHECK(y.dtype() == DType::bf16);
+        return sum(f32(square(y))) * 0.5f + sum(f32(cl)) + sum(f32(hl));
+      };
+    };
+    check_bitwise(value_and_grad<0, 1, 2, 3, 4, 5>(loss(false))(x, wi, b, wh, bf(c0), bf(h0)),
+                  value_and_grad<0, 1, 2, 3, 4, 5>(loss(true))(x, wi, b, wh, bf(c0), bf(h0)));
+    auto gloss = [&](bool cast) {
+      return [&, cast](const Array& xx, const Array& i, const Array& hh, const Array& h) {
+        auto [y, hl] = cast ? gru_layer(bf(xx), bf(i), bf(gbi), bf(hh), bf(gbh), h)
+                            : gru_layer(xx, i, gbi, hh, gbh, h, {.dtype = DType::bf16});
+        CHECK(y.dtype() == DType::bf16);
+        return sum(f32(square(y))) * 0.5f + sum(f32(hl));
+      };
+    };
+    check_bitwise(value_and_grad<0, 1, 2, 3>(gloss(false))(x, gwi, gwh, bf(h0)),
+                  value_and_grad<0, 1, 2, 3>(gloss(true))(x, gwi, gwh, bf(h0)));
+  }
+  // dtype = float32 with bf16 arguments: the layer on float32 casts (float32 results; the bf16
+  // arguments' gradients rounded as the casts' backward rounds them).
+  {
+    auto loss = [&](bool cast) {
+      return [&, cast](const Array& xx, const Array& i, const Array& hh) {
+        auto [y, cl, hl] = cast ? lstm_layer(f32(xx), f32(i), b, f32(hh), c0, h0)
+                                : lstm_layer(xx, i, b, hh, c0, h0, {.dtype = DType::f32});
+        CHECK(y.dtype() == DType::f32);
+        return sum(square(y)) * 0.5f + sum(cl);
+      };
+    };
+    const auto fused = value_and_grad<0, 1, 2>(loss(false))(bf(x), bf(wi), bf(wh));
+    check_bitwise(fused, value_and_grad<0, 1, 2>(loss(true))(bf(x), bf(wi), bf(wh)));
+    CHECK(std::get<1>(fused).dtype() == DType::bf16);
+    auto gloss = [&](bool cast) {
+      return [&, cast](const Array& xx, const Array& i, const Array& hh) {
+        auto [y, hl] = cast ? gru_layer(f32(xx), f32(i), gbi, f32(hh), gbh, h0) : gru_layer(xx, i, gbi, hh, gbh, h0, {.dtype = DType::f32});
+        return sum(square(y)) * 0.5f + sum(hl);
+      };
+    };
+    check_bitwise(value_and_grad<0, 1, 2>(gloss(false))(bf(x), bf(gwi), bf(gwh)),
+                  value_and_grad<0, 1, 2>(gloss(true))(bf(x), bf(gwi), bf(gwh)));
+  }
+  // Under vmap (a batch of three sequences, the weights shared): each example as the op alone.
+  const Array xs = random_array(Shape{3, T, N, I}, 171);
+  auto f = [&](const Array& xx) {
+    auto [y, c, h] = lstm_layer(xx, wi, b, wh, c0, h0, {.dtype = DType::bf16});
+    return y + reshape(c * 2.0f, {1, N, H});
+  };
+  auto g = [&](const Array& xx) { return gru_layer(xx, gwi, gbi, gwh, gbh, h0, {.dtype = DType::bf16}).first; };
+  const Array lb = vmap(f, {.in_axes = {0}})(xs), gb = vmap(g, {.in_axes = {0}})(xs);
+  for (std::int64_t e = 0; e < 3; ++e) {
+    const Array xe = reshape(slice_axis(xs, 0, e, e + 1), {T, N, I});
+    CHECK(reshape(slice_axis(lb, 0, e, e + 1), {T, N, H}).bitwise_equal(f(xe)));
+    CHECK(reshape(slice_axis(gb, 0, e, e + 1), {T, N, H}).bitwise_equal(g(xe)));
+  }
+}
+
 TEST_CASE("nn::RNN with seq_lengths is Flax's: padded steps run unmasked, reverse flips within each length") {
   const Array xs = random_array(Shape{4, 9, 3}, 111);  // [batch, time, in]
   const Array lengths = Array::from_i32(Shape{4}, {9, 0, 4, 1});
