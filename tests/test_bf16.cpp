@@ -68,12 +68,15 @@ TEST_CASE("the bulk bf16 rounding agrees with the scalar one in whole blocks of 
   const std::uint32_t kinds[] = {0x3f808000u, 0x3f818000u, 0x3f808001u, 0x3f807fffu, 0x7f800001u, 0xffc12345u,
                                  0x7f800000u, 0xff800000u, 0x7f7fffffu, 0x80000000u, 0x00000000u, 0x00800000u,
                                  0x3dcccccdu, 0xc2c80000u, 0x477fe000u, 0x33800000u};
+  // Blocks 0, 2, 3, 5, 6 hold no subnormal (the vector path); 1, 4 and 7 hold one each (the fallback):
+  // one rounding up to the smallest normal, a negative one doing the same, one staying subnormal.
+  const std::uint32_t subnormals[] = {0x007ffffeu, 0x807fffffu, 0x00400000u};
   std::vector<float> v;
   for (int block = 0; block < 8; ++block)
     for (int i = 0; i < 16; ++i) {
-      std::uint32_t u = kinds[(i + block) % 16] ^ (static_cast<std::uint32_t>(block) << 1);  // vary the low bits
-      if (block % 3 == 1 && i == block) u = 0x007fffffu ^ static_cast<std::uint32_t>(i);       // a subnormal
-      if (block == 5 && i == 0) u = 0x80000001u;                                               // the smallest negative one
+      std::uint32_t u = kinds[(i + block) % 16];
+      if ((u & 0x7f800000u) != 0) u ^= static_cast<std::uint32_t>(block) << 1;  // vary the low bits of normal values
+      if (block % 3 == 1 && i == block) u = subnormals[block / 3];
       v.push_back(from_bits(u));
     }
   std::vector<bfloat16> out(v.size());
@@ -81,8 +84,9 @@ TEST_CASE("the bulk bf16 rounding agrees with the scalar one in whole blocks of 
   int differ = 0;
   for (std::size_t i = 0; i < v.size(); ++i) differ += out[i].bits != bfloat16::round_bits(v[i]);
   CHECK(differ == 0);
-  CHECK(out[16 + 1].bits == bfloat16::round_bits(from_bits(0x007fffffu ^ 1u)));  // a subnormal rounds up to 2^-126
-  CHECK(out[16 + 1].bits == 0x0080);
+  CHECK(out[16 + 1].bits == 0x0080);       // a subnormal rounds up to 2^-126 (a flushing conversion gives 0)
+  CHECK(out[4 * 16 + 4].bits == 0x8080);   // and a negative one to -2^-126
+  CHECK(out[7 * 16 + 7].bits == 0x0040);   // one that stays subnormal in bf16
 }
 
 TEST_CASE("arrays: bf16 storage is 2 bytes per element, printed as JAX prints types") {

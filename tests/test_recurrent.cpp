@@ -1105,24 +1105,32 @@ TEST_CASE("the dtype option with bf16 carries, with dtype = float32, and under v
     auto gloss = [&](bool cast) {
       return [&, cast](const Array& xx, const Array& i, const Array& hh) {
         auto [y, hl] = cast ? gru_layer(f32(xx), f32(i), gbi, f32(hh), gbh, h0) : gru_layer(xx, i, gbi, hh, gbh, h0, {.dtype = DType::f32});
+        CHECK(y.dtype() == DType::f32);
         return sum(square(y)) * 0.5f + sum(hl);
       };
     };
     check_bitwise(value_and_grad<0, 1, 2>(gloss(false))(bf(x), bf(gwi), bf(gwh)),
                   value_and_grad<0, 1, 2>(gloss(true))(bf(x), bf(gwi), bf(gwh)));
   }
-  // Under vmap (a batch of three sequences, the weights shared): each example as the op alone.
+  // Under vmap (a batch of three sequences, the weights shared), float32 and bf16 carries: each
+  // example as the op alone, in the promoted dtype.
   const Array xs = random_array(Shape{3, T, N, I}, 171);
-  auto f = [&](const Array& xx) {
-    auto [y, c, h] = lstm_layer(xx, wi, b, wh, c0, h0, {.dtype = DType::bf16});
-    return y + reshape(c * 2.0f, {1, N, H});
-  };
-  auto g = [&](const Array& xx) { return gru_layer(xx, gwi, gbi, gwh, gbh, h0, {.dtype = DType::bf16}).first; };
-  const Array lb = vmap(f, {.in_axes = {0}})(xs), gb = vmap(g, {.in_axes = {0}})(xs);
-  for (std::int64_t e = 0; e < 3; ++e) {
-    const Array xe = reshape(slice_axis(xs, 0, e, e + 1), {T, N, I});
-    CHECK(reshape(slice_axis(lb, 0, e, e + 1), {T, N, H}).bitwise_equal(f(xe)));
-    CHECK(reshape(slice_axis(gb, 0, e, e + 1), {T, N, H}).bitwise_equal(g(xe)));
+  for (const DType carries : {DType::f32, DType::bf16}) {
+    CAPTURE(dtype_name(carries));
+    const Array c = astype(c0, carries), h = astype(h0, carries);
+    auto f = [&](const Array& xx) {
+      auto [y, cl, hl] = lstm_layer(xx, wi, b, wh, c, h, {.dtype = DType::bf16});
+      return y + reshape(cl * 2.0f, {1, N, H});
+    };
+    auto g = [&](const Array& xx) { return gru_layer(xx, gwi, gbi, gwh, gbh, h, {.dtype = DType::bf16}).first; };
+    const Array lb = vmap(f, {.in_axes = {0}})(xs), gb = vmap(g, {.in_axes = {0}})(xs);
+    CHECK(lb.dtype() == carries);
+    CHECK(gb.dtype() == carries);
+    for (std::int64_t e = 0; e < 3; ++e) {
+      const Array xe = reshape(slice_axis(xs, 0, e, e + 1), {T, N, I});
+      CHECK(reshape(slice_axis(lb, 0, e, e + 1), {T, N, H}).bitwise_equal(f(xe)));
+      CHECK(reshape(slice_axis(gb, 0, e, e + 1), {T, N, H}).bitwise_equal(g(xe)));
+    }
   }
 }
 
