@@ -1,7 +1,7 @@
 // Internal: the activations' values and derivatives on float32 runs (Eigen array expressions; gelu's
-// tanh form as one loop of Eigen packets),
-// shared by the activation ops (elementwise.cpp) and the fused linear op (linear.cpp), so every path
-// computes each element the same way, bit for bit. Not installed (pulls in Eigen).
+// tanh form as one loop of Eigen packets), shared by the activation ops (elementwise.cpp) and the
+// fused linear op (linear.cpp), so every path computes each element the same way, bit for bit. Not
+// installed (pulls in Eigen).
 //
 // relu, tanh and sigmoid take their derivative from their output. gelu (both forms) and silu take it
 // from their input, through the transcendental their value also needs: `value_and_derivative`
@@ -39,7 +39,8 @@ constexpr bool derivative_from_input(Activation act) {
 
 // For an activation whose derivative reads its input: y = act(x) and/or d = act'(x) (either pointer
 // may be null), p floats each (a whole number of packets), from one evaluation of the shared term
-// (into `u`, p floats of scratch not aliasing x, where the activation needs it). d may be x's own memory or u's (each element is read before it is written).
+// (into `u`, p floats of scratch not aliasing x, where the activation needs it). d may be x's own
+// memory or u's (each element is read before it is written).
 // Compiled once (activation_math.cpp), so every caller gets the same bits whatever the compiler
 // would contract into fused multiply-adds in its own translation unit.
 void value_and_derivative(Activation act, const float* x, float* y, float* d, float* u, std::int64_t p);
