@@ -92,6 +92,21 @@ IeeeSubnormalScope::~IeeeSubnormalScope() {
 #endif
 }
 
+namespace detail {
+unsigned fp_state_key() {
+#if LINUM_FP_X86
+  const unsigned csr = _mm_getcsr();
+  return ((csr >> 15) & 1u) | (((csr >> 6) & 1u) << 1) | (((csr >> 13) & 3u) << 2);  // FTZ, DAZ, RC
+#elif LINUM_FP_ARM64
+  unsigned long fpcr;
+  __asm__ __volatile__("mrs %0, fpcr" : "=r"(fpcr));
+  return static_cast<unsigned>(((fpcr >> 24) & 1ul) | (((fpcr >> 22) & 3ul) << 1));  // FZ, RMode
+#else
+  return 0;
+#endif
+}
+}  // namespace detail
+
 bool thread_flushes_denormals() {
 #if LINUM_FP_X86
   return (_mm_getcsr() & (kFtz | kDaz)) == (kFtz | kDaz);

@@ -6,6 +6,8 @@
 
 #include "testing/gradcheck.hpp"
 
+#include <linum/core/ops/bf16_table_internal.hpp>
+
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -87,6 +89,49 @@ TEST_CASE("the bulk bf16 rounding agrees with the scalar one in whole blocks of 
   CHECK(out[16 + 1].bits == 0x0080);       // a subnormal rounds up to 2^-126 (a flushing conversion gives 0)
   CHECK(out[4 * 16 + 4].bits == 0x8080);   // and a negative one to -2^-126
   CHECK(out[7 * 16 + 7].bits == 0x0040);   // one that stays subnormal in bf16
+}
+
+TEST_CASE("costly bf16 ops read a table of all 65536 inputs: the bits their float32 kernel computes, flushing or not") {
+  // An array of every bf16 bit pattern (NaNs, infinities, signed zeros, subnormals) is large enough
+  // for the table; slices of it are small enough to compute. Both must give the float32 kernel's
+  // result on the widened input, rounded once, bit for bit, in both floating-point modes (each mode
+  // has its own table).
+  static_assert(65536 >= ops::detail::kBf16TableMinElements && 8192 < ops::detail::kBf16TableMinElements);
+  Array all = Array::empty(Shape{65536}, DType::bf16);
+  auto* bits = static_cast<bfloat16*>(all.mutable_raw());
+  for (std::uint32_t i = 0; i < 65536; ++i) bits[i].bits = static_cast<std::uint16_t>(i);
+  const std::vector<std::pair<const char*, std::function<Array(const Array&)>>> ops = {
+      {"log", [](const Array& a) { return log(a); }},          {"log1p", [](const Array& a) { return log1p(a); }},
+      {"log2", [](const Array& a) { return log2(a); }},        {"tanh", [](const Array& a) { return tanh(a); }},
+      {"sigmoid", [](const Array& a) { return sigmoid(a); }},  {"sin", [](const Array& a) { return sin(a); }},
+      {"cos", [](const Array& a) { return cos(a); }},          {"erf", [](const Array& a) { return erf(a); }},
+      {"expm1", [](const Array& a) { return expm1(a); }},      {"softplus", [](const Array& a) { return softplus(a); }},
+      {"gelu", [](const Array& a) { return gelu(a); }},        {"gelu_erf", [](const Array& a) { return gelu(a, false); }},
+      {"silu", [](const Array& a) { return silu(a); }},
+  };
+  auto check_all = [&] {
+    for (const auto& [op, f] : ops) {
+      const std::string name = op;
+      CAPTURE(name);
+      const Array tabulated = f(all);
+      const Array rounded = astype(f(astype(all, DType::f32)), DType::bf16);
+      std::vector<Array> pieces;
+      for (std::int64_t s = 0; s < 65536; s += 8192) pieces.push_back(f(slice_axis(all, 0, s, s + 8192)));
+      const Array computed = concatenate(pieces, 0);
+      CHECK(tabulated.dtype() == DType::bf16);
+      CHECK(tabulated.bitwise_equal(rounded));
+      CHECK(tabulated.bitwise_equal(computed));
+    }
+  };
+  SUBCASE("subnormals flushed (the default)") { check_all(); }
+  SUBCASE("IEEE subnormals") {
+    struct Restore {
+      bool was = flush_denormals();
+      ~Restore() { set_flush_denormals(was); }
+    } restore;
+    set_flush_denormals(false);
+    check_all();
+  }
 }
 
 TEST_CASE("arrays: bf16 storage is 2 bytes per element, printed as JAX prints types") {

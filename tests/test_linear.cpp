@@ -169,6 +169,51 @@ TEST_CASE("linear in bf16: gradients bitwise the three ops' on the same rounded 
   }
 }
 
+TEST_CASE("linear in bf16 on every bf16 input: the kept derivative and the value read from a table, the computed bits") {
+  // x holds every bf16 bit pattern, the kernel is the identity, so the product z is x (rows holding
+  // an infinity or a NaN turn to NaN elsewhere, the same in both paths): large enough for the table
+  // of (value, derivative) pairs, against the float32 computation rounded, as in the test above.
+  const Array x = [] {
+    Array a = Array::empty(Shape{256, 256}, DType::bf16);
+    auto* bits = static_cast<bfloat16*>(a.mutable_raw());
+    for (std::uint32_t i = 0; i < 65536; ++i) bits[i].bits = static_cast<std::uint16_t>(i);
+    return a;
+  }();
+  const Array w = [] {
+    Array a = Array::zeros(Shape{256, 256});
+    for (std::int64_t i = 0; i < 256; ++i) a.mutable_data()[i * 257] = 1.0f;
+    return astype(a, DType::bf16);
+  }();
+  const Array probe = astype(random_array(Shape{256, 256}, 85), DType::bf16);
+  auto f32 = [](const Array& a) { return astype(a, DType::f32); };
+  auto bf = [](const Array& a) { return astype(a, DType::bf16); };
+  auto check = [&] {
+    for (const Activation act : {Activation::gelu, Activation::gelu_exact, Activation::silu}) {
+      CAPTURE(activation_name(act));
+      Array y;
+      auto fused = [&](const Array& x) {
+        y = linear(x, w, Array(), act);
+        return sum(f32(y) * f32(probe));
+      };
+      const Array dx = grad(fused)(x);
+      const Array z = matmul(x, w);
+      CHECK(y.detached().bitwise_equal(bf(activate(f32(z), act))));
+      const Array d = bf(grad([&](const Array& t) { return sum(activate(t, act)); })(f32(z)));
+      const Array g2 = bf(f32(probe) * f32(d));
+      CHECK(dx.bitwise_equal(dot_general(g2, w, DotDims{.lhs_contracting = {1}, .rhs_contracting = {1}})));
+    }
+  };
+  SUBCASE("subnormals flushed (the default)") { check(); }
+  SUBCASE("IEEE subnormals") {
+    struct Restore {
+      bool was = flush_denormals();
+      ~Restore() { set_flush_denormals(was); }
+    } restore;
+    set_flush_denormals(false);
+    check();
+  }
+}
+
 TEST_CASE("linear's bias gradient has the same bits on one thread and on two") {
   // Large enough for the backward pass to run in parallel.
   const Array x = random_array(Shape{2048, 64}, 31), w = random_array(Shape{64, 256}, 32), b = random_array(Shape{256}, 33);

@@ -6,6 +6,7 @@
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/kernel_util.hpp>
 #include <linum/core/ops/activation_math_internal.hpp>
+#include <linum/core/ops/bf16_table_internal.hpp>
 #include <linum/core/ops/reduce.hpp>
 
 #include <Eigen/Core>
@@ -170,26 +171,66 @@ Array binary_kernel(const Array& a, const Array& b, const char* op, F f, std::op
   return out;
 }
 
-// out = f(x) using Eigen's vectorised array expressions: f(CVec in) -> expression, or f(CVec in,
-// OVec& out) writing the chunk itself. The result has x's dtype.
+// f on p floats (a whole number of packets): f(CVec in) -> expression, or f(CVec in, OVec& out)
+// writing them itself. Not inlined: one copy of each function's machine code computes both its
+// tables and its results, so they agree to the NaN payload (inlined twice, the compiler may order
+// an addition's operands differently in each copy, and x86 returns the first operand's NaN).
+template <class F>
+[[gnu::noinline]] void apply_unary(F& f, const float* px, float* po, std::int64_t p) {
+  if constexpr (std::is_invocable_v<F&, const CVec&, OVec&>) {
+    OVec o(po, p);
+    f(CVec(px, p), o);
+  } else {
+    OVec(po, p) = f(CVec(px, p));
+  }
+}
+
+// A costly function of one float (a transcendental): unary_kernel reads its results on bf16 arrays
+// from a table of all 65536 (ops/bf16_table_internal.hpp), the same bits as computing them. The table
+// belongs to F's type, so F must carry no state (a lambda without captures, an empty function object).
+template <class F>
+struct Tabulated {
+  static_assert(std::is_empty_v<F>, "a tabulated function must carry no state (a lambda without captures)");
+  F f;
+};
+template <class F>
+Tabulated(F) -> Tabulated<F>;
+template <class F>
+constexpr bool kIsTabulated = false;
+template <class F>
+constexpr bool kIsTabulated<Tabulated<F>> = true;
+
+// out = f(x) using Eigen's vectorised array expressions (see apply_unary). The result has x's dtype.
 template <class F>
 Array unary_kernel(const Array& x, const char* op, F f) {
-  require_float(x, op);
-  Array out = Array::empty(x.shape(), x.dtype());
-  for_chunks(x.numel(), [&](std::int64_t s, std::int64_t c) {
-    alignas(64) float sx[kChunk], so[kChunk];
-    const std::int64_t p = whole_packets(c);
-    const float* px = padded_view(f32_view(x, s, c, sx), c, sx);
-    float* po = p == c ? f32_target(out, s, so) : so;
-    if constexpr (std::is_invocable_v<F&, const CVec&, OVec&>) {
-      OVec o(po, p);
-      f(CVec(px, p), o);
-    } else {
-      OVec(po, p) = f(CVec(px, p));
-    }
-    commit_padded(out, s, c, po);
-  });
-  return out;
+  if constexpr (kIsTabulated<F>) {
+    if (x.dtype() != DType::bf16 || x.numel() < ops::detail::kBf16TableMinElements) return unary_kernel(x, op, f.f);
+    static ops::detail::Bf16Tables<bfloat16> tables;  // one set per function (F's type)
+    Array out = Array::empty(x.shape(), x.dtype());
+    const auto* in = static_cast<const bfloat16*>(x.raw());
+    auto* o = static_cast<bfloat16*>(out.mutable_raw());
+    for_chunks(x.numel(), [&](std::int64_t s, std::int64_t c) {
+      const bfloat16* table = tables.get([&f](const float* v, bfloat16* entries, std::int64_t n) {
+        alignas(64) float computed[kChunk];
+        apply_unary(f.f, v, computed, n);
+        f32_to_bf16(computed, entries, n);
+      });
+      ops::detail::bf16_lookup(table, in + s, o + s, c);
+    });
+    return out;
+  } else {
+    require_float(x, op);
+    Array out = Array::empty(x.shape(), x.dtype());
+    for_chunks(x.numel(), [&](std::int64_t s, std::int64_t c) {
+      alignas(64) float sx[kChunk], so[kChunk];
+      const std::int64_t p = whole_packets(c);
+      const float* px = padded_view(f32_view(x, s, c, sx), c, sx);
+      float* po = p == c ? f32_target(out, s, so) : so;
+      apply_unary(f, px, po, p);
+      commit_padded(out, s, c, po);
+    });
+    return out;
+  }
 }
 
 // out = f(a, b) over chunks of same-shaped float arrays, written into `out` (which may be `a`'s
@@ -427,12 +468,12 @@ Array exp(const Array& x) {
 }
 
 Array log(const Array& x) {
-  return unary_op("log", x, Keep::input, [](const CVec& v) { return v.log(); },
+  return unary_op("log", x, Keep::input, Tabulated{[](const CVec& v) { return v.log(); }},
                   [](Cotangents& c, autodiff::Saved s) { c.set(0, div(c.out(), s[0])); });
 }
 
 Array log1p(const Array& x) {
-  return unary_op("log1p", x, Keep::input, [](const CVec& v) { return v.log1p(); }, [](Cotangents& c, autodiff::Saved s) {
+  return unary_op("log1p", x, Keep::input, Tabulated{[](const CVec& v) { return v.log1p(); }}, [](Cotangents& c, autodiff::Saved s) {
     c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g / (1.0f + v); },
                        [](const Array& g, const Array& v) { return div(g, add(scalar(1.0f), v)); }));
   });
@@ -474,14 +515,14 @@ Array sign(const Array& x) {
 }
 
 Array tanh(const Array& x) {
-  return unary_op("tanh", x, Keep::output, [](const CVec& v) { return v.tanh(); }, [](Cotangents& c, autodiff::Saved s) {
+  return unary_op("tanh", x, Keep::output, Tabulated{[](const CVec& v) { return v.tanh(); }}, [](Cotangents& c, autodiff::Saved s) {
     c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return activation_math::tanh_grad(g, v); },
                        [](const Array& g, const Array& y) { return mul(g, sub(scalar(1.0f), square(y))); }));
   });
 }
 
 Array sigmoid(const Array& x) {
-  return unary_op("sigmoid", x, Keep::output, [](const CVec& v) { return v.logistic(); }, [](Cotangents& c, autodiff::Saved s) {
+  return unary_op("sigmoid", x, Keep::output, Tabulated{[](const CVec& v) { return v.logistic(); }}, [](Cotangents& c, autodiff::Saved s) {
     c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return activation_math::sigmoid_grad(g, v); },
                        [](const Array& g, const Array& y) { return mul(mul(g, y), sub(scalar(1.0f), y)); }));
   });
@@ -494,35 +535,35 @@ constexpr float kInvLn2 = 1.4426950408889634f;
 }  // namespace
 
 Array sin(const Array& x) {
-  return unary_op("sin", x, Keep::input, [](const CVec& v) { return v.sin(); }, [](Cotangents& c, autodiff::Saved s) {
+  return unary_op("sin", x, Keep::input, Tabulated{[](const CVec& v) { return v.sin(); }}, [](Cotangents& c, autodiff::Saved s) {
     c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * v.cos(); },
                        [](const Array& g, const Array& x) { return mul(g, cos(x)); }));
   });
 }
 
 Array cos(const Array& x) {
-  return unary_op("cos", x, Keep::input, [](const CVec& v) { return v.cos(); }, [](Cotangents& c, autodiff::Saved s) {
+  return unary_op("cos", x, Keep::input, Tabulated{[](const CVec& v) { return v.cos(); }}, [](Cotangents& c, autodiff::Saved s) {
     c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return -g * v.sin(); },
                        [](const Array& g, const Array& x) { return neg(mul(g, sin(x))); }));
   });
 }
 
 Array erf(const Array& x) {  // d/dx erf(x) = 2/sqrt(pi) e^(-x^2)
-  return unary_op("erf", x, Keep::input, [](const CVec& v) { return v.erf(); }, [](Cotangents& c, autodiff::Saved s) {
+  return unary_op("erf", x, Keep::input, Tabulated{[](const CVec& v) { return v.erf(); }}, [](Cotangents& c, autodiff::Saved s) {
     c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * (2.0f * kInvSqrtPi) * (-v.square()).exp(); },
                        [](const Array& g, const Array& x) { return mul(mul(g, scalar(2.0f * kInvSqrtPi)), exp(neg(square(x)))); }));
   });
 }
 
 Array expm1(const Array& x) {  // d/dx (e^x - 1) = y + 1
-  return unary_op("expm1", x, Keep::output, [](const CVec& v) { return v.expm1(); }, [](Cotangents& c, autodiff::Saved s) {
+  return unary_op("expm1", x, Keep::output, Tabulated{[](const CVec& v) { return v.expm1(); }}, [](Cotangents& c, autodiff::Saved s) {
     c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * (v + 1.0f); },
                        [](const Array& g, const Array& y) { return mul(g, add(y, scalar(1.0f))); }));
   });
 }
 
 Array log2(const Array& x) {
-  return unary_op("log2", x, Keep::input, [](const CVec& v) { return v.log() * kInvLn2; }, [](Cotangents& c, autodiff::Saved s) {
+  return unary_op("log2", x, Keep::input, Tabulated{[](const CVec& v) { return v.log() * kInvLn2; }}, [](Cotangents& c, autodiff::Saved s) {
     c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g / (v * kLn2); },
                        [](const Array& g, const Array& x) { return div(g, mul(x, scalar(kLn2))); }));
   });
@@ -576,10 +617,12 @@ using activation_math::kSqrt2OverPi;
 // (activation_math::value_and_derivative): the forward kernel writes y = act(x), the backward rule
 // g * act'(x), with the same bits as the fused linear op's value and gradient.
 template <Activation A>
-void activation_value(const CVec& v, OVec& y) {
-  alignas(64) float u[kChunk];
-  activation_math::value_and_derivative(A, v.data(), y.data(), nullptr, u, v.size());
-}
+struct ActivationValue {  // (a type per activation: each has its own bf16 tables)
+  void operator()(const CVec& v, OVec& y) const {
+    alignas(64) float u[kChunk];
+    activation_math::value_and_derivative(A, v.data(), y.data(), nullptr, u, v.size());
+  }
+};
 template <Activation A>
 void activation_grad(const CVec& g, const CVec& v, OVec& out) {
   activation_math::grad_from_input(A, g, v, out);
@@ -587,7 +630,7 @@ void activation_grad(const CVec& g, const CVec& v, OVec& out) {
 
 Array gelu(const Array& x, bool approximate) {
   if (approximate)
-    return unary_op("gelu", x, Keep::input, activation_value<Activation::gelu>, [](Cotangents& c, autodiff::Saved s) {
+    return unary_op("gelu", x, Keep::input, Tabulated{ActivationValue<Activation::gelu>{}}, [](Cotangents& c, autodiff::Saved s) {
       c.set(0, pointwise_grad(c, s[0], activation_grad<Activation::gelu>, [](const Array& g, const Array& x) {
               const Array x2 = square(x);
               const Array t = tanh(mul(scalar(kSqrt2OverPi), add(x, mul(scalar(kGeluCoeff), mul(x, x2)))));
@@ -597,7 +640,7 @@ Array gelu(const Array& x, bool approximate) {
               return mul(g, d);
             }));
     });
-  return unary_op("gelu", x, Keep::input, activation_value<Activation::gelu_exact>, [](Cotangents& c, autodiff::Saved s) {
+  return unary_op("gelu", x, Keep::input, Tabulated{ActivationValue<Activation::gelu_exact>{}}, [](Cotangents& c, autodiff::Saved s) {
     c.set(0, pointwise_grad(c, s[0], activation_grad<Activation::gelu_exact>, [](const Array& g, const Array& x) {
             const Array d = add(mul(scalar(0.5f), add(erf(mul(x, scalar(kInvSqrt2))), scalar(1.0f))),
                                 mul(mul(x, scalar(kInvSqrt2Pi)), exp(mul(scalar(-0.5f), square(x)))));
@@ -607,7 +650,7 @@ Array gelu(const Array& x, bool approximate) {
 }
 
 Array silu(const Array& x) {
-  return unary_op("silu", x, Keep::input, activation_value<Activation::silu>, [](Cotangents& c, autodiff::Saved s) {
+  return unary_op("silu", x, Keep::input, Tabulated{ActivationValue<Activation::silu>{}}, [](Cotangents& c, autodiff::Saved s) {
     c.set(0, pointwise_grad(c, s[0], activation_grad<Activation::silu>, [](const Array& g, const Array& x) {
             const Array sg = sigmoid(x);
             return mul(g, mul(sg, add(scalar(1.0f), mul(x, sub(scalar(1.0f), sg)))));
@@ -617,7 +660,7 @@ Array silu(const Array& x) {
 
 Array softplus(const Array& x) {
   // log(1 + e^x) computed stably as max(x, 0) + log1p(e^-|x|).
-  return unary_op("softplus", x, Keep::input, [](const CVec& v) { return v.max(0.0f) + (-v.abs()).exp().log1p(); },
+  return unary_op("softplus", x, Keep::input, Tabulated{[](const CVec& v) { return v.max(0.0f) + (-v.abs()).exp().log1p(); }},
                   [](Cotangents& c, autodiff::Saved s) {
                     c.set(0, pointwise_grad(c, s[0], [](const CVec& g, const CVec& v) { return g * v.logistic(); },
                        [](const Array& g, const Array& x) { return mul(g, sigmoid(x)); }));

@@ -7,6 +7,7 @@
 #include <linum/core/autodiff/primitive.hpp>
 #include <linum/core/kernels/gemm.hpp>
 #include <linum/core/ops/activation_math_internal.hpp>
+#include <linum/core/ops/bf16_table_internal.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/kernel_util.hpp>
 #include <linum/core/ops/kind.hpp>
@@ -75,9 +76,30 @@ const float* row_f32(const Array& a, std::int64_t r, std::int64_t n, float* scra
 // y = act(z) and d = act'(z) in one pass, for an activation whose derivative reads its input (the
 // same bits as the activation op's value and its backward rule's derivative); d is written over z
 // when no other array shares z's buffer.
+// In bf16 both come from a table of the pair for every bf16 input (ops/bf16_table_internal.hpp),
+// filled by this same computation: the same bits, about 0.6x the time.
 std::pair<Array, Array> value_and_derivative(Array z, Activation act) {
   Array y = Array::empty(z.shape(), z.dtype());
   Array d = z.owns_buffer_alone() ? z : Array::empty(z.shape(), z.dtype());
+  if (z.dtype() == DType::bf16 && z.numel() >= od::kBf16TableMinElements) {
+    static std::array<od::Bf16Tables<std::uint32_t>, 3> tables;  // gelu, gelu_exact, silu
+    auto& table_set = tables[act == Activation::gelu ? 0 : act == Activation::gelu_exact ? 1 : 2];
+    const auto* in = static_cast<const bfloat16*>(z.raw());
+    auto* value = static_cast<bfloat16*>(y.mutable_raw());
+    auto* derivative = static_cast<bfloat16*>(d.mutable_raw());
+    od::for_chunks(z.numel(), [&](std::int64_t s, std::int64_t c) {
+      const std::uint32_t* table = table_set.get([act](const float* x, std::uint32_t* entries, std::int64_t n) {
+        alignas(64) float sy[od::kChunk], sd[od::kChunk], u[od::kChunk];
+        alignas(64) bfloat16 ry[od::kChunk], rd[od::kChunk];
+        am::value_and_derivative(act, x, sy, sd, u, n);
+        f32_to_bf16(sy, ry, n);
+        f32_to_bf16(sd, rd, n);
+        for (std::int64_t i = 0; i < n; ++i) entries[i] = ry[i].bits | static_cast<std::uint32_t>(rd[i].bits) << 16;
+      });
+      od::bf16_lookup_pair(table, in + s, value + s, derivative + s, c);
+    });
+    return {std::move(y), std::move(d)};
+  }
   od::for_chunks(z.numel(), [&](std::int64_t s, std::int64_t c) {
     alignas(64) float sz[od::kChunk], sy[od::kChunk], sd[od::kChunk], u[od::kChunk];
     const std::int64_t p = od::whole_packets(c);
