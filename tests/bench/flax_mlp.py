@@ -6,12 +6,14 @@ Usage: python3 flax_mlp.py MODE [DTYPE]
   MODE   none   no checkpointing
          every  nn.remat around every layer (jax.checkpoint, nothing saved)
          dots   nn.remat with policy=jax.checkpoint_policies.dots_saveable
+         sqrt   sqrt(L) segments of consecutive layers, nn.remat around all but the last (as PyTorch's
+                checkpoint_sequential)
   DTYPE  fp32 (default) or bf16: Dense(dtype=bfloat16) with float32 parameters (Flax's mixed
          precision, like Linum's --dtype bf16)
 Environment: L, W, B, STEPS (defaults 24, 512, 2048, 5). XLA's CPU backend uses every core it sees.
 compile_s is the first call (tracing and XLA compilation), step_s_min the steady state,
 xla_temp_bytes the compiled step's temporary buffers (XLA's memory analysis)."""
-import json, os, sys, time
+import json, math, os, sys, time
 import jax
 import jax.numpy as jnp
 import flax
@@ -21,7 +23,7 @@ L, W, B = (int(os.environ.get(k, d)) for k, d in (("L", 24), ("W", 512), ("B", 2
 STEPS = int(os.environ.get("STEPS", 5))
 mode = sys.argv[1]
 dtype = sys.argv[2] if len(sys.argv) > 2 else "fp32"
-assert mode in ("none", "every", "dots"), mode
+assert mode in ("none", "every", "dots", "sqrt"), mode
 assert dtype in ("fp32", "bf16"), dtype
 compute = jnp.bfloat16 if dtype == "bf16" else jnp.float32
 
@@ -32,9 +34,22 @@ class Layer(nn.Module):
         return nn.gelu(nn.Dense(W, dtype=compute)(h))
 
 
+class Segment(nn.Module):
+    count: int
+    @nn.compact
+    def __call__(self, h):
+        for _ in range(self.count):
+            h = Layer()(h)
+        return h
 class MLP(nn.Module):
     @nn.compact
     def __call__(self, h):
+        if mode == "sqrt":
+            per = math.ceil(L / max(1, int(math.sqrt(L))))
+            for first in range(0, L, per):  # the last segment plain, as checkpoint_sequential
+                segment = Segment if first + per >= L else nn.remat(Segment)
+                h = segment(min(per, L - first))(h)
+            return h
         block = Layer
         if mode == "every":
             block = nn.remat(Layer)

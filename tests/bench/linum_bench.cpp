@@ -9,7 +9,8 @@
 //       Activation::gelu), as nn::Dense{.activation = gelu}), plain_unfused (the product, the bias
 //       add and the GELU as three ops), remat_every (each layer checkpointed,
 //       nothing_saveable), remat_dots (each layer unfused, dots_saveable: the product saved, the GELU recomputed), remat_names (each layer, its
-//       pre-activation saved by save_only_these_names), remat_sqrt (sqrt(L) checkpointed segments),
+//       pre-activation saved by save_only_these_names), remat_sqrt (sqrt(L) segments, all
+//       but the last checkpointed, as PyTorch's checkpoint_sequential),
 //       offload_every (plain layers, every computed residual in the spill file: lift::ResidualScope
 //       with offload(everything_saveable); --spill-dir DIR, default $LINUM_SPILL_DIR or /tmp),
 //       compress_bf16_every / compress_int8_every (the same, residuals compressed in RAM),
@@ -178,18 +179,20 @@ int bench_mlp(const Flags& f) {
          for (long l = 0; l < L; ++l) h = offload_dots(h, p[2 * l], p[2 * l + 1]);
          return h;
        }},
-      {"remat_sqrt",  // sqrt(L) checkpointed segments of consecutive layers
+      {"remat_sqrt",  // sqrt(L) segments of consecutive layers, all but the last checkpointed
        [&](const std::vector<Array>& p, const Array& x) {
+         // As torch.utils.checkpoint.checkpoint_sequential: the last segment runs plain, since its
+         // backward pass follows at once and recomputing it would be wasted work.
          Array h = x;
          const long per = (L + segments - 1) / segments;
          for (long first = 0; first < L; first += per) {
            const long last = std::min(L, first + per);
-           auto segment = checkpoint([&, first, last](const Array& in) {
+           auto run = [&, first, last](const Array& in) {
              Array z = in;
              for (long l = first; l < last; ++l) z = fused_layer(z, p[2 * l], p[2 * l + 1]);
              return z;
-           });
-           h = segment(h);
+           };
+           h = last < L ? checkpoint(run)(h) : run(h);
          }
          return h;
        }},

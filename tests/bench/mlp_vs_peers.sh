@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The deep-MLP step (24 x Dense(512) + GELU, batch 2048), Linum next to today's peers in one
 # sitting, alternating per variant and dtype: PyTorch 2 from pip (eager, and torch.compile for the
-# plain step), Flax on JAX jit (nn.remat per layer, and the dots_saveable policy), and Debian's
-# PyTorch 1.13 when /usr/bin/python3 has torch. Every line is JSON.
+# plain step), Flax on JAX jit (nn.remat per layer, per sqrt(L) segments, and the dots_saveable
+# policy), and Debian's PyTorch 1.13 when /usr/bin/python3 has torch. Every line is JSON.
 #
 #   bash tests/bench/mlp_vs_peers.sh [BUILD_DIR]        (ROUNDS=1 STEPS=5)
 set -euo pipefail
@@ -14,7 +14,7 @@ rounds="${ROUNDS:-1}"
 for round in $(seq "$rounds"); do
   for dtype in f32 bf16; do
     peer_dtype=$([ "$dtype" = f32 ] && echo fp32 || echo bf16)
-    for pair in plain:none:none remat_every:every:every remat_dots::dots; do
+    for pair in plain:none:none remat_every:every:every remat_sqrt:sqrt:sqrt remat_dots::dots; do
       IFS=: read -r variant torch_mode jax_mode <<< "$pair"
       "$bench" mlp --dtype "$dtype" --variant "$variant" --steps "$steps"
       if [ -n "$torch_mode" ]; then

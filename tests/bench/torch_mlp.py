@@ -4,7 +4,8 @@ L x Dense(W) + GELU on a batch of B, in Debian's PyTorch (python3-torch, CPU).
 Usage: /usr/bin/python3 torch_mlp.py MODE [DTYPE]
   MODE   none   no checkpointing
          every  torch.utils.checkpoint around every layer (non-reentrant)
-         sqrt   checkpoint_sequential with sqrt(L) segments
+         sqrt   checkpoint_sequential with sqrt(L) segments (the last one runs plain;
+                use_reentrant=False where PyTorch takes it)
   DTYPE  fp32 (default) or bf16: torch.autocast("cpu", dtype=torch.bfloat16) around the forward,
          parameters stay float32 (PyTorch's mixed precision; on CPUs with AMX or AVX512-BF16 its
          matrix products run through oneDNN's bf16 kernels).
@@ -16,7 +17,7 @@ Memory: peak_rss_growth_mib is the growth of the process's peak RSS over its RSS
 step. Do not set MALLOC_MMAP_THRESHOLD_ or other allocator knobs to sharpen that figure: they slow
 PyTorch's step by 20-30% and make any time comparison unfair. For a whole-process figure, run the
 script under `/usr/bin/time -v` and subtract the RSS of `import torch` alone."""
-import json, math, os, sys, time
+import inspect, json, math, os, sys, time
 import torch
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
@@ -32,6 +33,10 @@ assert dtype in ("fp32", "bf16"), dtype
 layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(W, W), torch.nn.GELU()) for _ in range(L)])
 # checkpoint_sequential (reentrant in 1.13) needs an input that requires grad to reach the params.
 x = torch.randn(B, W).requires_grad_(mode == "sqrt")
+# PyTorch 2 warns unless use_reentrant is passed and recommends False (1.13 takes no such argument
+# and is reentrant).
+sequential_kwargs = ({"use_reentrant": False}
+                     if "use_reentrant" in inspect.signature(checkpoint_sequential).parameters else {})
 compiled = os.environ.get("COMPILE", "0") == "1"
 model = torch.compile(layers) if compiled else layers
 
@@ -45,7 +50,7 @@ def step():
             for block in layers:
                 h = checkpoint(block, h, use_reentrant=False)
         else:
-            h = checkpoint_sequential(layers, int(math.sqrt(L)), x)
+            h = checkpoint_sequential(layers, int(math.sqrt(L)), x, **sequential_kwargs)
     h = h.float()
     (h * h).mean().backward()
     layers.zero_grad(set_to_none=True)
