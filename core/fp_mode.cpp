@@ -1,6 +1,7 @@
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/threading.hpp>
 
+#include <cfenv>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -100,9 +101,23 @@ unsigned fp_state_key() {
 #elif LINUM_FP_ARM64
   unsigned long fpcr;
   __asm__ __volatile__("mrs %0, fpcr" : "=r"(fpcr));
-  return static_cast<unsigned>(((fpcr >> 24) & 1ul) | (((fpcr >> 22) & 3ul) << 1));  // FZ, RMode
+  // FZ, RMode, DN (default NaN), and FEAT_AFP's FIZ and AH
+  return static_cast<unsigned>(((fpcr >> 24) & 1ul) | (((fpcr >> 22) & 3ul) << 1) | (((fpcr >> 25) & 1ul) << 3) |
+                               ((fpcr & 3ul) << 4));
 #else
-  return 0;
+  switch (std::fegetround()) {  // the rounding mode, the one control standard C++ can read
+    case FE_TONEAREST: return 0;
+#ifdef FE_DOWNWARD
+    case FE_DOWNWARD: return 1;
+#endif
+#ifdef FE_UPWARD
+    case FE_UPWARD: return 2;
+#endif
+#ifdef FE_TOWARDZERO
+    case FE_TOWARDZERO: return 3;
+#endif
+    default: return 4;
+  }
 #endif
 }
 }  // namespace detail

@@ -51,10 +51,10 @@ inline void enter_compute() {
   if (t_fp_mode_generation != g_fp_mode_generation.load(std::memory_order_relaxed)) apply_fp_mode();
 }
 // The calling thread's floating-point controls that change results (x86-64: MXCSR's flush-to-zero,
-// denormals-are-zero and rounding bits; AArch64: FPCR's flush-to-zero and rounding bits) as a number
-// below kFpStateKeys: equal keys, equal results. Values computed once and reused (bf16 tables) are
-// kept per key.
-constexpr unsigned kFpStateKeys = 16;
+// denormals-are-zero and rounding bits; AArch64: FPCR's flush-to-zero, rounding, default-NaN and
+// FEAT_AFP bits; elsewhere the rounding mode) as a number below kFpStateKeys: equal keys, equal
+// results. Values computed once and reused (bf16 tables) are kept per key.
+constexpr unsigned kFpStateKeys = 64;
 unsigned fp_state_key();
 }  // namespace detail
 

@@ -5,6 +5,7 @@
 #include <linum/linum.hpp>
 
 #include "testing/gradcheck.hpp"
+#include "testing/threads.hpp"
 
 #include <linum/core/ops/bf16_table_internal.hpp>
 
@@ -109,18 +110,27 @@ TEST_CASE("costly bf16 ops read a table of all 65536 inputs: the bits their floa
       {"gelu", [](const Array& a) { return gelu(a); }},        {"gelu_erf", [](const Array& a) { return gelu(a, false); }},
       {"silu", [](const Array& a) { return silu(a); }},
   };
+  // Four copies of every pattern: large enough for two threads to read (and fill) tables at once.
+  const Array four = concatenate({all, all, all, all}, 0);
+  static_assert(4 * 65536 >= ops::detail::kParallelMin);
   auto check_all = [&] {
     for (const auto& [op, f] : ops) {
       const std::string name = op;
       CAPTURE(name);
+      const std::int64_t reads = ops::detail::g_bf16_table_reads.load();
       const Array tabulated = f(all);
+      CHECK(ops::detail::g_bf16_table_reads.load() == reads + 1);  // the op read its table
       const Array rounded = astype(f(astype(all, DType::f32)), DType::bf16);
       std::vector<Array> pieces;
       for (std::int64_t s = 0; s < 65536; s += 8192) pieces.push_back(f(slice_axis(all, 0, s, s + 8192)));
       const Array computed = concatenate(pieces, 0);
+      CHECK(ops::detail::g_bf16_table_reads.load() == reads + 1);  // and the slices computed
       CHECK(tabulated.dtype() == DType::bf16);
       CHECK(tabulated.bitwise_equal(rounded));
       CHECK(tabulated.bitwise_equal(computed));
+      Array on_two;
+      if (linum::testing::on_threads(2, [&] { on_two = f(four); }))
+        CHECK(on_two.bitwise_equal(concatenate({computed, computed, computed, computed}, 0)));
     }
   };
   SUBCASE("subnormals flushed (the default)") { check_all(); }

