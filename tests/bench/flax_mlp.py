@@ -6,8 +6,8 @@ Usage: python3 flax_mlp.py MODE [DTYPE]
   MODE   none   no checkpointing
          every  nn.remat around every layer (jax.checkpoint, nothing saved)
          dots   nn.remat with policy=jax.checkpoint_policies.dots_saveable
-         sqrt   sqrt(L) segments of consecutive layers, nn.remat around all but the last (as PyTorch's
-                checkpoint_sequential)
+         sqrt   as PyTorch's checkpoint_sequential with sqrt(L) segments: nn.remat around each of the
+                first sqrt(L) - 1 segments of L // sqrt(L) layers, the rest plain
   DTYPE  fp32 (default) or bf16: Dense(dtype=bfloat16) with float32 parameters (Flax's mixed
          precision, like Linum's --dtype bf16)
 Environment: L, W, B, STEPS (defaults 24, 512, 2048, 5). XLA's CPU backend uses every core it sees.
@@ -44,12 +44,12 @@ class Segment(nn.Module):
 class MLP(nn.Module):
     @nn.compact
     def __call__(self, h):
-        if mode == "sqrt":
-            per = math.ceil(L / max(1, int(math.sqrt(L))))
-            for first in range(0, L, per):  # the last segment plain, as checkpoint_sequential
-                segment = Segment if first + per >= L else nn.remat(Segment)
-                h = segment(min(per, L - first))(h)
-            return h
+        if mode == "sqrt":  # as checkpoint_sequential: segments - 1 rematted, the rest plain
+            segments = max(1, int(math.sqrt(L)))
+            per = L // segments
+            for _ in range(segments - 1):
+                h = nn.remat(Segment)(per)(h)
+            return Segment(L - per * (segments - 1))(h)
         block = Layer
         if mode == "every":
             block = nn.remat(Layer)

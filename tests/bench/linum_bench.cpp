@@ -181,20 +181,21 @@ int bench_mlp(const Flags& f) {
        }},
       {"remat_sqrt",  // sqrt(L) segments of consecutive layers, all but the last checkpointed
        [&](const std::vector<Array>& p, const Array& x) {
-         // As torch.utils.checkpoint.checkpoint_sequential: the last segment runs plain, since its
-         // backward pass follows at once and recomputing it would be wasted work.
-         Array h = x;
-         const long per = (L + segments - 1) / segments;
-         for (long first = 0; first < L; first += per) {
-           const long last = std::min(L, first + per);
-           auto run = [&, first, last](const Array& in) {
+         // As torch.utils.checkpoint.checkpoint_sequential: segments - 1 checkpointed segments of
+         // L / segments layers, then the rest plain (its backward pass follows at once, so
+         // recomputing it would be wasted work).
+         auto run = [&](long first, long last) {
+           return [&, first, last](const Array& in) {
              Array z = in;
              for (long l = first; l < last; ++l) z = fused_layer(z, p[2 * l], p[2 * l + 1]);
              return z;
            };
-           h = last < L ? checkpoint(run)(h) : run(h);
-         }
-         return h;
+         };
+         Array h = x;
+         const long per = L / segments;
+         long first = 0;
+         for (long s = 0; s + 1 < segments; ++s, first += per) h = checkpoint(run(first, first + per))(h);
+         return run(first, L)(h);
        }},
   };
   const std::string only = f.text("variant", "");
