@@ -5,6 +5,7 @@
 #include <linum/linum.hpp>
 
 #include "testing/gradcheck.hpp"
+#include "testing/fp_modes.hpp"
 #include "testing/threads.hpp"
 
 #include <linum/core/ops/bf16_table_internal.hpp>
@@ -133,15 +134,7 @@ TEST_CASE("costly bf16 ops read a table of all 65536 inputs: the bits their floa
         CHECK(on_two.bitwise_equal(concatenate({computed, computed, computed, computed}, 0)));
     }
   };
-  SUBCASE("subnormals flushed (the default)") { check_all(); }
-  SUBCASE("IEEE subnormals") {
-    struct Restore {
-      bool was = flush_denormals();
-      ~Restore() { set_flush_denormals(was); }
-    } restore;
-    set_flush_denormals(false);
-    check_all();
-  }
+  linum::testing::in_both_fp_modes(check_all);
 }
 
 TEST_CASE("arrays: bf16 storage is 2 bytes per element, printed as JAX prints types") {

@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include "testing/gradcheck.hpp"
+#include "testing/fp_modes.hpp"
 #include "testing/threads.hpp"
 
 #include <linum/core/ops/bf16_table_internal.hpp>
@@ -205,18 +206,8 @@ TEST_CASE("linear in bf16 on every bf16 input: the kept derivative and the value
       CHECK(dx.bitwise_equal(dot_general(g2, w, DotDims{.lhs_contracting = {1}, .rhs_contracting = {1}})));
     }
   };
-  SUBCASE("subnormals flushed (the default)") { check(); }
-  SUBCASE("IEEE subnormals") {
-    struct Restore {
-      bool was = flush_denormals();
-      ~Restore() { set_flush_denormals(was); }
-    } restore;
-    set_flush_denormals(false);
-    check();
-  }
-  SUBCASE("two threads") {
-    if (!linum::testing::on_threads(2, check)) MESSAGE("built without OpenMP (or no team of two): not run");
-  }
+  linum::testing::in_both_fp_modes(check);
+  if (!linum::testing::on_threads(2, check)) MESSAGE("built without OpenMP (or no team of two): not run on two threads");
 }
 
 TEST_CASE("linear's bias gradient has the same bits on one thread and on two") {
