@@ -115,8 +115,9 @@ TEST_CASE("costly bf16 ops read a table of all 65536 inputs: the bits their floa
   const Array four = concatenate({all, all, all, all}, 0);
   static_assert(4 * 65536 >= ops::detail::kParallelMin);
   auto check_all = [&] {
-    for (const auto& [op, f] : ops) {
-      const std::string name = op;
+    for (const auto& entry : ops) {  // (not a structured binding: clang 14 cannot capture one)
+      const std::string name = entry.first;
+      const auto& f = entry.second;
       CAPTURE(name);
       const std::int64_t reads = ops::detail::g_bf16_table_reads.load();
       const Array tabulated = f(all);
