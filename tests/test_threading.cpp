@@ -103,12 +103,15 @@ TEST_CASE("results do not depend on how many threads run them (what adaptive tea
       out.push_back(sum(a, {1}));
       out.push_back(logsumexp(a, {1}));
       out.push_back(gelu(a) * a + a);
-      {  // the fused LSTM layer, hidden units in two blocks (128 and 32), forward and every gradient
-        const Array xs = astype(rng::normal(rng::key(6), Shape{40, 16, 24}), dt);
+      // The fused LSTM layer, hidden units in two blocks (128 and 32), forward and every gradient: a
+      // batch of 16 (the steps by unit blocks across the threads) and of 64 (four row pieces, two per
+      // thread on two threads).
+      for (std::int64_t rows : {16, 64}) {
+        const Array xs = astype(rng::normal(rng::key(6), Shape{40, rows, 24}), dt);
         const Array wi = astype(rng::normal(rng::key(7), Shape{24, 640}) * 0.2f, dt);
         const Array wh = astype(rng::normal(rng::key(8), Shape{160, 640}) * 0.1f, dt);
         const Array b = astype(rng::normal(rng::key(9), Shape{640}), dt);
-        const Array c0 = astype(rng::normal(rng::key(10), Shape{16, 160}), dt), h0 = c0 * 0.5f;
+        const Array c0 = astype(rng::normal(rng::key(10), Shape{rows, 160}), dt), h0 = c0 * 0.5f;
         // Every step kept, and recomputed in segments (the gates' cotangents then overwrite the
         // recomputed activations; rows of 160 units sit at 64-byte boundaries: computed in place).
         for (std::int64_t segment : {0, 16, 20}) {

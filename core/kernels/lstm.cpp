@@ -111,12 +111,23 @@ struct Pass {
   const Forward& f;
   Blocks bl;
   std::int64_t T, N, I, H, H4;
-  Products recurrent;  // per unit block: gates[:, block] += h . wh[:, block]
-  Pass(const Forward& fw, bool steps)
+  RowPieces pieces;
+  // The per-step products. One piece: one set, per unit block, over every row: gates[:, block] +=
+  // h . wh[:, block]. Several: per thread (a product object runs on one thread at a time), one
+  // product over a piece's rows and every block's columns: gates[rows, :] += h[rows] . wh.
+  std::vector<Products> recurrent;
+  Pass(const Forward& fw, bool steps, int team)
       : f(fw), bl(blocks_of(fw.d.hidden)), T(fw.d.steps), N(fw.d.rows), I(fw.d.inputs), H(fw.d.hidden),
-        H4(4 * fw.d.hidden) {
-    if (steps && T > 0)
-      recurrent = recurrent_products(bl, f.wh, N, [&](std::int64_t) { return H4; }, /*accumulate=*/true, step_operands(f.d));
+        H4(4 * fw.d.hidden), pieces(fw.d.rows) {
+    if (!steps || T == 0) return;
+    if (pieces.count == 1) {
+      recurrent.push_back(recurrent_products(bl, f.wh, N, [&](std::int64_t) { return H4; }, /*accumulate=*/true, step_operands(f.d)));
+      return;
+    }
+    for (std::int64_t i = 0, sets = std::min<std::int64_t>(std::max(1, team), pieces.count); i < sets; ++i) {
+      recurrent.emplace_back();
+      recurrent.back().push_back(whole_recurrent_product(bl, f.wh, pieces.rows, false, /*accumulate=*/true, step_operands(f.d)));
+    }
   }
   const float* h_prev(std::int64_t t) const { return t == 0 ? f.h0 : f.ys + (t - 1) * N * H; }
 
@@ -127,38 +138,57 @@ struct Pass {
     layer_gemm(f.d, false, false, g * N, w4, I, f.x + t0 * N * I, I, f.wi + base, H4, 0.0f, acts + base, H4);
     for (std::int64_t r = 0; r < g * N; ++r) Run(acts + r * H4 + base, w4) += ConstRun(f.b + base, w4);
   }
-  // Step t for unit block b: the recurrent product added to the step's gates, then the cell.
-  void step(std::int64_t b, std::int64_t t, float* acts_t, const float* c_prev, float* c, float* h, float* scratch) const {
-    const std::int64_t base = bl.base(b), w = bl.width(b), u0 = bl.first(b);
-    recurrent[static_cast<std::size_t>(b)]->run(h_prev(t), acts_t + base);
-    for (std::int64_t n = 0; n < N; ++n)
+  // Step t for unit block b on rows [n0, n0 + pieces.rows) with the product set `products`: the
+  // recurrent product added to the step's gates (with several pieces, every block's at block 0),
+  // then the cell.
+  void step(const Products& products, std::int64_t b, std::int64_t t, std::int64_t n0, float* acts_t, const float* c_prev,
+            float* c, float* h, float* scratch) const {
+    const std::int64_t base = bl.base(b), w = bl.width(b), u0 = bl.first(b), n1 = n0 + pieces.rows;
+    if (pieces.count == 1) products[static_cast<std::size_t>(b)]->run(h_prev(t) + n0 * H, acts_t + n0 * H4 + base);
+    else if (b == 0) products[0]->run(h_prev(t) + n0 * H, acts_t + n0 * H4);  // every block's columns at once
+    for (std::int64_t n = n0; n < n1; ++n)
       cell_row(acts_t + n * H4 + base, w, c_prev + n * H + u0, c + n * H + u0, h == nullptr ? nullptr : h + n * H + u0,
                scratch);
     // The forward pass (h written) with lengths: the final cell state of rows whose last step this is.
     if (h != nullptr && f.lengths != nullptr)
-      for (std::int64_t n = 0; n < N; ++n)
+      for (std::int64_t n = n0; n < n1; ++n)
         if (f.lengths[n] == t + 1)
           std::memcpy(f.c_last + n * H + u0, c + n * H + u0, static_cast<std::size_t>(w) * sizeof(float));
   }
   // The forward pass over steps [t_begin, t_end) (chunk-aligned), inside a parallel region.
   // acts_of(t) / c_of(t): where step t's activations and cell state go; c_before: the cell state
-  // before t_begin. write_h: whether ys are written (the recomputation reads them instead).
+  // before t_begin. write_h: whether ys are written (the recomputation reads them instead). Ends
+  // with a barrier.
   template <class ActsOf, class COf>
   void run(std::int64_t t_begin, std::int64_t t_end, const float* c_before, ActsOf acts_of, COf c_of, bool write_h,
            Failure& failure, Scratch& scratch) const {
+    const int tid = thread_index(), team = threads_in_region();
     for (std::int64_t t0 = t_begin; t0 < t_end; t0 += kChunk) {
       const std::int64_t g = std::min(kChunk, t_end - t0);
+      auto run_step = [&](const Products& products, std::int64_t b, std::int64_t t, std::int64_t n0) {
+        const float* c_prev = t == t_begin ? c_before : c_of(t - 1);
+        failure.run([&] {
+          step(products, b, t, n0, acts_of(t), c_prev, c_of(t), write_h ? f.ys + t * N * H : nullptr, scratch.of_this_thread());
+        });
+      };
 #pragma omp for schedule(static) nowait
       for (std::int64_t b = 0; b < bl.count; ++b) failure.run([&] { project(b, t0, g, acts_of(t0)); });
+      if (pieces.count > 1) {
+        // Every piece needs every block's input products; then each runs its steps on its own.
+#pragma omp barrier
+        for (std::int64_t q = tid; q < pieces.count; q += team)
+          for (std::int64_t t = t0; t < t0 + g; ++t)
+            for (std::int64_t b = 0; b < bl.count; ++b) run_step(recurrent[static_cast<std::size_t>(tid)], b, t, pieces.first(q));
+        continue;
+      }
       // Each step needs every block's h of the step before: one barrier per step (the loop's end).
       for (std::int64_t t = t0; t < t0 + g; ++t) {
-        const float* c_prev = t == t_begin ? c_before : c_of(t - 1);
 #pragma omp for schedule(static)
-        for (std::int64_t b = 0; b < bl.count; ++b)
-          failure.run([&] {
-            step(b, t, acts_of(t), c_prev, c_of(t), write_h ? f.ys + t * N * H : nullptr, scratch.of_this_thread());
-          });
+        for (std::int64_t b = 0; b < bl.count; ++b) run_step(recurrent[0], b, t, 0);
       }
+    }
+    if (pieces.count > 1) {
+#pragma omp barrier
     }
   }
 };
@@ -172,7 +202,8 @@ void check(const Forward& f) {
 
 void forward(const Forward& f) {
   check(f);
-  const Pass p(f, true);
+  const int team = linum::team_size();
+  const Pass p(f, true, team);
   const std::int64_t T = p.T, N = p.N, H = p.H, H4 = p.H4;
   if (T == 0) {
     std::memcpy(f.c_last, f.c0, static_cast<std::size_t>(N * H) * sizeof(float));
@@ -183,7 +214,6 @@ void forward(const Forward& f) {
   Array chunk_acts_buf, chunk_cs_buf;
   float* chunk_acts = keep_all ? nullptr : workspace(chunk_acts_buf, kChunk * N * H4);
   float* chunk_cs = keep_all ? nullptr : workspace(chunk_cs_buf, (kChunk + 1) * N * H);
-  const int team = linum::team_size();
   Scratch scratch(team, p.bl.unit);
   Failure failure;
 #pragma omp parallel num_threads(team)
@@ -238,16 +268,23 @@ void add_final_carry(const Backward& bw, std::int64_t offset, std::int64_t w, fl
 void backward(const Backward& bw) {
   const Forward& f = bw.fw;
   check(f);
-  const Pass p(f, /*steps=*/f.segment != 0);  // the recomputation runs steps
+  const int team = linum::team_size();
+  const Pass p(f, /*steps=*/f.segment != 0, team);  // the recomputation runs steps
   const std::int64_t T = p.T, N = p.N, I = p.I, H = p.H, H4 = p.H4;
   const Blocks& bl = p.bl;
+  const RowPieces& pieces = p.pieces;
   const bool keep_all = f.segment == 0;
   const std::int64_t S = keep_all ? std::max<std::int64_t>(T, 1) : f.segment;
-  // Per unit block of h: dh[:, block] = dz . wh[block, :]^T. Packed (as the recomputation's
-  // products, in p) before the workspaces exist: a block's copy made for packing is then freed
-  // while little else is alive.
-  Products transposed;
-  if (T > 0) transposed = transposed_products(bl, f.wh, N, /*accumulate=*/false, step_operands(f.d));
+  // dh = dz . wh^T: one piece, per unit block of h over every row (dh[:, block] = dz . wh[block,
+  // :]^T); several, one product per thread over a piece's rows and all of h. Packed (as the recomputation's products, in p) before the
+  // workspaces exist: a block's copy made for packing is then freed while little else is alive.
+  std::vector<Products> transposed;
+  if (T > 0 && pieces.count == 1) transposed.push_back(transposed_products(bl, f.wh, N, /*accumulate=*/false, step_operands(f.d)));
+  else if (T > 0)
+    for (std::int64_t i = 0, sets = std::min<std::int64_t>(std::max(1, team), pieces.count); i < sets; ++i) {
+      transposed.emplace_back();
+      transposed.back().push_back(whole_recurrent_product(bl, f.wh, pieces.rows, true, /*accumulate=*/false, step_operands(f.d)));
+    }
   Array dh_buf, dc_buf, dz_buf, seg_acts_buf, seg_cs_buf;
   float* dh = workspace(dh_buf, N * H);
   float* dc = workspace(dc_buf, N * H);
@@ -269,7 +306,6 @@ void backward(const Backward& bw) {
   // Recompute mode: a segment's activations and cell states (slot 0: the state before it).
   float* seg_acts = keep_all ? nullptr : workspace(seg_acts_buf, std::min(S, T) * N * H4);
   float* seg_cs = keep_all ? nullptr : workspace(seg_cs_buf, (std::min(S, T) + 1) * N * H);
-  const int team = linum::team_size();
   Scratch scratch(team, bl.unit);
   const InputCotangents input_cotangents(f.d, f.wi, H4, team, bw.d_x != nullptr);
   Array dh_in_buf = Array::empty(Shape{std::max(1, team) * padded(bl.unit)});
@@ -297,30 +333,48 @@ void backward(const Backward& bw) {
       for (std::int64_t t0 = last_part; t0 >= s0; t0 -= kGradientSteps) {
         const std::int64_t g = std::min(kGradientSteps, s1 - t0);
         float* dz = keep_all ? dz_kept_mode : acts_of(t0);
-        for (std::int64_t t = t0 + g - 1; t >= t0; --t) {
+        // Step t's cell backward for unit block b on rows [n0, n0 + pieces.rows).
+        auto cells = [&](std::int64_t t, std::int64_t b, std::int64_t n0) {
+          const std::int64_t u0 = bl.first(b), w = bl.width(b), base = bl.base(b);
           float* dz_t = dz + (t - t0) * N * H4;
-#pragma omp for schedule(static)
-          for (std::int64_t b = 0; b < bl.count; ++b) {
-            const std::int64_t u0 = bl.first(b), w = bl.width(b), base = bl.base(b);
-            float* dh_in = dh_in_buf.mutable_data() + thread_index() * padded(bl.unit);
-            for (std::int64_t n = 0; n < N; ++n) {
-              // The cotangent reaching h: from the next step, plus the step's output's.
-              for (std::int64_t j = 0; j < w; ++j)
-                dh_in[j] = dh[n * H + u0 + j] + (bw.d_ys != nullptr ? bw.d_ys[t * N * H + n * H + u0 + j] : 0.0f);
-              if (lengths != nullptr && lengths[n] == t + 1) add_final_carry(bw, n * H + u0, w, dh_in, dc + n * H + u0);
-              cell_row_backward(acts_of(t) + n * H4 + base, w, c_prev_of(t) + n * H + u0, c_of(t) + n * H + u0, dh_in,
-                                dc + n * H + u0, dz_t + n * H4 + base, scratch.of_this_thread());
-            }
+          float* dh_in = dh_in_buf.mutable_data() + thread_index() * padded(bl.unit);
+          for (std::int64_t n = n0; n < n0 + pieces.rows; ++n) {
+            // The cotangent reaching h: from the next step, plus the step's output's.
+            for (std::int64_t j = 0; j < w; ++j)
+              dh_in[j] = dh[n * H + u0 + j] + (bw.d_ys != nullptr ? bw.d_ys[t * N * H + n * H + u0 + j] : 0.0f);
+            if (lengths != nullptr && lengths[n] == t + 1) add_final_carry(bw, n * H + u0, w, dh_in, dc + n * H + u0);
+            cell_row_backward(acts_of(t) + n * H4 + base, w, c_prev_of(t) + n * H + u0, c_of(t) + n * H + u0, dh_in,
+                              dc + n * H + u0, dz_t + n * H4 + base, scratch.of_this_thread());
           }
-          // dh = dz_t . wh^T, by blocks of h's units (each reads every block's gates: after the barrier).
-          // No barrier after it: the same static schedule gives block b to the same thread in both
-          // loops, so the thread that writes dh's block b is the one that reads it in the next
-          // step's cell loop, and the other thread, still reading dz_t here, never sees that loop
-          // write dz_t (it writes the step before's rows; the part ends with the d_x loop's
-          // barrier before its buffer is reused).
+        };
+        // dh[rows, block b] = dz_t[rows] . wh[block b, :]^T.
+        auto dh_product = [&](const Products& products, std::int64_t t, std::int64_t b, std::int64_t n0) {
+          failure.run([&] {
+            products[static_cast<std::size_t>(b)]->run(dz + (t - t0) * N * H4 + n0 * H4, dh + n0 * H + bl.first(b));
+          });
+        };
+        if (pieces.count > 1) {
+          // Each piece's steps on one thread; the part's weight gradients below read every row.
+          const int tid = thread_index(), threads = threads_in_region();
+          for (std::int64_t q = tid; q < pieces.count; q += threads)
+            for (std::int64_t t = t0 + g - 1; t >= t0; --t) {
+              for (std::int64_t b = 0; b < bl.count; ++b) cells(t, b, pieces.first(q));
+              dh_product(transposed[static_cast<std::size_t>(tid)], t, 0, pieces.first(q));  // every block of h at once
+            }
+#pragma omp barrier
+        } else {
+          for (std::int64_t t = t0 + g - 1; t >= t0; --t) {
+#pragma omp for schedule(static)
+            for (std::int64_t b = 0; b < bl.count; ++b) cells(t, b, 0);
+            // dh = dz_t . wh^T, by blocks of h's units (each reads every block's gates: after the barrier).
+            // No barrier after it: the same static schedule gives block b to the same thread in both
+            // loops, so the thread that writes dh's block b is the one that reads it in the next
+            // step's cell loop, and the other thread, still reading dz_t here, never sees that loop
+            // write dz_t (it writes the step before's rows; the part ends with the d_x loop's
+            // barrier before its buffer is reused).
 #pragma omp for schedule(static) nowait
-          for (std::int64_t b = 0; b < bl.count; ++b)
-            failure.run([&] { transposed[static_cast<std::size_t>(b)]->run(dz_t, dh + bl.first(b)); });
+            for (std::int64_t b = 0; b < bl.count; ++b) dh_product(transposed[0], t, b, 0);
+          }
         }
         // The part's weight gradients (one product per weight and block) and its inputs' gradients.
 #pragma omp for schedule(static) nowait

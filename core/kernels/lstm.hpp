@@ -3,8 +3,10 @@
 //
 // Work is cut the same way on every run, whatever the thread count, so results are bitwise
 // reproducible: the hidden units in fixed blocks (each block's four gates are adjacent columns of
-// the interleaved weights below), the time steps in fixed chunks of kChunk (the input products are
-// one product per chunk, the weight gradients one per kGradientSteps). A forward pass that keeps
+// the interleaved weights below), the batch's rows in pieces fixed by their count (RowPieces: each
+// piece's steps run on one thread without a barrier per step), the time steps in fixed chunks of
+// kChunk (the input products are one product per chunk, the weight gradients one per
+// kGradientSteps). A forward pass that keeps
 // its activations and one that keeps the cell state every `segment` steps and computes a segment
 // again in the backward pass run the same products on the same operands, so their gradients are
 // bitwise equal.

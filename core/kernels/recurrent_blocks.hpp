@@ -24,6 +24,22 @@ inline constexpr std::int64_t kChunk = 16;  // time steps per input product (and
 inline constexpr std::int64_t kGradientSteps = kChunk / 2;
 inline constexpr std::int64_t kUnitBlock = 128;  // hidden units per block
 
+// The batch's rows cut into `count` equal pieces of `rows` rows. A row's steps read only its own h
+// and c, so each piece's recurrence runs on one thread without waiting for the others: no barrier
+// per step, only where a chunk's input products or a part's weight gradients (over every row) are
+// made. The cut depends on the row count alone (a power of two of pieces, at least kPieceRows rows
+// each, at most kMaxPieces), so the bits never depend on the thread count; one piece (small or
+// odd batches) runs the steps by unit blocks across the threads instead, one barrier per step.
+struct RowPieces {
+  static constexpr std::int64_t kPieceRows = 16, kMaxPieces = 8;
+  std::int64_t count = 1, rows = 0;
+  explicit RowPieces(std::int64_t n) : rows(n) {
+    while (count * 2 <= kMaxPieces && n % (count * 2) == 0 && n / (count * 2) >= kPieceRows) count *= 2;
+    rows = n / count;
+  }
+  std::int64_t first(std::int64_t piece) const { return piece * rows; }
+};
+
 // A [rows, gates * H] matrix in gate order (a kernel, a bias, their gradients), given by where each
 // gate's H columns start and the row stride: one array [rows, gates * H] (gate k at data + k * H,
 // ld = gates * H), or one array per gate [rows, H] (ld = H; Flax's cells keep a kernel per gate).

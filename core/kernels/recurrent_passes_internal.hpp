@@ -91,6 +91,14 @@ inline int thread_index() {
 #endif
 }
 
+inline int threads_in_region() {
+#ifdef _OPENMP
+  return omp_get_num_threads();
+#else
+  return 1;
+#endif
+}
+
 // Per-thread buffers of `per_thread` floats, allocated before a parallel region (an allocation
 // failure inside one would end the process), as an Array so that the memory accounting sees them.
 struct PerThread {
@@ -169,6 +177,19 @@ inline std::vector<std::unique_ptr<PackedProduct>> transposed_products(const Uni
                                                   operands));
   }
   return out;
+}
+
+// The same products over every unit block at once, for the steps of a piece of m rows (RowPieces):
+// forward, gates[rows, :] (+)= h[rows] . wh (interleaved), or transposed, dh[rows, :] = d_gates[rows]
+// . wh^T (interleaved; dh's row stride H).
+inline std::unique_ptr<PackedProduct> whole_recurrent_product(const UnitBlocks& bl, const GateColumns& wh, std::int64_t m,
+                                                              bool transposed, bool accumulate, Operands operands) {
+  const std::int64_t cols = bl.gates * bl.hidden;
+  Array all = Array::empty(Shape{bl.hidden * cols});
+  bl.interleave(wh, 0, bl.hidden, all.mutable_data());
+  if (transposed)
+    return std::make_unique<PackedProduct>(m, bl.hidden, cols, all.data(), cols, true, cols, bl.hidden, accumulate, operands);
+  return std::make_unique<PackedProduct>(m, cols, bl.hidden, all.data(), cols, false, bl.hidden, cols, accumulate, operands);
 }
 
 // dw[:, cols] += sum over the steps t of [t0, t0 + g) of h_before(t)^T . d_gates(t): the recurrent
