@@ -28,13 +28,15 @@ inline constexpr std::int64_t kUnitBlock = 128;  // hidden units per block
 // and c, so each piece's recurrence runs on one thread without waiting for the others: no barrier
 // per step, only where a chunk's input products or a part's weight gradients (over every row) are
 // made. The cut depends on the row count alone (a power of two of pieces, at least kPieceRows rows
-// each, at most kMaxPieces), so the bits never depend on the thread count; one piece (small or
-// odd batches) runs the steps by unit blocks across the threads instead, one barrier per step.
+// each, at most kMaxPieces; or two halves of an even batch of kPieceRows to 2 kPieceRows - 1 rows),
+// so the bits never depend on the thread count. One piece (batches under kPieceRows, odd ones) runs
+// the steps by unit blocks across the threads instead, one barrier per step.
 struct RowPieces {
   static constexpr std::int64_t kPieceRows = 16, kMaxPieces = 8;
   std::int64_t count = 1, rows = 0;
   explicit RowPieces(std::int64_t n) : rows(n) {
     while (count * 2 <= kMaxPieces && n % (count * 2) == 0 && n / (count * 2) >= kPieceRows) count *= 2;
+    if (count == 1 && n >= kPieceRows && n % 2 == 0) count = 2;
     rows = n / count;
   }
   std::int64_t first(std::int64_t piece) const { return piece * rows; }
