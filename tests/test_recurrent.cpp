@@ -515,6 +515,23 @@ TEST_CASE("lstm_layer: the cell over time; gradients equal finite differences; r
       auto again = value_and_grad<0, 1, 2, 3, 4, 5>(loss(segment))(x, wi, b, wh, c0, h0);
       check_bitwise(again, plain);
     }
+    // A loss of the final carry alone (no cotangent reaches the outputs): the same gradients as
+    // with the outputs' cotangent present and zero (equal values; a zero's sign may differ).
+    auto carry_loss = [](bool zero_outputs) {
+      return [zero_outputs](const Array& x, const Array& wi, const Array& b, const Array& wh, const Array& c0, const Array& h0) {
+        auto [ys, c, h] = lstm_layer(x, wi, b, wh, c0, h0);
+        const Array l = sum(c) + sum(h * 0.25f);
+        return zero_outputs ? l + sum(ys * 0.0f) : l;
+      };
+    };
+    auto absent = value_and_grad<0, 1, 2, 3, 4, 5>(carry_loss(false))(x, wi, b, wh, c0, h0);
+    auto zeros = value_and_grad<0, 1, 2, 3, 4, 5>(carry_loss(true))(x, wi, b, wh, c0, h0);
+    auto as_list = [](const auto& t) { return std::apply([](const auto&... a) { return std::vector<Array>{a...}; }, t); };
+    const std::vector<Array> without = as_list(absent), with_zero = as_list(zeros);
+    for (std::size_t k = 0; k < without.size(); ++k) {
+      CAPTURE(k);
+      CHECK(max_diff(without[k], with_zero[k]) == 0.0f);
+    }
     if (T <= 5) {
       const auto f = [](const std::vector<Array>& in) {
         auto [ys, c, h] = lstm_layer(in[0], in[1], in[2], in[3], in[4], in[5]);
@@ -699,7 +716,7 @@ TEST_CASE("lstm_layer and gru_layer with seq_lengths: every step runs, each row'
   // carry is its state after lengths[n] steps (the initial carry for 0); the final carry's cotangent
   // enters there. Lengths 0, 1, a chunk's end (16), mid-chunk and all 37 steps; hidden 134 (blocks
   // of 128 and 6) and 160 (rows computed in place); a batch of 5, and of 32 (two row pieces).
-  for (const auto& dims : {std::pair<std::int64_t, std::int64_t>{134, 5}, {160, 5}, {134, 32}}) {
+  for (const auto& dims : {std::pair<std::int64_t, std::int64_t>{134, 5}, {160, 5}, {134, 32}, {160, 32}}) {
     const std::int64_t H = dims.first, N = dims.second;  // not a structured binding: lambdas capture these
     CAPTURE(H);
     CAPTURE(N);
@@ -869,7 +886,7 @@ TEST_CASE("lstm_layer and gru_layer with bf16 weights: every product on bf16-rou
   // As oneDNN's and PyTorch's bf16 layers: the states stay float32, but each product rounds its
   // operands (here h before the recurrent product) to bf16. The step-by-step composition that
   // rounds the same operands agrees to float32 summation order; one that does not round h differs.
-  // A batch of 3, and of 32 (the rows in two pieces, each with its own products).
+  // A batch of 3, and of 32 (the rows in two pieces, each piece's steps on one thread).
   for (std::int64_t N : {3, 32}) {
   CAPTURE(N);
   const std::int64_t T = 20, I = 5, H = 134;
@@ -897,8 +914,9 @@ TEST_CASE("lstm_layer and gru_layer with bf16 weights: every product on bf16-rou
   MESSAGE("bf16 lstm_layer vs composition: ", worst_rounded, " rounding h, ", worst_unrounded, " not");
   // The two sum in different orders, so an h a float32 ulp apart can round to bf16 values an ulp of
   // bf16 apart, after which the rows differ at bf16's precision: the more rows and steps, the likelier.
-  // The largest difference is checked at 3 rows, where these operands give no such flip; at any size
-  // the mean difference is far below the unrounded composition's.
+  // The largest difference is checked at 3 rows, where these operands give no such flip (at 32 rows
+  // they give one on the Eigen engine's summation order, and the GRU's below one on oneDNN's); at any
+  // size the mean difference stays far below the unrounded composition's.
   if (N == 3) CHECK(worst_rounded < 2e-5f);
   CHECK(mean_unrounded > 10 * mean_rounded);
   MESSAGE("mean differences: ", mean_rounded, " rounding h, ", mean_unrounded, " not");
@@ -920,8 +938,10 @@ TEST_CASE("lstm_layer and gru_layer with bf16 weights: every product on bf16-rou
     }
     for (std::int64_t n = 0; n < N; ++n) {
       const std::int32_t len = lengths.data_i32()[n];
-      CHECK(max_diff(slice_axis(c_l, 0, n, n + 1), slice_axis(cs[static_cast<std::size_t>(len)], 0, n, n + 1)) < 2e-5f);
-      CHECK(max_diff(slice_axis(h_l, 0, n, n + 1), slice_axis(hs[static_cast<std::size_t>(len)], 0, n, n + 1)) < 2e-5f);
+      // At 32 rows within a flipped rounding's reach (above), still far closer than another length's state.
+      const float tolerance = N == 3 ? 2e-5f : 1e-2f;
+      CHECK(max_diff(slice_axis(c_l, 0, n, n + 1), slice_axis(cs[static_cast<std::size_t>(len)], 0, n, n + 1)) < tolerance);
+      CHECK(max_diff(slice_axis(h_l, 0, n, n + 1), slice_axis(hs[static_cast<std::size_t>(len)], 0, n, n + 1)) < tolerance);
     }
   }
   // Gradients: recompute segments bitwise the kept activations'; within bf16 rounding of float32's.
@@ -961,7 +981,7 @@ TEST_CASE("lstm_layer and gru_layer with bf16 weights: every product on bf16-rou
     mean_rounded_h += mean_abs_diff(yt, gr) / static_cast<float>(T);
     mean_unrounded_h += mean_abs_diff(yt, gu) / static_cast<float>(T);
   }
-  if (N == 3) CHECK(worst < 2e-5f);  // as the LSTM's above
+  if (N == 3) CHECK(worst < 2e-5f);  // at 32 rows these operands flip one rounding (see the LSTM's above)
   CHECK(mean_unrounded_h > 10 * mean_rounded_h);
   }
 }

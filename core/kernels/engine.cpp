@@ -120,6 +120,22 @@ PackedProduct::PackedProduct(std::int64_t m, std::int64_t n, std::int64_t k, con
     std::copy(b + r * ldb, b + r * ldb + cols, own_b_.mutable_data() + r * cols);
 }
 
+PackedProduct::PackedProduct(const PackedProduct& s, Share)
+    : m_(s.m_), n_(s.n_), k_(s.k_), ldb_(s.ldb_), lda_(s.lda_), ldc_(s.ldc_), own_b_(s.own_b_), tb_(s.tb_),
+      accumulate_(s.accumulate_), operands_(s.operands_) {
+#if LINUM_HAVE_ONEDNN
+  if (s.onednn_ != nullptr) {
+    onednn_ = onednn_share(s.onednn_);
+    return;
+  }
+#endif
+  if (s.rounded_a_.defined()) rounded_a_ = Array::empty(s.rounded_a_.shape());
+}
+
+std::unique_ptr<PackedProduct> PackedProduct::sharing_weights() const {
+  return std::unique_ptr<PackedProduct>(new PackedProduct(*this, Share{}));
+}
+
 PackedProduct::~PackedProduct() {
 #if LINUM_HAVE_ONEDNN
   if (onednn_ != nullptr) onednn_free(onednn_);

@@ -5,6 +5,7 @@
 #include <linum/core/array.hpp>
 
 #include <cstdint>
+#include <memory>
 
 namespace linum::kernels {
 
@@ -83,10 +84,16 @@ class PackedProduct {
   PackedProduct(const PackedProduct&) = delete;
   PackedProduct& operator=(const PackedProduct&) = delete;
   void run(const float* a, float* c) const;
+  // Another object on the same packed b (shared, not copied; oneDNN: the same primitive), with the
+  // buffers a run writes of its own (scratchpad, rounded a), so that the two may run at once on two
+  // threads (oneDNN's primitives are safe to run concurrently with separate scratchpads).
+  std::unique_ptr<PackedProduct> sharing_weights() const;
 
   struct Onednn;  // gemm_onednn.cpp
 
  private:
+  struct Share {};
+  PackedProduct(const PackedProduct& source, Share);
   std::int64_t m_, n_, k_, ldb_, lda_, ldc_;
   Array own_b_;            // Eigen: b's compact copy (rounded to bf16 values for Operands::bf16), read by run()
   mutable Array rounded_a_;  // Eigen with Operands::bf16: a rounded, [m, k]
@@ -95,6 +102,7 @@ class PackedProduct {
   Onednn* onednn_ = nullptr;
 };
 #if LINUM_HAVE_ONEDNN
+PackedProduct::Onednn* onednn_share(const PackedProduct::Onednn* source);
 PackedProduct::Onednn* onednn_pack(std::int64_t m, std::int64_t n, std::int64_t k, const float* b, std::int64_t ldb, bool tb,
                                    std::int64_t lda, std::int64_t ldc, bool accumulate, Operands operands);
 void onednn_run(PackedProduct::Onednn* p, const float* a, float* c);

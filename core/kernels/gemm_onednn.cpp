@@ -251,6 +251,27 @@ PackedProduct::Onednn* onednn_pack(std::int64_t m, std::int64_t n, std::int64_t 
   return p;
 }
 
+PackedProduct::Onednn* onednn_share(const PackedProduct::Onednn* s) {
+  auto* p = new PackedProduct::Onednn{s->primitive, s->b_buffer, counted_buffer(s->scratchpad.get_desc().get_size()), memory(),
+                                      memory(), memory(), memory(), dnnl::stream(cpu_engine())};
+  try {
+    if (s->a_bf16.defined()) {
+      p->a_bf16 = Array::empty(s->a_bf16.shape(), DType::bf16);
+      p->m = s->m;
+      p->k = s->k;
+      p->lda = s->lda;
+    }
+    p->a = memory(s->a.get_desc(), cpu_engine(), p->a_bf16.defined() ? p->a_bf16.mutable_raw() : DNNL_MEMORY_NONE);
+    p->b = memory(s->b.get_desc(), cpu_engine(), handle_of(p->b_buffer));
+    p->c = memory(s->c.get_desc(), cpu_engine(), DNNL_MEMORY_NONE);
+    p->scratchpad = memory(s->scratchpad.get_desc(), cpu_engine(), handle_of(p->scratchpad_buffer));
+  } catch (...) {
+    delete p;
+    throw;
+  }
+  return p;
+}
+
 void onednn_run(PackedProduct::Onednn* p, const float* a, float* c) {
   if (p->a_bf16.defined()) {  // Operands::bf16: a rounded into the object's buffer
     f32_rows_to_bf16(a, p->lda, p->m, p->k, static_cast<bfloat16*>(p->a_bf16.mutable_raw()));

@@ -113,8 +113,9 @@ struct Pass {
   std::int64_t T, N, I, H, H4;
   RowPieces pieces;
   // The per-step products. One piece: one set, per unit block, over every row: gates[:, block] +=
-  // h . wh[:, block]. Several: per thread (a product object runs on one thread at a time), one
-  // product over a piece's rows and every block's columns: gates[rows, :] += h[rows] . wh.
+  // h . wh[:, block]. Several: one product over a piece's rows and every block's columns,
+  // gates[rows, :] += h[rows] . wh, an object per thread (one object runs on one thread at a time),
+  // all on one packed copy of wh.
   std::vector<Products> recurrent;
   Pass(const Forward& fw, bool steps, int team)
       : f(fw), bl(blocks_of(fw.d.hidden)), T(fw.d.steps), N(fw.d.rows), I(fw.d.inputs), H(fw.d.hidden),
@@ -124,9 +125,11 @@ struct Pass {
       recurrent.push_back(recurrent_products(bl, f.wh, N, [&](std::int64_t) { return H4; }, /*accumulate=*/true, step_operands(f.d)));
       return;
     }
+    // One packed copy of wh, each further thread's object sharing it.
     for (std::int64_t i = 0, sets = std::min<std::int64_t>(std::max(1, team), pieces.count); i < sets; ++i) {
       recurrent.emplace_back();
-      recurrent.back().push_back(whole_recurrent_product(bl, f.wh, pieces.rows, false, /*accumulate=*/true, step_operands(f.d)));
+      recurrent.back().push_back(i == 0 ? whole_recurrent_product(bl, f.wh, pieces.rows, false, /*accumulate=*/true, step_operands(f.d))
+                                        : recurrent[0][0]->sharing_weights());
     }
   }
   const float* h_prev(std::int64_t t) const { return t == 0 ? f.h0 : f.ys + (t - 1) * N * H; }
@@ -276,14 +279,16 @@ void backward(const Backward& bw) {
   const bool keep_all = f.segment == 0;
   const std::int64_t S = keep_all ? std::max<std::int64_t>(T, 1) : f.segment;
   // dh = dz . wh^T: one piece, per unit block of h over every row (dh[:, block] = dz . wh[block,
-  // :]^T); several, one product per thread over a piece's rows and all of h. Packed (as the recomputation's products, in p) before the
-  // workspaces exist: a block's copy made for packing is then freed while little else is alive.
+  // :]^T); several, one product over a piece's rows and all of h, its packed weights shared by the
+  // threads. Packed (as the recomputation's products, in p) before the workspaces exist: the
+  // interleaved copy made for packing is then freed while little else is alive.
   std::vector<Products> transposed;
   if (T > 0 && pieces.count == 1) transposed.push_back(transposed_products(bl, f.wh, N, /*accumulate=*/false, step_operands(f.d)));
   else if (T > 0)
     for (std::int64_t i = 0, sets = std::min<std::int64_t>(std::max(1, team), pieces.count); i < sets; ++i) {
       transposed.emplace_back();
-      transposed.back().push_back(whole_recurrent_product(bl, f.wh, pieces.rows, true, /*accumulate=*/false, step_operands(f.d)));
+      transposed.back().push_back(i == 0 ? whole_recurrent_product(bl, f.wh, pieces.rows, true, /*accumulate=*/false, step_operands(f.d))
+                                         : transposed[0][0]->sharing_weights());
     }
   Array dh_buf, dc_buf, dz_buf, seg_acts_buf, seg_cs_buf;
   float* dh = workspace(dh_buf, N * H);

@@ -41,7 +41,7 @@ void cell_row_backward(const float* acts, std::int64_t w, const float* c_prev, c
                        float* d_gates, float* scratch);
 
 // Everything the passes read and write. wi [I, 4H] and b [4H] interleaved, wh [H, 4H] in gate order
-// (the passes pack it a block at a time, recurrent_passes_internal.hpp); x [T, N, I];
+// (the passes pack it a block at a time, or whole once for row pieces; recurrent_passes_internal.hpp); x [T, N, I];
 // c0, h0 [N, H]; ys [T, N, H] (the h of every step). acts [T', N, 4H] and cs [T', N, H] hold the
 // gate activations and cell states of the steps kept (T' = T when keeping all, else a segment).
 struct Forward {
