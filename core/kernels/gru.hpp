@@ -5,8 +5,9 @@
 //   xg = x_t . wi + bi,  hg = h . wh + bh,
 //   r = sigmoid(xg_r + hg_r),  z = sigmoid(xg_z + hg_z),  n = tanh(xg_n + r * hg_n),
 //   h_next = (1 - z) * n + z * h.
-// Work is cut as in the LSTM kernels (recurrent_blocks.hpp): hidden units in fixed blocks, time
-// steps in fixed chunks, so results are bitwise the same for any thread count. A GRU's state is its
+// Work is cut as in the LSTM kernels' unit-block scheme (recurrent_blocks.hpp; the GRU does not use
+// their row pieces): hidden units in fixed blocks, time steps in fixed chunks, so results are bitwise
+// the same for any thread count. A GRU's state is its
 // output, so what the backward pass needs again (r, z, n and hg_n of each step) can be computed
 // from the outputs ys alone: the recompute mode keeps nothing per step and computes each chunk's
 // gates again in the backward pass, with the same products on the same operands as the forward
