@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -37,6 +38,13 @@ void check_bitwise(const Tuple& a, const Tuple& b) {
 Array dense(const Tree& p, const Array& x) {
   Array y = matmul(x, p.at("kernel").array());
   return p.contains("bias") ? y + p.at("bias").array() : y;
+}
+
+// int32 lengths [n]: the given values repeated.
+Array lengths_repeating(std::int64_t n, std::initializer_list<std::int32_t> values) {
+  std::vector<std::int32_t> out;
+  for (std::int64_t i = 0; i < n; ++i) out.push_back(values.begin()[i % static_cast<std::int64_t>(values.size())]);
+  return Array::from_i32(Shape{n}, out);
 }
 
 float max_diff(const Array& a, const Array& b) {
@@ -721,9 +729,7 @@ TEST_CASE("lstm_layer and gru_layer with seq_lengths: every step runs, each row'
     CAPTURE(H);
     CAPTURE(N);
     const std::int64_t T = 37, I = 4;
-    std::vector<std::int32_t> length_values;
-    for (std::int64_t n = 0; n < N; ++n) length_values.push_back(std::array<std::int32_t, 5>{37, 0, 16, 1, 23}[n % 5]);
-    const Array lengths = Array::from_i32(Shape{N}, length_values);
+    const Array lengths = lengths_repeating(N, {37, 0, 16, 1, 23});
     const Array x = random_array(Shape{T, N, I}, 81);
     const Array wi = random_array(Shape{I, 4 * H}, 82) * 0.5f, wh = random_array(Shape{H, 4 * H}, 83) * 0.3f;
     const Array b = random_array(Shape{4 * H}, 84), c0 = random_array(Shape{N, H}, 85), h0 = random_array(Shape{N, H}, 86);
@@ -888,101 +894,99 @@ TEST_CASE("lstm_layer and gru_layer with bf16 weights: every product on bf16-rou
   // rounds the same operands agrees to float32 summation order; one that does not round h differs.
   // A batch of 3, and of 32 (the rows in two pieces, each piece's steps on one thread).
   for (std::int64_t N : {3, 32}) {
-  CAPTURE(N);
-  const std::int64_t T = 20, I = 5, H = 134;
-  auto bf = [](const Array& a) { return astype(a, DType::bf16); };
-  auto rounded = [](const Array& a) { return astype(astype(a, DType::bf16), DType::f32); };
-  const Array x = random_array(Shape{T, N, I}, 121), c0 = random_array(Shape{N, H}, 125), h0 = random_array(Shape{N, H}, 126);
-  const Array wi = random_array(Shape{I, 4 * H}, 122) * 0.5f, wh = random_array(Shape{H, 4 * H}, 123) * 0.3f;
-  const Array b = random_array(Shape{4 * H}, 124);
-  auto [ys, c, h] = lstm_layer(bf(x), bf(wi), bf(b), bf(wh), c0, h0);
-  CHECK(ys.dtype() == DType::f32);  // float32 carries: the results promote
-  float worst_rounded = 0, worst_unrounded = 0, mean_rounded = 0, mean_unrounded = 0;
-  auto mean_abs_diff = [](const Array& a, const Array& b) { return mean(abs(a - b)).item(); };
-  Array cr = c0, hr = h0, cu = c0, hu = h0;
-  for (std::int64_t t = 0; t < T; ++t) {
-    const Array xg = matmul(rounded(reshape(slice_axis(x, 0, t, t + 1), {N, I})), rounded(wi)) + rounded(b);
-    auto [cn, hn] = composed_lstm(xg, matmul(rounded(hr), rounded(wh)), cr);
-    auto [cn2, hn2] = composed_lstm(xg, matmul(hu, rounded(wh)), cu);
-    cr = cn, hr = hn, cu = cn2, hu = hn2;
-    const Array yt = reshape(slice_axis(ys, 0, t, t + 1), {N, H});
-    worst_rounded = std::max(worst_rounded, max_diff(yt, hn));
-    worst_unrounded = std::max(worst_unrounded, max_diff(yt, hn2));
-    mean_rounded += mean_abs_diff(yt, hn) / static_cast<float>(T);
-    mean_unrounded += mean_abs_diff(yt, hn2) / static_cast<float>(T);
-  }
-  MESSAGE("bf16 lstm_layer vs composition: ", worst_rounded, " rounding h, ", worst_unrounded, " not");
-  // The two sum in different orders, so an h a float32 ulp apart can round to bf16 values an ulp of
-  // bf16 apart, after which the rows differ at bf16's precision: the more rows and steps, the likelier.
-  // The largest difference is checked at 3 rows, where these operands give no such flip (at 32 rows
-  // they give one on the Eigen engine's summation order, and the GRU's below one on oneDNN's); at any
-  // size the mean difference stays far below the unrounded composition's.
-  if (N == 3) CHECK(worst_rounded < 2e-5f);
-  CHECK(mean_unrounded > 10 * mean_rounded);
-  MESSAGE("mean differences: ", mean_rounded, " rounding h, ", mean_unrounded, " not");
-  // With seq_lengths: each row's carry is the rounded composition's state after its length.
-  std::vector<std::int32_t> length_values;
-  for (std::int64_t n = 0; n < N; ++n) length_values.push_back(std::array<std::int32_t, 3>{20, 0, 7}[n % 3]);
-  const Array lengths = Array::from_i32(Shape{N}, length_values);
-  auto [ys_l, c_l, h_l] = lstm_layer(bf(x), bf(wi), bf(b), bf(wh), c0, h0, {.seq_lengths = lengths});
-  CHECK(ys_l.bitwise_equal(ys));
-  {
-    Array cc = c0, hh = h0;
-    std::vector<Array> cs{c0}, hs{h0};
+    CAPTURE(N);
+    const std::int64_t T = 20, I = 5, H = 134;
+    auto bf = [](const Array& a) { return astype(a, DType::bf16); };
+    auto rounded = [](const Array& a) { return astype(astype(a, DType::bf16), DType::f32); };
+    const Array x = random_array(Shape{T, N, I}, 121), c0 = random_array(Shape{N, H}, 125), h0 = random_array(Shape{N, H}, 126);
+    const Array wi = random_array(Shape{I, 4 * H}, 122) * 0.5f, wh = random_array(Shape{H, 4 * H}, 123) * 0.3f;
+    const Array b = random_array(Shape{4 * H}, 124);
+    auto [ys, c, h] = lstm_layer(bf(x), bf(wi), bf(b), bf(wh), c0, h0);
+    CHECK(ys.dtype() == DType::f32);  // float32 carries: the results promote
+    float worst_rounded = 0, worst_unrounded = 0, mean_rounded = 0, mean_unrounded = 0;
+    auto mean_abs_diff = [](const Array& a, const Array& b) { return mean(abs(a - b)).item(); };
+    Array cr = c0, hr = h0, cu = c0, hu = h0;
     for (std::int64_t t = 0; t < T; ++t) {
       const Array xg = matmul(rounded(reshape(slice_axis(x, 0, t, t + 1), {N, I})), rounded(wi)) + rounded(b);
-      auto [cn, hn] = composed_lstm(xg, matmul(rounded(hh), rounded(wh)), cc);
-      cc = cn, hh = hn;
-      cs.push_back(cn);
-      hs.push_back(hn);
+      auto [cn, hn] = composed_lstm(xg, matmul(rounded(hr), rounded(wh)), cr);
+      auto [cn2, hn2] = composed_lstm(xg, matmul(hu, rounded(wh)), cu);
+      cr = cn, hr = hn, cu = cn2, hu = hn2;
+      const Array yt = reshape(slice_axis(ys, 0, t, t + 1), {N, H});
+      worst_rounded = std::max(worst_rounded, max_diff(yt, hn));
+      worst_unrounded = std::max(worst_unrounded, max_diff(yt, hn2));
+      mean_rounded += mean_abs_diff(yt, hn) / static_cast<float>(T);
+      mean_unrounded += mean_abs_diff(yt, hn2) / static_cast<float>(T);
     }
-    for (std::int64_t n = 0; n < N; ++n) {
-      const std::int32_t len = lengths.data_i32()[n];
-      // At 32 rows within a flipped rounding's reach (above), still far closer than another length's state.
-      const float tolerance = N == 3 ? 2e-5f : 1e-2f;
-      CHECK(max_diff(slice_axis(c_l, 0, n, n + 1), slice_axis(cs[static_cast<std::size_t>(len)], 0, n, n + 1)) < tolerance);
-      CHECK(max_diff(slice_axis(h_l, 0, n, n + 1), slice_axis(hs[static_cast<std::size_t>(len)], 0, n, n + 1)) < tolerance);
+    MESSAGE("bf16 lstm_layer vs composition: ", worst_rounded, " rounding h, ", worst_unrounded, " not");
+    // The two sum in different orders, so an h a float32 ulp apart can round to bf16 values an ulp of
+    // bf16 apart, after which the rows differ at bf16's precision: the more rows and steps, the likelier.
+    // The largest difference is checked at 3 rows, where these operands give no such flip (at 32 rows
+    // they give one on the Eigen engine's summation order, and the GRU's below one on oneDNN's); at any
+    // size the mean difference stays far below the unrounded composition's.
+    if (N == 3) CHECK(worst_rounded < 2e-5f);
+    CHECK(mean_unrounded > 10 * mean_rounded);
+    MESSAGE("mean differences: ", mean_rounded, " rounding h, ", mean_unrounded, " not");
+    // With seq_lengths: each row's carry is the rounded composition's state after its length.
+    const Array lengths = lengths_repeating(N, {20, 0, 7});
+    auto [ys_l, c_l, h_l] = lstm_layer(bf(x), bf(wi), bf(b), bf(wh), c0, h0, {.seq_lengths = lengths});
+    CHECK(ys_l.bitwise_equal(ys));
+    {
+      Array cc = c0, hh = h0;
+      std::vector<Array> cs{c0}, hs{h0};
+      for (std::int64_t t = 0; t < T; ++t) {
+        const Array xg = matmul(rounded(reshape(slice_axis(x, 0, t, t + 1), {N, I})), rounded(wi)) + rounded(b);
+        auto [cn, hn] = composed_lstm(xg, matmul(rounded(hh), rounded(wh)), cc);
+        cc = cn, hh = hn;
+        cs.push_back(cn);
+        hs.push_back(hn);
+      }
+      for (std::int64_t n = 0; n < N; ++n) {
+        const std::int32_t len = lengths.data_i32()[n];
+        // At 32 rows within a flipped rounding's reach (above), still far closer than another length's state.
+        const float tolerance = N == 3 ? 2e-5f : 1e-2f;
+        CHECK(max_diff(slice_axis(c_l, 0, n, n + 1), slice_axis(cs[static_cast<std::size_t>(len)], 0, n, n + 1)) < tolerance);
+        CHECK(max_diff(slice_axis(h_l, 0, n, n + 1), slice_axis(hs[static_cast<std::size_t>(len)], 0, n, n + 1)) < tolerance);
+      }
     }
-  }
-  // Gradients: recompute segments bitwise the kept activations'; within bf16 rounding of float32's.
-  auto grads = [&](const Array& wi_, const Array& b_, const Array& wh_, std::int64_t segment) {
-    auto r = value_and_grad<0, 1, 2, 3>([&](const Array& xx, const Array& i, const Array& bb, const Array& hh) {
-      auto [y, cl, hl] = lstm_layer(xx, i, bb, hh, c0, h0, {.recompute_segment = segment});
-      return sum(square(astype(y, DType::f32))) * 0.5f + sum(astype(cl, DType::f32));
-    })(x, wi_, b_, wh_);
-    return std::vector<Array>{astype(std::get<1>(r), DType::f32), astype(std::get<2>(r), DType::f32),
-                              astype(std::get<3>(r), DType::f32), astype(std::get<4>(r), DType::f32)};
-  };
-  const std::vector<Array> g16 = grads(bf(wi), bf(b), bf(wh), 0), g16r = grads(bf(wi), bf(b), bf(wh), 16);
-  const std::vector<Array> g32 = grads(rounded(wi), rounded(b), rounded(wh), 0);
-  for (std::size_t k = 0; k < g16.size(); ++k) {
-    CAPTURE(k);
-    CHECK(g16[k].bitwise_equal(g16r[k]));
-    CHECK(max_diff(g16[k], g32[k]) <= 0.02f * std::max(1.0f, linum::testing::max_abs(g32[k])));
-  }
-  // The GRU: the same rounding of h before its recurrent product.
-  const Array gwi = random_array(Shape{I, 3 * H}, 127) * 0.5f, gwh = random_array(Shape{H, 3 * H}, 128) * 0.3f;
-  const Array gbi = random_array(Shape{3 * H}, 129), gbh = random_array(Shape{3 * H}, 130);
-  auto [gys, gh] = gru_layer(bf(x), bf(gwi), bf(gbi), bf(gwh), bf(gbh), h0);
-  float worst = 0, mean_rounded_h = 0, mean_unrounded_h = 0;
-  auto gate = [&](const Array& v, int k) { return slice_axis(v, -1, k * H, (k + 1) * H); };
-  auto gru_step = [&](const Array& xg, const Array& hg, const Array& h) {
-    const Array r = sigmoid(gate(xg, 0) + gate(hg, 0)), z = sigmoid(gate(xg, 1) + gate(hg, 1));
-    const Array n = tanh(gate(xg, 2) + r * gate(hg, 2));
-    return (1.0f - z) * n + z * h;
-  };
-  Array gr = h0, gu = h0;
-  for (std::int64_t t = 0; t < T; ++t) {
-    const Array xg = matmul(rounded(reshape(slice_axis(x, 0, t, t + 1), {N, I})), rounded(gwi)) + rounded(gbi);
-    gr = gru_step(xg, matmul(rounded(gr), rounded(gwh)) + rounded(gbh), gr);
-    gu = gru_step(xg, matmul(gu, rounded(gwh)) + rounded(gbh), gu);
-    const Array yt = reshape(slice_axis(gys, 0, t, t + 1), {N, H});
-    worst = std::max(worst, max_diff(yt, gr));
-    mean_rounded_h += mean_abs_diff(yt, gr) / static_cast<float>(T);
-    mean_unrounded_h += mean_abs_diff(yt, gu) / static_cast<float>(T);
-  }
-  if (N == 3) CHECK(worst < 2e-5f);  // at 32 rows these operands flip one rounding (see the LSTM's above)
-  CHECK(mean_unrounded_h > 10 * mean_rounded_h);
+    // Gradients: recompute segments bitwise the kept activations'; within bf16 rounding of float32's.
+    auto grads = [&](const Array& wi_, const Array& b_, const Array& wh_, std::int64_t segment) {
+      auto r = value_and_grad<0, 1, 2, 3>([&](const Array& xx, const Array& i, const Array& bb, const Array& hh) {
+        auto [y, cl, hl] = lstm_layer(xx, i, bb, hh, c0, h0, {.recompute_segment = segment});
+        return sum(square(astype(y, DType::f32))) * 0.5f + sum(astype(cl, DType::f32));
+      })(x, wi_, b_, wh_);
+      return std::vector<Array>{astype(std::get<1>(r), DType::f32), astype(std::get<2>(r), DType::f32),
+                                astype(std::get<3>(r), DType::f32), astype(std::get<4>(r), DType::f32)};
+    };
+    const std::vector<Array> g16 = grads(bf(wi), bf(b), bf(wh), 0), g16r = grads(bf(wi), bf(b), bf(wh), 16);
+    const std::vector<Array> g32 = grads(rounded(wi), rounded(b), rounded(wh), 0);
+    for (std::size_t k = 0; k < g16.size(); ++k) {
+      CAPTURE(k);
+      CHECK(g16[k].bitwise_equal(g16r[k]));
+      CHECK(max_diff(g16[k], g32[k]) <= 0.02f * std::max(1.0f, linum::testing::max_abs(g32[k])));
+    }
+    // The GRU: the same rounding of h before its recurrent product.
+    const Array gwi = random_array(Shape{I, 3 * H}, 127) * 0.5f, gwh = random_array(Shape{H, 3 * H}, 128) * 0.3f;
+    const Array gbi = random_array(Shape{3 * H}, 129), gbh = random_array(Shape{3 * H}, 130);
+    auto [gys, gh] = gru_layer(bf(x), bf(gwi), bf(gbi), bf(gwh), bf(gbh), h0);
+    float worst = 0, mean_rounded_h = 0, mean_unrounded_h = 0;
+    auto gate = [&](const Array& v, int k) { return slice_axis(v, -1, k * H, (k + 1) * H); };
+    auto gru_step = [&](const Array& xg, const Array& hg, const Array& h) {
+      const Array r = sigmoid(gate(xg, 0) + gate(hg, 0)), z = sigmoid(gate(xg, 1) + gate(hg, 1));
+      const Array n = tanh(gate(xg, 2) + r * gate(hg, 2));
+      return (1.0f - z) * n + z * h;
+    };
+    Array gr = h0, gu = h0;
+    for (std::int64_t t = 0; t < T; ++t) {
+      const Array xg = matmul(rounded(reshape(slice_axis(x, 0, t, t + 1), {N, I})), rounded(gwi)) + rounded(gbi);
+      gr = gru_step(xg, matmul(rounded(gr), rounded(gwh)) + rounded(gbh), gr);
+      gu = gru_step(xg, matmul(gu, rounded(gwh)) + rounded(gbh), gu);
+      const Array yt = reshape(slice_axis(gys, 0, t, t + 1), {N, H});
+      worst = std::max(worst, max_diff(yt, gr));
+      mean_rounded_h += mean_abs_diff(yt, gr) / static_cast<float>(T);
+      mean_unrounded_h += mean_abs_diff(yt, gu) / static_cast<float>(T);
+    }
+    if (N == 3) CHECK(worst < 2e-5f);  // at 32 rows these operands flip one rounding (see the LSTM's above)
+    CHECK(mean_unrounded_h > 10 * mean_rounded_h);
   }
 }
 

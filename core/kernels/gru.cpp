@@ -98,8 +98,6 @@ void cell_row_backward(const float* acts, const float* hgn, std::int64_t w, cons
 
 namespace {
 
-using Products = std::vector<std::unique_ptr<PackedProduct>>;
-
 struct Pass {
   const Forward& f;
   UnitBlocks bl;

@@ -105,8 +105,6 @@ struct Scratch : recurrent::PerThread {
   Scratch(int threads, std::int64_t unit) : PerThread(threads, cell_scratch_floats(unit)) {}
 };
 
-using Products = std::vector<std::unique_ptr<PackedProduct>>;
-
 struct Pass {
   const Forward& f;
   Blocks bl;
@@ -121,16 +119,10 @@ struct Pass {
       : f(fw), bl(blocks_of(fw.d.hidden)), T(fw.d.steps), N(fw.d.rows), I(fw.d.inputs), H(fw.d.hidden),
         H4(4 * fw.d.hidden), pieces(fw.d.rows) {
     if (!steps || T == 0) return;
-    if (pieces.count == 1) {
-      recurrent.push_back(recurrent_products(bl, f.wh, N, [&](std::int64_t) { return H4; }, /*accumulate=*/true, step_operands(f.d)));
-      return;
-    }
-    // One packed copy of wh, each further thread's object sharing it.
-    for (std::int64_t i = 0, sets = std::min<std::int64_t>(std::max(1, team), pieces.count); i < sets; ++i) {
-      recurrent.emplace_back();
-      recurrent.back().push_back(i == 0 ? whole_recurrent_product(bl, f.wh, pieces.rows, false, /*accumulate=*/true, step_operands(f.d))
-                                        : recurrent[0][0]->sharing_weights());
-    }
+    recurrent = step_product_sets(
+        pieces, team,
+        [&] { return recurrent_products(bl, f.wh, N, [&](std::int64_t) { return H4; }, /*accumulate=*/true, step_operands(f.d)); },
+        [&] { return whole_recurrent_product(bl, f.wh, pieces.rows, false, /*accumulate=*/true, step_operands(f.d)); });
   }
   const float* h_prev(std::int64_t t) const { return t == 0 ? f.h0 : f.ys + (t - 1) * N * H; }
 
@@ -283,13 +275,10 @@ void backward(const Backward& bw) {
   // threads. Packed (as the recomputation's products, in p) before the workspaces exist: the
   // interleaved copy made for packing is then freed while little else is alive.
   std::vector<Products> transposed;
-  if (T > 0 && pieces.count == 1) transposed.push_back(transposed_products(bl, f.wh, N, /*accumulate=*/false, step_operands(f.d)));
-  else if (T > 0)
-    for (std::int64_t i = 0, sets = std::min<std::int64_t>(std::max(1, team), pieces.count); i < sets; ++i) {
-      transposed.emplace_back();
-      transposed.back().push_back(i == 0 ? whole_recurrent_product(bl, f.wh, pieces.rows, true, /*accumulate=*/false, step_operands(f.d))
-                                         : transposed[0][0]->sharing_weights());
-    }
+  if (T > 0)
+    transposed = step_product_sets(
+        pieces, team, [&] { return transposed_products(bl, f.wh, N, /*accumulate=*/false, step_operands(f.d)); },
+        [&] { return whole_recurrent_product(bl, f.wh, pieces.rows, true, /*accumulate=*/false, step_operands(f.d)); });
   Array dh_buf, dc_buf, dz_buf, seg_acts_buf, seg_cs_buf;
   float* dh = workspace(dh_buf, N * H);
   float* dc = workspace(dc_buf, N * H);

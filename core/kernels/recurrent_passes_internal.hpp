@@ -147,6 +147,8 @@ inline float* workspace(Array& a, std::int64_t floats) {
   return a.mutable_data();
 }
 
+using Products = std::vector<std::unique_ptr<PackedProduct>>;
+
 // The recurrent kernel's products for the fused layers' steps, per unit block, packed once from the
 // kernel in gate order (wh [H, gates * H], not interleaved), one block's columns or rows at a time:
 // no whole interleaved copy is made. Block b's forward product: c (+)= h . (wh's block b columns,
@@ -190,6 +192,24 @@ inline std::unique_ptr<PackedProduct> whole_recurrent_product(const UnitBlocks& 
   if (transposed)
     return std::make_unique<PackedProduct>(m, bl.hidden, cols, all.data(), cols, true, cols, bl.hidden, accumulate, operands);
   return std::make_unique<PackedProduct>(m, cols, bl.hidden, all.data(), cols, false, bl.hidden, cols, accumulate, operands);
+}
+
+// A pass's per-step products, by set: with one row piece (RowPieces), one set of per-block products
+// over every row (by_blocks()); with several, a set per thread (at most one per piece) holding one
+// product over a piece's rows and every block (whole()), the first packing the weights and the
+// others sharing them (a product object runs on one thread at a time).
+template <class ByBlocks, class Whole>
+std::vector<Products> step_product_sets(const RowPieces& pieces, int team, ByBlocks by_blocks, Whole whole) {
+  std::vector<Products> sets;
+  if (pieces.count == 1) {
+    sets.push_back(by_blocks());
+    return sets;
+  }
+  for (std::int64_t i = 0, n = std::min<std::int64_t>(std::max(1, team), pieces.count); i < n; ++i) {
+    sets.emplace_back();
+    sets.back().push_back(i == 0 ? whole() : sets[0][0]->sharing_weights());
+  }
+  return sets;
 }
 
 // dw[:, cols] += sum over the steps t of [t0, t0 + g) of h_before(t)^T . d_gates(t): the recurrent
