@@ -5,6 +5,7 @@
 #include <linum/core/array.hpp>
 #include <linum/core/error.hpp>
 #include <linum/core/kernels/engine.hpp>
+#include <linum/core/kernels/product_timing.hpp>
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/threading.hpp>
 #include <linum/core/debug_nans.hpp>

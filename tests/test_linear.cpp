@@ -296,3 +296,45 @@ TEST_CASE("nn::Dense with an activation equals the activation applied after it; 
   const Tree lv = init(last, rng::key(2), x);
   CHECK(apply(last, lv, x).bitwise_equal(apply(nn::Dense{.features = 6}, lv, x)));
 }
+
+TEST_CASE("product timing counts every product of a step, with its flops, and nothing outside its scope") {
+  const Array x = random_array(Shape{8, 16}, 1), w = random_array(Shape{16, 4}, 2), b = random_array(Shape{4}, 3);
+  const Array probe = random_array(Shape{8, 4}, 4);
+  const Array xs = random_array(Shape{3, 8, 16}, 5), ws = random_array(Shape{3, 16, 4}, 6);
+  const double one = 2.0 * 8 * 16 * 4;  // flops of one [8, 16] x [16, 4] product
+  for (const Engine e : {Engine::eigen, Engine::onednn}) {
+    if (!engine_available(e)) continue;
+    CAPTURE(engine_name(e));
+    const Engine previous = engine();
+    set_engine(e);
+    {
+      kernels::ProductTimingScope timing;
+      CHECK(kernels::product_timing_on());
+      (void)matmul(x, w);
+      kernels::ProductTiming t = timing.read();
+      CHECK(t.products == 1);
+      CHECK(t.flops == one);
+      CHECK(t.seconds > 0.0);
+      (void)matmul(xs, ws);  // a batch of 3
+      t = timing.read();
+      CHECK(t.products == 2);
+      CHECK(t.flops == 4 * one);
+    }
+    CHECK_FALSE(kernels::product_timing_on());
+    (void)matmul(x, w);  // after the scope: not counted
+    CHECK(kernels::product_timing().products == 2);
+    {
+      // A new scope starts from zero. The fused linear's step: its product with the bias, then the
+      // backward pass's two (dx = g W^T, dW = x^T g), all of the same size here.
+      kernels::ProductTimingScope timing;
+      CHECK(timing.read().products == 0);
+      (void)value_and_grad<0, 1, 2>([&](const Array& x, const Array& w, const Array& b) {
+        return sum(linear(x, w, b, Activation::gelu) * probe);
+      })(x, w, b);
+      const kernels::ProductTiming t = timing.read();
+      CHECK(t.products == 3);
+      CHECK(t.flops == 3 * one);
+    }
+    set_engine(previous);
+  }
+}

@@ -21,7 +21,10 @@
 //       gemm_ratio, peak_activation_bytes (exact accounting: peak live bytes during the step minus live
 //       bytes before it), peak_rss_growth_mib, ops_recomputed/replayed/eliminated_per_step
 //       (lift::recompute_stats: ops the recomputations ran, took from saved values, left out),
-//       offloaded_peak_bytes, offload_written/read_bytes_per_step.
+//       offloaded_peak_bytes, offload_written/read_bytes_per_step; then one more step with its
+//       products timed (kernels/product_timing.hpp): profiled_step_s, products_per_step, products_s,
+//       products_gflops_in_step (their speed inside the step, against gemm_gflops alone),
+//       outside_products_s.
 //   linum-bench load [--layers L] [--width W] [--batch B] [--steps S] [--dtype f32|bf16] [--rounds R]
 //       The plain deep-MLP step on a quiet machine and with one competing CPU-bound process pinned
 //       to the last core, alternating R rounds in one invocation. Fields: bench, wait_policy (how
@@ -243,6 +246,18 @@ void run_variant(const std::string& variant, const std::function<Array(const std
   const long rss_peak = status_kib("VmHWM");
   const memory::Stats io_after = memory::stats();
   const lift::RecomputeStats rs = lift::recompute_stats();
+  // One more step with its products timed (after the timed steps, so the clock reads do not touch
+  // them): how much of a step is products, and how fast they run inside it (operands coming back
+  // from memory) against the same product alone (gemm_gflops, operands in cache).
+  kernels::ProductTiming products;
+  double timed_step = 0;
+  {
+    kernels::ProductTimingScope timing;
+    auto t = Clock::now();
+    (void)step(params, x);
+    timed_step = seconds_since(t);
+    products = timing.read();
+  }
   if (timelines != nullptr) {  // one more step, recorded op by op (after the timed ones)
     memory::TimelineRecorder recorder(variant);
     (void)step(params, x);
@@ -270,6 +285,13 @@ void run_variant(const std::string& variant, const std::function<Array(const std
       {"gemm_ratio", flops / times.front() / 1e9 / gemm},
       {"peak_activation_bytes", peak_activation},
       {"peak_rss_growth_mib", static_cast<double>(rss_peak - rss_before) / 1024.0},
+      // The extra step with its products timed (kernels/product_timing.hpp): its time, the time
+      // inside its products, their speed there, and the time outside them.
+      {"profiled_step_s", timed_step},
+      {"products_per_step", products.products},
+      {"products_s", products.seconds},
+      {"products_gflops_in_step", products.seconds > 0 ? products.flops / products.seconds / 1e9 : 0.0},
+      {"outside_products_s", timed_step - products.seconds},
       // Per step: ops the recomputations computed, took from saved values, and left out as dead code.
       {"ops_recomputed_per_step", rs.ops_recomputed / steps},
       {"ops_replayed_per_step", rs.ops_replayed / steps},
