@@ -210,6 +210,28 @@ TEST_CASE("linear in bf16 on every bf16 input: the kept derivative and the value
   if (!linum::testing::on_threads(2, check)) MESSAGE("built without OpenMP (or no team of two): not run on two threads");
 }
 
+TEST_CASE("the streaming pair lookup (the kept derivative written around the caches) gives the plain lookup's values") {
+  // Every length around the 64-entry staging run and the 16-lane stores, with the second array
+  // 32-byte aligned (the streamed path) and not (the plain loop), against bf16_lookup_pair.
+  std::vector<std::uint32_t> table(65536);
+  for (std::uint32_t i = 0; i < 65536; ++i) table[i] = i * 2654435761u;
+  std::vector<bfloat16> x(2200);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i].bits = static_cast<std::uint16_t>(i * 40503u);
+  for (const std::int64_t n : {0, 1, 15, 63, 64, 65, 127, 128, 1000, 2048, 2100}) {
+    for (const std::int64_t offset : {0, 1}) {
+      CAPTURE(n);
+      CAPTURE(offset);
+      alignas(64) static bfloat16 first[2200], second[2240], want_first[2200], want_second[2240];
+      linum::ops::detail::bf16_lookup_pair(table.data(), x.data(), want_first, want_second + offset, n);
+      linum::ops::detail::bf16_lookup_pair_streaming(table.data(), x.data(), first, second + offset, n);
+      bool same = true;
+      for (std::int64_t i = 0; i < n; ++i)
+        same = same && first[i].bits == want_first[i].bits && second[offset + i].bits == want_second[offset + i].bits;
+      CHECK(same);
+    }
+  }
+}
+
 TEST_CASE("linear's bias gradient has the same bits on one thread and on two") {
   // Large enough for the backward pass to run in parallel.
   const Array x = random_array(Shape{2048, 64}, 31), w = random_array(Shape{64, 256}, 32), b = random_array(Shape{256}, 33);

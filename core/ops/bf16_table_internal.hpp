@@ -21,6 +21,9 @@
 #include <atomic>
 #include <bit>
 #include <cstdint>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <memory>
 #include <mutex>
 
@@ -89,6 +92,34 @@ inline void bf16_lookup_pair(const std::uint32_t* table, const bfloat16* x, bflo
     first[i].bits = static_cast<std::uint16_t>(t);
     second[i].bits = static_cast<std::uint16_t>(t >> 16);
   }
+}
+
+// The same, for a `second` array that nothing reads soon (the fused linear's kept derivative, read
+// in the backward pass): the pairs are read 64 at a time into a staging run, then split with vector
+// stores, the second halves written around the caches (non-temporal stores) where AVX-512 is
+// there and `second` is 32-byte aligned. The same values as bf16_lookup_pair; x must not be
+// `second`.
+inline void bf16_lookup_pair_streaming(const std::uint32_t* table, const bfloat16* x, bfloat16* first,
+                                       bfloat16* second, std::int64_t n) {
+#if defined(__AVX512F__)
+  if (reinterpret_cast<std::uintptr_t>(second) % 32 == 0) {
+    constexpr std::int64_t kStage = 64;
+    alignas(64) std::uint32_t staged[kStage];
+    std::int64_t i = 0;
+    for (; i + kStage <= n; i += kStage) {
+      for (std::int64_t j = 0; j < kStage; ++j) staged[j] = table[x[i + j].bits];
+      for (std::int64_t j = 0; j < kStage; j += 16) {
+        const __m512i t = _mm512_load_si512(static_cast<const void*>(staged + j));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(first + i + j), _mm512_cvtepi32_epi16(t));
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(second + i + j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(t, 16)));
+      }
+    }
+    _mm_sfence();  // the streamed stores are visible before anything that follows (another thread's reads)
+    bf16_lookup_pair(table, x + i, first + i, second + i, n - i);
+    return;
+  }
+#endif
+  bf16_lookup_pair(table, x, first, second, n);
 }
 
 }  // namespace linum::ops::detail
