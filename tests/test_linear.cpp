@@ -343,8 +343,9 @@ TEST_CASE("product timing counts every product of a step, with its flops, and no
       CHECK(t.flops == 4 * one);
     }
     CHECK_FALSE(kernels::product_timing_on());
+    const std::int64_t total = kernels::product_timing().products;
     (void)matmul(x, w);  // after the scope: not counted
-    CHECK(kernels::product_timing().products == 2);
+    CHECK(kernels::product_timing().products == total);
     {
       // A new scope starts from zero. The fused linear's step: its product with the bias, then the
       // backward pass's two (dx = g W^T, dW = x^T g), all of the same size here.
@@ -353,9 +354,28 @@ TEST_CASE("product timing counts every product of a step, with its flops, and no
       (void)value_and_grad<0, 1, 2>([&](const Array& x, const Array& w, const Array& b) {
         return sum(linear(x, w, b, Activation::gelu) * probe);
       })(x, w, b);
-      const kernels::ProductTiming t = timing.read();
+      kernels::ProductTiming t = timing.read();
       CHECK(t.products == 3);
       CHECK(t.flops == 3 * one);
+      {
+        // A scope inside another counts from its own start; the outer one keeps counting, and
+        // timing stays on when the inner one ends.
+        kernels::ProductTimingScope inner;
+        (void)matmul(x, w);
+        CHECK(inner.read().products == 1);
+      }
+      CHECK(kernels::product_timing_on());
+      (void)matmul(x, w);
+      t = timing.read();
+      CHECK(t.products == 5);
+      CHECK(t.flops == 5 * one);
+    }
+    CHECK_FALSE(kernels::product_timing_on());
+    {
+      // An empty batch: no flops (not NaN).
+      kernels::ProductTimingScope timing;
+      (void)matmul(Array::zeros(Shape{0, 8, 16}), Array::zeros(Shape{0, 16, 4}));
+      CHECK(timing.read().flops == 0.0);
     }
     set_engine(previous);
   }

@@ -49,17 +49,17 @@ void set_engine(Engine e) {
 namespace kernels {
 namespace {
 // 2 * batch * m * n * k of op(a) @ op(b) (product_timing.hpp), when timing is on (else 0: not read).
-double timed_flops(const Array& a, const Array& b, bool ta) {
+double timed_flops(const Array& a, const Array& b, bool ta, bool tb) {
   if (!product_timing_on() || a.rank() < 2 || b.rank() < 2) return 0.0;
   const double batch = a.rank() == 3 ? static_cast<double>(a.dim(0)) : 1.0;
   const double m = static_cast<double>(ta ? a.dim(-1) : a.dim(-2)), k = static_cast<double>(ta ? a.dim(-2) : a.dim(-1));
-  const double n = static_cast<double>(b.numel()) / (static_cast<double>(b.rank() == 3 ? b.dim(0) : 1) * k);
-  return k == 0 ? 0.0 : 2.0 * batch * m * n * k;
+  const double n = static_cast<double>(tb ? b.dim(-2) : b.dim(-1));
+  return 2.0 * batch * m * n * k;
 }
 }  // namespace
 
 Array batched_gemm(const Array& a, const Array& b, bool ta, bool tb) {
-  const detail::ProductClock clock(timed_flops(a, b, ta));
+  const detail::ProductClock clock(timed_flops(a, b, ta, tb));
 #if LINUM_HAVE_ONEDNN
   if (engine() == Engine::onednn) return batched_gemm_onednn(a, b, ta, tb);
 #endif
@@ -67,7 +67,7 @@ Array batched_gemm(const Array& a, const Array& b, bool ta, bool tb) {
 }
 
 Array gemm_bias(const Array& a, const Array& b, const Array& bias) {
-  const detail::ProductClock clock(timed_flops(a, b, false));
+  const detail::ProductClock clock(timed_flops(a, b, false, false));
 #if LINUM_HAVE_ONEDNN
   if (engine() == Engine::onednn) return gemm_bias_onednn(a, b, bias);
 #endif

@@ -6,7 +6,7 @@
 namespace linum::kernels {
 namespace {
 
-std::atomic<bool> g_on{false};
+std::atomic<int> g_scopes{0};  // ProductTimingScopes alive
 std::atomic<std::int64_t> g_products{0};
 std::atomic<std::int64_t> g_nanoseconds{0};
 std::atomic<double> g_flops{0.0};
@@ -15,27 +15,24 @@ std::int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-void clear() {
-  g_products = 0;
-  g_nanoseconds = 0;
-  g_flops = 0.0;
-}
-
 }  // namespace
 
-bool product_timing_on() { return g_on.load(std::memory_order_relaxed); }
+bool product_timing_on() { return g_scopes.load(std::memory_order_relaxed) > 0; }
 
 ProductTiming product_timing() {
   return ProductTiming{.products = g_products.load(), .flops = g_flops.load(),
                        .seconds = static_cast<double>(g_nanoseconds.load()) * 1e-9};
 }
 
-ProductTimingScope::ProductTimingScope() : previous_(g_on.load()) {
-  clear();
-  g_on = true;
-}
+ProductTimingScope::ProductTimingScope() : start_(product_timing()) { g_scopes.fetch_add(1); }
 
-ProductTimingScope::~ProductTimingScope() { g_on = previous_; }
+ProductTimingScope::~ProductTimingScope() { g_scopes.fetch_sub(1); }
+
+ProductTiming ProductTimingScope::read() const {
+  const ProductTiming now = product_timing();
+  return ProductTiming{.products = now.products - start_.products, .flops = now.flops - start_.flops,
+                       .seconds = now.seconds - start_.seconds};
+}
 
 namespace detail {
 

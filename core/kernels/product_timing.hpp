@@ -5,15 +5,16 @@
 // stay in cache; in a step, a layer's kept input comes back from memory in the backward pass. To
 // tell those two costs apart, turn timing on for one step and read what it counted:
 //
-//   kernels::ProductTimingScope timing;   // on while alive, counters cleared when it starts
+//   kernels::ProductTimingScope timing;   // on while alive
 //   auto [loss, grads] = step(params, x);
-//   kernels::ProductTiming t = timing.read();  // t.seconds in products, t.flops, t.products
+//   kernels::ProductTiming t = timing.read();  // since the scope began: t.seconds, t.flops, t.products
 //
 // It covers the whole-array products every op reaches (batched_gemm and gemm_bias: matmul,
-// dot_general, einsum, the fused linear and their backward rules), not the serial products inside
-// fused kernels (attention, the recurrent layers). Off by default; when on, each product reads the
-// clock twice. Counters are process-wide (atomics), so time spent in products called from two
-// threads at once adds up.
+// dot_general, einsum, the fused linear and their backward rules), not convolutions (oneDNN's
+// convolution primitives, Eigen's im2col products) nor the serial products inside fused kernels
+// (attention, the recurrent layers). Off by default; when on, each product reads the clock twice.
+// Counters are process-wide (atomics): scopes may nest (each reads what was counted since it
+// began), and products that two threads run at once all count, their times added.
 #pragma once
 
 #include <cstdint>
@@ -22,27 +23,27 @@ namespace linum::kernels {
 
 struct ProductTiming {
   std::int64_t products = 0;  // products counted
-  double flops = 0;           // 2 * m * n * k summed over them
+  double flops = 0;           // 2 * batch * m * n * k summed over them
   double seconds = 0;         // wall time inside them
 };
 
-// Whether products are being timed now (set by ProductTimingScope).
+// Whether products are being timed now (while a ProductTimingScope is alive).
 bool product_timing_on();
-// What was counted since the last clear.
+// Everything counted in this process so far (only while some scope was alive).
 ProductTiming product_timing();
 
-// Timing on, counters cleared, while alive; the previous state comes back when it ends. Not for
-// nesting across threads: it sets one process-wide switch.
+// Timing on while alive (scopes count how many are alive; timing stops when the last one ends).
 class ProductTimingScope {
  public:
   ProductTimingScope();
   ~ProductTimingScope();
   ProductTimingScope(const ProductTimingScope&) = delete;
   ProductTimingScope& operator=(const ProductTimingScope&) = delete;
-  ProductTiming read() const { return product_timing(); }
+  // What was counted since this scope began.
+  ProductTiming read() const;
 
  private:
-  bool previous_;
+  ProductTiming start_;
 };
 
 namespace detail {

@@ -329,10 +329,11 @@ Array linear(const Array& x_in, const Array& kernel_in, const Array& bias_in, Ac
     // policies, saved-value hooks). Create-graph rules recompute from x, W and b.
     if (r.recording() && keep_derivative) {
       // gelu, silu: the value and the derivative from one evaluation of the activation's term; the
-      // backward pass reads the derivative (kept in z's place, in z's dtype) and multiplies. In bf16
-      // the kept derivative is rounded, one rounding more than the unfused ops make (they compute it
-      // in float32 in their backward rule): a second tanh per element in every backward pass cost
-      // about 3% of a bf16 MLP step (24 x 512, batch 2048), the rounding at most 2^-8 relative.
+      // backward pass reads the derivative (kept in z's dtype; value_and_derivative says where) and
+      // multiplies. In bf16 the kept derivative is rounded, one rounding more than the unfused ops
+      // make (they compute it in float32 in their backward rule): a second tanh per element in every
+      // backward pass cost about 3% of a bf16 MLP step (24 x 512, batch 2048), the rounding at most
+      // 2^-8 relative.
       auto [y, d] = value_and_derivative(std::move(z), act);
       r.keep(x2, kernel, has_bias ? bias : Array(), d);
       return y.with_shape(out_shape);
