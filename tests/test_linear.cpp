@@ -107,10 +107,14 @@ TEST_CASE("linear in bfloat16 is the float32 computation rounded: values and gra
 TEST_CASE("linear under remat: gradients bitwise the plain ones for every activation, float32 and bf16") {
   // The recorded forward pass computes gelu's and silu's value with their derivative (in the
   // computation dtype) and keeps it; the checkpoint recomputes the layer and differentiates it again, with or without a
-  // policy that saves the op (then its kept derivative comes from the saved values).
-  const Array x = random_array(Shape{70, 40}, 71), w1 = random_array(Shape{40, 40}, 72), w2 = random_array(Shape{40, 33}, 73);
+  // policy that saves the op (then its kept derivative comes from the saved values). 520 rows reach
+  // the bf16 (value, derivative) table and its streamed stores (at least 16384 elements).
+  const Array w1 = random_array(Shape{40, 40}, 72), w2 = random_array(Shape{40, 33}, 73);
   const Array b1 = random_array(Shape{40}, 74), b2 = random_array(Shape{33}, 75);
+  for (const std::int64_t rows : {70, 520})
   for (const DType dt : {DType::f32, DType::bf16}) {
+    const Array x = random_array(Shape{rows, 40}, 71);
+    CAPTURE(rows);
     for (const Activation act : kAll) {
       CAPTURE(activation_name(act));
       CAPTURE(dtype_short_name(dt));
