@@ -107,6 +107,20 @@ std::vector<OpCase> op_cases() {
       {"scan", "cumprod", {4, 6}, {6}, [](const Array& z, const Array& w) { return cumprod(z * 0.5f + 1.0f, 1) * w; }, false},
       {"prod: the last of a cumprod", "cumprod", {4, 6}, {6}, [](const Array& z, const Array& w) { return prod(z * 0.5f + 1.0f, {0}) * w; }, false},
       {"product", "matmul", {4, 6}, {4, 5}, [](const Array& z, const Array& w) { return einsum("ij,ik->jk", z, w); }, false},  // einsum: its product
+      // The product reading an operand stored transposed (dot_general contracting a leading axis of
+      // the left operand or a trailing one of the right: the kernel's ta / tb, no transposed copy).
+      {"product", "matmul", {4, 6}, {5, 6}, [](const Array& z, const Array& w) {  // z w^T
+         return dot_general(z, w, DotDims{.lhs_contracting = {1}, .rhs_contracting = {1}});
+       }, false},
+      {"product", "matmul", {6, 4}, {5, 6}, [](const Array& z, const Array& w) {  // z^T w^T
+         return dot_general(z, w, DotDims{.lhs_contracting = {0}, .rhs_contracting = {1}});
+       }, false},
+      {"product", "batched_matmul", {2, 4, 6}, {2, 4, 5}, [](const Array& z, const Array& w) {  // z^T w per batch
+         return dot_general(z, w, DotDims{.lhs_contracting = {1}, .rhs_contracting = {1}, .lhs_batch = {0}, .rhs_batch = {0}});
+       }, false},
+      {"product", "batched_matmul", {2, 4, 6}, {2, 5, 4}, [](const Array& z, const Array& w) {  // z^T w^T per batch
+         return dot_general(z, w, DotDims{.lhs_contracting = {1}, .rhs_contracting = {2}, .lhs_batch = {0}, .rhs_batch = {0}});
+       }, false},
       {"data movement", "unstack", {3, 6}, {6}, [](const Array& z, const Array& w) {
          std::vector<Array> rows = unstack(z);
          return rows[0] * w + rows[2];
