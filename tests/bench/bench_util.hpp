@@ -2,6 +2,7 @@
 #pragma once
 
 #include <linum/linum.hpp>
+#include <linum/core/kernels/gemm.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -96,6 +97,33 @@ inline double gemm_gflops(std::int64_t m, std::int64_t k, std::int64_t n, DType 
     best = std::min(best, seconds_since(t));
   }
   return 2.0 * m * k * n / best / 1e9;
+}
+
+// The time of the products a plain step of `layers` dense layers ([m, k] x [k, n], bias in the
+// forward product) runs, each kind timed alone on the same operands, so in cache (best of `reps`):
+// layers forward products with the bias, layers - 1 input gradients g W^T, layers weight gradients
+// x^T g. What the step's products would take with nothing around them.
+inline double plain_products_alone_s(std::int64_t layers, std::int64_t m, std::int64_t k, std::int64_t n, DType dtype,
+                                     int reps) {
+  const Array x = astype(random_normal(Shape{m, k}, 13u, 1.0f), dtype);
+  const Array w = astype(random_normal(Shape{k, n}, 14u, 1.0f), dtype);
+  const Array b = astype(random_normal(Shape{n}, 15u, 1.0f), dtype);
+  const Array g = astype(random_normal(Shape{m, n}, 16u, 1.0f), dtype);
+  auto best = [&](auto&& product) {
+    (void)product();  // warm-up (creates the primitive)
+    double t_best = 1e30;
+    for (int r = 0; r < reps; ++r) {
+      auto t = Clock::now();
+      Array c = product();
+      t_best = std::min(t_best, seconds_since(t));
+    }
+    return t_best;
+  };
+  // (the kernels the fused linear's forward and backward rule call)
+  const double forward = best([&] { return kernels::gemm_bias(x, w, b); });
+  const double dx = best([&] { return kernels::batched_gemm(g, w, false, true); });
+  const double dw = best([&] { return kernels::batched_gemm(x, g, true, false); });
+  return static_cast<double>(layers) * forward + static_cast<double>(layers - 1) * dx + static_cast<double>(layers) * dw;
 }
 
 inline DType parse_dtype(const std::string& s) {

@@ -24,7 +24,8 @@
 //       offloaded_peak_bytes, offload_written/read_bytes_per_step; then one more step with its
 //       products timed (kernels/product_timing.hpp): profiled_step_s, products_per_step, products_s,
 //       products_gflops_in_step (their speed inside the step, against gemm_gflops alone),
-//       outside_products_s.
+//       outside_products_s; plain_products_alone_s (the plain step's 3L - 1 products of the three
+//       kinds, each timed alone, in cache) and plain_products_alone_ratio (that over step_s_min).
 //   linum-bench load [--layers L] [--width W] [--batch B] [--steps S] [--dtype f32|bf16] [--rounds R]
 //       The plain deep-MLP step on a quiet machine and with one competing CPU-bound process pinned
 //       to the last core, alternating R rounds in one invocation. Fields: bench, wait_policy (how
@@ -268,6 +269,7 @@ void run_variant(const std::string& variant, const std::function<Array(const std
   // The product's speed is measured again after the steps and the faster measurement counts: one
   // measurement on a moment of this shared machine's noise made the ratio swing from 0.8 to 1.8.
   gemm = std::max(gemm, gemm_gflops(B, W, W, dtype, 10));
+  const double products_alone = plain_products_alone_s(L, B, W, W, dtype, 10);
   nlohmann::json out = {
       {"bench", "mlp"},
       {"variant", variant},
@@ -292,6 +294,11 @@ void run_variant(const std::string& variant, const std::function<Array(const std
       {"products_s", products.seconds},
       {"products_gflops_in_step", products.seconds > 0 ? products.flops / products.seconds / 1e9 : 0.0},
       {"outside_products_s", timed_step - products.seconds},
+      // The plain step's 3L - 1 products, each kind timed alone in cache (bench_util.hpp), and that
+      // time over the step's: the ratio a step with nothing but its products would reach (for
+      // variants that recompute, the plain step's products only).
+      {"plain_products_alone_s", products_alone},
+      {"plain_products_alone_ratio", products_alone / times.front()},
       // Per step: ops the recomputations computed, took from saved values, and left out as dead code.
       {"ops_recomputed_per_step", rs.ops_recomputed / steps},
       {"ops_replayed_per_step", rs.ops_replayed / steps},
