@@ -50,6 +50,44 @@ void for_rows(const Shape& out, const Strides& in_strides, std::int64_t base, F 
   }
 }
 
+// The gather of a transpose of the last two axes (the output's rows run along the input's
+// contiguous axis: s[rank - 2] == 1, its columns along a strided one), in square tiles: row by row,
+// every element of an output row would come from another input row, one cache line per element,
+// and a [2048, 512] bf16 transpose took 0.8 ms; a tile reads kTile consecutive input elements per
+// column and writes kTile consecutive output elements per row.
+template <class T>
+void transpose_tiles(const T* px, T* po, const Shape& out, const Strides& s, std::int64_t base) {
+  constexpr std::int64_t kTile = 32;
+  const int rank = out.rank();
+  const std::int64_t cols = out[rank - 1], rows = out[rank - 2];
+  if (cols == 0 || rows == 0) return;
+  const std::int64_t outer = out.numel() / (rows * cols), step = s[rank - 1];
+  const std::int64_t row_tiles = (rows + kTile - 1) / kTile, items = outer * row_tiles;
+  auto tile_rows = [&](std::int64_t item) {
+    const std::int64_t o = item / row_tiles, r0 = (item % row_tiles) * kTile, r1 = std::min(rows, r0 + kTile);
+    std::int64_t off = base, rem = o;  // the input offset of outer index o (axes 0 .. rank - 3)
+    for (int d = rank - 3; d >= 0; --d) {
+      off += (rem % out[d]) * s[d];
+      rem /= out[d];
+    }
+    T* dst = po + o * rows * cols;
+    for (std::int64_t c0 = 0; c0 < cols; c0 += kTile) {
+      const std::int64_t c1 = std::min(cols, c0 + kTile);
+      for (std::int64_t r = r0; r < r1; ++r)
+        for (std::int64_t c = c0; c < c1; ++c) dst[r * cols + c] = px[off + r + c * step];
+    }
+  };
+  if (out.numel() >= ops::detail::kParallelMin && items > 1) {
+#pragma omp parallel for schedule(static) num_threads(linum::team_size())
+    for (std::int64_t item = 0; item < items; ++item) {
+      linum::detail::enter_compute();
+      tile_rows(item);
+    }
+  } else {
+    for (std::int64_t item = 0; item < items; ++item) tile_rows(item);
+  }
+}
+
 template <class T>
 Array strided_gather(const Array& x, const Shape& out_shape, const Strides& s, std::int64_t base) {
   Array out = Array::empty(out_shape, x.dtype());
@@ -58,6 +96,10 @@ Array strided_gather(const Array& x, const Shape& out_shape, const Strides& s, s
   const int rank = out_shape.rank();
   const std::int64_t inner = rank ? out_shape[rank - 1] : 1;
   const std::int64_t step = rank ? s[rank - 1] : 0;
+  if (rank >= 2 && s[rank - 2] == 1 && step != 1 && step != 0 && out_shape[rank - 2] > 1) {
+    transpose_tiles(px, po, out_shape, s, base);
+    return out;
+  }
   for_rows(out_shape, s, base, [&](std::int64_t o, std::int64_t i) {
     if (step == 1) std::memcpy(po + o, px + i, static_cast<std::size_t>(inner) * sizeof(T));
     else for (std::int64_t j = 0; j < inner; ++j) po[o + j] = px[i + j * step];
