@@ -21,6 +21,22 @@ namespace linum::ops::detail {
 constexpr std::int64_t kBlock = 16384;
 constexpr std::int64_t kParallelMin = 1 << 18;
 
+// Calls f(i) for i in [0, items) (rows, tiles, reduction slices): in parallel (static schedule)
+// when the work touches at least kParallelMin elements and there is more than one item, else in
+// order on the calling thread.
+template <class F>
+void for_items(std::int64_t items, std::int64_t elements, F&& f) {
+  if (elements >= kParallelMin && items > 1) {
+#pragma omp parallel for schedule(static) num_threads(linum::team_size())
+    for (std::int64_t i = 0; i < items; ++i) {
+      linum::detail::enter_compute();
+      f(i);
+    }
+  } else {
+    for (std::int64_t i = 0; i < items; ++i) f(i);
+  }
+}
+
 // Calls f(begin, count) over [0, n) in blocks, in parallel for large n.
 template <class F>
 void for_blocks(std::int64_t n, F&& f) {

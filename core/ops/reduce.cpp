@@ -46,21 +46,6 @@ Shape reduced_shape(const Shape& s, const std::vector<int>& axes, bool keepdims)
 Array reduce_kernel_bf16(const Array& x, std::int64_t outer, std::int64_t red, std::int64_t inner, Reduction kind,
                         const Shape& keep_shape, DType out_dtype);
 
-// Runs run(o) for o in [0, outer), in parallel when the reduction reads at least kParallelMin
-// elements.
-template <class F>
-void for_each_outer(std::int64_t outer, std::int64_t elements, F& run) {
-  if (outer > 1 && elements >= ops::detail::kParallelMin) {
-#pragma omp parallel for schedule(static) num_threads(linum::team_size())
-    for (std::int64_t o = 0; o < outer; ++o) {
-      linum::detail::enter_compute();
-      run(o);
-    }
-  } else {
-    for (std::int64_t o = 0; o < outer; ++o) run(o);
-  }
-}
-
 // Reduces x over the sorted axes `axes` with kind; the result has the keepdims shape and
 // `out_dtype` (x's dtype unless given). float32 accumulation whatever the input dtype.
 Array reduce_kernel(const Array& x, const std::vector<int>& axes, Reduction kind, const char* op,
@@ -116,7 +101,7 @@ Array reduce_kernel(const Array& x, const std::vector<int>& axes, Reduction kind
       else acc = acc.max(v);
     }
   };
-  for_each_outer(outer, x.numel(), run);
+  ops::detail::for_items(outer, x.numel(), run);
   return out;
 }
 
@@ -153,7 +138,7 @@ Array reduce_kernel_bf16(const Array& x, std::int64_t outer, std::int64_t red, s
         else a = a.max(v);
       }
   };
-  for_each_outer(outer, x.numel(), run);
+  ops::detail::for_items(outer, x.numel(), run);
   if (out_dtype == DType::f32) return acc;
   autodiff::NoGradGuard constants;
   return astype(acc, out_dtype);

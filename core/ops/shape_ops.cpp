@@ -24,21 +24,6 @@ using autodiff::Residuals;
 using autodiff::primitive;
 using Strides = std::array<std::int64_t, Shape::kMaxRank>;
 
-// Calls f(i) for i in [0, items): in parallel (static schedule) when the copy moves at least
-// kParallelMin elements and there is more than one item, else in order on the calling thread.
-template <class F>
-void for_items(std::int64_t items, std::int64_t elements, F&& f) {
-  if (elements >= ops::detail::kParallelMin && items > 1) {
-#pragma omp parallel for schedule(static) num_threads(linum::team_size())
-    for (std::int64_t i = 0; i < items; ++i) {
-      linum::detail::enter_compute();
-      f(i);
-    }
-  } else {
-    for (std::int64_t i = 0; i < items; ++i) f(i);
-  }
-}
-
 // Visits every output row (all axes but the last) and calls f(out_offset, in_offset).
 template <class F>
 void for_rows(const Shape& out, const Strides& in_strides, std::int64_t base, F f) {
@@ -54,7 +39,7 @@ void for_rows(const Shape& out, const Strides& in_strides, std::int64_t base, F 
     }
     f(r * inner, off);
   };
-  for_items(rows, out.numel(), row);
+  ops::detail::for_items(rows, out.numel(), row);
 }
 
 // The gather of a transpose of the last two axes (the output's rows run along the input's
@@ -84,7 +69,7 @@ void transpose_tiles(const T* px, T* po, const Shape& out, const Strides& s, std
         for (std::int64_t c = c0; c < c1; ++c) dst[r * cols + c] = px[off + r + c * step];
     }
   };
-  for_items(items, out.numel(), tile_rows);
+  ops::detail::for_items(items, out.numel(), tile_rows);
 }
 
 template <class T>

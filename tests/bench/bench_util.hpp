@@ -86,17 +86,24 @@ inline Array random_normal(const Shape& s, unsigned seed, float scale) {
 
 // The engine's raw product [m, k] x [k, n] in `dtype` (Linum's matmul on constants: the kernel plus
 // the output allocation, which the block cache serves).
-inline double gemm_gflops(std::int64_t m, std::int64_t k, std::int64_t n, DType dtype, int reps) {
-  const Array a = astype(random_normal(Shape{m, k}, 11u, 1.0f), dtype);
-  const Array b = astype(random_normal(Shape{k, n}, 12u, 1.0f), dtype);
-  (void)matmul(a, b);  // warm-up (creates the primitive)
+// The fastest of `reps` calls of product() (which returns an Array), after one warm-up call that
+// creates the primitive.
+template <class F>
+double best_seconds(int reps, F&& product) {
+  (void)product();
   double best = 1e30;
   for (int r = 0; r < reps; ++r) {
     auto t = Clock::now();
-    Array c = matmul(a, b);
+    Array c = product();
     best = std::min(best, seconds_since(t));
   }
-  return 2.0 * m * k * n / best / 1e9;
+  return best;
+}
+
+inline double gemm_gflops(std::int64_t m, std::int64_t k, std::int64_t n, DType dtype, int reps) {
+  const Array a = astype(random_normal(Shape{m, k}, 11u, 1.0f), dtype);
+  const Array b = astype(random_normal(Shape{k, n}, 12u, 1.0f), dtype);
+  return 2.0 * m * k * n / best_seconds(reps, [&] { return matmul(a, b); }) / 1e9;
 }
 
 // The time of the products a plain step of `layers` dense layers ([m, k] x [k, n], bias in the
@@ -109,20 +116,10 @@ inline double plain_products_alone_s(std::int64_t layers, std::int64_t m, std::i
   const Array w = astype(random_normal(Shape{k, n}, 14u, 1.0f), dtype);
   const Array b = astype(random_normal(Shape{n}, 15u, 1.0f), dtype);
   const Array g = astype(random_normal(Shape{m, n}, 16u, 1.0f), dtype);
-  auto best = [&](auto&& product) {
-    (void)product();  // warm-up (creates the primitive)
-    double t_best = 1e30;
-    for (int r = 0; r < reps; ++r) {
-      auto t = Clock::now();
-      Array c = product();
-      t_best = std::min(t_best, seconds_since(t));
-    }
-    return t_best;
-  };
   // (the kernels the fused linear's forward and backward rule call)
-  const double forward = best([&] { return kernels::gemm_bias(x, w, b); });
-  const double dx = best([&] { return kernels::batched_gemm(g, w, false, true); });
-  const double dw = best([&] { return kernels::batched_gemm(x, g, true, false); });
+  const double forward = best_seconds(reps, [&] { return kernels::gemm_bias(x, w, b); });
+  const double dx = best_seconds(reps, [&] { return kernels::batched_gemm(g, w, false, true); });
+  const double dw = best_seconds(reps, [&] { return kernels::batched_gemm(x, g, true, false); });
   return static_cast<double>(layers) * forward + static_cast<double>(layers - 1) * dx + static_cast<double>(layers) * dw;
 }
 
