@@ -191,6 +191,99 @@ TEST_CASE("bf16 packed products equal the float64 product of the bf16 values (ta
   }
 }
 
+TEST_CASE("bf16 panel products: the float64 product of the bf16 values (+ bias) rounded once; tails, odd depth, transposes") {
+  // gemm_bf16_panels, the engine's whole-array bf16 kernel: rows around its 14-row tile, columns
+  // around its 32-column panel, odd and empty depths, either operand transposed, with and without a
+  // bias; nothing written past the output. Its pair epilogue (the fused linear layer's activation)
+  // gives exactly the table's entry for each value it would have written.
+  if (!kernels::bf16_panels_available()) {
+    MESSAGE("built without AVX512-BF16: no panel kernel to test");
+    return;
+  }
+  std::vector<std::uint32_t> table(65536);
+  for (std::uint32_t i = 0; i < 65536; ++i) table[i] = i * 2654435761u;
+  struct Case { std::int64_t m, n, k; };
+  for (const Case c : {Case{1, 1, 1}, Case{13, 33, 5}, Case{14, 32, 64}, Case{15, 17, 2}, Case{29, 70, 513}, Case{3, 5, 0},
+                       Case{57, 96, 130}, Case{28, 16, 3}}) {
+    for (bool ta : {false, true}) {
+      for (bool tb : {false, true}) {
+        for (bool with_bias : {false, true}) {
+          CAPTURE(c.m); CAPTURE(c.n); CAPTURE(c.k); CAPTURE(ta); CAPTURE(tb); CAPTURE(with_bias);
+          auto values = [](std::int64_t count, unsigned seed) {
+            const auto v = random_array(Shape{std::max<std::int64_t>(count, 1)}, seed).to_vector();
+            std::vector<bfloat16> out(static_cast<std::size_t>(count));
+            for (std::size_t i = 0; i < out.size(); ++i) out[i] = bfloat16(v[i]);
+            return out;
+          };
+          const auto a = values(c.m * c.k, 50), b = values(c.k * c.n, 51), bias = values(c.n, 52);
+          auto at = [&](std::int64_t i, std::int64_t kk) {
+            return static_cast<double>(static_cast<float>(a[static_cast<std::size_t>(ta ? kk * c.m + i : i * c.k + kk)]));
+          };
+          auto bt = [&](std::int64_t kk, std::int64_t j) {
+            return static_cast<double>(static_cast<float>(b[static_cast<std::size_t>(tb ? j * c.k + kk : kk * c.n + j)]));
+          };
+          const std::size_t size = static_cast<std::size_t>(c.m * c.n);
+          std::vector<bfloat16> z(size + 1), y(size + 1), d(size + 1);
+          z[size].bits = y[size].bits = d[size].bits = 0x7fc1;  // past the end: must stay
+          const bfloat16* bias_ptr = with_bias ? bias.data() : nullptr;
+          kernels::gemm_bf16_panels(c.m, c.n, c.k, a.data(), ta, b.data(), tb, bias_ptr, kernels::Bf16ProductOut{.z = z.data()});
+          kernels::gemm_bf16_panels(c.m, c.n, c.k, a.data(), ta, b.data(), tb, bias_ptr,
+                                    kernels::Bf16ProductOut{.pair_table = table.data(), .y = y.data(), .d = d.data()});
+          double worst = 0;
+          bool pairs_equal = true;
+          for (std::int64_t i = 0; i < c.m; ++i)
+            for (std::int64_t j = 0; j < c.n; ++j) {
+              double exact = with_bias ? static_cast<float>(bias[static_cast<std::size_t>(j)]) : 0.0, magnitude = std::abs(exact);
+              for (std::int64_t kk = 0; kk < c.k; ++kk) {
+                exact += at(i, kk) * bt(kk, j);
+                magnitude += std::abs(at(i, kk) * bt(kk, j));
+              }
+              const bfloat16 got = z[static_cast<std::size_t>(i * c.n + j)];
+              // one bf16 rounding (half a unit: 2^-8 relative) of a float32 sum
+              worst = std::max(worst, std::abs(static_cast<float>(got) - exact) / (std::abs(exact) / 256 + 1e-5 * (magnitude + 1)));
+              const std::uint32_t entry = table[got.bits];
+              pairs_equal = pairs_equal && y[static_cast<std::size_t>(i * c.n + j)].bits == static_cast<std::uint16_t>(entry) &&
+                            d[static_cast<std::size_t>(i * c.n + j)].bits == static_cast<std::uint16_t>(entry >> 16);
+            }
+          CHECK(worst <= 1.0);
+          CHECK(pairs_equal);
+          CHECK(z[size].bits == 0x7fc1);
+          CHECK(y[size].bits == 0x7fc1);
+          CHECK(d[size].bits == 0x7fc1);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("bf16 panel products have the same bits on one thread and on two, through the engine's products") {
+  // Each element is summed on one thread in a fixed order, so the team's size cannot change a bit:
+  // the forward product and its transposed-operand forms (the backward rule's products).
+  const Array x = astype(random_array(Shape{430, 130}, 60), DType::bf16), w = astype(random_array(Shape{130, 96}, 61), DType::bf16);
+  const Array g = astype(random_array(Shape{430, 96}, 62), DType::bf16);
+  auto run = [&] {
+    return std::vector<Array>{kernels::batched_gemm(x, w, false, false), kernels::batched_gemm(g, w, false, true),
+                              kernels::batched_gemm(x, g, true, false)};
+  };
+  std::vector<Array> one, two;
+  const bool ran = linum::testing::on_threads(1, [&] { one = run(); }) && linum::testing::on_threads(2, [&] { two = run(); });
+  if (!ran) {
+    MESSAGE("built without OpenMP (or no team of two): not compared");
+    return;
+  }
+  for (std::size_t i = 0; i < one.size(); ++i) {
+    CAPTURE(i);
+    CHECK(one[i].bitwise_equal(two[i]));
+  }
+  // and the values: the float32 product of the same bf16 values, rounded (within one bf16 rounding)
+  auto f32 = [](const Array& a) { return astype(a, DType::f32); };
+  const Array want[] = {matmul(f32(x), f32(w)), matmul(f32(g), transpose(f32(w))), matmul(transpose(f32(x)), f32(g))};
+  for (std::size_t i = 0; i < one.size(); ++i) {
+    CAPTURE(i);
+    CHECK(max(abs(f32(one[i]) - want[i])).item() <= max(abs(want[i])).item() / 128);
+  }
+}
+
 TEST_CASE("bf16-rounded products: the float64 product of the operands rounded as bfloat16() rounds (long sums, transposes)") {
   // gemm_bf16_rounded_serial (sums longer than kRoundedSumPiece in pieces) and PackedProduct with
   // Operands::bf16 (b packed once, a rounded per run): what the fused recurrent layers' products

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <vector>
 
 namespace linum {
 namespace {
@@ -56,10 +57,35 @@ double timed_flops(const Array& a, const Array& b, bool ta, bool tb) {
   const double n = static_cast<double>(tb ? b.dim(-2) : b.dim(-1));
   return 2.0 * batch * m * n * k;
 }
+
+// The product on gemm_bf16_panels (uses_bf16_panels(a, b) holds).
+Array panels_product(const Array& a, bool ta, const Array& b, bool tb, const Array* bias) {
+  const std::int64_t rows = ta ? a.dim(1) : a.dim(0), k = ta ? a.dim(0) : a.dim(1), n = tb ? b.dim(0) : b.dim(1);
+  Array y = Array::empty(Shape{rows, n}, DType::bf16);
+  gemm_bf16_panels(rows, n, k, static_cast<const bfloat16*>(a.raw()), ta, static_cast<const bfloat16*>(b.raw()), tb,
+                   bias == nullptr ? nullptr : static_cast<const bfloat16*>(bias->raw()),
+                   Bf16ProductOut{.z = static_cast<bfloat16*>(y.mutable_raw())});
+  return y;
+}
 }  // namespace
+
+bool uses_bf16_panels(const Array& a, const Array& b) {
+  return engine() == Engine::onednn && bf16_panels_available() && a.dtype() == DType::bf16 && b.dtype() == DType::bf16 &&
+         a.rank() == 2 && b.rank() == 2;
+}
+
+void gemm_bias_pairs(const Array& a, const Array& b, const Array& bias, const std::uint32_t* pair_table, Array& y,
+                     Array& d) {
+  const detail::ProductClock clock(timed_flops(a, b, false, false));
+  gemm_bf16_panels(a.dim(0), b.dim(1), a.dim(1), static_cast<const bfloat16*>(a.raw()), false,
+                   static_cast<const bfloat16*>(b.raw()), false, bias.defined() ? static_cast<const bfloat16*>(bias.raw()) : nullptr,
+                   Bf16ProductOut{.pair_table = pair_table, .y = static_cast<bfloat16*>(y.mutable_raw()),
+                                  .d = static_cast<bfloat16*>(d.mutable_raw())});
+}
 
 Array batched_gemm(const Array& a, const Array& b, bool ta, bool tb) {
   const detail::ProductClock clock(timed_flops(a, b, ta, tb));
+  if (uses_bf16_panels(a, b)) return panels_product(a, ta, b, tb, nullptr);
 #if LINUM_HAVE_ONEDNN
   if (engine() == Engine::onednn) return batched_gemm_onednn(a, b, ta, tb);
 #endif
@@ -68,6 +94,7 @@ Array batched_gemm(const Array& a, const Array& b, bool ta, bool tb) {
 
 Array gemm_bias(const Array& a, const Array& b, const Array& bias) {
   const detail::ProductClock clock(timed_flops(a, b, false, false));
+  if (uses_bf16_panels(a, b) && bias.dtype() == DType::bf16) return panels_product(a, false, b, false, &bias);
 #if LINUM_HAVE_ONEDNN
   if (engine() == Engine::onednn) return gemm_bias_onednn(a, b, bias);
 #endif

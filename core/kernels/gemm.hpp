@@ -132,6 +132,33 @@ void f32_rows_rounded_to_bf16(const float* a, std::int64_t lda, std::int64_t row
 void f32_to_bf16_transposed(const float* a, std::int64_t lda, std::int64_t rows, std::int64_t cols, bfloat16* out,
                             std::int64_t ldo);
 
+// Whole-array bfloat16 products on Linum's own AVX512-BF16 kernel (gemm_bf16_panels.cpp), which
+// the oneDNN engine uses for bf16 products of two matrices (see engine.cpp):
+// out = op(a) @ op(b) (+ bias [n]), a [m, k] or [k, m] when ta, b [k, n] or [n, k] when tb, all
+// compact row-major. Each
+// element is summed over k in order on one thread, the bias added, and rounded once to bf16; so the
+// bits never depend on the threads. With `pair_table` the rounded values are not written: the
+// 32-bit entry for each value's bits is split into y (low half) and d (high half, written around the
+// caches), which is the fused linear layer's activation and its derivative, looked up inside the
+// product (linear.cpp). bf16_panels_available(): built with AVX512-BF16 (else gemm_bf16_panels throws).
+struct Bf16ProductOut {
+  bfloat16* z = nullptr;                      // [m, n]: the product (+ bias), when no pair_table
+  const std::uint32_t* pair_table = nullptr;  // 65536 pairs, indexed by a bf16 value's bits
+  bfloat16* y = nullptr;                      // [m, n]: the pairs' low halves
+  bfloat16* d = nullptr;                      // [m, n]: the pairs' high halves
+};
+bool bf16_panels_available();
+void gemm_bf16_panels(std::int64_t m, std::int64_t n, std::int64_t k, const bfloat16* a, bool ta, const bfloat16* b,
+                      bool tb, const bfloat16* bias, const Bf16ProductOut& out);
+// Whether the engine's products of op(a) and op(b) run gemm_bf16_panels: the oneDNN engine is
+// chosen, the kernel is built, and both are bf16 matrices (a batch of one; batches stay on oneDNN,
+// which parallelizes over the batch).
+bool uses_bf16_panels(const Array& a, const Array& b);
+// The fused linear layer's forward product with its activation pair (see Bf16ProductOut): a [m, k],
+// b [k, n], bias [n] or undefined; y and d [m, n] bf16, written. Requires uses_bf16_panels(a, b).
+void gemm_bias_pairs(const Array& a, const Array& b, const Array& bias, const std::uint32_t* pair_table, Array& y,
+                     Array& d);
+
 // Products with fewer multiply-adds than this run on the calling thread only (waking the team
 // costs more than it saves, and on a busy machine it stalls the step).
 constexpr double kParallelGemmWork = 4.0 * 1024 * 1024;

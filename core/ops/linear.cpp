@@ -82,26 +82,37 @@ const float* row_f32(const Array& a, std::int64_t r, std::int64_t n, float* scra
 // to write into (the block cache hands back the last freed block of a size first): about 1.5% of a
 // bf16 MLP step (24 x 512, batch 2048, AMD EPYC Zen 5, steps alternating in one process). In float32
 // d is written over z when no other array shares z's buffer.
+// The bf16 table of (value, derivative) pairs of gelu, gelu_exact or silu: every bf16 input's pair,
+// filled on first use (per floating-point mode) by this same computation.
+const std::uint32_t* pair_table(Activation act) {
+  static std::array<od::Bf16Tables<std::uint32_t>, 3> tables;  // gelu, gelu_exact, silu
+  if (!am::derivative_from_input(act)) throw Error("linear: no (value, derivative) table for this activation");
+  auto& table_set = tables[act == Activation::gelu ? 0 : act == Activation::gelu_exact ? 1 : 2];
+  od::g_bf16_table_reads.fetch_add(1, std::memory_order_relaxed);
+  return table_set.get([act](const float* x, std::uint32_t* entries, std::int64_t n) {
+    alignas(64) float sy[od::kChunk], sd[od::kChunk], u[od::kChunk];
+    alignas(64) bfloat16 ry[od::kChunk], rd[od::kChunk];
+    am::value_and_derivative(act, x, sy, sd, u, n);
+    f32_to_bf16(sy, ry, n);
+    f32_to_bf16(sd, rd, n);
+    for (std::int64_t i = 0; i < n; ++i) entries[i] = ry[i].bits | static_cast<std::uint32_t>(rd[i].bits) << 16;
+  });
+}
+
+// Whether a bf16 (value, derivative) pass over `elements` elements reads pair_table.
+bool pairs_from_table(DType dtype, std::int64_t elements) {
+  return dtype == DType::bf16 && elements >= od::kBf16TableMinElements;
+}
+
 std::pair<Array, Array> value_and_derivative(Array z, Activation act) {
   Array y = Array::empty(z.shape(), z.dtype());
-  if (z.dtype() == DType::bf16 && z.numel() >= od::kBf16TableMinElements) {
+  if (pairs_from_table(z.dtype(), z.numel())) {
     Array d = Array::empty(z.shape(), z.dtype());
-    static std::array<od::Bf16Tables<std::uint32_t>, 3> tables;  // gelu, gelu_exact, silu
-    if (!am::derivative_from_input(act)) throw Error("linear: no (value, derivative) table for this activation");
-    auto& table_set = tables[act == Activation::gelu ? 0 : act == Activation::gelu_exact ? 1 : 2];
-    od::g_bf16_table_reads.fetch_add(1, std::memory_order_relaxed);
+    const std::uint32_t* table = pair_table(act);
     const auto* in = static_cast<const bfloat16*>(z.raw());
     auto* value = static_cast<bfloat16*>(y.mutable_raw());
     auto* derivative = static_cast<bfloat16*>(d.mutable_raw());
     od::for_chunks(z.numel(), [&](std::int64_t s, std::int64_t c) {
-      const std::uint32_t* table = table_set.get([act](const float* x, std::uint32_t* entries, std::int64_t n) {
-        alignas(64) float sy[od::kChunk], sd[od::kChunk], u[od::kChunk];
-        alignas(64) bfloat16 ry[od::kChunk], rd[od::kChunk];
-        am::value_and_derivative(act, x, sy, sd, u, n);
-        f32_to_bf16(sy, ry, n);
-        f32_to_bf16(sd, rd, n);
-        for (std::int64_t i = 0; i < n; ++i) entries[i] = ry[i].bits | static_cast<std::uint32_t>(rd[i].bits) << 16;
-      });
       od::bf16_lookup_pair_streaming(table, in + s, value + s, derivative + s, c);
     });
     return {std::move(y), std::move(d)};
@@ -324,6 +335,14 @@ Array linear(const Array& x_in, const Array& kernel_in, const Array& bias_in, Ac
   const bool has_bias = bias.defined();
   const bool keep_derivative = am::derivative_from_input(act);  // gelu, gelu_exact, silu (any float dtype)
   auto forward = [&](Residuals& r) {
+    if (r.recording() && keep_derivative && pairs_from_table(t, rows * n) && kernels::uses_bf16_panels(x2, kernel)) {
+      // bf16 on the own product kernel: the pairs looked up inside the product (the same bits as
+      // the product, then value_and_derivative's table).
+      Array y = Array::empty(rows_shape, t), d = Array::empty(rows_shape, t);
+      kernels::gemm_bias_pairs(x2, kernel, has_bias ? bias : Array(), pair_table(act), y, d);
+      r.keep(x2, kernel, has_bias ? bias : Array(), d);
+      return y.with_shape(out_shape);
+    }
     Array z = has_bias ? kernels::gemm_bias(x2, kernel, bias) : kernels::batched_gemm(x2, kernel, false, false);
     // The output at its own shape, so a kept output is recognised as the op's output (remat
     // policies, saved-value hooks). Create-graph rules recompute from x, W and b.

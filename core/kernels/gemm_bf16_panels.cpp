@@ -1,0 +1,316 @@
+// Whole-array bfloat16 products on AVX512-BF16, with the layer's epilogue inside the product: the
+// bias, the rounding to bf16, and for the fused linear layer its activation's (value, derivative)
+// pair. See gemm.hpp for the contract.
+//
+// Why our own kernel: oneDNN 2.6 reaches the machine's bf16 peak on a product alone, but a layer is
+// more than its product. Its activation pass (a table lookup per element: scalar loads and stores)
+// ran after the product, on cores that had just been busy with vdpbf16ps and whose load ports sat
+// mostly idle meanwhile. Here the lookups of one tile run inside the product of the next, so they use
+// those idle ports. The same tile loop, with nothing interleaved, is also a little faster than
+// oneDNN's product on the MLP and GPT shapes (docs/performance.md has the figures).
+//
+// Layout. The right operand is packed once per product into panels of 32 columns: panel p holds,
+// for each pair of rows (2q, 2q + 1), the 32 words (b[2q, j] | b[2q + 1, j] << 16), zero-padded past
+// n and past an odd k. A panel is contiguous (K / 2 x 128 bytes), so one tile streams it from L2
+// without cache-set conflicts. A tile is kRows rows by 32 columns: 28 float32 accumulators in
+// registers; each pair of a row of A is one 32-bit broadcast (vdpbf16ps's memory operand).
+//
+// Order of the sums: each output element is summed over k in order (pairs of k, each pair's two
+// products added in one vdpbf16ps lane operation) on one thread, then the bias is added and the sum
+// rounded once to bf16 (to nearest even; vdpbf16ps treats subnormal inputs and outputs as zero, as
+// oneDNN's bf16 products do). So the result depends only on the operands, never on the thread or
+// the team's size, and recomputation under remat is bitwise.
+#include <linum/core/error.hpp>
+#include <linum/core/fp_mode.hpp>
+#include <linum/core/kernels/gemm.hpp>
+#include <linum/core/threading.hpp>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <utility>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define LINUM_BF16_PANELS 1
+#else
+#define LINUM_BF16_PANELS 0
+#endif
+
+namespace linum::kernels {
+
+bool bf16_panels_available() { return LINUM_BF16_PANELS != 0; }
+
+#if LINUM_BF16_PANELS
+namespace {
+
+constexpr int kRows = 14;           // rows of a tile (28 accumulators + 2 panel registers + a broadcast)
+constexpr std::int64_t kCols = 32;  // columns of a tile and of a panel
+constexpr std::int64_t kTilesPerItem = 4;  // row tiles a thread takes at a time (dynamic schedule)
+
+__mmask16 lanes(std::int64_t count) {
+  if (count <= 0) return 0;
+  if (count >= 16) return 0xFFFF;
+  return static_cast<__mmask16>((1u << count) - 1u);
+}
+
+// Packs columns [j0, j0 + width) of b (bf16 [k, n] with row stride ldb, or [n, k] when tb) as a
+// panel: for each pair of rows q, `width` words (b[2q, j] | b[2q + 1, j] << 16), zero past n and past
+// an odd k. Right operands are packed 32 columns wide; a transposed left operand (a [k, m]) is
+// packed the same way, kRows columns wide, so that a tile's rows read their pairs side by side.
+void pack_panel(const std::uint16_t* b, std::int64_t ldb, bool tb, std::int64_t k, std::int64_t n, std::int64_t j0,
+                std::int64_t width, std::uint32_t* panel) {
+  const std::int64_t pairs = (k + 1) / 2, cols = std::min(width, n - j0);
+  for (std::int64_t q = 0; q < pairs; ++q) {
+    std::uint32_t* out = panel + q * width;
+    const std::int64_t k0 = 2 * q;
+    const bool hi = k0 + 1 < k;
+    if (tb) {
+      for (std::int64_t j = 0; j < cols; ++j) {
+        const std::uint16_t* row = b + (j0 + j) * ldb + k0;
+        out[j] = static_cast<std::uint32_t>(row[0]) | (hi ? static_cast<std::uint32_t>(row[1]) << 16 : 0u);
+      }
+    } else {
+      const std::uint16_t* lo = b + k0 * ldb + j0;
+      const std::uint16_t* up = b + (k0 + 1) * ldb + j0;
+      for (std::int64_t j = 0; j < cols; ++j)
+        out[j] = static_cast<std::uint32_t>(lo[j]) | (hi ? static_cast<std::uint32_t>(up[j]) << 16 : 0u);
+    }
+    for (std::int64_t j = cols; j < width; ++j) out[j] = 0;
+  }
+}
+
+__m512 widen_bias(const std::uint16_t* bias, __mmask16 mask) {
+  if (bias == nullptr) return _mm512_setzero_ps();
+  const __m256i bits = _mm256_maskz_loadu_epi16(mask, bias);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// The lookups a tile's product runs on the side: the previous tile's pairs, table[z[j]] into
+// staged[j] for j < count (count even).
+struct SideLookups {
+  const std::uint32_t* table = nullptr;
+  const std::uint16_t* z = nullptr;
+  std::uint32_t* staged = nullptr;
+  int count = 0;
+};
+
+// One tile: rows [0, R) of A times one panel, plus the bias, rounded to bf16 into out (row stride
+// ldo; columns masked by m0, m1). A is row-major (row stride lda), or with PackedA a packed panel of
+// a transposed A (pack_panel, kRows wide: its odd k is already zero-padded). Runs `side`'s lookups
+// between its multiply-adds.
+template <int R, bool Side, bool PackedA>
+void tile(std::int64_t k, const std::uint16_t* a, std::int64_t lda, const std::uint32_t* panel, const std::uint16_t* bias,
+          __mmask16 m0, __mmask16 m1, std::uint16_t* out, std::int64_t ldo, const SideLookups& side) {
+  __m512 acc0[R], acc1[R];
+#pragma GCC unroll 14
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  const std::int64_t pairs = PackedA ? (k + 1) / 2 : k / 2;
+  int j = 0;
+  for (std::int64_t q = 0; q < pairs; ++q) {
+    const __m512bh b0 = (__m512bh)_mm512_load_si512(panel + q * kCols);
+    const __m512bh b1 = (__m512bh)_mm512_load_si512(panel + q * kCols + 16);
+#pragma GCC unroll 14
+    for (int r = 0; r < R; ++r) {
+      std::int32_t pair;
+      std::memcpy(&pair, PackedA ? a + 2 * (q * kRows + r) : a + r * lda + 2 * q, 4);
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
+      acc0[r] = _mm512_dpbf16_ps(acc0[r], av, b0);
+      acc1[r] = _mm512_dpbf16_ps(acc1[r], av, b1);
+    }
+    if constexpr (Side) {
+      if (j < side.count) {
+        side.staged[j] = side.table[side.z[j]];
+        side.staged[j + 1] = side.table[side.z[j + 1]];
+        j += 2;
+      }
+    }
+  }
+  if (!PackedA && (k & 1)) {  // the last, odd, column of A: its pair's high half is zero, whatever lies past the row
+    const __m512bh b0 = (__m512bh)_mm512_load_si512(panel + pairs * kCols);
+    const __m512bh b1 = (__m512bh)_mm512_load_si512(panel + pairs * kCols + 16);
+#pragma GCC unroll 14
+    for (int r = 0; r < R; ++r) {
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<std::int32_t>(a[r * lda + 2 * pairs]));
+      acc0[r] = _mm512_dpbf16_ps(acc0[r], av, b0);
+      acc1[r] = _mm512_dpbf16_ps(acc1[r], av, b1);
+    }
+  }
+  if constexpr (Side)
+    for (; j < side.count; ++j) side.staged[j] = side.table[side.z[j]];
+  const __m512 bias0 = widen_bias(bias, m0), bias1 = widen_bias(bias == nullptr ? nullptr : bias + 16, m1);
+  const __mmask32 mask = static_cast<__mmask32>(m0) | static_cast<__mmask32>(m1) << 16;
+#pragma GCC unroll 14
+  for (int r = 0; r < R; ++r) {
+    const __m512bh z = _mm512_cvtne2ps_pbh(_mm512_add_ps(acc1[r], bias1), _mm512_add_ps(acc0[r], bias0));
+    _mm512_mask_storeu_epi16(out + r * ldo, mask, (__m512i)z);
+  }
+}
+
+using TileFn = void (*)(std::int64_t, const std::uint16_t*, std::int64_t, const std::uint32_t*, const std::uint16_t*,
+                        __mmask16, __mmask16, std::uint16_t*, std::int64_t, const SideLookups&);
+template <bool Side, bool PackedA, int... R>
+constexpr auto tiles(std::integer_sequence<int, R...>) {
+  return std::array<TileFn, sizeof...(R)>{tile<R + 1, Side, PackedA>...};
+}
+// [packed A][rows - 1]
+constexpr std::array<std::array<TileFn, kRows>, 2> kPlainTiles{tiles<false, false>(std::make_integer_sequence<int, kRows>{}),
+                                                                tiles<false, true>(std::make_integer_sequence<int, kRows>{})};
+constexpr std::array<std::array<TileFn, kRows>, 2> kSideTiles{tiles<true, false>(std::make_integer_sequence<int, kRows>{}),
+                                                               tiles<true, true>(std::make_integer_sequence<int, kRows>{})};
+
+// A tile's staged pairs (rows x 32, columns masked) split into its rows of y and d: y with plain
+// stores (the next layer reads it soon), d around the caches when whole aligned lines.
+void write_pairs(const std::uint32_t* staged, int rows, __mmask16 m0, __mmask16 m1, std::uint16_t* y, std::uint16_t* d,
+                 std::int64_t ld) {
+  const __mmask32 mask = static_cast<__mmask32>(m0) | static_cast<__mmask32>(m1) << 16;
+  for (int r = 0; r < rows; ++r) {
+    const __m512i t0 = _mm512_load_si512(staged + r * kCols), t1 = _mm512_load_si512(staged + r * kCols + 16);
+    const __m512i first = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(t0)), _mm512_cvtepi32_epi16(t1), 1);
+    const __m512i second = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_srli_epi32(t0, 16))),
+                                              _mm512_cvtepi32_epi16(_mm512_srli_epi32(t1, 16)), 1);
+    std::uint16_t* yr = y + r * ld;
+    std::uint16_t* dr = d + r * ld;
+    _mm512_mask_storeu_epi16(yr, mask, first);
+    if (mask == 0xFFFFFFFFu && reinterpret_cast<std::uintptr_t>(dr) % 64 == 0) _mm512_stream_si512(reinterpret_cast<__m512i*>(dr), second);
+    else _mm512_mask_storeu_epi16(dr, mask, second);
+  }
+}
+
+// Where a product's operands are, packed or not.
+struct PanelOperands {
+  std::int64_t m, n, k;
+  const std::uint16_t* a;      // row-major [m, k] (row stride k), when a_panels is null
+  const std::uint32_t* a_panels;  // else a transposed A packed kRows columns per panel
+  std::int64_t a_panel_words;
+  const std::uint32_t* panels;  // B, 32 columns per panel
+  std::int64_t panel_words;
+  const std::uint16_t* bias;
+};
+
+// Row tiles [t0, t1) times panels [p0, p1) of the product, on the calling thread.
+void run_tiles(const PanelOperands& o, std::int64_t t0, std::int64_t t1, std::int64_t p0, std::int64_t p1,
+               const Bf16ProductOut& out) {
+  const std::int64_t m = o.m, n = o.n, k = o.k;
+  const bool packed_a = o.a_panels != nullptr;
+  auto a_rows = [&](std::int64_t t) {
+    return packed_a ? reinterpret_cast<const std::uint16_t*>(o.a_panels + t * o.a_panel_words) : o.a + t * kRows * k;
+  };
+  auto bias_at = [&](std::int64_t j0) { return o.bias == nullptr ? nullptr : o.bias + j0; };
+  if (out.pair_table == nullptr) {
+    auto* z = reinterpret_cast<std::uint16_t*>(out.z);
+    for (std::int64_t t = t0; t < t1; ++t) {
+      const std::int64_t i0 = t * kRows;
+      const int rows = static_cast<int>(std::min<std::int64_t>(kRows, m - i0));
+      for (std::int64_t p = p0; p < p1; ++p) {
+        const std::int64_t j0 = p * kCols;
+        kPlainTiles[packed_a][rows - 1](k, a_rows(t), k, o.panels + p * o.panel_words, bias_at(j0), lanes(n - j0),
+                                        lanes(n - j0 - 16), z + i0 * n + j0, n, SideLookups{});
+      }
+    }
+    return;
+  }
+  // The pair epilogue, software-pipelined: tile i's z goes to a small buffer; tile i + 1's product
+  // looks its pairs up on the side, then they are written out.
+  alignas(64) std::uint16_t z_tiles[2][kRows * kCols];
+  alignas(64) std::uint32_t staged[kRows * kCols];
+  auto* y = reinterpret_cast<std::uint16_t*>(out.y);
+  auto* d = reinterpret_cast<std::uint16_t*>(out.d);
+  struct Pending {
+    int rows = 0;
+    std::int64_t i0 = 0, j0 = 0;
+  } pending;
+  int current = 0;
+  auto flush = [&] {
+    if (pending.rows == 0) return;
+    write_pairs(staged, pending.rows, lanes(n - pending.j0), lanes(n - pending.j0 - 16), y + pending.i0 * n + pending.j0,
+                d + pending.i0 * n + pending.j0, n);
+  };
+  for (std::int64_t t = t0; t < t1; ++t) {
+    const std::int64_t i0 = t * kRows;
+    const int rows = static_cast<int>(std::min<std::int64_t>(kRows, m - i0));
+    for (std::int64_t p = p0; p < p1; ++p) {
+      const std::int64_t j0 = p * kCols;
+      const SideLookups side{out.pair_table, z_tiles[current ^ 1], staged, pending.rows * static_cast<int>(kCols)};
+      (pending.rows > 0 ? kSideTiles : kPlainTiles)[packed_a][rows - 1](
+          k, a_rows(t), k, o.panels + p * o.panel_words, bias_at(j0), lanes(n - j0), lanes(n - j0 - 16), z_tiles[current],
+          kCols, side);
+      flush();
+      pending = Pending{rows, i0, j0};
+      current ^= 1;
+    }
+  }
+  if (pending.rows > 0) {
+    for (int j = 0; j < pending.rows * kCols; ++j) staged[j] = out.pair_table[z_tiles[current ^ 1][j]];
+    flush();
+  }
+  _mm_sfence();  // the streamed rows of d are visible before the team's barrier
+}
+
+}  // namespace
+
+void gemm_bf16_panels(std::int64_t m, std::int64_t n, std::int64_t k, const bfloat16* a, bool ta, const bfloat16* b,
+                      bool tb, const bfloat16* bias, const Bf16ProductOut& out) {
+  if (m == 0 || n == 0) return;
+  const std::int64_t pairs = std::max<std::int64_t>((k + 1) / 2, 1);
+  const std::int64_t panel_count = (n + kCols - 1) / kCols, panel_words = pairs * kCols;
+  const std::int64_t row_tiles = (m + kRows - 1) / kRows;
+  // The packed operands: Arrays, so the memory accounting counts them (64-byte aligned; a panel of
+  // A is padded to whole cache lines).
+  const std::int64_t a_panel_words = ta ? (pairs * kRows + 15) / 16 * 16 : 0;
+  Array packed = Array::empty(Shape{panel_count * panel_words + row_tiles * a_panel_words}, DType::f32);
+  auto* panels = static_cast<std::uint32_t*>(packed.mutable_raw());
+  std::uint32_t* a_panels = ta ? panels + panel_count * panel_words : nullptr;
+  const auto* a16 = reinterpret_cast<const std::uint16_t*>(a);
+  const auto* b16 = reinterpret_cast<const std::uint16_t*>(b);
+  const PanelOperands o{m, n, k, a16, a_panels, a_panel_words, panels, panel_words, reinterpret_cast<const std::uint16_t*>(bias)};
+  // Panels in groups of about kGroupBytes (they stay in L2 while every row tile passes over them),
+  // row tiles in items of kTilesPerItem: the items run group by group, in a dynamic schedule.
+  constexpr std::int64_t kGroupBytes = 512 * 1024;
+  const std::int64_t group = std::clamp<std::int64_t>(kGroupBytes / (panel_words * 4), 1, panel_count);
+  const std::int64_t groups = (panel_count + group - 1) / group;
+  const std::int64_t chunks = (row_tiles + kTilesPerItem - 1) / kTilesPerItem;
+  const double work = static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+  int threads = 1;
+#ifdef _OPENMP
+  if (!omp_in_parallel() && work >= kParallelGemmWork) threads = team_size();
+#pragma omp parallel num_threads(threads) if (threads > 1)
+#endif
+  {
+    linum::detail::enter_compute();
+#ifdef _OPENMP
+#pragma omp for schedule(static) nowait
+#endif
+    for (std::int64_t p = 0; p < panel_count; ++p) pack_panel(b16, tb ? k : n, tb, k, n, p * kCols, kCols, panels + p * panel_words);
+    if (ta) {
+#ifdef _OPENMP
+#pragma omp for schedule(static) nowait
+#endif
+      for (std::int64_t t = 0; t < row_tiles; ++t) pack_panel(a16, m, false, k, m, t * kRows, kRows, a_panels + t * a_panel_words);
+    }
+#ifdef _OPENMP
+#pragma omp barrier
+#pragma omp for schedule(dynamic, 1)
+#endif
+    for (std::int64_t item = 0; item < groups * chunks; ++item) {
+      const std::int64_t g = item / chunks, c = item % chunks;
+      run_tiles(o, c * kTilesPerItem, std::min(row_tiles, (c + 1) * kTilesPerItem), g * group,
+                std::min(panel_count, (g + 1) * group), out);
+    }
+  }
+}
+
+#else
+
+void gemm_bf16_panels(std::int64_t, std::int64_t, std::int64_t, const bfloat16*, bool, const bfloat16*, bool,
+                      const bfloat16*, const Bf16ProductOut&) {
+  throw Error("gemm_bf16_panels: this build has no AVX512-BF16 kernel (check bf16_panels_available() first)");
+}
+
+#endif
+
+}  // namespace linum::kernels
