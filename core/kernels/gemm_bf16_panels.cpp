@@ -58,30 +58,49 @@ __mmask16 lanes(std::int64_t count) {
   return static_cast<__mmask16>((1u << count) - 1u);
 }
 
-// Packs columns [j0, j0 + width) of b (bf16 [k, n] with row stride ldb, or [n, k] when tb) as a
-// panel: for each pair of rows q, `width` words (b[2q, j] | b[2q + 1, j] << 16), zero past n and past
-// an odd k. Right operands are packed 32 columns wide; a transposed left operand (a [k, m]) is
-// packed the same way, kRows columns wide, so that a tile's rows read their pairs side by side.
-void pack_panel(const std::uint16_t* b, std::int64_t ldb, bool tb, std::int64_t k, std::int64_t n, std::int64_t j0,
-                std::int64_t width, std::uint32_t* panel) {
-  const std::int64_t pairs = (k + 1) / 2, cols = std::min(width, n - j0);
-  for (std::int64_t q = 0; q < pairs; ++q) {
-    std::uint32_t* out = panel + q * width;
-    const std::int64_t k0 = 2 * q;
-    const bool hi = k0 + 1 < k;
-    if (tb) {
-      for (std::int64_t j = 0; j < cols; ++j) {
-        const std::uint16_t* row = b + (j0 + j) * ldb + k0;
-        out[j] = static_cast<std::uint32_t>(row[0]) | (hi ? static_cast<std::uint32_t>(row[1]) << 16 : 0u);
-      }
-    } else {
-      const std::uint16_t* lo = b + k0 * ldb + j0;
-      const std::uint16_t* up = b + (k0 + 1) * ldb + j0;
-      for (std::int64_t j = 0; j < cols; ++j)
-        out[j] = static_cast<std::uint32_t>(lo[j]) | (hi ? static_cast<std::uint32_t>(up[j]) << 16 : 0u);
-    }
-    for (std::int64_t j = cols; j < width; ++j) out[j] = 0;
+// Packing. A panel holds, for each pair of rows q of the operand, `width` words
+// (b[2q, j] | b[2q + 1, j] << 16), zero past n and past an odd k. Right operands are packed 32
+// columns wide; a transposed left operand (a [k, m]) is packed the same way, kRows columns wide, so
+// that a tile's rows read their pairs side by side.
+
+// One pair of rows (hi null for an odd k's last row), columns [0, cols), as `width` words.
+void pair_words(const std::uint16_t* lo, const std::uint16_t* hi, std::int64_t cols, std::int64_t width, std::uint32_t* out) {
+  for (std::int64_t j = 0; j < width; j += 16) {
+    const __mmask16 in = lanes(cols - j);
+    const __m512i low = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, lo + j));
+    const __m512i high = hi == nullptr ? _mm512_setzero_si512()
+                                       : _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(in, hi + j)), 16);
+    _mm512_mask_storeu_epi32(out + j, lanes(width - j), _mm512_or_si512(low, high));
   }
+}
+
+// Pairs [q0, q1) of b (bf16 [k, n], row stride ldb) into all its panels, `width` wide (panel t at
+// panels + t * panel_words): panel by panel, so that each writes one run while the few rows of the
+// range stay in cache.
+void pack_rows(const std::uint16_t* b, std::int64_t ldb, std::int64_t k, std::int64_t n, std::int64_t width,
+               std::uint32_t* panels, std::int64_t panel_words, std::int64_t q0, std::int64_t q1) {
+  const std::int64_t count = (n + width - 1) / width;
+  for (std::int64_t t = 0; t < count; ++t) {
+    const std::int64_t j0 = t * width, cols = std::min(width, n - j0);
+    for (std::int64_t q = q0; q < q1; ++q) {
+      const std::uint16_t* lo = b + 2 * q * ldb + j0;
+      pair_words(lo, 2 * q + 1 < k ? lo + ldb : nullptr, cols, width, panels + t * panel_words + q * width);
+    }
+  }
+}
+
+// Panel p (32 wide) of a transposed right operand, b [n, k] (row stride ldb): column j of the panel is
+// row j0 + j of b, whose pairs are adjacent.
+void pack_transposed(const std::uint16_t* b, std::int64_t ldb, std::int64_t k, std::int64_t n, std::int64_t p,
+                     std::uint32_t* panel) {
+  const std::int64_t j0 = p * kCols, cols = std::min(kCols, n - j0), pairs = (k + 1) / 2, full = k / 2;
+  for (std::int64_t j = 0; j < cols; ++j) {
+    const std::uint16_t* row = b + (j0 + j) * ldb;
+    for (std::int64_t q = 0; q < full; ++q) std::memcpy(panel + q * kCols + j, row + 2 * q, 4);
+    if (k & 1) panel[full * kCols + j] = row[k - 1];
+  }
+  for (std::int64_t q = 0; q < pairs; ++q)
+    for (std::int64_t j = cols; j < kCols; ++j) panel[q * kCols + j] = 0;
 }
 
 __m512 widen_bias(const std::uint16_t* bias, __mmask16 mask) {
@@ -235,6 +254,9 @@ void run_tiles(const PanelOperands& o, std::int64_t t0, std::int64_t t1, std::in
     const int rows = static_cast<int>(std::min<std::int64_t>(kRows, m - i0));
     for (std::int64_t p = p0; p < p1; ++p) {
       const std::int64_t j0 = p * kCols;
+      // The tile's lines of y, fetched for writing now: they are written one tile later, and y is new
+      // memory (a step's forward writes 2 MB of it per MLP layer), whose stores would wait for them.
+      for (int r = 0; r < rows; ++r) _mm_prefetch(reinterpret_cast<const char*>(y + (i0 + r) * n + j0), _MM_HINT_ET0);
       const SideLookups side{out.pair_table, z_tiles[current ^ 1], staged, pending.rows * static_cast<int>(kCols)};
       (pending.rows > 0 ? kSideTiles : kPlainTiles)[packed_a][rows - 1](
           k, a_rows(t), k, o.panels + p * o.panel_words, bias_at(j0), lanes(n - j0), lanes(n - j0 - 16), z_tiles[current],
@@ -259,6 +281,8 @@ void gemm_bf16_panels(std::int64_t m, std::int64_t n, std::int64_t k, const bflo
   const std::int64_t pairs = std::max<std::int64_t>((k + 1) / 2, 1);
   const std::int64_t panel_count = (n + kCols - 1) / kCols, panel_words = pairs * kCols;
   const std::int64_t row_tiles = (m + kRows - 1) / kRows;
+  constexpr std::int64_t kPairChunk = 16;  // pairs of rows packed at a time
+  const std::int64_t k_pairs = (k + 1) / 2, pair_chunks = (k_pairs + kPairChunk - 1) / kPairChunk;
   // The packed operands: Arrays, so the memory accounting counts them (64-byte aligned; a panel of
   // A is padded to whole cache lines).
   const std::int64_t a_panel_words = ta ? (pairs * kRows + 15) / 16 * 16 : 0;
@@ -282,18 +306,29 @@ void gemm_bf16_panels(std::int64_t m, std::int64_t n, std::int64_t k, const bflo
 #endif
   {
     linum::detail::enter_compute();
+    if (tb) {
 #ifdef _OPENMP
 #pragma omp for schedule(static) nowait
 #endif
-    for (std::int64_t p = 0; p < panel_count; ++p) pack_panel(b16, tb ? k : n, tb, k, n, p * kCols, kCols, panels + p * panel_words);
+      for (std::int64_t p = 0; p < panel_count; ++p) pack_transposed(b16, k, k, n, p, panels + p * panel_words);
+    } else {
+#ifdef _OPENMP
+#pragma omp for schedule(static) nowait
+#endif
+      for (std::int64_t c = 0; c < pair_chunks; ++c)
+        pack_rows(b16, n, k, n, kCols, panels, panel_words, c * kPairChunk, std::min(k_pairs, (c + 1) * kPairChunk));
+    }
     if (ta) {
 #ifdef _OPENMP
 #pragma omp for schedule(static) nowait
 #endif
-      for (std::int64_t t = 0; t < row_tiles; ++t) pack_panel(a16, m, false, k, m, t * kRows, kRows, a_panels + t * a_panel_words);
+      for (std::int64_t c = 0; c < pair_chunks; ++c)
+        pack_rows(a16, m, k, m, kRows, a_panels, a_panel_words, c * kPairChunk, std::min(k_pairs, (c + 1) * kPairChunk));
     }
 #ifdef _OPENMP
 #pragma omp barrier
+#endif
+#ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
     for (std::int64_t item = 0; item < groups * chunks; ++item) {
