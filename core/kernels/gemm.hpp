@@ -151,11 +151,11 @@ bool bf16_panels_available();
 void gemm_bf16_panels(std::int64_t m, std::int64_t n, std::int64_t k, const bfloat16* a, bool ta, const bfloat16* b,
                       bool tb, const bfloat16* bias, const Bf16ProductOut& out);
 // Whether the engine's products of op(a) and op(b) run gemm_bf16_panels: the oneDNN engine is
-// chosen, the kernel is built, and both are bf16 matrices (a batch of one; batches stay on oneDNN,
-// which parallelizes over the batch).
-bool uses_bf16_panels(const Array& a, const Array& b);
+// chosen, the kernel is built, both are bf16 matrices (batches stay on oneDNN, which parallelizes
+// over the batch), and the shape is one where the kernel is the faster (engine.cpp says which).
+bool uses_bf16_panels(const Array& a, bool ta, const Array& b, bool tb);
 // The fused linear layer's forward product with its activation pair (see Bf16ProductOut): a [m, k],
-// b [k, n], bias [n] or undefined; y and d [m, n] bf16, written. Requires uses_bf16_panels(a, b).
+// b [k, n], bias [n] or undefined; y and d [m, n] bf16, written. Requires uses_bf16_panels(a, false, b, false).
 void gemm_bias_pairs(const Array& a, const Array& b, const Array& bias, const std::uint32_t* pair_table, Array& y,
                      Array& d);
 

@@ -335,7 +335,7 @@ Array linear(const Array& x_in, const Array& kernel_in, const Array& bias_in, Ac
   const bool has_bias = bias.defined();
   const bool keep_derivative = am::derivative_from_input(act);  // gelu, gelu_exact, silu (any float dtype)
   auto forward = [&](Residuals& r) {
-    if (r.recording() && keep_derivative && pairs_from_table(t, rows * n) && kernels::uses_bf16_panels(x2, kernel)) {
+    if (r.recording() && keep_derivative && pairs_from_table(t, rows * n) && kernels::uses_bf16_panels(x2, false, kernel, false)) {
       // bf16 on the own product kernel: the pairs looked up inside the product (the same bits as
       // the product, then value_and_derivative's table).
       Array y = Array::empty(rows_shape, t), d = Array::empty(rows_shape, t);
