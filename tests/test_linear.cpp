@@ -7,6 +7,7 @@
 #include "testing/fp_modes.hpp"
 #include "testing/threads.hpp"
 
+#include <linum/core/kernels/gemm.hpp>
 #include <linum/core/ops/bf16_table_internal.hpp>
 
 #include <linum/nn/config.hpp>
@@ -108,7 +109,8 @@ TEST_CASE("linear under remat: gradients bitwise the plain ones for every activa
   // The recorded forward pass computes gelu's and silu's value with their derivative (in the
   // computation dtype) and keeps it; the checkpoint recomputes the layer and differentiates it again, with or without a
   // policy that saves the op (then its kept derivative comes from the saved values). 520 rows reach
-  // the bf16 (value, derivative) table and its streamed stores (at least 16384 elements).
+  // the bf16 (value, derivative) table (at least 16384 elements): looked up inside the product on the
+  // bf16 panel kernel, else in value_and_derivative's streamed pass.
   const Array w1 = random_array(Shape{40, 40}, 72), w2 = random_array(Shape{40, 33}, 73);
   const Array b1 = random_array(Shape{40}, 74), b2 = random_array(Shape{33}, 75);
   for (const std::int64_t rows : {70, 520})
@@ -208,6 +210,41 @@ TEST_CASE("linear in bf16 on every bf16 input: the kept derivative and the value
       const Array d = bf(grad([&](const Array& t) { return sum(activate(t, act)); })(f32(z)));
       const Array g2 = bf(f32(probe) * f32(d));
       CHECK(dx.bitwise_equal(dot_general(g2, w, DotDims{.lhs_contracting = {1}, .rhs_contracting = {1}})));
+    }
+  };
+  linum::testing::in_both_fp_modes(check);
+  if (!linum::testing::on_threads(2, check)) MESSAGE("built without OpenMP (or no team of two): not run on two threads");
+}
+
+TEST_CASE("linear in bf16 with the pairs looked up inside the product: the table's bits, one thread or two, both fp modes") {
+  // On the bf16 panel kernel the recorded forward pass looks each product value's (value,
+  // derivative) pair up inside the product (kernels::gemm_bias_pairs). Against the product alone
+  // (kernels::gemm_bias: the same sums, bias added before the one rounding), the activation op on
+  // it, and the products of the backward rule on round(g * round(act'(z))): bitwise, with and
+  // without a bias, at a size the table and the product's threads both reach.
+  const Array x = astype(random_array(Shape{2048, 64}, 86), DType::bf16), w = astype(random_array(Shape{64, 48}, 87), DType::bf16);
+  const Array b = astype(random_array(Shape{48}, 88), DType::bf16), probe = astype(random_array(Shape{2048, 48}, 89), DType::bf16);
+  if (!linum::kernels::uses_bf16_panels(x, false, w, false))
+    MESSAGE("this engine or build has no bf16 panel kernel: the pairs come from the pass after the product");
+  auto f32 = [](const Array& a) { return astype(a, DType::f32); };
+  auto bf = [](const Array& a) { return astype(a, DType::bf16); };
+  auto check = [&] {
+    for (const Activation act : {Activation::gelu, Activation::gelu_exact, Activation::silu}) {
+      for (const bool with_bias : {false, true}) {
+        CAPTURE(activation_name(act));
+        CAPTURE(with_bias);
+        const Array bias = with_bias ? b : Array();
+        Array y;
+        const Array dx = grad([&](const Array& x) {
+          y = linear(x, w, bias, act);
+          return sum(f32(y) * f32(probe));
+        })(x);
+        const Array z = with_bias ? linum::kernels::gemm_bias(x, w, b) : linum::kernels::batched_gemm(x, w, false, false);
+        CHECK(y.detached().bitwise_equal(activate(z, act)));
+        const Array d = bf(grad([&](const Array& t) { return sum(activate(t, act)); })(f32(z)));
+        const Array g2 = bf(f32(probe) * f32(d));
+        CHECK(dx.bitwise_equal(dot_general(g2, w, DotDims{.lhs_contracting = {1}, .rhs_contracting = {1}})));
+      }
     }
   };
   linum::testing::in_both_fp_modes(check);

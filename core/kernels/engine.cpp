@@ -79,7 +79,8 @@ bool uses_bf16_panels(const Array& a, bool ta, const Array& b, bool tb) {
         a.rank() == 2 && b.rank() == 2))
     return false;
   const std::int64_t k = ta ? a.dim(0) : a.dim(1), n = tb ? b.dim(0) : b.dim(1);
-  return k <= kPanelsMaxDepth && n >= kPanelsMinColumns;
+  // (k = 0 stays with the engine, which adds the bias to zeros in float32, keeping a subnormal bias)
+  return k > 0 && k <= kPanelsMaxDepth && n >= kPanelsMinColumns;
 }
 
 void gemm_bias_pairs(const Array& a, const Array& b, const Array& bias, const std::uint32_t* pair_table, Array& y,

@@ -1,5 +1,7 @@
 // Internal: the batched matrix product every matmul, dot_general and their backward rules reach.
-// Implementations: gemm_onednn.cpp (when built with oneDNN) and gemm_eigen.cpp.
+// Implementations: gemm_onednn.cpp (when built with oneDNN), gemm_bf16_panels.cpp (the oneDNN
+// engine's bf16 matrix products where it is the faster, when built with AVX512-BF16) and
+// gemm_eigen.cpp.
 #pragma once
 
 #include <linum/core/array.hpp>
@@ -9,8 +11,8 @@
 
 namespace linum::kernels {
 
-// out[i] = op(a[i]) @ op(b[i]) for stacked matrices; op transposes when asked (read through
-// strides, never copied). Rank 2 operands are a batch of one; rank 3 are [batch, rows, cols].
+// out[i] = op(a[i]) @ op(b[i]) for stacked matrices; op transposes when asked (oneDNN and Eigen read
+// through strides; the bf16 panel kernel packs its operands, transposed or not). Rank 2 operands are a batch of one; rank 3 are [batch, rows, cols].
 // `a` is [.., M, K] (or [.., K, M] when ta), `b` is [.., K, N] (or [.., N, K] when tb). a and b
 // have the same float dtype, which the result gets; accumulation is float32.
 Array batched_gemm(const Array& a, const Array& b, bool ta, bool tb);
@@ -133,7 +135,8 @@ void f32_to_bf16_transposed(const float* a, std::int64_t lda, std::int64_t rows,
                             std::int64_t ldo);
 
 // Whole-array bfloat16 products on Linum's own AVX512-BF16 kernel (gemm_bf16_panels.cpp), which
-// the oneDNN engine uses for bf16 products of two matrices (see engine.cpp):
+// the oneDNN engine uses for bf16 products of two matrices where it is the faster (sums up to 2048
+// long, outputs at least 16 wide: uses_bf16_panels):
 // out = op(a) @ op(b) (+ bias [n]), a [m, k] or [k, m] when ta, b [k, n] or [n, k] when tb, all
 // compact row-major. Each
 // element is summed over k in order on one thread, the bias added, and rounded once to bf16; so the

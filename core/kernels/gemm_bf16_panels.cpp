@@ -7,7 +7,8 @@
 // ran after the product, on cores that had just been busy with vdpbf16ps and whose load ports sat
 // mostly idle meanwhile. Here the lookups of one tile run inside the product of the next, so they use
 // those idle ports. The same tile loop, with nothing interleaved, is also a little faster than
-// oneDNN's product on the MLP and GPT shapes (docs/performance.md has the figures).
+// oneDNN's product on the MLP and GPT shapes (1.03-1.18x, engine.cpp; the step's figures are in
+// docs/performance.md, "Zen 5").
 //
 // Layout. The right operand is packed once per product into panels of 32 columns: panel p holds,
 // for each pair of rows (2q, 2q + 1), the 32 words (b[2q, j] | b[2q + 1, j] << 16), zero-padded past
@@ -120,7 +121,7 @@ struct SideLookups {
 
 // One tile: rows [0, R) of A times one panel, plus the bias, rounded to bf16 into out (row stride
 // ldo; columns masked by m0, m1). A is row-major (row stride lda), or with PackedA a packed panel of
-// a transposed A (pack_panel, kRows wide: its odd k is already zero-padded). Runs `side`'s lookups
+// a transposed A (pack_rows, kRows wide: its odd k is already zero-padded). Runs `side`'s lookups
 // between its multiply-adds.
 template <int R, bool Side, bool PackedA>
 void tile(std::int64_t k, const std::uint16_t* a, std::int64_t lda, const std::uint32_t* panel, const std::uint16_t* bias,
@@ -235,7 +236,8 @@ void run_tiles(const PanelOperands& o, std::int64_t t0, std::int64_t t1, std::in
   }
   // The pair epilogue, software-pipelined: tile i's z goes to a small buffer; tile i + 1's product
   // looks its pairs up on the side, then they are written out.
-  alignas(64) std::uint16_t z_tiles[2][kRows * kCols];
+  // (zeroed: a tile's columns past n are never written, but their lookups still read them)
+  alignas(64) std::uint16_t z_tiles[2][kRows * kCols] = {};
   alignas(64) std::uint32_t staged[kRows * kCols];
   auto* y = reinterpret_cast<std::uint16_t*>(out.y);
   auto* d = reinterpret_cast<std::uint16_t*>(out.d);

@@ -73,15 +73,6 @@ const float* row_f32(const Array& a, std::int64_t r, std::int64_t n, float* scra
   return od::padded_view(od::f32_view(a, r * n, n, scratch), n, scratch);
 }
 
-// y = act(z) and d = act'(z) in one pass, for an activation whose derivative reads its input (the
-// same bits as the activation op's value and its backward rule's derivative).
-// In bf16 both come from a table of the pair for every bf16 input (ops/bf16_table_internal.hpp),
-// filled by this same computation: the same bits, 0.22 against 0.34 ms on [2048, 512] (2 threads).
-// There d goes to a buffer of its own, written around the caches (it is next read in the backward
-// pass), and z's buffer is freed when the op returns, still in cache, for the next layer's product
-// to write into (the block cache hands back the last freed block of a size first): about 1.5% of a
-// bf16 MLP step (24 x 512, batch 2048, AMD EPYC Zen 5, steps alternating in one process). In float32
-// d is written over z when no other array shares z's buffer.
 // The bf16 table of (value, derivative) pairs of gelu, gelu_exact or silu: every bf16 input's pair,
 // filled on first use (per floating-point mode) by this same computation.
 const std::uint32_t* pair_table(Activation act) {
@@ -104,6 +95,17 @@ bool pairs_from_table(DType dtype, std::int64_t elements) {
   return dtype == DType::bf16 && elements >= od::kBf16TableMinElements;
 }
 
+// y = act(z) and d = act'(z) in one pass, for an activation whose derivative reads its input (the
+// same bits as the activation op's value and its backward rule's derivative).
+// In bf16 both come from a table of the pair for every bf16 input (ops/bf16_table_internal.hpp),
+// filled by this same computation: the same bits, 0.22 against 0.34 ms on [2048, 512] (2 threads).
+// There d goes to a buffer of its own, written around the caches (it is next read in the backward
+// pass), and z's buffer is freed when the op returns, still in cache, for the next layer's product
+// to write into (the block cache hands back the last freed block of a size first): about 1.5% of a
+// bf16 MLP step (24 x 512, batch 2048, AMD EPYC Zen 5, steps alternating in one process). In float32
+// d is written over z when no other array shares z's buffer.
+// (On the bf16 panel kernel the fused linear layer looks the pairs up inside its product instead:
+// kernels::gemm_bias_pairs.)
 std::pair<Array, Array> value_and_derivative(Array z, Activation act) {
   Array y = Array::empty(z.shape(), z.dtype());
   if (pairs_from_table(z.dtype(), z.numel())) {
