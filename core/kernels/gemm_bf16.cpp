@@ -14,6 +14,8 @@
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
+
+#include <linum/core/kernels/avx512_lanes_internal.hpp>
 #define LINUM_BF16_DOT 1
 #else
 #define LINUM_BF16_DOT 0
@@ -123,11 +125,7 @@ using TileFn = void (*)(std::int64_t, float, const std::uint16_t*, std::int64_t,
                         float*, std::int64_t, __mmask16, __mmask16);
 constexpr TileFn kTiles[8] = {tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>, tile<7>, tile<8>};
 
-__mmask16 lanes(std::int64_t count) {
-  if (count <= 0) return 0;
-  if (count >= 16) return 0xFFFF;
-  return static_cast<__mmask16>((1u << count) - 1u);
-}
+using detail::lanes;
 
 }  // namespace
 

@@ -37,6 +37,8 @@
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
+
+#include <linum/core/kernels/avx512_lanes_internal.hpp>
 #define LINUM_BF16_PANELS 1
 #else
 #define LINUM_BF16_PANELS 0
@@ -53,11 +55,7 @@ constexpr int kRows = 14;           // rows of a tile (28 accumulators + 2 panel
 constexpr std::int64_t kCols = 32;  // columns of a tile and of a panel
 constexpr std::int64_t kTilesPerItem = 4;  // row tiles a thread takes at a time (dynamic schedule)
 
-__mmask16 lanes(std::int64_t count) {
-  if (count <= 0) return 0;
-  if (count >= 16) return 0xFFFF;
-  return static_cast<__mmask16>((1u << count) - 1u);
-}
+using detail::lanes;
 
 // Packing. A panel holds, for each pair of rows q of the operand, `width` words
 // (b[2q, j] | b[2q + 1, j] << 16), zero past n and past an odd k. Right operands are packed 32
@@ -280,11 +278,11 @@ void run_tiles(const PanelOperands& o, std::int64_t t0, std::int64_t t1, std::in
 void gemm_bf16_panels(std::int64_t m, std::int64_t n, std::int64_t k, const bfloat16* a, bool ta, const bfloat16* b,
                       bool tb, const bfloat16* bias, const Bf16ProductOut& out) {
   if (m == 0 || n == 0) return;
-  const std::int64_t pairs = std::max<std::int64_t>((k + 1) / 2, 1);
-  const std::int64_t panel_count = (n + kCols - 1) / kCols, panel_words = pairs * kCols;
-  const std::int64_t row_tiles = (m + kRows - 1) / kRows;
   constexpr std::int64_t kPairChunk = 16;  // pairs of rows packed at a time
   const std::int64_t k_pairs = (k + 1) / 2, pair_chunks = (k_pairs + kPairChunk - 1) / kPairChunk;
+  const std::int64_t pairs = std::max<std::int64_t>(k_pairs, 1);  // a panel's rows (one, zero, when k = 0)
+  const std::int64_t panel_count = (n + kCols - 1) / kCols, panel_words = pairs * kCols;
+  const std::int64_t row_tiles = (m + kRows - 1) / kRows;
   // The packed operands: Arrays, so the memory accounting counts them (64-byte aligned; a panel of
   // A is padded to whole cache lines).
   const std::int64_t a_panel_words = ta ? (pairs * kRows + 15) / 16 * 16 : 0;
@@ -329,8 +327,6 @@ void gemm_bf16_panels(std::int64_t m, std::int64_t n, std::int64_t k, const bflo
     }
 #ifdef _OPENMP
 #pragma omp barrier
-#endif
-#ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
     for (std::int64_t item = 0; item < groups * chunks; ++item) {
