@@ -53,7 +53,12 @@ namespace {
 
 constexpr int kRows = 14;           // rows of a tile (28 accumulators + 2 panel registers + a broadcast)
 constexpr std::int64_t kCols = 32;  // columns of a tile and of a panel
-constexpr std::int64_t kTilesPerItem = 4;  // row tiles a thread takes at a time (dynamic schedule)
+constexpr std::int64_t kTilesPerItem = 4;  // row tiles a thread takes at a time (dynamic schedule)...
+// ...except at least the last kTailTiles of a panel group, taken one at a time, so that the threads
+// finish within about one tile of each other. With only items of four, one thread sat idle for up
+// to an item at the end of each product: 25-45 us of a 1.1 ms product on the MLP shapes. Measured
+// with the deep MLP's bf16 step alternating in one process: 1-2% faster.
+constexpr std::int64_t kTailTiles = 8;
 
 using detail::lanes;
 
@@ -76,10 +81,24 @@ void pair_words(const std::uint16_t* lo, const std::uint16_t* hi, std::int64_t c
 // Pairs [q0, q1) of b (bf16 [k, n], row stride ldb) into all its panels, `width` wide (panel t at
 // panels + t * panel_words): panel by panel, so that each writes one run while the few rows of the
 // range stay in cache.
+//
+// Meanwhile the rows of the range two ranges ahead are fetched, a few lines per panel. Reading a
+// range panel by panel walks its rows column slice by column slice, a pattern the hardware
+// prefetchers follow poorly; the operand is often in DRAM (a layer's input, kept since its forward
+// pass, is the weight gradient's left operand). Measured on the deep MLP's bf16 step, steps
+// alternating in one process (Zen 5): 1.2-3.6% faster with the fetches one range ahead, a further
+// 0.5-0.8% two ahead; three ahead was no better.
 void pack_rows(const std::uint16_t* b, std::int64_t ldb, std::int64_t k, std::int64_t n, std::int64_t width,
                std::uint32_t* panels, std::int64_t panel_words, std::int64_t q0, std::int64_t q1) {
   const std::int64_t count = (n + width - 1) / width;
+  const std::int64_t ahead_row = std::min(2 * (2 * q1 - q0), k), ahead_end = std::min(ahead_row + 2 * (q1 - q0), k);
+  const std::int64_t ahead_bytes = ahead_end > ahead_row ? ((ahead_end - ahead_row - 1) * ldb + n) * 2 : 0;
+  const char* ahead = ahead_bytes > 0 ? reinterpret_cast<const char*>(b + ahead_row * ldb) : nullptr;
+  const std::int64_t ahead_lines = (ahead_bytes + 63) / 64, lines_per_panel = (ahead_lines + count - 1) / count;
+  std::int64_t line = 0;
   for (std::int64_t t = 0; t < count; ++t) {
+    for (const std::int64_t stop = std::min(ahead_lines, line + lines_per_panel); line < stop; ++line)
+      _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
     const std::int64_t j0 = t * width, cols = std::min(width, n - j0);
     for (std::int64_t q = q0; q < q1; ++q) {
       const std::uint16_t* lo = b + 2 * q * ldb + j0;
@@ -293,11 +312,13 @@ void gemm_bf16_panels(std::int64_t m, std::int64_t n, std::int64_t k, const bflo
   const auto* b16 = reinterpret_cast<const std::uint16_t*>(b);
   const PanelOperands o{m, n, k, a16, a_panels, a_panel_words, panels, panel_words, reinterpret_cast<const std::uint16_t*>(bias)};
   // Panels in groups of about kGroupBytes (they stay in L2 while every row tile passes over them),
-  // row tiles in items of kTilesPerItem: the items run group by group, in a dynamic schedule.
+  // row tiles in items of kTilesPerItem, then single tiles (kTailTiles): the items run group by
+  // group, in a dynamic schedule.
   constexpr std::int64_t kGroupBytes = 512 * 1024;
   const std::int64_t group = std::clamp<std::int64_t>(kGroupBytes / (panel_words * 4), 1, panel_count);
   const std::int64_t groups = (panel_count + group - 1) / group;
-  const std::int64_t chunks = (row_tiles + kTilesPerItem - 1) / kTilesPerItem;
+  const std::int64_t big = std::max<std::int64_t>(0, (row_tiles - kTailTiles) / kTilesPerItem);
+  const std::int64_t per_group = big + (row_tiles - big * kTilesPerItem);
   const double work = static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
   int threads = 1;
 #ifdef _OPENMP
@@ -329,10 +350,11 @@ void gemm_bf16_panels(std::int64_t m, std::int64_t n, std::int64_t k, const bflo
 #pragma omp barrier
 #pragma omp for schedule(dynamic, 1)
 #endif
-    for (std::int64_t item = 0; item < groups * chunks; ++item) {
-      const std::int64_t g = item / chunks, c = item % chunks;
-      run_tiles(o, c * kTilesPerItem, std::min(row_tiles, (c + 1) * kTilesPerItem), g * group,
-                std::min(panel_count, (g + 1) * group), out);
+    for (std::int64_t item = 0; item < groups * per_group; ++item) {
+      const std::int64_t g = item / per_group, c = item % per_group;
+      const std::int64_t t0 = c < big ? c * kTilesPerItem : big * kTilesPerItem + (c - big);
+      const std::int64_t t1 = c < big ? t0 + kTilesPerItem : t0 + 1;
+      run_tiles(o, t0, t1, g * group, std::min(panel_count, (g + 1) * group), out);
     }
   }
 }
