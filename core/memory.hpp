@@ -24,7 +24,7 @@ struct Stats {
   std::int64_t live_buffers = 0;   // number of buffers alive now
   std::int64_t allocations = 0;    // buffers allocated since the program started
   std::int64_t cached_bytes = 0;   // freed large blocks kept for reuse (not live; see below)
-  std::int64_t cache_limit_bytes = 0;  // what the cache may hold now: min(set_cache_limit, high_water_bytes)
+  std::int64_t cache_limit_bytes = 0;  // what the cache may hold now: min(set_cache_limit, 1.25 x high_water_bytes)
   std::int64_t high_water_bytes = 0;   // the most live bytes ever, since the program started
 
   // Residuals kept outside RAM or in less of it (core/storage/, lift::policies::offload/compress).
@@ -41,9 +41,10 @@ struct Stats {
 // Freed blocks of 64 KiB and more are kept and handed out again for buffers of the same size: a
 // training step allocates the same sizes every time, and reusing warm memory saves the page faults
 // of fresh allocations. The cache sizes itself to the workload: it holds at most the process's
-// high-water mark of live bytes (a step's peak, so a steady-state step is served entirely from
-// it), and never more than the limit set here (default: a quarter of the machine's memory; 0
-// turns caching off). Cached blocks are not live bytes; they count in the process's RSS.
+// high-water mark of live bytes and a quarter more (a step's peak, with room for its sizes peaking
+// at different moments, so a steady-state step is served entirely from it), and never more than
+// the limit set here (default: a quarter of the machine's memory; 0 turns caching off). Cached
+// blocks are not live bytes; they count in the process's RSS.
 void set_cache_limit(std::int64_t bytes);
 // Returns every cached block to the system.
 void release_cached();

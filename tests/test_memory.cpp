@@ -75,7 +75,7 @@ TEST_CASE("the block cache sizes itself to the workload: a step's peak is kept, 
   const auto after = memory::stats();
   CHECK(after.high_water_bytes >= std::int64_t{96} << 20);
   CHECK(after.cached_bytes >= std::int64_t{96} << 20);  // every block of the step was kept
-  CHECK(after.cached_bytes <= after.high_water_bytes);  // and never more than the workload's peak
+  CHECK(after.cached_bytes <= after.high_water_bytes + after.high_water_bytes / 4);  // and never much more than its peak
   auto second = step();  // served entirely from the cache: the same blocks again
   std::sort(second.begin(), second.end());
   auto first_sorted = first;
@@ -86,6 +86,33 @@ TEST_CASE("the block cache sizes itself to the workload: a step's peak is kept, 
   (void)step();
   CHECK(memory::stats().cached_bytes <= std::int64_t{32} << 20);
   CHECK(memory::stats().cache_limit_bytes == std::int64_t{32} << 20);
+  memory::set_cache_limit(std::int64_t{256} << 20);
+}
+
+TEST_CASE("a step whose sizes peak at different moments is served entirely from the cache the second time") {
+  // The sum over sizes of each size's own peak exceeds the step's peak (as in a real training step:
+  // the deep MLP's bf16 step peaks at 147 MB and needs 154 MB of blocks). Every block must still be
+  // kept, so the next step allocates nothing afresh (no page faults): the same addresses again.
+  memory::release_cached();
+  memory::set_cache_limit(std::int64_t{1} << 40);
+  auto step = [] {
+    std::vector<const void*> addresses;
+    std::vector<Array> live;
+    // (larger than the earlier cases' peaks: the high-water mark is the process's, never reset)
+    for (int i = 0; i < 160; ++i) live.push_back(Array::empty(Shape{1 << 18}));  // 160 x 1 MiB
+    for (const Array& a : live) addresses.push_back(a.raw());
+    live.resize(140);  // 20 of them freed...
+    for (int i = 0; i < 20; ++i) live.push_back(Array::empty(Shape{(1 << 18) + (1 << 14)}));  // ...20 x 1.06 MiB taken
+    for (std::size_t i = 140; i < live.size(); ++i) addresses.push_back(live[i].raw());
+    return addresses;
+  };
+  auto first = step();
+  const auto after = memory::stats();
+  CHECK(after.cached_bytes >= (std::int64_t{160} << 20) + 20 * ((std::int64_t{1} << 20) + (std::int64_t{1} << 16)));
+  auto second = step();
+  std::sort(first.begin(), first.end());
+  std::sort(second.begin(), second.end());
+  CHECK(second == first);
   memory::set_cache_limit(std::int64_t{256} << 20);
 }
 
