@@ -44,7 +44,8 @@ struct Stats {
 // high-water mark of live bytes and a quarter more (a step's peak, with room for its sizes peaking
 // at different moments, so a steady-state step is served entirely from it), and never more than
 // the limit set here (default: a quarter of the machine's memory; 0 turns caching off). Cached
-// blocks are not live bytes; they count in the process's RSS.
+// blocks are not live bytes; they count in the process's RSS, which can therefore reach 2.25x the
+// mark (live bytes at the mark, cached blocks at 1.25x it).
 void set_cache_limit(std::int64_t bytes);
 // Returns every cached block to the system.
 void release_cached();

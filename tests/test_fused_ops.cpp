@@ -204,9 +204,11 @@ TEST_CASE("bf16 panel products: the float64 product of the bf16 values (+ bias) 
   for (std::uint32_t i = 0; i < 65536; ++i) table[i] = i * 2654435761u;
   struct Case { std::int64_t m, n, k; };
   // (Case{30, 200, 2048}: 7 panels of 128 KB, in two groups of 4; Case{230, 40, 71}: 17 row tiles,
-  // two scheduling items of four tiles, then single tiles)
+  // two scheduling items of four tiles, then nine single tiles; Case{168, 33, 4097}: 12 row tiles,
+  // one item of four then single tiles, in each of two panel groups of one panel, an odd depth,
+  // and enough work for the whole team)
   for (const Case c : {Case{1, 1, 1}, Case{13, 33, 5}, Case{14, 32, 64}, Case{15, 17, 2}, Case{29, 70, 513}, Case{3, 5, 0},
-                       Case{57, 96, 130}, Case{28, 16, 3}, Case{30, 200, 2048}, Case{230, 40, 71}}) {
+                       Case{57, 96, 130}, Case{28, 16, 3}, Case{30, 200, 2048}, Case{230, 40, 71}, Case{168, 33, 4097}}) {
     for (bool ta : {false, true}) {
       for (bool tb : {false, true}) {
         for (bool with_bias : {false, true}) {
