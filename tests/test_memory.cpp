@@ -119,8 +119,8 @@ TEST_CASE("a step whose sizes peak at different moments is served entirely from 
   std::sort(second.begin(), second.end());
   CHECK(second == first);
 
-  // Past the bound the cache refuses: blocks of two more sizes that never meet again, each set
-  // as large as the mark allows live, are freed; the cache stops at its limit.
+  // Past the bound the cache refuses: two more sets of blocks, each about the step's size and of a
+  // size of its own (so neither reuses the other's blocks), are freed; the cache stops at its limit.
   for (const std::int64_t words : {(std::int64_t{1} << 18) + (std::int64_t{1} << 15), (std::int64_t{1} << 18) + (std::int64_t{3} << 14)}) {
     std::vector<Array> live;
     for (int i = 0; i < 150; ++i) live.push_back(Array::empty(Shape{words}));
