@@ -8,6 +8,7 @@
 #include <linum/core/kernels/gemm.hpp>
 
 #include <bit>
+#include <limits>
 #include <cmath>
 
 
@@ -297,6 +298,101 @@ TEST_CASE("bf16 panel products have the same bits on one thread and on two, thro
     CAPTURE(i);
     CHECK(max(abs(f32(one[i]) - want[i])).item() <= max(abs(want[i])).item() / 128);
   }
+}
+
+TEST_CASE("f32 panel products: the float64 product within float32 summation error; tails, transposes; the same bits transposed") {
+  // gemm_f32_panels, the engine's whole-array float32 kernel: rows around its 14-row tile, columns
+  // around its 32-column panel, odd and empty depths, either operand transposed, with and without a
+  // bias; nothing written past the output. Each element is summed over k in order whatever the
+  // layout, so an operand given transposed gives the same bits as its untransposed copy.
+  if (!kernels::f32_panels_available()) {
+    MESSAGE("built without AVX-512: no float32 panel kernel to test");
+    return;
+  }
+  struct Case { std::int64_t m, n, k; };
+  // (Case{230, 40, 71}: 17 row tiles, items of four then single tiles; Case{90, 200, 2048}: 7 panels
+  // of 256 KB, in groups of two; Case{168, 33, 1500}: enough work for the whole team)
+  for (const Case c : {Case{1, 1, 1}, Case{13, 33, 5}, Case{14, 32, 64}, Case{15, 17, 2}, Case{29, 70, 513}, Case{3, 5, 0},
+                       Case{57, 96, 130}, Case{28, 16, 3}, Case{90, 200, 2048}, Case{230, 40, 71}, Case{168, 33, 1500}}) {
+    // a NaN right after each operand: nothing the kernel reads next to an operand may reach the
+    // product (0 * NaN would show in it)
+    auto values = [](std::int64_t count, unsigned seed) {
+      auto v = random_array(Shape{std::max<std::int64_t>(count, 1)}, seed).to_vector();
+      v.resize(static_cast<std::size_t>(count));
+      v.push_back(std::numeric_limits<float>::quiet_NaN());
+      return v;
+    };
+    const auto a = values(c.m * c.k, 70), b = values(c.k * c.n, 71), bias = values(c.n, 72);
+    // the same operands transposed (a^T [k, m], b^T [n, k])
+    auto transposed = [](const std::vector<float>& x, std::int64_t rows, std::int64_t cols) {
+      std::vector<float> t(static_cast<std::size_t>(rows * cols) + 1, std::numeric_limits<float>::quiet_NaN());
+      for (std::int64_t i = 0; i < rows; ++i)
+        for (std::int64_t j = 0; j < cols; ++j) t[static_cast<std::size_t>(j * rows + i)] = x[static_cast<std::size_t>(i * cols + j)];
+      return t;
+    };
+    const auto at = transposed(a, c.m, c.k), bt = transposed(b, c.k, c.n);
+    const std::size_t size = static_cast<std::size_t>(c.m * c.n);
+    for (bool with_bias : {false, true}) {
+      const float* bias_ptr = with_bias ? bias.data() : nullptr;
+      std::vector<std::vector<float>> outs;
+      for (bool ta : {false, true}) {
+        for (bool tb : {false, true}) {
+          CAPTURE(c.m); CAPTURE(c.n); CAPTURE(c.k); CAPTURE(ta); CAPTURE(tb); CAPTURE(with_bias);
+          // one guard element before the output and one past it: both must stay
+          std::vector<float> zs(size + 2, -7.0f);
+          kernels::gemm_f32_panels(c.m, c.n, c.k, (ta ? at : a).data(), ta, (tb ? bt : b).data(), tb, bias_ptr, zs.data() + 1);
+          CHECK((zs.front() == -7.0f && zs.back() == -7.0f));
+          outs.emplace_back(zs.begin() + 1, zs.end() - 1);
+          double worst = 0;
+          bool all_finite = true;
+          for (std::int64_t i = 0; i < c.m; ++i)
+            for (std::int64_t j = 0; j < c.n; ++j) {
+              double exact = with_bias ? bias[static_cast<std::size_t>(j)] : 0.0, magnitude = std::abs(exact);
+              for (std::int64_t kk = 0; kk < c.k; ++kk) {
+                const double term = static_cast<double>(a[static_cast<std::size_t>(i * c.k + kk)]) * b[static_cast<std::size_t>(kk * c.n + j)];
+                exact += term;
+                magnitude += std::abs(term);
+              }
+              const float got = outs.back()[static_cast<std::size_t>(i * c.n + j)];
+              all_finite = all_finite && std::isfinite(got);
+              // a float32 sum of k + 1 terms: at most (k + 1) roundings of 2^-24 of the running magnitude
+              worst = std::max(worst, std::abs(got - exact) / (static_cast<double>(c.k + 2) * 0x1p-24 * magnitude + 1e-30));
+            }
+          CHECK(worst <= 1.0);
+          CHECK(all_finite);
+        }
+      }
+      for (std::size_t v = 1; v < outs.size(); ++v) {
+        CAPTURE(v);
+        CHECK(outs[v] == outs[0]);
+      }
+    }
+  }
+}
+
+TEST_CASE("f32 panel products have the same bits on one thread and on two, through the engine's products") {
+  // The engine routes a layer's forward product of this size to the kernel; each element is summed
+  // on one thread in a fixed order, so the team's size cannot change a bit.
+  const Array x = random_array(Shape{2048, 512}, 73), w = random_array(Shape{512, 520}, 74), b = random_array(Shape{520}, 75);
+  if (!kernels::uses_f32_panels(x, false, w, false)) {
+    MESSAGE("this engine or build has no float32 panel kernel: not run");
+    return;
+  }
+  auto run = [&] { return std::vector<Array>{kernels::batched_gemm(x, w, false, false), kernels::gemm_bias(x, w, b)}; };
+  std::vector<Array> one, two;
+  const bool ran = linum::testing::on_threads(1, [&] { one = run(); }) && linum::testing::on_threads(2, [&] { two = run(); });
+  if (!ran) {
+    MESSAGE("built without OpenMP (or no team of two): not compared");
+    return;
+  }
+  for (std::size_t i = 0; i < one.size(); ++i) {
+    CAPTURE(i);
+    CHECK(one[i].bitwise_equal(two[i]));
+  }
+  // and the values: Eigen's product (another order of the same float32 sums)
+  const Array want = kernels::batched_gemm_eigen(x, w, false, false);
+  CHECK(max(abs(one[0] - want)).item() <= 1e-4f * max(abs(want)).item());
+  CHECK(max(abs(one[1] - (want + b))).item() <= 1e-4f * max(abs(want)).item());
 }
 
 TEST_CASE("bf16-rounded products: the float64 product of the operands rounded as bfloat16() rounds (long sums, transposes)") {

@@ -162,6 +162,20 @@ bool uses_bf16_panels(const Array& a, bool ta, const Array& b, bool tb);
 void gemm_bias_pairs(const Array& a, const Array& b, const Array& bias, const std::uint32_t* pair_table, Array& y,
                      Array& d);
 
+// Whole-array float32 products on Linum's own AVX-512 kernel (gemm_f32_panels.cpp), which the oneDNN
+// engine uses for float32 products of two matrices where it is the faster (uses_f32_panels):
+// out = op(a) @ op(b) (+ bias [n]), a [m, k] or [k, m] when ta, b [k, n] or [n, k] when tb, all
+// compact row-major. Each element is summed over k in order (one fused multiply-add per term) on one
+// thread and the bias added; so the bits never depend on the threads.
+// f32_panels_available(): built with AVX-512F (else gemm_f32_panels throws).
+bool f32_panels_available();
+void gemm_f32_panels(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, bool ta, const float* b, bool tb,
+                     const float* bias, float* out);
+// Whether the engine's products of op(a) and op(b) run gemm_f32_panels: the oneDNN engine is chosen,
+// the kernel is built, both are float32 matrices, and the shape is one where the kernel is the faster
+// (engine.cpp says which).
+bool uses_f32_panels(const Array& a, bool ta, const Array& b, bool tb);
+
 // Products with fewer multiply-adds than this run on the calling thread only (waking the team
 // costs more than it saves, and on a busy machine it stalls the step).
 constexpr double kParallelGemmWork = 4.0 * 1024 * 1024;

@@ -24,6 +24,7 @@
 #include <linum/core/error.hpp>
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/kernels/gemm.hpp>
+#include <linum/core/kernels/panel_schedule_internal.hpp>
 #include <linum/core/threading.hpp>
 
 #include <algorithm>
@@ -53,12 +54,6 @@ namespace {
 
 constexpr int kRows = 14;           // rows of a tile (28 accumulators + 2 panel registers + a broadcast)
 constexpr std::int64_t kCols = 32;  // columns of a tile and of a panel
-constexpr std::int64_t kTilesPerItem = 4;  // row tiles a thread takes at a time (dynamic schedule)...
-// ...except at least the last kTailTiles of a panel group, taken one at a time, so that the threads
-// finish within about one tile of each other. With only items of four, one thread sat idle for up
-// to an item at the end of each product: 25-45 us of a 1.1 ms product on the MLP shapes. Measured
-// with the deep MLP's bf16 step alternating in one process: 1.1-2.3% faster.
-constexpr std::int64_t kTailTiles = 8;
 
 using detail::lanes;
 
@@ -311,14 +306,8 @@ void gemm_bf16_panels(std::int64_t m, std::int64_t n, std::int64_t k, const bflo
   const auto* a16 = reinterpret_cast<const std::uint16_t*>(a);
   const auto* b16 = reinterpret_cast<const std::uint16_t*>(b);
   const PanelOperands o{m, n, k, a16, a_panels, a_panel_words, panels, panel_words, reinterpret_cast<const std::uint16_t*>(bias)};
-  // Panels in groups of about kGroupBytes (they stay in L2 while every row tile passes over them),
-  // row tiles in items of kTilesPerItem, then single tiles (kTailTiles): the items run group by
-  // group, in a dynamic schedule.
-  constexpr std::int64_t kGroupBytes = 512 * 1024;
-  const std::int64_t group = std::clamp<std::int64_t>(kGroupBytes / (panel_words * 4), 1, panel_count);
-  const std::int64_t groups = (panel_count + group - 1) / group;
-  const std::int64_t big = std::max<std::int64_t>(0, (row_tiles - kTailTiles) / kTilesPerItem);
-  const std::int64_t per_group = big + (row_tiles - big * kTilesPerItem);
+  // Panels in groups, row tiles in items (panel_schedule_internal.hpp).
+  const detail::PanelSchedule schedule(m, panel_count, panel_words * 4, kRows);
   const double work = static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
   int threads = 1;
 #ifdef _OPENMP
@@ -350,11 +339,9 @@ void gemm_bf16_panels(std::int64_t m, std::int64_t n, std::int64_t k, const bflo
 #pragma omp barrier
 #pragma omp for schedule(dynamic, 1)
 #endif
-    for (std::int64_t item = 0; item < groups * per_group; ++item) {
-      const std::int64_t g = item / per_group, c = item % per_group;
-      const std::int64_t t0 = c < big ? c * kTilesPerItem : big * kTilesPerItem + (c - big);
-      const std::int64_t t1 = c < big ? t0 + kTilesPerItem : t0 + 1;
-      run_tiles(o, t0, t1, g * group, std::min(panel_count, (g + 1) * group), out);
+    for (std::int64_t item = 0; item < schedule.items(); ++item) {
+      const detail::PanelSchedule::Item it = schedule.item(item);
+      run_tiles(o, it.t0, it.t1, it.p0, it.p1, out);
     }
   }
 }

@@ -1,0 +1,238 @@
+// Whole-array float32 products on AVX-512F, the bias added in the product's epilogue. See gemm.hpp
+// for the contract.
+//
+// Why our own kernel: on a layer's forward product with an input from memory (2048 x 512 by
+// 512 x 512, the deep MLP's, and wider), it runs 2-5% faster than oneDNN 2.6's, which matters most
+// where a step is little more than products: float32 remat, whose backward pass runs every forward
+// product again. Where it is the faster, and where not: engine.cpp (uses_f32_panels).
+//
+// Layout. The right operand is packed once per product into panels of 32 columns: panel p holds, for
+// each row q, the 32 floats b[q, 32 p .. 32 p + 31], zero past n. A panel is contiguous (K x 128
+// bytes), so one tile streams it from L1 or L2 without cache-set conflicts. A tile is kRows rows by
+// 32 columns: 28 float32 accumulators in registers; each element of a row of A is one broadcast.
+// A transposed left operand (a [k, m]) is packed the same way, kRows columns wide.
+//
+// Order of the sums: each output element is summed over k in order (one fused multiply-add per
+// term) on one thread, then the bias is added. So the result depends only on the operands, never on
+// the thread or the team's size, and recomputation under remat is bitwise.
+#include <linum/core/error.hpp>
+#include <linum/core/fp_mode.hpp>
+#include <linum/core/kernels/gemm.hpp>
+#include <linum/core/kernels/panel_schedule_internal.hpp>
+#include <linum/core/threading.hpp>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <utility>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#include <linum/core/kernels/avx512_lanes_internal.hpp>
+#define LINUM_F32_PANELS 1
+#else
+#define LINUM_F32_PANELS 0
+#endif
+
+namespace linum::kernels {
+
+bool f32_panels_available() { return LINUM_F32_PANELS != 0; }
+
+#if LINUM_F32_PANELS
+namespace {
+
+constexpr int kRows = 14;           // rows of a tile (28 accumulators + 2 panel registers + a broadcast)
+constexpr std::int64_t kCols = 32;  // columns of a tile and of a panel
+
+using detail::lanes;
+
+// Rows [q0, q1) of b (float32 [k, n], row stride ldb) into all its panels, `width` wide (panel t at
+// panels + t * panel_words), zero past n: panel by panel, so that each writes one run while the few
+// rows of the range stay in cache. Meanwhile the rows two ranges ahead are fetched, a few lines per
+// panel (as the bf16 kernel's packing does, for the same reason: a layer's input comes back from
+// DRAM, and reading a range panel by panel walks it column slice by column slice).
+void pack_rows(const float* b, std::int64_t ldb, std::int64_t k, std::int64_t n, std::int64_t width, float* panels,
+               std::int64_t panel_words, std::int64_t q0, std::int64_t q1) {
+  const std::int64_t count = (n + width - 1) / width;
+  const std::int64_t ahead_row = std::min(q1 + (q1 - q0), k), ahead_end = std::min(ahead_row + (q1 - q0), k);
+  const std::int64_t ahead_bytes = ahead_end > ahead_row ? ((ahead_end - ahead_row - 1) * ldb + n) * 4 : 0;
+  const char* ahead = ahead_bytes > 0 ? reinterpret_cast<const char*>(b + ahead_row * ldb) : nullptr;
+  const std::int64_t ahead_lines = (ahead_bytes + 63) / 64, lines_per_panel = (ahead_lines + count - 1) / count;
+  std::int64_t line = 0;
+  for (std::int64_t t = 0; t < count; ++t) {
+    for (const std::int64_t stop = std::min(ahead_lines, line + lines_per_panel); line < stop; ++line)
+      _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
+    const std::int64_t j0 = t * width, cols = std::min(width, n - j0);
+    for (std::int64_t q = q0; q < q1; ++q) {
+      const float* row = b + q * ldb + j0;
+      float* out = panels + t * panel_words + q * width;
+      for (std::int64_t j = 0; j < width; j += 16)
+        _mm512_mask_storeu_ps(out + j, lanes(width - j), _mm512_maskz_loadu_ps(lanes(cols - j), row + j));
+    }
+  }
+}
+
+// r[c] = column c of the 16 x 16 block whose row j is r[j].
+void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: (r[2i][4L], r[2i+1][4L], r[2i][4L+1], r[2i+1][4L+1]), ...
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + j], lane L: column 4L + j of rows 4i .. 4i + 3
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int j = 0; j < 4; ++j) {  // the lanes regathered, in two rounds
+    t[j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);
+    t[4 + j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xDD);
+    t[8 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
+    t[12 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xDD);
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xDD);
+    r[4 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0x88);
+    r[12 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0xDD);
+  }
+}
+
+// Panel p (32 wide) of a transposed right operand, b [n, k] (row stride ldb): column j of the panel
+// is row j0 + j of b. Blocks of 16 of b's rows by 16 of their elements, transposed in registers
+// (rows past n are zeros).
+void pack_transposed(const float* b, std::int64_t ldb, std::int64_t k, std::int64_t n, std::int64_t p, float* panel) {
+  const std::int64_t j0 = p * kCols, cols = std::min(kCols, n - j0);
+  for (std::int64_t h = 0; h < kCols; h += 16) {
+    const std::int64_t rows = std::clamp<std::int64_t>(cols - h, 0, 16);
+    for (std::int64_t q0 = 0; q0 < k; q0 += 16) {
+      const std::int64_t depth = std::min<std::int64_t>(16, k - q0);
+      const __mmask16 in = lanes(depth);
+      __m512 block[16];
+      for (std::int64_t j = 0; j < 16; ++j)
+        block[j] = j < rows ? _mm512_maskz_loadu_ps(in, b + (j0 + h + j) * ldb + q0) : _mm512_setzero_ps();
+      transpose16(block);
+      for (std::int64_t q = 0; q < depth; ++q) _mm512_store_ps(panel + (q0 + q) * kCols + h, block[q]);
+    }
+  }
+}
+
+// One tile: rows [0, R) of A times one panel, plus the bias, into out (row stride ldo; columns
+// masked by m0, m1). A is row-major (row stride lda), or with PackedA a packed panel of a transposed
+// A (pack_rows, kRows wide).
+template <int R, bool PackedA>
+void tile(std::int64_t k, const float* a, std::int64_t lda, const float* panel, const float* bias, __mmask16 m0,
+          __mmask16 m1, float* out, std::int64_t ldo) {
+  __m512 acc0[R], acc1[R];
+#pragma GCC unroll 14
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  for (std::int64_t q = 0; q < k; ++q) {
+    const __m512 b0 = _mm512_load_ps(panel + q * kCols);
+    const __m512 b1 = _mm512_load_ps(panel + q * kCols + 16);
+#pragma GCC unroll 14
+    for (int r = 0; r < R; ++r) {
+      const __m512 av = _mm512_set1_ps(PackedA ? a[q * kRows + r] : a[r * lda + q]);
+      acc0[r] = _mm512_fmadd_ps(av, b0, acc0[r]);
+      acc1[r] = _mm512_fmadd_ps(av, b1, acc1[r]);
+    }
+  }
+  const __m512 bias0 = bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m0, bias);
+  const __m512 bias1 = bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m1, bias + 16);
+#pragma GCC unroll 14
+  for (int r = 0; r < R; ++r) {
+    _mm512_mask_storeu_ps(out + r * ldo, m0, bias == nullptr ? acc0[r] : _mm512_add_ps(acc0[r], bias0));
+    _mm512_mask_storeu_ps(out + r * ldo + 16, m1, bias == nullptr ? acc1[r] : _mm512_add_ps(acc1[r], bias1));
+  }
+}
+
+using TileFn = void (*)(std::int64_t, const float*, std::int64_t, const float*, const float*, __mmask16, __mmask16, float*,
+                        std::int64_t);
+template <bool PackedA, int... R>
+constexpr auto tiles(std::integer_sequence<int, R...>) {
+  return std::array<TileFn, sizeof...(R)>{tile<R + 1, PackedA>...};
+}
+// [packed A][rows - 1]
+constexpr std::array<std::array<TileFn, kRows>, 2> kTiles{tiles<false>(std::make_integer_sequence<int, kRows>{}),
+                                                           tiles<true>(std::make_integer_sequence<int, kRows>{})};
+
+}  // namespace
+
+void gemm_f32_panels(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, bool ta, const float* b, bool tb,
+                     const float* bias, float* out) {
+  if (m == 0 || n == 0) return;
+  constexpr std::int64_t kRowChunk = 32;  // rows of an operand packed at a time
+  const std::int64_t depth = std::max<std::int64_t>(k, 1);  // a panel's rows (one, zero, when k = 0)
+  const std::int64_t row_chunks = (k + kRowChunk - 1) / kRowChunk;
+  const std::int64_t panel_count = (n + kCols - 1) / kCols, panel_words = depth * kCols;
+  const std::int64_t row_tiles = (m + kRows - 1) / kRows;
+  // The packed operands: an Array, so the memory accounting counts them (64-byte aligned; a panel
+  // of A is padded to whole cache lines).
+  const std::int64_t a_panel_words = ta ? (depth * kRows + 15) / 16 * 16 : 0;
+  Array packed = Array::empty(Shape{panel_count * panel_words + row_tiles * a_panel_words}, DType::f32);
+  float* panels = packed.mutable_data();
+  float* a_panels = ta ? panels + panel_count * panel_words : nullptr;
+  if (k == 0) std::fill(panels, panels + panel_count * panel_words + row_tiles * a_panel_words, 0.0f);
+  const detail::PanelSchedule schedule(m, panel_count, panel_words * 4, kRows);
+  int threads = 1;
+#ifdef _OPENMP
+  const double work = static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+  if (!omp_in_parallel() && work >= kParallelGemmWork) threads = team_size();
+#pragma omp parallel num_threads(threads) if (threads > 1)
+#endif
+  {
+    linum::detail::enter_compute();
+    if (tb) {
+#ifdef _OPENMP
+#pragma omp for schedule(static) nowait
+#endif
+      for (std::int64_t p = 0; p < panel_count; ++p) pack_transposed(b, k, k, n, p, panels + p * panel_words);
+    } else {
+#ifdef _OPENMP
+#pragma omp for schedule(static) nowait
+#endif
+      for (std::int64_t c = 0; c < row_chunks; ++c)
+        pack_rows(b, n, k, n, kCols, panels, panel_words, c * kRowChunk, std::min(k, (c + 1) * kRowChunk));
+    }
+    if (ta) {
+#ifdef _OPENMP
+#pragma omp for schedule(static) nowait
+#endif
+      for (std::int64_t c = 0; c < row_chunks; ++c)
+        pack_rows(a, m, k, m, kRows, a_panels, a_panel_words, c * kRowChunk, std::min(k, (c + 1) * kRowChunk));
+    }
+#ifdef _OPENMP
+#pragma omp barrier
+#pragma omp for schedule(dynamic, 1)
+#endif
+    for (std::int64_t item = 0; item < schedule.items(); ++item) {
+      const detail::PanelSchedule::Item it = schedule.item(item);
+      for (std::int64_t t = it.t0; t < it.t1; ++t) {
+        const std::int64_t i0 = t * kRows;
+        const int rows = static_cast<int>(std::min<std::int64_t>(kRows, m - i0));
+        const float* a_rows = ta ? a_panels + t * a_panel_words : a + i0 * k;
+        for (std::int64_t p = it.p0; p < it.p1; ++p) {
+          const std::int64_t j0 = p * kCols;
+          kTiles[ta][rows - 1](k, a_rows, k, panels + p * panel_words, bias == nullptr ? nullptr : bias + j0, lanes(n - j0),
+                               lanes(n - j0 - 16), out + i0 * n + j0, n);
+        }
+      }
+    }
+  }
+}
+
+#else
+
+void gemm_f32_panels(std::int64_t, std::int64_t, std::int64_t, const float*, bool, const float*, bool, const float*,
+                     float*) {
+  throw Error("gemm_f32_panels: this build has no AVX-512 kernel (check f32_panels_available() first)");
+}
+
+#endif
+
+}  // namespace linum::kernels
