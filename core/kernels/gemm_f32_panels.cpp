@@ -125,14 +125,19 @@ void pack_transposed(const float* b, std::int64_t ldb, std::int64_t k, std::int6
 
 // One tile: rows [0, R) of A times one panel, plus the bias, into out (row stride ldo; columns
 // masked by m0, m1). A is row-major (row stride lda), or with PackedA a packed panel of a transposed
-// A (pack_rows, kRows wide).
+// A (pack_rows, kRows wide). Meanwhile fetch_lines cache lines from `fetch` on (when not null) are
+// fetched into L1, spread evenly over the steps of the sum.
 template <int R, bool PackedA>
 void tile(std::int64_t k, const float* a, std::int64_t lda, const float* panel, const float* bias, __mmask16 m0,
-          __mmask16 m1, float* out, std::int64_t ldo) {
+          __mmask16 m1, float* out, std::int64_t ldo, const char* fetch, std::int64_t fetch_lines) {
   __m512 acc0[R], acc1[R];
 #pragma GCC unroll 14
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  std::int64_t fetched = 0;
   for (std::int64_t q = 0; q < k; ++q) {
+    if (fetch != nullptr) {
+      for (const std::int64_t stop = (q + 1) * fetch_lines / k; fetched < stop; ++fetched) _mm_prefetch(fetch + fetched * 64, _MM_HINT_T0);
+    }
     const __m512 b0 = _mm512_load_ps(panel + q * kCols);
     const __m512 b1 = _mm512_load_ps(panel + q * kCols + 16);
 #pragma GCC unroll 14
@@ -152,7 +157,7 @@ void tile(std::int64_t k, const float* a, std::int64_t lda, const float* panel, 
 }
 
 using TileFn = void (*)(std::int64_t, const float*, std::int64_t, const float*, const float*, __mmask16, __mmask16, float*,
-                        std::int64_t);
+                        std::int64_t, const char*, std::int64_t);
 template <bool PackedA, int... R>
 constexpr auto tiles(std::integer_sequence<int, R...>) {
   return std::array<TileFn, sizeof...(R)>{tile<R + 1, PackedA>...};
@@ -218,8 +223,17 @@ void gemm_f32_panels(std::int64_t m, std::int64_t n, std::int64_t k, const float
         const float* a_rows = ta ? a_panels + t * a_panel_words : a + i0 * k;
         for (std::int64_t p = it.p0; p < it.p1; ++p) {
           const std::int64_t j0 = p * kCols;
+          // The next row tile's rows of A, fetched during this tile's first panel of the group, a line
+          // or so per step of the sum: a layer's input comes from memory (its first group) or L3 (the
+          // others), and 14 rows read side by side are more streams than the hardware prefetchers
+          // follow well. Measured on the MLP's float32 step, steps alternating in one process (Zen
+          // 5): 1.5-2.0% faster, plain and with remat every layer (into L2 only: 0.7-1.6%). (A
+          // packed transposed A is read from the packing's own recent writes: not fetched.)
+          const bool fetch = !ta && p == it.p0 && t + 1 < row_tiles;
+          const std::int64_t next_rows = fetch ? std::min<std::int64_t>(kRows, m - i0 - kRows) : 0;
           kTiles[ta][rows - 1](k, a_rows, k, panels + p * panel_words, bias == nullptr ? nullptr : bias + j0, lanes(n - j0),
-                               lanes(n - j0 - 16), out + i0 * n + j0, n);
+                               lanes(n - j0 - 16), out + i0 * n + j0, n,
+                               fetch ? reinterpret_cast<const char*>(a + (i0 + kRows) * k) : nullptr, (next_rows * k * 4 + 63) / 64);
         }
       }
     }
