@@ -371,14 +371,18 @@ TEST_CASE("f32 panel products: the float64 product within float32 summation erro
 }
 
 TEST_CASE("f32 panel products have the same bits on one thread and on two, through the engine's products") {
-  // The engine routes a layer's forward product of this size to the kernel; each element is summed
-  // on one thread in a fixed order, so the team's size cannot change a bit.
+  // The engine routes a layer's forward and input-gradient products of this size to the kernel; each
+  // element is summed on one thread in a fixed order, so the team's size cannot change a bit.
   const Array x = random_array(Shape{2048, 512}, 73), w = random_array(Shape{512, 520}, 74), b = random_array(Shape{520}, 75);
-  if (!kernels::uses_f32_panels(x, false, w, false)) {
+  const Array g = random_array(Shape{2048, 520}, 76);
+  if (!kernels::uses_f32_panels(x, false, w, false) || !kernels::uses_f32_panels(g, false, w, true)) {
     MESSAGE("this engine or build has no float32 panel kernel: not run");
     return;
   }
-  auto run = [&] { return std::vector<Array>{kernels::batched_gemm(x, w, false, false), kernels::gemm_bias(x, w, b)}; };
+  auto run = [&] {
+    return std::vector<Array>{kernels::batched_gemm(x, w, false, false), kernels::gemm_bias(x, w, b),
+                              kernels::batched_gemm(g, w, false, true)};
+  };
   std::vector<Array> one, two;
   const bool ran = linum::testing::on_threads(1, [&] { one = run(); }) && linum::testing::on_threads(2, [&] { two = run(); });
   if (!ran) {
@@ -393,6 +397,8 @@ TEST_CASE("f32 panel products have the same bits on one thread and on two, throu
   const Array want = kernels::batched_gemm_eigen(x, w, false, false);
   CHECK(max(abs(one[0] - want)).item() <= 1e-4f * max(abs(want)).item());
   CHECK(max(abs(one[1] - (want + b))).item() <= 1e-4f * max(abs(want)).item());
+  const Array want_dx = kernels::batched_gemm_eigen(g, w, false, true);
+  CHECK(max(abs(one[2] - want_dx)).item() <= 1e-4f * max(abs(want_dx)).item());
 }
 
 TEST_CASE("bf16-rounded products: the float64 product of the operands rounded as bfloat16() rounds (long sums, transposes)") {

@@ -92,21 +92,24 @@ bool uses_bf16_panels(const Array& a, bool ta, const Array& b, bool tb) {
 }
 
 // Where the float32 panel kernel is the faster (2 threads, Zen 5; the left operand from memory, as a
-// layer's input is in a step): forward products of at least 2048 rows, 512-2048 deep, at least 512
-// wide: 1.00-1.07x oneDNN's speed (2048 x 512 by 512 x 512, the deep MLP's: 1.00-1.04x; 2048-cube:
-// 1.07x), and in the MLP's float32 step with remat every layer 2.3-3.9% faster. Elsewhere it loses
-// or ties, and stays on oneDNN: narrower outputs (256-384 wide: 0.94-0.98x; 16 wide: 0.72x, a tile
-// computes 32 columns), fewer rows (1024-cube: 0.97x; packing the right operand costs more for
-// what it serves), 4096-long sums (a panel no longer fits L2), and the transposed forms: the
-// weight gradient (x^T g) ran slower inside the step than oneDNN's, the input gradient no faster.
+// layer's input is in a step): products of at least 2048 rows, 512-2048 deep, at least 512 wide,
+// the right operand transposed or not: forward 1.00-1.07x oneDNN's speed alone (2048 x 512 by
+// 512 x 512, the deep MLP's: 1.00-1.04x; 2048-cube: 1.07x), the input gradient (g W^T) a tie alone.
+// In the MLP's float32 step, steps alternating in one process: the forward products 2.3-3.9%
+// faster with remat every layer, and with the next tile's rows fetched (gemm_f32_panels.cpp) the
+// input gradients on it a further 1.3-2.1%. Elsewhere it loses or ties, and stays on oneDNN:
+// narrower outputs (256-384 wide: 0.94-0.98x; 16 wide: 0.72x, a tile computes 32 columns), fewer
+// rows (1024-cube: 0.97x; packing the right operand costs more for what it serves), 4096-long sums
+// (a panel no longer fits L2), and a transposed left operand: the weight gradient (x^T g), faster
+// alone from memory, tied or slower inside the step (also with its sum in parts of 512, 6% slower).
 constexpr std::int64_t kF32PanelsMinRows = 2048, kF32PanelsMinColumns = 512, kF32PanelsMinDepth = 512,
                        kF32PanelsMaxDepth = 2048;
 bool uses_f32_panels(const Array& a, bool ta, const Array& b, bool tb) {
-  if (ta || tb ||
+  if (ta ||
       !(engine() == Engine::onednn && f32_panels_available() && a.dtype() == DType::f32 && b.dtype() == DType::f32 &&
         a.rank() == 2 && b.rank() == 2))
     return false;
-  const std::int64_t m = a.dim(0), k = a.dim(1), n = b.dim(1);
+  const std::int64_t m = a.dim(0), k = a.dim(1), n = tb ? b.dim(0) : b.dim(1);  // (not ta: see above)
   return m >= kF32PanelsMinRows && k >= kF32PanelsMinDepth && k <= kF32PanelsMaxDepth && n >= kF32PanelsMinColumns;
 }
 
