@@ -1,10 +1,12 @@
 // Whole-array float32 products on AVX-512F, the bias added in the product's epilogue. See gemm.hpp
 // for the contract.
 //
-// Why our own kernel: on a layer's forward product with an input from memory (2048 x 512 by
-// 512 x 512, the deep MLP's, and wider), it runs 2-5% faster than oneDNN 2.6's, which matters most
-// where a step is little more than products: float32 remat, whose backward pass runs every forward
-// product again. Where it is the faster, and where not: engine.cpp (uses_f32_panels).
+// Why our own kernel: on a layer's forward and input-gradient products (2048 x 512 by 512 x 512, the
+// deep MLP's, and wider) it is as fast as oneDNN 2.6's alone (1.00-1.07x), and faster inside a step,
+// where the layer's input comes from memory and the next row tile's rows are fetched ahead: the
+// MLP's float32 step with remat every layer, which is little more than products, ran 2.3-3.9% faster
+// with the forward products here and a further 1.3-2.1% with the input gradients too (with the
+// fetches). Where it is the faster, and where not: engine.cpp (uses_f32_panels).
 //
 // Layout. The right operand is packed once per product into panels of 32 columns: panel p holds, for
 // each row q, the 32 floats b[q, 32 p .. 32 p + 31], zero past n. A panel is contiguous (K x 128
