@@ -372,7 +372,9 @@ TEST_CASE("f32 panel products: the float64 product within float32 summation erro
 
 TEST_CASE("f32 panel products have the same bits on one thread and on two, through the engine's products") {
   // The engine routes a layer's forward and input-gradient products of this size to the kernel; each
-  // element is summed on one thread in a fixed order, so the team's size cannot change a bit.
+  // element is summed on one thread in a fixed order, so the team's size cannot change a bit. (The
+  // weight gradient, x^T g, runs on oneDNN's serial sgemm in row pieces fixed by the shape: also
+  // compared.)
   const Array x = random_array(Shape{2048, 512}, 73), w = random_array(Shape{512, 520}, 74), b = random_array(Shape{520}, 75);
   const Array g = random_array(Shape{2048, 520}, 76);
   if (!kernels::uses_f32_panels(x, false, w, false) || !kernels::uses_f32_panels(g, false, w, true)) {
@@ -381,7 +383,7 @@ TEST_CASE("f32 panel products have the same bits on one thread and on two, throu
   }
   auto run = [&] {
     return std::vector<Array>{kernels::batched_gemm(x, w, false, false), kernels::gemm_bias(x, w, b),
-                              kernels::batched_gemm(g, w, false, true)};
+                              kernels::batched_gemm(g, w, false, true), kernels::batched_gemm(x, g, true, false)};
   };
   std::vector<Array> one, two;
   const bool ran = linum::testing::on_threads(1, [&] { one = run(); }) && linum::testing::on_threads(2, [&] { two = run(); });
@@ -399,6 +401,8 @@ TEST_CASE("f32 panel products have the same bits on one thread and on two, throu
   CHECK(max(abs(one[1] - (want + b))).item() <= 1e-4f * max(abs(want)).item());
   const Array want_dx = kernels::batched_gemm_eigen(g, w, false, true);
   CHECK(max(abs(one[2] - want_dx)).item() <= 1e-4f * max(abs(want_dx)).item());
+  const Array want_dw = kernels::batched_gemm_eigen(x, g, true, false);
+  CHECK(max(abs(one[3] - want_dw)).item() <= 1e-4f * max(abs(want_dw)).item());
 }
 
 TEST_CASE("bf16-rounded products: the float64 product of the operands rounded as bfloat16() rounds (long sums, transposes)") {

@@ -1,4 +1,4 @@
-// Internal to the AVX-512 kernels (gemm_bf16.cpp, gemm_bf16_panels.cpp): the mask of a 16-lane
+// Internal to the AVX-512 kernels (gemm_bf16.cpp, gemm_bf16_panels.cpp, gemm_f32_panels.cpp): the mask of a 16-lane
 // vector's first `count` lanes (none when count <= 0, all when count >= 16), for rows whose length is
 // not a multiple of 16.
 #pragma once

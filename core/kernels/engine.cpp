@@ -100,8 +100,9 @@ bool uses_bf16_panels(const Array& a, bool ta, const Array& b, bool tb) {
 // input gradients on it a further 1.3-2.1%. Elsewhere it loses or ties, and stays on oneDNN:
 // narrower outputs (256-384 wide: 0.94-0.98x; 16 wide: 0.72x, a tile computes 32 columns), fewer
 // rows (1024-cube: 0.97x; packing the right operand costs more for what it serves), 4096-long sums
-// (a panel no longer fits L2), and a transposed left operand: the weight gradient (x^T g), faster
-// alone from memory, tied or slower inside the step (also with its sum in parts of 512, 6% slower).
+// (the one measured, a weight gradient's: 0.87x), and a transposed left operand: the weight
+// gradient (x^T g), faster alone from memory, tied or slower inside the step (also with its sum in
+// parts of 512, 6% slower); it runs on oneDNN's sgemm in row pieces instead (gemm_onednn.cpp).
 constexpr std::int64_t kF32PanelsMinRows = 2048, kF32PanelsMinColumns = 512, kF32PanelsMinDepth = 512,
                        kF32PanelsMaxDepth = 2048;
 bool uses_f32_panels(const Array& a, bool ta, const Array& b, bool tb) {

@@ -1,7 +1,7 @@
 // Internal: the batched matrix product every matmul, dot_general and their backward rules reach.
-// Implementations: gemm_onednn.cpp (when built with oneDNN), gemm_bf16_panels.cpp (the oneDNN
-// engine's bf16 matrix products where it is the faster, when built with AVX512-BF16) and
-// gemm_eigen.cpp.
+// Implementations: gemm_onednn.cpp (when built with oneDNN), gemm_bf16_panels.cpp and
+// gemm_f32_panels.cpp (the oneDNN engine's bf16 and float32 matrix products where they are the
+// faster, when built with AVX512-BF16 and AVX-512F) and gemm_eigen.cpp.
 #pragma once
 
 #include <linum/core/array.hpp>
@@ -12,7 +12,8 @@
 namespace linum::kernels {
 
 // out[i] = op(a[i]) @ op(b[i]) for stacked matrices; op transposes when asked (oneDNN and Eigen read
-// through strides; the bf16 panel kernel packs its operands, transposed or not). Rank 2 operands are a batch of one; rank 3 are [batch, rows, cols].
+// through strides; the panel kernels pack their operands, transposed or not). Rank 2 operands are a
+// batch of one; rank 3 are [batch, rows, cols].
 // `a` is [.., M, K] (or [.., K, M] when ta), `b` is [.., K, N] (or [.., N, K] when tb). a and b
 // have the same float dtype, which the result gets; accumulation is float32.
 Array batched_gemm(const Array& a, const Array& b, bool ta, bool tb);
