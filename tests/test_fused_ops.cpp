@@ -311,9 +311,11 @@ TEST_CASE("f32 panel products: the float64 product within float32 summation erro
   }
   struct Case { std::int64_t m, n, k; };
   // (Case{230, 40, 71}: 17 row tiles, items of four then single tiles; Case{90, 200, 2048}: 7 panels
-  // of 256 KB, in groups of two; Case{168, 33, 1500}: enough work for the whole team)
+  // of 256 KB, in groups of two; Case{168, 33, 1500}: enough work for the whole team; Case{168, 33,
+  // 4097}: 12 row tiles, one item of four then single tiles, in each of two panel groups of one)
   for (const Case c : {Case{1, 1, 1}, Case{13, 33, 5}, Case{14, 32, 64}, Case{15, 17, 2}, Case{29, 70, 513}, Case{3, 5, 0},
-                       Case{57, 96, 130}, Case{28, 16, 3}, Case{90, 200, 2048}, Case{230, 40, 71}, Case{168, 33, 1500}}) {
+                       Case{57, 96, 130}, Case{28, 16, 3}, Case{90, 200, 2048}, Case{230, 40, 71}, Case{168, 33, 1500},
+                       Case{168, 33, 4097}}) {
     // a NaN right after each operand: nothing the kernel reads next to an operand may reach the
     // product (0 * NaN would show in it)
     auto values = [](std::int64_t count, unsigned seed) {
