@@ -8,8 +8,10 @@
 #include <linum/core/kernels/gemm.hpp>
 
 #include <bit>
-#include <limits>
 #include <cmath>
+#include <functional>
+#include <limits>
+#include <optional>
 
 
 using namespace linum;
@@ -18,6 +20,23 @@ using linum::testing::random_array;
 using V = std::vector<Array>;
 
 namespace {
+
+// The arrays run() returns on one thread, after checking that two threads give the same bits;
+// nullopt (with a message) in a build without OpenMP or where no team of two can be had.
+std::optional<V> same_bits_on_one_and_two_threads(const std::function<V()>& run) {
+  V one, two;
+  const bool ran = linum::testing::on_threads(1, [&] { one = run(); }) && linum::testing::on_threads(2, [&] { two = run(); });
+  if (!ran) {
+    MESSAGE("built without OpenMP (or no team of two): not compared");
+    return std::nullopt;
+  }
+  REQUIRE(one.size() == two.size());
+  for (std::size_t i = 0; i < one.size(); ++i) {
+    CAPTURE(i);
+    CHECK(one[i].bitwise_equal(two[i]));
+  }
+  return one;
+}
 
 // Flax's composed attention: softmax(q k^T / sqrt(d), masked) v through dot_general.
 Array composed_attention(const Array& q, const Array& k, const Array& v, const Array& mask) {
@@ -281,16 +300,9 @@ TEST_CASE("bf16 panel products have the same bits on one thread and on two, thro
     return std::vector<Array>{kernels::batched_gemm(x, w, false, false), kernels::batched_gemm(g, w, false, true),
                               kernels::batched_gemm(x, g, true, false)};
   };
-  std::vector<Array> one, two;
-  const bool ran = linum::testing::on_threads(1, [&] { one = run(); }) && linum::testing::on_threads(2, [&] { two = run(); });
-  if (!ran) {
-    MESSAGE("built without OpenMP (or no team of two): not compared");
-    return;
-  }
-  for (std::size_t i = 0; i < one.size(); ++i) {
-    CAPTURE(i);
-    CHECK(one[i].bitwise_equal(two[i]));
-  }
+  const std::optional<V> computed = same_bits_on_one_and_two_threads(run);
+  if (!computed) return;
+  const V& one = *computed;
   // and the values: the float32 product of the same bf16 values, rounded (within one bf16 rounding)
   auto f32 = [](const Array& a) { return astype(a, DType::f32); };
   const Array want[] = {matmul(f32(x), f32(w)), matmul(f32(g), transpose(f32(w))), matmul(transpose(f32(x)), f32(g))};
@@ -387,16 +399,9 @@ TEST_CASE("f32 panel products have the same bits on one thread and on two, throu
     return std::vector<Array>{kernels::batched_gemm(x, w, false, false), kernels::gemm_bias(x, w, b),
                               kernels::batched_gemm(g, w, false, true), kernels::batched_gemm(x, g, true, false)};
   };
-  std::vector<Array> one, two;
-  const bool ran = linum::testing::on_threads(1, [&] { one = run(); }) && linum::testing::on_threads(2, [&] { two = run(); });
-  if (!ran) {
-    MESSAGE("built without OpenMP (or no team of two): not compared");
-    return;
-  }
-  for (std::size_t i = 0; i < one.size(); ++i) {
-    CAPTURE(i);
-    CHECK(one[i].bitwise_equal(two[i]));
-  }
+  const std::optional<V> computed = same_bits_on_one_and_two_threads(run);
+  if (!computed) return;
+  const V& one = *computed;
   // and the values: Eigen's product (another order of the same float32 sums)
   const Array want = kernels::batched_gemm_eigen(x, w, false, false);
   CHECK(max(abs(one[0] - want)).item() <= 1e-4f * max(abs(want)).item());

@@ -13,7 +13,7 @@
 // Layout. The right operand is packed once per product into panels of 32 columns: panel p holds,
 // for each pair of rows (2q, 2q + 1), the 32 words (b[2q, j] | b[2q + 1, j] << 16), zero-padded past
 // n and past an odd k. A panel is contiguous (K / 2 x 128 bytes), so one tile streams it from L2
-// without cache-set conflicts. A tile is kRows rows by 32 columns: 28 float32 accumulators in
+// without cache-set conflicts. A tile is kTileRows rows by 32 columns: 28 float32 accumulators in
 // registers; each pair of a row of A is one 32-bit broadcast (vdpbf16ps's memory operand).
 //
 // Order of the sums: each output element is summed over k in order (pairs of k, each pair's two
@@ -52,14 +52,13 @@ bool bf16_panels_available() { return LINUM_BF16_PANELS != 0; }
 #if LINUM_BF16_PANELS
 namespace {
 
-constexpr int kRows = 14;           // rows of a tile (28 accumulators + 2 panel registers + a broadcast)
-constexpr std::int64_t kCols = 32;  // columns of a tile and of a panel
-
+using detail::kPanelCols;
+using detail::kTileRows;
 using detail::lanes;
 
 // Packing. A panel holds, for each pair of rows q of the operand, `width` words
 // (b[2q, j] | b[2q + 1, j] << 16), zero past n and past an odd k. Right operands are packed 32
-// columns wide; a transposed left operand (a [k, m]) is packed the same way, kRows columns wide, so
+// columns wide; a transposed left operand (a [k, m]) is packed the same way, kTileRows columns wide, so
 // that a tile's rows read their pairs side by side.
 
 // One pair of rows (hi null for an odd k's last row), columns [0, cols), as `width` words.
@@ -87,13 +86,10 @@ void pack_rows(const std::uint16_t* b, std::int64_t ldb, std::int64_t k, std::in
                std::uint32_t* panels, std::int64_t panel_words, std::int64_t q0, std::int64_t q1) {
   const std::int64_t count = (n + width - 1) / width;
   const std::int64_t ahead_row = std::min(2 * (2 * q1 - q0), k), ahead_end = std::min(ahead_row + 2 * (q1 - q0), k);
-  const std::int64_t ahead_bytes = ahead_end > ahead_row ? ((ahead_end - ahead_row - 1) * ldb + n) * 2 : 0;
-  const char* ahead = ahead_bytes > 0 ? reinterpret_cast<const char*>(b + ahead_row * ldb) : nullptr;
-  const std::int64_t ahead_lines = (ahead_bytes + 63) / 64, lines_per_panel = (ahead_lines + count - 1) / count;
-  std::int64_t line = 0;
+  detail::FetchAhead ahead(b + ahead_row * ldb, ahead_end > ahead_row ? ((ahead_end - ahead_row - 1) * ldb + n) * 2 : 0,
+                          count);
   for (std::int64_t t = 0; t < count; ++t) {
-    for (const std::int64_t stop = std::min(ahead_lines, line + lines_per_panel); line < stop; ++line)
-      _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
+    ahead.step();
     const std::int64_t j0 = t * width, cols = std::min(width, n - j0);
     for (std::int64_t q = q0; q < q1; ++q) {
       const std::uint16_t* lo = b + 2 * q * ldb + j0;
@@ -106,14 +102,14 @@ void pack_rows(const std::uint16_t* b, std::int64_t ldb, std::int64_t k, std::in
 // row j0 + j of b, whose pairs are adjacent.
 void pack_transposed(const std::uint16_t* b, std::int64_t ldb, std::int64_t k, std::int64_t n, std::int64_t p,
                      std::uint32_t* panel) {
-  const std::int64_t j0 = p * kCols, cols = std::min(kCols, n - j0), pairs = (k + 1) / 2, full = k / 2;
+  const std::int64_t j0 = p * kPanelCols, cols = std::min(kPanelCols, n - j0), pairs = (k + 1) / 2, full = k / 2;
   for (std::int64_t j = 0; j < cols; ++j) {
     const std::uint16_t* row = b + (j0 + j) * ldb;
-    for (std::int64_t q = 0; q < full; ++q) std::memcpy(panel + q * kCols + j, row + 2 * q, 4);
-    if (k & 1) panel[full * kCols + j] = row[k - 1];
+    for (std::int64_t q = 0; q < full; ++q) std::memcpy(panel + q * kPanelCols + j, row + 2 * q, 4);
+    if (k & 1) panel[full * kPanelCols + j] = row[k - 1];
   }
   for (std::int64_t q = 0; q < pairs; ++q)
-    for (std::int64_t j = cols; j < kCols; ++j) panel[q * kCols + j] = 0;
+    for (std::int64_t j = cols; j < kPanelCols; ++j) panel[q * kPanelCols + j] = 0;
 }
 
 __m512 widen_bias(const std::uint16_t* bias, __mmask16 mask) {
@@ -136,7 +132,7 @@ struct SideLookups {
 
 // One tile: rows [0, R) of A times one panel, plus the bias, rounded to bf16 into out (row stride
 // ldo; columns masked by m0, m1). A is row-major (row stride lda), or with PackedA a packed panel of
-// a transposed A (pack_rows, kRows wide: its odd k is already zero-padded). Runs `side`'s lookups
+// a transposed A (pack_rows, kTileRows wide: its odd k is already zero-padded). Runs `side`'s lookups
 // between its multiply-adds.
 template <int R, bool Side, bool PackedA>
 void tile(std::int64_t k, const std::uint16_t* a, std::int64_t lda, const std::uint32_t* panel, const std::uint16_t* bias,
@@ -152,12 +148,12 @@ void tile(std::int64_t k, const std::uint16_t* a, std::int64_t lda, const std::u
       for (const std::int64_t stop = (q + 1) * side.fetch_lines / pairs; fetched < stop; ++fetched)
         _mm_prefetch(side.fetch + fetched * 64, _MM_HINT_T0);
     }
-    const __m512bh b0 = (__m512bh)_mm512_load_si512(panel + q * kCols);
-    const __m512bh b1 = (__m512bh)_mm512_load_si512(panel + q * kCols + 16);
+    const __m512bh b0 = (__m512bh)_mm512_load_si512(panel + q * kPanelCols);
+    const __m512bh b1 = (__m512bh)_mm512_load_si512(panel + q * kPanelCols + 16);
 #pragma GCC unroll 14
     for (int r = 0; r < R; ++r) {
       std::int32_t pair;
-      std::memcpy(&pair, PackedA ? a + 2 * (q * kRows + r) : a + r * lda + 2 * q, 4);
+      std::memcpy(&pair, PackedA ? a + 2 * (q * kTileRows + r) : a + r * lda + 2 * q, 4);
       const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
       acc0[r] = _mm512_dpbf16_ps(acc0[r], av, b0);
       acc1[r] = _mm512_dpbf16_ps(acc1[r], av, b1);
@@ -171,8 +167,8 @@ void tile(std::int64_t k, const std::uint16_t* a, std::int64_t lda, const std::u
     }
   }
   if (!PackedA && (k & 1)) {  // the last, odd, column of A: its pair's high half is zero, whatever lies past the row
-    const __m512bh b0 = (__m512bh)_mm512_load_si512(panel + pairs * kCols);
-    const __m512bh b1 = (__m512bh)_mm512_load_si512(panel + pairs * kCols + 16);
+    const __m512bh b0 = (__m512bh)_mm512_load_si512(panel + pairs * kPanelCols);
+    const __m512bh b1 = (__m512bh)_mm512_load_si512(panel + pairs * kPanelCols + 16);
 #pragma GCC unroll 14
     for (int r = 0; r < R; ++r) {
       const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<std::int32_t>(a[r * lda + 2 * pairs]));
@@ -198,10 +194,10 @@ constexpr auto tiles(std::integer_sequence<int, R...>) {
   return std::array<TileFn, sizeof...(R)>{tile<R + 1, Side, PackedA>...};
 }
 // [packed A][rows - 1]
-constexpr std::array<std::array<TileFn, kRows>, 2> kPlainTiles{tiles<false, false>(std::make_integer_sequence<int, kRows>{}),
-                                                                tiles<false, true>(std::make_integer_sequence<int, kRows>{})};
-constexpr std::array<std::array<TileFn, kRows>, 2> kSideTiles{tiles<true, false>(std::make_integer_sequence<int, kRows>{}),
-                                                               tiles<true, true>(std::make_integer_sequence<int, kRows>{})};
+constexpr std::array<std::array<TileFn, kTileRows>, 2> kPlainTiles{tiles<false, false>(std::make_integer_sequence<int, kTileRows>{}),
+                                                                tiles<false, true>(std::make_integer_sequence<int, kTileRows>{})};
+constexpr std::array<std::array<TileFn, kTileRows>, 2> kSideTiles{tiles<true, false>(std::make_integer_sequence<int, kTileRows>{}),
+                                                               tiles<true, true>(std::make_integer_sequence<int, kTileRows>{})};
 
 // A tile's staged pairs (rows x 32, columns masked) split into its rows of y and d: y with plain
 // stores (the next layer reads it soon), d around the caches when whole aligned lines.
@@ -209,7 +205,7 @@ void write_pairs(const std::uint32_t* staged, int rows, __mmask16 m0, __mmask16 
                  std::int64_t ld) {
   const __mmask32 mask = static_cast<__mmask32>(m0) | static_cast<__mmask32>(m1) << 16;
   for (int r = 0; r < rows; ++r) {
-    const __m512i t0 = _mm512_load_si512(staged + r * kCols), t1 = _mm512_load_si512(staged + r * kCols + 16);
+    const __m512i t0 = _mm512_load_si512(staged + r * kPanelCols), t1 = _mm512_load_si512(staged + r * kPanelCols + 16);
     const __m512i first = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(t0)), _mm512_cvtepi32_epi16(t1), 1);
     const __m512i second = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(_mm512_srli_epi32(t0, 16))),
                                               _mm512_cvtepi32_epi16(_mm512_srli_epi32(t1, 16)), 1);
@@ -225,7 +221,7 @@ void write_pairs(const std::uint32_t* staged, int rows, __mmask16 m0, __mmask16 
 struct PanelOperands {
   std::int64_t m, n, k;
   const std::uint16_t* a;      // row-major [m, k] (row stride k), when a_panels is null
-  const std::uint32_t* a_panels;  // else a transposed A packed kRows columns per panel
+  const std::uint32_t* a_panels;  // else a transposed A packed kTileRows columns per panel
   std::int64_t a_panel_words;
   const std::uint32_t* panels;  // B, 32 columns per panel
   std::int64_t panel_words;
@@ -238,7 +234,7 @@ void run_tiles(const PanelOperands& o, std::int64_t t0, std::int64_t t1, std::in
   const std::int64_t m = o.m, n = o.n, k = o.k;
   const bool packed_a = o.a_panels != nullptr;
   auto a_rows = [&](std::int64_t t) {
-    return packed_a ? reinterpret_cast<const std::uint16_t*>(o.a_panels + t * o.a_panel_words) : o.a + t * kRows * k;
+    return packed_a ? reinterpret_cast<const std::uint16_t*>(o.a_panels + t * o.a_panel_words) : o.a + t * kTileRows * k;
   };
   auto bias_at = [&](std::int64_t j0) { return o.bias == nullptr ? nullptr : o.bias + j0; };
   // The next row tile's rows of A, fetched during this tile's first panel of the group, spread over
@@ -246,22 +242,22 @@ void run_tiles(const PanelOperands& o, std::int64_t t0, std::int64_t t1, std::in
   // more streams than the hardware prefetchers follow well). Measured on the MLP's bf16 step, steps
   // alternating in one process (Zen 5): plain 0-1.8% faster (mean of steps 0.6-2.3%), remat every
   // layer 1.7-2.2%. (A packed transposed A is the packing's own recent writes: not fetched.)
-  const std::int64_t row_tiles = (m + kRows - 1) / kRows;
+  const std::int64_t row_tiles = (m + kTileRows - 1) / kTileRows;
   auto next_rows = [&](std::int64_t t, std::int64_t p) {
     SideLookups s;
     if (packed_a || p != p0 || t + 1 >= row_tiles) return s;
-    const std::int64_t rows = std::min<std::int64_t>(kRows, m - (t + 1) * kRows);
-    s.fetch = reinterpret_cast<const char*>(o.a + (t + 1) * kRows * k);
+    const std::int64_t rows = std::min<std::int64_t>(kTileRows, m - (t + 1) * kTileRows);
+    s.fetch = reinterpret_cast<const char*>(o.a + (t + 1) * kTileRows * k);
     s.fetch_lines = (rows * k * 2 + 63) / 64;
     return s;
   };
   if (out.pair_table == nullptr) {
     auto* z = reinterpret_cast<std::uint16_t*>(out.z);
     for (std::int64_t t = t0; t < t1; ++t) {
-      const std::int64_t i0 = t * kRows;
-      const int rows = static_cast<int>(std::min<std::int64_t>(kRows, m - i0));
+      const std::int64_t i0 = t * kTileRows;
+      const int rows = static_cast<int>(std::min<std::int64_t>(kTileRows, m - i0));
       for (std::int64_t p = p0; p < p1; ++p) {
-        const std::int64_t j0 = p * kCols;
+        const std::int64_t j0 = p * kPanelCols;
         kPlainTiles[packed_a][rows - 1](k, a_rows(t), k, o.panels + p * o.panel_words, bias_at(j0), lanes(n - j0),
                                         lanes(n - j0 - 16), z + i0 * n + j0, n, next_rows(t, p));
       }
@@ -271,8 +267,8 @@ void run_tiles(const PanelOperands& o, std::int64_t t0, std::int64_t t1, std::in
   // The pair epilogue, software-pipelined: tile i's z goes to a small buffer; tile i + 1's product
   // looks its pairs up on the side, then they are written out.
   // (zeroed: a tile's columns past n are never written, but their lookups still read them)
-  alignas(64) std::uint16_t z_tiles[2][kRows * kCols] = {};
-  alignas(64) std::uint32_t staged[kRows * kCols];
+  alignas(64) std::uint16_t z_tiles[2][kTileRows * kPanelCols] = {};
+  alignas(64) std::uint32_t staged[kTileRows * kPanelCols];
   auto* y = reinterpret_cast<std::uint16_t*>(out.y);
   auto* d = reinterpret_cast<std::uint16_t*>(out.d);
   struct Pending {
@@ -286,10 +282,10 @@ void run_tiles(const PanelOperands& o, std::int64_t t0, std::int64_t t1, std::in
                 d + pending.i0 * n + pending.j0, n);
   };
   for (std::int64_t t = t0; t < t1; ++t) {
-    const std::int64_t i0 = t * kRows;
-    const int rows = static_cast<int>(std::min<std::int64_t>(kRows, m - i0));
+    const std::int64_t i0 = t * kTileRows;
+    const int rows = static_cast<int>(std::min<std::int64_t>(kTileRows, m - i0));
     for (std::int64_t p = p0; p < p1; ++p) {
-      const std::int64_t j0 = p * kCols;
+      const std::int64_t j0 = p * kPanelCols;
       // The tile's lines of y, fetched for writing now: they are written one tile later, and y is new
       // memory (a step's forward writes 2 MB of it per MLP layer), whose stores would wait for them.
       for (int r = 0; r < rows; ++r) _mm_prefetch(reinterpret_cast<const char*>(y + (i0 + r) * n + j0), _MM_HINT_ET0);
@@ -297,17 +293,17 @@ void run_tiles(const PanelOperands& o, std::int64_t t0, std::int64_t t1, std::in
       side.table = out.pair_table;
       side.z = z_tiles[current ^ 1];
       side.staged = staged;
-      side.count = pending.rows * static_cast<int>(kCols);
+      side.count = pending.rows * static_cast<int>(kPanelCols);
       (pending.rows > 0 ? kSideTiles : kPlainTiles)[packed_a][rows - 1](
           k, a_rows(t), k, o.panels + p * o.panel_words, bias_at(j0), lanes(n - j0), lanes(n - j0 - 16), z_tiles[current],
-          kCols, side);
+          kPanelCols, side);
       flush();
       pending = Pending{rows, i0, j0};
       current ^= 1;
     }
   }
   if (pending.rows > 0) {
-    for (int j = 0; j < pending.rows * kCols; ++j) staged[j] = out.pair_table[z_tiles[current ^ 1][j]];
+    for (int j = 0; j < pending.rows * kPanelCols; ++j) staged[j] = out.pair_table[z_tiles[current ^ 1][j]];
     flush();
   }
   _mm_sfence();  // the streamed rows of d are visible before the team's barrier
@@ -321,11 +317,11 @@ void gemm_bf16_panels(std::int64_t m, std::int64_t n, std::int64_t k, const bflo
   constexpr std::int64_t kPairChunk = 16;  // pairs of rows packed at a time
   const std::int64_t k_pairs = (k + 1) / 2, pair_chunks = (k_pairs + kPairChunk - 1) / kPairChunk;
   const std::int64_t pairs = std::max<std::int64_t>(k_pairs, 1);  // a panel's rows (one, zero, when k = 0)
-  const std::int64_t panel_count = (n + kCols - 1) / kCols, panel_words = pairs * kCols;
-  const std::int64_t row_tiles = (m + kRows - 1) / kRows;
+  const std::int64_t panel_count = (n + kPanelCols - 1) / kPanelCols, panel_words = pairs * kPanelCols;
+  const std::int64_t row_tiles = (m + kTileRows - 1) / kTileRows;
   // The packed operands: Arrays, so the memory accounting counts them (64-byte aligned; a panel of
   // A is padded to whole cache lines).
-  const std::int64_t a_panel_words = ta ? (pairs * kRows + 15) / 16 * 16 : 0;
+  const std::int64_t a_panel_words = ta ? (pairs * kTileRows + 15) / 16 * 16 : 0;
   Array packed = Array::empty(Shape{panel_count * panel_words + row_tiles * a_panel_words}, DType::f32);
   auto* panels = static_cast<std::uint32_t*>(packed.mutable_raw());
   std::uint32_t* a_panels = ta ? panels + panel_count * panel_words : nullptr;
@@ -333,43 +329,19 @@ void gemm_bf16_panels(std::int64_t m, std::int64_t n, std::int64_t k, const bflo
   const auto* b16 = reinterpret_cast<const std::uint16_t*>(b);
   const PanelOperands o{m, n, k, a16, a_panels, a_panel_words, panels, panel_words, reinterpret_cast<const std::uint16_t*>(bias)};
   // Panels in groups, row tiles in items (panel_schedule_internal.hpp).
-  const detail::PanelSchedule schedule(m, panel_count, panel_words * 4, kRows);
+  const detail::PanelSchedule schedule(m, panel_count, panel_words * 4, kTileRows);
   const double work = static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
-  int threads = 1;
-#ifdef _OPENMP
-  if (!omp_in_parallel() && work >= kParallelGemmWork) threads = team_size();
-#pragma omp parallel num_threads(threads) if (threads > 1)
-#endif
-  {
-    linum::detail::enter_compute();
-    if (tb) {
-#ifdef _OPENMP
-#pragma omp for schedule(static) nowait
-#endif
-      for (std::int64_t p = 0; p < panel_count; ++p) pack_transposed(b16, k, k, n, p, panels + p * panel_words);
-    } else {
-#ifdef _OPENMP
-#pragma omp for schedule(static) nowait
-#endif
-      for (std::int64_t c = 0; c < pair_chunks; ++c)
-        pack_rows(b16, n, k, n, kCols, panels, panel_words, c * kPairChunk, std::min(k_pairs, (c + 1) * kPairChunk));
-    }
-    if (ta) {
-#ifdef _OPENMP
-#pragma omp for schedule(static) nowait
-#endif
-      for (std::int64_t c = 0; c < pair_chunks; ++c)
-        pack_rows(a16, m, k, m, kRows, a_panels, a_panel_words, c * kPairChunk, std::min(k_pairs, (c + 1) * kPairChunk));
-    }
-#ifdef _OPENMP
-#pragma omp barrier
-#pragma omp for schedule(dynamic, 1)
-#endif
-    for (std::int64_t item = 0; item < schedule.items(); ++item) {
-      const detail::PanelSchedule::Item it = schedule.item(item);
-      run_tiles(o, it.t0, it.t1, it.p0, it.p1, out);
-    }
-  }
+  detail::run_panel_product(
+      work, tb ? panel_count : pair_chunks,
+      [&](std::int64_t u) {
+        if (tb) pack_transposed(b16, k, k, n, u, panels + u * panel_words);
+        else pack_rows(b16, n, k, n, kPanelCols, panels, panel_words, u * kPairChunk, std::min(k_pairs, (u + 1) * kPairChunk));
+      },
+      ta ? pair_chunks : 0,
+      [&](std::int64_t u) {
+        pack_rows(a16, m, k, m, kTileRows, a_panels, a_panel_words, u * kPairChunk, std::min(k_pairs, (u + 1) * kPairChunk));
+      },
+      schedule, [&](const detail::PanelSchedule::Item& it) { run_tiles(o, it.t0, it.t1, it.p0, it.p1, out); });
 }
 
 #else

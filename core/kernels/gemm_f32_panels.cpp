@@ -10,9 +10,9 @@
 //
 // Layout. The right operand is packed once per product into panels of 32 columns: panel p holds, for
 // each row q, the 32 floats b[q, 32 p .. 32 p + 31], zero past n. A panel is contiguous (K x 128
-// bytes), so one tile streams it from L1 or L2 without cache-set conflicts. A tile is kRows rows by
+// bytes), so one tile streams it from L1 or L2 without cache-set conflicts. A tile is kTileRows rows by
 // 32 columns: 28 float32 accumulators in registers; each element of a row of A is one broadcast.
-// A transposed left operand (a [k, m]) is packed the same way, kRows columns wide.
+// A transposed left operand (a [k, m]) is packed the same way, kTileRows columns wide.
 //
 // Order of the sums: each output element is summed over k in order (one fused multiply-add per
 // term) on one thread, then the bias is added. So the result depends only on the operands, never on
@@ -48,9 +48,8 @@ bool f32_panels_available() { return LINUM_F32_PANELS != 0; }
 #if LINUM_F32_PANELS
 namespace {
 
-constexpr int kRows = 14;           // rows of a tile (28 accumulators + 2 panel registers + a broadcast)
-constexpr std::int64_t kCols = 32;  // columns of a tile and of a panel
-
+using detail::kPanelCols;
+using detail::kTileRows;
 using detail::lanes;
 
 // Rows [q0, q1) of b (float32 [k, n], row stride ldb) into all its panels, `width` wide (panel t at
@@ -62,13 +61,10 @@ void pack_rows(const float* b, std::int64_t ldb, std::int64_t k, std::int64_t n,
                std::int64_t panel_words, std::int64_t q0, std::int64_t q1) {
   const std::int64_t count = (n + width - 1) / width;
   const std::int64_t ahead_row = std::min(q1 + (q1 - q0), k), ahead_end = std::min(ahead_row + (q1 - q0), k);
-  const std::int64_t ahead_bytes = ahead_end > ahead_row ? ((ahead_end - ahead_row - 1) * ldb + n) * 4 : 0;
-  const char* ahead = ahead_bytes > 0 ? reinterpret_cast<const char*>(b + ahead_row * ldb) : nullptr;
-  const std::int64_t ahead_lines = (ahead_bytes + 63) / 64, lines_per_panel = (ahead_lines + count - 1) / count;
-  std::int64_t line = 0;
+  detail::FetchAhead ahead(b + ahead_row * ldb, ahead_end > ahead_row ? ((ahead_end - ahead_row - 1) * ldb + n) * 4 : 0,
+                          count);
   for (std::int64_t t = 0; t < count; ++t) {
-    for (const std::int64_t stop = std::min(ahead_lines, line + lines_per_panel); line < stop; ++line)
-      _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
+    ahead.step();
     const std::int64_t j0 = t * width, cols = std::min(width, n - j0);
     for (std::int64_t q = q0; q < q1; ++q) {
       const float* row = b + q * ldb + j0;
@@ -110,8 +106,8 @@ void transpose16(__m512 r[16]) {
 // is row j0 + j of b. Blocks of 16 of b's rows by 16 of their elements, transposed in registers
 // (rows past n are zeros).
 void pack_transposed(const float* b, std::int64_t ldb, std::int64_t k, std::int64_t n, std::int64_t p, float* panel) {
-  const std::int64_t j0 = p * kCols, cols = std::min(kCols, n - j0);
-  for (std::int64_t h = 0; h < kCols; h += 16) {
+  const std::int64_t j0 = p * kPanelCols, cols = std::min(kPanelCols, n - j0);
+  for (std::int64_t h = 0; h < kPanelCols; h += 16) {
     const std::int64_t rows = std::clamp<std::int64_t>(cols - h, 0, 16);
     for (std::int64_t q0 = 0; q0 < k; q0 += 16) {
       const std::int64_t depth = std::min<std::int64_t>(16, k - q0);
@@ -120,14 +116,14 @@ void pack_transposed(const float* b, std::int64_t ldb, std::int64_t k, std::int6
       for (std::int64_t j = 0; j < 16; ++j)
         block[j] = j < rows ? _mm512_maskz_loadu_ps(in, b + (j0 + h + j) * ldb + q0) : _mm512_setzero_ps();
       transpose16(block);
-      for (std::int64_t q = 0; q < depth; ++q) _mm512_store_ps(panel + (q0 + q) * kCols + h, block[q]);
+      for (std::int64_t q = 0; q < depth; ++q) _mm512_store_ps(panel + (q0 + q) * kPanelCols + h, block[q]);
     }
   }
 }
 
 // One tile: rows [0, R) of A times one panel, plus the bias, into out (row stride ldo; columns
 // masked by m0, m1). A is row-major (row stride lda), or with PackedA a packed panel of a transposed
-// A (pack_rows, kRows wide). Meanwhile fetch_lines cache lines from `fetch` on (when not null) are
+// A (pack_rows, kTileRows wide). Meanwhile fetch_lines cache lines from `fetch` on (when not null) are
 // fetched into L1, spread evenly over the steps of the sum.
 template <int R, bool PackedA>
 void tile(std::int64_t k, const float* a, std::int64_t lda, const float* panel, const float* bias, __mmask16 m0,
@@ -140,11 +136,11 @@ void tile(std::int64_t k, const float* a, std::int64_t lda, const float* panel, 
     if (fetch != nullptr) {
       for (const std::int64_t stop = (q + 1) * fetch_lines / k; fetched < stop; ++fetched) _mm_prefetch(fetch + fetched * 64, _MM_HINT_T0);
     }
-    const __m512 b0 = _mm512_load_ps(panel + q * kCols);
-    const __m512 b1 = _mm512_load_ps(panel + q * kCols + 16);
+    const __m512 b0 = _mm512_load_ps(panel + q * kPanelCols);
+    const __m512 b1 = _mm512_load_ps(panel + q * kPanelCols + 16);
 #pragma GCC unroll 14
     for (int r = 0; r < R; ++r) {
-      const __m512 av = _mm512_set1_ps(PackedA ? a[q * kRows + r] : a[r * lda + q]);
+      const __m512 av = _mm512_set1_ps(PackedA ? a[q * kTileRows + r] : a[r * lda + q]);
       acc0[r] = _mm512_fmadd_ps(av, b0, acc0[r]);
       acc1[r] = _mm512_fmadd_ps(av, b1, acc1[r]);
     }
@@ -165,8 +161,8 @@ constexpr auto tiles(std::integer_sequence<int, R...>) {
   return std::array<TileFn, sizeof...(R)>{tile<R + 1, PackedA>...};
 }
 // [packed A][rows - 1]
-constexpr std::array<std::array<TileFn, kRows>, 2> kTiles{tiles<false>(std::make_integer_sequence<int, kRows>{}),
-                                                           tiles<true>(std::make_integer_sequence<int, kRows>{})};
+constexpr std::array<std::array<TileFn, kTileRows>, 2> kTiles{tiles<false>(std::make_integer_sequence<int, kTileRows>{}),
+                                                           tiles<true>(std::make_integer_sequence<int, kTileRows>{})};
 
 }  // namespace
 
@@ -176,70 +172,50 @@ void gemm_f32_panels(std::int64_t m, std::int64_t n, std::int64_t k, const float
   constexpr std::int64_t kRowChunk = 32;  // rows of an operand packed at a time
   const std::int64_t depth = std::max<std::int64_t>(k, 1);  // a panel's rows (one, zero, when k = 0)
   const std::int64_t row_chunks = (k + kRowChunk - 1) / kRowChunk;
-  const std::int64_t panel_count = (n + kCols - 1) / kCols, panel_words = depth * kCols;
-  const std::int64_t row_tiles = (m + kRows - 1) / kRows;
+  const std::int64_t panel_count = (n + kPanelCols - 1) / kPanelCols, panel_words = depth * kPanelCols;
+  const std::int64_t row_tiles = (m + kTileRows - 1) / kTileRows;
   // The packed operands: an Array, so the memory accounting counts them (64-byte aligned; a panel
   // of A is padded to whole cache lines).
-  const std::int64_t a_panel_words = ta ? (depth * kRows + 15) / 16 * 16 : 0;
+  const std::int64_t a_panel_words = ta ? (depth * kTileRows + 15) / 16 * 16 : 0;
   Array packed = Array::empty(Shape{panel_count * panel_words + row_tiles * a_panel_words}, DType::f32);
   float* panels = packed.mutable_data();
   float* a_panels = ta ? panels + panel_count * panel_words : nullptr;
   if (k == 0) std::fill(panels, panels + panel_count * panel_words + row_tiles * a_panel_words, 0.0f);
-  const detail::PanelSchedule schedule(m, panel_count, panel_words * 4, kRows);
-  int threads = 1;
-#ifdef _OPENMP
+  const detail::PanelSchedule schedule(m, panel_count, panel_words * 4, kTileRows);
   const double work = static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
-  if (!omp_in_parallel() && work >= kParallelGemmWork) threads = team_size();
-#pragma omp parallel num_threads(threads) if (threads > 1)
-#endif
-  {
-    linum::detail::enter_compute();
-    if (tb) {
-#ifdef _OPENMP
-#pragma omp for schedule(static) nowait
-#endif
-      for (std::int64_t p = 0; p < panel_count; ++p) pack_transposed(b, k, k, n, p, panels + p * panel_words);
-    } else {
-#ifdef _OPENMP
-#pragma omp for schedule(static) nowait
-#endif
-      for (std::int64_t c = 0; c < row_chunks; ++c)
-        pack_rows(b, n, k, n, kCols, panels, panel_words, c * kRowChunk, std::min(k, (c + 1) * kRowChunk));
-    }
-    if (ta) {
-#ifdef _OPENMP
-#pragma omp for schedule(static) nowait
-#endif
-      for (std::int64_t c = 0; c < row_chunks; ++c)
-        pack_rows(a, m, k, m, kRows, a_panels, a_panel_words, c * kRowChunk, std::min(k, (c + 1) * kRowChunk));
-    }
-#ifdef _OPENMP
-#pragma omp barrier
-#pragma omp for schedule(dynamic, 1)
-#endif
-    for (std::int64_t item = 0; item < schedule.items(); ++item) {
-      const detail::PanelSchedule::Item it = schedule.item(item);
-      for (std::int64_t t = it.t0; t < it.t1; ++t) {
-        const std::int64_t i0 = t * kRows;
-        const int rows = static_cast<int>(std::min<std::int64_t>(kRows, m - i0));
-        const float* a_rows = ta ? a_panels + t * a_panel_words : a + i0 * k;
-        for (std::int64_t p = it.p0; p < it.p1; ++p) {
-          const std::int64_t j0 = p * kCols;
-          // The next row tile's rows of A, fetched during this tile's first panel of the group, a line
-          // or so per step of the sum: a layer's input comes from memory (its first group) or L3 (the
-          // others), and 14 rows read side by side are more streams than the hardware prefetchers
-          // follow well. Measured on the MLP's float32 step, steps alternating in one process (Zen
-          // 5): 1.5-2.0% faster, plain and with remat every layer (into L2 only: 0.7-1.6%). (A
-          // packed transposed A is read from the packing's own recent writes: not fetched.)
-          const bool fetch = !ta && p == it.p0 && t + 1 < row_tiles;
-          const std::int64_t next_rows = fetch ? std::min<std::int64_t>(kRows, m - i0 - kRows) : 0;
-          kTiles[ta][rows - 1](k, a_rows, k, panels + p * panel_words, bias == nullptr ? nullptr : bias + j0, lanes(n - j0),
-                               lanes(n - j0 - 16), out + i0 * n + j0, n,
-                               fetch ? reinterpret_cast<const char*>(a + (i0 + kRows) * k) : nullptr, (next_rows * k * 4 + 63) / 64);
+  detail::run_panel_product(
+      work, tb ? panel_count : row_chunks,
+      [&](std::int64_t u) {
+        if (tb) pack_transposed(b, k, k, n, u, panels + u * panel_words);
+        else pack_rows(b, n, k, n, kPanelCols, panels, panel_words, u * kRowChunk, std::min(k, (u + 1) * kRowChunk));
+      },
+      ta ? row_chunks : 0,
+      [&](std::int64_t u) {
+        pack_rows(a, m, k, m, kTileRows, a_panels, a_panel_words, u * kRowChunk, std::min(k, (u + 1) * kRowChunk));
+      },
+      schedule, [&](const detail::PanelSchedule::Item& it) {
+        for (std::int64_t t = it.t0; t < it.t1; ++t) {
+          const std::int64_t i0 = t * kTileRows;
+          const int rows = static_cast<int>(std::min<std::int64_t>(kTileRows, m - i0));
+          const float* a_rows = ta ? a_panels + t * a_panel_words : a + i0 * k;
+          for (std::int64_t p = it.p0; p < it.p1; ++p) {
+            const std::int64_t j0 = p * kPanelCols;
+            // The next row tile's rows of A, fetched during this tile's first panel of the group,
+            // a line or so per step of the sum: a layer's input comes from memory (its first
+            // group) or L3 (the others), and 14 rows read side by side are more streams than the
+            // hardware prefetchers follow well. Measured on the MLP's float32 step, steps
+            // alternating in one process (Zen 5): 1.5-2.0% faster, plain and with remat every
+            // layer (into L2 only: 0.7-1.6%). (A packed transposed A is read from the packing's
+            // own recent writes: not fetched.)
+            const bool fetch = !ta && p == it.p0 && t + 1 < row_tiles;
+            const std::int64_t next_rows = fetch ? std::min<std::int64_t>(kTileRows, m - i0 - kTileRows) : 0;
+            const char* next = fetch ? reinterpret_cast<const char*>(a + (i0 + kTileRows) * k) : nullptr;
+            kTiles[ta][rows - 1](k, a_rows, k, panels + p * panel_words, bias == nullptr ? nullptr : bias + j0,
+                                 lanes(n - j0), lanes(n - j0 - 16), out + i0 * n + j0, n, next,
+                                 (next_rows * k * 4 + 63) / 64);
+          }
         }
-      }
-    }
-  }
+      });
 }
 
 #else

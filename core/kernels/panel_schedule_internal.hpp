@@ -8,10 +8,41 @@
 // by group, in a dynamic schedule.
 #pragma once
 
+#include <linum/core/kernels/gemm.hpp>
+#include <linum/core/threading.hpp>
+
 #include <algorithm>
 #include <cstdint>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 namespace linum::kernels::detail {
+
+// A tile of either kernel: kTileRows rows of the output by kPanelCols columns, one panel of the right
+// operand wide (28 float32 accumulators + 2 panel registers + a broadcast of 32 zmm registers).
+inline constexpr int kTileRows = 14;
+inline constexpr std::int64_t kPanelCols = 32;
+
+// The cache lines of `bytes` bytes from `from` on (none when bytes <= 0), fetched into L1 an equal
+// share at each of `steps` calls of step(): the packings fetch the rows they will pack next while
+// they pack these.
+class FetchAhead {
+ public:
+  FetchAhead(const void* from, std::int64_t bytes, std::int64_t steps)
+      : from_(static_cast<const char*>(from)),
+        lines_(bytes > 0 ? (bytes + 63) / 64 : 0),
+        per_step_((lines_ + std::max<std::int64_t>(steps, 1) - 1) / std::max<std::int64_t>(steps, 1)) {}
+  void step() {
+    for (const std::int64_t stop = std::min(lines_, line_ + per_step_); line_ < stop; ++line_)
+      __builtin_prefetch(from_ + line_ * 64, 0, 3);
+  }
+
+ private:
+  const char* from_;
+  std::int64_t lines_, per_step_, line_ = 0;
+};
 
 class PanelSchedule {
  public:
@@ -43,5 +74,35 @@ class PanelSchedule {
  private:
   std::int64_t panel_count_, group_, row_tiles_, big_, per_group_;
 };
+
+// A panel product on the team: the packing units of B (pack_b(u) for u < b_units) and of a
+// transposed A (pack_a(u) for u < a_units), shared statically, then after a barrier the schedule's
+// items (run_item(schedule.item(i))), shared dynamically. One thread for products under
+// kParallelGemmWork multiply-adds, and inside another team.
+template <class PackB, class PackA, class RunItem>
+void run_panel_product(double work, std::int64_t b_units, const PackB& pack_b, std::int64_t a_units, const PackA& pack_a,
+                       const PanelSchedule& schedule, const RunItem& run_item) {
+  int threads = 1;
+#ifdef _OPENMP
+  if (!omp_in_parallel() && work >= kParallelGemmWork) threads = team_size();
+#pragma omp parallel num_threads(threads) if (threads > 1)
+#endif
+  {
+    linum::detail::enter_compute();
+#ifdef _OPENMP
+#pragma omp for schedule(static) nowait
+#endif
+    for (std::int64_t u = 0; u < b_units; ++u) pack_b(u);
+#ifdef _OPENMP
+#pragma omp for schedule(static) nowait
+#endif
+    for (std::int64_t u = 0; u < a_units; ++u) pack_a(u);
+#ifdef _OPENMP
+#pragma omp barrier
+#pragma omp for schedule(dynamic, 1)
+#endif
+    for (std::int64_t i = 0; i < schedule.items(); ++i) run_item(schedule.item(i));
+  }
+}
 
 }  // namespace linum::kernels::detail
