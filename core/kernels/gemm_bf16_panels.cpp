@@ -86,8 +86,9 @@ void pack_rows(const std::uint16_t* b, std::int64_t ldb, std::int64_t k, std::in
                std::uint32_t* panels, std::int64_t panel_words, std::int64_t q0, std::int64_t q1) {
   const std::int64_t count = (n + width - 1) / width;
   const std::int64_t ahead_row = std::min(2 * (2 * q1 - q0), k), ahead_end = std::min(ahead_row + 2 * (q1 - q0), k);
-  detail::FetchAhead ahead(b + ahead_row * ldb, ahead_end > ahead_row ? ((ahead_end - ahead_row - 1) * ldb + n) * 2 : 0,
-                          count);
+  const bool fetch = ahead_end > ahead_row;
+  detail::FetchAhead ahead(fetch ? b + ahead_row * ldb : nullptr, fetch ? ((ahead_end - ahead_row - 1) * ldb + n) * 2 : 0,
+                           count);
   for (std::int64_t t = 0; t < count; ++t) {
     ahead.step();
     const std::int64_t j0 = t * width, cols = std::min(width, n - j0);

@@ -105,7 +105,7 @@ void row_pieces_gemm_f32(const Array& a, const Array& b, Array& y, bool ta, bool
                              B + (b_batched ? bi * k * n : 0), ldb, 0.0f, C + bi * m * n + r0 * n, n);
     } catch (...) {
 #ifdef _OPENMP
-#pragma omp critical(linum_narrow_gemm)
+#pragma omp critical(linum_row_pieces_gemm)
 #endif
       failure = std::current_exception();
     }

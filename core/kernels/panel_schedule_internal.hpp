@@ -1,5 +1,6 @@
-// Internal to the panel kernels (gemm_bf16_panels.cpp, gemm_f32_panels.cpp): how a product's tiles
-// are dealt to the team. The right operand's panels go in groups of about kGroupBytes (they stay in
+// Internal to the panel kernels (gemm_bf16_panels.cpp, gemm_f32_panels.cpp): what they share. The
+// tile geometry; FetchAhead, the packings' fetching of the rows they pack next; and how a product's
+// tiles are dealt to the team (PanelSchedule, run_panel_product). The right operand's panels go in groups of about kGroupBytes (they stay in
 // L2 while every row tile passes over them); within a group, row tiles go in items of kTilesPerItem,
 // except at least the last kTailTiles, taken one at a time, so that the threads finish within about
 // one tile of each other. With only items of four, one thread sat idle for up to an item at the end
@@ -8,6 +9,7 @@
 // by group, in a dynamic schedule.
 #pragma once
 
+#include <linum/core/fp_mode.hpp>
 #include <linum/core/kernels/gemm.hpp>
 #include <linum/core/threading.hpp>
 
@@ -25,9 +27,9 @@ namespace linum::kernels::detail {
 inline constexpr int kTileRows = 14;
 inline constexpr std::int64_t kPanelCols = 32;
 
-// The cache lines of `bytes` bytes from `from` on (none when bytes <= 0), fetched into L1 an equal
-// share at each of `steps` calls of step(): the packings fetch the rows they will pack next while
-// they pack these.
+// The cache lines of `bytes` bytes from `from` on (none when bytes <= 0; from is then not read and
+// may be null), fetched into L1 an equal share at each of `steps` calls of step(): the packings
+// fetch the rows they will pack next while they pack these.
 class FetchAhead {
  public:
   FetchAhead(const void* from, std::int64_t bytes, std::int64_t steps)
@@ -80,9 +82,9 @@ class PanelSchedule {
 // items (run_item(schedule.item(i))), shared dynamically. One thread for products under
 // kParallelGemmWork multiply-adds, and inside another team.
 template <class PackB, class PackA, class RunItem>
-void run_panel_product(double work, std::int64_t b_units, const PackB& pack_b, std::int64_t a_units, const PackA& pack_a,
-                       const PanelSchedule& schedule, const RunItem& run_item) {
-  int threads = 1;
+void run_panel_product([[maybe_unused]] double work, std::int64_t b_units, const PackB& pack_b, std::int64_t a_units,
+                       const PackA& pack_a, const PanelSchedule& schedule, const RunItem& run_item) {
+  [[maybe_unused]] int threads = 1;
 #ifdef _OPENMP
   if (!omp_in_parallel() && work >= kParallelGemmWork) threads = team_size();
 #pragma omp parallel num_threads(threads) if (threads > 1)
