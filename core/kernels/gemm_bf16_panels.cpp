@@ -22,19 +22,13 @@
 // oneDNN's bf16 products do). So the result depends only on the operands, never on the thread or
 // the team's size, and recomputation under remat is bitwise.
 #include <linum/core/error.hpp>
-#include <linum/core/fp_mode.hpp>
 #include <linum/core/kernels/gemm.hpp>
 #include <linum/core/kernels/panel_schedule_internal.hpp>
-#include <linum/core/threading.hpp>
 
 #include <algorithm>
 #include <array>
 #include <cstring>
 #include <utility>
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -86,9 +80,7 @@ void pack_rows(const std::uint16_t* b, std::int64_t ldb, std::int64_t k, std::in
                std::uint32_t* panels, std::int64_t panel_words, std::int64_t q0, std::int64_t q1) {
   const std::int64_t count = (n + width - 1) / width;
   const std::int64_t ahead_row = std::min(2 * (2 * q1 - q0), k), ahead_end = std::min(ahead_row + 2 * (q1 - q0), k);
-  const bool fetch = ahead_end > ahead_row;
-  detail::FetchAhead ahead(fetch ? b + ahead_row * ldb : nullptr, fetch ? ((ahead_end - ahead_row - 1) * ldb + n) * 2 : 0,
-                           count);
+  detail::FetchAhead ahead = detail::FetchAhead::rows(b, 2, ldb, n, ahead_row, ahead_end, count);
   for (std::int64_t t = 0; t < count; ++t) {
     ahead.step();
     const std::int64_t j0 = t * width, cols = std::min(width, n - j0);
@@ -120,15 +112,14 @@ __m512 widen_bias(const std::uint16_t* bias, __mmask16 mask) {
 }
 
 // The work a tile's product runs on the side: the previous tile's pairs, table[z[j]] into staged[j]
-// for j < count (count even); and fetch_lines cache lines from `fetch` on (when not null), fetched
-// into L1, spread evenly over the steps of the sum.
+// for j < count (count even); and `fetch`'s lines, spread over the steps of the sum
+// (detail::fetch_evenly).
 struct SideLookups {
   const std::uint32_t* table = nullptr;
   const std::uint16_t* z = nullptr;
   std::uint32_t* staged = nullptr;
   int count = 0;
-  const char* fetch = nullptr;
-  std::int64_t fetch_lines = 0;
+  detail::TileFetch fetch;
 };
 
 // One tile: rows [0, R) of A times one panel, plus the bias, rounded to bf16 into out (row stride
@@ -145,10 +136,7 @@ void tile(std::int64_t k, const std::uint16_t* a, std::int64_t lda, const std::u
   int j = 0;
   std::int64_t fetched = 0;
   for (std::int64_t q = 0; q < pairs; ++q) {
-    if (side.fetch != nullptr) {
-      for (const std::int64_t stop = (q + 1) * side.fetch_lines / pairs; fetched < stop; ++fetched)
-        _mm_prefetch(side.fetch + fetched * 64, _MM_HINT_T0);
-    }
+    if (side.fetch.from != nullptr) detail::fetch_evenly(side.fetch, q, pairs, fetched);
     const __m512bh b0 = (__m512bh)_mm512_load_si512(panel + q * kPanelCols);
     const __m512bh b1 = (__m512bh)_mm512_load_si512(panel + q * kPanelCols + 16);
 #pragma GCC unroll 14
@@ -238,18 +226,10 @@ void run_tiles(const PanelOperands& o, std::int64_t t0, std::int64_t t1, std::in
     return packed_a ? reinterpret_cast<const std::uint16_t*>(o.a_panels + t * o.a_panel_words) : o.a + t * kTileRows * k;
   };
   auto bias_at = [&](std::int64_t j0) { return o.bias == nullptr ? nullptr : o.bias + j0; };
-  // The next row tile's rows of A, fetched during this tile's first panel of the group, spread over
-  // the steps of its sum (a layer's input comes from memory or L3; 14 rows read side by side are
-  // more streams than the hardware prefetchers follow well). Measured on the MLP's bf16 step, steps
-  // alternating in one process (Zen 5): plain 0-1.8% faster (mean of steps 0.6-2.3%), remat every
-  // layer 1.7-2.2%. (A packed transposed A is the packing's own recent writes: not fetched.)
-  const std::int64_t row_tiles = (m + kTileRows - 1) / kTileRows;
+  // (the next row tile's rows: panel_schedule_internal.hpp)
   auto next_rows = [&](std::int64_t t, std::int64_t p) {
     SideLookups s;
-    if (packed_a || p != p0 || t + 1 >= row_tiles) return s;
-    const std::int64_t rows = std::min<std::int64_t>(kTileRows, m - (t + 1) * kTileRows);
-    s.fetch = reinterpret_cast<const char*>(o.a + (t + 1) * kTileRows * k);
-    s.fetch_lines = (rows * k * 2 + 63) / 64;
+    if (!packed_a && p == p0) s.fetch = detail::next_tile_rows(o.a, m, k * 2, t);
     return s;
   };
   if (out.pair_table == nullptr) {

@@ -18,19 +18,12 @@
 // term) on one thread, then the bias is added. So the result depends only on the operands, never on
 // the thread or the team's size, and recomputation under remat is bitwise.
 #include <linum/core/error.hpp>
-#include <linum/core/fp_mode.hpp>
 #include <linum/core/kernels/gemm.hpp>
 #include <linum/core/kernels/panel_schedule_internal.hpp>
-#include <linum/core/threading.hpp>
 
 #include <algorithm>
 #include <array>
-#include <cstring>
 #include <utility>
-
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -61,9 +54,7 @@ void pack_rows(const float* b, std::int64_t ldb, std::int64_t k, std::int64_t n,
                std::int64_t panel_words, std::int64_t q0, std::int64_t q1) {
   const std::int64_t count = (n + width - 1) / width;
   const std::int64_t ahead_row = std::min(q1 + (q1 - q0), k), ahead_end = std::min(ahead_row + (q1 - q0), k);
-  const bool fetch = ahead_end > ahead_row;
-  detail::FetchAhead ahead(fetch ? b + ahead_row * ldb : nullptr, fetch ? ((ahead_end - ahead_row - 1) * ldb + n) * 4 : 0,
-                           count);
+  detail::FetchAhead ahead = detail::FetchAhead::rows(b, 4, ldb, n, ahead_row, ahead_end, count);
   for (std::int64_t t = 0; t < count; ++t) {
     ahead.step();
     const std::int64_t j0 = t * width, cols = std::min(width, n - j0);
@@ -124,19 +115,17 @@ void pack_transposed(const float* b, std::int64_t ldb, std::int64_t k, std::int6
 
 // One tile: rows [0, R) of A times one panel, plus the bias, into out (row stride ldo; columns
 // masked by m0, m1). A is row-major (row stride lda), or with PackedA a packed panel of a transposed
-// A (pack_rows, kTileRows wide). Meanwhile fetch_lines cache lines from `fetch` on (when not null) are
-// fetched into L1, spread evenly over the steps of the sum.
+// A (pack_rows, kTileRows wide). Meanwhile `fetch`'s lines are fetched, spread over the steps of the
+// sum (detail::fetch_evenly).
 template <int R, bool PackedA>
 void tile(std::int64_t k, const float* a, std::int64_t lda, const float* panel, const float* bias, __mmask16 m0,
-          __mmask16 m1, float* out, std::int64_t ldo, const char* fetch, std::int64_t fetch_lines) {
+          __mmask16 m1, float* out, std::int64_t ldo, const detail::TileFetch& fetch) {
   __m512 acc0[R], acc1[R];
 #pragma GCC unroll 14
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
   std::int64_t fetched = 0;
   for (std::int64_t q = 0; q < k; ++q) {
-    if (fetch != nullptr) {
-      for (const std::int64_t stop = (q + 1) * fetch_lines / k; fetched < stop; ++fetched) _mm_prefetch(fetch + fetched * 64, _MM_HINT_T0);
-    }
+    if (fetch.from != nullptr) detail::fetch_evenly(fetch, q, k, fetched);
     const __m512 b0 = _mm512_load_ps(panel + q * kPanelCols);
     const __m512 b1 = _mm512_load_ps(panel + q * kPanelCols + 16);
 #pragma GCC unroll 14
@@ -156,7 +145,7 @@ void tile(std::int64_t k, const float* a, std::int64_t lda, const float* panel, 
 }
 
 using TileFn = void (*)(std::int64_t, const float*, std::int64_t, const float*, const float*, __mmask16, __mmask16, float*,
-                        std::int64_t, const char*, std::int64_t);
+                        std::int64_t, const detail::TileFetch&);
 template <bool PackedA, int... R>
 constexpr auto tiles(std::integer_sequence<int, R...>) {
   return std::array<TileFn, sizeof...(R)>{tile<R + 1, PackedA>...};
@@ -201,19 +190,10 @@ void gemm_f32_panels(std::int64_t m, std::int64_t n, std::int64_t k, const float
           const float* a_rows = ta ? a_panels + t * a_panel_words : a + i0 * k;
           for (std::int64_t p = it.p0; p < it.p1; ++p) {
             const std::int64_t j0 = p * kPanelCols;
-            // The next row tile's rows of A, fetched during this tile's first panel of the group,
-            // a line or so per step of the sum: a layer's input comes from memory (its first
-            // group) or L3 (the others), and 14 rows read side by side are more streams than the
-            // hardware prefetchers follow well. Measured on the MLP's float32 step, steps
-            // alternating in one process (Zen 5): 1.5-2.0% faster, plain and with remat every
-            // layer (into L2 only: 0.7-1.6%). (A packed transposed A is read from the packing's
-            // own recent writes: not fetched.)
-            const bool fetch = !ta && p == it.p0 && t + 1 < row_tiles;
-            const std::int64_t next_rows = fetch ? std::min<std::int64_t>(kTileRows, m - i0 - kTileRows) : 0;
-            const char* next = fetch ? reinterpret_cast<const char*>(a + (i0 + kTileRows) * k) : nullptr;
+            // (the next row tile's rows: panel_schedule_internal.hpp)
+            const detail::TileFetch next = !ta && p == it.p0 ? detail::next_tile_rows(a, m, k * 4, t) : detail::TileFetch{};
             kTiles[ta][rows - 1](k, a_rows, k, panels + p * panel_words, bias == nullptr ? nullptr : bias + j0,
-                                 lanes(n - j0), lanes(n - j0 - 16), out + i0 * n + j0, n, next,
-                                 (next_rows * k * 4 + 63) / 64);
+                                 lanes(n - j0), lanes(n - j0 - 16), out + i0 * n + j0, n, next);
           }
         }
       });
