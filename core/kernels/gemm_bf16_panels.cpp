@@ -226,10 +226,11 @@ void run_tiles(const PanelOperands& o, std::int64_t t0, std::int64_t t1, std::in
     return packed_a ? reinterpret_cast<const std::uint16_t*>(o.a_panels + t * o.a_panel_words) : o.a + t * kTileRows * k;
   };
   auto bias_at = [&](std::int64_t j0) { return o.bias == nullptr ? nullptr : o.bias + j0; };
-  // (the next row tile's rows: panel_schedule_internal.hpp)
+  // (the next row tile's rows, or its packed panel: panel_schedule_internal.hpp)
   auto next_rows = [&](std::int64_t t, std::int64_t p) {
     SideLookups s;
-    if (!packed_a && p == p0) s.fetch = detail::next_tile_rows(o.a, m, k * 2, t);
+    if (p == p0)
+      s.fetch = packed_a ? detail::next_tile_panel(o.a_panels, m, o.a_panel_words * 4, t) : detail::next_tile_rows(o.a, m, k * 2, t);
     return s;
   };
   if (out.pair_table == nullptr) {
