@@ -92,11 +92,16 @@ void pack_rows(const std::uint16_t* b, std::int64_t ldb, std::int64_t k, std::in
 }
 
 // Panel p (32 wide) of a transposed right operand, b [n, k] (row stride ldb): column j of the panel is
-// row j0 + j of b, whose pairs are adjacent.
+// row j0 + j of b, whose pairs are adjacent. Meanwhile the next panel's rows are fetched, a few lines
+// per row (the weight of an input gradient g W^T, kept since the forward pass, comes from memory):
+// on the deep MLP's bf16 step, steps alternating in one process, 0.55-0.6% faster by the best step.
 void pack_transposed(const std::uint16_t* b, std::int64_t ldb, std::int64_t k, std::int64_t n, std::int64_t p,
                      std::uint32_t* panel) {
   const std::int64_t j0 = p * kPanelCols, cols = std::min(kPanelCols, n - j0), pairs = (k + 1) / 2, full = k / 2;
+  detail::FetchAhead ahead =
+      detail::FetchAhead::rows(b, 2, ldb, k, std::min(n, j0 + kPanelCols), std::min(n, j0 + 2 * kPanelCols), cols);
   for (std::int64_t j = 0; j < cols; ++j) {
+    ahead.step();
     const std::uint16_t* row = b + (j0 + j) * ldb;
     for (std::int64_t q = 0; q < full; ++q) std::memcpy(panel + q * kPanelCols + j, row + 2 * q, 4);
     if (k & 1) panel[full * kPanelCols + j] = row[k - 1];
