@@ -21,7 +21,10 @@ Array Dense::operator()(Scope& s, const Array& x) const {
   require_float_dtype(param_dtype, "Dense", "param_dtype");
   Array kernel = s.param("kernel", initializer_in(kernel_init, param_dtype), Shape{x.dim(-1), features});
   Array bias = use_bias ? s.param("bias", initializer_in(bias_init, param_dtype), Shape{features}) : Array();
-  auto p = promote_dtype({x, kernel, bias}, dtype);  // Flax: inputs, kernel, bias in one dtype
+  // Flax: inputs, kernel, bias in one dtype (linear casts inside, folding the casts into its product
+  // where it can)
+  if (dtype) return linear(x, kernel, bias, activation, *dtype);
+  auto p = promote_dtype({x, kernel, bias}, dtype);
   return linear(p[0], p[1], p[2], activation);
 }
 

@@ -280,6 +280,29 @@ TEST_CASE("bf16 panel products: the float64 product of the bf16 values (+ bias) 
           CHECK(all_finite);
           CHECK(pairs_equal);
           for (auto* v : {&zs, &ys, &ds}) CHECK((v->front().bits == 0x7fc1 && v->back().bits == 0x7fc1));
+          // The same values widened to float32 (Bf16ProductOut::z_f32), guards kept.
+          std::vector<float> wide(size + 2, -7.0f);
+          kernels::gemm_bf16_panels(c.m, c.n, c.k, a.data(), ta, b.data(), tb, bias_ptr, kernels::Bf16ProductOut{.z_f32 = wide.data() + 1});
+          bool widened = wide.front() == -7.0f && wide.back() == -7.0f;
+          for (std::size_t i = 0; i < size; ++i) widened = widened && std::bit_cast<std::uint32_t>(wide[i + 1]) == std::uint32_t{z[i].bits} << 16;
+          CHECK(widened);
+          if (!ta && !tb && c.k > 0) {
+            // b given in float32, not yet rounded (halfway values and a subnormal among them): rounded
+            // while packed, f32_to_bf16's bits, and the product of the rounded b.
+            auto b32 = random_array(Shape{c.k * c.n}, 53).to_vector();
+            b32[0] = 1.0f + 1.0f / 256.0f;
+            if (b32.size() > 1) b32[1] = 1e-40f;
+            std::vector<bfloat16> want_b(b32.size()), got_b(b32.size() + 1);
+            got_b.back().bits = 0x7fc1;
+            linum::f32_to_bf16(b32.data(), want_b.data(), static_cast<std::int64_t>(b32.size()));
+            std::vector<bfloat16> z1(size), z2(size);
+            kernels::gemm_bf16_panels(c.m, c.n, c.k, a.data(), false, want_b.data(), false, bias_ptr, kernels::Bf16ProductOut{.z = z1.data()});
+            kernels::gemm_bf16_panels_f32_b(c.m, c.n, c.k, a.data(), b32.data(), got_b.data(), bias_ptr, kernels::Bf16ProductOut{.z = z2.data()});
+            bool same = got_b.back().bits == 0x7fc1;
+            for (std::size_t i = 0; i < b32.size(); ++i) same = same && got_b[i].bits == want_b[i].bits;
+            for (std::size_t i = 0; i < size; ++i) same = same && z1[i].bits == z2[i].bits;
+            CHECK(same);
+          }
         }
       }
     }

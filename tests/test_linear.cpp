@@ -421,3 +421,94 @@ TEST_CASE("product timing counts every product of a step, with its flops, and no
     set_engine(previous);
   }
 }
+
+TEST_CASE("linear with a computation dtype: bitwise the casts and linear, each gradient in its input's dtype, casts folded in bf16") {
+  // linear(x, W, b, act, bf16) on float32 parameters is linear(astype(x), astype(W), astype(b), act):
+  // the values and every gradient bitwise, the parameters' gradients float32. Where the casts fold
+  // into the product (gelu, gelu_exact, silu on the bf16 panel kernel: 2048 rows, also as [2, 1024]
+  // rows of a rank-3 input) and where they do not (relu and none; 2049 rows, whose weight gradient
+  // leaves the panel kernel), with and without a bias, a bf16 and a float32 input, on one thread and
+  // two, in both fp modes. The kernel holds subnormals and values halfway between two bf16 values.
+  Array w = random_array(Shape{64, 48}, 91);
+  {
+    std::vector<float> v(w.data(), w.data() + w.numel());
+    v[0] = 1e-40f;                   // subnormal in float32, kept by the rounding to bf16
+    v[1] = -3e-39f;
+    v[2] = 1.0f + 1.0f / 256.0f;     // a tie: rounds to even (1.0)
+    v[3] = 1.0f + 3.0f / 256.0f;     // a tie: rounds to even (1 + 2^-6)
+    w = Array::from(w.shape(), v);
+  }
+  const Array b = random_array(Shape{48}, 92);
+  const bool folds = linum::kernels::bf16_panels_take(64, 48) && linum::kernels::bf16_panels_take(2048, 48);
+  if (!folds) MESSAGE("this engine or build has no bf16 panel kernel: the casts stay separate ops (still checked bitwise)");
+  auto bf = [](const Array& a) { return astype(a, DType::bf16); };
+  auto check = [&] {
+    for (const std::vector<std::int64_t>& xs : {std::vector<std::int64_t>{2048, 64}, std::vector<std::int64_t>{2, 1024, 64},
+                                                 std::vector<std::int64_t>{2049, 64}}) {
+      for (const DType x_dtype : {DType::bf16, DType::f32}) {
+        const Shape x_shape(xs);
+        const Array x = astype(random_array(x_shape, 93), x_dtype);
+        std::vector<std::int64_t> ps = xs;
+        ps.back() = 48;
+        const Array probe = random_array(Shape(ps), 94);
+        for (const Activation act : {Activation::gelu, Activation::gelu_exact, Activation::silu, Activation::relu, Activation::none}) {
+          for (const bool with_bias : {true, false}) {
+            CAPTURE(x_shape);
+            CAPTURE(x_dtype);
+            CAPTURE(activation_name(act));
+            CAPTURE(with_bias);
+            const Array bias = with_bias ? b : Array();
+            Array y;
+            bool reads_kernel_itself = false;
+            const Grads got = grads_of([&](const Array& x, const Array& w, const Array& b) {
+              y = linear(x, w, with_bias ? b : Array(), act, DType::bf16);
+              // (the graph is released after the sweep: looked at while it is recorded)
+              reads_kernel_itself = std::string_view(y.node()->inputs()[1].node->op()) != "astype";
+              return y;
+            }, x, w, b, probe);
+            const Grads want = grads_of([&](const Array& x, const Array& w, const Array& b) {
+              return linear(bf(x), bf(w), with_bias ? bf(b) : Array(), act);
+            }, x, w, b, probe);
+            CHECK(y.dtype() == DType::bf16);
+            CHECK(got.value.bitwise_equal(want.value));
+            CHECK(got.dx.dtype() == x_dtype);
+            CHECK(got.dx.bitwise_equal(want.dx));
+            CHECK(got.dw.dtype() == DType::f32);
+            CHECK(got.dw.bitwise_equal(want.dw));
+            if (with_bias) CHECK(got.db.bitwise_equal(want.db));
+            // Folded: the op reads the float32 kernel itself (no cast node between them).
+            const bool folded = folds && xs[0] * (xs.size() == 3 ? xs[1] : 1) == 2048 &&
+                                (act == Activation::gelu || act == Activation::gelu_exact || act == Activation::silu);
+            CHECK(reads_kernel_itself == folded);
+          }
+        }
+      }
+    }
+  };
+  linum::testing::in_both_fp_modes(check);
+  if (!linum::testing::on_threads(2, check)) MESSAGE("built without OpenMP (or no team of two): not run on two threads");
+}
+
+TEST_CASE("linear with a computation dtype, differentiated twice: the folded op's create-graph rule is the casts and linear") {
+  // A Hessian-vector product in the kernel through the folded op against the same through the
+  // explicit casts: bitwise (both run linear's separate ops in create-graph mode).
+  const Array x = astype(random_array(Shape{2048, 64}, 95), DType::bf16), b = random_array(Shape{48}, 96);
+  const Array w = random_array(Shape{64, 48}, 97), v = random_array(Shape{64, 48}, 98), probe = random_array(Shape{2048, 48}, 99);
+  auto loss = [&](bool fold) {
+    return [&, fold](const Array& w) {
+      const Array y = fold ? linear(x, w, b, Activation::gelu, DType::bf16)
+                           : linear(x, astype(w, DType::bf16), astype(b, DType::bf16), Activation::gelu);
+      return sum(astype(y, DType::f32) * probe);
+    };
+  };
+  const Array got = hvp(loss(true), w, v), want = hvp(loss(false), w, v);
+  CHECK(got.dtype() == DType::f32);
+  CHECK(got.bitwise_equal(want));
+}
+
+TEST_CASE("linear with a computation dtype refuses a non-float dtype and bad shapes with clear errors") {
+  const Array x = random_array(Shape{4, 3}, 1), w = random_array(Shape{3, 2}, 2);
+  CHECK_THROWS_AS(linear(x, w, Array(), Activation::gelu, DType::i32), ValueError);
+  CHECK_THROWS_AS(linear(x, random_array(Shape{4, 2}, 3), Array(), Activation::gelu, DType::bf16), ShapeError);
+  CHECK_THROWS_AS(linear(x, w, random_array(Shape{3}, 4), Activation::gelu, DType::bf16), ShapeError);
+}

@@ -82,13 +82,14 @@ Array f32_panels_product(const Array& a, bool ta, const Array& b, bool tb, const
 // sums (no blocking over k: a panel no longer fits L1) and 0.61x on a 10-wide logits product of
 // 128 rows (a panel is 32 columns). Those stay on oneDNN.
 constexpr std::int64_t kPanelsMaxDepth = 2048, kPanelsMinColumns = 16;
-bool uses_bf16_panels(const Array& a, bool ta, const Array& b, bool tb) {
-  if (!(engine() == Engine::onednn && bf16_panels_available() && a.dtype() == DType::bf16 && b.dtype() == DType::bf16 &&
-        a.rank() == 2 && b.rank() == 2))
-    return false;
-  const std::int64_t k = ta ? a.dim(0) : a.dim(1), n = tb ? b.dim(0) : b.dim(1);
+bool bf16_panels_take(std::int64_t k, std::int64_t n) {
   // (k = 0 stays with the engine, which adds the bias to zeros in float32, keeping a subnormal bias)
-  return k > 0 && k <= kPanelsMaxDepth && n >= kPanelsMinColumns;
+  return engine() == Engine::onednn && bf16_panels_available() && k > 0 && k <= kPanelsMaxDepth && n >= kPanelsMinColumns;
+}
+
+bool uses_bf16_panels(const Array& a, bool ta, const Array& b, bool tb) {
+  if (!(a.dtype() == DType::bf16 && b.dtype() == DType::bf16 && a.rank() == 2 && b.rank() == 2)) return false;
+  return bf16_panels_take(ta ? a.dim(0) : a.dim(1), tb ? b.dim(0) : b.dim(1));
 }
 
 // Where the float32 panel kernel is the faster (2 threads, Zen 5; the left operand from memory, as a
@@ -121,6 +122,31 @@ void gemm_bias_pairs(const Array& a, const Array& b, const Array& bias, const st
                    static_cast<const bfloat16*>(b.raw()), false, bias.defined() ? static_cast<const bfloat16*>(bias.raw()) : nullptr,
                    Bf16ProductOut{.pair_table = pair_table, .y = static_cast<bfloat16*>(y.mutable_raw()),
                                   .d = static_cast<bfloat16*>(d.mutable_raw())});
+}
+
+void gemm_bias_pairs_f32_kernel(const Array& a, const Array& kernel, const Array& bias, const std::uint32_t* pair_table,
+                                Array& kernel_bf16, Array& y, Array& d) {
+  const detail::ProductClock clock(timed_flops(a, kernel, false, false));
+  kernel_bf16 = Array::empty(kernel.shape(), DType::bf16);
+  gemm_bf16_panels_f32_b(a.dim(0), kernel.dim(1), a.dim(1), static_cast<const bfloat16*>(a.raw()), kernel.data(),
+                         static_cast<bfloat16*>(kernel_bf16.mutable_raw()),
+                         bias.defined() ? static_cast<const bfloat16*>(bias.raw()) : nullptr,
+                         Bf16ProductOut{.pair_table = pair_table, .y = static_cast<bfloat16*>(y.mutable_raw()),
+                                        .d = static_cast<bfloat16*>(d.mutable_raw())});
+}
+
+Array transposed_product_f32(const Array& a, const Array& b) {
+  if (!uses_bf16_panels(a, true, b, false)) {
+    const Array z = batched_gemm(a, b, true, false);
+    Array out = Array::empty(z.shape(), DType::f32);
+    bf16_to_f32(z.data_bf16(), out.mutable_data(), z.numel());
+    return out;
+  }
+  const detail::ProductClock clock(timed_flops(a, b, true, false));
+  Array out = Array::empty(Shape{a.dim(1), b.dim(1)}, DType::f32);
+  gemm_bf16_panels(a.dim(1), b.dim(1), a.dim(0), static_cast<const bfloat16*>(a.raw()), true,
+                   static_cast<const bfloat16*>(b.raw()), false, nullptr, Bf16ProductOut{.z_f32 = out.mutable_data()});
+  return out;
 }
 
 Array batched_gemm(const Array& a, const Array& b, bool ta, bool tb) {

@@ -150,14 +150,31 @@ struct Bf16ProductOut {
   const std::uint32_t* pair_table = nullptr;  // 65536 pairs, indexed by a bf16 value's bits
   bfloat16* y = nullptr;                      // [m, n]: the pairs' low halves
   bfloat16* d = nullptr;                      // [m, n]: the pairs' high halves
+  float* z_f32 = nullptr;                     // [m, n]: the product (+ bias) rounded to bf16, stored widened to
+                                              // float32 (instead of z; no pair_table)
 };
 bool bf16_panels_available();
+// The same for a [m, k] and b given in float32 (b_f32 [k, n], neither transposed): b is rounded to
+// bf16 as it is packed (f32_to_bf16's bits), into b_rounded [k, n] (written), and the product is
+// that of a and b_rounded.
+void gemm_bf16_panels_f32_b(std::int64_t m, std::int64_t n, std::int64_t k, const bfloat16* a, const float* b_f32,
+                            bfloat16* b_rounded, const bfloat16* bias, const Bf16ProductOut& out);
 void gemm_bf16_panels(std::int64_t m, std::int64_t n, std::int64_t k, const bfloat16* a, bool ta, const bfloat16* b,
                       bool tb, const bfloat16* bias, const Bf16ProductOut& out);
 // Whether the engine's products of op(a) and op(b) run gemm_bf16_panels: the oneDNN engine is
 // chosen, the kernel is built, both are bf16 matrices (batches stay on oneDNN, which parallelizes
 // over the batch), and the shape is one where the kernel is the faster (engine.cpp says which).
 bool uses_bf16_panels(const Array& a, bool ta, const Array& b, bool tb);
+// Whether a product summed over k into n columns would run on the panel kernel, bf16 matrices given
+// (uses_bf16_panels without the arrays).
+bool bf16_panels_take(std::int64_t k, std::int64_t n);
+// gemm_bias_pairs with a float32 kernel [k, n]: rounded to bf16 while it is packed (into kernel_bf16,
+// allocated here), the product that of a and kernel_bf16. Requires bf16_panels_take(k, n).
+void gemm_bias_pairs_f32_kernel(const Array& a, const Array& kernel, const Array& bias, const std::uint32_t* pair_table,
+                                Array& kernel_bf16, Array& y, Array& d);
+// a^T b for bf16 a [k, m], b [k, n]: astype(batched_gemm(a, b, true, false), f32), the widening
+// inside the product's epilogue when the panel kernel runs it.
+Array transposed_product_f32(const Array& a, const Array& b);
 // The fused linear layer's forward product with its activation pair (see Bf16ProductOut): a [m, k],
 // b [k, n], bias [n] or undefined; y and d [m, n] bf16, written. Requires uses_bf16_panels(a, false, b, false).
 void gemm_bias_pairs(const Array& a, const Array& b, const Array& bias, const std::uint32_t* pair_table, Array& y,

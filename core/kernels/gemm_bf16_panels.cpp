@@ -125,6 +125,7 @@ struct SideLookups {
   std::uint32_t* staged = nullptr;
   int count = 0;
   detail::TileFetch fetch;
+  float* z_f32 = nullptr;  // when set: the rounded values widened to float32 there (row stride ldo), not into out
 };
 
 // One tile: rows [0, R) of A times one panel, plus the bias, rounded to bf16 into out (row stride
@@ -177,7 +178,15 @@ void tile(std::int64_t k, const std::uint16_t* a, std::int64_t lda, const std::u
 #pragma GCC unroll 14
   for (int r = 0; r < R; ++r) {
     const __m512bh z = _mm512_cvtne2ps_pbh(_mm512_add_ps(acc1[r], bias1), _mm512_add_ps(acc0[r], bias0));
-    _mm512_mask_storeu_epi16(out + r * ldo, mask, (__m512i)z);
+    if (side.z_f32 != nullptr) {
+      const __m512i bits = (__m512i)z;
+      _mm512_mask_storeu_ps(side.z_f32 + r * ldo, m0,
+                            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(bits)), 16)));
+      _mm512_mask_storeu_ps(side.z_f32 + r * ldo + 16, m1,
+                            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(bits, 1)), 16)));
+    } else {
+      _mm512_mask_storeu_epi16(out + r * ldo, mask, (__m512i)z);
+    }
   }
 }
 
@@ -240,13 +249,18 @@ void run_tiles(const PanelOperands& o, std::int64_t t0, std::int64_t t1, std::in
   };
   if (out.pair_table == nullptr) {
     auto* z = reinterpret_cast<std::uint16_t*>(out.z);
+    auto next = [&](std::int64_t t, std::int64_t p) {
+      SideLookups s = next_rows(t, p);
+      if (out.z_f32 != nullptr) s.z_f32 = out.z_f32 + t * kTileRows * n + p * kPanelCols;
+      return s;
+    };
     for (std::int64_t t = t0; t < t1; ++t) {
       const std::int64_t i0 = t * kTileRows;
       const int rows = static_cast<int>(std::min<std::int64_t>(kTileRows, m - i0));
       for (std::int64_t p = p0; p < p1; ++p) {
         const std::int64_t j0 = p * kPanelCols;
         kPlainTiles[packed_a][rows - 1](k, a_rows(t), k, o.panels + p * o.panel_words, bias_at(j0), lanes(n - j0),
-                                        lanes(n - j0 - 16), z + i0 * n + j0, n, next_rows(t, p));
+                                        lanes(n - j0 - 16), z == nullptr ? nullptr : z + i0 * n + j0, n, next(t, p));
       }
     }
     return;
@@ -298,8 +312,11 @@ void run_tiles(const PanelOperands& o, std::int64_t t0, std::int64_t t1, std::in
 
 }  // namespace
 
-void gemm_bf16_panels(std::int64_t m, std::int64_t n, std::int64_t k, const bfloat16* a, bool ta, const bfloat16* b,
-                      bool tb, const bfloat16* bias, const Bf16ProductOut& out) {
+namespace {
+// The product; with b_f32 (not tb), b is written as it is packed: b_f32 rounded to bf16, pair chunk
+// by pair chunk (the rows in cache for the packing that follows).
+void panels_product(std::int64_t m, std::int64_t n, std::int64_t k, const bfloat16* a, bool ta, const bfloat16* b, bool tb,
+                    const bfloat16* bias, const Bf16ProductOut& out, const float* b_f32) {
   if (m == 0 || n == 0) return;
   constexpr std::int64_t kPairChunk = 16;  // pairs of rows packed at a time
   const std::int64_t k_pairs = (k + 1) / 2, pair_chunks = (k_pairs + kPairChunk - 1) / kPairChunk;
@@ -322,7 +339,12 @@ void gemm_bf16_panels(std::int64_t m, std::int64_t n, std::int64_t k, const bflo
       work, tb ? panel_count : pair_chunks,
       [&](std::int64_t u) {
         if (tb) pack_transposed(b16, k, k, n, u, panels + u * panel_words);
-        else pack_rows(b16, n, k, n, kPanelCols, panels, panel_words, u * kPairChunk, std::min(k_pairs, (u + 1) * kPairChunk));
+        else {
+          if (b_f32 != nullptr)
+            f32_to_bf16(b_f32 + 2 * u * kPairChunk * n, const_cast<bfloat16*>(b) + 2 * u * kPairChunk * n,
+                        (std::min(k, 2 * (u + 1) * kPairChunk) - 2 * u * kPairChunk) * n);
+          pack_rows(b16, n, k, n, kPanelCols, panels, panel_words, u * kPairChunk, std::min(k_pairs, (u + 1) * kPairChunk));
+        }
       },
       ta ? pair_chunks : 0,
       [&](std::int64_t u) {
@@ -331,11 +353,27 @@ void gemm_bf16_panels(std::int64_t m, std::int64_t n, std::int64_t k, const bflo
       schedule, [&](const detail::PanelSchedule::Item& it) { run_tiles(o, it.t0, it.t1, it.p0, it.p1, out); });
 }
 
+}  // namespace
+
+void gemm_bf16_panels(std::int64_t m, std::int64_t n, std::int64_t k, const bfloat16* a, bool ta, const bfloat16* b,
+                      bool tb, const bfloat16* bias, const Bf16ProductOut& out) {
+  panels_product(m, n, k, a, ta, b, tb, bias, out, nullptr);
+}
+
+void gemm_bf16_panels_f32_b(std::int64_t m, std::int64_t n, std::int64_t k, const bfloat16* a, const float* b_f32,
+                            bfloat16* b_rounded, const bfloat16* bias, const Bf16ProductOut& out) {
+  panels_product(m, n, k, a, false, b_rounded, false, bias, out, b_f32);
+}
+
 #else
 
 void gemm_bf16_panels(std::int64_t, std::int64_t, std::int64_t, const bfloat16*, bool, const bfloat16*, bool,
                       const bfloat16*, const Bf16ProductOut&) {
   throw Error("gemm_bf16_panels: this build has no AVX512-BF16 kernel (check bf16_panels_available() first)");
+}
+void gemm_bf16_panels_f32_b(std::int64_t, std::int64_t, std::int64_t, const bfloat16*, const float*, bfloat16*,
+                            const bfloat16*, const Bf16ProductOut&) {
+  throw Error("gemm_bf16_panels_f32_b: this build has no AVX512-BF16 kernel (check bf16_panels_available() first)");
 }
 
 #endif

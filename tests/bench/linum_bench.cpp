@@ -114,10 +114,11 @@ int bench_mlp(const Flags& f) {
   auto layer = [dtype](const Array& h, const Array& w, const Array& b) {
     return gelu(matmul(h, astype(w, dtype)) + astype(b, dtype));
   };
-  // The same layer as one fused op (nn::Dense{.activation = Activation::gelu}): the bias in the
-  // product's epilogue, the GELU's derivative and the bias gradient in one backward pass.
+  // The same layer as one fused op (nn::Dense{.activation = Activation::gelu, .dtype = dtype}): the
+  // bias in the product's epilogue, the GELU's derivative and the bias gradient in one backward
+  // pass, the parameters' casts inside the op.
   auto fused_layer = [dtype](const Array& h, const Array& w, const Array& b) {
-    return linear(h, astype(w, dtype), astype(b, dtype), Activation::gelu);
+    return linear(h, w, b, Activation::gelu, dtype);
   };
   const long segments = std::max(1L, static_cast<long>(std::sqrt(static_cast<double>(L))));
   struct Variant {
