@@ -424,62 +424,63 @@ TEST_CASE("product timing counts every product of a step, with its flops, and no
 
 TEST_CASE("linear with a computation dtype: bitwise the casts and linear, each gradient in its input's dtype, casts folded in bf16") {
   // linear(x, W, b, act, bf16) on float32 parameters is linear(astype(x), astype(W), astype(b), act):
-  // the values and every gradient bitwise, the parameters' gradients float32. Where the casts fold
-  // into the product (gelu, gelu_exact, silu on the bf16 panel kernel: 2048 rows, also as [2, 1024]
-  // rows of a rank-3 input) and where they do not (relu and none; 2049 rows, whose weight gradient
-  // leaves the panel kernel), with and without a bias, a bf16 and a float32 input, on one thread and
-  // two, in both fp modes. The kernel holds subnormals and values halfway between two bf16 values.
-  Array w = random_array(Shape{64, 48}, 91);
-  {
-    std::vector<float> v(w.data(), w.data() + w.numel());
-    v[0] = 1e-40f;                   // subnormal in float32, kept by the rounding to bf16
+  // the values and every gradient bitwise, the parameters' gradients float32. The casts fold into
+  // the op for gelu, gelu_exact and silu, on the bf16 panel kernel (2048 rows, also as [2, 1024] rows
+  // of a rank-3 input, and 2047: an odd sum for the weight gradient) or not (2049 rows: the weight
+  // gradient leaves the panel kernel; and with the Eigen engine: no panel kernel at all); they stay
+  // separate ops for relu and none. With and without a bias, 48 and 40 outputs, a bf16 and a float32
+  // input, on one thread and two, in both fp modes. The kernel holds subnormals and values halfway
+  // between two bf16 values.
+  auto kernel_of = [](std::int64_t n) {
+    auto v = random_array(Shape{64, n}, 91).to_vector();
+    v[0] = 1e-40f;                // subnormal in float32, kept by the rounding to bf16
     v[1] = -3e-39f;
-    v[2] = 1.0f + 1.0f / 256.0f;     // a tie: rounds to even (1.0)
-    v[3] = 1.0f + 3.0f / 256.0f;     // a tie: rounds to even (1 + 2^-6)
-    w = Array::from(w.shape(), v);
-  }
-  const Array b = random_array(Shape{48}, 92);
-  const bool folds = linum::kernels::bf16_panels_take(64, 48) && linum::kernels::bf16_panels_take(2048, 48);
-  if (!folds) MESSAGE("this engine or build has no bf16 panel kernel: the casts stay separate ops (still checked bitwise)");
+    v[2] = 1.0f + 1.0f / 256.0f;  // a tie: rounds to even (1.0)
+    v[3] = 1.0f + 3.0f / 256.0f;  // a tie: rounds to even (1 + 2^-6)
+    return Array::from(Shape{64, n}, v);
+  };
   auto bf = [](const Array& a) { return astype(a, DType::bf16); };
   auto check = [&] {
-    for (const std::vector<std::int64_t>& xs : {std::vector<std::int64_t>{2048, 64}, std::vector<std::int64_t>{2, 1024, 64},
-                                                 std::vector<std::int64_t>{2049, 64}}) {
-      for (const DType x_dtype : {DType::bf16, DType::f32}) {
-        const Shape x_shape(xs);
-        const Array x = astype(random_array(x_shape, 93), x_dtype);
-        std::vector<std::int64_t> ps = xs;
-        ps.back() = 48;
-        const Array probe = random_array(Shape(ps), 94);
-        for (const Activation act : {Activation::gelu, Activation::gelu_exact, Activation::silu, Activation::relu, Activation::none}) {
-          for (const bool with_bias : {true, false}) {
-            CAPTURE(x_shape);
-            CAPTURE(x_dtype);
-            CAPTURE(activation_name(act));
-            CAPTURE(with_bias);
-            const Array bias = with_bias ? b : Array();
-            Array y;
-            bool reads_kernel_itself = false;
-            const Grads got = grads_of([&](const Array& x, const Array& w, const Array& b) {
-              y = linear(x, w, with_bias ? b : Array(), act, DType::bf16);
-              // (the graph is released after the sweep: looked at while it is recorded)
-              reads_kernel_itself = std::string_view(y.node()->inputs()[1].node->op()) != "astype";
-              return y;
-            }, x, w, b, probe);
-            const Grads want = grads_of([&](const Array& x, const Array& w, const Array& b) {
-              return linear(bf(x), bf(w), with_bias ? bf(b) : Array(), act);
-            }, x, w, b, probe);
-            CHECK(y.dtype() == DType::bf16);
-            CHECK(got.value.bitwise_equal(want.value));
-            CHECK(got.dx.dtype() == x_dtype);
-            CHECK(got.dx.bitwise_equal(want.dx));
-            CHECK(got.dw.dtype() == DType::f32);
-            CHECK(got.dw.bitwise_equal(want.dw));
-            if (with_bias) CHECK(got.db.bitwise_equal(want.db));
-            // Folded: the op reads the float32 kernel itself (no cast node between them).
-            const bool folded = folds && xs[0] * (xs.size() == 3 ? xs[1] : 1) == 2048 &&
-                                (act == Activation::gelu || act == Activation::gelu_exact || act == Activation::silu);
-            CHECK(reads_kernel_itself == folded);
+    for (const std::int64_t n : {48, 40}) {
+      const Array w = kernel_of(n), b = random_array(Shape{n}, 92);
+      for (const std::vector<std::int64_t>& xs : {std::vector<std::int64_t>{2048, 64}, std::vector<std::int64_t>{2, 1024, 64},
+                                                   std::vector<std::int64_t>{2047, 64}, std::vector<std::int64_t>{2049, 64}}) {
+        for (const DType x_dtype : {DType::bf16, DType::f32}) {
+          const Shape x_shape(xs);
+          const Array x = astype(random_array(x_shape, 93), x_dtype);
+          std::vector<std::int64_t> ps = xs;
+          ps.back() = n;
+          const Array probe = random_array(Shape(ps), 94);
+          for (const Activation act : {Activation::gelu, Activation::gelu_exact, Activation::silu, Activation::relu, Activation::none}) {
+            for (const bool with_bias : {true, false}) {
+              CAPTURE(n);
+              CAPTURE(x_shape);
+              CAPTURE(x_dtype);
+              CAPTURE(activation_name(act));
+              CAPTURE(with_bias);
+              Array y;
+              bool reads_kernel_itself = false;
+              const Grads got = grads_of([&](const Array& x, const Array& w, const Array& b) {
+                y = linear(x, w, with_bias ? b : Array(), act, DType::bf16);
+                // (the graph is released after the sweep: looked at while it is recorded)
+                reads_kernel_itself = std::string_view(y.node()->inputs()[1].node->op()) != "astype";
+                return y;
+              }, x, w, b, probe);
+              const Grads want = grads_of([&](const Array& x, const Array& w, const Array& b) {
+                return linear(bf(x), bf(w), with_bias ? bf(b) : Array(), act);
+              }, x, w, b, probe);
+              CHECK(y.dtype() == DType::bf16);
+              CHECK(got.value.bitwise_equal(want.value));
+              CHECK(got.dx.dtype() == x_dtype);
+              CHECK(got.dx.bitwise_equal(want.dx));
+              CHECK(got.dw.dtype() == DType::f32);
+              CHECK(got.dw.bitwise_equal(want.dw));
+              if (with_bias) CHECK(got.db.bitwise_equal(want.db));
+              // Folded: one op reading the float32 kernel itself (no cast node between them),
+              // whatever the engine and the shapes.
+              CHECK(reads_kernel_itself ==
+                    (act == Activation::gelu || act == Activation::gelu_exact || act == Activation::silu));
+            }
           }
         }
       }
@@ -489,19 +490,53 @@ TEST_CASE("linear with a computation dtype: bitwise the casts and linear, each g
   if (!linum::testing::on_threads(2, check)) MESSAGE("built without OpenMP (or no team of two): not run on two threads");
 }
 
+TEST_CASE("linear with a computation dtype: only the gradients asked for, each bitwise the casts and linear's") {
+  // The folded op's rule skips what no one needs: x as data (the common case), the kernel or the
+  // bias alone, under remat (checkpoint) and not.
+  const Array x = astype(random_array(Shape{2048, 64}, 81), DType::bf16), w = random_array(Shape{64, 48}, 82);
+  const Array b = random_array(Shape{48}, 83), probe = random_array(Shape{2048, 48}, 84);
+  auto run = [&](bool fold, bool remat) {
+    auto layer = [fold](const Array& x, const Array& w, const Array& b) {
+      return fold ? linear(x, w, b, Activation::gelu, DType::bf16)
+                  : linear(x, astype(w, DType::bf16), astype(b, DType::bf16), Activation::gelu);
+    };
+    auto f = [&, layer, remat](const Array& x, const Array& w, const Array& b) {
+      const Array y = remat ? checkpoint(layer)(x, w, b) : layer(x, w, b);
+      return sum(astype(y, DType::f32) * probe);
+    };
+    const auto [v1, dw1] = value_and_grad<1>(f)(x, w, b);
+    const auto [v2, db2] = value_and_grad<2>(f)(x, w, b);
+    const auto [v3, dx3] = value_and_grad<0>(f)(x, w, b);
+    const auto [v4, dw4, db4] = value_and_grad<1, 2>(f)(x, w, b);
+    return std::vector<Array>{v1, dw1, db2, dx3, dw4, db4};
+  };
+  for (const bool remat : {false, true}) {
+    CAPTURE(remat);
+    const std::vector<Array> got = run(true, remat), want = run(false, false);
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      CAPTURE(i);
+      CHECK(got[i].dtype() == want[i].dtype());
+      CHECK(got[i].bitwise_equal(want[i]));
+    }
+  }
+}
+
 TEST_CASE("linear with a computation dtype, differentiated twice: the folded op's create-graph rule is the casts and linear") {
   // A Hessian-vector product in the kernel through the folded op against the same through the
   // explicit casts: bitwise (both run linear's separate ops in create-graph mode).
   const Array x = astype(random_array(Shape{2048, 64}, 95), DType::bf16), b = random_array(Shape{48}, 96);
   const Array w = random_array(Shape{64, 48}, 97), v = random_array(Shape{64, 48}, 98), probe = random_array(Shape{2048, 48}, 99);
+  bool folded = false;
   auto loss = [&](bool fold) {
     return [&, fold](const Array& w) {
       const Array y = fold ? linear(x, w, b, Activation::gelu, DType::bf16)
                            : linear(x, astype(w, DType::bf16), astype(b, DType::bf16), Activation::gelu);
+      if (fold) folded = std::string_view(y.node()->inputs()[1].node->op()) != "astype";
       return sum(astype(y, DType::f32) * probe);
     };
   };
   const Array got = hvp(loss(true), w, v), want = hvp(loss(false), w, v);
+  CHECK(folded);
   CHECK(got.dtype() == DType::f32);
   CHECK(got.bitwise_equal(want));
 }

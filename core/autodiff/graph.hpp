@@ -176,6 +176,12 @@ class Cotangents {
   }
   // Moves the cotangent of output i out (for rules that want to free it as early as possible).
   Array take_out(std::size_t i) { return std::exchange(outs_[i], Array()); }
+  // `value`, standing for input i (rebuilt by a create-graph rule from a residual kept in another
+  // form), linked to input i's producer, as create-graph mode relinks residuals that are inputs.
+  Array linked_input(std::size_t i, Array value) const {
+    if (needs(i)) value.set_node(edges_[i].node, edges_[i].index);
+    return value;
+  }
 
  private:
   std::span<Array> outs_;

@@ -20,6 +20,7 @@
 #include <array>
 #include <cstring>
 #include <optional>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -277,27 +278,41 @@ Array composed(const Array& x, const Array& kernel, const Array& bias, Activatio
 }
 
 
-// The casts of a bf16 computation on float32 parameters folded into the product (linear with a
-// dtype, linear.hpp): x bf16 [rows, k] (x2), kernel float32 [k, n], bias float32 [n] or undefined.
-// It keeps x, the parameters (for create-graph rules; they are alive anyway), the kernel rounded to
-// bf16 (written while packed, for the input gradient) and the activation's derivative.
+// The casts of a bf16 computation on float32 parameters folded into the op (linear with a dtype,
+// linear.hpp): x bf16 [rows, k] (x2), kernel float32 [k, n], bias float32 [n] or undefined, an
+// activation that keeps its derivative. On the bf16 panel kernel the kernel is rounded while the
+// product packs it; elsewhere it is rounded first and the product is linear's. It keeps x, the
+// rounded parameters (not the float32 ones: hooks that move or regather what ops keep see only what
+// the rule reads) and the derivative. Which kernel runs is chosen inside the forward pass, so the
+// graph is the same whatever the engine.
 Array linear_casts_folded(const Array& x2, const Array& kernel, const Array& bias, Activation act, const Shape& out_shape) {
-  const std::int64_t n = kernel.dim(1);
-  const Shape rows_shape{x2.dim(0), n};
+  const std::int64_t k = kernel.dim(0), n = kernel.dim(1), rows = x2.dim(0);
+  const Shape rows_shape{rows, n};
   const bool has_bias = bias.defined();
-  // (the bias rounded outside the graph: the rule returns its gradient in float32 itself)
+  // (rounded outside the graph: the rule returns the parameters' gradients in float32 itself)
   const Array bias16 = has_bias ? astype(bias.detached(), DType::bf16) : Array();
   auto forward = [&](Residuals& r) {
-    Array kernel16, y = Array::empty(rows_shape, DType::bf16), d = Array::empty(rows_shape, DType::bf16);
-    kernels::gemm_bias_pairs_f32_kernel(x2, kernel, bias16, pair_table(act), kernel16, y, d);
-    r.keep(x2, kernel, has_bias ? bias : Array(), kernel16, d);
+    Array kernel16, y, d;
+    if (pairs_from_table(DType::bf16, rows * n) && kernels::bf16_panels_take(k, n)) {
+      y = Array::empty(rows_shape, DType::bf16);
+      d = Array::empty(rows_shape, DType::bf16);
+      kernels::gemm_bias_pairs_f32_kernel(x2, kernel, bias16, pair_table(act), kernel16, y, d);
+    } else {  // linear's own path on the rounded parameters
+      kernel16 = astype(kernel.detached(), DType::bf16);
+      Array z = has_bias ? kernels::gemm_bias(x2, kernel16, bias16) : kernels::batched_gemm(x2, kernel16, false, false);
+      std::tie(y, d) = value_and_derivative(std::move(z), act);
+    }
+    r.keep(x2, kernel16, bias16, d);
     return y.with_shape(out_shape);
   };
   auto rule = autodiff::higher_order([act, has_bias, rows_shape, out_shape, x_shape = x2.shape()](Cotangents& c,
                                                                                                  autodiff::Saved s) {
-    if (autodiff::creating_graph()) {  // the same function in differentiable ops
-      std::vector<Array> inputs{s[0], s[1]};
-      if (has_bias) inputs.push_back(s[2]);
+    if (autodiff::creating_graph()) {
+      // The casts and linear in differentiable ops, on the parameters rebuilt from their rounded
+      // copies (widened: rounding them gives those copies back, and a cast's derivative does not
+      // depend on its input), linked to the parameters' producers.
+      std::vector<Array> inputs{s[0], c.linked_input(1, astype(s[1], DType::f32))};
+      if (has_bias) inputs.push_back(c.linked_input(2, astype(s[2], DType::f32)));
       autodiff::composite_rule(c, std::move(inputs), [act, has_bias, out_shape](const std::vector<Array>& in) {
         const Array b = has_bias ? astype(in[2], DType::bf16) : Array();
         return std::vector<Array>{reshape(composed(in[0], astype(in[1], DType::bf16), b, act), out_shape.vec())};
@@ -307,9 +322,9 @@ Array linear_casts_folded(const Array& x2, const Array& kernel, const Array& bia
     Array g = c.take_out(0).with_shape(rows_shape);
     const bool bias_needed = has_bias && c.needs(2);
     const bool in_place = g.owns_buffer_alone();
-    auto [g2, db] = cotangent_pass(std::move(g), s[4], act, bias_needed ? std::optional<DType>(DType::bf16) : std::nullopt,
+    auto [g2, db] = cotangent_pass(std::move(g), s[3], act, bias_needed ? std::optional<DType>(DType::bf16) : std::nullopt,
                                    in_place);
-    if (c.needs(0)) c.set(0, kernels::batched_gemm(g2, s[3], false, true).with_shape(x_shape));  // dx = g2 W^T
+    if (c.needs(0)) c.set(0, kernels::batched_gemm(g2, s[1], false, true).with_shape(x_shape));  // dx = g2 W^T
     if (c.needs(1)) c.set(1, kernels::transposed_product_f32(s[0], g2));                     // dW = x^T g2, widened
     if (bias_needed) c.set(2, astype(db, DType::f32));
   });
@@ -442,9 +457,9 @@ Array linear(const Array& x_in, const Array& kernel, const Array& bias, Activati
   if (!is_floating(*dtype))
     throw ValueError(detail::cat("linear: the computation dtype must be a float dtype (f32 or bf16); got ", dtype_name(*dtype)));
   const Array x = astype(x_in, *dtype);  // (integer inputs too, as Flax's promote_dtype)
-  // The casts folded into the product: float32 parameters, a bf16 computation being differentiated,
-  // an activation with a kept derivative whose pairs come from the table, both products on the panel
-  // kernel; and shapes that linear accepts (otherwise the ops below say what is wrong).
+  // The casts folded into the op: float32 parameters, a bf16 computation being differentiated, an
+  // activation with a kept derivative, and shapes that linear accepts (otherwise the ops below say
+  // what is wrong). Not the engine: it picks kernels inside the op, never which ops record.
   const bool params_f32 = kernel.dtype() == DType::f32 && (!bias.defined() || bias.dtype() == DType::f32);
   if (*dtype == DType::bf16 && params_f32 && x.rank() >= 1 && kernel.rank() == 2 && x.dim(-1) == kernel.dim(0) &&
       (!bias.defined() || bias.shape() == Shape{kernel.dim(1)}) && !x.batched() && !kernel.batched() && !bias.batched() &&
@@ -453,11 +468,9 @@ Array linear(const Array& x_in, const Array& kernel, const Array& bias, Activati
     const std::int64_t k = kernel.dim(0), n = kernel.dim(1);
     std::int64_t rows = 1;
     for (int i = 0; i + 1 < x.rank(); ++i) rows *= x.dim(i);
-    if (pairs_from_table(DType::bf16, rows * n) && kernels::bf16_panels_take(k, n) && kernels::bf16_panels_take(rows, n)) {
-      std::vector<std::int64_t> out = x.shape().vec();
-      out.back() = n;
-      return linear_casts_folded(reshape(x, {rows, k}), kernel, bias, act, Shape(out));
-    }
+    std::vector<std::int64_t> out = x.shape().vec();
+    out.back() = n;
+    return linear_casts_folded(reshape(x, {rows, k}), kernel, bias, act, Shape(out));
   }
   return linear(x, astype(kernel, *dtype), bias.defined() ? astype(bias, *dtype) : Array(), act);
 }
