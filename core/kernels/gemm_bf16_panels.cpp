@@ -312,13 +312,11 @@ void run_tiles(const PanelOperands& o, std::int64_t t0, std::int64_t t1, std::in
   _mm_sfence();  // the streamed rows of d are visible before the team's barrier
 }
 
-}  // namespace
-
-namespace {
-// The product; with b_f32 (not tb), b is written as it is packed: b_f32 rounded to bf16, pair chunk
-// by pair chunk (the rows in cache for the packing that follows).
+// The product; with b_f32 (not tb), b_rounded is b: b_f32 rounded to bf16 into it as it is packed,
+// pair chunk by pair chunk (the rows in cache for the packing that follows).
 void panels_product(std::int64_t m, std::int64_t n, std::int64_t k, const bfloat16* a, bool ta, const bfloat16* b, bool tb,
-                    const bfloat16* bias, const Bf16ProductOut& out, const float* b_f32) {
+                    const bfloat16* bias, const Bf16ProductOut& out, const float* b_f32 = nullptr,
+                    bfloat16* b_rounded = nullptr) {
   if (m == 0 || n == 0) return;
   constexpr std::int64_t kPairChunk = 16;  // pairs of rows packed at a time
   const std::int64_t k_pairs = (k + 1) / 2, pair_chunks = (k_pairs + kPairChunk - 1) / kPairChunk;
@@ -343,7 +341,7 @@ void panels_product(std::int64_t m, std::int64_t n, std::int64_t k, const bfloat
         if (tb) pack_transposed(b16, k, k, n, u, panels + u * panel_words);
         else {
           if (b_f32 != nullptr)
-            f32_to_bf16(b_f32 + 2 * u * kPairChunk * n, const_cast<bfloat16*>(b) + 2 * u * kPairChunk * n,
+            f32_to_bf16(b_f32 + 2 * u * kPairChunk * n, b_rounded + 2 * u * kPairChunk * n,
                         (std::min(k, 2 * (u + 1) * kPairChunk) - 2 * u * kPairChunk) * n);
           pack_rows(b16, n, k, n, kPanelCols, panels, panel_words, u * kPairChunk, std::min(k_pairs, (u + 1) * kPairChunk), b_f32);
         }
@@ -359,7 +357,7 @@ void panels_product(std::int64_t m, std::int64_t n, std::int64_t k, const bfloat
 
 void gemm_bf16_panels(std::int64_t m, std::int64_t n, std::int64_t k, const bfloat16* a, bool ta, const bfloat16* b,
                       bool tb, const bfloat16* bias, const Bf16ProductOut& out) {
-  panels_product(m, n, k, a, ta, b, tb, bias, out, nullptr);
+  panels_product(m, n, k, a, ta, b, tb, bias, out);
 }
 
 void gemm_bf16_panels_f32_b(std::int64_t m, std::int64_t n, std::int64_t k, const bfloat16* a, const float* b_f32,
@@ -368,7 +366,7 @@ void gemm_bf16_panels_f32_b(std::int64_t m, std::int64_t n, std::int64_t k, cons
     f32_to_bf16(b_f32, b_rounded, k * n);
     return;
   }
-  panels_product(m, n, k, a, false, b_rounded, false, bias, out, b_f32);
+  panels_product(m, n, k, a, false, b_rounded, false, bias, out, b_f32, b_rounded);
 }
 
 #else

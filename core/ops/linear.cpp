@@ -6,7 +6,6 @@
 
 #include <linum/core/autodiff/primitive.hpp>
 #include <linum/core/kernels/gemm.hpp>
-#include <linum/core/kernels/product_timing.hpp>
 #include <linum/core/ops/activation_math_internal.hpp>
 #include <linum/core/ops/bf16_table_internal.hpp>
 #include <linum/core/ops/elementwise.hpp>
@@ -276,7 +275,6 @@ Array composed(const Array& x, const Array& kernel, const Array& bias, Activatio
   if (bias.defined()) y = add(y, bias);
   return activate(y, act);
 }
-
 
 // The casts of a bf16 computation on float32 parameters folded into the op (linear with a dtype,
 // linear.hpp): x bf16 [rows, k] (x2), kernel float32 [k, n], bias float32 [n] or undefined, an
