@@ -2,6 +2,7 @@
 // (values and gradients), against finite differences, in bf16, and for the memory it saves.
 #include <doctest/doctest.h>
 
+#include "testing/fp_modes.hpp"
 #include "testing/gradcheck.hpp"
 #include "testing/threads.hpp"
 
@@ -286,6 +287,35 @@ TEST_CASE("bf16 panel products: the float64 product of the bf16 values (+ bias) 
           bool widened = wide.front() == -7.0f && wide.back() == -7.0f;
           for (std::size_t i = 0; i < size; ++i) widened = widened && std::bit_cast<std::uint32_t>(wide[i + 1]) == std::uint32_t{z[i].bits} << 16;
           CHECK(widened);
+          linum::testing::in_both_fp_modes([&] {
+            // Each value times a scale [m, n] (Bf16ProductOut::scale), rounded again as bfloat16()
+            // rounds (a subnormal product kept without flushing, a NaN scale giving a NaN), and
+            // each row tile's column sums of the products, rows in order from zero; guards kept.
+            auto scale = values(c.m * c.n, 54);
+            if (size > 0) scale[0].bits = 0x0080;  // 2^-126: its product with a value below 1 is subnormal
+            if (size > 1) scale[1].bits = 0x7fc0;  // NaN
+            const std::int64_t tiles = (c.m + kernels::kScaledSumRows - 1) / kernels::kScaledSumRows;
+            std::vector<bfloat16> scaled(size + 2), scaled_alone(size + 2);
+            for (auto* v : {&scaled, &scaled_alone}) v->front().bits = v->back().bits = 0x7fc1;
+            std::vector<float> sums(static_cast<std::size_t>(tiles * c.n) + 2, -7.0f), want_sums(sums.size() - 2, 0.0f);
+            kernels::gemm_bf16_panels(c.m, c.n, c.k, a.data(), ta, b.data(), tb, bias_ptr,
+                                      kernels::Bf16ProductOut{.z = scaled.data() + 1, .scale = scale.data(),
+                                                              .tile_sums = sums.data() + 1});
+            kernels::gemm_bf16_panels(c.m, c.n, c.k, a.data(), ta, b.data(), tb, bias_ptr,
+                                      kernels::Bf16ProductOut{.z = scaled_alone.data() + 1, .scale = scale.data()});
+            bool same = sums.front() == -7.0f && sums.back() == -7.0f;
+            for (auto* v : {&scaled, &scaled_alone}) same = same && v->front().bits == 0x7fc1 && v->back().bits == 0x7fc1;
+            for (std::int64_t i = 0; i < c.m; ++i)
+              for (std::int64_t j = 0; j < c.n; ++j) {
+                const std::size_t e = static_cast<std::size_t>(i * c.n + j);
+                const float product = static_cast<float>(z[e]) * static_cast<float>(scale[e]);
+                same = same && scaled[e + 1].bits == bfloat16::round_bits(product) && scaled_alone[e + 1].bits == scaled[e + 1].bits;
+                want_sums[static_cast<std::size_t>(i / kernels::kScaledSumRows * c.n + j)] += product;
+              }
+            for (std::size_t i = 0; i < want_sums.size(); ++i)
+              same = same && std::bit_cast<std::uint32_t>(sums[i + 1]) == std::bit_cast<std::uint32_t>(want_sums[i]);
+            CHECK(same);
+          });
           if (!ta && !tb && c.k > 0) {
             // b given in float32, not yet rounded (halfway values and a subnormal among them): rounded
             // while packed, f32_to_bf16's bits, and the product of the rounded b.

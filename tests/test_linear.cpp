@@ -547,3 +547,142 @@ TEST_CASE("linear with a computation dtype refuses a non-float dtype and bad sha
   CHECK_THROWS_AS(linear(x, random_array(Shape{4, 2}, 3), Array(), Activation::gelu, DType::bf16), ShapeError);
   CHECK_THROWS_AS(linear(x, w, random_array(Shape{3}, 4), Activation::gelu, DType::bf16), ShapeError);
 }
+
+namespace {
+// A stack of fused layers (widths[i] -> widths[i + 1]), rows x widths[0] input, summed against a
+// probe: the value and every gradient (x, then each layer's kernel and bias).
+struct Stack {
+  std::vector<std::int64_t> widths;
+  Activation act = Activation::gelu;
+  bool fold = true;          // float32 parameters, linear(..., bf16); else bf16 parameters
+  bool bias_grads = true;    // the biases differentiated (else constants)
+  bool remat = false;        // each layer in its own checkpoint
+};
+std::vector<Array> stack_grads(const Stack& s, const Array& x, const std::vector<Array>& params, const Array& probe) {
+  auto layer = [&s](const Array& h, const Array& w, const Array& b) {
+    return s.fold ? linear(h, w, b, s.act, DType::bf16) : linear(h, w, b, s.act);
+  };
+  auto loss = [&](const std::vector<Array>& p, const Array& x) {
+    Array h = x;
+    for (std::size_t l = 0; l + 1 < s.widths.size(); ++l) {
+      const Array b = s.bias_grads ? p[2 * l + 1] : p[2 * l + 1].detached();
+      h = s.remat ? checkpoint(layer)(h, p[2 * l], b) : layer(h, p[2 * l], b);
+    }
+    return sum(astype(h, DType::f32) * probe);
+  };
+  auto [value, dp, dx] = value_and_grad<0, 1>(loss)(params, x);
+  std::vector<Array> out{value, dx};
+  for (std::size_t i = 0; i < dp.size(); ++i)
+    if (s.bias_grads || i % 2 == 0) out.push_back(dp[i]);
+  return out;
+}
+}  // namespace
+
+TEST_CASE("a stack of bf16 linear layers: each input gradient does the layer before's cotangent pass in its product, bitwise") {
+  // A layer's input gradient g2 W^T on the bf16 panel kernel multiplies in the layer before's kept
+  // derivative and takes its bias sums in the product's epilogue, when that layer offers it
+  // (gelu, gelu_exact, silu) and the gradient goes to it alone. The gradients are bitwise those of
+  // the separate pass: with debug checks on (which check each cotangent as computed, so nothing is
+  // offered) and under remat (each layer's checkpoint is a boundary). Rows that fill the last row
+  // tile or not (2048, 2047), widths whose panels are full or masked (64, 48, 40), folded casts or
+  // bf16 parameters, biases differentiated or not, one thread and two, both fp modes.
+  const std::int64_t before = autodiff::detail::prologues_applied();
+  auto check = [&] {
+    for (const std::int64_t rows : {2048, 2047}) {
+      for (const Activation act : {Activation::gelu, Activation::silu, Activation::gelu_exact}) {
+        for (const bool fold : {true, false}) {
+          for (const bool bias_grads : {true, false}) {
+            CAPTURE(rows);
+            CAPTURE(activation_name(act));
+            CAPTURE(fold);
+            CAPTURE(bias_grads);
+            const Stack s{.widths = {64, 48, 40, 64, 48}, .act = act, .fold = fold, .bias_grads = bias_grads};
+            std::vector<Array> params;
+            for (std::size_t l = 0; l + 1 < s.widths.size(); ++l) {
+              const Array w = random_array(Shape{s.widths[l], s.widths[l + 1]}, 200 + l, -0.5f, 0.5f);
+              const Array b = random_array(Shape{s.widths[l + 1]}, 300 + l, -0.5f, 0.5f);
+              params.push_back(fold ? w : astype(w, DType::bf16));
+              params.push_back(fold ? b : astype(b, DType::bf16));
+            }
+            const Array x = astype(random_array(Shape{rows, 64}, 17), DType::bf16);
+            const Array probe = random_array(Shape{rows, 48}, 18);
+            const std::int64_t applied = autodiff::detail::prologues_applied();
+            const std::vector<Array> got = stack_grads(s, x, params, probe);
+            // Three layers have a layer before them; on the panel kernel each hands it its pass.
+            const bool panels = kernels::bf16_panels_take(48, 48);
+            CHECK(autodiff::detail::prologues_applied() - applied == (panels ? 3 : 0));
+            std::vector<Array> debug_checked;
+            {
+              DebugNansScope checks(true, true);
+              debug_checked = stack_grads(s, x, params, probe);
+            }
+            Stack r = s;
+            r.remat = true;
+            const std::int64_t before_remat = autodiff::detail::prologues_applied();
+            const std::vector<Array> rematted = stack_grads(r, x, params, probe);
+            CHECK(autodiff::detail::prologues_applied() == before_remat);  // a checkpoint per layer: no offers
+            REQUIRE(got.size() == debug_checked.size());
+            for (std::size_t i = 0; i < got.size(); ++i) {
+              CAPTURE(i);
+              CHECK(got[i].bitwise_equal(debug_checked[i]));
+              CHECK(got[i].bitwise_equal(rematted[i]));
+            }
+          }
+        }
+      }
+    }
+  };
+  linum::testing::in_both_fp_modes(check);
+  if (!linum::testing::on_threads(2, check)) MESSAGE("built without OpenMP (or no team of two): not run on two threads");
+  if (!kernels::bf16_panels_take(48, 48)) MESSAGE("no bf16 panel kernel here: the cotangent passes stayed separate");
+  else CHECK(autodiff::detail::prologues_applied() > before);
+}
+
+TEST_CASE("the layer before's cotangent pass stays its own where its output has other cotangents") {
+  // h1 = linear(x, W1), y = linear(h1, W2). When h1 also reaches the loss another way (a second
+  // consumer, recorded before the layer or after it), or is itself an output given a cotangent (vjp of both), its cotangent is a sum: the
+  // layer after must not apply the pass to its part alone. Bitwise the debug-checked gradients (no
+  // offers there), and nothing offered.
+  const Array x = astype(random_array(Shape{2048, 64}, 41), DType::bf16);
+  const Array w1 = random_array(Shape{64, 48}, 42, -0.5f, 0.5f), b1 = random_array(Shape{48}, 43);
+  const Array w2 = random_array(Shape{48, 64}, 44, -0.5f, 0.5f), b2 = random_array(Shape{64}, 45);
+  const Array p1 = random_array(Shape{2048, 48}, 46), p2 = random_array(Shape{2048, 64}, 47);
+  // (the other consumer recorded after the layer, so its part arrives first in the sweep, or before
+  // it, so the layer's part arrives first)
+  auto two_consumers = [&](const std::vector<Array>& p) {
+    const Array h1 = linear(x, p[0], p[1], Activation::gelu, DType::bf16);
+    const Array y = linear(h1, p[2], p[3], Activation::gelu, DType::bf16);
+    return sum(astype(y, DType::f32) * p2) + sum(astype(h1, DType::f32) * p1);
+  };
+  auto other_consumer_first = [&](const std::vector<Array>& p) {
+    const Array h1 = linear(x, p[0], p[1], Activation::gelu, DType::bf16);
+    const Array other = sum(astype(h1, DType::f32) * p1);
+    const Array y = linear(h1, p[2], p[3], Activation::gelu, DType::bf16);
+    return sum(astype(y, DType::f32) * p2) + other;
+  };
+  auto both_outputs = [&](const std::vector<Array>& p) {
+    const Array h1 = linear(x, p[0], p[1], Activation::silu, DType::bf16);
+    return std::vector<Array>{h1, linear(h1, p[2], p[3], Activation::silu, DType::bf16)};
+  };
+  const std::vector<Array> params{w1, b1, w2, b2};
+  auto run = [&] {
+    std::vector<Array> out = grad(two_consumers)(params);
+    for (const Array& g : grad(other_consumer_first)(params)) out.push_back(g);
+    auto [ys, pullback] = vjp(both_outputs, params);
+    for (const Array& g : pullback(std::vector<Array>{astype(p1, DType::bf16), astype(p2, DType::bf16)})) out.push_back(g);
+    return out;
+  };
+  const std::int64_t before = autodiff::detail::prologues_applied();
+  const std::vector<Array> got = run();
+  CHECK(autodiff::detail::prologues_applied() == before);
+  std::vector<Array> want;
+  {
+    DebugNansScope checks(true, true);
+    want = run();
+  }
+  REQUIRE(got.size() == want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    CAPTURE(i);
+    CHECK(got[i].bitwise_equal(want[i]));
+  }
+}

@@ -37,6 +37,14 @@ struct SweepAccess {
   static std::vector<Edge>& inputs(Node* n) { return n->inputs_; }
   static std::uint64_t& mark(Node* n) { return n->mark_; }
   static bool& released(Node* n) { return n->released_; }
+  // Output 0's consumers in the sweep marked `mark` (counted while ordering it).
+  static void count_consumer(Node* n, std::uint64_t mark) {
+    if (n->consumers_mark_ != mark) n->consumers_mark_ = mark, n->consumers_ = 0;
+    ++n->consumers_;
+  }
+  static bool sole_consumer(const Node* n, std::uint64_t mark) { return n->consumers_mark_ == mark && n->consumers_ == 1; }
+  static bool& prologue_applied(Node* n) { return n->prologue_applied_; }
+  static Array& prologue_sums(Node* n) { return n->prologue_sums_; }
 };
 
 namespace {
@@ -54,6 +62,7 @@ const Edge& resolved(const Edge& e) {
 
 std::atomic<std::uint64_t> g_sweep_counter{0};
 std::atomic<std::uint64_t> g_node_counter{1};
+std::atomic<std::int64_t> g_prologues_applied{0};
 
 // a + b for same-shaped float arrays: summed in float32 and rounded once to the common dtype (bf16
 // only when both are bf16), as ops::add computes, a chunk at a time (no widened copies of a, b or
@@ -160,10 +169,13 @@ std::vector<std::shared_ptr<Node>> topological_order(std::span<const Array> root
       if (next < inputs.size()) {
         const Edge& e = resolved(inputs[next++]);
         Node* child = e.node.get();
-        if (child != nullptr && SweepAccess::mark(child) != mark && !stop(child)) {
-          if (child->released()) throw_released(child);
-          SweepAccess::mark(child) = mark;
-          stack.emplace_back(e.node, 0);
+        if (child != nullptr && !stop(child)) {
+          if (e.index == 0) SweepAccess::count_consumer(child, mark);
+          if (SweepAccess::mark(child) != mark) {
+            if (child->released()) throw_released(child);
+            SweepAccess::mark(child) = mark;
+            stack.emplace_back(e.node, 0);
+          }
         }
       } else {
         order.push_back(std::move(stack.back().first));
@@ -179,7 +191,7 @@ std::vector<std::shared_ptr<Node>> topological_order(std::span<const Array> root
 // accumulates: the target node's gradient, a boundary's running sum, or null (dropped).
 template <class AfterNode>
 void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, const Cotangents::Accumulators& slot,
-               AfterNode after_node, bool create = false) {
+               std::uint64_t mark, AfterNode after_node, bool create = false) {
   // Backward rules compute with constants, or in create-graph mode with ops that record.
   std::optional<NoGradGuard> no_grad;
   std::optional<EnableGradGuard> recording;
@@ -197,7 +209,11 @@ void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, con
     ~DropPendingOnThrow() {
       if (std::uncaught_exceptions() > uncaught)
         for (auto& n : order)
-          if (n) SweepAccess::grads(n.get()).clear();
+          if (n) {
+            SweepAccess::grads(n.get()).clear();
+            SweepAccess::prologue_applied(n.get()) = false;
+            SweepAccess::prologue_sums(n.get()) = Array();
+          }
     }
   } drop_pending{order};
   std::vector<Array> in_grads;
@@ -210,7 +226,7 @@ void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, con
     auto& inputs = SweepAccess::inputs(node);
     if (any) {
       in_grads.assign(inputs.size(), Array());
-      Cotangents c(grads, in_grads, inputs, &slot);
+      Cotangents c(grads, in_grads, inputs, &slot, node, create ? 0 : mark);
       if (!create) {
         node->backward(c);
       } else {
@@ -238,9 +254,21 @@ void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, con
           throw AutodiffError(linum::detail::cat("backward rule of op '", node->op(), "' produced a gradient of shape ",
                                           g.shape(), " for input ", k, " of shape ", want,
                                           " (a bug in that op's rule; please report it)"));
-        if (Array* sum = slot(e)) acc.add(*sum, acc.cast(std::move(g), target->output_dtype(e.index)));
+        Array* sum = slot(e);
+        if (static_cast<int>(k) == c.applied_input()) {
+          // (producer_prologue checked that the cotangent goes straight into the producer's empty slot)
+          if (sum == nullptr || sum->defined() || e.index != 0 || g.dtype() != target->output_dtype(0))
+            throw AutodiffError(linum::detail::cat("backward rule of op '", node->op(), "' applied the prologue of input ", k,
+                                                   "'s producer where it was not offered (a bug in that op's rule; please report it)"));
+          SweepAccess::prologue_applied(target) = true;
+          SweepAccess::prologue_sums(target) = c.take_applied_sums();
+          g_prologues_applied.fetch_add(1, std::memory_order_relaxed);
+        }
+        if (sum != nullptr) acc.add(*sum, acc.cast(std::move(g), target->output_dtype(e.index)));
       }
       in_grads.clear();
+      SweepAccess::prologue_applied(node) = false;
+      SweepAccess::prologue_sums(node) = Array();
     }
     grads.clear();
     if (!retain_graph) {
@@ -264,8 +292,8 @@ Array* node_slot(const Edge& e) {
 }
 
 void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, const Cotangents::Accumulators& slot,
-               bool create = false) {
-  run_sweep(order, retain_graph, slot, [](std::size_t) {}, create);
+               std::uint64_t mark, bool create = false) {
+  run_sweep(order, retain_graph, slot, mark, [](std::size_t) {}, create);
 }
 
 void seed(std::span<const Array> roots, std::span<const Array> cotangents) {
@@ -407,6 +435,42 @@ std::vector<Array> detach_all(std::initializer_list<Array> saved) {
 }  // namespace detail
 
 void Node::backward_differentiable(Cotangents&, const std::shared_ptr<Node>&) { detail::throw_not_higher_order(op_); }
+
+namespace detail {
+std::int64_t prologues_applied() { return g_prologues_applied.load(std::memory_order_relaxed); }
+}  // namespace detail
+
+std::optional<Cotangents::PrologueOffer> Cotangents::producer_prologue(std::size_t i) const {
+  if (sweep_ == 0 || accumulators_ == nullptr || i >= edges_.size() || linum::detail::debug_checks_on()) return std::nullopt;
+  const Edge& e = edges_[i];
+  Node* producer = e.node.get();
+  if (producer == nullptr || e.index != 0 || producer->forwards() || !producer->cotangent_prologue() ||
+      SweepAccess::mark(producer) != sweep_ || !SweepAccess::sole_consumer(producer, sweep_))
+    return std::nullopt;
+  // The cotangent must go straight into the producer's own slot, still empty (not a boundary's sum,
+  // not a seeded root, not dropped by a pruned sweep).
+  Array* slot = (*accumulators_)(e);
+  if (slot == nullptr || slot->defined() || SweepAccess::grads(producer).empty() || slot != &SweepAccess::grads(producer)[0])
+    return std::nullopt;
+  const Array* derivative = producer->kept_residual(producer->cotangent_prologue()->derivative);
+  if (derivative == nullptr) return std::nullopt;
+  return PrologueOffer{derivative, producer->cotangent_prologue()->column_sums};
+}
+
+void Cotangents::set_with_prologue(std::size_t i, Array g2, Array column_sums) {
+  if (!producer_prologue(i))
+    throw AutodiffError(linum::detail::cat("a backward rule applied the prologue of input ", i,
+                                           "'s producer where it was not offered (a bug in that op's rule; please report it)"));
+  ins_[i] = std::move(g2);
+  applied_input_ = static_cast<int>(i);
+  applied_sums_ = std::move(column_sums);
+}
+
+bool Cotangents::prologue_applied() const { return self_ != nullptr && SweepAccess::prologue_applied(self_); }
+
+Array Cotangents::take_prologue_sums() {
+  return self_ == nullptr ? Array() : std::move(SweepAccess::prologue_sums(self_));
+}
 
 std::uint64_t Node::next_id() {
   if (detail::IdCursor* const* range = detail::IdRanges::top(); range != nullptr && *range != nullptr) [[unlikely]]
@@ -576,7 +640,7 @@ void backward(std::span<const Array> roots, std::span<const Array> cotangents, b
   LeafGradientListener* const* innermost = detail::LeafGradientListeners::top();
   LeafGradientListener* listener = innermost != nullptr ? *innermost : nullptr;
   if (listener == nullptr) {
-    run_sweep(order, retain_graph, node_slot);
+    run_sweep(order, retain_graph, node_slot, mark);
     return;
   }
   // A leaf's gradient is final once its last consumer in the sweep (the one with the lowest
@@ -589,7 +653,7 @@ void backward(std::span<const Array> roots, std::span<const Array> cotangents, b
   for (const auto& [leaf, i] : last_consumer) final_after[i].push_back(leaf);
   for (auto& leaves : final_after)  // a fixed order for leaves made final by the same node
     std::sort(leaves.begin(), leaves.end(), [](const Node* a, const Node* b) { return a->id() < b->id(); });
-  run_sweep(order, retain_graph, node_slot, [&](std::size_t i) {
+  run_sweep(order, retain_graph, node_slot, mark, [&](std::size_t i) {
     for (const Node* leaf : final_after[i]) {
       auto& grads = SweepAccess::grads(const_cast<Node*>(leaf));
       if (!grads.empty() && grads[0].defined()) listener->on_leaf_gradient(leaf, grads[0]);
@@ -692,7 +756,7 @@ std::vector<Array> backward_into(std::vector<Edge> roots, std::vector<Array> cot
         if (prune && reaching.count(e.node.get()) == 0) return nullptr;
         return node_slot(e);
       },
-      create);
+      mark, create);
   if (!create)
     for (Array& sum : sums)
       if (sum.defined()) sum = std::move(sum).detached();

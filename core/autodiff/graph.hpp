@@ -151,14 +151,27 @@ struct Edge {
   std::uint32_t index = 0;
 };
 
+// What a node does first with the cotangent g of its output 0, declared so that the node computing
+// that cotangent can do it inside its own kernel (a product's epilogue) instead of this node making
+// one more pass over it: g2 = g * derivative, elementwise (the node's residual `derivative`, of g's
+// shape), rounded once to g's dtype; and with `column_sums`, g2's column sums (before that rounding)
+// by blocks of rows, handed over as one array. The layout of the sums is agreed between the two
+// ops' rules (the fused linear layer, core/ops/linear.cpp, is both producer and consumer).
+struct CotangentPrologue {
+  std::uint32_t derivative = 0;
+  bool column_sums = false;
+};
+
 // What a backward rule sees: the cotangents of the node's outputs, and slots for its inputs.
 class Cotangents {
  public:
   // Where the gradient of an edge accumulates in the running sweep (null: nowhere, it is dropped).
   using Accumulators = std::function<Array*(const Edge&)>;
+  // `self` is the node whose rule runs and `sweep` the running sweep's mark (0: no prologues are
+  // offered, as in create-graph mode).
   Cotangents(std::span<Array> outs, std::span<Array> ins, std::span<const Edge> edges,
-             const Accumulators* accumulators = nullptr)
-      : outs_(outs), ins_(ins), edges_(edges), accumulators_(accumulators) {}
+             const Accumulators* accumulators = nullptr, Node* self = nullptr, std::uint64_t sweep = 0)
+      : outs_(outs), ins_(ins), edges_(edges), accumulators_(accumulators), self_(self), sweep_(sweep) {}
   // Cotangent of output i. For single-output nodes it is always defined; for multi-output nodes an
   // output that received no gradient is undefined (check `.defined()`).
   const Array& out(std::size_t i = 0) const { return outs_[i]; }
@@ -183,11 +196,37 @@ class Cotangents {
     return value;
   }
 
+  // ---- cotangent prologues (CotangentPrologue) ----
+  // The prologue of input i's producer, offered to this rule when the cotangent it computes for input
+  // i is the only one that output receives in the sweep and goes straight to it: the rule may then
+  // apply the prologue inside the kernel computing that cotangent and hand the result over with
+  // set_with_prologue (or ignore the offer and call set). Not offered in create-graph mode, with
+  // debug checks on (they check the cotangent itself), or when saved-value hooks hold the residual.
+  struct PrologueOffer {
+    const Array* derivative;  // the producer's residual, alive until the producer's rule has run
+    bool column_sums;
+  };
+  std::optional<PrologueOffer> producer_prologue(std::size_t i) const;
+  // Input i's cotangent with its producer's prologue applied (after producer_prologue(i) offered
+  // it), and the column sums when the offer asked for them.
+  void set_with_prologue(std::size_t i, Array g2, Array column_sums);
+  // For a node that declared a prologue: whether the cotangent of its output 0 arrived with it
+  // applied (its rule must then not apply it again), and the column sums that came with it.
+  bool prologue_applied() const;
+  Array take_prologue_sums();
+  // (for the sweep) the input handed over with its prologue applied, or -1; and the sums.
+  int applied_input() const { return applied_input_; }
+  Array take_applied_sums() { return std::move(applied_sums_); }
+
  private:
   std::span<Array> outs_;
   std::span<Array> ins_;
   std::span<const Edge> edges_;
   const Accumulators* accumulators_;
+  Node* self_;
+  std::uint64_t sweep_;
+  int applied_input_ = -1;
+  Array applied_sums_;
 };
 
 class Node {
@@ -241,6 +280,13 @@ class Node {
   virtual const Edge* forward_edge(std::uint32_t /*output*/) const { return nullptr; }
   // A label that policies can match (the name given by checkpoint_name), or empty.
   virtual std::string_view label() const { return {}; }
+  // Declares what the node's rule does first with its output 0's cotangent (CotangentPrologue), so
+  // that the node computing that cotangent may do it instead. The rule must then check
+  // Cotangents::prologue_applied.
+  void set_cotangent_prologue(CotangentPrologue p) { prologue_ = p; }
+  const std::optional<CotangentPrologue>& cotangent_prologue() const { return prologue_; }
+  // Residual i as the rule will read it, or null (undefined, handed to saved-value hooks, released).
+  virtual const Array* kept_residual(std::size_t /*i*/) const { return nullptr; }
   // Creation order: a node created later has a larger id (process-wide, strictly increasing).
   std::uint64_t id() const { return id_; }
   static std::uint64_t next_id();
@@ -259,6 +305,11 @@ class Node {
   std::uint64_t id_;
   const char* op_;
   bool released_ = false;
+  bool prologue_applied_ = false;  // output 0's cotangent arrived with the prologue applied
+  std::optional<CotangentPrologue> prologue_;
+  std::uint32_t consumers_ = 0;        // edges to output 0 from the nodes of the sweep marked consumers_mark_
+  std::uint64_t consumers_mark_ = 0;
+  Array prologue_sums_;                // the column sums that came with it
 
  protected:
   bool forwards_ = false;
@@ -375,6 +426,9 @@ class RuleNode final : public Node {
   }
   // The arrays the rule reads, positionally (undefined entries included); empty once packed.
   std::span<const Array> residuals() const { return saved_; }
+  const Array* kept_residual(std::size_t i) const override {
+    return packed_ == nullptr && i < saved_.size() && saved_[i].defined() ? &saved_[i] : nullptr;
+  }
 
  private:
   std::vector<Array> saved_;
@@ -527,5 +581,11 @@ Array linked_zeros(const Array& g);
 
 // Returns `x` as a new differentiation variable: same data, attached to a fresh LeafNode.
 Array make_leaf(const Array& x);
+
+namespace detail {
+// How many cotangents reached their producer with its prologue applied (CotangentPrologue), in
+// this process so far (for tests and benchmarks).
+std::int64_t prologues_applied();
+}  // namespace detail
 
 }  // namespace linum::autodiff

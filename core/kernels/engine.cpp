@@ -149,6 +149,22 @@ Array transposed_product_f32(const Array& a, const Array& b) {
   return out;
 }
 
+Array scaled_product_bt(const Array& a, const Array& b, const Array& scale, Array* column_sums) {
+  if (!uses_bf16_panels(a, false, b, true) || scale.dtype() != DType::bf16 || !(scale.shape() == Shape{a.dim(0), b.dim(0)}))
+    throw Error(linum::detail::cat("scaled_product_bt: needs the bf16 panel kernel's operands (", a.shape(), ", ", b.shape(),
+                            " transposed) and a bf16 scale of the product's shape; got ", scale.shape()));
+  const detail::ProductClock clock(timed_flops(a, b, false, true));
+  const std::int64_t m = a.dim(0), n = b.dim(0);
+  Array out = Array::empty(Shape{m, n}, DType::bf16);
+  if (column_sums != nullptr) *column_sums = Array::empty(Shape{(m + kScaledSumRows - 1) / kScaledSumRows, n}, DType::f32);
+  gemm_bf16_panels(m, n, a.dim(1), static_cast<const bfloat16*>(a.raw()), false, static_cast<const bfloat16*>(b.raw()), true,
+                   nullptr,
+                   Bf16ProductOut{.z = static_cast<bfloat16*>(out.mutable_raw()),
+                                  .scale = static_cast<const bfloat16*>(scale.raw()),
+                                  .tile_sums = column_sums != nullptr ? column_sums->mutable_data() : nullptr});
+  return out;
+}
+
 Array batched_gemm(const Array& a, const Array& b, bool ta, bool tb) {
   const detail::ProductClock clock(timed_flops(a, b, ta, tb));
   if (uses_bf16_panels(a, ta, b, tb)) return panels_product(a, ta, b, tb, nullptr);

@@ -152,7 +152,15 @@ struct Bf16ProductOut {
   bfloat16* d = nullptr;                      // [m, n]: the pairs' high halves
   float* z_f32 = nullptr;                     // [m, n]: the product (+ bias) rounded to bf16, stored widened to
                                               // float32 (instead of z; no pair_table)
+  // With z: each rounded value times scale's [m, n] (both widened, one float32 multiply), rounded
+  // again (bfloat16::round_bits: subnormals kept), into z; and, when tile_sums is given, each row
+  // tile's column sums of those products before their rounding (rows in order, from zero), tile t's
+  // at tile_sums + t * n ([ceil(m / kScaledSumRows), n]).
+  const bfloat16* scale = nullptr;
+  float* tile_sums = nullptr;
 };
+// The rows of a row tile of gemm_bf16_panels: the blocks of Bf16ProductOut::tile_sums.
+inline constexpr std::int64_t kScaledSumRows = 14;
 bool bf16_panels_available();
 // The same for a [m, k] and b given in float32 (b_f32 [k, n], neither transposed): b is rounded to
 // bf16 as it is packed (f32_to_bf16's bits), into b_rounded [k, n] (written), and the product is
@@ -175,6 +183,11 @@ void gemm_bias_pairs_f32_kernel(const Array& a, const Array& kernel, const Array
 // a^T b for bf16 a [k, m], b [k, n]: astype(batched_gemm(a, b, true, false), f32), the widening
 // inside the product's epilogue when the panel kernel runs it.
 Array transposed_product_f32(const Array& a, const Array& b);
+// a b^T times scale on the panel kernel (Bf16ProductOut::scale): bf16 a [m, k], b [n, k], scale
+// [m, n]; with column_sums, the row tiles' column sums of the products into it ([ceil(m /
+// kScaledSumRows), n] float32, allocated here). An input gradient handed to the layer before with
+// that layer's kept derivative applied (core/ops/linear.cpp). Requires uses_bf16_panels(a, false, b, true).
+Array scaled_product_bt(const Array& a, const Array& b, const Array& scale, Array* column_sums);
 // The fused linear layer's forward product with its activation pair (see Bf16ProductOut): a [m, k],
 // b [k, n], bias [n] or undefined; y and d [m, n] bf16, written. Requires uses_bf16_panels(a, false, b, false).
 void gemm_bias_pairs(const Array& a, const Array& b, const Array& bias, const std::uint32_t* pair_table, Array& y,

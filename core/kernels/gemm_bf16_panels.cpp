@@ -128,7 +128,27 @@ struct SideLookups {
   int count = 0;
   detail::TileFetch fetch;
   float* z_f32 = nullptr;  // when set: the rounded values widened to float32 there (row stride ldo), not into out
+  const std::uint16_t* scale = nullptr;  // when set: the rounded values times these (row stride ldo), rounded again
+  float* sums = nullptr;                 // with scale: the tile's column sums of those products
 };
+
+static_assert(kScaledSumRows == kTileRows, "Bf16ProductOut::tile_sums are per row tile");
+
+// bf16 (in 16-bit lanes) widened to float32.
+__m512 widen_bf16(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+
+// float32 to bf16 bits, rounded to nearest even, NaNs kept quiet: bfloat16::round_bits, 16 lanes.
+__m256i round_to_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)))),
+                        16);
+  const __m512i nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  const __mmask16 is_nan =
+      _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, rounded, nan));
+}
 
 // One tile: rows [0, R) of A times one panel, plus the bias, rounded to bf16 into out (row stride
 // ldo; columns masked by m0, m1). A is row-major (row stride lda), or with PackedA a packed panel of
@@ -177,6 +197,27 @@ void tile(std::int64_t k, const std::uint16_t* a, std::int64_t lda, const std::u
     for (; j < side.count; ++j) side.staged[j] = side.table[side.z[j]];
   const __m512 bias0 = widen_bias(bias, m0), bias1 = widen_bias(bias == nullptr ? nullptr : bias + 16, m1);
   const __mmask32 mask = static_cast<__mmask32>(m0) | static_cast<__mmask32>(m1) << 16;
+  if (side.scale != nullptr) {  // z times the scale, rounded again; the tile's column sums of the products
+    __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const __m512i z = (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(acc1[r], bias1), _mm512_add_ps(acc0[r], bias0));
+      const __m512 p0 = _mm512_mul_ps(widen_bf16(_mm512_castsi512_si256(z)),
+                                      widen_bf16(_mm256_maskz_loadu_epi16(m0, side.scale + r * ldo)));
+      const __m512 p1 = _mm512_mul_ps(widen_bf16(_mm512_extracti64x4_epi64(z, 1)),
+                                      widen_bf16(_mm256_maskz_loadu_epi16(m1, side.scale + r * ldo + 16)));
+      if (side.sums != nullptr) {
+        sum0 = _mm512_add_ps(sum0, p0);
+        sum1 = _mm512_add_ps(sum1, p1);
+      }
+      _mm512_mask_storeu_epi16(out + r * ldo, mask,
+                               _mm512_inserti64x4(_mm512_castsi256_si512(round_to_bf16(p0)), round_to_bf16(p1), 1));
+    }
+    if (side.sums != nullptr) {
+      _mm512_mask_storeu_ps(side.sums, m0, sum0);
+      _mm512_mask_storeu_ps(side.sums + 16, m1, sum1);
+    }
+    return;
+  }
 #pragma GCC unroll 14
   for (int r = 0; r < R; ++r) {
     const __m512bh z = _mm512_cvtne2ps_pbh(_mm512_add_ps(acc1[r], bias1), _mm512_add_ps(acc0[r], bias0));
@@ -251,9 +292,14 @@ void run_tiles(const PanelOperands& o, std::int64_t t0, std::int64_t t1, std::in
   };
   if (out.pair_table == nullptr) {
     auto* z = reinterpret_cast<std::uint16_t*>(out.z);
+    const auto* scale = reinterpret_cast<const std::uint16_t*>(out.scale);
     auto next = [&](std::int64_t t, std::int64_t p) {
       SideLookups s = next_rows(t, p);
       if (out.z_f32 != nullptr) s.z_f32 = out.z_f32 + t * kTileRows * n + p * kPanelCols;
+      if (scale != nullptr) {
+        s.scale = scale + t * kTileRows * n + p * kPanelCols;
+        if (out.tile_sums != nullptr) s.sums = out.tile_sums + t * n + p * kPanelCols;
+      }
       return s;
     };
     for (std::int64_t t = t0; t < t1; ++t) {
@@ -261,6 +307,10 @@ void run_tiles(const PanelOperands& o, std::int64_t t0, std::int64_t t1, std::in
       const int rows = static_cast<int>(std::min<std::int64_t>(kTileRows, m - i0));
       for (std::int64_t p = p0; p < p1; ++p) {
         const std::int64_t j0 = p * kPanelCols;
+        // The scale's lines of the tile, fetched now for its epilogue (a derivative kept since the
+        // forward pass: in memory). A tile's sum takes longer than their trip.
+        if (scale != nullptr)
+          for (int r = 0; r < rows; ++r) _mm_prefetch(reinterpret_cast<const char*>(scale + (i0 + r) * n + j0), _MM_HINT_T0);
         kPlainTiles[packed_a][rows - 1](k, a_rows(t), k, o.panels + p * o.panel_words, bias_at(j0), lanes(n - j0),
                                         lanes(n - j0 - 16), z == nullptr ? nullptr : z + i0 * n + j0, n, next(t, p));
       }

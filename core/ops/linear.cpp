@@ -47,8 +47,9 @@ constexpr std::array<std::pair<Activation, std::string_view>, 7> kNames{{
 
 // Rows per block of the backward pass: each block sums its rows' cotangents per column in row order,
 // and the blocks' sums are added in block order, so the bias gradient's bits depend on the shape
-// alone (not on the threads).
-constexpr std::int64_t kRowsPerBlock = 64;
+// alone (not on the threads). The row tiles of the bf16 panel kernel, whose input gradient can hand
+// the layer before its cotangent pass done, sums included (input_gradient below).
+constexpr std::int64_t kRowsPerBlock = kernels::kScaledSumRows;
 // One row of g2 = g * act'(x) in float32 (n floats, padded to whole packets in the scratch runs),
 // from what the op keeps (`v`): the output for relu, tanh and sigmoid; for gelu and silu the
 // derivative itself.
@@ -188,6 +189,17 @@ void storage_rows(RowKind kind, const T* g, const T* v, T* out, float* acc, std:
   }
 }
 
+// The bias gradient from the blocks' column sums [blocks, n]: added in block order in float32,
+// rounded once to `dtype`.
+Array column_total(const Array& partial, DType dtype) {
+  const std::int64_t blocks = partial.dim(0), n = partial.dim(1);
+  Array sum = Array::zeros(Shape{n}, DType::f32);
+  float* s = sum.mutable_data();
+  const float* sums = partial.data();
+  for (std::int64_t b = 0; b < blocks; ++b) add_row(s, sums + b * n, n);
+  return dtype == DType::f32 ? sum : astype(sum, dtype);
+}
+
 // The backward pass over the cotangent g [M, N]: g2 = g * act'(x) from what the op kept, `v` (see
 // derivative_row; g itself for none; written over g when `in_place`), and, when `bias_dtype` is
 // given, the column sums of g2 (the bias gradient, summed in float32 and rounded once; in bf16 it
@@ -258,15 +270,51 @@ std::pair<Array, Array> cotangent_pass(Array g, const Array& v, Activation act, 
       if (acc != nullptr) add_row(acc, out, n);
     }
   }
+  Array db = bias_dtype ? column_total(partial, *bias_dtype) : Array();
+  return {std::move(g2), std::move(db)};
+}
+
+// The layer's first step backward, g2 and the bias gradient: from the cotangent as it arrived with
+// its cotangent pass already done by the layer after (input_gradient), or by cotangent_pass.
+std::pair<Array, Array> layer_cotangent(Cotangents& c, Array g, const Array& v, Activation act,
+                                        std::optional<DType> bias_dtype, bool in_place) {
+  if (!c.prologue_applied()) return cotangent_pass(std::move(g), v, act, bias_dtype, in_place);
   Array db;
   if (bias_dtype) {
-    Array sum = Array::zeros(Shape{n}, DType::f32);
-    float* s = sum.mutable_data();
-    const float* sums = partial.data();
-    for (std::int64_t b = 0; b < blocks; ++b) add_row(s, sums + b * n, n);
-    db = *bias_dtype == DType::f32 ? sum : astype(sum, *bias_dtype);
+    const Array sums = c.take_prologue_sums();
+    if (!sums.defined() || sums.rank() != 2 || sums.dim(1) != g.dim(-1))
+      throw AutodiffError("linear: the cotangent came without the column sums its bias gradient needs (a bug; please report it)");
+    db = column_total(sums, *bias_dtype);
   }
-  return {std::move(g2), std::move(db)};
+  return {std::move(g), std::move(db)};
+}
+
+// What the layer's rule does first with its cotangent, offered to the op computing it (a layer after
+// it, whose input gradient then multiplies by the kept derivative `d`, residual 3, and sums its
+// columns inside its product: input_gradient).
+void declare_cotangent_pass(const Array& y, Activation act, bool bias_needs_grad) {
+  if (!am::derivative_from_input(act) || y.node() == nullptr || y.node()->op() != ops::kind::linear) return;
+  y.node()->set_cotangent_prologue(autodiff::CotangentPrologue{.derivative = 3, .column_sums = bias_needs_grad});
+}
+
+// dx = g2 W^T [rows, k] as input 0's cotangent; when the layer before is a fused linear layer that
+// offers its cotangent pass (its only consumer is this op) and the product runs on the bf16 panel
+// kernel, with that pass done in the product's epilogue: its derivative multiplied in and its bias
+// sums taken, in its own pass's blocks (the same bits: cotangent_pass over tiles of kRowsPerBlock
+// rows). That saves the layer before a pass over 2 bytes per element read twice and written once,
+// and a parallel region.
+void input_gradient(Cotangents& c, const Array& g2, const Array& w, const Shape& x_shape) {
+  if (std::optional<Cotangents::PrologueOffer> offer = c.producer_prologue(0)) {
+    const Array& d = *offer->derivative;
+    if (d.dtype() == DType::bf16 && d.rank() == 2 && d.dim(0) == g2.dim(0) && d.dim(1) == w.dim(0) &&
+        kernels::uses_bf16_panels(g2, false, w, true)) {
+      Array sums;
+      Array dx = kernels::scaled_product_bt(g2, w, d, offer->column_sums ? &sums : nullptr);
+      c.set_with_prologue(0, dx.with_shape(x_shape), std::move(sums));
+      return;
+    }
+  }
+  c.set(0, kernels::batched_gemm(g2, w, false, true).with_shape(x_shape));
 }
 
 // The same computation as separate differentiable ops (vmap; create-graph rules).
@@ -320,14 +368,16 @@ Array linear_casts_folded(const Array& x2, const Array& kernel, const Array& bia
     Array g = c.take_out(0).with_shape(rows_shape);
     const bool bias_needed = has_bias && c.needs(2);
     const bool in_place = g.owns_buffer_alone();
-    auto [g2, db] = cotangent_pass(std::move(g), s[3], act, bias_needed ? std::optional<DType>(DType::bf16) : std::nullopt,
-                                   in_place);
-    if (c.needs(0)) c.set(0, kernels::batched_gemm(g2, s[1], false, true).with_shape(x_shape));  // dx = g2 W^T
-    if (c.needs(1)) c.set(1, kernels::transposed_product_f32(s[0], g2));                     // dW = x^T g2, widened
+    auto [g2, db] = layer_cotangent(c, std::move(g), s[3], act,
+                                    bias_needed ? std::optional<DType>(DType::bf16) : std::nullopt, in_place);
+    if (c.needs(0)) input_gradient(c, g2, s[1], x_shape);                                // dx = g2 W^T
+    if (c.needs(1)) c.set(1, kernels::transposed_product_f32(s[0], g2));                 // dW = x^T g2, widened
     if (bias_needed) c.set(2, astype(db, DType::f32));
   });
-  if (has_bias) return autodiff::primitive(ops::kind::linear, {&x2, &kernel, &bias}, forward, std::move(rule));
-  return autodiff::primitive(ops::kind::linear, {&x2, &kernel}, forward, std::move(rule));
+  Array y = has_bias ? autodiff::primitive(ops::kind::linear, {&x2, &kernel, &bias}, forward, std::move(rule))
+                     : autodiff::primitive(ops::kind::linear, {&x2, &kernel}, forward, std::move(rule));
+  declare_cotangent_pass(y, act, has_bias && bias.node() != nullptr);
+  return y;
 }
 }  // namespace
 
@@ -440,14 +490,16 @@ Array linear(const Array& x_in, const Array& kernel_in, const Array& bias_in, Ac
     Array g = c.take_out(0).with_shape(rows_shape);
     const std::optional<DType> bias_dtype = has_bias && c.needs(2) ? std::optional<DType>(g.dtype()) : std::nullopt;
     const bool in_place = act != Activation::none && g.owns_buffer_alone();
-    auto [g2, db] = cotangent_pass(std::move(g), act == Activation::none ? Array() : s[3], act, bias_dtype,
-                                   in_place);
-    if (c.needs(0)) c.set(0, kernels::batched_gemm(g2, s[1], false, true).with_shape(x_shape));  // dx = g2 W^T
-    if (c.needs(1)) c.set(1, kernels::batched_gemm(s[0], g2, true, false));                      // dW = x^T g2
+    auto [g2, db] = layer_cotangent(c, std::move(g), act == Activation::none ? Array() : s[3], act, bias_dtype, in_place);
+    if (c.needs(0)) input_gradient(c, g2, s[1], x_shape);                     // dx = g2 W^T
+    if (c.needs(1)) c.set(1, kernels::batched_gemm(s[0], g2, true, false));  // dW = x^T g2
     if (bias_dtype) c.set(2, std::move(db));
   });
-  if (has_bias) return autodiff::primitive(ops::kind::linear, {&x2, &kernel, &bias}, forward, std::move(rule));
-  return autodiff::primitive(ops::kind::linear, {&x2, &kernel}, forward, std::move(rule));
+  Array y = has_bias ? autodiff::primitive(ops::kind::linear, {&x2, &kernel, &bias}, forward, std::move(rule))
+                     : autodiff::primitive(ops::kind::linear, {&x2, &kernel}, forward, std::move(rule));
+  // (the kept derivative, residual 3, exists when the forward kept one: a recorded gelu or silu layer)
+  declare_cotangent_pass(y, act, has_bias && bias.node() != nullptr);
+  return y;
 }
 
 Array linear(const Array& x_in, const Array& kernel, const Array& bias, Activation act, std::optional<DType> dtype) {

@@ -205,6 +205,7 @@ Array reshape(const Array& x, const std::vector<std::int64_t>& dims) {
                                  " (", target.numel(), " elements)"));
   if (x.batched()) [[unlikely]]  // vmap: every example reshaped
     return ops::batching::wrap(reshape(x.physical(), with_levels(x, target.vec())), x.batch_levels());
+  if (target == x.shape()) return x;  // nothing to do, nothing recorded (as jax.lax.reshape)
   return primitive("reshape", {&x}, [&](Residuals&) { return x.with_shape(target); },
                    autodiff::higher_order([xs = x.shape()](Cotangents& c, autodiff::Saved) {
                      c.set(0, autodiff::creating_graph() ? reshape(c.out(), xs.vec()) : c.out().with_shape(xs));
