@@ -209,8 +209,13 @@ void tile(std::int64_t k, const std::uint16_t* a, std::int64_t lda, const std::u
         sum0 = _mm512_add_ps(sum0, p0);
         sum1 = _mm512_add_ps(sum1, p1);
       }
-      _mm512_mask_storeu_epi16(out + r * ldo, mask,
-                               _mm512_inserti64x4(_mm512_castsi256_si512(round_to_bf16(p0)), round_to_bf16(p1), 1));
+      // (vcvtne2ps2bf16 rounds as round_bits but flushes a subnormal input to zero: those, only
+      // without flushing, take the integer rounding)
+      const __mmask16 sub0 = _mm512_fpclass_ps_mask(p0, 0x20), sub1 = _mm512_fpclass_ps_mask(p1, 0x20);
+      const __m512i rounded =
+          (sub0 | sub1) == 0 ? (__m512i)_mm512_cvtne2ps_pbh(p1, p0)
+                             : _mm512_inserti64x4(_mm512_castsi256_si512(round_to_bf16(p0)), round_to_bf16(p1), 1);
+      _mm512_mask_storeu_epi16(out + r * ldo, mask, rounded);
     }
     if (side.sums != nullptr) {
       _mm512_mask_storeu_ps(side.sums, m0, sum0);
