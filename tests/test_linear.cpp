@@ -584,15 +584,18 @@ TEST_CASE("a stack of bf16 linear layers: each input gradient does the layer bef
   // (gelu, gelu_exact, silu) and the gradient goes to it alone. The gradients are bitwise those of
   // the separate pass: with debug checks on (which check each cotangent as computed, so nothing is
   // offered) and under remat (each layer's checkpoint is a boundary). Rows that fill the last row
-  // tile or not (2048, 2047), widths whose panels are full or masked (64, 48, 40), folded casts or
+  // tile or not (2048, 2047; also as a [2, 1024, 64] input, a layer's input being its producer's
+  // output as it is), widths whose panels are full or masked (64, 48, 40), folded casts or
   // bf16 parameters, biases differentiated or not, one thread and two, both fp modes.
   const std::int64_t before = autodiff::detail::prologues_applied();
   auto check = [&] {
-    for (const std::int64_t rows : {2048, 2047}) {
+    for (const std::vector<std::int64_t>& lead : {std::vector<std::int64_t>{2048}, std::vector<std::int64_t>{2047},
+                                                  std::vector<std::int64_t>{2, 1024}}) {
       for (const Activation act : {Activation::gelu, Activation::silu, Activation::gelu_exact}) {
         for (const bool fold : {true, false}) {
           for (const bool bias_grads : {true, false}) {
-            CAPTURE(rows);
+            CAPTURE(lead.size());
+            CAPTURE(lead[0]);
             CAPTURE(activation_name(act));
             CAPTURE(fold);
             CAPTURE(bias_grads);
@@ -604,8 +607,13 @@ TEST_CASE("a stack of bf16 linear layers: each input gradient does the layer bef
               params.push_back(fold ? w : astype(w, DType::bf16));
               params.push_back(fold ? b : astype(b, DType::bf16));
             }
-            const Array x = astype(random_array(Shape{rows, 64}, 17), DType::bf16);
-            const Array probe = random_array(Shape{rows, 48}, 18);
+            auto with_last = [&](std::int64_t last) {
+              std::vector<std::int64_t> dims = lead;
+              dims.push_back(last);
+              return Shape(dims);
+            };
+            const Array x = astype(random_array(with_last(64), 17), DType::bf16);
+            const Array probe = random_array(with_last(48), 18);
             const std::int64_t applied = autodiff::detail::prologues_applied();
             const std::vector<Array> got = stack_grads(s, x, params, probe);
             // Three layers have a layer before them; on the panel kernel each hands it its pass.

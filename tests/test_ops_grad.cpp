@@ -115,6 +115,16 @@ TEST_CASE("matmul and dot_general") {
 
 TEST_CASE("data movement") {
   CHECK(check_gradients("reshape", [](const V& v) { return reshape(v[0], {4, -1}); }, {r({2, 3, 4}, 70)}));
+  CHECK(check_gradients("reshape to its own shape", [](const V& v) { return reshape(v[0], {2, -1, 4}) * 2.0f; },
+                        {r({2, 3, 4}, 70)}));
+  {  // to its own shape: the input itself, nothing recorded (as jax.lax.reshape)
+    auto [value, g] = value_and_grad([](const Array& x) {
+      const Array y = reshape(x, {2, 3, 4});
+      CHECK(y.node() == x.node());
+      return sum(y * y);
+    })(r({2, 3, 4}, 70));
+    CHECK(g.shape() == Shape{2, 3, 4});
+  }
   CHECK(check_gradients("transpose", [](const V& v) { return transpose(v[0], {2, 0, 1}); }, {r({2, 3, 4}, 71)}));
   CHECK(check_gradients("slice", [](const V& v) { return slice(v[0], {0, 1, 0}, {2, 3, 4}, {1, 1, 2}); },
                         {r({2, 3, 4}, 72)}));

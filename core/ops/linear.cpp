@@ -325,15 +325,17 @@ Array composed(const Array& x, const Array& kernel, const Array& bias, Activatio
 }
 
 // The casts of a bf16 computation on float32 parameters folded into the op (linear with a dtype,
-// linear.hpp): x bf16 [rows, k] (x2), kernel float32 [k, n], bias float32 [n] or undefined, an
+// linear.hpp): x bf16 [..., k] (rows rows), kernel float32 [k, n], bias float32 [n] or undefined, an
 // activation that keeps its derivative. On the bf16 panel kernel the kernel is rounded while the
 // product packs it; elsewhere it is rounded first and the product is linear's. It keeps x, the
 // rounded parameters (not the float32 ones: hooks that move or regather what ops keep see only what
 // the rule reads) and the derivative. Which kernel runs is chosen inside the forward pass, so the
 // graph is the same whatever the engine.
-Array linear_casts_folded(const Array& x2, const Array& kernel, const Array& bias, Activation act, const Shape& out_shape) {
-  const std::int64_t k = kernel.dim(0), n = kernel.dim(1), rows = x2.dim(0);
-  const Shape rows_shape{rows, n};
+Array linear_casts_folded(const Array& x, std::int64_t rows, const Array& kernel, const Array& bias, Activation act,
+                          const Shape& out_shape) {
+  const std::int64_t k = kernel.dim(0), n = kernel.dim(1);
+  const Shape rows_shape{rows, n}, x2_shape{rows, k};
+  const Array x2 = x.with_shape(x2_shape);
   const bool has_bias = bias.defined();
   // (rounded outside the graph: the rule returns the parameters' gradients in float32 itself)
   const Array bias16 = has_bias ? astype(bias.detached(), DType::bf16) : Array();
@@ -348,11 +350,11 @@ Array linear_casts_folded(const Array& x2, const Array& kernel, const Array& bia
       Array z = has_bias ? kernels::gemm_bias(x2, kernel16, bias16) : kernels::batched_gemm(x2, kernel16, false, false);
       std::tie(y, d) = value_and_derivative(std::move(z), act);
     }
-    r.keep(x2, kernel16, bias16, d);
+    r.keep(x, kernel16, bias16, d);
     return y.with_shape(out_shape);
   };
-  auto rule = autodiff::higher_order([act, has_bias, rows_shape, out_shape, x_shape = x2.shape()](Cotangents& c,
-                                                                                                 autodiff::Saved s) {
+  auto rule = autodiff::higher_order([act, has_bias, rows_shape, x2_shape, out_shape, x_shape = x.shape()](
+                                         Cotangents& c, autodiff::Saved s) {
     if (autodiff::creating_graph()) {
       // The casts and linear in differentiable ops, on the parameters rebuilt from their rounded
       // copies (widened: rounding them gives those copies back, and a cast's derivative does not
@@ -371,11 +373,11 @@ Array linear_casts_folded(const Array& x2, const Array& kernel, const Array& bia
     auto [g2, db] = layer_cotangent(c, std::move(g), s[3], act,
                                     bias_needed ? std::optional<DType>(DType::bf16) : std::nullopt, in_place);
     if (c.needs(0)) input_gradient(c, g2, s[1], x_shape);                                // dx = g2 W^T
-    if (c.needs(1)) c.set(1, kernels::transposed_product_f32(s[0], g2));                 // dW = x^T g2, widened
+    if (c.needs(1)) c.set(1, kernels::transposed_product_f32(s[0].with_shape(x2_shape), g2));  // dW = x^T g2, widened
     if (bias_needed) c.set(2, astype(db, DType::f32));
   });
-  Array y = has_bias ? autodiff::primitive(ops::kind::linear, {&x2, &kernel, &bias}, forward, std::move(rule))
-                     : autodiff::primitive(ops::kind::linear, {&x2, &kernel}, forward, std::move(rule));
+  Array y = has_bias ? autodiff::primitive(ops::kind::linear, {&x, &kernel, &bias}, forward, std::move(rule))
+                     : autodiff::primitive(ops::kind::linear, {&x, &kernel}, forward, std::move(rule));
   declare_cotangent_pass(y, act, has_bias && bias.node() != nullptr);
   return y;
 }
@@ -436,8 +438,10 @@ Array linear(const Array& x_in, const Array& kernel_in, const Array& bias_in, Ac
   const Shape out_shape(out);
   std::int64_t rows = 1;  // explicit (not -1): a zero-width input (k = 0) has rows too
   for (int i = 0; i + 1 < x.rank(); ++i) rows *= x.dim(i);
-  const Array x2 = reshape(x, {rows, k});
-  const Shape rows_shape{x2.dim(0), n};
+  // The op's input is x itself (a view of it [rows, k] for the kernels, no reshape op between it and
+  // its producer: that layer's cotangent pass can be done by this one's input gradient).
+  const Shape x2_shape{rows, k}, rows_shape{rows, n};
+  const Array x2 = x.with_shape(x2_shape);
   const bool has_bias = bias.defined();
   const bool keep_derivative = am::derivative_from_input(act);  // gelu, gelu_exact, silu (any float dtype)
   auto forward = [&](Residuals& r) {
@@ -446,7 +450,7 @@ Array linear(const Array& x_in, const Array& kernel_in, const Array& bias_in, Ac
       // the product, then value_and_derivative's table).
       Array y = Array::empty(rows_shape, t), d = Array::empty(rows_shape, t);
       kernels::gemm_bias_pairs(x2, kernel, has_bias ? bias : Array(), pair_table(act), y, d);
-      r.keep(x2, kernel, has_bias ? bias : Array(), d);
+      r.keep(x, kernel, has_bias ? bias : Array(), d);
       return y.with_shape(out_shape);
     }
     Array z = has_bias ? kernels::gemm_bias(x2, kernel, bias) : kernels::batched_gemm(x2, kernel, false, false);
@@ -460,23 +464,25 @@ Array linear(const Array& x_in, const Array& kernel_in, const Array& bias_in, Ac
       // backward pass cost about 3% of a bf16 MLP step (24 x 512, batch 2048), the rounding at most
       // 2^-8 relative.
       auto [y, d] = value_and_derivative(std::move(z), act);
-      r.keep(x2, kernel, has_bias ? bias : Array(), d);
+      r.keep(x, kernel, has_bias ? bias : Array(), d);
       return y.with_shape(out_shape);
     }
     const Array y = activate(z, act).with_shape(out_shape);  // recording is off here: the kernel alone
     if (r.recording()) {
-      if (act == Activation::none) r.keep(kernel.node() ? x2 : Array(), x2.node() ? kernel : Array());
-      else r.keep(x2, kernel, has_bias ? bias : Array(), y);  // relu, tanh, sigmoid: from the output
+      if (act == Activation::none) r.keep(kernel.node() ? x : Array(), x.node() ? kernel : Array());
+      else r.keep(x, kernel, has_bias ? bias : Array(), y);  // relu, tanh, sigmoid: from the output
     }
     return y;
   };
-  auto rule = autodiff::higher_order([act, has_bias, rows_shape, out_shape, x_shape = x2.shape()](Cotangents& c,
-                                                                                                 autodiff::Saved s) {
+  auto rule = autodiff::higher_order([act, has_bias, rows_shape, x2_shape, out_shape, x_shape = x.shape()](
+                                         Cotangents& c, autodiff::Saved s) {
     if (autodiff::creating_graph()) {  // the same function in differentiable ops
       if (act == Activation::none) {
         const Array g = reshape(c.out(), rows_shape.vec());
-        if (c.needs(0)) c.set(0, dot_general(g, s[1], DotDims{.lhs_contracting = {1}, .rhs_contracting = {1}}));
-        if (c.needs(1)) c.set(1, dot_general(s[0], g, DotDims{.lhs_contracting = {0}, .rhs_contracting = {0}}));
+        if (c.needs(0))
+          c.set(0, reshape(dot_general(g, s[1], DotDims{.lhs_contracting = {1}, .rhs_contracting = {1}}), x_shape.vec()));
+        if (c.needs(1))
+          c.set(1, dot_general(reshape(s[0], x2_shape.vec()), g, DotDims{.lhs_contracting = {0}, .rhs_contracting = {0}}));
         if (has_bias && c.needs(2)) c.set(2, sum(g, {0}));
         return;
       }
@@ -492,11 +498,11 @@ Array linear(const Array& x_in, const Array& kernel_in, const Array& bias_in, Ac
     const bool in_place = act != Activation::none && g.owns_buffer_alone();
     auto [g2, db] = layer_cotangent(c, std::move(g), act == Activation::none ? Array() : s[3], act, bias_dtype, in_place);
     if (c.needs(0)) input_gradient(c, g2, s[1], x_shape);                     // dx = g2 W^T
-    if (c.needs(1)) c.set(1, kernels::batched_gemm(s[0], g2, true, false));  // dW = x^T g2
+    if (c.needs(1)) c.set(1, kernels::batched_gemm(s[0].with_shape(x2_shape), g2, true, false));  // dW = x^T g2
     if (bias_dtype) c.set(2, std::move(db));
   });
-  Array y = has_bias ? autodiff::primitive(ops::kind::linear, {&x2, &kernel, &bias}, forward, std::move(rule))
-                     : autodiff::primitive(ops::kind::linear, {&x2, &kernel}, forward, std::move(rule));
+  Array y = has_bias ? autodiff::primitive(ops::kind::linear, {&x, &kernel, &bias}, forward, std::move(rule))
+                     : autodiff::primitive(ops::kind::linear, {&x, &kernel}, forward, std::move(rule));
   // (the kept derivative, residual 3, exists when the forward kept one: a recorded gelu or silu layer)
   declare_cotangent_pass(y, act, has_bias && bias.node() != nullptr);
   return y;
@@ -515,12 +521,11 @@ Array linear(const Array& x_in, const Array& kernel, const Array& bias, Activati
       (!bias.defined() || bias.shape() == Shape{kernel.dim(1)}) && !x.batched() && !kernel.batched() && !bias.batched() &&
       am::derivative_from_input(act) && autodiff::is_recording() &&
       (x.node() != nullptr || kernel.node() != nullptr || bias.node() != nullptr)) {
-    const std::int64_t k = kernel.dim(0), n = kernel.dim(1);
     std::int64_t rows = 1;
     for (int i = 0; i + 1 < x.rank(); ++i) rows *= x.dim(i);
     std::vector<std::int64_t> out = x.shape().vec();
-    out.back() = n;
-    return linear_casts_folded(reshape(x, {rows, k}), kernel, bias, act, Shape(out));
+    out.back() = kernel.dim(1);
+    return linear_casts_folded(x, rows, kernel, bias, act, Shape(out));
   }
   return linear(x, astype(kernel, *dtype), bias.defined() ? astype(bias, *dtype) : Array(), act);
 }
