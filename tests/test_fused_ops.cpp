@@ -426,6 +426,26 @@ TEST_CASE("f32 panel products: the float64 product within float32 summation erro
             }
           CHECK(worst <= 1.0);
           CHECK(all_finite);
+          // Times a scale [m, n] (a NaN among it), and each row tile's column sums of the products,
+          // rows in order from zero: the plain product's elements multiplied, bitwise; guards kept.
+          auto scale = values(c.m * c.n, 73);
+          if (size > 1) scale[1] = std::numeric_limits<float>::quiet_NaN();
+          const std::int64_t tiles = (c.m + kernels::kScaledSumRows - 1) / kernels::kScaledSumRows;
+          std::vector<float> scaled(size + 2, -7.0f), sums(static_cast<std::size_t>(tiles * c.n) + 2, -7.0f),
+              want_sums(sums.size() - 2, 0.0f);
+          kernels::gemm_f32_panels(c.m, c.n, c.k, (ta ? at : a).data(), ta, (tb ? bt : b).data(), tb, bias_ptr,
+                                   scaled.data() + 1, scale.data(), sums.data() + 1);
+          bool same = scaled.front() == -7.0f && scaled.back() == -7.0f && sums.front() == -7.0f && sums.back() == -7.0f;
+          for (std::int64_t i = 0; i < c.m; ++i)
+            for (std::int64_t j = 0; j < c.n; ++j) {
+              const std::size_t e = static_cast<std::size_t>(i * c.n + j);
+              const float product = outs.back()[e] * scale[e];
+              same = same && std::bit_cast<std::uint32_t>(scaled[e + 1]) == std::bit_cast<std::uint32_t>(product);
+              want_sums[static_cast<std::size_t>(i / kernels::kScaledSumRows * c.n + j)] += product;
+            }
+          for (std::size_t i = 0; i < want_sums.size(); ++i)
+            same = same && std::bit_cast<std::uint32_t>(sums[i + 1]) == std::bit_cast<std::uint32_t>(want_sums[i]);
+          CHECK(same);
         }
       }
       for (std::size_t v = 1; v < outs.size(); ++v) {

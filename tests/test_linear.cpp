@@ -646,6 +646,35 @@ TEST_CASE("a stack of bf16 linear layers: each input gradient does the layer bef
   else CHECK(autodiff::detail::prologues_applied() > before);
 }
 
+TEST_CASE("a stack of float32 linear layers: the input gradients on the float32 panel kernel do the cotangent passes, bitwise") {
+  // The same in float32, on shapes the float32 panel kernel takes (2048 rows, 512 wide): the
+  // multiply and the bias sums in the input gradient's epilogue, bitwise the separate pass.
+  const Stack s{.widths = {512, 512, 512}, .act = Activation::gelu, .fold = false};
+  std::vector<Array> params;
+  for (std::size_t l = 0; l + 1 < s.widths.size(); ++l) {
+    params.push_back(random_array(Shape{512, 512}, 400 + l, -0.05f, 0.05f));
+    params.push_back(random_array(Shape{512}, 500 + l));
+  }
+  const Array x = random_array(Shape{2048, 512}, 19), probe = random_array(Shape{2048, 512}, 20);
+  const std::int64_t applied = autodiff::detail::prologues_applied();
+  const std::vector<Array> got = stack_grads(s, x, params, probe);
+  const Array g2_probe = random_array(Shape{2048, 512}, 21);
+  const bool panels = kernels::uses_f32_panels(g2_probe, false, params[0], true);
+  CHECK(autodiff::detail::prologues_applied() - applied == (panels ? 1 : 0));
+  if (!panels) MESSAGE("no float32 panel kernel here: the cotangent pass stayed separate");
+  std::vector<Array> debug_checked;
+  {
+    DebugNansScope checks(true, true);
+    debug_checked = stack_grads(s, x, params, probe);
+  }
+  REQUIRE(got.size() == debug_checked.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    CAPTURE(i);
+    CHECK(got[i].dtype() == DType::f32);
+    CHECK(got[i].bitwise_equal(debug_checked[i]));
+  }
+}
+
 TEST_CASE("the layer before's cotangent pass stays its own where its output has other cotangents") {
   // h1 = linear(x, W1), y = linear(h1, W2). When h1 also reaches the loss another way (a second
   // consumer, recorded before the layer or after it), or is itself an output given a cotangent (vjp of both), its cotangent is a sum: the

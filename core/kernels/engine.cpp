@@ -149,19 +149,30 @@ Array transposed_product_f32(const Array& a, const Array& b) {
   return out;
 }
 
+bool scaled_product_bt_runs(const Array& a, const Array& b, const Array& scale) {
+  if (!(a.rank() == 2 && b.rank() == 2 && scale.shape() == Shape{a.dim(0), b.dim(0)} && scale.dtype() == a.dtype())) return false;
+  return uses_bf16_panels(a, false, b, true) || uses_f32_panels(a, false, b, true);
+}
+
 Array scaled_product_bt(const Array& a, const Array& b, const Array& scale, Array* column_sums) {
-  if (!uses_bf16_panels(a, false, b, true) || scale.dtype() != DType::bf16 || !(scale.shape() == Shape{a.dim(0), b.dim(0)}))
-    throw Error(linum::detail::cat("scaled_product_bt: needs the bf16 panel kernel's operands (", a.shape(), ", ", b.shape(),
-                            " transposed) and a bf16 scale of the product's shape; got ", scale.shape()));
+  if (!scaled_product_bt_runs(a, b, scale))
+    throw Error(linum::detail::cat("scaled_product_bt: needs operands of a panel kernel (", a.shape(), " ", dtype_name(a.dtype()),
+                                   ", ", b.shape(), " ", dtype_name(b.dtype()),
+                                   " transposed) and a scale of the product's shape and dtype; got ", scale.shape(), " ",
+                                   dtype_name(scale.dtype())));
   const detail::ProductClock clock(timed_flops(a, b, false, true));
   const std::int64_t m = a.dim(0), n = b.dim(0);
-  Array out = Array::empty(Shape{m, n}, DType::bf16);
+  Array out = Array::empty(Shape{m, n}, a.dtype());
   if (column_sums != nullptr) *column_sums = Array::empty(Shape{(m + kScaledSumRows - 1) / kScaledSumRows, n}, DType::f32);
+  float* sums = column_sums != nullptr ? column_sums->mutable_data() : nullptr;
+  if (a.dtype() == DType::f32) {
+    gemm_f32_panels(m, n, a.dim(1), a.data(), false, b.data(), true, nullptr, out.mutable_data(), scale.data(), sums);
+    return out;
+  }
   gemm_bf16_panels(m, n, a.dim(1), static_cast<const bfloat16*>(a.raw()), false, static_cast<const bfloat16*>(b.raw()), true,
                    nullptr,
                    Bf16ProductOut{.z = static_cast<bfloat16*>(out.mutable_raw()),
-                                  .scale = static_cast<const bfloat16*>(scale.raw()),
-                                  .tile_sums = column_sums != nullptr ? column_sums->mutable_data() : nullptr});
+                                  .scale = static_cast<const bfloat16*>(scale.raw()), .tile_sums = sums});
   return out;
 }
 

@@ -183,10 +183,12 @@ void gemm_bias_pairs_f32_kernel(const Array& a, const Array& kernel, const Array
 // a^T b for bf16 a [k, m], b [k, n]: astype(batched_gemm(a, b, true, false), f32), the widening
 // inside the product's epilogue when the panel kernel runs it.
 Array transposed_product_f32(const Array& a, const Array& b);
-// a b^T times scale on the panel kernel (Bf16ProductOut::scale): bf16 a [m, k], b [n, k], scale
-// [m, n]; with column_sums, the row tiles' column sums of the products into it ([ceil(m /
-// kScaledSumRows), n] float32, allocated here). An input gradient handed to the layer before with
-// that layer's kept derivative applied (core/ops/linear.cpp). Requires uses_bf16_panels(a, false, b, true).
+// a b^T times scale on a panel kernel (Bf16ProductOut::scale; gemm_f32_panels' scale): a [m, k],
+// b [n, k] and scale [m, n] all bf16 or all float32; with column_sums, the row tiles' column sums of
+// the products into it ([ceil(m / kScaledSumRows), n] float32, allocated here). An input gradient
+// handed to the layer before with that layer's kept derivative applied (core/ops/linear.cpp).
+// Requires scaled_product_bt_runs(a, b, scale): the engine's a b^T runs on that panel kernel.
+bool scaled_product_bt_runs(const Array& a, const Array& b, const Array& scale);
 Array scaled_product_bt(const Array& a, const Array& b, const Array& scale, Array* column_sums);
 // The fused linear layer's forward product with its activation pair (see Bf16ProductOut): a [m, k],
 // b [k, n], bias [n] or undefined; y and d [m, n] bf16, written. Requires uses_bf16_panels(a, false, b, false).
@@ -200,8 +202,11 @@ void gemm_bias_pairs(const Array& a, const Array& b, const Array& bias, const st
 // thread and the bias added; so the bits never depend on the threads.
 // f32_panels_available(): built with AVX-512F (else gemm_f32_panels throws).
 bool f32_panels_available();
+// With `scale` ([m, n]): each element times scale's, into out; and, when tile_sums is given, each
+// row tile's column sums of those products (rows in order, from zero), tile t's at tile_sums + t * n
+// ([ceil(m / kScaledSumRows), n]), as Bf16ProductOut::scale without the roundings.
 void gemm_f32_panels(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, bool ta, const float* b, bool tb,
-                     const float* bias, float* out);
+                     const float* bias, float* out, const float* scale = nullptr, float* tile_sums = nullptr);
 // Whether the engine's products of op(a) and op(b) run gemm_f32_panels: the oneDNN engine is chosen,
 // the kernel is built, both are float32 matrices, and the shape is one where the kernel is the faster
 // (engine.cpp says which).

@@ -113,13 +113,22 @@ void pack_transposed(const float* b, std::int64_t ldb, std::int64_t k, std::int6
   }
 }
 
+static_assert(kScaledSumRows == kTileRows, "gemm_f32_panels' tile_sums are per row tile");
+
+// What a tile's epilogue multiplies in (gemm.hpp: gemm_f32_panels' scale and tile_sums): the tile's
+// rows of the scale (row stride ldo), and where its column sums go.
+struct TileScale {
+  const float* scale = nullptr;
+  float* sums = nullptr;
+};
+
 // One tile: rows [0, R) of A times one panel, plus the bias, into out (row stride ldo; columns
-// masked by m0, m1). A is row-major (row stride lda), or with PackedA a packed panel of a transposed
-// A (pack_rows, kTileRows wide). Meanwhile `fetch`'s lines are fetched, spread over the steps of the
-// sum (detail::fetch_evenly).
+// masked by m0, m1); times the scale when one is given. A is row-major (row stride lda), or with
+// PackedA a packed panel of a transposed A (pack_rows, kTileRows wide). Meanwhile `fetch`'s lines
+// are fetched, spread over the steps of the sum (detail::fetch_evenly).
 template <int R, bool PackedA>
 void tile(std::int64_t k, const float* a, std::int64_t lda, const float* panel, const float* bias, __mmask16 m0,
-          __mmask16 m1, float* out, std::int64_t ldo, const detail::TileFetch& fetch) {
+          __mmask16 m1, float* out, std::int64_t ldo, const detail::TileFetch& fetch, const TileScale& scaled) {
   __m512 acc0[R], acc1[R];
 #pragma GCC unroll 14
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
@@ -137,6 +146,26 @@ void tile(std::int64_t k, const float* a, std::int64_t lda, const float* panel, 
   }
   const __m512 bias0 = bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m0, bias);
   const __m512 bias1 = bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m1, bias + 16);
+  if (scaled.scale != nullptr) {  // times the scale; the tile's column sums of the products
+    __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const __m512 z0 = bias == nullptr ? acc0[r] : _mm512_add_ps(acc0[r], bias0);
+      const __m512 z1 = bias == nullptr ? acc1[r] : _mm512_add_ps(acc1[r], bias1);
+      const __m512 p0 = _mm512_mul_ps(z0, _mm512_maskz_loadu_ps(m0, scaled.scale + r * ldo));
+      const __m512 p1 = _mm512_mul_ps(z1, _mm512_maskz_loadu_ps(m1, scaled.scale + r * ldo + 16));
+      if (scaled.sums != nullptr) {
+        sum0 = _mm512_add_ps(sum0, p0);
+        sum1 = _mm512_add_ps(sum1, p1);
+      }
+      _mm512_mask_storeu_ps(out + r * ldo, m0, p0);
+      _mm512_mask_storeu_ps(out + r * ldo + 16, m1, p1);
+    }
+    if (scaled.sums != nullptr) {
+      _mm512_mask_storeu_ps(scaled.sums, m0, sum0);
+      _mm512_mask_storeu_ps(scaled.sums + 16, m1, sum1);
+    }
+    return;
+  }
 #pragma GCC unroll 14
   for (int r = 0; r < R; ++r) {
     _mm512_mask_storeu_ps(out + r * ldo, m0, bias == nullptr ? acc0[r] : _mm512_add_ps(acc0[r], bias0));
@@ -145,7 +174,7 @@ void tile(std::int64_t k, const float* a, std::int64_t lda, const float* panel, 
 }
 
 using TileFn = void (*)(std::int64_t, const float*, std::int64_t, const float*, const float*, __mmask16, __mmask16, float*,
-                        std::int64_t, const detail::TileFetch&);
+                        std::int64_t, const detail::TileFetch&, const TileScale&);
 template <bool PackedA, int... R>
 constexpr auto tiles(std::integer_sequence<int, R...>) {
   return std::array<TileFn, sizeof...(R)>{tile<R + 1, PackedA>...};
@@ -157,7 +186,7 @@ constexpr std::array<std::array<TileFn, kTileRows>, 2> kTiles{tiles<false>(std::
 }  // namespace
 
 void gemm_f32_panels(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, bool ta, const float* b, bool tb,
-                     const float* bias, float* out) {
+                     const float* bias, float* out, const float* scale, float* tile_sums) {
   if (m == 0 || n == 0) return;
   constexpr std::int64_t kRowChunk = 32;  // rows of an operand packed at a time
   const std::int64_t depth = std::max<std::int64_t>(k, 1);  // a panel's rows (one, zero, when k = 0)
@@ -192,8 +221,18 @@ void gemm_f32_panels(std::int64_t m, std::int64_t n, std::int64_t k, const float
             const std::int64_t j0 = p * kPanelCols;
             // (the next row tile's rows: panel_schedule_internal.hpp)
             const detail::TileFetch next = !ta && p == it.p0 ? detail::next_tile_rows(a, m, k * 4, t) : detail::TileFetch{};
+            TileScale scaled;
+            if (scale != nullptr) {
+              scaled.scale = scale + i0 * n + j0;
+              if (tile_sums != nullptr) scaled.sums = tile_sums + t * n + j0;
+              // (its lines, fetched now for the epilogue: a derivative kept since the forward pass)
+              for (int r = 0; r < rows; ++r) {
+                _mm_prefetch(reinterpret_cast<const char*>(scaled.scale + r * n), _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char*>(scaled.scale + r * n + 16), _MM_HINT_T0);
+              }
+            }
             kTiles[ta][rows - 1](k, a_rows, k, panels + p * panel_words, bias == nullptr ? nullptr : bias + j0,
-                                 lanes(n - j0), lanes(n - j0 - 16), out + i0 * n + j0, n, next);
+                                 lanes(n - j0), lanes(n - j0 - 16), out + i0 * n + j0, n, next, scaled);
           }
         }
       });
@@ -202,7 +241,7 @@ void gemm_f32_panels(std::int64_t m, std::int64_t n, std::int64_t k, const float
 #else
 
 void gemm_f32_panels(std::int64_t, std::int64_t, std::int64_t, const float*, bool, const float*, bool, const float*,
-                     float*) {
+                     float*, const float*, float*) {
   throw Error("gemm_f32_panels: this build has no AVX-512 kernel (check f32_panels_available() first)");
 }
 

@@ -47,8 +47,8 @@ constexpr std::array<std::pair<Activation, std::string_view>, 7> kNames{{
 
 // Rows per block of the backward pass: each block sums its rows' cotangents per column in row order,
 // and the blocks' sums are added in block order, so the bias gradient's bits depend on the shape
-// alone (not on the threads). The row tiles of the bf16 panel kernel, whose input gradient can hand
-// the layer before its cotangent pass done, sums included (input_gradient below).
+// alone (not on the threads). The row tiles of the panel kernels, whose input gradient can hand the
+// layer before its cotangent pass done, sums included (input_gradient below).
 constexpr std::int64_t kRowsPerBlock = kernels::kScaledSumRows;
 // One row of g2 = g * act'(x) in float32 (n floats, padded to whole packets in the scratch runs),
 // from what the op keeps (`v`): the output for relu, tanh and sigmoid; for gelu and silu the
@@ -298,16 +298,15 @@ void declare_cotangent_pass(const Array& y, Activation act, bool bias_needs_grad
 }
 
 // dx = g2 W^T [rows, k] as input 0's cotangent; when the layer before is a fused linear layer that
-// offers its cotangent pass (its only consumer is this op) and the product runs on the bf16 panel
-// kernel, with that pass done in the product's epilogue: its derivative multiplied in and its bias
-// sums taken, in its own pass's blocks (the same bits: cotangent_pass over tiles of kRowsPerBlock
-// rows). That saves the layer before a pass over 2 bytes per element read twice and written once,
-// and a parallel region.
+// offers its cotangent pass (its only consumer is this op) and the product runs on a panel kernel
+// (bf16 or float32), with that pass done in the product's epilogue: its derivative multiplied in
+// and its bias sums taken, in its own pass's blocks (the same bits: cotangent_pass over tiles of
+// kRowsPerBlock rows). That saves the layer before a pass reading two arrays of the layer's width
+// and writing one, and a parallel region.
 void input_gradient(Cotangents& c, const Array& g2, const Array& w, const Shape& x_shape) {
   if (std::optional<Cotangents::PrologueOffer> offer = c.producer_prologue(0)) {
     const Array& d = *offer->derivative;
-    if (d.dtype() == DType::bf16 && d.rank() == 2 && d.dim(0) == g2.dim(0) && d.dim(1) == w.dim(0) &&
-        kernels::uses_bf16_panels(g2, false, w, true)) {
+    if (kernels::scaled_product_bt_runs(g2, w, d)) {
       Array sums;
       Array dx = kernels::scaled_product_bt(g2, w, d, offer->column_sums ? &sums : nullptr);
       c.set_with_prologue(0, dx.with_shape(x_shape), std::move(sums));
