@@ -256,3 +256,80 @@ TEST_CASE("debug_nans inside a module names the module path; in a checkpointed b
     CHECK(std::string(e.what()).find("op 'sqrt' produced NaN in the recomputation of a checkpointed block") != std::string::npos);
   }
 }
+
+namespace {
+// A user op declaring a cotangent prologue: y = x * d (d a constant it keeps), whose rule first
+// multiplies its cotangent by d, unless the op computing that cotangent already did.
+Array times_kept(const Array& x, const Array& d) {
+  Array y = autodiff::primitive(
+      "times_kept", {&x},
+      [&](autodiff::Residuals& r) {
+        r.keep(d);
+        return x * d;
+      },
+      [](autodiff::Cotangents& c, autodiff::Saved s) { c.set(0, c.prologue_applied() ? c.out() : c.out() * s[0]); });
+  if (y.node() != nullptr) y.node()->set_cotangent_prologue(autodiff::CotangentPrologue{.derivative = 0});
+  return y;
+}
+// A consumer y = 3 x whose rule applies its input's producer's prologue when offered (`apply`), then,
+// with `then_plain`, hands a plain cotangent after all; with `twice`, it takes the offers of both of
+// its inputs (x and z), which the protocol refuses.
+int g_offers = 0;
+Array thrice(const Array& x, bool apply, bool then_plain, const Array& z = Array()) {
+  auto rule = [apply, then_plain, has_z = z.defined()](autodiff::Cotangents& c, autodiff::Saved) {
+    const Array g = c.out() * 3.0f;
+    for (std::size_t i = 0; i < (has_z ? 2u : 1u); ++i) {
+      if (auto offer = c.producer_prologue(i)) {
+        ++g_offers;
+        if (apply) c.set_with_prologue(i, g * *offer->derivative, Array());
+        if (then_plain || !apply) c.set(i, g);
+      } else {
+        c.set(i, g);
+      }
+    }
+  };
+  if (z.defined()) return autodiff::primitive("thrice", {&x, &z}, [&](autodiff::Residuals&) { return x * 3.0f + z; }, rule);
+  return autodiff::primitive("thrice", {&x}, [&](autodiff::Residuals&) { return x * 3.0f; }, rule);
+}
+}  // namespace
+
+TEST_CASE("cotangent prologues: offered only to a producer's sole consumer, applied once, the same gradient either way") {
+  // d(sum(thrice(x * d))) / dx = 3 d, whether the consumer applies the producer's prologue (offered:
+  // one consumer, an empty slot) or not; never offered when the producer's output has a second
+  // consumer, is a root given its own cotangent, or debug checks are on; a consumer that takes the
+  // offer and then hands a plain cotangent leaves the producer to apply it itself; taking two offers
+  // in one rule is an AutodiffError.
+  const Array x = Array::from(Shape{4}, {1.0f, -2.0f, 3.0f, 0.5f}), d = Array::from(Shape{4}, {2.0f, 5.0f, -1.0f, 4.0f});
+  const Array want = Array::from(Shape{4}, {6.0f, 15.0f, -3.0f, 12.0f});
+  for (const bool apply : {true, false}) {
+    for (const bool then_plain : {false, true}) {
+      CAPTURE(apply);
+      CAPTURE(then_plain);
+      g_offers = 0;
+      const std::int64_t applied = autodiff::detail::prologues_applied();
+      CHECK(grad([&](const Array& x) { return sum(thrice(times_kept(x, d), apply, then_plain)); })(x).bitwise_equal(want));
+      CHECK(g_offers == 1);
+      CHECK(autodiff::detail::prologues_applied() - applied == (apply && !then_plain ? 1 : 0));
+    }
+  }
+  g_offers = 0;
+  // a second consumer (recorded after, so its part arrives first; and before)
+  CHECK(grad([&](const Array& x) { const Array h = times_kept(x, d); return sum(thrice(h, true, false)) + sum(h); })(x)
+            .bitwise_equal(Array::from(Shape{4}, {8.0f, 20.0f, -4.0f, 16.0f})));
+  CHECK(grad([&](const Array& x) { const Array h = times_kept(x, d); const Array s = sum(h); return sum(thrice(h, true, false)) + s; })(x)
+            .bitwise_equal(Array::from(Shape{4}, {8.0f, 20.0f, -4.0f, 16.0f})));
+  {
+    DebugNansScope checks;
+    CHECK(grad([&](const Array& x) { return sum(thrice(times_kept(x, d), true, false)); })(x).bitwise_equal(want));
+  }
+  auto [ys, pullback] = vjp([&](const Array& x) {
+    const Array h = times_kept(x, d);
+    return std::vector<Array>{h, thrice(h, true, false)};
+  }, x);
+  CHECK(pullback(std::vector<Array>{Array::ones(Shape{4}), Array::ones(Shape{4})})
+            .bitwise_equal(Array::from(Shape{4}, {8.0f, 20.0f, -4.0f, 16.0f})));
+  CHECK(g_offers == 0);
+  // two offers taken in one rule
+  CHECK_THROWS_AS(grad([&](const Array& x) { return sum(thrice(times_kept(x, d), true, false, times_kept(x * 2.0f, d))); })(x),
+                  AutodiffError);
+}

@@ -452,12 +452,18 @@ std::optional<Cotangents::PrologueOffer> Cotangents::producer_prologue(std::size
   Array* slot = (*accumulators_)(e);
   if (slot == nullptr || slot->defined() || SweepAccess::grads(producer).empty() || slot != &SweepAccess::grads(producer)[0])
     return std::nullopt;
+  // (a derivative of the cotangent's dtype and size: what the producer's output is)
   const Array* derivative = producer->kept_residual(producer->cotangent_prologue()->derivative);
-  if (derivative == nullptr) return std::nullopt;
+  if (derivative == nullptr || derivative->dtype() != producer->output_dtype(0) ||
+      derivative->numel() != producer->output_shape(0).numel())
+    return std::nullopt;
   return PrologueOffer{derivative, producer->cotangent_prologue()->column_sums};
 }
 
 void Cotangents::set_with_prologue(std::size_t i, Array g2, Array column_sums) {
+  if (applied_input_ >= 0 && applied_input_ != static_cast<int>(i))
+    throw AutodiffError(linum::detail::cat("a backward rule applied the prologues of inputs ", applied_input_, " and ", i,
+                                           "'s producers; one input per rule (a bug in that op's rule; please report it)"));
   if (!producer_prologue(i))
     throw AutodiffError(linum::detail::cat("a backward rule applied the prologue of input ", i,
                                            "'s producer where it was not offered (a bug in that op's rule; please report it)"));

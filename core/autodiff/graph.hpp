@@ -179,7 +179,10 @@ class Cotangents {
   std::size_t num_inputs() const { return ins_.size(); }
   // Whether input i needs a gradient (its producer is recorded). Rules skip the others.
   bool needs(std::size_t i) const { return edges_[i].node != nullptr; }
-  void set(std::size_t i, Array g) { ins_[i] = std::move(g); }
+  void set(std::size_t i, Array g) {
+    ins_[i] = std::move(g);
+    if (static_cast<int>(i) == applied_input_) applied_input_ = -1, applied_sums_ = Array();  // (a plain cotangent again)
+  }
   // The running sum of input i's gradient in the enclosing sweep (what the consumers processed so
   // far gave it), or null. A checkpoint continues that sum inside its recomputed block, adding each
   // contribution where the plain graph adds it: bitwise the plain gradient, and one array per input
@@ -208,7 +211,7 @@ class Cotangents {
   };
   std::optional<PrologueOffer> producer_prologue(std::size_t i) const;
   // Input i's cotangent with its producer's prologue applied (after producer_prologue(i) offered
-  // it), and the column sums when the offer asked for them.
+  // it), and the column sums when the offer asked for them. One input per rule.
   void set_with_prologue(std::size_t i, Array g2, Array column_sums);
   // For a node that declared a prologue: whether the cotangent of its output 0 arrived with it
   // applied (its rule must then not apply it again), and the column sums that came with it.

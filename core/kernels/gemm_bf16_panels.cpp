@@ -30,7 +30,7 @@
 #include <cstring>
 #include <utility>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #include <immintrin.h>
 
 #include <linum/core/kernels/avx512_lanes_internal.hpp>

@@ -47,9 +47,11 @@ constexpr std::array<std::pair<Activation, std::string_view>, 7> kNames{{
 
 // Rows per block of the backward pass: each block sums its rows' cotangents per column in row order,
 // and the blocks' sums are added in block order, so the bias gradient's bits depend on the shape
-// alone (not on the threads). The row tiles of the panel kernels, whose input gradient can hand the
-// layer before its cotangent pass done, sums included (input_gradient below).
-constexpr std::int64_t kRowsPerBlock = kernels::kScaledSumRows;
+// alone (not on the threads). For an activation that keeps its derivative, the row tiles of the
+// panel kernels, whose input gradient can hand the layer before its pass done, sums included
+// (input_gradient below); otherwise 64 (a quarter of the block sums to keep: a logits layer's are
+// [rows / 64, vocabulary] floats).
+std::int64_t rows_per_block(Activation act) { return am::derivative_from_input(act) ? kernels::kScaledSumRows : 64; }
 // One row of g2 = g * act'(x) in float32 (n floats, padded to whole packets in the scratch runs),
 // from what the op keeps (`v`): the output for relu, tanh and sigmoid; for gelu and silu the
 // derivative itself.
@@ -225,7 +227,7 @@ std::pair<Array, Array> cotangent_pass(Array g, const Array& v, Activation act, 
   const void* graw = from_storage ? g.raw() : nullptr;
   const void* vraw = from_storage && write ? v.raw() : nullptr;
   void* g2raw = from_storage && write ? g2.mutable_raw() : nullptr;
-  const std::int64_t blocks = (m + kRowsPerBlock - 1) / kRowsPerBlock;
+  const std::int64_t block_rows = rows_per_block(act), blocks = (m + block_rows - 1) / block_rows;
   // The blocks' column sums (an Array: counted by memory accounting and the remat planner).
   Array partial = bias_dtype ? Array::empty(Shape{blocks, n}, DType::f32) : Array();
   const int threads = m * n >= ops::detail::kParallelMin ? team_size() : 1;
@@ -245,20 +247,20 @@ std::pair<Array, Array> cotangent_pass(Array g, const Array& v, Activation act, 
 #endif
     float* acc = bias_dtype ? partial.mutable_data() + b * n : nullptr;
     if (acc != nullptr) std::fill(acc, acc + n, 0.0f);
-    const std::int64_t end = std::min(m, (b + 1) * kRowsPerBlock);
+    const std::int64_t end = std::min(m, (b + 1) * block_rows);
     if (from_storage) {
       if (dt == DType::f32)
         storage_rows(*kind, static_cast<const float*>(graw), static_cast<const float*>(vraw), static_cast<float*>(g2raw), acc,
-                     b * kRowsPerBlock, end, n);
+                     b * block_rows, end, n);
       else
         storage_rows(*kind, static_cast<const bfloat16*>(graw), static_cast<const bfloat16*>(vraw),
-                     static_cast<bfloat16*>(g2raw), acc, b * kRowsPerBlock, end, n);
+                     static_cast<bfloat16*>(g2raw), acc, b * block_rows, end, n);
       continue;
     }
     float* sg = scratch.data() + static_cast<std::size_t>(t) * 3 * p;
     float* sv = sg + p;
     float* so = sv + p;
-    for (std::int64_t r = b * kRowsPerBlock; r < end; ++r) {
+    for (std::int64_t r = b * block_rows; r < end; ++r) {
       const float* gr = row_f32(g, r, n, sg);
       const float* out = gr;
       if (write) {
@@ -301,7 +303,7 @@ void declare_cotangent_pass(const Array& y, Activation act, bool bias_needs_grad
 // offers its cotangent pass (its only consumer is this op) and the product runs on a panel kernel
 // (bf16 or float32), with that pass done in the product's epilogue: its derivative multiplied in
 // and its bias sums taken, in its own pass's blocks (the same bits: cotangent_pass over tiles of
-// kRowsPerBlock rows). That saves the layer before a pass reading two arrays of the layer's width
+// kernels::kScaledSumRows rows). That saves the layer before a pass reading two arrays of the layer's width
 // and writing one, and a parallel region.
 void input_gradient(Cotangents& c, const Array& g2, const Array& w, const Shape& x_shape) {
   if (std::optional<Cotangents::PrologueOffer> offer = c.producer_prologue(0)) {
