@@ -315,6 +315,26 @@ TEST_CASE("bf16 panel products: the float64 product of the bf16 values (+ bias) 
             for (std::size_t i = 0; i < want_sums.size(); ++i)
               same = same && std::bit_cast<std::uint32_t>(sums[i + 1]) == std::bit_cast<std::uint32_t>(want_sums[i]);
             CHECK(same);
+            // Selecting instead (scale_selects, relu's rule from its output): each value where the
+            // scale's is > 0 (not NaN), else +0, not rounded again; the sums of those.
+            std::vector<bfloat16> selected(size + 2);
+            selected.front().bits = selected.back().bits = 0x7fc1;
+            std::vector<float> select_sums(sums.size(), -7.0f), want_select(want_sums.size(), 0.0f);
+            kernels::gemm_bf16_panels(c.m, c.n, c.k, a.data(), ta, b.data(), tb, bias_ptr,
+                                      kernels::Bf16ProductOut{.z = selected.data() + 1, .scale = scale.data(),
+                                                              .tile_sums = select_sums.data() + 1, .scale_selects = true});
+            bool selects = selected.front().bits == 0x7fc1 && selected.back().bits == 0x7fc1 && select_sums.front() == -7.0f &&
+                           select_sums.back() == -7.0f;
+            for (std::int64_t i = 0; i < c.m; ++i)
+              for (std::int64_t j = 0; j < c.n; ++j) {
+                const std::size_t e = static_cast<std::size_t>(i * c.n + j);
+                const float picked = static_cast<float>(scale[e]) > 0.0f ? static_cast<float>(z[e]) : 0.0f;
+                selects = selects && selected[e + 1].bits == bfloat16::round_bits(picked);
+                want_select[static_cast<std::size_t>(i / kernels::kScaledSumRows * c.n + j)] += picked;
+              }
+            for (std::size_t i = 0; i < want_select.size(); ++i)
+              selects = selects && std::bit_cast<std::uint32_t>(select_sums[i + 1]) == std::bit_cast<std::uint32_t>(want_select[i]);
+            CHECK(selects);
           });
           if (!ta && !tb && c.k > 0) {
             // b given in float32, not yet rounded (halfway values and a subnormal among them): rounded
@@ -446,6 +466,23 @@ TEST_CASE("f32 panel products: the float64 product within float32 summation erro
           for (std::size_t i = 0; i < want_sums.size(); ++i)
             same = same && std::bit_cast<std::uint32_t>(sums[i + 1]) == std::bit_cast<std::uint32_t>(want_sums[i]);
           CHECK(same);
+          // Selecting instead (relu's rule from its output): each element where the scale's is > 0
+          // (not NaN), else +0; the sums of those.
+          std::vector<float> selected(size + 2, -7.0f), select_sums(sums.size(), -7.0f), want_select(want_sums.size(), 0.0f);
+          kernels::gemm_f32_panels(c.m, c.n, c.k, (ta ? at : a).data(), ta, (tb ? bt : b).data(), tb, bias_ptr,
+                                   selected.data() + 1, scale.data(), select_sums.data() + 1, true);
+          bool selects = selected.front() == -7.0f && selected.back() == -7.0f && select_sums.front() == -7.0f &&
+                         select_sums.back() == -7.0f;
+          for (std::int64_t i = 0; i < c.m; ++i)
+            for (std::int64_t j = 0; j < c.n; ++j) {
+              const std::size_t e = static_cast<std::size_t>(i * c.n + j);
+              const float picked = scale[e] > 0.0f ? outs.back()[e] : 0.0f;
+              selects = selects && std::bit_cast<std::uint32_t>(selected[e + 1]) == std::bit_cast<std::uint32_t>(picked);
+              want_select[static_cast<std::size_t>(i / kernels::kScaledSumRows * c.n + j)] += picked;
+            }
+          for (std::size_t i = 0; i < want_select.size(); ++i)
+            selects = selects && std::bit_cast<std::uint32_t>(select_sums[i + 1]) == std::bit_cast<std::uint32_t>(want_select[i]);
+          CHECK(selects);
         }
       }
       for (std::size_t v = 1; v < outs.size(); ++v) {

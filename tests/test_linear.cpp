@@ -580,10 +580,11 @@ std::vector<Array> stack_grads(const Stack& s, const Array& x, const std::vector
 
 TEST_CASE("a stack of bf16 linear layers: each input gradient does the layer before's cotangent pass in its product, bitwise") {
   // A layer's input gradient g2 W^T on the bf16 panel kernel multiplies in the layer before's kept
-  // derivative and takes its bias sums in the product's epilogue, when that layer offers it
-  // (gelu, gelu_exact, silu) and the gradient goes to it alone. The gradients are bitwise those of
-  // the separate pass: with debug checks on (which check each cotangent as computed, so nothing is
-  // offered) and under remat (each layer's checkpoint is a boundary). Rows that fill the last row
+  // derivative (relu: selects by its kept output) and takes its bias sums in the product's
+  // epilogue, when that layer offers it (gelu, gelu_exact, silu, relu) and the gradient goes to it
+  // alone (relu with float32 parameters casts them first: the casts fold only for the others). The
+  // gradients are bitwise those of the separate pass: with debug checks on (which check each
+  // cotangent as computed, so nothing is offered) and under remat (each layer's checkpoint is a boundary). Rows that fill the last row
   // tile or not (2048, 2047; also as a [2, 1024, 64] input, a layer's input being its producer's
   // output as it is), widths whose panels are full or masked (64, 48, 40), folded casts or
   // bf16 parameters, biases differentiated or not, one thread and two, both fp modes.
@@ -591,7 +592,7 @@ TEST_CASE("a stack of bf16 linear layers: each input gradient does the layer bef
   auto check = [&] {
     for (const std::vector<std::int64_t>& lead : {std::vector<std::int64_t>{2048}, std::vector<std::int64_t>{2047},
                                                   std::vector<std::int64_t>{2, 1024}}) {
-      for (const Activation act : {Activation::gelu, Activation::silu, Activation::gelu_exact}) {
+      for (const Activation act : {Activation::gelu, Activation::silu, Activation::gelu_exact, Activation::relu}) {
         for (const bool fold : {true, false}) {
           for (const bool bias_grads : {true, false}) {
             CAPTURE(lead.size());
@@ -648,8 +649,11 @@ TEST_CASE("a stack of bf16 linear layers: each input gradient does the layer bef
 
 TEST_CASE("a stack of float32 linear layers: the input gradients on the float32 panel kernel do the cotangent passes, bitwise") {
   // The same in float32, on shapes the float32 panel kernel takes (2048 rows, 512 wide): the
-  // multiply and the bias sums in the input gradient's epilogue, bitwise the separate pass.
-  const Stack s{.widths = {512, 512, 512}, .act = Activation::gelu, .fold = false};
+  // multiply (gelu) or the select (relu) and the bias sums in the input gradient's epilogue, bitwise
+  // the separate pass.
+  for (const Activation act : {Activation::gelu, Activation::relu}) {
+  CAPTURE(activation_name(act));
+  const Stack s{.widths = {512, 512, 512}, .act = act, .fold = false};
   std::vector<Array> params;
   for (std::size_t l = 0; l + 1 < s.widths.size(); ++l) {
     params.push_back(random_array(Shape{512, 512}, 400 + l, -0.05f, 0.05f));
@@ -672,6 +676,7 @@ TEST_CASE("a stack of float32 linear layers: the input gradients on the float32 
     CAPTURE(i);
     CHECK(got[i].dtype() == DType::f32);
     CHECK(got[i].bitwise_equal(debug_checked[i]));
+  }
   }
 }
 

@@ -457,7 +457,7 @@ std::optional<Cotangents::PrologueOffer> Cotangents::producer_prologue(std::size
   if (derivative == nullptr || derivative->dtype() != producer->output_dtype(0) ||
       derivative->numel() != producer->output_shape(0).numel())
     return std::nullopt;
-  return PrologueOffer{derivative, producer->cotangent_prologue()->column_sums};
+  return PrologueOffer{derivative, producer->cotangent_prologue()->column_sums, producer->cotangent_prologue()->kind};
 }
 
 void Cotangents::set_with_prologue(std::size_t i, Array g2, Array column_sums) {

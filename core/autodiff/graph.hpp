@@ -154,12 +154,15 @@ struct Edge {
 // What a node does first with the cotangent g of its output 0, declared so that the node computing
 // that cotangent can do it inside its own kernel (a product's epilogue) instead of this node making
 // one more pass over it: g2 = g * derivative, elementwise (the node's residual `derivative`, of g's
-// shape), rounded once to g's dtype; and with `column_sums`, g2's column sums (before that rounding)
-// by blocks of rows, handed over as one array. The layout of the sums is agreed between the two
-// ops' rules (the fused linear layer, core/ops/linear.cpp, is both producer and consumer).
+// shape), rounded once to g's dtype; or, for `select_positive`, g2 = g where derivative > 0 and 0
+// elsewhere (relu's rule, from its output); and with `column_sums`, g2's column sums (before that
+// rounding) by blocks of rows, handed over as one array. The layout of the sums is agreed between
+// the two ops' rules (the fused linear layer, core/ops/linear.cpp, is both producer and consumer).
 struct CotangentPrologue {
+  enum class Kind : std::uint8_t { multiply, select_positive };
   std::uint32_t derivative = 0;
   bool column_sums = false;
+  Kind kind = Kind::multiply;
 };
 
 // What a backward rule sees: the cotangents of the node's outputs, and slots for its inputs.
@@ -208,6 +211,7 @@ class Cotangents {
   struct PrologueOffer {
     const Array* derivative;  // the producer's residual, alive until the producer's rule has run
     bool column_sums;
+    CotangentPrologue::Kind kind;
   };
   std::optional<PrologueOffer> producer_prologue(std::size_t i) const;
   // Input i's cotangent with its producer's prologue applied (after producer_prologue(i) offered

@@ -154,7 +154,7 @@ bool scaled_product_bt_runs(const Array& a, const Array& b, const Array& scale) 
   return uses_bf16_panels(a, false, b, true) || uses_f32_panels(a, false, b, true);
 }
 
-Array scaled_product_bt(const Array& a, const Array& b, const Array& scale, Array* column_sums) {
+Array scaled_product_bt(const Array& a, const Array& b, const Array& scale, Array* column_sums, bool selects) {
   if (!scaled_product_bt_runs(a, b, scale))
     throw Error(linum::detail::cat("scaled_product_bt: needs operands of a panel kernel (", a.shape(), " ", dtype_name(a.dtype()),
                                    ", ", b.shape(), " ", dtype_name(b.dtype()),
@@ -166,13 +166,15 @@ Array scaled_product_bt(const Array& a, const Array& b, const Array& scale, Arra
   if (column_sums != nullptr) *column_sums = Array::empty(Shape{(m + kScaledSumRows - 1) / kScaledSumRows, n}, DType::f32);
   float* sums = column_sums != nullptr ? column_sums->mutable_data() : nullptr;
   if (a.dtype() == DType::f32) {
-    gemm_f32_panels(m, n, a.dim(1), a.data(), false, b.data(), true, nullptr, out.mutable_data(), scale.data(), sums);
+    gemm_f32_panels(m, n, a.dim(1), a.data(), false, b.data(), true, nullptr, out.mutable_data(), scale.data(), sums,
+                    selects);
     return out;
   }
   gemm_bf16_panels(m, n, a.dim(1), static_cast<const bfloat16*>(a.raw()), false, static_cast<const bfloat16*>(b.raw()), true,
                    nullptr,
                    Bf16ProductOut{.z = static_cast<bfloat16*>(out.mutable_raw()),
-                                  .scale = static_cast<const bfloat16*>(scale.raw()), .tile_sums = sums});
+                                  .scale = static_cast<const bfloat16*>(scale.raw()), .tile_sums = sums,
+                                  .scale_selects = selects});
   return out;
 }
 

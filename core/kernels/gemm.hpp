@@ -158,6 +158,9 @@ struct Bf16ProductOut {
   // at tile_sums + t * n ([ceil(m / kScaledSumRows), n]).
   const bfloat16* scale = nullptr;
   float* tile_sums = nullptr;
+  // With scale: each rounded value where scale's is > 0, else 0 (relu's derivative from its output;
+  // no second rounding), instead of the product.
+  bool scale_selects = false;
 };
 // The rows of a row tile of gemm_bf16_panels: the blocks of Bf16ProductOut::tile_sums.
 inline constexpr std::int64_t kScaledSumRows = 14;
@@ -187,9 +190,10 @@ Array transposed_product_f32(const Array& a, const Array& b);
 // b [n, k] and scale [m, n] all bf16 or all float32; with column_sums, the row tiles' column sums of
 // the products into it ([ceil(m / kScaledSumRows), n] float32, allocated here). An input gradient
 // handed to the layer before with that layer's kept derivative applied (core/ops/linear.cpp).
+// With `selects`, each element where scale's is > 0, else 0, instead of the product (relu's).
 // Requires scaled_product_bt_runs(a, b, scale): the engine's a b^T runs on that panel kernel.
 bool scaled_product_bt_runs(const Array& a, const Array& b, const Array& scale);
-Array scaled_product_bt(const Array& a, const Array& b, const Array& scale, Array* column_sums);
+Array scaled_product_bt(const Array& a, const Array& b, const Array& scale, Array* column_sums, bool selects = false);
 // The fused linear layer's forward product with its activation pair (see Bf16ProductOut): a [m, k],
 // b [k, n], bias [n] or undefined; y and d [m, n] bf16, written. Requires uses_bf16_panels(a, false, b, false).
 void gemm_bias_pairs(const Array& a, const Array& b, const Array& bias, const std::uint32_t* pair_table, Array& y,
@@ -206,7 +210,8 @@ bool f32_panels_available();
 // row tile's column sums of those products (rows in order, from zero), tile t's at tile_sums + t * n
 // ([ceil(m / kScaledSumRows), n]), as Bf16ProductOut::scale without the roundings.
 void gemm_f32_panels(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, bool ta, const float* b, bool tb,
-                     const float* bias, float* out, const float* scale = nullptr, float* tile_sums = nullptr);
+                     const float* bias, float* out, const float* scale = nullptr, float* tile_sums = nullptr,
+                     bool scale_selects = false);
 // Whether the engine's products of op(a) and op(b) run gemm_f32_panels: the oneDNN engine is chosen,
 // the kernel is built, both are float32 matrices, and the shape is one where the kernel is the faster
 // (engine.cpp says which).

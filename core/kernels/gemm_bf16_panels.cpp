@@ -130,6 +130,7 @@ struct SideLookups {
   float* z_f32 = nullptr;  // when set: the rounded values widened to float32 there (row stride ldo), not into out
   const std::uint16_t* scale = nullptr;  // when set: the rounded values times these (row stride ldo), rounded again
   float* sums = nullptr;                 // with scale: the tile's column sums of those products
+  bool selects = false;                  // with scale: the value where the scale's is > 0, else 0, not rounded again
 };
 
 static_assert(kScaledSumRows == kTileRows, "Bf16ProductOut::tile_sums are per row tile");
@@ -201,10 +202,21 @@ void tile(std::int64_t k, const std::uint16_t* a, std::int64_t lda, const std::u
     __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
     for (int r = 0; r < R; ++r) {
       const __m512i z = (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(acc1[r], bias1), _mm512_add_ps(acc0[r], bias0));
-      const __m512 p0 = _mm512_mul_ps(widen_bf16(_mm512_castsi512_si256(z)),
-                                      widen_bf16(_mm256_maskz_loadu_epi16(m0, side.scale + r * ldo)));
-      const __m512 p1 = _mm512_mul_ps(widen_bf16(_mm512_extracti64x4_epi64(z, 1)),
-                                      widen_bf16(_mm256_maskz_loadu_epi16(m1, side.scale + r * ldo + 16)));
+      const __m512 z0 = widen_bf16(_mm512_castsi512_si256(z)), z1 = widen_bf16(_mm512_extracti64x4_epi64(z, 1));
+      const __m512 s0 = widen_bf16(_mm256_maskz_loadu_epi16(m0, side.scale + r * ldo));
+      const __m512 s1 = widen_bf16(_mm256_maskz_loadu_epi16(m1, side.scale + r * ldo + 16));
+      if (side.selects) {  // z where the scale is > 0, else +0 (exact: no second rounding)
+        const __mmask16 k0 = _mm512_cmp_ps_mask(s0, _mm512_setzero_ps(), _CMP_GT_OQ);
+        const __mmask16 k1 = _mm512_cmp_ps_mask(s1, _mm512_setzero_ps(), _CMP_GT_OQ);
+        if (side.sums != nullptr) {
+          sum0 = _mm512_add_ps(sum0, _mm512_maskz_mov_ps(k0, z0));
+          sum1 = _mm512_add_ps(sum1, _mm512_maskz_mov_ps(k1, z1));
+        }
+        _mm512_mask_storeu_epi16(out + r * ldo, mask,
+                                 _mm512_maskz_mov_epi16(static_cast<__mmask32>(k0) | static_cast<__mmask32>(k1) << 16, z));
+        continue;
+      }
+      const __m512 p0 = _mm512_mul_ps(z0, s0), p1 = _mm512_mul_ps(z1, s1);
       if (side.sums != nullptr) {
         sum0 = _mm512_add_ps(sum0, p0);
         sum1 = _mm512_add_ps(sum1, p1);
@@ -302,6 +314,7 @@ void run_tiles(const PanelOperands& o, std::int64_t t0, std::int64_t t1, std::in
       SideLookups s = next_rows(t, p);
       if (out.z_f32 != nullptr) s.z_f32 = out.z_f32 + t * kTileRows * n + p * kPanelCols;
       if (scale != nullptr) {
+        s.selects = out.scale_selects;
         s.scale = scale + t * kTileRows * n + p * kPanelCols;
         if (out.tile_sums != nullptr) s.sums = out.tile_sums + t * n + p * kPanelCols;
       }

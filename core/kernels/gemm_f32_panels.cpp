@@ -120,6 +120,7 @@ static_assert(kScaledSumRows == kTileRows, "gemm_f32_panels' tile_sums are per r
 struct TileScale {
   const float* scale = nullptr;
   float* sums = nullptr;
+  bool selects = false;  // the element where the scale's is > 0, else 0, instead of the product
 };
 
 // One tile: rows [0, R) of A times one panel, plus the bias, into out (row stride ldo; columns
@@ -151,8 +152,12 @@ void tile(std::int64_t k, const float* a, std::int64_t lda, const float* panel, 
     for (int r = 0; r < R; ++r) {
       const __m512 z0 = bias == nullptr ? acc0[r] : _mm512_add_ps(acc0[r], bias0);
       const __m512 z1 = bias == nullptr ? acc1[r] : _mm512_add_ps(acc1[r], bias1);
-      const __m512 p0 = _mm512_mul_ps(z0, _mm512_maskz_loadu_ps(m0, scaled.scale + r * ldo));
-      const __m512 p1 = _mm512_mul_ps(z1, _mm512_maskz_loadu_ps(m1, scaled.scale + r * ldo + 16));
+      const __m512 s0 = _mm512_maskz_loadu_ps(m0, scaled.scale + r * ldo);
+      const __m512 s1 = _mm512_maskz_loadu_ps(m1, scaled.scale + r * ldo + 16);
+      const __m512 p0 = scaled.selects ? _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s0, _mm512_setzero_ps(), _CMP_GT_OQ), z0)
+                                       : _mm512_mul_ps(z0, s0);
+      const __m512 p1 = scaled.selects ? _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s1, _mm512_setzero_ps(), _CMP_GT_OQ), z1)
+                                       : _mm512_mul_ps(z1, s1);
       if (scaled.sums != nullptr) {
         sum0 = _mm512_add_ps(sum0, p0);
         sum1 = _mm512_add_ps(sum1, p1);
@@ -186,7 +191,7 @@ constexpr std::array<std::array<TileFn, kTileRows>, 2> kTiles{tiles<false>(std::
 }  // namespace
 
 void gemm_f32_panels(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, bool ta, const float* b, bool tb,
-                     const float* bias, float* out, const float* scale, float* tile_sums) {
+                     const float* bias, float* out, const float* scale, float* tile_sums, bool scale_selects) {
   if (m == 0 || n == 0) return;
   constexpr std::int64_t kRowChunk = 32;  // rows of an operand packed at a time
   const std::int64_t depth = std::max<std::int64_t>(k, 1);  // a panel's rows (one, zero, when k = 0)
@@ -222,6 +227,7 @@ void gemm_f32_panels(std::int64_t m, std::int64_t n, std::int64_t k, const float
             // (the next row tile's rows: panel_schedule_internal.hpp)
             const detail::TileFetch next = !ta && p == it.p0 ? detail::next_tile_rows(a, m, k * 4, t) : detail::TileFetch{};
             TileScale scaled;
+            scaled.selects = scale_selects;
             if (scale != nullptr) {
               scaled.scale = scale + i0 * n + j0;
               if (tile_sums != nullptr) scaled.sums = tile_sums + t * n + j0;
@@ -241,7 +247,7 @@ void gemm_f32_panels(std::int64_t m, std::int64_t n, std::int64_t k, const float
 #else
 
 void gemm_f32_panels(std::int64_t, std::int64_t, std::int64_t, const float*, bool, const float*, bool, const float*,
-                     float*, const float*, float*) {
+                     float*, const float*, float*, bool) {
   throw Error("gemm_f32_panels: this build has no AVX-512 kernel (check f32_panels_available() first)");
 }
 

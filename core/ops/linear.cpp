@@ -47,11 +47,13 @@ constexpr std::array<std::pair<Activation, std::string_view>, 7> kNames{{
 
 // Rows per block of the backward pass: each block sums its rows' cotangents per column in row order,
 // and the blocks' sums are added in block order, so the bias gradient's bits depend on the shape
-// alone (not on the threads). For an activation that keeps its derivative, the row tiles of the
-// panel kernels, whose input gradient can hand the layer before its pass done, sums included
-// (input_gradient below); otherwise 64 (a quarter of the block sums to keep: a logits layer's are
+// alone (not on the threads). For the activations whose pass the layer after can do (relu, and
+// those that keep their derivative), the row tiles of the panel kernels, whose input gradient can
+// hand the layer before its pass done, sums included (input_gradient below); otherwise 64 (a quarter of the block sums to keep: a logits layer's are
 // [rows / 64, vocabulary] floats).
-std::int64_t rows_per_block(Activation act) { return am::derivative_from_input(act) ? kernels::kScaledSumRows : 64; }
+std::int64_t rows_per_block(Activation act) {
+  return am::derivative_from_input(act) || act == Activation::relu ? kernels::kScaledSumRows : 64;
+}
 // One row of g2 = g * act'(x) in float32 (n floats, padded to whole packets in the scratch runs),
 // from what the op keeps (`v`): the output for relu, tanh and sigmoid; for gelu and silu the
 // derivative itself.
@@ -292,11 +294,14 @@ std::pair<Array, Array> layer_cotangent(Cotangents& c, Array g, const Array& v, 
 }
 
 // What the layer's rule does first with its cotangent, offered to the op computing it (a layer after
-// it, whose input gradient then multiplies by the kept derivative `d`, residual 3, and sums its
-// columns inside its product: input_gradient).
+// it, whose input gradient then multiplies by the kept derivative, residual 3, or for relu selects by
+// the kept output, residual 3 too, and sums its columns inside its product: input_gradient).
 void declare_cotangent_pass(const Array& y, Activation act, bool bias_needs_grad) {
-  if (!am::derivative_from_input(act) || y.node() == nullptr || y.node()->op() != ops::kind::linear) return;
-  y.node()->set_cotangent_prologue(autodiff::CotangentPrologue{.derivative = 3, .column_sums = bias_needs_grad});
+  if (!(am::derivative_from_input(act) || act == Activation::relu) || y.node() == nullptr || y.node()->op() != ops::kind::linear)
+    return;
+  using Kind = autodiff::CotangentPrologue::Kind;
+  y.node()->set_cotangent_prologue(autodiff::CotangentPrologue{
+      .derivative = 3, .column_sums = bias_needs_grad, .kind = act == Activation::relu ? Kind::select_positive : Kind::multiply});
 }
 
 // dx = g2 W^T [rows, k] as input 0's cotangent; when the layer before is a fused linear layer that
@@ -307,10 +312,13 @@ void declare_cotangent_pass(const Array& y, Activation act, bool bias_needs_grad
 // and writing one, and a parallel region.
 void input_gradient(Cotangents& c, const Array& g2, const Array& w, const Shape& x_shape) {
   if (std::optional<Cotangents::PrologueOffer> offer = c.producer_prologue(0)) {
-    const Array& d = *offer->derivative;
-    if (kernels::scaled_product_bt_runs(g2, w, d)) {
+    // (the kept array as [rows, k]: relu keeps its output at the layer's own shape)
+    const Array d = offer->derivative->numel() == g2.dim(0) * w.dim(0) ? offer->derivative->with_shape(Shape{g2.dim(0), w.dim(0)})
+                                                                      : Array();
+    if (d.defined() && kernels::scaled_product_bt_runs(g2, w, d)) {
       Array sums;
-      Array dx = kernels::scaled_product_bt(g2, w, d, offer->column_sums ? &sums : nullptr);
+      Array dx = kernels::scaled_product_bt(g2, w, d, offer->column_sums ? &sums : nullptr,
+                                            offer->kind == autodiff::CotangentPrologue::Kind::select_positive);
       c.set_with_prologue(0, dx.with_shape(x_shape), std::move(sums));
       return;
     }
@@ -504,7 +512,7 @@ Array linear(const Array& x_in, const Array& kernel_in, const Array& bias_in, Ac
   });
   Array y = has_bias ? autodiff::primitive(ops::kind::linear, {&x, &kernel, &bias}, forward, std::move(rule))
                      : autodiff::primitive(ops::kind::linear, {&x, &kernel}, forward, std::move(rule));
-  // (the kept derivative, residual 3, exists when the forward kept one: a recorded gelu or silu layer)
+  // (residual 3, the kept derivative or relu's output, exists when the forward kept one: a recorded layer)
   declare_cotangent_pass(y, act, has_bias && bias.node() != nullptr);
   return y;
 }
