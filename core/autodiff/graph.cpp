@@ -256,10 +256,13 @@ void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, con
                                           " (a bug in that op's rule; please report it)"));
         Array* sum = slot(e);
         if (static_cast<int>(k) == c.applied_input()) {
-          // (producer_prologue checked that the cotangent goes straight into the producer's empty slot)
-          if (sum == nullptr || sum->defined() || e.index != 0 || g.dtype() != target->output_dtype(0))
+          // (set_with_prologue checked the offer: the cotangent goes straight into the producer's
+          // empty slot; a cast on the way would change what the prologue computed)
+          if (g.dtype() != target->output_dtype(0))
             throw AutodiffError(linum::detail::cat("backward rule of op '", node->op(), "' applied the prologue of input ", k,
-                                                   "'s producer where it was not offered (a bug in that op's rule; please report it)"));
+                                                   "'s producer in ", dtype_name(g.dtype()), ", not in that output's ",
+                                                   dtype_name(target->output_dtype(0)),
+                                                   " (a bug in that op's rule; please report it)"));
           SweepAccess::prologue_applied(target) = true;
           SweepAccess::prologue_sums(target) = c.take_applied_sums();
           g_prologues_applied.fetch_add(1, std::memory_order_relaxed);

@@ -112,10 +112,11 @@ void pack_transposed(const std::uint16_t* b, std::int64_t ldb, std::int64_t k, s
     for (std::int64_t j = cols; j < kPanelCols; ++j) panel[q * kPanelCols + j] = 0;
 }
 
+// bf16 (in 16-bit lanes) widened to float32.
+__m512 widen_bf16(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
+
 __m512 widen_bias(const std::uint16_t* bias, __mmask16 mask) {
-  if (bias == nullptr) return _mm512_setzero_ps();
-  const __m256i bits = _mm256_maskz_loadu_epi16(mask, bias);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  return bias == nullptr ? _mm512_setzero_ps() : widen_bf16(_mm256_maskz_loadu_epi16(mask, bias));
 }
 
 // The work a tile's product runs on the side: the previous tile's pairs, table[z[j]] into staged[j]
@@ -134,9 +135,6 @@ struct SideLookups {
 };
 
 static_assert(kScaledSumRows == kTileRows, "Bf16ProductOut::tile_sums are per row tile");
-
-// bf16 (in 16-bit lanes) widened to float32.
-__m512 widen_bf16(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
 
 // float32 to bf16 bits, rounded to nearest even, NaNs kept quiet: bfloat16::round_bits, 16 lanes.
 __m256i round_to_bf16(__m512 v) {
@@ -240,10 +238,8 @@ void tile(std::int64_t k, const std::uint16_t* a, std::int64_t lda, const std::u
     const __m512bh z = _mm512_cvtne2ps_pbh(_mm512_add_ps(acc1[r], bias1), _mm512_add_ps(acc0[r], bias0));
     if (side.z_f32 != nullptr) {
       const __m512i bits = (__m512i)z;
-      _mm512_mask_storeu_ps(side.z_f32 + r * ldo, m0,
-                            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(bits)), 16)));
-      _mm512_mask_storeu_ps(side.z_f32 + r * ldo + 16, m1,
-                            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(bits, 1)), 16)));
+      _mm512_mask_storeu_ps(side.z_f32 + r * ldo, m0, widen_bf16(_mm512_castsi512_si256(bits)));
+      _mm512_mask_storeu_ps(side.z_f32 + r * ldo + 16, m1, widen_bf16(_mm512_extracti64x4_epi64(bits, 1)));
     } else {
       _mm512_mask_storeu_epi16(out + r * ldo, mask, (__m512i)z);
     }

@@ -47,13 +47,13 @@ constexpr std::array<std::pair<Activation, std::string_view>, 7> kNames{{
 
 // Rows per block of the backward pass: each block sums its rows' cotangents per column in row order,
 // and the blocks' sums are added in block order, so the bias gradient's bits depend on the shape
-// alone (not on the threads). For the activations whose pass the layer after can do (relu, and
-// those that keep their derivative), the row tiles of the panel kernels, whose input gradient can
-// hand the layer before its pass done, sums included (input_gradient below); otherwise 64 (a quarter of the block sums to keep: a logits layer's are
-// [rows / 64, vocabulary] floats).
-std::int64_t rows_per_block(Activation act) {
-  return am::derivative_from_input(act) || act == Activation::relu ? kernels::kScaledSumRows : 64;
-}
+// alone (not on the threads). For the activations whose pass the layer after can do
+// (offers_cotangent_pass), the row tiles of the panel kernels, whose input gradient can hand the
+// layer before its pass done, sums included (input_gradient below); otherwise 64 (a quarter of the
+// block sums to keep: a logits layer's are [rows / 64, vocabulary] floats).
+// relu (selects by its kept output) and the activations that keep their derivative (multiply by it).
+bool offers_cotangent_pass(Activation act) { return am::derivative_from_input(act) || act == Activation::relu; }
+std::int64_t rows_per_block(Activation act) { return offers_cotangent_pass(act) ? kernels::kScaledSumRows : 64; }
 // One row of g2 = g * act'(x) in float32 (n floats, padded to whole packets in the scratch runs),
 // from what the op keeps (`v`): the output for relu, tanh and sigmoid; for gelu and silu the
 // derivative itself.
@@ -297,8 +297,7 @@ std::pair<Array, Array> layer_cotangent(Cotangents& c, Array g, const Array& v, 
 // it, whose input gradient then multiplies by the kept derivative, residual 3, or for relu selects by
 // the kept output, residual 3 too, and sums its columns inside its product: input_gradient).
 void declare_cotangent_pass(const Array& y, Activation act, bool bias_needs_grad) {
-  if (!(am::derivative_from_input(act) || act == Activation::relu) || y.node() == nullptr || y.node()->op() != ops::kind::linear)
-    return;
+  if (!offers_cotangent_pass(act) || y.node() == nullptr || y.node()->op() != ops::kind::linear) return;
   using Kind = autodiff::CotangentPrologue::Kind;
   y.node()->set_cotangent_prologue(autodiff::CotangentPrologue{
       .derivative = 3, .column_sums = bias_needs_grad, .kind = act == Activation::relu ? Kind::select_positive : Kind::multiply});
@@ -308,14 +307,13 @@ void declare_cotangent_pass(const Array& y, Activation act, bool bias_needs_grad
 // offers its cotangent pass (its only consumer is this op) and the product runs on a panel kernel
 // (bf16 or float32), with that pass done in the product's epilogue: its derivative multiplied in
 // and its bias sums taken, in its own pass's blocks (the same bits: cotangent_pass over tiles of
-// kernels::kScaledSumRows rows). That saves the layer before a pass reading two arrays of the layer's width
-// and writing one, and a parallel region.
+// kernels::kScaledSumRows rows). That saves the layer before a pass reading two arrays of the
+// layer's width and writing one, and a parallel region.
 void input_gradient(Cotangents& c, const Array& g2, const Array& w, const Shape& x_shape) {
   if (std::optional<Cotangents::PrologueOffer> offer = c.producer_prologue(0)) {
-    // (the kept array as [rows, k]: relu keeps its output at the layer's own shape)
-    const Array d = offer->derivative->numel() == g2.dim(0) * w.dim(0) ? offer->derivative->with_shape(Shape{g2.dim(0), w.dim(0)})
-                                                                      : Array();
-    if (d.defined() && kernels::scaled_product_bt_runs(g2, w, d)) {
+    // (the kept array, of x's size, as [rows, k]: relu keeps its output at the layer's own shape)
+    const Array d = offer->derivative->with_shape(Shape{g2.dim(0), w.dim(0)});
+    if (kernels::scaled_product_bt_runs(g2, w, d)) {
       Array sums;
       Array dx = kernels::scaled_product_bt(g2, w, d, offer->column_sums ? &sums : nullptr,
                                             offer->kind == autodiff::CotangentPrologue::Kind::select_positive);
