@@ -649,9 +649,9 @@ TEST_CASE("a stack of bf16 linear layers: each input gradient does the layer bef
 
 TEST_CASE("a stack of float32 linear layers: the input gradients on the float32 panel kernel do the cotangent passes, bitwise") {
   // The same in float32, on shapes the float32 panel kernel takes (2048 rows, 512 wide): the
-  // multiply (gelu) or the select (relu) and the bias sums in the input gradient's epilogue, bitwise
-  // the separate pass.
-  for (const Activation act : {Activation::gelu, Activation::relu}) {
+  // multiply (gelu, gelu_exact, silu) or the select (relu) and the bias sums in the input
+  // gradient's epilogue, bitwise the separate pass.
+  for (const Activation act : {Activation::gelu, Activation::gelu_exact, Activation::silu, Activation::relu}) {
   CAPTURE(activation_name(act));
   const Stack s{.widths = {512, 512, 512}, .act = act, .fold = false};
   std::vector<Array> params;
