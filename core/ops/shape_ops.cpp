@@ -86,6 +86,7 @@ Array strided_gather(const Array& x, const Shape& out_shape, const Strides& s, s
   }
   for_rows(out_shape, s, base, [&](std::int64_t o, std::int64_t i) {
     if (step == 1) std::memcpy(po + o, px + i, static_cast<std::size_t>(inner) * sizeof(T));
+    else if (step == 0) std::fill(po + o, po + o + inner, px[i]);  // (a broadcast row: one value, read once)
     else for (std::int64_t j = 0; j < inner; ++j) po[o + j] = px[i + j * step];
   });
   return out;
