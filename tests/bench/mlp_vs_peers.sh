@@ -4,12 +4,16 @@
 # plain step), Flax on JAX jit (nn.remat per layer, per sqrt(L) segments, and the dots_saveable
 # policy), and Debian's PyTorch 1.13 when /usr/bin/python3 has torch. Every line is JSON.
 #
-#   bash tests/bench/mlp_vs_peers.sh [BUILD_DIR]        (ROUNDS=1 STEPS=5)
+#   bash tests/bench/mlp_vs_peers.sh [BUILD_DIR]        (ROUNDS=1 STEPS=10)
+#
+# Each run reports its minimum over STEPS steps. On a shared 2-core host a minimum of 5 was often
+# a slow step for every framework; 10 give each a fairer one (and Linum's gemm_ratio compares its
+# step's minimum with the best of 20 products timed in the same run).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 build="${1:-build}"
 bench="$build/tests/bench/linum-bench"
-steps="${STEPS:-5}"
+steps="${STEPS:-10}"
 rounds="${ROUNDS:-1}"
 for round in $(seq "$rounds"); do
   for dtype in f32 bf16; do
