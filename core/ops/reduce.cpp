@@ -161,9 +161,14 @@ Array sum_as(const Array& x, const std::vector<int>& axes_in, bool keepdims, DTy
                                x.batch_levels());
   return primitive("sum", {&x},
                    [&](Residuals&) { return finish(reduce_kernel(x, axes, Reduction::sum, "sum", out_dtype), x.shape(), axes, keepdims); },
-                   autodiff::higher_order([xs = x.shape(), keep = reduced_shape(x.shape(), axes, true)](Cotangents& c, autodiff::Saved) {
+                   autodiff::higher_order([xs = x.shape(), dt = x.dtype(), keep = reduced_shape(x.shape(), axes, true)](
+                                              Cotangents& c, autodiff::Saved) {
                      if (autodiff::creating_graph()) return c.set(0, broadcast_to(reshape(c.out(), keep.vec()), xs));
-                     c.set(0, ops::detail::broadcast_raw(c.out().with_shape(keep), xs));  // the sweep casts it to x's dtype
+                     // In x's dtype before the broadcast (a float32 sum of bf16, as mean's): the same
+                     // values as the broadcast cast afterwards, without a float32 array of x's size.
+                     Array g = c.out().with_shape(keep);
+                     if (g.dtype() != dt) g = astype(g, dt);
+                     c.set(0, ops::detail::broadcast_raw(g, xs));
                    }));
 }
 }  // namespace
