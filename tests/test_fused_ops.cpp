@@ -227,9 +227,12 @@ TEST_CASE("bf16 panel products: the float64 product of the bf16 values (+ bias) 
   // (Case{30, 200, 2048}: 7 panels of 128 KB, in two groups of 4; Case{230, 40, 71}: 17 row tiles,
   // two scheduling items of four tiles, then nine single tiles; Case{168, 33, 4097}: 12 row tiles,
   // one item of four then single tiles, in each of two panel groups of one panel, an odd depth,
-  // and enough work for the whole team)
+  // and enough work for the whole team; Case{15, 48, 67} and Case{15, 16, 64}: a transposed right
+  // operand's panel packed by 16 x 16 register transposes, then its leftover rows and pairs one by
+  // one, and a panel of exactly 16 columns)
   for (const Case c : {Case{1, 1, 1}, Case{13, 33, 5}, Case{14, 32, 64}, Case{15, 17, 2}, Case{29, 70, 513}, Case{3, 5, 0},
-                       Case{57, 96, 130}, Case{28, 16, 3}, Case{30, 200, 2048}, Case{230, 40, 71}, Case{168, 33, 4097}}) {
+                       Case{57, 96, 130}, Case{28, 16, 3}, Case{30, 200, 2048}, Case{230, 40, 71}, Case{168, 33, 4097},
+                       Case{15, 48, 67}, Case{15, 16, 64}}) {
     for (bool ta : {false, true}) {
       for (bool tb : {false, true}) {
         for (bool with_bias : {false, true}) {
