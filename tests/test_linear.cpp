@@ -584,8 +584,8 @@ TEST_CASE("a stack of bf16 linear layers: each input gradient does the layer bef
   // epilogue, when that layer offers it (gelu, gelu_exact, silu, relu) and the gradient goes to it
   // alone (relu with float32 parameters casts them first: the casts fold only for the others). The
   // gradients are bitwise those of the separate pass: with debug checks on (which check each
-  // cotangent as computed, so nothing is offered) and under remat (each layer's checkpoint is a boundary). Rows that fill the last row
-  // tile or not (2048, 2047; also as a [2, 1024, 64] input, a layer's input being its producer's
+  // cotangent as computed, so nothing is offered) and under remat (each layer's checkpoint is a
+  // boundary). Rows that fill the last row tile or not (2048, 2047; also as a [2, 1024, 64] input, a layer's input being its producer's
   // output as it is), widths whose panels are full or masked (64, 48, 40), folded casts or
   // bf16 parameters, biases differentiated or not, one thread and two, both fp modes.
   const std::int64_t before = autodiff::detail::prologues_applied();
@@ -652,38 +652,38 @@ TEST_CASE("a stack of float32 linear layers: the input gradients on the float32 
   // multiply (gelu, gelu_exact, silu) or the select (relu) and the bias sums in the input
   // gradient's epilogue, bitwise the separate pass.
   for (const Activation act : {Activation::gelu, Activation::gelu_exact, Activation::silu, Activation::relu}) {
-  CAPTURE(activation_name(act));
-  const Stack s{.widths = {512, 512, 512}, .act = act, .fold = false};
-  std::vector<Array> params;
-  for (std::size_t l = 0; l + 1 < s.widths.size(); ++l) {
-    params.push_back(random_array(Shape{512, 512}, 400 + l, -0.05f, 0.05f));
-    params.push_back(random_array(Shape{512}, 500 + l));
-  }
-  const Array x = random_array(Shape{2048, 512}, 19), probe = random_array(Shape{2048, 512}, 20);
-  const std::int64_t applied = autodiff::detail::prologues_applied();
-  const std::vector<Array> got = stack_grads(s, x, params, probe);
-  const Array g2_probe = random_array(Shape{2048, 512}, 21);
-  const bool panels = kernels::uses_f32_panels(g2_probe, false, params[0], true);
-  CHECK(autodiff::detail::prologues_applied() - applied == (panels ? 1 : 0));
-  if (!panels) MESSAGE("no float32 panel kernel here: the cotangent pass stayed separate");
-  std::vector<Array> debug_checked;
-  {
-    DebugNansScope checks(true, true);
-    debug_checked = stack_grads(s, x, params, probe);
-  }
-  REQUIRE(got.size() == debug_checked.size());
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    CAPTURE(i);
-    CHECK(got[i].dtype() == DType::f32);
-    CHECK(got[i].bitwise_equal(debug_checked[i]));
-  }
+    CAPTURE(activation_name(act));
+    const Stack s{.widths = {512, 512, 512}, .act = act, .fold = false};
+    std::vector<Array> params;
+    for (std::size_t l = 0; l + 1 < s.widths.size(); ++l) {
+      params.push_back(random_array(Shape{512, 512}, 400 + l, -0.05f, 0.05f));
+      params.push_back(random_array(Shape{512}, 500 + l));
+    }
+    const Array x = random_array(Shape{2048, 512}, 19), probe = random_array(Shape{2048, 512}, 20);
+    const std::int64_t applied = autodiff::detail::prologues_applied();
+    const std::vector<Array> got = stack_grads(s, x, params, probe);
+    const Array g2_probe = random_array(Shape{2048, 512}, 21);
+    const bool panels = kernels::uses_f32_panels(g2_probe, false, params[0], true);
+    CHECK(autodiff::detail::prologues_applied() - applied == (panels ? 1 : 0));
+    if (!panels) MESSAGE("no float32 panel kernel here: the cotangent pass stayed separate");
+    std::vector<Array> debug_checked;
+    {
+      DebugNansScope checks(true, true);
+      debug_checked = stack_grads(s, x, params, probe);
+    }
+    REQUIRE(got.size() == debug_checked.size());
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      CAPTURE(i);
+      CHECK(got[i].dtype() == DType::f32);
+      CHECK(got[i].bitwise_equal(debug_checked[i]));
+    }
   }
 }
 
 TEST_CASE("the layer before's cotangent pass stays its own where its output has other cotangents") {
   // h1 = linear(x, W1), y = linear(h1, W2). When h1 also reaches the loss another way (a second
-  // consumer, recorded before the layer or after it), or is itself an output given a cotangent (vjp of both), its cotangent is a sum: the
-  // layer after must not apply the pass to its part alone. Bitwise the debug-checked gradients (no
+  // consumer, recorded before the layer or after it), or is itself an output given a cotangent (vjp
+  // of both), its cotangent is a sum: the layer after must not apply the pass to its part alone. Bitwise the debug-checked gradients (no
   // offers there), and nothing offered.
   const Array x = astype(random_array(Shape{2048, 64}, 41), DType::bf16);
   const Array w1 = random_array(Shape{64, 48}, 42, -0.5f, 0.5f), b1 = random_array(Shape{48}, 43);

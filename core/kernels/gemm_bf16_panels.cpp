@@ -120,9 +120,10 @@ void transpose_16x16(__m512i r[16]) {
 // row j0 + j of b, whose pairs are adjacent words: the panel is a transpose of those rows' words,
 // done 16 rows by 16 pairs in registers. Word by word it took 7-23 us (median of five runs 19) of a
 // 1.1 ms input gradient g W^T on the deep MLP's shapes, now 5-18 us (median 9; 2 threads, Zen 5,
-// the product with and without its packing, alternating in one process). Meanwhile the next panel's rows are fetched, a few lines per
-// block (the weight of an input gradient, kept since the forward pass, comes from memory): on the
-// deep MLP's bf16 step, steps alternating in one process, 0.55-0.6% faster by the best step.
+// the product with and without its packing, alternating in one process). Meanwhile the next
+// panel's rows are fetched, a few lines per block (the weight of an input gradient, kept since the
+// forward pass, comes from memory): on the deep MLP's bf16 step, steps alternating in one process,
+// 0.55-0.6% faster by the best step.
 void pack_transposed(const std::uint16_t* b, std::int64_t ldb, std::int64_t k, std::int64_t n, std::int64_t p,
                      std::uint32_t* panel) {
   const std::int64_t j0 = p * kPanelCols, cols = std::min(kPanelCols, n - j0), pairs = (k + 1) / 2, full = k / 2;
