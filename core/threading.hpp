@@ -5,7 +5,7 @@
 // speed and wakes late: with all threads in every region, a step slowed 2.5-3x (and 20x while
 // libgomp's threads spun at barriers). So Linum sizes each parallel region to the cores that are
 // free: omp_get_max_threads(), less one for each core other processes keep busy (the kernel's count
-// of runnable threads in /proc/loadavg, less this process's own, read at most every 25 ms; a core
+// of runnable threads in /proc/loadavg, less this process's own, read at most every 100 ms; a core
 // counts as taken after two readings agree), at least 1. On a quiet machine that is every thread;
 // with one of 2 cores taken, the step runs on the free core instead of waiting on the busy one
 // (linum-bench load: about 2x instead of 3x). Results do not depend on it: Linum's kernels split

@@ -73,8 +73,8 @@ TEST_CASE("parallel regions shrink to the free cores while other processes hold 
   for (long i = 0; i < cores; ++i) spinners.push_back(spin_process());
   usleep(100000);
   int seen = max;
-  for (int i = 0; i < 20 && seen > 1; ++i) {
-    usleep(30000);  // the count is refreshed every 25 ms (and shrinks after two readings)
+  for (int i = 0; i < 40 && seen > 1; ++i) {
+    usleep(30000);  // the count is refreshed every 100 ms (and shrinks after two readings)
     seen = team_size();
   }
   CHECK(seen == 1);
