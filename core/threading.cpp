@@ -30,7 +30,7 @@ std::atomic<int> g_adaptive{-1};  // -1: not yet read from LINUM_ADAPTIVE_THREAD
 [[maybe_unused]] std::atomic<std::int64_t> g_last_check_ns{std::numeric_limits<std::int64_t>::min() / 2};
 [[maybe_unused]] std::atomic<int> g_free_cores{1 << 20};
 [[maybe_unused]] std::atomic<int> g_previous_reading{1 << 20};
-// A reading (free_cores) takes 50-90 us of /proc reads on the thread about to start a parallel
+// A reading (free_cores) takes 75-150 us of /proc reads on the thread about to start a parallel
 // region, while the rest of the team waits (5-7 us per product on average at one reading every
 // 25 ms). Every 100 ms the bf16 deep-MLP step (linum-bench mlp, 2 cores, AMD EPYC Zen 5) ran
 // 0.8-1.7% faster by its best step, binaries alternating; a team still shrinks within about 0.2 s
