@@ -34,6 +34,7 @@
 #include <immintrin.h>
 
 #include <linum/core/kernels/avx512_lanes_internal.hpp>
+#include <linum/core/kernels/avx512_transpose_internal.hpp>
 #define LINUM_BF16_PANELS 1
 #else
 #define LINUM_BF16_PANELS 0
@@ -49,6 +50,7 @@ namespace {
 using detail::kPanelCols;
 using detail::kTileRows;
 using detail::lanes;
+using detail::transpose16;
 
 // Packing. A panel holds, for each pair of rows q of the operand, `width` words
 // (b[2q, j] | b[2q + 1, j] << 16), zero past n and past an odd k. Right operands are packed 32
@@ -93,29 +95,6 @@ void pack_rows(const std::uint16_t* b, std::int64_t ldb, std::int64_t k, std::in
   }
 }
 
-// 16 x 16 32-bit words transposed in registers: r[i] holds row i before, column i after.
-void transpose_16x16(__m512i r[16]) {
-  __m512i a[16], b[16];
-  for (int i = 0; i < 8; ++i) {
-    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // b[4i + m], 128-bit lane l: rows 4i .. 4i + 3 of column 4l + m
-    b[4 * i + 0] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-    b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-  }
-  for (int m = 0; m < 4; ++m) {
-    const __m512i even01 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0x88), odd01 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0xDD);
-    const __m512i even23 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0x88), odd23 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0xDD);
-    r[m] = _mm512_shuffle_i32x4(even01, even23, 0x88);
-    r[m + 8] = _mm512_shuffle_i32x4(even01, even23, 0xDD);
-    r[m + 4] = _mm512_shuffle_i32x4(odd01, odd23, 0x88);
-    r[m + 12] = _mm512_shuffle_i32x4(odd01, odd23, 0xDD);
-  }
-}
-
 // Panel p (32 wide) of a transposed right operand, b [n, k] (row stride ldb): column j of the panel is
 // row j0 + j of b, whose pairs are adjacent words: the panel is a transpose of those rows' words,
 // done 16 rows by 16 pairs in registers. Word by word it took 7-23 us (median of five runs 19) of a
@@ -141,7 +120,7 @@ void pack_transposed(const std::uint16_t* b, std::int64_t ldb, std::int64_t k, s
       ahead.step();
       __m512i r[16];
       for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(b + (j0 + g * 16 + i) * ldb + 2 * q0);
-      transpose_16x16(r);
+      transpose16(r);
       for (int i = 0; i < 16; ++i) _mm512_store_si512(panel + (q0 + i) * kPanelCols + g * 16, r[i]);
     }
     for (std::int64_t j = g * 16; j < g * 16 + 16; ++j) rest_of_row(j, blocks * 16);

@@ -29,6 +29,7 @@
 #include <immintrin.h>
 
 #include <linum/core/kernels/avx512_lanes_internal.hpp>
+#include <linum/core/kernels/avx512_transpose_internal.hpp>
 #define LINUM_F32_PANELS 1
 #else
 #define LINUM_F32_PANELS 0
@@ -44,6 +45,7 @@ namespace {
 using detail::kPanelCols;
 using detail::kTileRows;
 using detail::lanes;
+using detail::transpose16;
 
 // Rows [q0, q1) of b (float32 [k, n], row stride ldb) into all its panels, `width` wide (panel t at
 // panels + t * panel_words), zero past n: panel by panel, so that each writes one run while the few
@@ -64,33 +66,6 @@ void pack_rows(const float* b, std::int64_t ldb, std::int64_t k, std::int64_t n,
       for (std::int64_t j = 0; j < width; j += 16)
         _mm512_mask_storeu_ps(out + j, lanes(width - j), _mm512_maskz_loadu_ps(lanes(cols - j), row + j));
     }
-  }
-}
-
-// r[c] = column c of the 16 x 16 block whose row j is r[j].
-void transpose16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: (r[2i][4L], r[2i+1][4L], r[2i][4L+1], r[2i+1][4L+1]), ...
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // r[4i + j], lane L: column 4L + j of rows 4i .. 4i + 3
-    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-  }
-  for (int j = 0; j < 4; ++j) {  // the lanes regathered, in two rounds
-    t[j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);
-    t[4 + j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xDD);
-    t[8 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
-    t[12 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xDD);
-  }
-  for (int j = 0; j < 4; ++j) {
-    r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
-    r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xDD);
-    r[4 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0x88);
-    r[12 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0xDD);
   }
 }
 
