@@ -919,12 +919,13 @@ TEST_CASE("lstm_layer and gru_layer with bf16 weights: every product on bf16-rou
     }
     MESSAGE("bf16 lstm_layer vs composition: ", worst_rounded, " rounding h, ", worst_unrounded, " not");
     // The two sum in different orders, so an h a float32 ulp apart can round to bf16 values an ulp of
-    // bf16 apart, after which the rows differ at bf16's precision: the more rows and steps, the likelier.
-    // The largest difference is checked at 3 rows, where these operands give no such flip (at 32 rows
-    // they give one on the Eigen engine's summation order, and the GRU's below one on oneDNN's); at any
-    // size the mean difference stays far below the unrounded composition's.
-    if (N == 3) CHECK(worst_rounded < 2e-5f);
-    CHECK(mean_unrounded > 10 * mean_rounded);
+    // bf16 apart, after which the rows differ at bf16's precision: the more rows and steps, the likelier,
+    // and where depends on the kernels' summation order, which differs between engines and CPUs (at 32
+    // rows these operands flip one on the Eigen engine; the GRU's below flip one at 3 rows on AVX2's
+    // oneDNN kernels, not on AVX-512's). So the largest difference is held to a flip's reach, and the
+    // mean difference, which a flip in one row barely moves, to far below the unrounded composition's.
+    CHECK(worst_rounded < 1e-2f);
+    CHECK(mean_unrounded > 20 * mean_rounded);
     MESSAGE("mean differences: ", mean_rounded, " rounding h, ", mean_unrounded, " not");
     // With seq_lengths: each row's carry is the rounded composition's state after its length.
     const Array lengths = lengths_repeating(N, {20, 0, 7});
@@ -985,8 +986,9 @@ TEST_CASE("lstm_layer and gru_layer with bf16 weights: every product on bf16-rou
       mean_rounded_h += mean_abs_diff(yt, gr) / static_cast<float>(T);
       mean_unrounded_h += mean_abs_diff(yt, gu) / static_cast<float>(T);
     }
-    if (N == 3) CHECK(worst < 2e-5f);  // at 32 rows these operands flip one rounding (see the LSTM's above)
-    CHECK(mean_unrounded_h > 10 * mean_rounded_h);
+    MESSAGE("bf16 gru_layer vs composition: worst ", worst, ", mean ", mean_rounded_h, " rounding h, ", mean_unrounded_h, " not");
+    CHECK(worst < 1e-2f);  // a flipped rounding's reach (see the LSTM's above)
+    CHECK(mean_unrounded_h > 20 * mean_rounded_h);
   }
 }
 

@@ -173,6 +173,28 @@ memory in_layout(memory m, const memory::desc& want, dnnl::stream& stream) {
 
 }  // namespace
 
+bool onednn_bf16_conv_available() {
+  static const bool available = [] {
+    try {
+      const ConvShape s{1, 4, 4, 2, 3, 3, 2, 2, 1, 4, 4, 1, 1, 1, 1, 1, 1, 1, 1, DType::bf16};
+      const Descs d = descs_of(s);
+      dnnl::convolution_forward::desc fd(dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, d.x,
+                                         any_weights(d), d.y, d.strides, d.dilates, d.pad_l, d.pad_r);
+      const dnnl::convolution_forward::primitive_desc fpd(fd, cpu_engine());
+      const dnnl::convolution_backward_data::desc dd(dnnl::algorithm::convolution_direct, d.x, any_weights(d), d.y,
+                                                     d.strides, d.dilates, d.pad_l, d.pad_r);
+      const dnnl::convolution_backward_data::primitive_desc dpd(dd, cpu_engine(), fpd);
+      const dnnl::convolution_backward_weights::desc wd(dnnl::algorithm::convolution_direct, d.x, any_weights(d), d.y,
+                                                        d.strides, d.dilates, d.pad_l, d.pad_r);
+      const dnnl::convolution_backward_weights::primitive_desc wpd(wd, cpu_engine(), fpd);
+      return true;
+    } catch (const dnnl::error&) {
+      return false;
+    }
+  }();
+  return available;
+}
+
 Array conv_forward_onednn(const Array& x, const Array& w, const ConvShape& s) {
   const int threads = threads_for(s);
   return with_threads(threads, [&] {

@@ -1,5 +1,6 @@
 #include <linum/core/kernels/engine.hpp>
 #include <linum/core/error.hpp>
+#include <linum/core/kernels/conv.hpp>
 #include <linum/core/kernels/gemm.hpp>
 #include <linum/core/kernels/product_timing.hpp>
 
@@ -33,6 +34,18 @@ void read_environment_once() {
 bool engine_available(Engine e) { return e == Engine::eigen || LINUM_HAVE_ONEDNN; }
 
 const char* engine_name(Engine e) { return e == Engine::onednn ? "onednn" : "eigen"; }
+
+Engine engine_for(DType t) {
+  const Engine e = engine();
+#if LINUM_HAVE_ONEDNN
+  if (e == Engine::onednn && t == DType::bf16 &&
+      !(kernels::onednn_bf16_matmul_available() && kernels::onednn_bf16_conv_available()))
+    return Engine::eigen;
+#else
+  (void)t;
+#endif
+  return e;
+}
 
 Engine engine() {
   read_environment_once();
@@ -183,7 +196,7 @@ Array batched_gemm(const Array& a, const Array& b, bool ta, bool tb) {
   if (uses_bf16_panels(a, ta, b, tb)) return panels_product(a, ta, b, tb, nullptr);
   if (uses_f32_panels(a, ta, b, tb)) return f32_panels_product(a, ta, b, tb, nullptr);
 #if LINUM_HAVE_ONEDNN
-  if (engine() == Engine::onednn) return batched_gemm_onednn(a, b, ta, tb);
+  if (engine_for(a.dtype()) == Engine::onednn) return batched_gemm_onednn(a, b, ta, tb);
 #endif
   return batched_gemm_eigen(a, b, ta, tb);
 }
@@ -193,7 +206,7 @@ Array gemm_bias(const Array& a, const Array& b, const Array& bias) {
   if (uses_bf16_panels(a, false, b, false) && bias.dtype() == DType::bf16) return panels_product(a, false, b, false, &bias);
   if (uses_f32_panels(a, false, b, false) && bias.dtype() == DType::f32) return f32_panels_product(a, false, b, false, &bias);
 #if LINUM_HAVE_ONEDNN
-  if (engine() == Engine::onednn) return gemm_bias_onednn(a, b, bias);
+  if (engine_for(a.dtype()) == Engine::onednn) return gemm_bias_onednn(a, b, bias);
 #endif
   return gemm_bias_eigen(a, b, bias);
 }

@@ -26,6 +26,7 @@ struct OpCase {
   bool input_left_out;
 };
 
-std::vector<OpCase> op_cases();
+// The names are those recorded when the blocks compute in `dtype` (the engine may depend on it).
+std::vector<OpCase> op_cases(DType dtype = DType::f32);
 
 }  // namespace linum::testing
