@@ -26,7 +26,8 @@ struct ConvShape {
 
 #if LINUM_HAVE_ONEDNN
 // Whether this CPU runs oneDNN's bf16 convolutions (forward, backward data and weights): a probe,
-// read once. engine_for (engine.hpp) sends bf16 to Eigen where it does not.
+// read once. Where it does not, the functions below run bf16 on the float32 kernels (operands
+// widened, the result rounded once).
 bool onednn_bf16_conv_available();
 Array conv_forward_onednn(const Array& x, const Array& w, const ConvShape& s);
 Array conv_backward_data_onednn(const Array& gy, const Array& w, const ConvShape& s);

@@ -195,7 +195,23 @@ bool onednn_bf16_conv_available() {
   return available;
 }
 
+namespace {
+// bf16 where this CPU has no oneDNN bf16 convolutions (oneDNN 2.7 builds them for AVX-512 and AMX,
+// not for AVX2 CPUs such as AMD's Zen 3): the float32 kernels on the operands widened (exactly:
+// every bf16 value is a float32) and the result rounded once, as bf16 kernels sum in float32.
+// Nullopt where the bf16 kernels run.
+template <class F>
+std::optional<Array> widened(const ConvShape& s, const Array& p, const Array& q, F&& f32_kernel) {
+  if (s.dtype != DType::bf16 || onednn_bf16_conv_available()) return std::nullopt;
+  ConvShape s32 = s;
+  s32.dtype = DType::f32;
+  return linum::detail::convert_float(
+      f32_kernel(linum::detail::convert_float(p, DType::f32), linum::detail::convert_float(q, DType::f32), s32), DType::bf16);
+}
+}  // namespace
+
 Array conv_forward_onednn(const Array& x, const Array& w, const ConvShape& s) {
+  if (auto y = widened(s, x, w, conv_forward_onednn)) return std::move(*y);
   const int threads = threads_for(s);
   return with_threads(threads, [&] {
     std::unique_lock<std::mutex> lock(g_mutex);
@@ -212,6 +228,7 @@ Array conv_forward_onednn(const Array& x, const Array& w, const ConvShape& s) {
 }
 
 Array conv_backward_data_onednn(const Array& gy, const Array& w, const ConvShape& s) {
+  if (auto dx = widened(s, gy, w, conv_backward_data_onednn)) return std::move(*dx);
   const int threads = threads_for(s);
   return with_threads(threads, [&] {
     std::unique_lock<std::mutex> lock(g_mutex);
@@ -287,6 +304,7 @@ void run_piece(const WeightPiece& piece, const void* x, const void* gy, void* dw
 // float32, and the pieces summed in index order (bf16 rounded once at the end): the same bits on
 // any team.
 Array conv_backward_weights_onednn(const Array& x, const Array& gy, const ConvShape& s) {
+  if (auto dw = widened(s, x, gy, conv_backward_weights_onednn)) return std::move(*dw);
   constexpr std::int64_t kPieces = 8;
   const std::int64_t pieces = std::min<std::int64_t>(s.n, kPieces);
 #ifdef _OPENMP

@@ -35,16 +35,12 @@ bool engine_available(Engine e) { return e == Engine::eigen || LINUM_HAVE_ONEDNN
 
 const char* engine_name(Engine e) { return e == Engine::onednn ? "onednn" : "eigen"; }
 
-Engine engine_for(DType t) {
-  const Engine e = engine();
+bool onednn_has_bf16_kernels() {
 #if LINUM_HAVE_ONEDNN
-  if (e == Engine::onednn && t == DType::bf16 &&
-      !(kernels::onednn_bf16_matmul_available() && kernels::onednn_bf16_conv_available()))
-    return Engine::eigen;
+  return kernels::onednn_bf16_matmul_available() && kernels::onednn_bf16_conv_available();
 #else
-  (void)t;
+  return false;
 #endif
-  return e;
 }
 
 Engine engine() {
@@ -196,7 +192,7 @@ Array batched_gemm(const Array& a, const Array& b, bool ta, bool tb) {
   if (uses_bf16_panels(a, ta, b, tb)) return panels_product(a, ta, b, tb, nullptr);
   if (uses_f32_panels(a, ta, b, tb)) return f32_panels_product(a, ta, b, tb, nullptr);
 #if LINUM_HAVE_ONEDNN
-  if (engine_for(a.dtype()) == Engine::onednn) return batched_gemm_onednn(a, b, ta, tb);
+  if (engine() == Engine::onednn) return batched_gemm_onednn(a, b, ta, tb);
 #endif
   return batched_gemm_eigen(a, b, ta, tb);
 }
@@ -206,7 +202,7 @@ Array gemm_bias(const Array& a, const Array& b, const Array& bias) {
   if (uses_bf16_panels(a, false, b, false) && bias.dtype() == DType::bf16) return panels_product(a, false, b, false, &bias);
   if (uses_f32_panels(a, false, b, false) && bias.dtype() == DType::f32) return f32_panels_product(a, false, b, false, &bias);
 #if LINUM_HAVE_ONEDNN
-  if (engine_for(a.dtype()) == Engine::onednn) return gemm_bias_onednn(a, b, bias);
+  if (engine() == Engine::onednn) return gemm_bias_onednn(a, b, bias);
 #endif
   return gemm_bias_eigen(a, b, bias);
 }
@@ -245,21 +241,32 @@ void gemm_bf16_rounded_serial(bool ta, bool tb, std::int64_t m, std::int64_t n, 
                                    static_cast<const bfloat16*>(b16.raw()), b_cols, beta, c, ldc);
   }
 #endif
+  // The rounded values as float32, multiplied by the engine's float32 product (on oneDNN also where
+  // it has no bf16 kernels for this CPU).
   const Array ar = rounded(a, a_rows, a_cols, lda, DType::f32), br = rounded(b, b_rows, b_cols, ldb, DType::f32);
-  gemm_f32_serial_eigen(ta, tb, m, n, k, alpha, ar.data(), a_cols, br.data(), b_cols, beta, c, ldc);
+  gemm_f32_serial(ta, tb, m, n, k, alpha, ar.data(), a_cols, br.data(), b_cols, beta, c, ldc);
 }
 
 PackedProduct::PackedProduct(std::int64_t m, std::int64_t n, std::int64_t k, const float* b, std::int64_t ldb, bool tb,
                              std::int64_t lda, std::int64_t ldc, bool accumulate, Operands operands)
     : m_(m), n_(n), k_(k), ldb_(tb ? k : n), lda_(lda), ldc_(ldc), tb_(tb), accumulate_(accumulate), operands_(operands) {
+  const std::int64_t rows = tb ? n : k, cols = ldb_;  // of b (its columns when tb)
 #if LINUM_HAVE_ONEDNN
-  if (engine() == Engine::onednn && m > 0 && n > 0 && k > 0 && (operands == Operands::f32 || onednn_bf16_matmul_available())) {
-    onednn_ = onednn_pack(m, n, k, b, ldb, tb, lda, ldc, accumulate, operands);
+  if (engine() == Engine::onednn && m > 0 && n > 0 && k > 0) {
+    if (operands == Operands::f32 || onednn_bf16_matmul_available()) {
+      onednn_ = onednn_pack(m, n, k, b, ldb, tb, lda, ldc, accumulate, operands);
+      return;
+    }
+    // bf16 where this CPU has no oneDNN bf16 matmul: oneDNN's float32 product on the rounded
+    // operands (b rounded here, a on every run), the sums bf16 kernels compute.
+    Array rounded_b = Array::empty(Shape{rows * cols});
+    f32_rows_rounded_to_bf16(b, ldb, rows, cols, rounded_b.mutable_data());
+    onednn_ = onednn_pack(m, n, k, rounded_b.data(), cols, tb, k, ldc, accumulate, Operands::f32);
+    rounded_a_ = Array::empty(Shape{m * k});
     return;
   }
 #endif
   // b's rows (its columns when tb) into a compact copy.
-  const std::int64_t rows = tb ? n : k, cols = ldb_;
   own_b_ = Array::empty(Shape{rows * cols});
   if (operands == Operands::bf16) rounded_a_ = Array::empty(Shape{m * k});
   if (rows == 0 || cols == 0) return;
@@ -274,13 +281,10 @@ PackedProduct::PackedProduct(std::int64_t m, std::int64_t n, std::int64_t k, con
 PackedProduct::PackedProduct(const PackedProduct& s, Share)
     : m_(s.m_), n_(s.n_), k_(s.k_), ldb_(s.ldb_), lda_(s.lda_), ldc_(s.ldc_), own_b_(s.own_b_), tb_(s.tb_),
       accumulate_(s.accumulate_), operands_(s.operands_) {
-#if LINUM_HAVE_ONEDNN
-  if (s.onednn_ != nullptr) {
-    onednn_ = onednn_share(s.onednn_);
-    return;
-  }
-#endif
   if (s.rounded_a_.defined()) rounded_a_ = Array::empty(s.rounded_a_.shape());
+#if LINUM_HAVE_ONEDNN
+  if (s.onednn_ != nullptr) onednn_ = onednn_share(s.onednn_);
+#endif
 }
 
 std::unique_ptr<PackedProduct> PackedProduct::sharing_weights() const {
@@ -295,7 +299,13 @@ PackedProduct::~PackedProduct() {
 
 void PackedProduct::run(const float* a, float* c) const {
 #if LINUM_HAVE_ONEDNN
-  if (onednn_ != nullptr) return onednn_run(onednn_, a, c);
+  if (onednn_ != nullptr) {
+    if (rounded_a_.defined()) {  // bf16 on oneDNN's float32 kernels (the constructor)
+      f32_rows_rounded_to_bf16(a, lda_, m_, k_, rounded_a_.mutable_data());
+      a = rounded_a_.data();
+    }
+    return onednn_run(onednn_, a, c);
+  }
 #endif
   // Eigen (the engine at construction, or an empty product): not the current engine, which a
   // set_engine between a forward pass and its recomputation could change.

@@ -10,8 +10,6 @@
 // widen the operands to float32 first (correct, but without the hardware's bf16 speed).
 #pragma once
 
-#include <linum/core/dtype.hpp>
-
 namespace linum {
 
 enum class Engine { eigen, onednn };
@@ -20,10 +18,10 @@ Engine engine();
 void set_engine(Engine e);  // throws ValueError for an engine this build does not have
 bool engine_available(Engine e);
 const char* engine_name(Engine e);  // "eigen", "onednn"
-// The engine that computes products and convolutions of dtype t: engine(), except bfloat16 on
-// oneDNN where this CPU has no oneDNN bf16 kernels (oneDNN 2.7 builds them for AVX-512 and AMX
-// only, so not on AVX2 CPUs such as AMD's Zen 3): those run on Eigen, operands widened to float32
-// and the result rounded once, as Eigen's bf16 path always does. Read once per CPU (a probe).
-Engine engine_for(DType t);
+// Whether oneDNN has bf16 kernels for this CPU (oneDNN 2.7 builds them for AVX-512 and AMX). Where
+// it has not (AVX2 CPUs such as AMD's Zen 3), bf16 products and convolutions on the oneDNN engine
+// run its float32 kernels on the operands widened, the result rounded once: the same values, at
+// float32 speed. False in a build without oneDNN.
+bool onednn_has_bf16_kernels();
 
 }  // namespace linum

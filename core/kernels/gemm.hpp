@@ -57,8 +57,9 @@ inline constexpr std::int64_t kRoundedSumPiece = 256;
 void gemm_bf16_rounded_serial(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
                               std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc);
 #if LINUM_HAVE_ONEDNN
-// Whether this CPU runs oneDNN's bf16 matmul (oneDNN 2.6 needs AVX-512; elsewhere the bf16 products
-// above take Eigen's path: the same rounding, float32 products).
+// Whether this CPU runs oneDNN's bf16 matmul (oneDNN 2.7 builds it for AVX-512 and AMX; on AVX2
+// CPUs such as AMD's Zen 3 the bf16 products run on oneDNN's float32 kernels instead: the same
+// rounding of the operands, float32 sums, the result rounded once).
 bool onednn_bf16_matmul_available();
 void gemm_bf16_serial_onednn(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
                              const bfloat16* a, std::int64_t lda, const bfloat16* b, std::int64_t ldb, float beta, float* c,
@@ -99,7 +100,7 @@ class PackedProduct {
   PackedProduct(const PackedProduct& source, Share);
   std::int64_t m_, n_, k_, ldb_, lda_, ldc_;
   Array own_b_;            // Eigen: b's compact copy (rounded to bf16 values for Operands::bf16), read by run()
-  mutable Array rounded_a_;  // Eigen with Operands::bf16: a rounded, [m, k]
+  mutable Array rounded_a_;  // Operands::bf16 on Eigen, or on oneDNN's float32 kernels: a rounded, [m, k]
   bool tb_, accumulate_;
   Operands operands_;
   Onednn* onednn_ = nullptr;

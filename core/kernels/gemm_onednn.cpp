@@ -125,6 +125,17 @@ Array gemm_onednn(const Array& a, const Array& b, bool ta, bool tb, const Array*
   const std::int64_t b0 = b.shape()[rb - 2];
   const std::int64_t b1 = b.shape()[rb - 1];
   const std::int64_t m = ta ? a1 : a0, k = ta ? a0 : a1, n = tb ? b0 : b1;
+  // bf16 where this CPU has no oneDNN bf16 matmul (oneDNN 2.7 builds it for AVX-512 and AMX, not
+  // for AVX2 CPUs such as AMD's Zen 3): the float32 product of the operands widened (exactly: every
+  // bf16 value is a float32), the bias added in float32 and the result rounded once, as the bf16
+  // kernels' epilogue.
+  if (a.dtype() == DType::bf16 && !onednn_bf16_matmul_available()) {
+    using linum::detail::convert_float;
+    const Array bias32 = bias != nullptr ? convert_float(*bias, DType::f32) : Array();
+    return convert_float(gemm_onednn(convert_float(a, DType::f32), convert_float(b, DType::f32), ta, tb,
+                                     bias != nullptr ? &bias32 : nullptr),
+                         DType::bf16);
+  }
   Array y = Array::empty(ra == 3 ? Shape{batch, m, n} : Shape{m, n}, a.dtype());
   if (y.numel() == 0) return y;
   if (k == 0) {

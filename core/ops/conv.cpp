@@ -286,7 +286,7 @@ Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
   if (x.batched()) [[unlikely]]  // vmap, one kernel: the levels folded into the images
     return ops::batching::images(x, [&](const Array& p) { return conv2d(p, w, opt); });
   const DType t = promote_types(x.dtype(), x.weak_type(), w.dtype(), w.weak_type());
-  const bool onednn = LINUM_HAVE_ONEDNN && engine_for(t) == Engine::onednn;
+  const bool onednn = LINUM_HAVE_ONEDNN && engine() == Engine::onednn;
   if (onednn && (x.dtype() != t || w.dtype() != t)) return conv2d(astype(x, t), astype(w, t), opt);
   if (!onednn && t != DType::f32)  // Eigen: the float32 kernel on widened operands, rounded once
     return astype(conv2d(astype(x, DType::f32), astype(w, DType::f32), opt), t);
@@ -489,8 +489,7 @@ Array conv_transpose2d(const Array& x, const Array& w, const ConvTransposeOption
     }
   }
 #if LINUM_HAVE_ONEDNN
-  if (engine_for(promote_types(x.dtype(), x.weak_type(), kernel.dtype(), kernel.weak_type())) == Engine::onednn &&
-      !x.batched() && !kernel.batched()) {
+  if (engine() == Engine::onednn && !x.batched() && !kernel.batched()) {
     try {
       if (std::optional<Array> y = conv_transpose_as_gradient(x, kernel, pads, o)) return std::move(*y);
     } catch (const ShapeError&) {

@@ -275,7 +275,7 @@ void run_variant(const std::string& variant, const std::function<Array(const std
       {"bench", "mlp"},
       {"variant", variant},
       {"dtype", dtype_short_name(dtype)},
-      {"engine", engine_name(engine())},
+      {"engine", engine_name(engine())}, {"onednn_bf16_kernels", onednn_has_bf16_kernels()},
       {"layers", L},
       {"width", W},
       {"batch", B},

@@ -18,7 +18,7 @@ Array swish(const Array& x) {
   return op(x);
 }
 
-std::vector<OpCase> op_cases(DType dtype) {
+std::vector<OpCase> op_cases() {
   return {
       {"elementwise", "add", {4, 6}, {6}, [](const Array& z, const Array& w) { return add(z, w); }, true},
       {"elementwise", "div", {4, 6}, {6}, [](const Array& z, const Array& w) { return z / (w * w + 1.0f); }, true},
@@ -153,9 +153,9 @@ std::vector<OpCase> op_cases(DType dtype) {
        }, false},
       {"product", "batched_matmul", {2, 4, 6}, {2, 6, 3}, [](const Array& z, const Array& w) { return matmul(z, w); }, false},
       {"convolution", "conv2d", {2, 5, 5, 3}, {3, 3, 3, 4}, [](const Array& z, const Array& w) { return conv2d(z, w); }, false},
-      // On oneDNN its own primitive (the data gradient of a convolution); on Eigen (also bf16 where
-      // oneDNN has no bf16 kernels for this CPU) a convolution of the stride-dilated input.
-      {"convolution", engine_for(dtype) == Engine::onednn ? "conv_transpose2d" : "conv2d", {2, 3, 3, 3}, {3, 3, 3, 4},
+      // On oneDNN its own primitive (the data gradient of a convolution); on Eigen a convolution of
+      // the stride-dilated input.
+      {"convolution", engine() == Engine::onednn ? "conv_transpose2d" : "conv2d", {2, 3, 3, 3}, {3, 3, 3, 4},
        [](const Array& z, const Array& w) { return conv_transpose2d(z, w, {.strides = {2, 2}}); }, false},
       {"pooling", "avg_pool", {2, 4, 4, 3}, {3}, [](const Array& z, const Array& w) {
          return avg_pool(z, {.window = {2, 2}, .strides = {2, 2}}) * w;

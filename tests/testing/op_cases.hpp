@@ -26,7 +26,6 @@ struct OpCase {
   bool input_left_out;
 };
 
-// The names are those recorded when the blocks compute in `dtype` (the engine may depend on it).
-std::vector<OpCase> op_cases(DType dtype = DType::f32);
+std::vector<OpCase> op_cases();
 
 }  // namespace linum::testing
