@@ -291,6 +291,36 @@ TEST_CASE("linear's bias gradient has the same bits on one thread and on two") {
   CHECK(one.dw.bitwise_equal(two.dw));
 }
 
+TEST_CASE("weight-gradient products (x^T g) at sizes cut into pieces: the exact sums, the same bits on one thread and two") {
+  // At 512 and more output rows and columns x^T g runs in pieces of rows on the serial product (on
+  // AVX2 builds each piece's columns of x copied into a row-major buffer first). Odd sizes give a
+  // short last piece.
+  const std::int64_t k = 700, m = 530, n = 515;
+  const Array x = random_array(Shape{k, m}, 41), g = random_array(Shape{k, n}, 42);
+  const Array got = kernels::batched_gemm(x, g, true, false);
+  REQUIRE(got.shape() == Shape{m, n});
+  double worst = 0;
+  for (std::int64_t i = 0; i < m; i += 37)
+    for (std::int64_t j = 0; j < n; ++j) {
+      double want = 0, scale = 0;
+      for (std::int64_t q = 0; q < k; ++q) {
+        const double p = static_cast<double>(x.data()[q * m + i]) * g.data()[q * n + j];
+        want += p;
+        scale += std::abs(p);
+      }
+      worst = std::max(worst, std::abs(got.data()[i * n + j] - want) / scale);
+    }
+  CHECK(worst < 1e-5);
+  Array one, two;
+  if (!linum::testing::on_threads(2, [&] { two = kernels::batched_gemm(x, g, true, false); }) ||
+      !linum::testing::on_threads(1, [&] { one = kernels::batched_gemm(x, g, true, false); })) {
+    MESSAGE("built without OpenMP (or no team of two): one thread only");
+    return;
+  }
+  CHECK(one.bitwise_equal(two));
+  CHECK(one.bitwise_equal(got));
+}
+
 TEST_CASE("linear on empty shapes: no rows, no input features") {
   for (const Activation act : {Activation::none, Activation::gelu, Activation::relu}) {
     CAPTURE(activation_name(act));
