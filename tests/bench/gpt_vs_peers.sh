@@ -7,7 +7,11 @@
 # their users run them: default settings, 2 threads for PyTorch, XLA's defaults for JAX. Every line
 # is JSON.
 #
-#   bash tests/bench/gpt_vs_peers.sh [BUILD_DIR]        (ROUNDS=1 STEPS=5)
+#   bash tests/bench/gpt_vs_peers.sh [BUILD_DIR]        (ROUNDS=1 STEPS=5 DTYPES="f32 bf16")
+#
+# DTYPES=f32 leaves bf16 out: on CPUs without bf16 instructions (AVX2 only, e.g. AMD Zen 3) the
+# peers' bf16 takes slow fallback paths (PyTorch 2.13's autocast MLP step: 22 s against 0.48 in
+# float32), and a bf16 sitting would take hours.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 build="${1:-build}"
@@ -15,7 +19,7 @@ bench="$build/tests/bench/linum-bench"
 steps="${STEPS:-5}"
 rounds="${ROUNDS:-1}"
 for round in $(seq "$rounds"); do
-  for dtype in f32 bf16; do
+  for dtype in ${DTYPES:-f32 bf16}; do
     peer_dtype=$([ "$dtype" = f32 ] && echo fp32 || echo bf16)
     for triple in plain:plain:plain remat:ckpt:remat dots::dots; do
       IFS=: read -r variant torch_variant jax_variant <<< "$triple"

@@ -4,7 +4,11 @@
 # plain step), Flax on JAX jit (nn.remat per layer, per sqrt(L) segments, and the dots_saveable
 # policy), and Debian's PyTorch 1.13 when /usr/bin/python3 has torch. Every line is JSON.
 #
-#   bash tests/bench/mlp_vs_peers.sh [BUILD_DIR]        (ROUNDS=1 STEPS=10)
+#   bash tests/bench/mlp_vs_peers.sh [BUILD_DIR]        (ROUNDS=1 STEPS=10 DTYPES="f32 bf16")
+#
+# DTYPES=f32 leaves bf16 out: on CPUs without bf16 instructions (AVX2 only, e.g. AMD Zen 3) the
+# peers' bf16 takes slow fallback paths (PyTorch 2.13's autocast MLP step: 22 s against 0.48 in
+# float32), and a bf16 sitting would take hours.
 #
 # Each run reports its minimum over STEPS steps. On a shared 2-core host a minimum of 5 was often
 # a slow step for every framework; 10 give each a fairer one (and Linum's gemm_ratio compares its
@@ -16,7 +20,7 @@ bench="$build/tests/bench/linum-bench"
 steps="${STEPS:-10}"
 rounds="${ROUNDS:-1}"
 for round in $(seq "$rounds"); do
-  for dtype in f32 bf16; do
+  for dtype in ${DTYPES:-f32 bf16}; do
     peer_dtype=$([ "$dtype" = f32 ] && echo fp32 || echo bf16)
     for pair in plain:none:none remat_every:every:every remat_sqrt:sqrt:sqrt remat_dots::dots; do
       IFS=: read -r variant torch_mode jax_mode <<< "$pair"
