@@ -1,5 +1,5 @@
 // Internal to the AVX-512 code (gemm_f32_panels.cpp, gemm_bf16_panels.cpp, and the recurrent kernels'
-// weight packing in recurrent_passes_internal.hpp): a 16 x 16 block of 32-bit words transposed in
+// weight packing in transpose_internal.hpp): a 16 x 16 block of 32-bit words transposed in
 // registers, for packing a transposed operand (float32 elements, or bf16 pairs as words).
 #pragma once
 

@@ -3,6 +3,7 @@
 // same shapes gives bitwise the same result, which remat's recomputation relies on.
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/kernels/gemm.hpp>
+#include <linum/core/kernels/transpose_internal.hpp>
 #include <linum/core/threading.hpp>
 
 #include <oneapi/dnnl/dnnl.hpp>
@@ -96,20 +97,6 @@ constexpr bool kTransposeLeftPieces = false;
 constexpr bool kTransposeLeftPieces = true;
 #endif
 
-// dst[i * k + q] = src[q * lds + i] for i < rows, q < k: in 16 x 16 blocks, each read and written
-// within a few cache lines.
-void transposed_copy(const float* src, std::int64_t lds, std::int64_t k, std::int64_t rows, float* dst) {
-  constexpr std::int64_t kBlock = 16;
-  for (std::int64_t q0 = 0; q0 < k; q0 += kBlock) {
-    const std::int64_t q1 = std::min(k, q0 + kBlock);
-    for (std::int64_t i0 = 0; i0 < rows; i0 += kBlock) {
-      const std::int64_t i1 = std::min(rows, i0 + kBlock);
-      for (std::int64_t i = i0; i < i1; ++i)
-        for (std::int64_t q = q0; q < q1; ++q) dst[i * k + q] = src[q * lds + i];
-    }
-  }
-}
-
 // op(a) @ op(b) in pieces of `piece` output rows (per batch element), each summed on one thread by
 // the serial sgemm, the pieces shared by the team: the bits depend on the shape only. With
 // `copy_left` and ta, each piece's rows of op(a) are copied into a row-major buffer of the thread's
@@ -145,7 +132,7 @@ void row_pieces_gemm_f32(const Array& a, const Array& b, Array& y, bool ta, bool
 #else
         float* buffer = copies.mutable_data();
 #endif
-        transposed_copy(a_piece, lda, k, rows, buffer);
+        transpose_into(a_piece, lda, k, rows, buffer, k);
         gemm_f32_serial_onednn(false, tb, rows, n, k, 1.0f, buffer, k, b_piece, ldb, 0.0f, c_piece, n);
       } else {
         gemm_f32_serial_onednn(ta, tb, rows, n, k, 1.0f, a_piece, lda, b_piece, ldb, 0.0f, c_piece, n);

@@ -22,9 +22,7 @@
 #include <omp.h>
 #endif
 
-#if defined(__AVX512F__)
-#include <linum/core/kernels/avx512_transpose_internal.hpp>
-#endif
+#include <linum/core/kernels/transpose_internal.hpp>
 
 namespace linum::kernels::recurrent {
 
@@ -169,29 +167,6 @@ inline float* workspace(Array& a, std::int64_t floats) {
 }
 
 using Products = std::vector<std::unique_ptr<PackedProduct>>;
-
-// dst[j * ldd + i] = src[i * lds + j] for i < rows, j < cols: 16 x 16 tiles transposed in registers
-// where the build has AVX-512, element by element at the edges and elsewhere.
-inline void transpose_into(const float* src, std::int64_t lds, std::int64_t rows, std::int64_t cols, float* dst,
-                           std::int64_t ldd) {
-  std::int64_t i0 = 0;
-#if defined(__AVX512F__)
-  for (; i0 + 16 <= rows; i0 += 16) {
-    std::int64_t j0 = 0;
-    for (; j0 + 16 <= cols; j0 += 16) {
-      __m512 r[16];
-      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + (i0 + i) * lds + j0);
-      detail::transpose16(r);
-      for (int j = 0; j < 16; ++j) _mm512_storeu_ps(dst + (j0 + j) * ldd + i0, r[j]);
-    }
-    for (std::int64_t j = j0; j < cols; ++j)
-      for (std::int64_t i = i0; i < i0 + 16; ++i) dst[j * ldd + i] = src[i * lds + j];
-  }
-#endif
-  if (i0 < rows)
-    for (std::int64_t j = 0; j < cols; ++j)
-      for (std::int64_t i = i0; i < rows; ++i) dst[j * ldd + i] = src[i * lds + j];
-}
 
 // Rows [r0, r0 + rows) of the recurrent kernel (gate order) in the interleaved layout, transposed:
 // out [gates * H, rows] (row stride rows). The transposed products pack their weights from it as a
