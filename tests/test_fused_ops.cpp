@@ -10,6 +10,7 @@
 
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <optional>
@@ -524,6 +525,104 @@ TEST_CASE("f32 panel products have the same bits on one thread and on two, throu
   CHECK(max(abs(one[3] - want_dw)).item() <= 1e-4f * max(abs(want_dw)).item());
   const Array want_dw600 = kernels::batched_gemm_eigen(x600, g, true, false);  // pieces of 256, 256 and 88 rows
   CHECK(max(abs(one[4] - want_dw600)).item() <= 1e-4f * max(abs(want_dw600)).item());
+}
+
+TEST_CASE("AVX2 float32 products: each element the in-order chain of fused multiply-adds, bit for bit; tails, transposes, packing") {
+  // gemm_f32_avx2_serial / _packed and PackedProduct on them (the oneDNN engine's serial products on
+  // CPUs without AVX-512): rows around the 6-row tile and its evened-out last tiles, columns around
+  // the 16-column panel, empty, short and long sums (row blocks), either operand transposed, c with
+  // a row stride past n. Each element must be exactly fma(a[i, k-1], b[k-1, j], ... fma(a[i, 0],
+  // b[0, j], 0)), plus c when beta is 1; c is not read when beta is 0 (NaN there must not show);
+  // nothing past n columns is written. Runs wherever the build has AVX2 (also on AVX-512 CPUs).
+  if (!kernels::f32_avx2_available()) {
+    MESSAGE("built without AVX2 and FMA: no AVX2 kernel to test");
+    return;
+  }
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  struct Case { std::int64_t m, n, k; };
+  for (const Case c : {Case{1, 1, 1}, Case{5, 15, 3}, Case{6, 16, 64}, Case{7, 17, 2}, Case{16, 40, 256}, Case{13, 33, 0},
+                       Case{31, 8, 300}, Case{100, 50, 700}, Case{3, 70, 5000}, Case{22, 1, 9}}) {
+    auto values = [](std::int64_t count, unsigned seed) {
+      auto v = random_array(Shape{std::max<std::int64_t>(count, 1)}, seed).to_vector();
+      v.resize(static_cast<std::size_t>(count));
+      v.push_back(std::numeric_limits<float>::quiet_NaN());  // read past the operand: it would show
+      return v;
+    };
+    const auto a = values(c.m * c.k, 80), b = values(c.k * c.n, 81);
+    auto transposed = [&](const std::vector<float>& x, std::int64_t rows, std::int64_t cols) {
+      std::vector<float> t(static_cast<std::size_t>(rows * cols) + 1, nan);
+      for (std::int64_t i = 0; i < rows; ++i)
+        for (std::int64_t j = 0; j < cols; ++j) t[static_cast<std::size_t>(j * rows + i)] = x[static_cast<std::size_t>(i * cols + j)];
+      return t;
+    };
+    const auto at = transposed(a, c.m, c.k), bt = transposed(b, c.k, c.n);
+    std::vector<float> chain(static_cast<std::size_t>(c.m * c.n));
+    for (std::int64_t i = 0; i < c.m; ++i)
+      for (std::int64_t j = 0; j < c.n; ++j) {
+        float acc = 0.0f;
+        for (std::int64_t q = 0; q < c.k; ++q)
+          acc = std::fma(a[static_cast<std::size_t>(i * c.k + q)], b[static_cast<std::size_t>(q * c.n + j)], acc);
+        chain[static_cast<std::size_t>(i * c.n + j)] = acc;
+      }
+    const std::int64_t ldc = c.n + 3;
+    const auto c0 = values(c.m * ldc, 82);
+    for (bool ta : {false, true})
+      for (bool tb : {false, true})
+        for (float beta : {0.0f, 1.0f}) {
+          CAPTURE(c.m); CAPTURE(c.n); CAPTURE(c.k); CAPTURE(ta); CAPTURE(tb); CAPTURE(beta);
+          const float* A = (ta ? at : a).data();
+          const float* B = (tb ? bt : b).data();
+          const std::int64_t lda = ta ? c.m : c.k, ldb = tb ? c.k : c.n;
+          std::vector<float> out(c0.begin(), c0.end() - 1);
+          if (beta == 0.0f)
+            for (std::int64_t i = 0; i < c.m; ++i)
+              for (std::int64_t j = 0; j < c.n; ++j) out[static_cast<std::size_t>(i * ldc + j)] = nan;
+          const std::vector<float> before = out;
+          kernels::gemm_f32_avx2_serial(ta, tb, c.m, c.n, c.k, 1.0f, A, lda, B, ldb, beta, out.data(), ldc);
+          std::int64_t wrong = 0, touched = 0;
+          for (std::int64_t i = 0; i < c.m; ++i)
+            for (std::int64_t j = 0; j < ldc; ++j) {
+              const std::size_t at_ij = static_cast<std::size_t>(i * ldc + j);
+              if (j >= c.n) {
+                touched += std::bit_cast<std::uint32_t>(out[at_ij]) != std::bit_cast<std::uint32_t>(before[at_ij]);
+                continue;
+              }
+              const float want = beta == 0.0f ? chain[static_cast<std::size_t>(i * c.n + j)]
+                                              : chain[static_cast<std::size_t>(i * c.n + j)] + before[at_ij];
+              wrong += std::bit_cast<std::uint32_t>(out[at_ij]) != std::bit_cast<std::uint32_t>(want);
+            }
+          CHECK(wrong == 0);
+          CHECK(touched == 0);
+          // b packed once: the same bits
+          Array packed = Array::empty(Shape{kernels::avx2_packed_floats(c.k, c.n)});
+          kernels::pack_f32_avx2(B, ldb, tb, c.k, c.n, packed.mutable_data());
+          std::vector<float> again = before;
+          kernels::gemm_f32_avx2_packed(c.m, c.n, c.k, 1.0f, A, lda, ta, packed.data(), beta, again.data(), ldc);
+          CHECK(std::memcmp(again.data(), out.data(), out.size() * sizeof(float)) == 0);
+          // any alpha and beta: alpha * sum + beta * c, to float32 rounding
+          std::vector<float> scaled(c0.begin(), c0.end() - 1);
+          kernels::gemm_f32_avx2_serial(ta, tb, c.m, c.n, c.k, -0.5f, A, lda, B, ldb, 3.0f, scaled.data(), ldc);
+          double worst = 0;
+          for (std::int64_t i = 0; i < c.m; ++i)
+            for (std::int64_t j = 0; j < c.n; ++j) {
+              const std::size_t at_ij = static_cast<std::size_t>(i * ldc + j);
+              const double want = -0.5 * chain[static_cast<std::size_t>(i * c.n + j)] + 3.0 * c0[at_ij];
+              worst = std::max(worst, std::abs(scaled[at_ij] - want) / (1.0 + std::abs(want)));
+            }
+          CHECK(worst <= 1e-6);
+        }
+    // PackedProduct where the engine runs its products on this kernel: the same bits, accumulating or not
+    if (kernels::uses_f32_avx2() && c.k > 0) {
+      for (bool accumulate : {false, true}) {
+        kernels::PackedProduct p(c.m, c.n, c.k, b.data(), c.n, false, c.k, ldc, accumulate);
+        std::vector<float> out(c0.begin(), c0.end() - 1), want = out;
+        p.run(a.data(), out.data());
+        kernels::gemm_f32_avx2_serial(false, false, c.m, c.n, c.k, 1.0f, a.data(), c.k, b.data(), c.n, accumulate ? 1.0f : 0.0f,
+                                      want.data(), ldc);
+        CHECK(std::memcmp(want.data(), out.data(), out.size() * sizeof(float)) == 0);
+      }
+    }
+  }
 }
 
 TEST_CASE("bf16-rounded products: the float64 product of the operands rounded as bfloat16() rounds (long sums, transposes)") {

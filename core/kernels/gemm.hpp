@@ -71,7 +71,7 @@ void gemm_bf16_serial_onednn(bool ta, bool tb, std::int64_t m, std::int64_t n, s
 // a [m, k] row-major with row stride lda, c [m, n] with row stride ldc, b [k, n] (row stride ldb;
 // [n, k] when tb). b is read on construction only, into a buffer the object owns (oneDNN: a matmul
 // on weights packed into its layout, made for one thread, which spares packing b on every call;
-// Eigen: a compact copy), so the caller may free b at once. The buffers are Arrays: the memory
+// where uses_f32_avx2(), the AVX2 kernel's panels; Eigen: a compact copy), so the caller may free b at once. The buffers are Arrays: the memory
 // accounting counts them. run() computes on the calling thread only; one object must not run on two
 // threads at once. The result depends only on the operands.
 //
@@ -102,6 +102,7 @@ class PackedProduct {
   Array own_b_;            // Eigen: b's compact copy (rounded to bf16 values for Operands::bf16), read by run()
   mutable Array rounded_a_;  // Operands::bf16 on Eigen, or on oneDNN's float32 kernels: a rounded, [m, k]
   bool tb_, accumulate_;
+  bool avx2_ = false;      // own_b_ holds b packed for the AVX2 kernel (uses_f32_avx2 at construction)
   Operands operands_;
   Onednn* onednn_ = nullptr;
 };
@@ -217,6 +218,27 @@ void gemm_f32_panels(std::int64_t m, std::int64_t n, std::int64_t k, const float
 // the kernel is built, both are float32 matrices, and the shape is one where the kernel is the faster
 // (engine.cpp says which).
 bool uses_f32_panels(const Array& a, bool ta, const Array& b, bool tb);
+
+// Serial float32 products on Linum's own AVX2 kernel (gemm_f32_avx2.cpp), which the oneDNN engine
+// uses on CPUs without AVX-512 where oneDNN's are slow (uses_f32_avx2): c = alpha * op(a) @ op(b) +
+// beta * c (c not read when beta is 0), with gemm_f32_serial's arguments, on the calling thread.
+// Each element is summed over k in order (one fused multiply-add per term), so the result depends
+// only on the operands. f32_avx2_available(): built with AVX2 and FMA (else these throw).
+bool f32_avx2_available();
+void gemm_f32_avx2_serial(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
+                          std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc);
+// The same with b packed once (for a kernel that multiplies by the same b many times): b [k, n]
+// (row stride ldb; [n, k] when tb) into avx2_packed_floats(k, n) floats at `packed` (32-byte
+// aligned): panels of kAvx2PanelCols columns, zero past n.
+inline constexpr std::int64_t kAvx2PanelCols = 16;
+std::int64_t avx2_packed_floats(std::int64_t k, std::int64_t n);
+void pack_f32_avx2(const float* b, std::int64_t ldb, bool tb, std::int64_t k, std::int64_t n, float* packed);
+void gemm_f32_avx2_packed(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a, std::int64_t lda,
+                          bool ta, const float* packed_b, float beta, float* c, std::int64_t ldc);
+// Whether the oneDNN engine's serial float32 products (gemm_f32_serial, PackedProduct) run on the
+// AVX2 kernel: the engine is chosen and the build has AVX2 and FMA but not AVX-512 (where oneDNN's
+// AVX-512 kernels are the faster).
+bool uses_f32_avx2();
 
 // Products with fewer multiply-adds than this run on the calling thread only (waking the team
 // costs more than it saves, and on a busy machine it stalls the step).

@@ -1,0 +1,212 @@
+// Serial float32 products on AVX2 with FMA: Linum's own kernel for CPUs without AVX-512 (AMD's Zen 3
+// and earlier, Intel's client cores). See gemm.hpp for the contract and where the engine uses it
+// (uses_f32_avx2).
+//
+// Why our own kernel: on an AVX2 CPU (AMD EPYC Zen 3, one thread) oneDNN 2.6's products run the
+// fused recurrent layers' shapes at half the FMA units' speed: the LSTM's per-step product, 16 rows
+// by a packed 256 x 1024 kernel, at 47 GFLOP/s, and the weight gradients (h^T . d_gates, a
+// transposed left operand) at 46; this kernel runs them at about 80 (measured numbers: engine.cpp,
+// uses_f32_avx2).
+//
+// Layout. The right operand is packed into panels of kAvx2PanelCols (16) columns: panel p holds, for
+// each row q, the 16 floats b[q, 16 p .. 16 p + 15], zero past n; a panel is contiguous (k x 64
+// bytes). A tile is up to kTileRows (6) rows by one panel: 12 float32 accumulators of 8 lanes in
+// registers, two panel registers and a broadcast of 16 ymm registers; each element of a row of A
+// is one broadcast. A is read where it is, row-major or transposed (a [k, m]). The panels go in the
+// outer loop, so a panel stays in L1 while every row tile of a block of rows passes over it (rows
+// in blocks of about kRowBlockBytes of A, which stay in L2).
+//
+// Order of the sums: each output element is summed over k in order (one fused multiply-add per
+// term, from zero), then scaled by alpha and added to beta * c. The result depends only on the
+// operands, so a recomputation is bitwise equal to the forward pass.
+#include <linum/core/error.hpp>
+#include <linum/core/kernels/gemm.hpp>
+
+#include <algorithm>
+#include <array>
+#include <cstring>
+#include <utility>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LINUM_F32_AVX2 1
+#else
+#define LINUM_F32_AVX2 0
+#endif
+
+namespace linum::kernels {
+
+bool f32_avx2_available() { return LINUM_F32_AVX2 != 0; }
+
+std::int64_t avx2_packed_floats(std::int64_t k, std::int64_t n) {
+  return (n + kAvx2PanelCols - 1) / kAvx2PanelCols * std::max<std::int64_t>(k, 1) * kAvx2PanelCols;
+}
+
+#if LINUM_F32_AVX2
+namespace {
+
+constexpr int kTileRows = 6;
+constexpr std::int64_t kRowBlockBytes = 192 * 1024;
+
+// The first n lanes (0 <= n) of 8, as a mask for the masked loads and stores.
+__m256i lanes(std::int64_t n) {
+  const __m256i index = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::clamp<std::int64_t>(n, 0, 8))), index);
+}
+
+// One tile: rows [0, R) of op(A) times one panel into c (row stride ldc), `cols` (1..16) of its
+// columns written: c = alpha * sum + beta * c (c not read when beta is 0). A is row-major (row r at
+// a + r * lda) or, with TA, transposed (row r's element q at a + q * lda + r).
+template <int R, bool TA>
+void tile(std::int64_t k, const float* a, std::int64_t lda, const float* panel, float alpha, float beta, float* c,
+          std::int64_t ldc, std::int64_t cols) {
+  __m256 acc0[R], acc1[R];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  for (std::int64_t q = 0; q < k; ++q) {
+    const __m256 b0 = _mm256_load_ps(panel + q * kAvx2PanelCols);
+    const __m256 b1 = _mm256_load_ps(panel + q * kAvx2PanelCols + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m256 av = _mm256_broadcast_ss(TA ? a + q * lda + r : a + r * lda + q);
+      acc0[r] = _mm256_fmadd_ps(av, b0, acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(av, b1, acc1[r]);
+    }
+  }
+  const __m256 va = _mm256_set1_ps(alpha), vb = _mm256_set1_ps(beta);
+  auto result = [&](__m256 sum, const float* old, __m256i mask) {
+    const __m256 scaled = alpha == 1.0f ? sum : _mm256_mul_ps(va, sum);
+    if (beta == 0.0f) return scaled;
+    const __m256 before = _mm256_maskload_ps(old, mask);
+    return _mm256_add_ps(scaled, beta == 1.0f ? before : _mm256_mul_ps(vb, before));
+  };
+  if (cols == kAvx2PanelCols) {
+    const __m256i all = _mm256_set1_epi32(-1);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      float* row = c + r * ldc;
+      _mm256_storeu_ps(row, result(acc0[r], row, all));
+      _mm256_storeu_ps(row + 8, result(acc1[r], row + 8, all));
+    }
+    return;
+  }
+  const __m256i m0 = lanes(cols), m1 = lanes(cols - 8);
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    float* row = c + r * ldc;
+    _mm256_maskstore_ps(row, m0, result(acc0[r], row, m0));
+    _mm256_maskstore_ps(row + 8, m1, result(acc1[r], row + 8, m1));
+  }
+}
+
+using TileFn = void (*)(std::int64_t, const float*, std::int64_t, const float*, float, float, float*, std::int64_t,
+                        std::int64_t);
+template <bool TA, int... R>
+constexpr auto tiles(std::integer_sequence<int, R...>) {
+  return std::array<TileFn, sizeof...(R)>{tile<R + 1, TA>...};
+}
+// [transposed A][rows - 1]
+constexpr std::array<std::array<TileFn, kTileRows>, 2> kTiles{tiles<false>(std::make_integer_sequence<int, kTileRows>{}),
+                                                           tiles<true>(std::make_integer_sequence<int, kTileRows>{})};
+
+}  // namespace
+
+void pack_f32_avx2(const float* b, std::int64_t ldb, bool tb, std::int64_t k, std::int64_t n, float* packed) {
+  const std::int64_t depth = std::max<std::int64_t>(k, 1);
+  for (std::int64_t j0 = 0; j0 < n; j0 += kAvx2PanelCols) {
+    const std::int64_t cols = std::min(kAvx2PanelCols, n - j0);
+    float* panel = packed + j0 * depth;
+    if (k == 0) {
+      std::fill(panel, panel + kAvx2PanelCols, 0.0f);
+      continue;
+    }
+    if (tb) {  // column j of the panel is row j0 + j of b: 8 x 8 blocks transposed in registers
+      std::int64_t q0 = 0;
+      for (; q0 + 8 <= k; q0 += 8)
+        for (std::int64_t h = 0; h < kAvx2PanelCols; h += 8) {
+          __m256 r[8];
+          for (std::int64_t j = 0; j < 8; ++j)
+            r[j] = h + j < cols ? _mm256_loadu_ps(b + (j0 + h + j) * ldb + q0) : _mm256_setzero_ps();
+          const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+          const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+          const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+          const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+          const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+          const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+          const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+          const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+          const __m256 out[8] = {_mm256_permute2f128_ps(s0, s4, 0x20), _mm256_permute2f128_ps(s1, s5, 0x20),
+                                 _mm256_permute2f128_ps(s2, s6, 0x20), _mm256_permute2f128_ps(s3, s7, 0x20),
+                                 _mm256_permute2f128_ps(s0, s4, 0x31), _mm256_permute2f128_ps(s1, s5, 0x31),
+                                 _mm256_permute2f128_ps(s2, s6, 0x31), _mm256_permute2f128_ps(s3, s7, 0x31)};
+          for (std::int64_t q = 0; q < 8; ++q) _mm256_store_ps(panel + (q0 + q) * kAvx2PanelCols + h, out[q]);
+        }
+      for (std::int64_t q = q0; q < k; ++q)
+        for (std::int64_t j = 0; j < kAvx2PanelCols; ++j)
+          panel[q * kAvx2PanelCols + j] = j < cols ? b[(j0 + j) * ldb + q] : 0.0f;
+      continue;
+    }
+    const __m256i m0 = lanes(cols), m1 = lanes(cols - 8);
+    for (std::int64_t q = 0; q < k; ++q) {
+      const float* row = b + q * ldb + j0;
+      _mm256_store_ps(panel + q * kAvx2PanelCols, _mm256_maskload_ps(row, m0));
+      _mm256_store_ps(panel + q * kAvx2PanelCols + 8, _mm256_maskload_ps(row + 8, m1));
+    }
+  }
+}
+
+void gemm_f32_avx2_packed(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a, std::int64_t lda,
+                          bool ta, const float* packed_b, float beta, float* c, std::int64_t ldc) {
+  if (m <= 0 || n <= 0) return;
+  const std::int64_t depth = std::max<std::int64_t>(k, 1);
+  // Rows in blocks whose part of A stays in L2 while the panels pass (a whole number of tiles).
+  const std::int64_t block = std::max<std::int64_t>(
+      kTileRows, kRowBlockBytes / (4 * depth) / kTileRows * kTileRows);
+  for (std::int64_t i0 = 0; i0 < m; i0 += block) {
+    const std::int64_t i1 = std::min(m, i0 + block);
+    for (std::int64_t j0 = 0; j0 < n; j0 += kAvx2PanelCols) {
+      const float* panel = packed_b + j0 * depth;
+      const std::int64_t cols = std::min(kAvx2PanelCols, n - j0);
+      // Tiles of kTileRows rows, the last few sharing what is left evenly (16 rows: 6, 5, 5): a tile
+      // of 4 rows or fewer has too few sums in flight to hide the multiply-adds' latency.
+      const std::int64_t count = (i1 - i0 + kTileRows - 1) / kTileRows, full = std::max<std::int64_t>(0, count - 3);
+      const std::int64_t rest = i1 - i0 - full * kTileRows, shared = count - full;
+      for (std::int64_t t = 0, i = i0; t < count; ++t) {
+        const std::int64_t s = t - full;
+        const int rows = static_cast<int>(s < 0 ? kTileRows : rest / shared + (s < rest % shared ? 1 : 0));
+        kTiles[ta][rows - 1](k, ta ? a + i : a + i * lda, lda, panel, alpha, beta, c + i * ldc + j0, ldc, cols);
+        i += rows;
+      }
+    }
+  }
+}
+
+void gemm_f32_avx2_serial(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
+                          std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
+  if (m <= 0 || n <= 0) return;
+  // The packed operand: an Array, so the memory accounting counts it (64-byte aligned).
+  Array packed = Array::empty(Shape{avx2_packed_floats(k, n)});
+  pack_f32_avx2(b, ldb, tb, k, n, packed.mutable_data());
+  gemm_f32_avx2_packed(m, n, k, alpha, a, lda, ta, packed.data(), beta, c, ldc);
+}
+
+#else
+
+namespace {
+[[noreturn]] void no_avx2() {
+  throw Error("the AVX2 float32 kernel: this build has no AVX2 and FMA (check f32_avx2_available() first)");
+}
+}  // namespace
+void pack_f32_avx2(const float*, std::int64_t, bool, std::int64_t, std::int64_t, float*) { no_avx2(); }
+void gemm_f32_avx2_packed(std::int64_t, std::int64_t, std::int64_t, float, const float*, std::int64_t, bool, const float*,
+                          float, float*, std::int64_t) {
+  no_avx2();
+}
+void gemm_f32_avx2_serial(bool, bool, std::int64_t, std::int64_t, std::int64_t, float, const float*, std::int64_t,
+                          const float*, std::int64_t, float, float*, std::int64_t) {
+  no_avx2();
+}
+
+#endif
+
+}  // namespace linum::kernels
