@@ -530,10 +530,11 @@ TEST_CASE("f32 panel products have the same bits on one thread and on two, throu
 TEST_CASE("AVX2 float32 products: each element the in-order chain of fused multiply-adds, bit for bit; tails, transposes, packing") {
   // gemm_f32_avx2_serial / _packed and PackedProduct on them (the oneDNN engine's serial products on
   // CPUs without AVX-512): rows around the 6-row tile and its evened-out last tiles, columns around
-  // the 16-column panel, empty, short and long sums (row blocks), either operand transposed, c with
-  // a row stride past n. Each element must be exactly fma(a[i, k-1], b[k-1, j], ... fma(a[i, 0],
-  // b[0, j], 0)), plus c when beta is 1; c is not read when beta is 0 (NaN there must not show);
-  // nothing past n columns is written. Runs wherever the build has AVX2 (also on AVX-512 CPUs).
+  // the 16-column panel, empty, short and long sums (in depth chunks, in row blocks), either operand
+  // transposed, c with a row stride past n. Each element must be exactly fma(a[i, k-1], b[k-1, j],
+  // ... fma(a[i, 0], b[0, j], start)), where start is 0 (beta 0: c is not read, NaN there must not
+  // show) or c's value (alpha = beta = 1); nothing past n columns is written. Other alpha and beta:
+  // alpha * sum + beta * c. Runs wherever the build has AVX2 (also on AVX-512 CPUs).
   if (!kernels::f32_avx2_available()) {
     MESSAGE("built without AVX2 and FMA: no AVX2 kernel to test");
     return;
@@ -541,7 +542,7 @@ TEST_CASE("AVX2 float32 products: each element the in-order chain of fused multi
   const float nan = std::numeric_limits<float>::quiet_NaN();
   struct Case { std::int64_t m, n, k; };
   for (const Case c : {Case{1, 1, 1}, Case{5, 15, 3}, Case{6, 16, 64}, Case{7, 17, 2}, Case{16, 40, 256}, Case{13, 33, 0},
-                       Case{31, 8, 300}, Case{100, 50, 700}, Case{3, 70, 5000}, Case{22, 1, 9}}) {
+                       Case{31, 8, 300}, Case{100, 50, 700}, Case{3, 70, 5000}, Case{22, 1, 9}, Case{200, 20, 257}}) {
     auto values = [](std::int64_t count, unsigned seed) {
       auto v = random_array(Shape{std::max<std::int64_t>(count, 1)}, seed).to_vector();
       v.resize(static_cast<std::size_t>(count));
@@ -556,14 +557,13 @@ TEST_CASE("AVX2 float32 products: each element the in-order chain of fused multi
       return t;
     };
     const auto at = transposed(a, c.m, c.k), bt = transposed(b, c.k, c.n);
-    std::vector<float> chain(static_cast<std::size_t>(c.m * c.n));
-    for (std::int64_t i = 0; i < c.m; ++i)
-      for (std::int64_t j = 0; j < c.n; ++j) {
-        float acc = 0.0f;
-        for (std::int64_t q = 0; q < c.k; ++q)
-          acc = std::fma(a[static_cast<std::size_t>(i * c.k + q)], b[static_cast<std::size_t>(q * c.n + j)], acc);
-        chain[static_cast<std::size_t>(i * c.n + j)] = acc;
-      }
+    // element (i, j)'s chain of fused multiply-adds, from `start`
+    auto chain_from = [&](std::int64_t i, std::int64_t j, float start) {
+      float acc = start;
+      for (std::int64_t q = 0; q < c.k; ++q)
+        acc = std::fma(a[static_cast<std::size_t>(i * c.k + q)], b[static_cast<std::size_t>(q * c.n + j)], acc);
+      return acc;
+    };
     const std::int64_t ldc = c.n + 3;
     const auto c0 = values(c.m * ldc, 82);
     for (bool ta : {false, true})
@@ -587,8 +587,7 @@ TEST_CASE("AVX2 float32 products: each element the in-order chain of fused multi
                 touched += std::bit_cast<std::uint32_t>(out[at_ij]) != std::bit_cast<std::uint32_t>(before[at_ij]);
                 continue;
               }
-              const float want = beta == 0.0f ? chain[static_cast<std::size_t>(i * c.n + j)]
-                                              : chain[static_cast<std::size_t>(i * c.n + j)] + before[at_ij];
+              const float want = chain_from(i, j, beta == 0.0f ? 0.0f : before[at_ij]);
               wrong += std::bit_cast<std::uint32_t>(out[at_ij]) != std::bit_cast<std::uint32_t>(want);
             }
           CHECK(wrong == 0);
@@ -606,7 +605,7 @@ TEST_CASE("AVX2 float32 products: each element the in-order chain of fused multi
           for (std::int64_t i = 0; i < c.m; ++i)
             for (std::int64_t j = 0; j < c.n; ++j) {
               const std::size_t at_ij = static_cast<std::size_t>(i * ldc + j);
-              const double want = -0.5 * chain[static_cast<std::size_t>(i * c.n + j)] + 3.0 * c0[at_ij];
+              const double want = -0.5 * chain_from(i, j, 0.0f) + 3.0 * c0[at_ij];
               worst = std::max(worst, std::abs(scaled[at_ij] - want) / (1.0 + std::abs(want)));
             }
           CHECK(worst <= 1e-6);
@@ -623,6 +622,30 @@ TEST_CASE("AVX2 float32 products: each element the in-order chain of fused multi
       }
     }
   }
+}
+
+TEST_CASE("AVX2 weight gradients through the engine: the in-order fma chain, the same bits on one thread and on two") {
+  // Where the engine runs float32 weight gradients (x^T g) on the team's AVX2 kernel (builds without
+  // AVX-512): rows in pieces dealt dynamically, sums in depth chunks; each element must still be the
+  // chain of fused multiply-adds over the rows in order, whatever the team.
+  const Array x = random_array(Shape{700, 262}, 83), g = random_array(Shape{700, 197}, 84);
+  if (!kernels::uses_f32_avx2_team(x, true, g, false)) {
+    MESSAGE("this engine or build does not run weight gradients on the AVX2 kernel: not run");
+    return;
+  }
+  auto run = [&] { return V{kernels::batched_gemm(x, g, true, false)}; };
+  const std::optional<V> compared = same_bits_on_one_and_two_threads(run);
+  const V one = compared ? *compared : run();
+  const auto xs = x.to_vector(), gs = g.to_vector(), got = one[0].to_vector();
+  std::int64_t wrong = 0;
+  for (std::int64_t i = 0; i < 262; ++i)
+    for (std::int64_t j = 0; j < 197; ++j) {
+      float acc = 0.0f;
+      for (std::int64_t q = 0; q < 700; ++q)
+        acc = std::fma(xs[static_cast<std::size_t>(q * 262 + i)], gs[static_cast<std::size_t>(q * 197 + j)], acc);
+      wrong += std::bit_cast<std::uint32_t>(acc) != std::bit_cast<std::uint32_t>(got[static_cast<std::size_t>(i * 197 + j)]);
+    }
+  CHECK(wrong == 0);
 }
 
 TEST_CASE("bf16-rounded products: the float64 product of the operands rounded as bfloat16() rounds (long sums, transposes)") {

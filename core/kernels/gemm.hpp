@@ -235,6 +235,14 @@ std::int64_t avx2_packed_floats(std::int64_t k, std::int64_t n);
 void pack_f32_avx2(const float* b, std::int64_t ldb, bool tb, std::int64_t k, std::int64_t n, float* packed);
 void gemm_f32_avx2_packed(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a, std::int64_t lda,
                           bool ta, const float* packed_b, float beta, float* c, std::int64_t ldc);
+// The whole product on the team: out = op(a) @ op(b), a [m, k] ([k, m] when ta), b [k, n] ([n, k]
+// when tb), out [m, n], all compact; b packed once, the rows in pieces dealt to the threads. Each
+// element summed as gemm_f32_avx2_serial sums it, so the bits never depend on the team.
+void gemm_f32_avx2(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, bool ta, const float* b, bool tb,
+                   float* out);
+// Whether the engine's product of op(a) and op(b) runs gemm_f32_avx2: where uses_f32_avx2(), the
+// float32 weight gradients a^T b (2-D, at least 64 x 64 x 64; engine.cpp says why).
+bool uses_f32_avx2_team(const Array& a, bool ta, const Array& b, bool tb);
 // Whether the oneDNN engine's serial float32 products (gemm_f32_serial, PackedProduct) run on the
 // AVX2 kernel: the engine is chosen and the build has AVX2 and FMA but not AVX-512 (where oneDNN's
 // AVX-512 kernels are the faster).

@@ -20,12 +20,18 @@
 // term, from zero), then scaled by alpha and added to beta * c. The result depends only on the
 // operands, so a recomputation is bitwise equal to the forward pass.
 #include <linum/core/error.hpp>
+#include <linum/core/fp_mode.hpp>
 #include <linum/core/kernels/gemm.hpp>
+#include <linum/core/threading.hpp>
 
 #include <algorithm>
 #include <array>
 #include <cstring>
 #include <utility>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -46,7 +52,8 @@ std::int64_t avx2_packed_floats(std::int64_t k, std::int64_t n) {
 namespace {
 
 constexpr int kTileRows = 6;
-constexpr std::int64_t kRowBlockBytes = 192 * 1024;
+constexpr std::int64_t kRowBlockBytes = 192 * 1024, kDepthChunk = 256;
+constexpr std::int64_t kTeamPieceRows = 128;  // gemm_f32_avx2's rows per work item
 
 // The first n lanes (0 <= n) of 8, as a mask for the masked loads and stores.
 __m256i lanes(std::int64_t n) {
@@ -57,12 +64,33 @@ __m256i lanes(std::int64_t n) {
 // One tile: rows [0, R) of op(A) times one panel into c (row stride ldc), `cols` (1..16) of its
 // columns written: c = alpha * sum + beta * c (c not read when beta is 0). A is row-major (row r at
 // a + r * lda) or, with TA, transposed (row r's element q at a + q * lda + r).
+// How a tile's sums start and end: from zero, or chained on from c's values (the first part of a
+// sum split over depth chunks left them there, or beta and alpha are 1); at the end times alpha,
+// plus beta * c when beta is not 0 (c then read; only with start from zero).
+struct TileEnds {
+  bool from_c = false;
+  float alpha = 1.0f, beta = 0.0f;
+};
+
+// One tile: rows [0, R) of op(A) times one panel into c (row stride ldc), `cols` (1..16) of its
+// columns read and written. A is row-major (row r at a + r * lda) or, with TA, transposed (row r's
+// element q at a + q * lda + r).
 template <int R, bool TA>
-void tile(std::int64_t k, const float* a, std::int64_t lda, const float* panel, float alpha, float beta, float* c,
-          std::int64_t ldc, std::int64_t cols) {
+void tile(std::int64_t k, const float* a, std::int64_t lda, const float* panel, TileEnds ends, float* c, std::int64_t ldc,
+          std::int64_t cols) {
+  const bool whole = cols == kAvx2PanelCols;
+  const __m256i m0 = whole ? _mm256_set1_epi32(-1) : lanes(cols), m1 = whole ? m0 : lanes(cols - 8);
   __m256 acc0[R], acc1[R];
+  if (ends.from_c) {
 #pragma GCC unroll 6
-  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      acc0[r] = _mm256_maskload_ps(c + r * ldc, m0);
+      acc1[r] = _mm256_maskload_ps(c + r * ldc + 8, m1);
+    }
+  } else {
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  }
   for (std::int64_t q = 0; q < k; ++q) {
     const __m256 b0 = _mm256_load_ps(panel + q * kAvx2PanelCols);
     const __m256 b1 = _mm256_load_ps(panel + q * kAvx2PanelCols + 8);
@@ -73,24 +101,22 @@ void tile(std::int64_t k, const float* a, std::int64_t lda, const float* panel, 
       acc1[r] = _mm256_fmadd_ps(av, b1, acc1[r]);
     }
   }
-  const __m256 va = _mm256_set1_ps(alpha), vb = _mm256_set1_ps(beta);
+  const __m256 va = _mm256_set1_ps(ends.alpha), vb = _mm256_set1_ps(ends.beta);
   auto result = [&](__m256 sum, const float* old, __m256i mask) {
-    const __m256 scaled = alpha == 1.0f ? sum : _mm256_mul_ps(va, sum);
-    if (beta == 0.0f) return scaled;
+    const __m256 scaled = ends.alpha == 1.0f ? sum : _mm256_mul_ps(va, sum);
+    if (ends.beta == 0.0f) return scaled;
     const __m256 before = _mm256_maskload_ps(old, mask);
-    return _mm256_add_ps(scaled, beta == 1.0f ? before : _mm256_mul_ps(vb, before));
+    return _mm256_add_ps(scaled, ends.beta == 1.0f ? before : _mm256_mul_ps(vb, before));
   };
-  if (cols == kAvx2PanelCols) {
-    const __m256i all = _mm256_set1_epi32(-1);
+  if (whole) {
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       float* row = c + r * ldc;
-      _mm256_storeu_ps(row, result(acc0[r], row, all));
-      _mm256_storeu_ps(row + 8, result(acc1[r], row + 8, all));
+      _mm256_storeu_ps(row, result(acc0[r], row, m0));
+      _mm256_storeu_ps(row + 8, result(acc1[r], row + 8, m1));
     }
     return;
   }
-  const __m256i m0 = lanes(cols), m1 = lanes(cols - 8);
 #pragma GCC unroll 6
   for (int r = 0; r < R; ++r) {
     float* row = c + r * ldc;
@@ -99,8 +125,7 @@ void tile(std::int64_t k, const float* a, std::int64_t lda, const float* panel, 
   }
 }
 
-using TileFn = void (*)(std::int64_t, const float*, std::int64_t, const float*, float, float, float*, std::int64_t,
-                        std::int64_t);
+using TileFn = void (*)(std::int64_t, const float*, std::int64_t, const float*, TileEnds, float*, std::int64_t, std::int64_t);
 template <bool TA, int... R>
 constexpr auto tiles(std::integer_sequence<int, R...>) {
   return std::array<TileFn, sizeof...(R)>{tile<R + 1, TA>...};
@@ -159,23 +184,37 @@ void gemm_f32_avx2_packed(std::int64_t m, std::int64_t n, std::int64_t k, float 
                           bool ta, const float* packed_b, float beta, float* c, std::int64_t ldc) {
   if (m <= 0 || n <= 0) return;
   const std::int64_t depth = std::max<std::int64_t>(k, 1);
-  // Rows in blocks whose part of A stays in L2 while the panels pass (a whole number of tiles).
-  const std::int64_t block = std::max<std::int64_t>(
-      kTileRows, kRowBlockBytes / (4 * depth) / kTileRows * kTileRows);
+  // alpha = beta = 1: each sum chained on from c's value. Else alpha * sum + beta * c.
+  const bool chain_c = alpha == 1.0f && beta == 1.0f;
+  // Long sums in chunks of kDepthChunk, each chunk's partial sums left in c and chained on by the
+  // next (the same fused multiply-adds in the same order as one pass), so that a chunk of a panel
+  // stays in L1 and the rows' chunks of A in L2 while the tiles pass over them. Not with beta * c
+  // to add at the end (c holds the partial sums meanwhile), other than chained.
+  const std::int64_t chunk = chain_c || beta == 0.0f ? std::min(depth, kDepthChunk) : depth;
+  // Rows in blocks whose chunk of A stays in L2 while the panels pass (a whole number of tiles).
+  const std::int64_t block = std::max<std::int64_t>(kTileRows, kRowBlockBytes / (4 * chunk) / kTileRows * kTileRows);
   for (std::int64_t i0 = 0; i0 < m; i0 += block) {
     const std::int64_t i1 = std::min(m, i0 + block);
-    for (std::int64_t j0 = 0; j0 < n; j0 += kAvx2PanelCols) {
-      const float* panel = packed_b + j0 * depth;
-      const std::int64_t cols = std::min(kAvx2PanelCols, n - j0);
-      // Tiles of kTileRows rows, the last few sharing what is left evenly (16 rows: 6, 5, 5): a tile
-      // of 4 rows or fewer has too few sums in flight to hide the multiply-adds' latency.
-      const std::int64_t count = (i1 - i0 + kTileRows - 1) / kTileRows, full = std::max<std::int64_t>(0, count - 3);
-      const std::int64_t rest = i1 - i0 - full * kTileRows, shared = count - full;
-      for (std::int64_t t = 0, i = i0; t < count; ++t) {
-        const std::int64_t s = t - full;
-        const int rows = static_cast<int>(s < 0 ? kTileRows : rest / shared + (s < rest % shared ? 1 : 0));
-        kTiles[ta][rows - 1](k, ta ? a + i : a + i * lda, lda, panel, alpha, beta, c + i * ldc + j0, ldc, cols);
-        i += rows;
+    // Tiles of kTileRows rows, the last few sharing what is left evenly (16 rows: 6, 5, 5): a tile
+    // of 4 rows or fewer has too few sums in flight to hide the multiply-adds' latency.
+    const std::int64_t count = (i1 - i0 + kTileRows - 1) / kTileRows, full = std::max<std::int64_t>(0, count - 3);
+    const std::int64_t rest = i1 - i0 - full * kTileRows, shared = count - full;
+    for (std::int64_t q0 = 0; q0 < std::max<std::int64_t>(k, 1); q0 += chunk) {
+      const std::int64_t depth_here = std::min(chunk, k - q0);  // (0 when k is 0)
+      TileEnds ends;
+      ends.from_c = q0 > 0 || chain_c;
+      ends.alpha = q0 + chunk >= k ? alpha : 1.0f;
+      ends.beta = chain_c ? 0.0f : beta;
+      for (std::int64_t j0 = 0; j0 < n; j0 += kAvx2PanelCols) {
+        const float* panel = packed_b + j0 * depth + q0 * kAvx2PanelCols;
+        const std::int64_t cols = std::min(kAvx2PanelCols, n - j0);
+        for (std::int64_t t = 0, i = i0; t < count; ++t) {
+          const std::int64_t s = t - full;
+          const int rows = static_cast<int>(s < 0 ? kTileRows : rest / shared + (s < rest % shared ? 1 : 0));
+          const float* a_tile = ta ? a + q0 * lda + i : a + i * lda + q0;
+          kTiles[ta][rows - 1](depth_here, a_tile, lda, panel, ends, c + i * ldc + j0, ldc, cols);
+          i += rows;
+        }
       }
     }
   }
@@ -188,6 +227,41 @@ void gemm_f32_avx2_serial(bool ta, bool tb, std::int64_t m, std::int64_t n, std:
   Array packed = Array::empty(Shape{avx2_packed_floats(k, n)});
   pack_f32_avx2(b, ldb, tb, k, n, packed.mutable_data());
   gemm_f32_avx2_packed(m, n, k, alpha, a, lda, ta, packed.data(), beta, c, ldc);
+}
+
+void gemm_f32_avx2(std::int64_t m, std::int64_t n, std::int64_t k, const float* a, bool ta, const float* b, bool tb,
+                   float* out) {
+  if (m <= 0 || n <= 0) return;
+  const std::int64_t lda = ta ? m : k, ldb = tb ? k : n, depth = std::max<std::int64_t>(k, 1);
+  const std::int64_t panels = (n + kAvx2PanelCols - 1) / kAvx2PanelCols, pieces = (m + kTeamPieceRows - 1) / kTeamPieceRows;
+  // The packed operand: an Array (counted by the memory accounting), packed by the team panel by
+  // panel, then the row pieces dealt dynamically: each element is summed on one thread in the same
+  // order whatever the team, so the bits never depend on it.
+  Array packed = Array::empty(Shape{avx2_packed_floats(k, n)});
+  float* panels_at = packed.mutable_data();
+  [[maybe_unused]] int threads = 1;
+#ifdef _OPENMP
+  const double work = static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+  if (!omp_in_parallel() && work >= kParallelGemmWork) threads = team_size();
+#pragma omp parallel num_threads(threads) if (threads > 1)
+#endif
+  {
+    linum::detail::enter_compute();
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (std::int64_t p = 0; p < panels; ++p) {
+      const std::int64_t j0 = p * kAvx2PanelCols;
+      pack_f32_avx2(tb ? b + j0 * ldb : b + j0, ldb, tb, k, std::min(kAvx2PanelCols, n - j0), panels_at + j0 * depth);
+    }
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+    for (std::int64_t piece = 0; piece < pieces; ++piece) {
+      const std::int64_t r0 = piece * kTeamPieceRows, rows = std::min(kTeamPieceRows, m - r0);
+      gemm_f32_avx2_packed(rows, n, k, 1.0f, ta ? a + r0 : a + r0 * lda, lda, ta, panels_at, 0.0f, out + r0 * n, n);
+    }
+  }
 }
 
 #else
@@ -206,6 +280,7 @@ void gemm_f32_avx2_serial(bool, bool, std::int64_t, std::int64_t, std::int64_t, 
                           const float*, std::int64_t, float, float*, std::int64_t) {
   no_avx2();
 }
+void gemm_f32_avx2(std::int64_t, std::int64_t, std::int64_t, const float*, bool, const float*, bool, float*) { no_avx2(); }
 
 #endif
 

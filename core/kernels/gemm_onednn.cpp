@@ -93,7 +93,9 @@ constexpr bool kTransposeLeftPieces = false;
 // at ~117 as one matmul primitive, against ~180 for the forward product; the same pieces on a
 // plain copy of x^T ran at 151-168, and copying each piece's columns first (0.2-0.4 ms a piece) at
 // 134-153. So there each piece first copies its columns of a into a row-major buffer: in the deep
-// MLP's float32 step, runs alternating, step minimum 0.530-0.576 s against 0.576-0.592.
+// MLP's float32 step, runs alternating, step minimum 0.530-0.576 s against 0.576-0.592. (Builds
+// with AVX2 run these weight gradients on Linum's own AVX2 kernel instead, faster still:
+// uses_f32_avx2_team, engine.cpp; this copy serves builds for older instruction sets.)
 constexpr bool kTransposeLeftPieces = true;
 #endif
 
