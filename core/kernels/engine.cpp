@@ -228,13 +228,19 @@ Array gemm_bias(const Array& a, const Array& b, const Array& bias) {
   return gemm_bias_eigen(a, b, bias);
 }
 
-// On CPUs without AVX-512 the serial float32 products run on Linum's AVX2 kernel: one thread,
-// AMD EPYC Zen 3, the fused LSTM layer's shapes (B 32, H 256): its per-step product over a row
-// piece, 16 x 256 by a packed 256 x 1024, 97 GFLOP/s against oneDNN 2.6's 42-47; the transposed
-// one (16 x 1024 by 1024 x 256) 100 against 88; the weight gradient h^T . d_gates (256 x 256^T by
-// 256 x 1024) 78-90 against 44-47; the inputs' cotangents (32 x 1024 by 64 x 1024^T) 75-95 against
-// 57-71. Only the input projection (512 x 64 by 64 x 1024), packed on every call, is a little
-// slower (86 against 93).
+// On CPUs without AVX-512 the serial float32 products with a transposed left operand and outputs
+// at least 256 wide, or sums at least 512 long, and the PackedProducts, run on Linum's AVX2 kernel:
+// one thread, AMD EPYC Zen 3, the fused LSTM layer's shapes (B 32, H 256): its per-step product over
+// a row piece, 16 x 256 by a packed 256 x 1024, 97 GFLOP/s against oneDNN 2.6's 42-47; the
+// transposed one (16 x 1024 by 1024 x 256) 100 against 88; the weight gradient h^T . d_gates
+// (256 x 256^T by 256 x 1024) 78-90 against 44-47; the inputs' cotangents (32 x 1024 by 64 x
+// 1024^T) 75-95 against 57-71. oneDNN stays where it is as fast or faster: the input projection
+// (512 x 64 by 64 x 1024, b packed on every call: 86 against 93) and the fused attention's block
+// products (64 x 64 by 64 x 256 and the like, transposed or not: 84-93 against 91-100).
+namespace {
+bool avx2_serial_takes(bool ta, std::int64_t n, std::int64_t k) { return uses_f32_avx2() && ((ta && n >= 256) || k >= 512); }
+}  // namespace
+
 bool uses_f32_avx2() {
 #if LINUM_HAVE_ONEDNN
   return engine() == Engine::onednn && f32_avx2_available() && !f32_panels_available();
@@ -245,7 +251,7 @@ bool uses_f32_avx2() {
 
 void gemm_f32_serial(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const float* a,
                      std::int64_t lda, const float* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
-  if (uses_f32_avx2()) return gemm_f32_avx2_serial(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  if (avx2_serial_takes(ta, n, k)) return gemm_f32_avx2_serial(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 #if LINUM_HAVE_ONEDNN
   if (engine() == Engine::onednn) return gemm_f32_serial_onednn(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 #endif
