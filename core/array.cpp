@@ -1,6 +1,7 @@
 #include <linum/core/array.hpp>
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/memory.hpp>
+#include <linum/core/threading.hpp>
 
 #include <algorithm>
 #include <atomic>
@@ -9,6 +10,10 @@
 #include <iomanip>
 #include <ostream>
 #include <sstream>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 namespace linum {
 
@@ -324,13 +329,31 @@ std::ostream& operator<<(std::ostream& os, const Array& a) {
   return os << ")";
 }
 
+namespace {
+constexpr std::int64_t kConvertPiece = 1 << 15, kParallelConvertElements = 1 << 18;
+}  // namespace
+
 Array detail::convert_float(const Array& x, DType dtype) {
   if (!x.defined() || !is_floating(x.dtype()) || !is_floating(dtype))
     throw ValueError(cat("convert_float: needs a float array and a float dtype, got ", x.type_str(), " to ", dtype_name(dtype)));
   if (x.dtype() == dtype) return x.detached();
   Array out = Array::empty(x.shape(), dtype);
-  if (dtype == DType::bf16) f32_to_bf16(x.data(), out.mutable_data_bf16(), x.numel());
-  else bf16_to_f32(x.data_bf16(), out.mutable_data(), x.numel());
+  // Large arrays in pieces across the team (each element converted alone: the same bits on any
+  // team). On AVX2 CPUs, where the bf16 products widen their operands (kernels/gemm_onednn.cpp),
+  // the bf16 MLP step converted three [2048, 512] arrays per product on one thread while the other
+  // waited.
+  const std::int64_t n = x.numel(), pieces = (n + kConvertPiece - 1) / kConvertPiece;
+  [[maybe_unused]] int threads = 1;
+#ifdef _OPENMP
+  if (n >= kParallelConvertElements && !omp_in_parallel()) threads = team_size();
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+#endif
+  for (std::int64_t p = 0; p < pieces; ++p) {
+    enter_compute();
+    const std::int64_t i = p * kConvertPiece, count = std::min(kConvertPiece, n - i);
+    if (dtype == DType::bf16) f32_to_bf16(x.data() + i, out.mutable_data_bf16() + i, count);
+    else bf16_to_f32(x.data_bf16() + i, out.mutable_data() + i, count);
+  }
   return out;
 }
 

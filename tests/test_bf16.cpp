@@ -93,6 +93,36 @@ TEST_CASE("the bulk bf16 rounding agrees with the scalar one in whole blocks of 
   CHECK(out[7 * 16 + 7].bits == 0x0040);   // one that stays subnormal in bf16
 }
 
+TEST_CASE("astype of large arrays (converted in pieces across the team) gives every element's own rounding and widening") {
+  // 300,007 values (more than the 2^18 where conversions split across the team, pieces of 2^15 and
+  // an odd tail), the special values of the test above spread over every piece, on one thread and on
+  // two: each element's bits must be the scalar rounding's, and widening back exact.
+  const std::uint32_t kinds[] = {0x3f808000u, 0x3f818000u, 0x007ffffeu, 0x807fffffu, 0x7f800001u, 0xffc12345u,
+                                 0x7f800000u, 0xff800000u, 0x7f7fffffu, 0x80000000u, 0x00400000u};
+  Array x = random_array(Shape{300007}, 91);
+  std::vector<float> v = x.to_vector();
+  for (std::size_t i = 0; i < v.size(); i += 997) v[i] = from_bits(kinds[(i / 997) % 11]);
+  const Array big = Array::from(Shape{300007}, v);
+  for (int threads : {1, 2}) {
+    CAPTURE(threads);
+    Array r, back;
+    if (!linum::testing::on_threads(threads, [&] {
+          r = astype(big, DType::bf16);
+          back = astype(r, DType::f32);
+        }))
+      continue;
+    const bfloat16* bits = r.data_bf16();
+    const float* wide = back.data();
+    int differ = 0, widened_wrong = 0;
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      differ += bits[i].bits != bfloat16::round_bits(v[i]);
+      widened_wrong += std::bit_cast<std::uint32_t>(wide[i]) != static_cast<std::uint32_t>(bits[i].bits) << 16;
+    }
+    CHECK(differ == 0);
+    CHECK(widened_wrong == 0);
+  }
+}
+
 TEST_CASE("costly bf16 ops read a table of all 65536 inputs: the bits their float32 kernel computes, flushing or not") {
   // An array of every bf16 bit pattern (NaNs, infinities, signed zeros, subnormals) is large enough
   // for the table; slices of it are small enough to compute. Both must give the float32 kernel's
