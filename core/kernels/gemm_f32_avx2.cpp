@@ -5,23 +5,26 @@
 // Why our own kernel: on an AVX2 CPU (AMD EPYC Zen 3, one thread) oneDNN 2.6's products run the
 // fused recurrent layers' shapes at half the FMA units' speed: the LSTM's per-step product, 16 rows
 // by a packed 256 x 1024 kernel, at 47 GFLOP/s, and the weight gradients (h^T . d_gates, a
-// transposed left operand) at 46; this kernel runs them at about 80 (measured numbers: engine.cpp,
+// transposed left operand) at 46; this kernel runs them at 78-100 (measured numbers: engine.cpp,
 // uses_f32_avx2).
 //
 // Layout. The right operand is packed into panels of kAvx2PanelCols (16) columns: panel p holds, for
 // each row q, the 16 floats b[q, 16 p .. 16 p + 15], zero past n; a panel is contiguous (k x 64
 // bytes). A tile is up to kTileRows (6) rows by one panel: 12 float32 accumulators of 8 lanes in
 // registers, two panel registers and a broadcast of 16 ymm registers; each element of a row of A
-// is one broadcast. A is read where it is, row-major or transposed (a [k, m]). The panels go in the
-// outer loop, so a panel stays in L1 while every row tile of a block of rows passes over it (rows
-// in blocks of about kRowBlockBytes of A, which stay in L2).
+// is one broadcast. A is read where it is, row-major or transposed (a [k, m]). Rows go in blocks of
+// about kRowBlockBytes of A (which stay in L2), sums in depth chunks of kDepthChunk; within them
+// the panels in turn, so a panel's chunk stays in L1 while every row tile of the block passes over
+// it.
 //
 // Order of the sums: each output element is summed over k in order (one fused multiply-add per
-// term, from zero), then scaled by alpha and added to beta * c. The result depends only on the
-// operands, so a recomputation is bitwise equal to the forward pass.
+// term, from zero, or from c's value when alpha and beta are 1; a chunk's partial sums wait in c),
+// then scaled by alpha and added to beta * c. The result depends only on the operands, so a
+// recomputation is bitwise equal to the forward pass.
 #include <linum/core/error.hpp>
 #include <linum/core/fp_mode.hpp>
 #include <linum/core/kernels/gemm.hpp>
+#include <linum/core/kernels/transpose_internal.hpp>
 #include <linum/core/threading.hpp>
 
 #include <algorithm>
@@ -61,9 +64,6 @@ __m256i lanes(std::int64_t n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::clamp<std::int64_t>(n, 0, 8))), index);
 }
 
-// One tile: rows [0, R) of op(A) times one panel into c (row stride ldc), `cols` (1..16) of its
-// columns written: c = alpha * sum + beta * c (c not read when beta is 0). A is row-major (row r at
-// a + r * lda) or, with TA, transposed (row r's element q at a + q * lda + r).
 // How a tile's sums start and end: from zero, or chained on from c's values (the first part of a
 // sum split over depth chunks left them there, or beta and alpha are 1); at the end times alpha,
 // plus beta * c when beta is not 0 (c then read; only with start from zero).
@@ -145,30 +145,10 @@ void pack_f32_avx2(const float* b, std::int64_t ldb, bool tb, std::int64_t k, st
       std::fill(panel, panel + kAvx2PanelCols, 0.0f);
       continue;
     }
-    if (tb) {  // column j of the panel is row j0 + j of b: 8 x 8 blocks transposed in registers
-      std::int64_t q0 = 0;
-      for (; q0 + 8 <= k; q0 += 8)
-        for (std::int64_t h = 0; h < kAvx2PanelCols; h += 8) {
-          __m256 r[8];
-          for (std::int64_t j = 0; j < 8; ++j)
-            r[j] = h + j < cols ? _mm256_loadu_ps(b + (j0 + h + j) * ldb + q0) : _mm256_setzero_ps();
-          const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-          const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-          const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-          const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-          const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-          const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-          const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-          const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-          const __m256 out[8] = {_mm256_permute2f128_ps(s0, s4, 0x20), _mm256_permute2f128_ps(s1, s5, 0x20),
-                                 _mm256_permute2f128_ps(s2, s6, 0x20), _mm256_permute2f128_ps(s3, s7, 0x20),
-                                 _mm256_permute2f128_ps(s0, s4, 0x31), _mm256_permute2f128_ps(s1, s5, 0x31),
-                                 _mm256_permute2f128_ps(s2, s6, 0x31), _mm256_permute2f128_ps(s3, s7, 0x31)};
-          for (std::int64_t q = 0; q < 8; ++q) _mm256_store_ps(panel + (q0 + q) * kAvx2PanelCols + h, out[q]);
-        }
-      for (std::int64_t q = q0; q < k; ++q)
-        for (std::int64_t j = 0; j < kAvx2PanelCols; ++j)
-          panel[q * kAvx2PanelCols + j] = j < cols ? b[(j0 + j) * ldb + q] : 0.0f;
+    if (tb) {  // column j of the panel is row j0 + j of b; columns past n zero
+      transpose_into(b + j0 * ldb, ldb, cols, k, panel, kAvx2PanelCols);
+      if (cols < kAvx2PanelCols)
+        for (std::int64_t q = 0; q < k; ++q) std::fill(panel + q * kAvx2PanelCols + cols, panel + (q + 1) * kAvx2PanelCols, 0.0f);
       continue;
     }
     const __m256i m0 = lanes(cols), m1 = lanes(cols - 8);
