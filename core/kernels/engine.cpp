@@ -192,9 +192,14 @@ Array scaled_product_bt(const Array& a, const Array& b, const Array& scale, Arra
 // AMD EPYC Zen 3, one run each: [2048, 512]^T [2048, 512] 97-115 GFLOP/s on its sgemm pieces with
 // the copies of kTransposeLeftPieces, the GPT's [4096, 256]^T [4096, 1024] 81-83 and [4096,
 // 1024]^T [4096, 256] 68-70 as one matmul) where this kernel reads it in place: 119-151, 114-118,
-// 109-111; ties elsewhere (256 x 256, 4096 deep: 120-127 against 119-124). The deep MLP's float32
-// step, runs alternating: median 0.526-0.627 s against 0.600-0.658. The forward and input-gradient
-// products stay on oneDNN: on this kernel the same step was 0-4% slower.
+// 109-111 (and with its transposed A copied tile by tile, gemm_f32_avx2.cpp, the first 163-165);
+// ties elsewhere (256 x 256, 4096 deep: 120-127 against 119-124). The deep MLP's float32 step, runs
+// alternating: median 0.526-0.627 s against 0.600-0.658. The forward and input-gradient products
+// stay on oneDNN: on this kernel the same step was 0-4% slower; and still 7-12% slower (median of
+// paired steps in one process) with the input gradient's epilogue doing the layer before's
+// cotangent pass (its derivative and bias sums, as gemm_f32_panels does on AVX-512), although alone
+// in cache the two tie (2048 x 512 by 512 x 512: 173-182 against 176-185 GFLOP/s). In a step their
+// operands come from memory, where oneDNN's kernels fetch ahead better.
 bool uses_f32_avx2_team(const Array& a, bool ta, const Array& b, bool tb) {
   if (!(ta && !tb && uses_f32_avx2() && a.dtype() == DType::f32 && b.dtype() == DType::f32 && a.rank() == 2 && b.rank() == 2))
     return false;
