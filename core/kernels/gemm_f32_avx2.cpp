@@ -13,10 +13,10 @@
 // bytes). A tile is up to kTileRows (6) rows by one panel: 12 float32 accumulators of 8 lanes in
 // registers, two panel registers and a broadcast of 16 ymm registers; each element of a row of A
 // is one broadcast. A is read where it is when row-major; transposed (a [k, m]), a block's chunk is
-// first copied tile by tile, a term's rows side by side (gemm_f32_avx2_packed says why). Rows go in blocks of
-// about kRowBlockBytes of A (which stay in L2), sums in depth chunks of kDepthChunk; within them
-// the panels in turn, so a panel's chunk stays in L1 while every row tile of the block passes over
-// it.
+// first copied tile by tile, a term's rows side by side (gemm_f32_avx2_packed says why). Rows go in
+// blocks of about kRowBlockBytes of A (which stay in L2), sums in depth chunks of kDepthChunk;
+// within them the panels in turn, so a panel's chunk stays in L1 while every row tile of the block
+// passes over it.
 //
 // Order of the sums: each output element is summed over k in order (one fused multiply-add per
 // term, from zero, or from c's value when alpha and beta are 1; a chunk's partial sums wait in c),
