@@ -74,12 +74,22 @@ struct TileEnds {
   float alpha = 1.0f, beta = 0.0f;
 };
 
+// The tile after this one (its rows and columns of c), whose c the tile fetches ahead into L1 while
+// it sums: chunk after chunk, a block's c is read again from farther out than L2 (its panels and
+// its rows of A pass through L2 in between), and a tile waits on its first loads otherwise. None
+// after the last tile.
+struct NextTile {
+  const float* c = nullptr;
+  int rows = 0;
+  std::int64_t cols = 0;
+};
+
 // One tile: rows [0, R) of op(A) times one panel into c (row stride ldc), `cols` (1..16) of its
 // columns read and written. A is row-major (row r at a + r * lda) or, with TA, transposed (row r's
 // element q at a + q * lda + r).
 template <int R, bool TA>
 void tile(std::int64_t k, const float* a, std::int64_t lda, const float* panel, TileEnds ends, float* c, std::int64_t ldc,
-          std::int64_t cols) {
+          std::int64_t cols, NextTile next) {
   const bool whole = cols == kAvx2PanelCols;
   const __m256i m0 = whole ? _mm256_set1_epi32(-1) : lanes(cols), m1 = whole ? m0 : lanes(cols - 8);
   __m256 acc0[R], acc1[R];
@@ -92,6 +102,10 @@ void tile(std::int64_t k, const float* a, std::int64_t lda, const float* panel, 
   } else {
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  }
+  for (int r = 0; r < next.rows; ++r) {  // (for writing: c is read, then written)
+    __builtin_prefetch(next.c + r * ldc, 1, 3);
+    __builtin_prefetch(next.c + r * ldc + next.cols - 1, 1, 3);
   }
   for (std::int64_t q = 0; q < k; ++q) {
     const __m256 b0 = _mm256_load_ps(panel + q * kAvx2PanelCols);
@@ -127,7 +141,8 @@ void tile(std::int64_t k, const float* a, std::int64_t lda, const float* panel, 
   }
 }
 
-using TileFn = void (*)(std::int64_t, const float*, std::int64_t, const float*, TileEnds, float*, std::int64_t, std::int64_t);
+using TileFn = void (*)(std::int64_t, const float*, std::int64_t, const float*, TileEnds, float*, std::int64_t, std::int64_t,
+                        NextTile);
 template <bool TA, int... R>
 constexpr auto tiles(std::integer_sequence<int, R...>) {
   return std::array<TileFn, sizeof...(R)>{tile<R + 1, TA>...};
@@ -241,10 +256,15 @@ void gemm_f32_avx2_packed(std::int64_t m, std::int64_t n, std::int64_t k, float 
         for (std::int64_t t = 0, i = i0; t < count; ++t) {
           const int rows = tile_rows(t);
           float* c_tile = c + i * ldc + j0;
-          if (pack_a)
-            kTiles[true][rows - 1](depth_here, a_packed + t * kPackedRows * chunk, kPackedRows, panel, ends, c_tile, ldc, cols);
-          else
-            kTiles[ta][rows - 1](depth_here, ta ? a + q0 * lda + i : a + i * lda + q0, lda, panel, ends, c_tile, ldc, cols);
+          // Next: the tile below, else the block's top tile in the next panel, else in the first
+          // panel for the next chunk.
+          const std::int64_t next_j0 = j0 + kAvx2PanelCols;
+          NextTile next;
+          if (t + 1 < count) next = {c_tile + rows * ldc, tile_rows(t + 1), cols};
+          else if (next_j0 < n) next = {c + i0 * ldc + next_j0, tile_rows(0), std::min(kAvx2PanelCols, n - next_j0)};
+          else if (q0 + chunk < k) next = {c + i0 * ldc, tile_rows(0), std::min(kAvx2PanelCols, n)};
+          const float* a_tile = pack_a ? a_packed + t * kPackedRows * chunk : ta ? a + q0 * lda + i : a + i * lda + q0;
+          kTiles[ta][rows - 1](depth_here, a_tile, pack_a ? kPackedRows : lda, panel, ends, c_tile, ldc, cols, next);
           i += rows;
         }
       }
