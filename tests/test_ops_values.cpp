@@ -3,9 +3,14 @@
 #include <doctest/doctest.h>
 #include <linum/linum.hpp>
 
+#include "testing/fp_modes.hpp"
 #include "testing/gradcheck.hpp"
 
+#include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstring>
+#include <sstream>
 #include <limits>
 
 using namespace linum;
@@ -27,6 +32,170 @@ TEST_CASE("broadcasting arithmetic") {
   CHECK((col - row).shape() == Shape{2, 3});
   check_close(pow(a, 2.0f), {1, 4, 9, 16, 25, 36});
   check_close(maximum(a, Array::scalar(3.5f)), {3.5f, 3.5f, 3.5f, 4, 5, 6});
+}
+
+TEST_CASE("every binary op, on every pair of dtypes and every broadcast, is the float32 op on the widened values rounded once, bitwise") {
+  // On bf16 and mixed operands, each op's bits are those of the same op on the operands widened to
+  // float32 (exact), rounded once to the result's dtype, in both fp modes (subnormals flushed or
+  // not). With IEEE subnormals the float32 op is also checked against a scalar loop over the
+  // output, each operand's element found by its broadcast strides. Sizes cross the kernels' chunks
+  // (2048 elements) and their threshold for running on the thread team (2^18 elements); values
+  // include infinities, signed zeros, subnormals and NaN (in the first operand only, so which NaN
+  // comes out does not depend on the order the hardware takes the operands in).
+  struct Op {
+    const char* name;
+    Array (*f)(const Array&, const Array&);
+    float (*ref)(float, float);
+    bool mask;  // a comparison: float32 0/1 whatever the operands
+    bool on_team;  // also checked at the sizes run on the thread team (the same code for every op)
+  };
+  const std::vector<Op> ops_under_test = {
+      {"add", [](const Array& a, const Array& b) { return add(a, b); }, [](float x, float z) { return x + z; }, false, true},
+      {"sub", [](const Array& a, const Array& b) { return sub(a, b); }, [](float x, float z) { return x - z; }, false, false},
+      {"mul", [](const Array& a, const Array& b) { return mul(a, b); }, [](float x, float z) { return x * z; }, false, false},
+      {"div", [](const Array& a, const Array& b) { return div(a, b); }, [](float x, float z) { return x / z; }, false, false},
+      {"pow", [](const Array& a, const Array& b) { return pow(a, b); }, [](float x, float z) { return std::pow(x, z); }, false, false},
+      {"maximum", [](const Array& a, const Array& b) { return maximum(a, b); }, [](float x, float z) { return x > z ? x : z; }, false, true},
+      {"minimum", [](const Array& a, const Array& b) { return minimum(a, b); }, [](float x, float z) { return x < z ? x : z; }, false, false},
+      {"greater", [](const Array& a, const Array& b) { return greater(a, b); }, [](float x, float z) { return x > z ? 1.0f : 0.0f; }, true, true},
+      {"greater_equal", [](const Array& a, const Array& b) { return greater_equal(a, b); }, [](float x, float z) { return x >= z ? 1.0f : 0.0f; }, true, false},
+      {"less", [](const Array& a, const Array& b) { return less(a, b); }, [](float x, float z) { return x < z ? 1.0f : 0.0f; }, true, false},
+      {"less_equal", [](const Array& a, const Array& b) { return less_equal(a, b); }, [](float x, float z) { return x <= z ? 1.0f : 0.0f; }, true, false},
+      {"equal", [](const Array& a, const Array& b) { return equal(a, b); }, [](float x, float z) { return x == z ? 1.0f : 0.0f; }, true, false},
+      {"not_equal", [](const Array& a, const Array& b) { return not_equal(a, b); }, [](float x, float z) { return x != z ? 1.0f : 0.0f; }, true, false},
+  };
+  auto operand = [](const Shape& shape, unsigned seed, bool with_nan) {
+    std::vector<float> v = testing::random_array(shape, seed, -3.0f, 3.0f).to_vector();
+    const std::vector<float> special = {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(), -0.0f,
+                                        0.0f, 1.0f, 2.5f, std::numeric_limits<float>::denorm_min(), 1e-39f, -2e-39f};
+    for (std::size_t i = 0; i < v.size(); i += 7) v[i] = special[(i / 7 + seed) % special.size()];
+    if (with_nan)
+      for (std::size_t i = 3; i < v.size(); i += 29) v[i] = std::numeric_limits<float>::quiet_NaN();
+    return Array::from(shape, v);
+  };
+  auto widened = [](const Array& x) { return astype(x, DType::f32).to_vector(); };
+  // The flat index of an operand's element for each output element (NumPy broadcasting), walking
+  // the output's indices like an odometer (plain arrays and pointers: the sanitizer build compiles
+  // tests without optimization).
+  auto source_index = [](const Shape& in, const Shape& out) {
+    const int rank = out.rank();
+    std::array<std::int64_t, Shape::kMaxRank> dims{}, step{}, at{};
+    const auto in_strides = in.strides();
+    for (int d = 0; d < rank; ++d) {
+      dims[d] = out[d];
+      const int din = d - (rank - in.rank());
+      step[d] = (din >= 0 && in[din] != 1) ? in_strides[din] : 0;
+    }
+    const std::int64_t n = out.numel();
+    std::vector<std::int64_t> idx(static_cast<std::size_t>(n));
+    std::int64_t* p = idx.data();
+    std::int64_t flat = 0;
+    for (std::int64_t o = 0; o < n; ++o) {
+      p[o] = flat;
+      for (int d = rank - 1; d >= 0; --d) {  // the next index: carry into the axes before
+        flat += step[d];
+        if (++at[d] < dims[d]) break;
+        flat -= step[d] * dims[d];
+        at[d] = 0;
+      }
+    }
+    return idx;
+  };
+  // Names the first element at which got and want differ.
+  auto first_difference = [&](const Array& got, const Array& want, const std::vector<float>& va, const std::vector<float>& vb,
+                              const std::vector<std::int64_t>& ia, const std::vector<std::int64_t>& ib) {
+    const std::vector<float> g = widened(got), w = widened(want);
+    std::size_t i = 0;
+    while (i < g.size() && std::memcmp(&g[i], &w[i], sizeof(float)) == 0) ++i;
+    std::uint32_t bits[4] = {};
+    if (i < g.size()) {
+      std::memcpy(&bits[0], &va[static_cast<std::size_t>(ia[i])], 4);
+      std::memcpy(&bits[1], &vb[static_cast<std::size_t>(ib[i])], 4);
+      std::memcpy(&bits[2], &g[i], 4);
+      std::memcpy(&bits[3], &w[i], 4);
+    }
+    std::ostringstream what;
+    what << std::hex << "element " << std::dec << i << std::hex << ": operands 0x" << bits[0] << ", 0x" << bits[1] << " gave 0x"
+         << bits[2] << ", not 0x" << bits[3];
+    return what.str();
+  };
+  struct Pair {
+    Shape a, b;
+  };
+  const std::vector<Pair> shapes = {
+      {Shape{7}, Shape{7}},               // same shape
+      {Shape{}, Shape{3, 5}},             // one side a single value
+      {Shape{3, 5}, Shape{}},
+      {Shape{3, 5}, Shape{1}},
+      {Shape{1}, Shape{1}},
+      {Shape{4, 5}, Shape{5}},            // rows: the other operand steps along the last axis
+      {Shape{4, 5}, Shape{4, 1}},         // columns: it is one value per row
+      {Shape{4, 1}, Shape{1, 5}},         // an outer product: both broadcast
+      {Shape{2, 3, 5}, Shape{3, 1}},
+      {Shape{2, 1, 5}, Shape{2, 3, 1}},
+      {Shape{2500}, Shape{2500}},         // across a chunk
+      {Shape{3, 2500}, Shape{2500}},
+      {Shape{3, 2500}, Shape{3, 1}},
+      {Shape{270000}, Shape{270000}},     // on the thread team
+      {Shape{270000}, Shape{}},
+      {Shape{108, 2500}, Shape{2500}},
+      {Shape{108, 2500}, Shape{108, 1}},
+  };
+  std::int64_t checked = 0;
+  auto check = [&] {
+    const bool ieee = !flush_denormals();
+    for (const Pair& p : shapes) {
+      const Array a32 = operand(p.a, 1 + static_cast<unsigned>(p.a.numel() % 5), true);
+      const Array b32 = operand(p.b, 2 + static_cast<unsigned>(p.b.numel() % 3), false);
+      // The operands as the computation sees them: bf16 ones are rounded first.
+      for (const DType da : {DType::f32, DType::bf16}) {
+        for (const DType db : {DType::f32, DType::bf16}) {
+          for (const bool weak_b : {false, true}) {
+            if (weak_b && (p.b.rank() != 0 || db != DType::f32)) continue;  // weak: a scalar, as a C++ float in an expression
+            const Array a = astype(a32, da);
+            const Array b = weak_b ? Array::scalar(b32.item()) : astype(b32, db);
+            const Array a_wide = astype(a, DType::f32);
+            const Array b_wide = weak_b ? b : astype(b, DType::f32);
+            const std::vector<float> va = widened(a), vb = widened(b);
+            const Shape out_shape = add(Array::zeros(p.a), Array::zeros(p.b)).shape();
+            const std::vector<std::int64_t> ia = source_index(p.a, out_shape), ib = source_index(p.b, out_shape);
+            for (const Op& op : ops_under_test) {
+              if (!op.on_team && out_shape.numel() >= (1 << 18)) continue;
+              CAPTURE(std::string(op.name));
+              CAPTURE(p.a);
+              CAPTURE(p.b);
+              CAPTURE(std::string(dtype_name(da)));
+              CAPTURE(std::string(dtype_name(db)));
+              CAPTURE(weak_b);
+              CAPTURE(ieee);
+              const Array got = op.f(a, b);
+              const DType result = op.mask ? DType::f32 : promote_types(da, false, b.dtype(), b.weak_type());
+              REQUIRE(got.dtype() == result);
+              const Array wide = op.f(a_wide, b_wide);
+              const Array want = astype(wide, result);
+              if (!got.bitwise_equal(want)) FAIL_CHECK(first_difference(got, want, va, vb, ia, ib));
+              if (ieee) {
+                std::vector<float> loop(static_cast<std::size_t>(got.numel()));
+                const float *pa = va.data(), *pb = vb.data();
+                const std::int64_t *pia = ia.data(), *pib = ib.data();
+                float* pl = loop.data();
+                for (std::int64_t i = 0, n = got.numel(); i < n; ++i) pl[i] = op.ref(pa[pia[i]], pb[pib[i]]);
+                const Array ref = Array::from(got.shape(), loop);
+                if (!wide.bitwise_equal(ref)) FAIL_CHECK(first_difference(wide, ref, va, vb, ia, ib));
+              }
+              ++checked;
+            }
+          }
+        }
+      }
+    }
+  };
+  testing::in_both_fp_modes(check);
+  // Each shape on 4 dtype pairs, and the weak scalar of the two shapes whose second operand is one;
+  // on the 4 shapes run on the team, only the ops marked on_team.
+  const auto on_team = std::count_if(ops_under_test.begin(), ops_under_test.end(), [](const Op& op) { return op.on_team; });
+  const auto all = static_cast<std::int64_t>(ops_under_test.size());
+  CHECK(checked == 2 * ((static_cast<std::int64_t>(shapes.size()) - 4) * 4 * all + 4 * 4 * on_team + 2 * all + 2 * on_team));
 }
 
 TEST_CASE("sin, cos, erf, expm1, log2 and rounding against the C library") {
