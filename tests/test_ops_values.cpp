@@ -38,8 +38,9 @@ TEST_CASE("every binary op, on every pair of dtypes and every broadcast, is the 
   // On bf16 and mixed operands, each op's bits are those of the same op on the operands widened to
   // float32 (exact), rounded once to the result's dtype, in both fp modes (subnormals flushed or
   // not). With IEEE subnormals the float32 op is also checked against a scalar loop over the
-  // output, each operand's element found by its broadcast strides. Sizes cross the kernels' chunks
-  // (2048 elements) and their threshold for running on the thread team (2^18 elements); values
+  // output, each operand's element found by its broadcast strides. Sizes cross the bf16 kernels' runs
+  // (512 elements), the chunks (2048) and the threshold for running on the thread team (2^18
+  // elements), and include empty arrays; values
   // include infinities, signed zeros, subnormals and NaN (in the first operand only, so which NaN
   // comes out does not depend on the order the hardware takes the operands in).
   struct Op {
@@ -128,6 +129,8 @@ TEST_CASE("every binary op, on every pair of dtypes and every broadcast, is the 
       {Shape{3, 5}, Shape{}},
       {Shape{3, 5}, Shape{1}},
       {Shape{1}, Shape{1}},
+      {Shape{0}, Shape{}},               // empty
+      {Shape{2, 0}, Shape{2, 1}},
       {Shape{4, 5}, Shape{5}},            // rows: the other operand steps along the last axis
       {Shape{4, 5}, Shape{4, 1}},         // columns: it is one value per row
       {Shape{4, 1}, Shape{1, 5}},         // an outer product: both broadcast
@@ -147,6 +150,8 @@ TEST_CASE("every binary op, on every pair of dtypes and every broadcast, is the 
     for (const Pair& p : shapes) {
       const Array a32 = operand(p.a, 1 + static_cast<unsigned>(p.a.numel() % 5), true);
       const Array b32 = operand(p.b, 2 + static_cast<unsigned>(p.b.numel() % 3), false);
+      const Shape out_shape = add(Array::zeros(p.a), Array::zeros(p.b)).shape();
+      const std::vector<std::int64_t> ia = source_index(p.a, out_shape), ib = source_index(p.b, out_shape);
       // The operands as the computation sees them: bf16 ones are rounded first.
       for (const DType da : {DType::f32, DType::bf16}) {
         for (const DType db : {DType::f32, DType::bf16}) {
@@ -157,8 +162,6 @@ TEST_CASE("every binary op, on every pair of dtypes and every broadcast, is the 
             const Array a_wide = astype(a, DType::f32);
             const Array b_wide = weak_b ? b : astype(b, DType::f32);
             const std::vector<float> va = widened(a), vb = widened(b);
-            const Shape out_shape = add(Array::zeros(p.a), Array::zeros(p.b)).shape();
-            const std::vector<std::int64_t> ia = source_index(p.a, out_shape), ib = source_index(p.b, out_shape);
             for (const Op& op : ops_under_test) {
               if (!op.on_team && out_shape.numel() >= (1 << 18)) continue;
               CAPTURE(std::string(op.name));
@@ -171,6 +174,7 @@ TEST_CASE("every binary op, on every pair of dtypes and every broadcast, is the 
               const Array got = op.f(a, b);
               const DType result = op.mask ? DType::f32 : promote_types(da, false, b.dtype(), b.weak_type());
               REQUIRE(got.dtype() == result);
+              REQUIRE(got.shape() == out_shape);
               const Array wide = op.f(a_wide, b_wide);
               const Array want = astype(wide, result);
               if (!got.bitwise_equal(want)) FAIL_CHECK(first_difference(got, want, va, vb, ia, ib));
@@ -191,11 +195,12 @@ TEST_CASE("every binary op, on every pair of dtypes and every broadcast, is the 
     }
   };
   testing::in_both_fp_modes(check);
-  // Each shape on 4 dtype pairs, and the weak scalar of the two shapes whose second operand is one;
-  // on the 4 shapes run on the team, only the ops marked on_team.
+  // Each shape on 4 dtype pairs, and a weak scalar on the 3 shapes whose second operand is one
+  // value of rank 0 (one of them run on the team); on the 4 shapes run on the team, only the ops
+  // marked on_team.
   const auto on_team = std::count_if(ops_under_test.begin(), ops_under_test.end(), [](const Op& op) { return op.on_team; });
   const auto all = static_cast<std::int64_t>(ops_under_test.size());
-  CHECK(checked == 2 * ((static_cast<std::int64_t>(shapes.size()) - 4) * 4 * all + 4 * 4 * on_team + 2 * all + 2 * on_team));
+  CHECK(checked == 2 * ((static_cast<std::int64_t>(shapes.size()) - 4) * 4 * all + 4 * 4 * on_team + 2 * 2 * all + 2 * on_team));
 }
 
 TEST_CASE("sin, cos, erf, expm1, log2 and rounding against the C library") {
