@@ -48,6 +48,11 @@
 //       per-example gradients of N examples by vmap(grad) against N grad calls (vmap_bench.cpp).
 //   linum-bench ops [--iters N]
 //       Per-op cost on tiny arrays, with and without recording the autodiff graph.
+//   linum-bench elementwise [--reps R]
+//       Unfused binary ops (add, mul, maximum) on [2048, 512] with the second operand of the same
+//       shape, a row (bias), a column and a scalar, and on [16, 64] with a row, in float32 and bf16.
+//       Fields: bench, op, case, dtype, us_median, us_min (per op, over R timings of a batch of
+//       calls), gb_per_s (the operands' and result's bytes over us_median).
 //   linum-bench fused [--steps S] [--rounds R] [--dtype f32|bf16]
 //       Fused ops against the ops they replace, forward + backward of sum(op(...) * r), alternating
 //       R rounds: batch_norm (training statistics) against Flax's composed BatchNorm on the main
@@ -363,6 +368,50 @@ int bench_ops(const Flags& f) {
   return 0;
 }
 
+int bench_elementwise(const Flags& f) {
+  const long reps = f.get("reps", 31);
+  struct Case {
+    const char* name;
+    Shape a, b;
+  };
+  const std::vector<Case> cases = {{"same", Shape{2048, 512}, Shape{2048, 512}}, {"row", Shape{2048, 512}, Shape{512}},
+                                   {"column", Shape{2048, 512}, Shape{2048, 1}}, {"scalar", Shape{2048, 512}, Shape{}},
+                                   {"small_row", Shape{16, 64}, Shape{64}}};
+  struct Op {
+    const char* name;
+    Array (*fn)(const Array&, const Array&);
+  };
+  const std::vector<Op> ops = {{"add", [](const Array& x, const Array& y) { return add(x, y); }},
+                               {"mul", [](const Array& x, const Array& y) { return mul(x, y); }},
+                               {"maximum", [](const Array& x, const Array& y) { return maximum(x, y); }}};
+  for (const DType dtype : {DType::f32, DType::bf16}) {
+    for (const Case& c : cases) {
+      const Array a = astype(random_normal(c.a, 1, 1.0f), dtype);
+      // A scalar operand is weak, as a C++ float in an expression: it keeps bf16 bf16.
+      const Array b = c.b.rank() == 0 ? Array::scalar(0.5f) : astype(random_normal(c.b, 2, 1.0f), dtype);
+      const long batch = std::max(1L, 4000000L / std::max<long>(1, static_cast<long>(c.a.numel())));
+      for (const Op& op : ops) {
+        std::vector<double> us;
+        for (long r = 0; r < reps; ++r) {
+          auto t = Clock::now();
+          for (long i = 0; i < batch; ++i) {
+            Array y = op.fn(a, b);
+            if (y.numel() == 0) std::abort();
+          }
+          us.push_back(seconds_since(t) / static_cast<double>(batch) * 1e6);
+        }
+        std::sort(us.begin(), us.end());
+        const double median = us[us.size() / 2];
+        const double bytes = static_cast<double>(a.nbytes() + b.nbytes() + a.nbytes());
+        nlohmann::json out = {{"bench", "elementwise"}, {"op", op.name},     {"case", c.name},  {"dtype", dtype_short_name(dtype)},
+                              {"us_median", median},    {"us_min", us.front()}, {"gb_per_s", bytes / median / 1e3}};
+        std::cout << out.dump() << std::endl;
+      }
+    }
+  }
+  return 0;
+}
+
 int bench_fused(const Flags& f) {
   apply_engine_flag(f);
   const long steps = f.get("steps", 10), rounds = f.get("rounds", 3);
@@ -508,6 +557,7 @@ int main(int argc, char** argv) {
     if (what == "ops") return bench_ops(flags);
     if (what == "load") return bench_load(flags);
     if (what == "fused") return bench_fused(flags);
+    if (what == "elementwise") return bench_elementwise(flags);
     if (what == "gpt") return bench_gpt(flags);
     if (what == "scan") return bench_scan(flags);
     if (what == "plan") return bench_plan(flags);
@@ -519,6 +569,6 @@ int main(int argc, char** argv) {
     std::cerr << "linum-bench: " << e.what() << "\n";
     return 1;
   }
-  std::cerr << "linum-bench: unknown benchmark '" << what << "' (choose mlp, gpt, scan, plan, dp, rnn, hvp, vmap, load, ops or fused)\n";
+  std::cerr << "linum-bench: unknown benchmark '" << what << "' (choose mlp, gpt, scan, plan, dp, rnn, hvp, vmap, load, ops, elementwise or fused)\n";
   return 2;
 }
