@@ -143,6 +143,8 @@ TEST_CASE("every binary op, on every pair of dtypes and every broadcast, is the 
       {Shape{270000}, Shape{}},
       {Shape{108, 2500}, Shape{2500}},
       {Shape{108, 2500}, Shape{108, 1}},
+      {Shape{520, 512}, Shape{512}},      // rows of one bf16 run each, on the team
+      {Shape{520, 512}, Shape{520, 1}},
   };
   std::int64_t checked = 0;
   auto check = [&] {
@@ -196,11 +198,13 @@ TEST_CASE("every binary op, on every pair of dtypes and every broadcast, is the 
   };
   testing::in_both_fp_modes(check);
   // Each shape on 4 dtype pairs, and a weak scalar on the 3 shapes whose second operand is one
-  // value of rank 0 (one of them run on the team); on the 4 shapes run on the team, only the ops
+  // value of rank 0 (one of them run on the team); on the shapes run on the team, only the ops
   // marked on_team.
   const auto on_team = std::count_if(ops_under_test.begin(), ops_under_test.end(), [](const Op& op) { return op.on_team; });
   const auto all = static_cast<std::int64_t>(ops_under_test.size());
-  CHECK(checked == 2 * ((static_cast<std::int64_t>(shapes.size()) - 4) * 4 * all + 4 * 4 * on_team + 2 * 2 * all + 2 * on_team));
+  const auto big = std::count_if(shapes.begin(), shapes.end(), [](const Pair& p) { return std::max(p.a.numel(), p.b.numel()) >= (1 << 18); });
+  CHECK(big == 6);
+  CHECK(checked == 2 * ((static_cast<std::int64_t>(shapes.size()) - big) * 4 * all + big * 4 * on_team + 2 * 2 * all + 2 * on_team));
 }
 
 TEST_CASE("sin, cos, erf, expm1, log2 and rounding against the C library") {

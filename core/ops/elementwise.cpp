@@ -87,37 +87,58 @@ LINUM_ONE_COPY void binary_floats(F& f, const float* a, bool a_steps, const floa
   }
 }
 
-// binary_run for bf16 operands or results: a bf16 operand is widened a chunk at a time into stack
-// scratch, and a bf16 result rounded once from float32 per chunk (2 bytes read and written per
-// element). Not inlined: the float32 path keeps a small stack frame.
+// Scratch for binary runs with bf16 operands or results: 512-element runs of each operand widened,
+// and of the result before rounding (6 KB: they stay in L1 with the operands' lines). A widened
+// operand row is kept for the next run: a broadcast row (a bias) is widened once, not per row.
+struct WidenedRuns {
+  static constexpr std::int64_t kRun = 512;
+  alignas(64) float a[kRun], b[kRun], out[kRun];
+  const void* a_row = nullptr;  // the bf16 row whose widened values a holds, if any
+  const void* b_row = nullptr;
+};
+
+// Widens elements [start, start + n) of x (n <= kRun) into run, or reuses them when run already
+// holds that row (whole-row runs only). float32 is read in place.
+inline const float* widened_run(const Array& x, std::int64_t start, std::int64_t n, bool whole_row, float* run, const void*& held) {
+  if (x.dtype() == DType::f32) return static_cast<const float*>(x.raw()) + start;
+  const void* row = static_cast<const bfloat16*>(x.raw()) + start;
+  if (whole_row && held == row) return run;
+  held = whole_row ? row : nullptr;
+  return f32_view(x, start, n, run);
+}
+
+// out[o_start, o_start + n) = f(a, b) over a run of n elements when an operand or the result is
+// bf16: a's run starts at a_start and steps by one, or is its element a_start broadcast (the same
+// for b). bf16 operands are widened exactly, a run at a time, and the result rounded once per run
+// (2 bytes read and written per element). Not inlined: one copy per op.
 template <class F>
 LINUM_ONE_COPY void binary_run_widened(F& f, const Array& a, std::int64_t a_start, bool a_steps, const Array& b,
-                                       std::int64_t b_start, bool b_steps, Array& out, std::int64_t o_start, std::int64_t n) {
-  constexpr std::int64_t kRun = 512;  // three 2 KB buffers: they stay in L1 with the operands' lines
-  alignas(64) float sa[kRun], sb[kRun], so[kRun];
-  if (!a_steps) sa[0] = f32_at(a, a_start);
-  if (!b_steps) sb[0] = f32_at(b, b_start);
+                                       std::int64_t b_start, bool b_steps, Array& out, std::int64_t o_start, std::int64_t n,
+                                       WidenedRuns& w) {
+  constexpr std::int64_t kRun = WidenedRuns::kRun;
+  const bool whole_row = n <= kRun;
   for (std::int64_t x = 0; x < n; x += kRun) {
     const std::int64_t c = std::min(kRun, n - x);
-    const float* pa = a_steps ? f32_view(a, a_start + x, c, sa) : sa;
-    const float* pb = b_steps ? f32_view(b, b_start + x, c, sb) : sb;
-    float* po = f32_target(out, o_start + x, so);
+    const float* pa = a_steps ? widened_run(a, a_start + x, c, whole_row, w.a, w.a_row) : (w.a[0] = f32_at(a, a_start), w.a);
+    const float* pb = b_steps ? widened_run(b, b_start + x, c, whole_row, w.b, w.b_row) : (w.b[0] = f32_at(b, b_start), w.b);
+    if (!a_steps) w.a_row = nullptr;  // a[0] was overwritten
+    if (!b_steps) w.b_row = nullptr;
+    float* po = f32_target(out, o_start + x, w.out);
     binary_floats(f, pa, a_steps, pb, b_steps, po, c);
     f32_commit(out, o_start + x, c, po);
   }
 }
 
-// out[o_start, o_start + n) = f(a, b) over a run of n elements: a's run starts at a_start and steps
-// by one, or is its element a_start broadcast (the same for b). float32 operands and results are
-// used in place.
+// out[o_start, o_start + n) = f(a, b) (see binary_run_widened): float32 operands and results in
+// place, anything else through `w`.
 template <class F>
 inline void binary_run(F& f, const Array& a, std::int64_t a_start, bool a_steps, const Array& b, std::int64_t b_start,
-                       bool b_steps, Array& out, std::int64_t o_start, std::int64_t n) {
-  if (a.dtype() == DType::f32 && b.dtype() == DType::f32 && out.dtype() == DType::f32) {
+                       bool b_steps, Array& out, std::int64_t o_start, std::int64_t n, WidenedRuns* w) {
+  if (w == nullptr) {
     binary_floats(f, static_cast<const float*>(a.raw()) + a_start, a_steps, static_cast<const float*>(b.raw()) + b_start,
                   b_steps, static_cast<float*>(out.mutable_raw()) + o_start, n);
   } else {
-    binary_run_widened(f, a, a_start, a_steps, b, b_start, b_steps, out, o_start, n);
+    binary_run_widened(f, a, a_start, a_steps, b, b_start, b_steps, out, o_start, n, *w);
   }
 }
 
@@ -130,10 +151,16 @@ Array binary_kernel(const Array& a, const Array& b, const char* op, F f, std::op
   const Shape out_shape = broadcast_shapes(a.shape(), b.shape(), op);
   Array out = Array::empty(out_shape, out_dtype ? *out_dtype : result_dtype(a, b));
   const std::int64_t n = out_shape.numel();
+  const bool all_f32 = a.dtype() == DType::f32 && b.dtype() == DType::f32 && out.dtype() == DType::f32;
   if ((a.numel() == n || a.numel() == 1) && (b.numel() == n || b.numel() == 1)) {
     const bool a_steps = a.numel() == n && n > 1, b_steps = b.numel() == n && n > 1;
+    auto widened_block = [&](std::int64_t s, std::int64_t c) __attribute__((noinline)) {
+      WidenedRuns w;
+      binary_run(f, a, a_steps ? s : 0, a_steps, b, b_steps ? s : 0, b_steps, out, s, c, &w);
+    };
     for_blocks(n, [&](std::int64_t s, std::int64_t c) {
-      binary_run(f, a, a_steps ? s : 0, a_steps, b, b_steps ? s : 0, b_steps, out, s, c);
+      if (all_f32) binary_run(f, a, a_steps ? s : 0, a_steps, b, b_steps ? s : 0, b_steps, out, s, c, nullptr);
+      else widened_block(s, c);
     });
     return out;
   }
@@ -154,7 +181,7 @@ Array binary_kernel(const Array& a, const Array& b, const char* op, F f, std::op
   const std::int64_t inner = out_shape[rank - 1];
   const std::int64_t rows = n / std::max<std::int64_t>(inner, 1);
   const bool a_steps = sa[rank - 1] != 0, b_steps = sb[rank - 1] != 0;
-  auto do_rows = [&](std::int64_t r0, std::int64_t r1) {
+  auto rows_with = [&](std::int64_t r0, std::int64_t r1, WidenedRuns* w) {
     for (std::int64_t r = r0; r < r1; ++r) {
       std::int64_t rem = r, oa = 0, ob = 0;
       for (int d = rank - 2; d >= 0; --d) {
@@ -163,14 +190,26 @@ Array binary_kernel(const Array& a, const Array& b, const char* op, F f, std::op
         oa += idx * sa[d];
         ob += idx * sb[d];
       }
-      binary_run(f, a, oa, a_steps, b, ob, b_steps, out, r * inner, inner);
+      binary_run(f, a, oa, a_steps, b, ob, b_steps, out, r * inner, inner, w);
     }
   };
-  if (n >= ops::detail::kParallelMin && rows > 1) {
-#pragma omp parallel for schedule(static) num_threads(linum::team_size())
-    for (std::int64_t r = 0; r < rows; ++r) {
+  // The scratch lives in its own frame, which float32 rows never enter.
+  auto widened_rows = [&](std::int64_t r0, std::int64_t r1) __attribute__((noinline)) {
+    WidenedRuns w;  // one per thread's block of rows, so a broadcast row is widened once per block
+    rows_with(r0, r1, &w);
+  };
+  auto do_rows = [&](std::int64_t r0, std::int64_t r1) {
+    if (all_f32) rows_with(r0, r1, nullptr);
+    else widened_rows(r0, r1);
+  };
+  // Blocks of whole rows, about kBlock elements each, taken by whichever thread is free.
+  const std::int64_t rows_per_block = std::max<std::int64_t>(1, ops::detail::kBlock / std::max<std::int64_t>(inner, 1));
+  const std::int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
+  if (n >= ops::detail::kParallelMin && blocks > 1) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(linum::team_size())
+    for (std::int64_t blk = 0; blk < blocks; ++blk) {
       linum::detail::enter_compute();
-      do_rows(r, r + 1);
+      do_rows(blk * rows_per_block, std::min(rows, (blk + 1) * rows_per_block));
     }
   } else {
     do_rows(0, rows);
