@@ -121,8 +121,6 @@ LINUM_ONE_COPY void binary_run_widened(F& f, const Array& a, std::int64_t a_star
     const std::int64_t c = std::min(kRun, n - x);
     const float* pa = a_steps ? widened_run(a, a_start + x, c, whole_row, w.a, w.a_row) : (w.a[0] = f32_at(a, a_start), w.a);
     const float* pb = b_steps ? widened_run(b, b_start + x, c, whole_row, w.b, w.b_row) : (w.b[0] = f32_at(b, b_start), w.b);
-    if (!a_steps) w.a_row = nullptr;  // a[0] was overwritten
-    if (!b_steps) w.b_row = nullptr;
     float* po = f32_target(out, o_start + x, w.out);
     binary_floats(f, pa, a_steps, pb, b_steps, po, c);
     f32_commit(out, o_start + x, c, po);
