@@ -2,6 +2,7 @@
 // shapes it cannot accept (each names the op and the shapes).
 #include <doctest/doctest.h>
 #include <linum/linum.hpp>
+#include <linum/core/ops/kernel_util.hpp>  // ops::detail::sum_to: what broadcasting ops' gradients sum with
 
 #include "testing/fp_modes.hpp"
 #include "testing/gradcheck.hpp"
@@ -19,6 +20,33 @@ namespace {
 void check_close(const Array& a, const std::vector<float>& want, float tol = 1e-6f) {
   REQUIRE(a.numel() == static_cast<std::int64_t>(want.size()));
   for (std::size_t i = 0; i < want.size(); ++i) CHECK(a.data()[i] == doctest::Approx(want[i]).epsilon(tol));
+}
+// The flat index of an operand's element for each output element (NumPy broadcasting), walking
+// the output's indices like an odometer (plain arrays and pointers: the sanitizer build compiles
+// tests without optimization).
+std::vector<std::int64_t> source_index(const Shape& in, const Shape& out) {
+  const int rank = out.rank();
+  std::array<std::int64_t, Shape::kMaxRank> dims{}, step{}, at{};
+  const auto in_strides = in.strides();
+  for (int d = 0; d < rank; ++d) {
+    dims[d] = out[d];
+    const int din = d - (rank - in.rank());
+    step[d] = (din >= 0 && in[din] != 1) ? in_strides[din] : 0;
+  }
+  const std::int64_t n = out.numel();
+  std::vector<std::int64_t> idx(static_cast<std::size_t>(n));
+  std::int64_t* p = idx.data();
+  std::int64_t flat = 0;
+  for (std::int64_t o = 0; o < n; ++o) {
+    p[o] = flat;
+    for (int d = rank - 1; d >= 0; --d) {  // the next index: carry into the axes before
+      flat += step[d];
+      if (++at[d] < dims[d]) break;
+      flat -= step[d] * dims[d];
+      at[d] = 0;
+    }
+  }
+  return idx;
 }
 }  // namespace
 
@@ -75,33 +103,6 @@ TEST_CASE("every binary op, on every pair of dtypes and every broadcast, is the 
     return Array::from(shape, v);
   };
   auto widened = [](const Array& x) { return astype(x, DType::f32).to_vector(); };
-  // The flat index of an operand's element for each output element (NumPy broadcasting), walking
-  // the output's indices like an odometer (plain arrays and pointers: the sanitizer build compiles
-  // tests without optimization).
-  auto source_index = [](const Shape& in, const Shape& out) {
-    const int rank = out.rank();
-    std::array<std::int64_t, Shape::kMaxRank> dims{}, step{}, at{};
-    const auto in_strides = in.strides();
-    for (int d = 0; d < rank; ++d) {
-      dims[d] = out[d];
-      const int din = d - (rank - in.rank());
-      step[d] = (din >= 0 && in[din] != 1) ? in_strides[din] : 0;
-    }
-    const std::int64_t n = out.numel();
-    std::vector<std::int64_t> idx(static_cast<std::size_t>(n));
-    std::int64_t* p = idx.data();
-    std::int64_t flat = 0;
-    for (std::int64_t o = 0; o < n; ++o) {
-      p[o] = flat;
-      for (int d = rank - 1; d >= 0; --d) {  // the next index: carry into the axes before
-        flat += step[d];
-        if (++at[d] < dims[d]) break;
-        flat -= step[d] * dims[d];
-        at[d] = 0;
-      }
-    }
-    return idx;
-  };
   // Names the first element at which got and want differ.
   auto first_difference = [&](const Array& got, const Array& want, const std::vector<float>& va, const std::vector<float>& vb,
                               const std::vector<std::int64_t>& ia, const std::vector<std::int64_t>& ib) {
@@ -205,6 +206,87 @@ TEST_CASE("every binary op, on every pair of dtypes and every broadcast, is the 
   const auto big = std::count_if(shapes.begin(), shapes.end(), [](const Pair& p) { return std::max(p.a.numel(), p.b.numel()) >= (1 << 18); });
   CHECK(big == 6);
   CHECK(checked == 2 * ((static_cast<std::int64_t>(shapes.size()) - big) * 4 * all + big * 4 * on_team + 2 * 2 * all + 2 * on_team));
+}
+
+TEST_CASE("where and its gradients move bits: every pair of dtypes, every broadcast, both fp modes, on the thread team") {
+  // where(c, a, b) selects a where c is nonzero and b elsewhere: its bits are the chosen operand's,
+  // widened to float32 and rounded once to the result's dtype. Its gradients select the cotangent's
+  // bits: a's is g where c holds and +0 elsewhere (never g times a mask, so NaN and infinities in
+  // the unselected cotangent do not leak into it), b's the reverse, each summed down to its
+  // operand's shape (sum_to, as every broadcasting op's gradient) and given its operand's dtype.
+  // The condition holds NaN (true), -0 (false) and subnormals (false when they are flushed);
+  // operands and cotangents hold NaN, infinities, signed zeros and subnormals.
+  auto values = [](const Shape& shape, unsigned seed, const std::vector<float>& special) {
+    std::vector<float> v = testing::random_array(shape, seed, -3.0f, 3.0f).to_vector();
+    for (std::size_t i = 0; i < v.size(); i += 5) v[i] = special[(i / 5 + seed) % special.size()];
+    return Array::from(shape, v);
+  };
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> specials = {inf, -inf, -0.0f, 0.0f, nan, std::numeric_limits<float>::denorm_min(), 1e-39f, -2e-39f, 1.0f};
+  const std::vector<float> conditions = {0.0f, 1.0f, -0.0f, nan, 1e-39f, -2.5f, 0.0f};
+  struct Case {
+    Shape c, a, b;
+  };
+  const std::vector<Case> cases = {
+      {Shape{7}, Shape{7}, Shape{7}},
+      {Shape{5}, Shape{3, 5}, Shape{3, 5}},   // the condition broadcast
+      {Shape{3, 1}, Shape{3, 5}, Shape{5}},   // b broadcast: its gradient sums over rows
+      {Shape{}, Shape{4}, Shape{}},
+      {Shape{2, 3}, Shape{}, Shape{2, 3}},    // a one value: its gradient sums everything selected
+      {Shape{0}, Shape{0}, Shape{}},          // empty
+      {Shape{520, 512}, Shape{520, 512}, Shape{520, 512}},  // on the thread team
+      {Shape{520, 1}, Shape{520, 512}, Shape{512}},
+  };
+  std::int64_t checked = 0;
+  auto check = [&] {
+    for (const Case& k : cases) {
+      const Array c = values(k.c, 3, conditions);
+      const Array a32 = values(k.a, 4, specials), b32 = values(k.b, 5, specials);
+      const Shape out_shape = where(c, Array::zeros(k.a), Array::zeros(k.b)).shape();
+      const std::vector<std::int64_t> ic = source_index(k.c, out_shape), ia = source_index(k.a, out_shape),
+                                      ib = source_index(k.b, out_shape);
+      // Which elements c selects a at, as Linum's comparison says in this fp mode (a subnormal is
+      // zero when flushed): that op is checked bitwise above.
+      const std::vector<float> holds = not_equal(c, Array::zeros({})).to_vector();
+      for (const DType da : {DType::f32, DType::bf16}) {
+        for (const DType db : {DType::f32, DType::bf16}) {
+          CAPTURE(k.c);
+          CAPTURE(k.a);
+          CAPTURE(k.b);
+          CAPTURE(std::string(dtype_name(da)));
+          CAPTURE(std::string(dtype_name(db)));
+          CAPTURE(flush_denormals());
+          const Array a = astype(a32, da), b = astype(b32, db);
+          const DType result = promote_types(da, false, db, false);
+          const Array g = astype(values(out_shape, 6, specials), result);
+          auto [y, pullback] = vjp([&](const Array& x, const Array& z) { return where(c, x, z); }, a, b);
+          const auto [ga, gb] = pullback(g);
+          // The references: scalar selections of the widened bits, rounded and summed by the ops
+          // the library's own rules use.
+          const std::vector<float> va = astype(a, DType::f32).to_vector(), vb = astype(b, DType::f32).to_vector(),
+                                   vg = astype(g, DType::f32).to_vector();
+          const std::size_t n = static_cast<std::size_t>(out_shape.numel());
+          std::vector<float> chosen(n), to_a(n), to_b(n);
+          for (std::size_t i = 0; i < n; ++i) {
+            const bool h = holds[static_cast<std::size_t>(ic[i])] != 0.0f;
+            chosen[i] = h ? va[static_cast<std::size_t>(ia[i])] : vb[static_cast<std::size_t>(ib[i])];
+            to_a[i] = h ? vg[i] : 0.0f;
+            to_b[i] = h ? 0.0f : vg[i];
+          }
+          REQUIRE(y.dtype() == result);
+          REQUIRE(y.shape() == out_shape);
+          CHECK(y.bitwise_equal(astype(Array::from(out_shape, chosen), result)));
+          REQUIRE(ga.dtype() == da);
+          REQUIRE(gb.dtype() == db);
+          CHECK(ga.bitwise_equal(astype(ops::detail::sum_to(Array::from(out_shape, to_a), k.a), da)));
+          CHECK(gb.bitwise_equal(astype(ops::detail::sum_to(Array::from(out_shape, to_b), k.b), db)));
+          ++checked;
+        }
+      }
+    }
+  };
+  testing::in_both_fp_modes(check);
+  CHECK(checked == 2 * static_cast<std::int64_t>(cases.size()) * 4);
 }
 
 TEST_CASE("sin, cos, erf, expm1, log2 and rounding against the C library") {
