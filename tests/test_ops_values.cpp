@@ -21,6 +21,13 @@ void check_close(const Array& a, const std::vector<float>& want, float tol = 1e-
   REQUIRE(a.numel() == static_cast<std::int64_t>(want.size()));
   for (std::size_t i = 0; i < want.size(); ++i) CHECK(a.data()[i] == doctest::Approx(want[i]).epsilon(tol));
 }
+// Values in [-3, 3) from the seed, with every `every`-th element replaced by the next of `special`.
+std::vector<float> with_specials(const Shape& shape, unsigned seed, const std::vector<float>& special, std::size_t every) {
+  std::vector<float> v = testing::random_array(shape, seed, -3.0f, 3.0f).to_vector();
+  for (std::size_t i = 0; i < v.size(); i += every) v[i] = special[(i / every + seed) % special.size()];
+  return v;
+}
+
 // The flat index of an operand's element for each output element (NumPy broadcasting), walking
 // the output's indices like an odometer (plain arrays and pointers: the sanitizer build compiles
 // tests without optimization).
@@ -94,10 +101,9 @@ TEST_CASE("every binary op, on every pair of dtypes and every broadcast, is the 
       {"not_equal", [](const Array& a, const Array& b) { return not_equal(a, b); }, [](float x, float z) { return x != z ? 1.0f : 0.0f; }, true, false},
   };
   auto operand = [](const Shape& shape, unsigned seed, bool with_nan) {
-    std::vector<float> v = testing::random_array(shape, seed, -3.0f, 3.0f).to_vector();
     const std::vector<float> special = {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity(), -0.0f,
                                         0.0f, 1.0f, 2.5f, std::numeric_limits<float>::denorm_min(), 1e-39f, -2e-39f};
-    for (std::size_t i = 0; i < v.size(); i += 7) v[i] = special[(i / 7 + seed) % special.size()];
+    std::vector<float> v = with_specials(shape, seed, special, 7);
     if (with_nan)
       for (std::size_t i = 3; i < v.size(); i += 29) v[i] = std::numeric_limits<float>::quiet_NaN();
     return Array::from(shape, v);
@@ -217,9 +223,7 @@ TEST_CASE("where and its gradients move bits: every pair of dtypes, every broadc
   // The condition holds NaN (true), -0 (false) and subnormals (false when they are flushed);
   // operands and cotangents hold NaN, infinities, signed zeros and subnormals.
   auto values = [](const Shape& shape, unsigned seed, const std::vector<float>& special) {
-    std::vector<float> v = testing::random_array(shape, seed, -3.0f, 3.0f).to_vector();
-    for (std::size_t i = 0; i < v.size(); i += 5) v[i] = special[(i / 5 + seed) % special.size()];
-    return Array::from(shape, v);
+    return Array::from(shape, with_specials(shape, seed, special, 5));
   };
   const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
   const std::vector<float> specials = {inf, -inf, -0.0f, 0.0f, nan, std::numeric_limits<float>::denorm_min(), 1e-39f, -2e-39f, 1.0f};
