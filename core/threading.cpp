@@ -19,8 +19,32 @@
 #include <omp.h>
 #endif
 
+// LLVM's OpenMP runtime (libomp, what clang's -fopenmp links) sets how long its idle threads spin
+// with kmp_set_blocktime. GNU libgomp has no such function: the weak reference is then null.
+extern "C" void kmp_set_blocktime(int milliseconds) __attribute__((weak));
+
 namespace linum {
 namespace {
+
+// How long libomp's idle threads spin before they sleep, unless its environment says otherwise.
+// libomp's own default is 200 ms: in a program that alternates parallel regions with serial work,
+// every worker then spins through the serial parts, taking the cores other processes (and, on a
+// busy machine, this one's own next region) need. libgomp spins about 300,000 iterations, in the
+// order of a millisecond; 1 ms gives libomp the same behaviour. Measured on the Zen 3 with clang
+// 14, the sanitizer build's fashion_mnist example test alone: 236 s of user and 59 s of system time
+// for 149 s of wall time at 200 ms, 160 s and 9 s for 139 s at 1 ms.
+constexpr int kLibompBlocktimeMs = 1;
+
+// libomp's blocktime is a setting of the calling thread's teams: set once per thread that starts
+// parallel regions, before its first, unless KMP_BLOCKTIME or OMP_WAIT_POLICY says otherwise.
+void use_short_spin_on_libomp() {
+  if (kmp_set_blocktime == nullptr) return;
+  static const bool environment_decides = std::getenv("KMP_BLOCKTIME") != nullptr || std::getenv("OMP_WAIT_POLICY") != nullptr;
+  thread_local bool done = false;
+  if (done || environment_decides) return;
+  done = true;
+  kmp_set_blocktime(kLibompBlocktimeMs);
+}
 
 }  // namespace
 
@@ -131,6 +155,7 @@ void set_adaptive_threads(bool on) { g_adaptive.store(on ? 1 : 0, std::memory_or
 
 int team_size() {
 #ifdef _OPENMP
+  use_short_spin_on_libomp();
   const int max = omp_get_max_threads();
   if (max <= 1 || !adaptive_threads()) return max;
   const std::int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -152,8 +177,13 @@ int team_size() {
 
 std::string openmp_wait_policy() {
   const char* policy = std::getenv("OMP_WAIT_POLICY");
-  const char* spin = std::getenv("GOMP_SPINCOUNT");
   if (policy != nullptr) return policy;
+  if (kmp_set_blocktime != nullptr) {
+    const char* blocktime = std::getenv("KMP_BLOCKTIME");
+    if (blocktime != nullptr) return std::string("KMP_BLOCKTIME=") + blocktime;
+    return "unset (libomp spins " + std::to_string(kLibompBlocktimeMs) + " ms, then sleeps)";
+  }
+  const char* spin = std::getenv("GOMP_SPINCOUNT");
   if (spin != nullptr) return std::string("GOMP_SPINCOUNT=") + spin;
   return "unset (libgomp spins, then sleeps)";
 }

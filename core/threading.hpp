@@ -16,19 +16,23 @@
 // different thread counts rely on). Turn adaptation off with
 // set_adaptive_threads(false) or LINUM_ADAPTIVE_THREADS=0 (dedicated machines).
 //
-// How idle OpenMP threads wait is libgomp's business, set by OMP_WAIT_POLICY / GOMP_SPINCOUNT when
-// the program starts (libgomp reads them once, before main). Unset, they spin about 300,000
+// How idle OpenMP threads wait is the OpenMP runtime's business. GNU libgomp (GCC's) reads
+// OMP_WAIT_POLICY / GOMP_SPINCOUNT once, before main. Unset, its threads spin about 300,000
 // iterations and then sleep; with adaptive teams that costs nothing measurable under load
 // (linum-bench load gives the same slowdown with OMP_WAIT_POLICY=passive). On a dedicated machine
-// OMP_WAIT_POLICY=active with LINUM_ADAPTIVE_THREADS=0 is the spinning mode.
+// OMP_WAIT_POLICY=active with LINUM_ADAPTIVE_THREADS=0 is the spinning mode. LLVM's libomp
+// (clang's) spins 200 ms by default, through the serial work between regions; unless
+// KMP_BLOCKTIME or OMP_WAIT_POLICY is set, Linum sets it to 1 ms (kmp_set_blocktime) for each
+// thread that starts its parallel regions, which is libgomp's behaviour.
 #pragma once
 
 #include <string>
 
 namespace linum {
 
-// How idle OpenMP threads wait in this process, as its environment says: "passive", "active",
-// "GOMP_SPINCOUNT=N", or "unset (libgomp spins, then sleeps)".
+// How idle OpenMP threads wait in this process, as its environment and runtime say: "passive",
+// "active", "KMP_BLOCKTIME=N" or "unset (libomp spins 1 ms, then sleeps)" on libomp,
+// "GOMP_SPINCOUNT=N" or "unset (libgomp spins, then sleeps)" on libgomp.
 std::string openmp_wait_policy();
 
 // The number of threads Linum's parallel regions use now (see above).

@@ -7,6 +7,8 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include <signal.h>
@@ -16,6 +18,10 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+
+// LLVM's libomp has these; GNU libgomp does not (the weak references are then null).
+extern "C" void kmp_set_blocktime(int milliseconds) __attribute__((weak));
+extern "C" int kmp_get_blocktime() __attribute__((weak));
 
 using namespace linum;
 
@@ -42,13 +48,39 @@ TEST_CASE("subnormals are flushed in every thread Linum computes in, unless opte
   CHECK(thread_flushes_denormals());
 }
 
-TEST_CASE("openmp_wait_policy reports what the environment gives libgomp") {
+TEST_CASE("openmp_wait_policy reports what the environment gives the OpenMP runtime") {
   const char* policy = std::getenv("OMP_WAIT_POLICY");
-  const char* spin = std::getenv("GOMP_SPINCOUNT");
-  if (policy != nullptr) CHECK(openmp_wait_policy() == policy);
-  else if (spin != nullptr) CHECK(openmp_wait_policy() == std::string("GOMP_SPINCOUNT=") + spin);
-  else CHECK(openmp_wait_policy() == "unset (libgomp spins, then sleeps)");
+  const std::string got = openmp_wait_policy();
+  if (policy != nullptr) {
+    CHECK(got == policy);
+  } else if (kmp_set_blocktime != nullptr) {  // LLVM's libomp
+    const char* blocktime = std::getenv("KMP_BLOCKTIME");
+    CHECK(got == (blocktime != nullptr ? std::string("KMP_BLOCKTIME=") + blocktime : std::string("unset (libomp spins 1 ms, then sleeps)")));
+  } else {
+    const char* spin = std::getenv("GOMP_SPINCOUNT");
+    CHECK(got == (spin != nullptr ? std::string("GOMP_SPINCOUNT=") + spin : std::string("unset (libgomp spins, then sleeps)")));
+  }
 }
+
+#ifdef _OPENMP
+TEST_CASE("on libomp, idle threads spin 1 ms unless the environment says otherwise") {
+  if (kmp_set_blocktime == nullptr) {
+    MESSAGE("GNU libgomp: its own environment variables decide");
+    return;
+  }
+  const int before = kmp_get_blocktime();
+  (void)team_size();  // what every parallel region of Linum's calls first
+  if (std::getenv("KMP_BLOCKTIME") != nullptr || std::getenv("OMP_WAIT_POLICY") != nullptr) CHECK(kmp_get_blocktime() == before);
+  else CHECK(kmp_get_blocktime() == 1);
+  // The setting is the calling thread's: a thread that starts its own regions gets it too.
+  int on_thread = -1;
+  std::thread([&] {
+    (void)team_size();
+    on_thread = kmp_get_blocktime();
+  }).join();
+  if (std::getenv("KMP_BLOCKTIME") == nullptr && std::getenv("OMP_WAIT_POLICY") == nullptr) CHECK(on_thread == 1);
+}
+#endif
 
 namespace {
 // A CPU-bound child process until killed.
