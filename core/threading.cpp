@@ -37,7 +37,7 @@ constexpr int kLibompBlocktimeMs = 1;
 
 // libomp's blocktime is a setting of the calling thread's teams: set once per thread that starts
 // parallel regions, before its first, unless KMP_BLOCKTIME or OMP_WAIT_POLICY says otherwise.
-void use_short_spin_on_libomp() {
+[[maybe_unused]] void use_short_spin_on_libomp() {
   if (kmp_set_blocktime == nullptr) return;
   static const bool environment_decides = std::getenv("KMP_BLOCKTIME") != nullptr || std::getenv("OMP_WAIT_POLICY") != nullptr;
   thread_local bool done = false;
