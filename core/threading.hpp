@@ -23,7 +23,7 @@
 // OMP_WAIT_POLICY=active with LINUM_ADAPTIVE_THREADS=0 is the spinning mode. LLVM's libomp
 // (clang's) spins 200 ms by default, through the serial work between regions; unless
 // KMP_BLOCKTIME or OMP_WAIT_POLICY is set, Linum sets it to 1 ms (kmp_set_blocktime) for each
-// thread that starts its parallel regions, which is libgomp's behaviour.
+// thread that starts its parallel regions: a short spin, then sleep, as libgomp does.
 #pragma once
 
 #include <string>
