@@ -37,6 +37,18 @@ double max_rel_diff(const Array& a, const Array& b) {
   return worst;
 }
 
+// max |a - b| / max |b| over the elements.
+double diff_of_largest(const Array& a, const Array& b) {
+  const auto va = a.to_vector(), vb = b.to_vector();
+  REQUIRE(va.size() == vb.size());
+  double diff = 0, largest = 0;
+  for (std::size_t i = 0; i < va.size(); ++i) {
+    diff = std::max(diff, std::abs(static_cast<double>(va[i]) - vb[i]));
+    largest = std::max(largest, std::abs(static_cast<double>(vb[i])));
+  }
+  return diff / std::max(largest, 1e-30);
+}
+
 Array bf(const Array& x) { return astype(x, DType::bf16); }
 
 }  // namespace
@@ -350,11 +362,15 @@ TEST_CASE("bf16 runs on every CPU: without bf16 kernels, products and convolutio
     return sum(square(f32(matmul(p, q)))) + sum(square(f32(conv2d(xx, ww)))) +
            sum(square(f32(conv_transpose2d(xx, ww, {.strides = {2, 2}}))));
   };
-  for (Engine e : {Engine::eigen, Engine::onednn}) {
-    if (!engine_available(e)) continue;
-    CAPTURE(engine_name(e));
+  const Bf16Products products_before = bf16_products();
+  for (Engine e : {Engine::eigen, Engine::onednn})
+  for (Bf16Products p : {Bf16Products::dot_instructions, Bf16Products::onednn, Bf16Products::widened}) {
+    if (!engine_available(e) || !bf16_products_available(p)) continue;
+    CAPTURE(std::string(engine_name(e)));
+    CAPTURE(std::string(bf16_products_name(p)));
     set_engine(e);
-    const bool widened = e == Engine::eigen || !onednn_has_bf16_kernels();
+    set_bf16_products(p);
+    const bool widened = e == Engine::eigen || p == Bf16Products::widened;
     const std::vector<std::pair<Array, Array>> pairs{
         {matmul(a, b), astype(matmul(f32(a), f32(b)), DType::bf16)},
         {conv2d(x, w), astype(conv2d(f32(x), f32(w)), DType::bf16)},
@@ -372,8 +388,46 @@ TEST_CASE("bf16 runs on every CPU: without bf16 kernels, products and convolutio
     CHECK(max_rel_diff(f32(gw), gw32) < 1.0 / 16);
   }
   set_engine(before);
+  set_bf16_products(products_before);
   const std::string has = onednn_has_bf16_kernels() ? "has" : "has no";
-  MESSAGE("oneDNN ", has, " bf16 kernels for this CPU");
+  MESSAGE("oneDNN ", has, " bf16 kernels for this CPU; bf16 products: ", bf16_products_name(bf16_products()));
+}
+
+TEST_CASE("bf16 products: the CPU's default, every choice available here, and a clear error for the others") {
+  const Bf16Products before = bf16_products();
+  CHECK(bf16_products_available(before));
+  CHECK(bf16_products_available(Bf16Products::widened));  // everywhere, also without oneDNN
+  if (!onednn_has_bf16_kernels()) CHECK(before == Bf16Products::widened);
+  // The same layer's bf16 step under every choice this CPU has: each is deterministic (the same bits
+  // twice, so remat's recomputation is bitwise) and close to the float32 step.
+  const Array x = astype(random_array(Shape{64, 96}, 90), DType::bf16), w = astype(random_array(Shape{96, 48}, 91), DType::bf16);
+  const Array b = astype(random_array(Shape{48}, 92), DType::bf16);
+  auto f32 = [](const Array& v) { return astype(v, DType::f32); };
+  auto loss = [f32](const Array& xx, const Array& ww, const Array& bb) {
+    return sum(square(f32(linear(xx, ww, bb, Activation::gelu))));
+  };
+  const auto [v32, gx32, gw32] = value_and_grad<0, 1>(loss)(f32(x), f32(w), f32(b));
+  for (Bf16Products p : {Bf16Products::dot_instructions, Bf16Products::onednn, Bf16Products::widened}) {
+    CAPTURE(std::string(bf16_products_name(p)));
+    if (!bf16_products_available(p)) {
+      CHECK_THROWS_WITH_AS(set_bf16_products(p), doctest::Contains("not available on this CPU or build"), ValueError);
+      continue;
+    }
+    set_bf16_products(p);
+    CHECK(bf16_products() == p);
+    const auto [v1, gx1, gw1] = value_and_grad<0, 1>(loss)(x, w, b);
+    const auto [v2, gx2, gw2] = value_and_grad<0, 1>(loss)(x, w, b);
+    CHECK(v1.bitwise_equal(v2));
+    CHECK(gx1.bitwise_equal(gx2));
+    CHECK(gw1.bitwise_equal(gw2));
+    // (relative to the largest element: the bf16 roundings of the layer's output and cotangents
+    // dominate, and are the same under every choice)
+    CHECK(diff_of_largest(f32(v1), v32) < 1.0 / 64);
+    CHECK(diff_of_largest(f32(gw1), gw32) < 1.0 / 32);
+    CHECK(diff_of_largest(f32(gx1), gx32) < 1.0 / 32);
+  }
+  set_bf16_products(before);
+  CHECK(std::string(bf16_products_name(Bf16Products::widened)) == "widened");
 }
 
 TEST_CASE("the oneDNN and Eigen engines agree") {

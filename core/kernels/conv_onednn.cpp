@@ -4,6 +4,7 @@
 // the convolution. Primitives are cached per shape, dtype and thread count, so recomputation under
 // remat runs the very primitive of the forward pass and gives bitwise the same result.
 #include <linum/core/kernels/conv.hpp>
+#include <linum/core/kernels/engine.hpp>
 #include <linum/core/kernels/gemm.hpp>
 
 #include <oneapi/dnnl/dnnl.hpp>
@@ -197,12 +198,12 @@ bool onednn_bf16_conv_available() {
 
 namespace {
 // bf16 where this CPU has no oneDNN bf16 convolutions (oneDNN 2.7 builds them for AVX-512 and AMX,
-// not for AVX2 CPUs such as AMD's Zen 3): the float32 kernels on the operands widened (exactly:
+// not for AVX2 CPUs such as AMD's Zen 3) or bf16_products() is widened: the float32 kernels on the operands widened (exactly:
 // every bf16 value is a float32) and the result rounded once, as bf16 kernels sum in float32.
 // Nullopt where the bf16 kernels run.
 template <class F>
 std::optional<Array> widened(const ConvShape& s, const Array& p, const Array& q, F&& f32_kernel) {
-  if (s.dtype != DType::bf16 || onednn_bf16_conv_available()) return std::nullopt;
+  if (s.dtype != DType::bf16 || (onednn_bf16_conv_available() && bf16_products() != Bf16Products::widened)) return std::nullopt;
   ConvShape s32 = s;
   s32.dtype = DType::f32;
   return linum::detail::convert_float(

@@ -6,6 +6,9 @@
 
 #include <algorithm>
 #include <atomic>
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -41,6 +44,87 @@ bool onednn_has_bf16_kernels() {
 #else
   return false;
 #endif
+}
+
+bool bf16_products_available(Bf16Products p) {
+  switch (p) {
+    case Bf16Products::dot_instructions: return onednn_has_bf16_kernels() && kernels::bf16_panels_available();
+    case Bf16Products::onednn: return onednn_has_bf16_kernels();
+    case Bf16Products::widened: return true;
+  }
+  return false;
+}
+
+const char* bf16_products_name(Bf16Products p) {
+  switch (p) {
+    case Bf16Products::dot_instructions: return "dot_instructions";
+    case Bf16Products::onednn: return "onednn";
+    case Bf16Products::widened: return "widened";
+  }
+  return "?";
+}
+
+namespace {
+
+bool cpu_vendor_is_intel() {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (__get_cpuid(0, &a, &b, &c, &d) == 0) return false;
+  char vendor[13] = {};
+  std::memcpy(vendor, &b, 4);
+  std::memcpy(vendor + 4, &d, 4);
+  std::memcpy(vendor + 8, &c, 4);
+  return std::strcmp(vendor, "GenuineIntel") == 0;
+#else
+  return false;
+#endif
+}
+
+// The choice bf16_products() documents (engine.hpp).
+Bf16Products detected_bf16_products() {
+  if (!onednn_has_bf16_kernels()) return Bf16Products::widened;
+#if LINUM_HAVE_ONEDNN
+  if (cpu_vendor_is_intel()) return kernels::onednn_uses_amx() ? Bf16Products::onednn : Bf16Products::widened;
+#endif
+  return kernels::bf16_panels_available() ? Bf16Products::dot_instructions : Bf16Products::onednn;
+}
+
+std::atomic<Bf16Products> g_bf16_products{Bf16Products::widened};
+
+void choose_bf16_products_once() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    g_bf16_products = detected_bf16_products();
+    const char* v = std::getenv("LINUM_BF16_PRODUCTS");
+    if (v == nullptr || *v == 0) return;
+    for (Bf16Products p : {Bf16Products::dot_instructions, Bf16Products::onednn, Bf16Products::widened}) {
+      if (std::strcmp(v, bf16_products_name(p)) != 0) continue;
+      if (!bf16_products_available(p))
+        throw ValueError(detail::cat("LINUM_BF16_PRODUCTS=", v, ": not available on this CPU or build (",
+                                     p == Bf16Products::dot_instructions ? "it needs AVX512-BF16 in the build and oneDNN's bf16 kernels"
+                                                                         : "oneDNN has no bf16 kernels here",
+                                     "); use widened, or unset it for the default, ",
+                                     bf16_products_name(detected_bf16_products())));
+      g_bf16_products = p;
+      return;
+    }
+    throw ValueError(detail::cat("LINUM_BF16_PRODUCTS=", v, ": unknown; use dot_instructions, onednn or widened"));
+  });
+}
+
+}  // namespace
+
+Bf16Products bf16_products() {
+  choose_bf16_products_once();
+  return g_bf16_products.load(std::memory_order_relaxed);
+}
+
+void set_bf16_products(Bf16Products p) {
+  choose_bf16_products_once();
+  if (!bf16_products_available(p))
+    throw ValueError(detail::cat("set_bf16_products(", bf16_products_name(p), "): not available on this CPU or build; ",
+                                 "bf16_products_available() tells which are"));
+  g_bf16_products = p;
 }
 
 Engine engine() {
@@ -93,7 +177,8 @@ Array f32_panels_product(const Array& a, bool ta, const Array& b, bool tb, const
 constexpr std::int64_t kPanelsMaxDepth = 2048, kPanelsMinColumns = 16;
 bool bf16_panels_take(std::int64_t k, std::int64_t n) {
   // (k = 0 stays with the engine, which adds the bias to zeros in float32, keeping a subnormal bias)
-  return engine() == Engine::onednn && bf16_panels_available() && k > 0 && k <= kPanelsMaxDepth && n >= kPanelsMinColumns;
+  return engine() == Engine::onednn && bf16_products() == Bf16Products::dot_instructions && k > 0 && k <= kPanelsMaxDepth &&
+         n >= kPanelsMinColumns;
 }
 
 bool uses_bf16_panels(const Array& a, bool ta, const Array& b, bool tb) {
@@ -283,7 +368,7 @@ void gemm_bf16_rounded_serial(bool ta, bool tb, std::int64_t m, std::int64_t n, 
   };
   const std::int64_t a_rows = ta ? k : m, a_cols = ta ? m : k, b_rows = tb ? n : k, b_cols = tb ? k : n;
 #if LINUM_HAVE_ONEDNN
-  if (engine() == Engine::onednn && k > 0 && onednn_bf16_matmul_available()) {
+  if (engine() == Engine::onednn && k > 0 && onednn_bf16_matmul_used()) {
     const Array a16 = rounded(a, a_rows, a_cols, lda, DType::bf16), b16 = rounded(b, b_rows, b_cols, ldb, DType::bf16);
     return gemm_bf16_serial_onednn(ta, tb, m, n, k, alpha, static_cast<const bfloat16*>(a16.raw()), a_cols,
                                    static_cast<const bfloat16*>(b16.raw()), b_cols, beta, c, ldc);
@@ -314,7 +399,7 @@ PackedProduct::PackedProduct(std::int64_t m, std::int64_t n, std::int64_t k, con
   }
 #if LINUM_HAVE_ONEDNN
   if (engine() == Engine::onednn && m > 0 && n > 0 && k > 0) {
-    if (operands == Operands::f32 || onednn_bf16_matmul_available()) {
+    if (operands == Operands::f32 || onednn_bf16_matmul_used()) {
       onednn_ = onednn_pack(m, n, k, b, ldb, tb, lda, ldc, accumulate, operands);
       return;
     }

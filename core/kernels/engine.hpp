@@ -24,4 +24,27 @@ const char* engine_name(Engine e);  // "eigen", "onednn"
 // float32 speed. False in a build without oneDNN.
 bool onednn_has_bf16_kernels();
 
+// How the oneDNN engine computes bfloat16 products (matrix products, convolutions, attention's
+// blocks), chosen once per process from the CPU:
+//  - dot_instructions: Linum's own AVX512-BF16 kernels (vdpbf16ps, with the layer's epilogue inside
+//    the product) where they take, oneDNN's bf16 kernels elsewhere. The default on AMD CPUs with
+//    AVX512-BF16 (Zen 4, Zen 5), whose vdpbf16ps does twice the float32 FMA's work per cycle.
+//  - onednn: oneDNN's bf16 kernels for every product: the default on Intel CPUs with AMX usable
+//    (oneDNN runs its AMX tile kernels there).
+//  - widened: the float32 kernels on the operands widened (exactly: every bf16 value is a float32),
+//    the result rounded once to bf16, the values the Eigen engine computes. The default on Intel CPUs
+//    without AMX: on the 2-core Xeon measured (family 6 model 207, AMX not exposed) vdpbf16ps ran at
+//    1.35 G instructions/s against the float32 FMA's 5.2, half the FMA's multiply-adds, and the bf16
+//    MLP step took 0.47 s on bf16 kernels against 0.29 s widened. Also on CPUs where oneDNN has no
+//    bf16 kernels (AVX2 CPUs such as AMD's Zen 3), and in builds without oneDNN.
+// Every choice sums in float32 and rounds the result once; each is deterministic, so recomputation
+// under remat is bitwise whichever it is. The environment variable
+// LINUM_BF16_PRODUCTS=dot_instructions|onednn|widened overrides the choice; set_bf16_products
+// changes it at run time (as set_engine: not while a step runs).
+enum class Bf16Products { dot_instructions, onednn, widened };
+Bf16Products bf16_products();
+void set_bf16_products(Bf16Products p);  // throws ValueError for a choice this CPU or build does not have
+bool bf16_products_available(Bf16Products p);
+const char* bf16_products_name(Bf16Products p);  // "dot_instructions", "onednn", "widened"
+
 }  // namespace linum

@@ -61,6 +61,11 @@ void gemm_bf16_rounded_serial(bool ta, bool tb, std::int64_t m, std::int64_t n, 
 // CPUs such as AMD's Zen 3 the bf16 products run on oneDNN's float32 kernels instead: the same
 // rounding of the operands, float32 sums, the result rounded once).
 bool onednn_bf16_matmul_available();
+// Whether bf16 matmuls run on oneDNN's bf16 kernels: they exist and bf16_products() is not widened.
+bool onednn_bf16_matmul_used();
+// Whether oneDNN runs AMX kernels on this CPU (its effective ISA includes AMX: the CPU has it and
+// the kernel lets the process use it).
+bool onednn_uses_amx();
 void gemm_bf16_serial_onednn(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
                              const bfloat16* a, std::int64_t lda, const bfloat16* b, std::int64_t ldb, float beta, float* c,
                              std::int64_t ldc);
@@ -121,6 +126,7 @@ void onednn_free(PackedProduct::Onednn* p);
 // operation (which rounds to nearest even and treats subnormals as zero); elsewhere scalar code
 // (fused kernels then widen to float32 instead; see bf16_dot_available). Deterministic: the result
 // depends only on the operands, never on the thread.
+// bf16_dot_available(): built with AVX512-BF16 and bf16_products() is dot_instructions (engine.hpp).
 bool bf16_dot_available();
 // Packs B (bf16 [k, n] with row stride ldb, or [n, k] when tb) into (k + 1) / 2 rows of n 32-bit
 // pairs, row stride ldp >= n; an odd k's last pair has a zero high half.

@@ -7,6 +7,7 @@
 // low (k even) or high (k odd) half of a 32-bit word, and a row of A contributes one 32-bit pair
 // (a[i, k], a[i, k + 1]) broadcast to all lanes. A tile of 8 rows by 32 columns keeps 16 float32
 // accumulators in registers.
+#include <linum/core/kernels/engine.hpp>
 #include <linum/core/kernels/gemm.hpp>
 
 #include <algorithm>
@@ -23,7 +24,7 @@
 
 namespace linum::kernels {
 
-bool bf16_dot_available() { return LINUM_BF16_DOT != 0; }
+bool bf16_dot_available() { return LINUM_BF16_DOT != 0 && bf16_products() == Bf16Products::dot_instructions; }
 
 void pack_bf16_pairs(const bfloat16* b, std::int64_t ldb, bool tb, std::int64_t k, std::int64_t n, std::uint32_t* packed,
                      std::int64_t ldp) {

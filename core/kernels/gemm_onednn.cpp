@@ -2,6 +2,7 @@
 // and cached, so a training step does not rebuild them; executing the same cached primitive on the
 // same shapes gives bitwise the same result, which remat's recomputation relies on.
 #include <linum/core/fp_mode.hpp>
+#include <linum/core/kernels/engine.hpp>
 #include <linum/core/kernels/gemm.hpp>
 #include <linum/core/kernels/transpose_internal.hpp>
 #include <linum/core/threading.hpp>
@@ -162,10 +163,10 @@ Array gemm_onednn(const Array& a, const Array& b, bool ta, bool tb, const Array*
   const std::int64_t b1 = b.shape()[rb - 1];
   const std::int64_t m = ta ? a1 : a0, k = ta ? a0 : a1, n = tb ? b0 : b1;
   // bf16 where this CPU has no oneDNN bf16 matmul (oneDNN 2.7 builds it for AVX-512 and AMX, not
-  // for AVX2 CPUs such as AMD's Zen 3): the float32 product of the operands widened (exactly: every
+  // for AVX2 CPUs such as AMD's Zen 3) or bf16_products() is widened: the float32 product of the operands widened (exactly: every
   // bf16 value is a float32), the bias added in float32 and the result rounded once, as the bf16
   // kernels' epilogue.
-  if (a.dtype() == DType::bf16 && !onednn_bf16_matmul_available()) {
+  if (a.dtype() == DType::bf16 && !onednn_bf16_matmul_used()) {
     using linum::detail::convert_float;
     const Array bias32 = bias != nullptr ? convert_float(*bias, DType::f32) : Array();
     const Array a32 = convert_float(a, DType::f32), b32 = convert_float(b, DType::f32);
@@ -365,6 +366,13 @@ bool onednn_bf16_matmul_available() {
     }
   }();
   return available;
+}
+
+bool onednn_bf16_matmul_used() { return onednn_bf16_matmul_available() && bf16_products() != Bf16Products::widened; }
+
+bool onednn_uses_amx() {
+  const auto amx = static_cast<unsigned>(dnnl::cpu_isa::avx512_core_amx);
+  return (static_cast<unsigned>(dnnl::get_effective_cpu_isa()) & amx) == amx;
 }
 
 void gemm_bf16_serial_onednn(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,

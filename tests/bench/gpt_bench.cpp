@@ -96,7 +96,7 @@ int bench_gpt(const Flags& f) {
         {"framework", "linum"},
         {"variant", stack_name(stack)},
         {"dtype", dtype_short_name(dtype)},
-        {"engine", engine_name(engine())}, {"onednn_bf16_kernels", onednn_has_bf16_kernels()},
+        {"engine", engine_name(engine())}, {"onednn_bf16_kernels", onednn_has_bf16_kernels()}, {"bf16_products", bf16_products_name(bf16_products())},
         {"threads", threads},
         {"layers", layers},
         {"batch", batch},

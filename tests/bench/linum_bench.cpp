@@ -280,7 +280,7 @@ void run_variant(const std::string& variant, const std::function<Array(const std
       {"bench", "mlp"},
       {"variant", variant},
       {"dtype", dtype_short_name(dtype)},
-      {"engine", engine_name(engine())}, {"onednn_bf16_kernels", onednn_has_bf16_kernels()},
+      {"engine", engine_name(engine())}, {"onednn_bf16_kernels", onednn_has_bf16_kernels()}, {"bf16_products", bf16_products_name(bf16_products())},
       {"layers", L},
       {"width", W},
       {"batch", B},
