@@ -206,8 +206,10 @@ std::optional<Array> widened(const ConvShape& s, const Array& p, const Array& q,
   if (s.dtype != DType::bf16 || (onednn_bf16_conv_available() && bf16_products() != Bf16Products::widened)) return std::nullopt;
   ConvShape s32 = s;
   s32.dtype = DType::f32;
-  return linum::detail::convert_float(
-      f32_kernel(linum::detail::convert_float(p, DType::f32), linum::detail::convert_float(q, DType::f32), s32), DType::bf16);
+  // (the widened operands freed before the rounding: the peak is theirs and the float32 result's,
+  // not also the bf16 result's)
+  const Array r32 = f32_kernel(linum::detail::convert_float(p, DType::f32), linum::detail::convert_float(q, DType::f32), s32);
+  return linum::detail::convert_float(r32, DType::bf16);
 }
 }  // namespace
 

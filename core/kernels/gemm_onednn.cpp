@@ -168,14 +168,19 @@ Array gemm_onednn(const Array& a, const Array& b, bool ta, bool tb, const Array*
   // kernels' epilogue.
   if (a.dtype() == DType::bf16 && !onednn_bf16_matmul_used()) {
     using linum::detail::convert_float;
-    const Array bias32 = bias != nullptr ? convert_float(*bias, DType::f32) : Array();
-    const Array a32 = convert_float(a, DType::f32), b32 = convert_float(b, DType::f32);
-    if (bias == nullptr && uses_f32_avx2_team(a32, ta, b32, tb)) {  // a weight gradient: as the float32 one (engine.cpp)
-      Array z = Array::empty(Shape{a32.dim(1), b32.dim(1)});
-      gemm_f32_avx2(z.dim(0), z.dim(1), a32.dim(0), a32.data(), true, b32.data(), false, z.mutable_data());
-      return convert_float(z, DType::bf16);
+    // (the widened operands freed before the rounding, as the convolutions' in conv_onednn.cpp)
+    Array z;
+    {
+      const Array bias32 = bias != nullptr ? convert_float(*bias, DType::f32) : Array();
+      const Array a32 = convert_float(a, DType::f32), b32 = convert_float(b, DType::f32);
+      if (bias == nullptr && uses_f32_avx2_team(a32, ta, b32, tb)) {  // a weight gradient: as the float32 one (engine.cpp)
+        z = Array::empty(Shape{a32.dim(1), b32.dim(1)});
+        gemm_f32_avx2(z.dim(0), z.dim(1), a32.dim(0), a32.data(), true, b32.data(), false, z.mutable_data());
+      } else {
+        z = gemm_onednn(a32, b32, ta, tb, bias != nullptr ? &bias32 : nullptr);
+      }
     }
-    return convert_float(gemm_onednn(a32, b32, ta, tb, bias != nullptr ? &bias32 : nullptr), DType::bf16);
+    return convert_float(z, DType::bf16);
   }
   Array y = Array::empty(ra == 3 ? Shape{batch, m, n} : Shape{m, n}, a.dtype());
   if (y.numel() == 0) return y;
