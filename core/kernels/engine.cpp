@@ -66,7 +66,7 @@ const char* bf16_products_name(Bf16Products p) {
 
 namespace {
 
-bool cpu_vendor_is_intel() {
+[[maybe_unused]] bool cpu_vendor_is_intel() {  // (unused without oneDNN)
 #if defined(__x86_64__) || defined(__i386__)
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (__get_cpuid(0, &a, &b, &c, &d) == 0) return false;
