@@ -497,6 +497,129 @@ TEST_CASE("f32 panel products: the float64 product within float32 summation erro
   }
 }
 
+TEST_CASE("widened bf16 panel products: the float32 panel product of the widened operands, rounded once, bit for bit") {
+  // gemm_f32_panels_widened, what bf16_products() == widened runs on the float32 panel kernel's
+  // shapes: bf16 operands widened as they are read, each result rounded once. Against
+  // gemm_f32_panels on widened copies and bfloat16's rounding: the same tails and depths as above,
+  // b transposed or not, with and without a bias; special values (infinities, NaNs, subnormal
+  // operands and results) among the operands; nothing read past them, nothing written past the output.
+  if (!kernels::f32_panels_widened_available()) {
+    MESSAGE("built without AVX-512BW: no widened bf16 panel kernel to test");
+    return;
+  }
+  struct Case { std::int64_t m, n, k; };
+  for (const Case c : {Case{1, 1, 1}, Case{13, 33, 5}, Case{14, 32, 64}, Case{15, 17, 2}, Case{29, 70, 513}, Case{3, 5, 0},
+                       Case{57, 96, 130}, Case{90, 200, 2048}, Case{230, 40, 71}, Case{168, 33, 1500}}) {
+    CAPTURE(c.m); CAPTURE(c.n); CAPTURE(c.k);
+    // bf16 operands and a NaN right after each (0 * NaN would show in the product)
+    // (special, for a [m, k]: row 1 small enough that many of its results are subnormal; subnormal operands, infinities and a NaN in row 0)
+    auto values = [&c](std::int64_t count, unsigned seed, bool special) {
+      auto v = random_array(Shape{std::max<std::int64_t>(count, 1)}, seed).to_vector();
+      const IeeeSubnormalScope ieee;  // (this thread's flushing would zero the scaled values)
+      v.resize(static_cast<std::size_t>(count));
+      if (special && c.m >= 2)
+        for (std::int64_t i = c.k; i < 2 * c.k; ++i)
+          v[static_cast<std::size_t>(i)] *= 0x1p-126f / std::sqrt(static_cast<float>(c.k));
+      if (special && c.k > 40) {
+        v[3] = std::numeric_limits<float>::infinity();
+        v[11] = -std::numeric_limits<float>::infinity();
+        v[17] = std::numeric_limits<float>::quiet_NaN();
+        for (std::size_t i = 20; i < 40; ++i) v[i] *= 0x1p-130f;
+      }
+      std::vector<bfloat16> out;
+      for (float x : v) out.emplace_back(x);
+      out.emplace_back(std::numeric_limits<float>::quiet_NaN());
+      return out;
+    };
+    auto widen = [](const std::vector<bfloat16>& x) {
+      std::vector<float> out;
+      for (bfloat16 v : x) out.push_back(static_cast<float>(v));
+      return out;
+    };
+    const auto a = values(c.m * c.k, 80, true), b = values(c.k * c.n, 81, false), bias16 = values(c.n, 82, false);
+    std::vector<bfloat16> bt(static_cast<std::size_t>(c.k * c.n) + 1, bfloat16(std::numeric_limits<float>::quiet_NaN()));
+    for (std::int64_t i = 0; i < c.k; ++i)
+      for (std::int64_t j = 0; j < c.n; ++j) bt[static_cast<std::size_t>(j * c.k + i)] = b[static_cast<std::size_t>(i * c.n + j)];
+    auto scale = values(c.m * c.n, 87, false);
+    if (c.m * c.n > 1) scale[1] = bfloat16(std::numeric_limits<float>::quiet_NaN());
+    const auto a32 = widen(a), b32 = widen(b), bt32 = widen(bt), bias = widen(bias16);
+    const std::size_t size = static_cast<std::size_t>(c.m * c.n);
+    // (in both floating-point modes: subnormal results only with IEEE subnormals)
+    linum::testing::in_both_fp_modes([&] {
+    for (bool with_bias : {false, true}) {
+      for (bool tb : {false, true}) {
+        CAPTURE(with_bias); CAPTURE(tb); CAPTURE(flush_denormals());
+        const float* bias_ptr = with_bias ? bias.data() : nullptr;
+        std::vector<float> want(size);
+        kernels::gemm_f32_panels(c.m, c.n, c.k, a32.data(), false, (tb ? bt32 : b32).data(), tb, bias_ptr, want.data());
+        std::vector<bfloat16> got(size + 2, bfloat16(-7.0f));
+        kernels::gemm_f32_panels_widened(c.m, c.n, c.k, a.data(), (tb ? bt : b).data(), tb, bias_ptr, got.data() + 1);
+        bool same = got.front().bits == bfloat16(-7.0f).bits && got.back().bits == bfloat16(-7.0f).bits;
+        int subnormal = 0;
+        for (std::size_t e = 0; e < size; ++e) {
+          same = same && got[e + 1].bits == bfloat16::round_bits(want[e]);
+          subnormal += std::fpclassify(want[e]) == FP_SUBNORMAL;
+        }
+        CHECK(same);
+        if (!flush_denormals() && c.m >= 2 && c.k >= 2 && c.n >= 17 && !with_bias) CHECK(subnormal > 0);  // some were rounded
+        // Times a bf16 scale (a NaN among it) or selected by it, and the row tiles' column sums:
+        // the rounded result times the scale, rounded again (selected: exact), the sums of those
+        // products before their rounding (Bf16ProductOut::scale); guards kept.
+        const std::int64_t tiles = (c.m + kernels::kScaledSumRows - 1) / kernels::kScaledSumRows;
+        for (bool selects : {false, true}) {
+          CAPTURE(selects);
+          std::vector<bfloat16> scaled(size + 2, bfloat16(-7.0f));
+          std::vector<float> sums(static_cast<std::size_t>(tiles * c.n) + 2, -7.0f), want_sums(sums.size() - 2, 0.0f);
+          kernels::gemm_f32_panels_widened(c.m, c.n, c.k, a.data(), (tb ? bt : b).data(), tb, bias_ptr, scaled.data() + 1,
+                                           scale.data(), sums.data() + 1, selects);
+          bool right = scaled.front().bits == bfloat16(-7.0f).bits && scaled.back().bits == bfloat16(-7.0f).bits &&
+                       sums.front() == -7.0f && sums.back() == -7.0f;
+          for (std::int64_t i = 0; i < c.m; ++i)
+            for (std::int64_t j = 0; j < c.n; ++j) {
+              const std::size_t e = static_cast<std::size_t>(i * c.n + j);
+              const bfloat16 z = bfloat16(want[e]);
+              const float sv = static_cast<float>(scale[e]);
+              const float product = selects ? (sv > 0.0f ? static_cast<float>(z) : 0.0f) : static_cast<float>(z) * sv;
+              const std::uint16_t bits = selects ? (sv > 0.0f ? z.bits : std::uint16_t{0}) : bfloat16::round_bits(product);
+              right = right && scaled[e + 1].bits == bits;
+              want_sums[static_cast<std::size_t>(i / kernels::kScaledSumRows * c.n + j)] += product;
+            }
+          for (std::size_t i = 0; i < want_sums.size(); ++i)
+            right = right && std::bit_cast<std::uint32_t>(sums[i + 1]) == std::bit_cast<std::uint32_t>(want_sums[i]);
+          CHECK(right);
+        }
+      }
+    }
+    });
+  }
+  // Through the engine: under bf16_products() == widened, the deep MLP's products (a layer's forward
+  // with its bias, its input gradient g W^T) run this kernel and give the float32 engine's product of
+  // the widened operands, rounded (the float32 engine runs the panel kernel on these shapes too);
+  // narrower products from 256 rows on (the GPT's) run it as well.
+  if (!engine_available(Engine::onednn)) return;
+  const Engine engine_before = engine();
+  const Bf16Products products_before = bf16_products();
+  set_engine(Engine::onednn);
+  set_bf16_products(Bf16Products::widened);
+  const Array x = astype(random_array(Shape{2048, 512}, 83), DType::bf16), w = astype(random_array(Shape{512, 520}, 84), DType::bf16);
+  const Array bias = astype(random_array(Shape{520}, 85), DType::bf16), g = astype(random_array(Shape{2048, 520}, 86), DType::bf16);
+  auto f32 = [](const Array& v) { return astype(v, DType::f32); };
+  CHECK(kernels::uses_f32_panels_widened(x, false, w, false));
+  CHECK(kernels::uses_f32_panels_widened(g, false, w, true));
+  CHECK_FALSE(kernels::uses_f32_panels_widened(x, true, g, false));  // weight gradients: the engine's float32 product
+  CHECK(kernels::gemm_bias(x, w, bias).bitwise_equal(astype(kernels::gemm_bias(f32(x), f32(w), f32(bias)), DType::bf16)));
+  CHECK(kernels::batched_gemm(g, w, false, true).bitwise_equal(astype(kernels::batched_gemm(f32(g), f32(w), false, true), DType::bf16)));
+  CHECK(kernels::batched_gemm(x, g, true, false).bitwise_equal(astype(kernels::batched_gemm(f32(x), f32(g), true, false), DType::bf16)));
+  const Array p = astype(random_array(Shape{256, 64}, 87), DType::bf16), q = astype(random_array(Shape{64, 96}, 88), DType::bf16);
+  CHECK(kernels::uses_f32_panels_widened(p, false, q, false));
+  CHECK_FALSE(kernels::uses_f32_panels_widened(p.part_view(0, Shape{255, 64}), false, q, false));  // fewer rows: on oneDNN
+  std::vector<float> want(256 * 96);
+  kernels::gemm_f32_panels(256, 96, 64, f32(p).data(), false, f32(q).data(), false, nullptr, want.data());
+  CHECK(kernels::batched_gemm(p, q, false, false).bitwise_equal(astype(Array::from(Shape{256, 96}, want), DType::bf16)));
+  set_bf16_products(products_before);
+  set_engine(engine_before);
+}
+
 TEST_CASE("f32 panel products have the same bits on one thread and on two, through the engine's products") {
   // The engine routes a layer's forward and input-gradient products of this size to the kernel; each
   // element is summed on one thread in a fixed order, so the team's size cannot change a bit. (The

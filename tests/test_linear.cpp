@@ -710,6 +710,53 @@ TEST_CASE("a stack of float32 linear layers: the input gradients on the float32 
   }
 }
 
+TEST_CASE("a stack of bf16 linear layers with widened products: the input gradients do the cotangent passes, bitwise") {
+  // Under bf16_products() == widened (Intel CPUs without AMX), on shapes the float32 panel kernel
+  // takes (2048 rows, 512 wide): the products read the bf16 operands widened (gemm_f32_panels_widened)
+  // and the input gradient does the layer before's multiply or select and bias sums in its
+  // epilogue, bitwise the separate pass (debug checks on: nothing offered); folded casts (float32
+  // parameters) or bf16 parameters; both fp modes.
+  if (!engine_available(Engine::onednn)) return;
+  const Engine engine_before = engine();
+  const Bf16Products products_before = bf16_products();
+  set_engine(Engine::onednn);
+  set_bf16_products(Bf16Products::widened);
+  auto check = [&] {
+    for (const Activation act : {Activation::gelu, Activation::gelu_exact, Activation::silu, Activation::relu}) {
+      for (const bool fold : {true, false}) {
+        CAPTURE(activation_name(act)); CAPTURE(fold); CAPTURE(flush_denormals());
+        const Stack s{.widths = {512, 512, 512}, .act = act, .fold = fold};
+        std::vector<Array> params;
+        for (std::size_t l = 0; l + 1 < s.widths.size(); ++l) {
+          const Array w = random_array(Shape{512, 512}, 600 + l, -0.05f, 0.05f), b = random_array(Shape{512}, 700 + l);
+          params.push_back(fold ? w : astype(w, DType::bf16));
+          params.push_back(fold ? b : astype(b, DType::bf16));
+        }
+        const Array x = astype(random_array(Shape{2048, 512}, 22), DType::bf16), probe = random_array(Shape{2048, 512}, 23);
+        const std::int64_t applied = autodiff::detail::prologues_applied();
+        const std::vector<Array> got = stack_grads(s, x, params, probe);
+        const Array g2_probe = astype(random_array(Shape{2048, 512}, 24), DType::bf16);
+        const bool widened_panels = kernels::uses_f32_panels_widened(g2_probe, false, astype(params[0], DType::bf16), true);
+        CHECK(autodiff::detail::prologues_applied() - applied == (widened_panels ? 1 : 0));
+        std::vector<Array> debug_checked;
+        {
+          DebugNansScope checks(true, true);
+          debug_checked = stack_grads(s, x, params, probe);
+        }
+        REQUIRE(got.size() == debug_checked.size());
+        for (std::size_t i = 0; i < got.size(); ++i) {
+          CAPTURE(i);
+          CHECK(got[i].bitwise_equal(debug_checked[i]));
+        }
+      }
+    }
+  };
+  linum::testing::in_both_fp_modes(check);
+  if (!kernels::f32_panels_widened_available()) MESSAGE("no widened bf16 panel kernel here: the cotangent passes stayed separate");
+  set_bf16_products(products_before);
+  set_engine(engine_before);
+}
+
 TEST_CASE("the layer before's cotangent pass stays its own where its output has other cotangents") {
   // h1 = linear(x, W1), y = linear(h1, W2). When h1 also reaches the loss another way (a second
   // consumer, recorded before the layer or after it), or is itself an output given a cotangent (vjp

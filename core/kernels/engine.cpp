@@ -168,6 +168,17 @@ Array f32_panels_product(const Array& a, bool ta, const Array& b, bool tb, const
   gemm_f32_panels(rows, n, k, a.data(), ta, b.data(), tb, bias == nullptr ? nullptr : bias->data(), y.mutable_data());
   return y;
 }
+
+// The product on gemm_f32_panels_widened (uses_f32_panels_widened(a, false, b, tb) holds); a bf16
+// bias widened.
+Array widened_panels_product(const Array& a, const Array& b, bool tb, const Array* bias) {
+  const std::int64_t rows = a.dim(0), k = a.dim(1), n = tb ? b.dim(0) : b.dim(1);
+  const Array bias32 = bias == nullptr ? Array() : linum::detail::convert_float(*bias, DType::f32);
+  Array y = Array::empty(Shape{rows, n}, DType::bf16);
+  gemm_f32_panels_widened(rows, n, k, static_cast<const bfloat16*>(a.raw()), static_cast<const bfloat16*>(b.raw()), tb,
+                          bias == nullptr ? nullptr : bias32.data(), static_cast<bfloat16*>(y.mutable_raw()));
+  return y;
+}
 }  // namespace
 
 // Where the panel kernel is at least as fast as oneDNN's (2 threads, Zen 5, in cache): 1.03-1.18x
@@ -209,6 +220,31 @@ bool uses_f32_panels(const Array& a, bool ta, const Array& b, bool tb) {
   return m >= kF32PanelsMinRows && k >= kF32PanelsMinDepth && k <= kF32PanelsMaxDepth && n >= kF32PanelsMinColumns;
 }
 
+// bf16 products where bf16_products() is widened: the float32 panel kernel reading the bf16 operands,
+// widening them as it goes, and rounding its results (gemm_f32_panels_widened), instead of widening
+// both operands into float32 arrays, oneDNN's float32 product into a third and rounding that (what
+// gemm_onednn.cpp does elsewhere). Without those passes over memory it wins on narrower and
+// shallower shapes than the float32 kernel does. Measured on the 2-core Xeon without AMX (family 6
+// model 207), the two paths in alternating processes: alone (best of 30, a busy host) as fast or
+// faster on each of the GPT's products (4096 rows; 256 deep by 256, 768 or 1024 wide, 1024 deep by
+// 256 wide, either way round), the deep MLP's (2048 x 512 by 512 x 512) and 512 x 64 by 64 x 1024;
+// in steps (with the layer before's cotangent pass in the input gradient's epilogue,
+// scaled_product_bt), the deep MLP's bf16 step 0.270-0.278 s against 0.286-0.292 (remat every
+// layer: 0.355-0.375 against 0.382-0.389), the GPT's 0.722-0.734 against 0.763-0.784 (remat:
+// 0.960 against 1.000-1.003). Products with fewer rows, shorter sums or narrower outputs stay on
+// the other path; so do transposed left operands (weight gradients), as for float32
+// (uses_f32_panels).
+constexpr std::int64_t kWidenedPanelsMinRows = 256, kWidenedPanelsMinDepth = 64, kWidenedPanelsMaxDepth = 2048,
+                       kWidenedPanelsMinColumns = 64;
+bool uses_f32_panels_widened(const Array& a, bool ta, const Array& b, bool tb) {
+  if (ta || !(engine() == Engine::onednn && bf16_products() == Bf16Products::widened && f32_panels_widened_available() &&
+              a.dtype() == DType::bf16 && b.dtype() == DType::bf16 && a.rank() == 2 && b.rank() == 2))
+    return false;
+  const std::int64_t m = a.dim(0), k = a.dim(1), n = tb ? b.dim(0) : b.dim(1);
+  return m >= kWidenedPanelsMinRows && k >= kWidenedPanelsMinDepth && k <= kWidenedPanelsMaxDepth &&
+         n >= kWidenedPanelsMinColumns;
+}
+
 void gemm_bias_pairs(const Array& a, const Array& b, const Array& bias, const std::uint32_t* pair_table, Array& y,
                      Array& d) {
   const detail::ProductClock clock(timed_flops(a, b, false, false));
@@ -245,7 +281,7 @@ Array transposed_product_f32(const Array& a, const Array& b) {
 
 bool scaled_product_bt_runs(const Array& a, const Array& b, const Array& scale) {
   if (!(a.rank() == 2 && b.rank() == 2 && scale.shape() == Shape{a.dim(0), b.dim(0)} && scale.dtype() == a.dtype())) return false;
-  return uses_bf16_panels(a, false, b, true) || uses_f32_panels(a, false, b, true);
+  return uses_bf16_panels(a, false, b, true) || uses_f32_panels(a, false, b, true) || uses_f32_panels_widened(a, false, b, true);
 }
 
 Array scaled_product_bt(const Array& a, const Array& b, const Array& scale, Array* column_sums, bool selects) {
@@ -262,6 +298,12 @@ Array scaled_product_bt(const Array& a, const Array& b, const Array& scale, Arra
   if (a.dtype() == DType::f32) {
     gemm_f32_panels(m, n, a.dim(1), a.data(), false, b.data(), true, nullptr, out.mutable_data(), scale.data(), sums,
                     selects);
+    return out;
+  }
+  if (uses_f32_panels_widened(a, false, b, true)) {
+    gemm_f32_panels_widened(m, n, a.dim(1), static_cast<const bfloat16*>(a.raw()), static_cast<const bfloat16*>(b.raw()), true,
+                            nullptr, static_cast<bfloat16*>(out.mutable_raw()), static_cast<const bfloat16*>(scale.raw()), sums,
+                            selects);
     return out;
   }
   gemm_bf16_panels(m, n, a.dim(1), static_cast<const bfloat16*>(a.raw()), false, static_cast<const bfloat16*>(b.raw()), true,
@@ -297,6 +339,7 @@ Array batched_gemm(const Array& a, const Array& b, bool ta, bool tb) {
   const detail::ProductClock clock(timed_flops(a, b, ta, tb));
   if (uses_bf16_panels(a, ta, b, tb)) return panels_product(a, ta, b, tb, nullptr);
   if (uses_f32_panels(a, ta, b, tb)) return f32_panels_product(a, ta, b, tb, nullptr);
+  if (uses_f32_panels_widened(a, ta, b, tb)) return widened_panels_product(a, b, tb, nullptr);
   if (uses_f32_avx2_team(a, ta, b, tb)) {
     Array out = Array::empty(Shape{a.dim(1), b.dim(1)});
     gemm_f32_avx2(out.dim(0), out.dim(1), a.dim(0), a.data(), true, b.data(), false, out.mutable_data());
@@ -312,6 +355,7 @@ Array gemm_bias(const Array& a, const Array& b, const Array& bias) {
   const detail::ProductClock clock(timed_flops(a, b, false, false));
   if (uses_bf16_panels(a, false, b, false) && bias.dtype() == DType::bf16) return panels_product(a, false, b, false, &bias);
   if (uses_f32_panels(a, false, b, false) && bias.dtype() == DType::f32) return f32_panels_product(a, false, b, false, &bias);
+  if (uses_f32_panels_widened(a, false, b, false) && bias.dtype() == DType::bf16) return widened_panels_product(a, b, false, &bias);
 #if LINUM_HAVE_ONEDNN
   if (engine() == Engine::onednn) return gemm_bias_onednn(a, b, bias);
 #endif

@@ -31,8 +31,11 @@ bool onednn_has_bf16_kernels();
 //    AVX512-BF16 (Zen 4, Zen 5), whose vdpbf16ps does twice the float32 FMA's work per cycle.
 //  - onednn: oneDNN's bf16 kernels for every product: the default on Intel CPUs with AMX usable
 //    (oneDNN runs its AMX tile kernels there).
-//  - widened: the float32 kernels on the operands widened (exactly: every bf16 value is a float32),
-//    the result rounded once to bf16, the values the Eigen engine computes. The default on Intel CPUs
+//  - widened: float32 products of the operands widened (exactly: every bf16 value is a float32), the
+//    result rounded once to bf16, as the Eigen engine computes them: on Linum's float32 panel kernel,
+//    which widens the operands as it reads them and rounds in its epilogue, for products of at least
+//    256 rows (engine.cpp, uses_f32_panels_widened); elsewhere oneDNN's float32 kernels on widened
+//    copies. The default on Intel CPUs
 //    without AMX: on the 2-core Xeon measured (family 6 model 207, AMX not exposed) vdpbf16ps ran at
 //    1.35 G instructions/s against the float32 FMA's 5.2, half the FMA's multiply-adds, and the bf16
 //    MLP step took 0.47 s on bf16 kernels against 0.29 s widened. Also on CPUs where oneDNN has no

@@ -33,6 +33,7 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #include <immintrin.h>
 
+#include <linum/core/kernels/avx512_bf16_bits_internal.hpp>
 #include <linum/core/kernels/avx512_lanes_internal.hpp>
 #include <linum/core/kernels/avx512_transpose_internal.hpp>
 #define LINUM_BF16_PANELS 1
@@ -50,7 +51,9 @@ namespace {
 using detail::kPanelCols;
 using detail::kTileRows;
 using detail::lanes;
+using detail::round_to_bf16;
 using detail::transpose16;
+using detail::widen_bf16;
 
 // Packing. A panel holds, for each pair of rows q of the operand, `width` words
 // (b[2q, j] | b[2q + 1, j] << 16), zero past n and past an odd k. Right operands are packed 32
@@ -133,9 +136,6 @@ void pack_transposed(const std::uint16_t* b, std::int64_t ldb, std::int64_t k, s
     for (std::int64_t j = cols; j < kPanelCols; ++j) panel[q * kPanelCols + j] = 0;
 }
 
-// bf16 (in 16-bit lanes) widened to float32.
-__m512 widen_bf16(__m256i bits) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)); }
-
 __m512 widen_bias(const std::uint16_t* bias, __mmask16 mask) {
   return bias == nullptr ? _mm512_setzero_ps() : widen_bf16(_mm256_maskz_loadu_epi16(mask, bias));
 }
@@ -156,19 +156,6 @@ struct SideLookups {
 };
 
 static_assert(kScaledSumRows == kTileRows, "Bf16ProductOut::tile_sums are per row tile");
-
-// float32 to bf16 bits, rounded to nearest even, NaNs kept quiet: bfloat16::round_bits, 16 lanes.
-__m256i round_to_bf16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i rounded =
-      _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)))),
-                        16);
-  const __m512i nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  const __mmask16 is_nan =
-      _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, rounded, nan));
-}
 
 // One tile: rows [0, R) of A times one panel, plus the bias, rounded to bf16 into out (row stride
 // ldo; columns masked by m0, m1). A is row-major (row stride lda), or with PackedA a packed panel of
