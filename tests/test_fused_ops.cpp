@@ -606,16 +606,54 @@ TEST_CASE("widened bf16 panel products: the float32 panel product of the widened
   auto f32 = [](const Array& v) { return astype(v, DType::f32); };
   CHECK(kernels::uses_f32_panels_widened(x, false, w, false));
   CHECK(kernels::uses_f32_panels_widened(g, false, w, true));
-  CHECK_FALSE(kernels::uses_f32_panels_widened(x, true, g, false));  // weight gradients: the engine's float32 product
+  CHECK_FALSE(kernels::uses_f32_panels_widened(x, true, g, false));  // weight gradients: not on this kernel
   CHECK(kernels::gemm_bias(x, w, bias).bitwise_equal(astype(kernels::gemm_bias(f32(x), f32(w), f32(bias)), DType::bf16)));
   CHECK(kernels::batched_gemm(g, w, false, true).bitwise_equal(astype(kernels::batched_gemm(f32(g), f32(w), false, true), DType::bf16)));
-  CHECK(kernels::batched_gemm(x, g, true, false).bitwise_equal(astype(kernels::batched_gemm(f32(x), f32(g), true, false), DType::bf16)));
   const Array p = astype(random_array(Shape{256, 64}, 87), DType::bf16), q = astype(random_array(Shape{64, 96}, 88), DType::bf16);
   CHECK(kernels::uses_f32_panels_widened(p, false, q, false));
   CHECK_FALSE(kernels::uses_f32_panels_widened(p.part_view(0, Shape{255, 64}), false, q, false));  // fewer rows: on oneDNN
   std::vector<float> want(256 * 96);
   kernels::gemm_f32_panels(256, 96, 64, f32(p).data(), false, f32(q).data(), false, nullptr, want.data());
   CHECK(kernels::batched_gemm(p, q, false, false).bitwise_equal(astype(Array::from(Shape{256, 96}, want), DType::bf16)));
+  set_bf16_products(products_before);
+  set_engine(engine_before);
+}
+
+TEST_CASE("widened bf16 weight gradients with long sums: in pieces of rows, each widened alone, added in order") {
+  // A weight gradient a^T b whose widened copies would be large (here 3000 rows of 1024 + 512
+  // columns: 18 MB) sums its rows in pieces of 1024 (1024, 1024, 952), each piece's rows widened
+  // alone: the float32 pieces' products added in order, rounded once; the peak holds one piece's
+  // copies, not the whole operands'. Shorter sums (the deep MLP's 2048 rows of 512 + 512 columns:
+  // 8 MB) stay one product of the widened operands.
+  if (!engine_available(Engine::onednn)) return;
+  const Engine engine_before = engine();
+  const Bf16Products products_before = bf16_products();
+  set_engine(Engine::onednn);
+  set_bf16_products(Bf16Products::widened);
+  auto f32 = [](const Array& v) { return astype(v, DType::f32); };
+  const Array x = astype(random_array(Shape{3000, 1024}, 90), DType::bf16), g = astype(random_array(Shape{3000, 512}, 91), DType::bf16);
+  Array want;
+  for (std::int64_t r0 = 0; r0 < 3000; r0 += 1024) {
+    const std::int64_t rows = std::min<std::int64_t>(1024, 3000 - r0);
+    const Array piece = kernels::batched_gemm(f32(x.part_view(r0 * 1024, Shape{rows, 1024})), f32(g.part_view(r0 * 512, Shape{rows, 512})),
+                                              true, false);
+    want = r0 == 0 ? piece : add(want, piece);
+  }
+  std::int64_t peak = 0;
+  Array got;
+  {
+    memory::PeakScope scope;
+    got = kernels::batched_gemm(x, g, true, false);
+    peak = scope.peak_growth();
+  }
+  CHECK(got.dtype() == DType::bf16);
+  CHECK(got.bitwise_equal(astype(want, DType::bf16)));
+  CHECK(peak < 3000 * (1024 + 512) * 4);  // less than the whole operands' copies alone (one piece's, the sums)
+  const Array whole = kernels::batched_gemm(f32(x), f32(g), true, false);
+  CHECK(max(abs(f32(got) - whole)).item() <= max(abs(whole)).item() / 128);
+  // (the MLP's: one product, as the float32 engine's of the widened operands)
+  const Array xs = astype(random_array(Shape{2048, 512}, 92), DType::bf16), gs = astype(random_array(Shape{2048, 512}, 93), DType::bf16);
+  CHECK(kernels::batched_gemm(xs, gs, true, false).bitwise_equal(astype(kernels::batched_gemm(f32(xs), f32(gs), true, false), DType::bf16)));
   set_bf16_products(products_before);
   set_engine(engine_before);
 }

@@ -154,6 +154,45 @@ void row_pieces_gemm_f32(const Array& a, const Array& b, Array& y, bool ta, bool
 
 namespace {
 
+Array gemm_onednn(const Array& a, const Array& b, bool ta, bool tb, const Array* bias);
+
+// A widened bf16 weight gradient a^T b (a [k, m], b [k, n]) whose widened copies would take more
+// than kWidenedCopyBytes: its sum over the k rows in pieces of kWidenedPieceRows, each piece's rows
+// widened alone, the pieces' float32 products added in order, the total rounded once. The GPT's
+// (4096 rows; [4096, 1024]^T [4096, 256] widened whole is 20 MB of copies) held its bf16 step's
+// peak at 65.4 MB with remat (44 MB on bf16 kernels) and 290.5 MB plain; in pieces 50.7 and 275.8
+// MB. The GPT's weight gradients alone took as long either way (best of 24, two processes
+// alternating three times, the 2-core Xeon without AMX on a busy host: within its noise). The bits:
+// a sum in pieces, fixed by the shape (not one product's order); the same on any team.
+constexpr std::int64_t kWidenedCopyBytes = std::int64_t{8} << 20, kWidenedPieceRows = 1024;
+bool widened_in_pieces(int ra, int rb, std::int64_t m, std::int64_t n, std::int64_t k, bool ta, bool tb, const Array* bias) {
+  return ta && !tb && bias == nullptr && ra == 2 && rb == 2 && k > kWidenedPieceRows && k * (m + n) * 4 > kWidenedCopyBytes;
+}
+Array widened_weight_gradient(const Array& a, const Array& b, std::int64_t m, std::int64_t n, std::int64_t k) {
+  using linum::detail::convert_float;
+  Array z;
+  for (std::int64_t r0 = 0; r0 < k; r0 += kWidenedPieceRows) {
+    const std::int64_t rows = std::min(kWidenedPieceRows, k - r0);
+    const Array a32 = convert_float(a.part_view(r0 * m, Shape{rows, m}), DType::f32);
+    const Array b32 = convert_float(b.part_view(r0 * n, Shape{rows, n}), DType::f32);
+    Array piece;
+    if (uses_f32_avx2_team(a32, true, b32, false)) {  // as the float32 weight gradients (engine.cpp)
+      piece = Array::empty(Shape{m, n});
+      gemm_f32_avx2(m, n, rows, a32.data(), true, b32.data(), false, piece.mutable_data());
+    } else {
+      piece = gemm_onednn(a32, b32, true, false, nullptr);
+    }
+    if (r0 == 0) {
+      z = std::move(piece);
+      continue;
+    }
+    float* sum = z.mutable_data();
+    const float* add = piece.data();
+    for (std::int64_t i = 0; i < m * n; ++i) sum[i] += add[i];
+  }
+  return convert_float(z, DType::bf16);
+}
+
 // The product, with `bias` (when given: [n], a's dtype) added to every row in the epilogue.
 Array gemm_onednn(const Array& a, const Array& b, bool ta, bool tb, const Array* bias) {
   const int ra = a.rank(), rb = b.rank();
@@ -168,6 +207,7 @@ Array gemm_onednn(const Array& a, const Array& b, bool ta, bool tb, const Array*
   // kernels' epilogue.
   if (a.dtype() == DType::bf16 && !onednn_bf16_matmul_used()) {
     using linum::detail::convert_float;
+    if (widened_in_pieces(ra, rb, m, n, k, ta, tb, bias)) return widened_weight_gradient(a, b, m, n, k);
     // (the widened operands freed before the rounding, as the convolutions' in conv_onednn.cpp)
     Array z;
     {
