@@ -606,6 +606,21 @@ std::vector<Array> stack_grads(const Stack& s, const Array& x, const std::vector
     if (s.bias_grads || i % 2 == 0) out.push_back(dp[i]);
   return out;
 }
+// The stack's gradients `got` are bitwise those computed with debug checks on (which check each
+// cotangent as computed, so no layer offers its cotangent pass to the next).
+void check_equals_debug_checked(const std::vector<Array>& got, const Stack& s, const Array& x, const std::vector<Array>& params,
+                                const Array& probe) {
+  std::vector<Array> debug_checked;
+  {
+    DebugNansScope checks(true, true);
+    debug_checked = stack_grads(s, x, params, probe);
+  }
+  REQUIRE(got.size() == debug_checked.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    CAPTURE(i);
+    CHECK(got[i].bitwise_equal(debug_checked[i]));
+  }
+}
 }  // namespace
 
 TEST_CASE("a stack of bf16 linear layers: each input gradient does the layer before's cotangent pass in its product, bitwise") {
@@ -696,17 +711,8 @@ TEST_CASE("a stack of float32 linear layers: the input gradients on the float32 
     const bool panels = kernels::uses_f32_panels(g2_probe, false, params[0], true);
     CHECK(autodiff::detail::prologues_applied() - applied == (panels ? 1 : 0));
     if (!panels) MESSAGE("no float32 panel kernel here: the cotangent pass stayed separate");
-    std::vector<Array> debug_checked;
-    {
-      DebugNansScope checks(true, true);
-      debug_checked = stack_grads(s, x, params, probe);
-    }
-    REQUIRE(got.size() == debug_checked.size());
-    for (std::size_t i = 0; i < got.size(); ++i) {
-      CAPTURE(i);
-      CHECK(got[i].dtype() == DType::f32);
-      CHECK(got[i].bitwise_equal(debug_checked[i]));
-    }
+    for (const Array& g : got) CHECK(g.dtype() == DType::f32);
+    check_equals_debug_checked(got, s, x, params, probe);
   }
 }
 
@@ -738,16 +744,7 @@ TEST_CASE("a stack of bf16 linear layers with widened products: the input gradie
         const Array g2_probe = astype(random_array(Shape{2048, 512}, 24), DType::bf16);
         const bool widened_panels = kernels::uses_f32_panels_widened(g2_probe, false, astype(params[0], DType::bf16), true);
         CHECK(autodiff::detail::prologues_applied() - applied == (widened_panels ? 1 : 0));
-        std::vector<Array> debug_checked;
-        {
-          DebugNansScope checks(true, true);
-          debug_checked = stack_grads(s, x, params, probe);
-        }
-        REQUIRE(got.size() == debug_checked.size());
-        for (std::size_t i = 0; i < got.size(); ++i) {
-          CAPTURE(i);
-          CHECK(got[i].bitwise_equal(debug_checked[i]));
-        }
+        check_equals_debug_checked(got, s, x, params, probe);
       }
     }
   };
