@@ -223,9 +223,9 @@ void gemm_f32_panels(std::int64_t m, std::int64_t n, std::int64_t k, const float
 // The same product of bf16 operands, as bf16_products() == widened computes it (engine.hpp): a [m, k]
 // (not transposed), b [k, n] or [n, k] when tb, bias float32 [n] (a bf16 bias widened) or null, out
 // bf16 [m, n]. The operands are widened as the kernel reads them (b while it is packed, a row tile
-// at a time) and each result rounded once to bf16 (bfloat16::round_bits), so out is bit for bit the
-// float32 product of the widened operands, rounded, without the widened copies or the float32 result
-// ever being written. With `scale` (bf16 [m, n]) and tile_sums, as Bf16ProductOut::scale and
+// at a time) and each result rounded once to bf16 (bfloat16::round_bits), so out is bit for bit
+// gemm_f32_panels' product of the widened operands, rounded, without the widened copies or the
+// float32 result ever being written. With `scale` (bf16 [m, n]) and tile_sums, as Bf16ProductOut::scale and
 // tile_sums (the rounded results times the scale, rounded again, or selected; the row tiles' column
 // sums of those products). f32_panels_widened_available(): built with AVX-512F, BW and VL (else it
 // throws).
@@ -237,8 +237,9 @@ void gemm_f32_panels_widened(std::int64_t m, std::int64_t n, std::int64_t k, con
 // the kernel is built, both are float32 matrices, and the shape is one where the kernel is the faster
 // (engine.cpp says which).
 bool uses_f32_panels(const Array& a, bool ta, const Array& b, bool tb);
-// Whether they run gemm_f32_panels_widened: both bf16 matrices, a not transposed, bf16_products() is
-// widened, and the widened operands' product would run gemm_f32_panels.
+// Whether they run gemm_f32_panels_widened: the oneDNN engine is chosen, bf16_products() is widened,
+// the kernel is built, both are bf16 matrices, a is not transposed, and the shape is one where the
+// kernel is the faster (engine.cpp says which: from 256 rows).
 bool uses_f32_panels_widened(const Array& a, bool ta, const Array& b, bool tb);
 
 // Serial float32 products on Linum's own AVX2 kernel (gemm_f32_avx2.cpp), which the oneDNN engine
