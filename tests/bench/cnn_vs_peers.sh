@@ -3,7 +3,8 @@
 # remat of the stem and every block but the last, the default; Linum with --micro-batches 1, so its
 # BatchNorm sees the whole batch of 128 as the peers' do), Linum next to its peers in one
 # sitting, alternating per dtype: PyTorch 2 from pip (eager, torch.utils.checkpoint;
-# examples/fashion_mnist/torch_cnn.py), Flax on JAX jit (nn.remat; flax_cnn.py, its tracing and
+# examples/fashion_mnist/torch_cnn.py; and the same under torch.compile, default mode, its first
+# step's tracing and compilation reported apart as compile_s), Flax on JAX jit (nn.remat; flax_cnn.py, its tracing and
 # compilation reported apart), and Debian's PyTorch 1.13 when /usr/bin/python3 has torch. bf16 is
 # each one's mixed precision (Linum's --dtype bf16 and Flax's dtype=bf16 with float32 parameters,
 # PyTorch's autocast). Prints each run's closing JSON line, tagged with "framework".
@@ -25,6 +26,7 @@ for round in $(seq "$rounds"); do
   for dtype in ${DTYPES:-f32 bf16}; do
     "$example" --epochs "$epochs" --dtype "$dtype" --micro-batches 1 | tag linum
     python3 "$cnn/torch_cnn.py" --epochs "$epochs" --dtype "$dtype" 2>/dev/null | tag "torch $(python3 -c 'import torch; print(torch.__version__)')"
+    python3 "$cnn/torch_cnn.py" --epochs "$epochs" --dtype "$dtype" --compile 2>/dev/null | tag "torch $(python3 -c 'import torch; print(torch.__version__)') compile"
     if /usr/bin/python3 -c 'import torch' 2>/dev/null; then
       /usr/bin/python3 "$cnn/torch_cnn.py" --epochs "$epochs" --dtype "$dtype" 2>/dev/null | tag "torch $(/usr/bin/python3 -c 'import torch; print(torch.__version__)')"
     fi
