@@ -54,7 +54,7 @@ BOOST_HANA_ADAPT_STRUCT(linum::nn::RMSNorm, epsilon, use_scale, reduction_axes, 
 BOOST_HANA_ADAPT_STRUCT(linum::nn::GroupNorm, num_groups, group_size, epsilon, use_bias, use_scale, reduction_axes,
                         use_fast_variance, dtype, param_dtype);
 BOOST_HANA_ADAPT_STRUCT(linum::nn::BatchNorm, use_running_average, axis, momentum, epsilon, use_bias, use_scale,
-                        use_fast_variance, dtype, param_dtype);
+                        use_fast_variance, dtype, param_dtype, activation);
 BOOST_HANA_ADAPT_STRUCT(linum::nn::Dropout, rate, broadcast_dims, deterministic, rng_collection);
 BOOST_HANA_ADAPT_STRUCT(linum::nn::MultiHeadDotProductAttention, num_heads, qkv_features, out_features,
                         broadcast_dropout, dropout_rate, deterministic, use_bias, normalize_qk, dtype, param_dtype);

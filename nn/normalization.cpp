@@ -221,6 +221,10 @@ Array GroupNorm::operator()(Scope& s, const Array& x) const {
 }
 
 Array BatchNorm::operator()(Scope& s, const Array& x, std::optional<bool> use_running_average_arg) const {
+  return (*this)(s, x, use_running_average_arg, Array());
+}
+
+Array BatchNorm::operator()(Scope& s, const Array& x, std::optional<bool> use_running_average_arg, const Array& residual) const {
   require_float(x, "BatchNorm", param_dtype);
   validate();
   const bool use_ra = merge_param("BatchNorm", "use_running_average", use_running_average, use_running_average_arg);
@@ -259,7 +263,8 @@ Array BatchNorm::operator()(Scope& s, const Array& x, std::optional<bool> use_ru
     Array scale, bias;
     if (use_scale) scale = s.param("scale", initializer_in(scale_init, param_dtype), feature_shape);
     if (use_bias) bias = s.param("bias", initializer_in(bias_init, param_dtype), feature_shape);
-    const BatchNormOptions options{.epsilon = epsilon, .fast_variance = use_fast_variance, .dtype = dtype};
+    const BatchNormOptions options{
+        .epsilon = epsilon, .fast_variance = use_fast_variance, .dtype = dtype, .residual = residual, .activation = activation};
     if (use_ra) {
       const Array mu = ra_mean.value(), var = ra_var.value();
       if (!(mu.shape() == feature_shape) || !(var.shape() == feature_shape))
@@ -286,7 +291,9 @@ Array BatchNorm::operator()(Scope& s, const Array& x, std::optional<bool> use_ru
     var = stats.second;
     update_running(mu, var);
   }
-  return normalize(s, x, mu, var, {feature_axis}, epsilon, use_bias, use_scale, bias_init, scale_init, dtype, param_dtype);
+  Array y = normalize(s, x, mu, var, {feature_axis}, epsilon, use_bias, use_scale, bias_init, scale_init, dtype, param_dtype);
+  if (residual.defined()) y = residual + y;
+  return activation == Activation::none ? y : activate(y, activation);
 }
 
 }  // namespace linum::nn

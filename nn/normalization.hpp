@@ -11,6 +11,7 @@
 #pragma once
 
 #include <linum/core/array.hpp>
+#include <linum/core/ops/linear.hpp>
 #include <linum/modules/initializers.hpp>
 #include <linum/nn/dtypes.hpp>
 #include <linum/modules/scope.hpp>
@@ -88,6 +89,11 @@ struct GroupNorm {
 // then simply left unchanged. Evaluation (use_running_average true): normalizes with the stored
 // statistics. `use_running_average` is set either on the module or per call, not both (Flax's
 // merge_param).
+//
+// `activation` is applied to the result in the same op (as nn::Dense's), and a residual given to
+// the call is added before it: s(nn::BatchNorm{.activation = Activation::relu}, h, !train, x) is
+// relu(x + s(nn::BatchNorm{}, h, !train)), the end of a ResNet block, with the same values, in the
+// passes of the normalization (ops/batch_norm.hpp says when it is fused).
 struct BatchNorm {
   std::optional<bool> use_running_average;
   int axis = -1;                  // the feature axis
@@ -101,10 +107,13 @@ struct BatchNorm {
 
   std::optional<DType> dtype;                                 // computation dtype; nullopt: promote inputs and params
   DType param_dtype = DType::f32;                             // dtype the params are created in
+  Activation activation = Activation::none;                   // applied to the result, in the same op
   // Normalizes `x`; same shape out. Statistics and normalization run in float32 (or wider); the
   // result is cast to `dtype` (default: the promotion of x and the params), as Flax does.
   void validate() const;  // ValueError naming an out-of-range field (on each call and on config load)
   Array operator()(Scope& s, const Array& x, std::optional<bool> use_running_average = std::nullopt) const;
+  // activation(residual + the normalized x); `residual` has x's shape (or broadcasts to it).
+  Array operator()(Scope& s, const Array& x, std::optional<bool> use_running_average, const Array& residual) const;
 };
 
 // Flax's merge_param: the value given either on the module or in the call. Throws ValueError

@@ -1143,6 +1143,144 @@ TEST_CASE("fused batch_norm: remat gives bitwise the plain gradients; errors nam
                        doctest::Contains("batch_norm_eval: var must have the shape"), ShapeError);
 }
 
+namespace {
+
+// Every output's and every gradient's bits equal (NaNs included).
+void check_all_bitwise(const V& a, const V& b) {
+  REQUIRE(a.size() == b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    CAPTURE(i);
+    CHECK(a[i].defined() == b[i].defined());
+    if (a[i].defined() && b[i].defined()) CHECK(a[i].bitwise_equal(b[i]));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("batch_norm with a residual and relu: the composed ops' bits, values and gradients (f32, bf16; one block, many)") {
+  // relu(residual + batch_norm(x)) in one op against the ops written out, outputs and the gradients
+  // of x, scale, bias and the residual bit for bit; the residual has zeros of both signs (a
+  // pre-activation of -0 stays -0 through relu) and values that cancel the normalized x.
+  for (const Shape& shape : {Shape{3, 5, 7, 24}, Shape{8, 20, 20, 24}, Shape{50, 700}}) {
+    const std::int64_t C = shape.dim(-1);
+    for (DType dt : {DType::f32, DType::bf16}) {
+      const Array x = astype(random_array(shape, 70, -2.0f, 3.0f), dt), r = random_array(shape, 71);
+      const Array scale = random_array(Shape{C}, 72, 0.5f, 1.5f), bias = random_array(Shape{C}, 73);
+      std::vector<float> res = random_array(shape, 74, -2.0f, 2.0f).to_vector();
+      for (std::size_t i = 0; i < res.size(); i += 7) res[i] = (i / 7) % 2 ? -0.0f : 0.0f;
+      const Array residual0 = astype(Array::from(shape, res), dt);
+      // (a residual that cancels the normalized x: pre-activations of exactly zero)
+      const Array cancel = astype(-batch_norm(x, scale, bias, {.dtype = dt}).y, dt);
+      for (const Array& residual : {residual0, cancel, Array()})
+        for (Activation act : {Activation::relu, Activation::none})
+          for (bool params : {true, false}) {
+            CAPTURE(shape);
+            const std::string dtype_str(dtype_name(dt));
+            CAPTURE(dtype_str);
+            CAPTURE(residual.defined());
+            CAPTURE(activation_name(act));
+            CAPTURE(params);
+            const Array s = params ? scale : Array(), b = params ? bias : Array();
+            auto fused = [&](const V& in) {
+              return bn_outputs(batch_norm(in[0], in[1], in[2], {.dtype = dt, .residual = in[3], .activation = act}));
+            };
+            auto composed = [&](const V& in) {
+              BatchNormResult o = batch_norm(in[0], in[1], in[2], {.dtype = dt});
+              Array y = in[3].defined() ? in[3] + o.y : o.y;
+              if (act == Activation::relu) y = relu(y);
+              return V{y, o.mean, o.var};
+            };
+            const V in{x, s, b, residual};
+            check_all_bitwise(fused(in), composed(in));
+            // (every input differentiated; the unused ones' gradients are zeros either way)
+            const V args{x, scale, bias, residual.defined() ? residual : Array::zeros(shape, dt)};
+            auto used = [&](const V& v) {
+              return V{v[0], params ? v[1] : Array(), params ? v[2] : Array(), residual.defined() ? v[3] : Array()};
+            };
+            auto gf = grad([&](const V& v) { return bn_loss(fused(used(v)), r); })(args);
+            auto gc = grad([&](const V& v) { return bn_loss(composed(used(v)), r); })(args);
+            check_all_bitwise(gf, gc);
+          }
+    }
+  }
+}
+
+TEST_CASE("batch_norm with a residual and an activation: finite differences; other activations, shapes and dtypes as the ops") {
+  const Array x = random_array(Shape{4, 3, 5}, 75), scale = random_array(Shape{5}, 76, 0.5f, 1.5f), bias = random_array(Shape{5}, 77);
+  const Array residual = random_array(Shape{4, 3, 5}, 78, -1.0f, 1.0f, 0.05f), r = random_array(Shape{4, 3, 5}, 79);
+  CHECK(check_gradients("batch_norm + residual + relu", [&](const V& v) {
+    return bn_loss(bn_outputs(batch_norm(v[0], v[1], v[2], {.residual = v[3], .activation = Activation::relu})), r); },
+    {x, scale, bias, residual}));
+  // Not fused (the ops, the same values): another activation, a residual that broadcasts, or one of
+  // another dtype than y.
+  for (Activation act : {Activation::gelu, Activation::tanh, Activation::silu}) {
+    CAPTURE(activation_name(act));
+    const V f = bn_outputs(batch_norm(x, scale, bias, {.residual = residual, .activation = act}));
+    CHECK(f[0].bitwise_equal(activate(residual + batch_norm(x, scale, bias).y, act)));
+    CHECK(check_gradients("batch_norm + residual + activation", [&](const V& v) {
+      return bn_loss(bn_outputs(batch_norm(v[0], v[1], v[2], {.residual = v[3], .activation = act})), r); },
+      {x, scale, bias, residual}));
+  }
+  const Array row = random_array(Shape{5}, 80);
+  CHECK(batch_norm(x, scale, bias, {.residual = row, .activation = Activation::relu}).y.bitwise_equal(relu(row + batch_norm(x, scale, bias).y)));
+  const Array res16 = astype(residual, DType::bf16);
+  const Array y = batch_norm(x, scale, bias, {.residual = res16, .activation = Activation::relu}).y;
+  CHECK(y.dtype() == DType::f32);
+  CHECK(y.bitwise_equal(relu(res16 + batch_norm(x, scale, bias).y)));
+  CHECK_THROWS_AS(batch_norm(x, scale, bias, {.residual = Array::zeros(Shape{4, 3, 4})}), ShapeError);
+  // Evaluation mode: the ops after the normalization with the given statistics.
+  const Array mu = random_array(Shape{5}, 81), var = random_array(Shape{5}, 82, 0.5f, 2.0f);
+  CHECK(batch_norm(x, mu, var, scale, bias, {.residual = residual, .activation = Activation::relu})
+            .bitwise_equal(relu(residual + batch_norm(x, mu, var, scale, bias))));
+}
+
+TEST_CASE("batch_norm with relu keeps no array of y's size: less memory than the ops; remat, threads and grad of grad") {
+  const Array x = random_array(Shape{16, 20, 20, 24}, 83), r = random_array(Shape{16, 20, 20, 24}, 84);
+  const Array scale = random_array(Shape{24}, 85, 0.5f, 1.5f), bias = random_array(Shape{24}, 86);
+  // A consumer that keeps nothing (a sum with weights, as an average pool): relu's output is alive
+  // only because the op keeps it; the fused op recomputes the mask from x instead.
+  auto peak = [&](bool fused) {
+    memory::reset_peak();
+    const std::int64_t live = memory::stats().live_bytes;
+    auto g = grad([&](const V& v) {
+      const Array y = fused ? batch_norm(v[0] * 1.0f, v[1], v[2], {.activation = Activation::relu}).y : relu(batch_norm(v[0] * 1.0f, v[1], v[2]).y);
+      return sum(y * r);
+    })(V{x, scale, bias});
+    return memory::stats().peak_bytes - live;
+  };
+  const std::int64_t fused_peak = peak(true), composed_peak = peak(false);
+  CAPTURE(fused_peak);
+  CAPTURE(composed_peak);
+  // (relu's output less: x's size, up to a few per-channel arrays)
+  CHECK(fused_peak + static_cast<std::int64_t>(x.nbytes()) - 1024 <= composed_peak);
+  // Remat: bitwise the plain gradients; one thread and two: the same bits.
+  auto block = [](const Array& a, const Array& res, const Array& s, const Array& b) {
+    return batch_norm(a * 2.0f, s, b, {.residual = res, .activation = Activation::relu}).y;
+  };
+  const Array residual = random_array(Shape{16, 20, 20, 24}, 87);
+  auto plain = grad([&](const V& in) { return sum(block(in[0], in[1], in[2], in[3]) * r); })(V{x, residual, scale, bias});
+  auto rb = checkpoint(block);
+  auto remat = grad([&](const V& in) { return sum(rb(in[0], in[1], in[2], in[3]) * r); })(V{x, residual, scale, bias});
+  check_all_bitwise(plain, remat);
+  same_bits_on_one_and_two_threads([&] { return grad([&](const V& in) { return sum(block(in[0], in[1], in[2], in[3]) * r); })(V{x, residual, scale, bias}); });
+  // Grad of grad (create-graph rules): the composed ops' second derivatives.
+  const Array xs = random_array(Shape{6, 4, 8}, 88), rs = random_array(Shape{6, 4, 8}, 89), res = random_array(Shape{6, 4, 8}, 90);
+  const Array ss = random_array(Shape{8}, 91, 0.5f, 1.5f), bs = random_array(Shape{8}, 92);
+  auto second = [&](bool fused) {
+    return grad([&](const V& v) {
+      auto inner = grad([&](const V& w) {
+        const Array y = fused ? batch_norm(w[0], v[1], bs, {.residual = res, .activation = Activation::relu}).y
+                              : relu(res + batch_norm(w[0], v[1], bs).y);
+        return sum(y * y * rs);
+      })(V{v[0]});
+      return sum(inner[0] * rs);
+    })(V{xs, ss});
+  };
+  const V f2 = second(true), c2 = second(false);
+  CHECK(max_abs_diff(f2[0], c2[0]) < 1e-4f);
+  CHECK(max_abs_diff(f2[1], c2[1]) < 1e-4f);
+}
+
 TEST_CASE("nn::BatchNorm on the fused op (channels last) matches its composed path (another axis)") {
   // The same data with channels last (fused) and channels second (composed): outputs, running
   // statistics and gradients agree; evaluation too.
@@ -1184,6 +1322,43 @@ TEST_CASE("nn::BatchNorm on the fused op (channels last) matches its composed pa
   // An integer computation dtype is refused on either path (it would silently truncate).
   CHECK_THROWS_AS(init(nn::BatchNorm{.use_running_average = false, .dtype = DType::i32}, rng::key(0), x), ValueError);
   CHECK_THROWS_AS(init(nn::BatchNorm{.use_running_average = false, .axis = 1, .dtype = DType::i32}, rng::key(0), xt), ValueError);
+}
+
+TEST_CASE("nn::BatchNorm's activation and residual: relu(x + BatchNorm(h)) with its values, statistics and gradients") {
+  // Channels last (the fused op) and another axis (the composed path), training and evaluation,
+  // against the layer without them followed by the ops: bit for bit.
+  for (int axis : {-1, 1}) {
+    CAPTURE(axis);
+    const Array h = random_array(Shape{6, 5, 4, 12}, 93, -1.0f, 2.0f), x = random_array(Shape{6, 5, 4, 12}, 94);
+    const nn::BatchNorm plain{.axis = axis, .momentum = 0.8};
+    nn::BatchNorm fused = plain;
+    fused.activation = Activation::relu;
+    Tree v = init(plain, rng::key(0), h, false);
+    v.at("params").set("scale", random_array(Shape{h.dim(axis)}, 95, 0.5f, 1.5f));
+    v.at("params").set("bias", random_array(Shape{h.dim(axis)}, 96));
+    auto fused_loss = [&](const V& in) {
+      Tree w = v;
+      w.at("params").set("scale", in[2]);
+      return sum(apply(fused, w, {.mutable_collections = {"batch_stats"}}, in[0], false, in[1]).first * h);
+    };
+    auto composed_loss = [&](const V& in) {
+      Tree w = v;
+      w.at("params").set("scale", in[2]);
+      return sum(relu(in[1] + apply(plain, w, {.mutable_collections = {"batch_stats"}}, in[0], false).first) * h);
+    };
+    auto [y1, u1] = apply(fused, v, {.mutable_collections = {"batch_stats"}}, h, false, x);
+    auto [y2, u2] = apply(plain, v, {.mutable_collections = {"batch_stats"}}, h, false);
+    CHECK(y1.bitwise_equal(relu(x + y2)));
+    CHECK(u1.at_path("batch_stats/mean").array().bitwise_equal(u2.at_path("batch_stats/mean").array()));
+    CHECK(u1.at_path("batch_stats/var").array().bitwise_equal(u2.at_path("batch_stats/var").array()));
+    const V in{h, x, v.at_path("params/scale").array()};
+    check_all_bitwise(grad(fused_loss)(in), grad(composed_loss)(in));
+    // Evaluation, and the activation alone (no residual).
+    v.set("batch_stats", u1.at("batch_stats"));
+    CHECK(apply(fused, v, h, true, x).bitwise_equal(relu(x + apply(plain, v, h, true))));
+    CHECK(apply(fused, v, {.mutable_collections = {"batch_stats"}}, h, false).first.bitwise_equal(
+        relu(apply(plain, v, {.mutable_collections = {"batch_stats"}}, h, false).first)));
+  }
 }
 
 // ---- softmax / log_softmax over the last axis ---------------------------------------------------

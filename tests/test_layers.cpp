@@ -825,9 +825,11 @@ TEST_CASE("module_config / module_from_config round trips") {
   CHECK_FALSE(gn2.num_groups.has_value());
   CHECK(gn2.group_size == 4);
   nlohmann::json bn = nn::module_config(nn::BatchNorm{.momentum = 0.9});
-  CHECK(bn.dump() == R"({"axis":-1,"dtype":null,"epsilon":1e-05,"momentum":0.9,"param_dtype":"float32","use_bias":true,)"
+  CHECK(bn.dump() == R"({"activation":"none","axis":-1,"dtype":null,"epsilon":1e-05,"momentum":0.9,"param_dtype":"float32","use_bias":true,)"
                      R"("use_fast_variance":true,"use_running_average":null,"use_scale":true})");
   CHECK(nn::module_from_config<nn::BatchNorm>(bn).momentum == 0.9);
+  bn["activation"] = "relu";
+  CHECK(nn::module_from_config<nn::BatchNorm>(bn).activation == Activation::relu);
   nlohmann::json m = nn::module_config(nn::MultiHeadDotProductAttention{.num_heads = 4, .qkv_features = 64});
   CHECK(m.at("qkv_features") == 64);
   CHECK(m.at("out_features").is_null());

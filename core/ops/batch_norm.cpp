@@ -9,6 +9,8 @@
 #include <linum/core/threading.hpp>
 
 #include <algorithm>
+#include <bit>
+#include <type_traits>
 #include <cmath>
 #include <vector>
 
@@ -93,23 +95,118 @@ std::vector<double> channel_sums(const Geometry& g, const Array& a, const Array&
   return total;
 }
 
-// y = (x - mu) * a + bias per channel (bias may be empty), rounded to y's dtype.
+// Rows of the values before the activation, as y's dtype holds them: (x - mu) * a + bias per
+// channel (bias may be absent), rounded to y's dtype (Bf16); with a residual row, rr + that,
+// rounded again: the roundings of the composed ops. With Relu, max(that, 0) (std::max, as the relu
+// op: -0 and NaN stay). One loop, its variant fixed at compile time, so it vectorises. relu's rule
+// recomputes these values from what the op keeps (x and the residual, which the layers around it
+// keep anyway) rather than keeping y.
+template <bool Bf16, bool Bias, bool Residual, bool Relu>
+void pre_activation_rows(const float* __restrict x, const float* __restrict residual, const float* __restrict mu,
+                         const float* __restrict a, const float* __restrict bias, float* __restrict out, std::int64_t rows,
+                         std::int64_t C) {
+  // (a value as y's dtype holds it: rounded to bf16 and widened back, or itself in float32)
+  auto stored = [](float v) {
+    if constexpr (Bf16) return std::bit_cast<float>(static_cast<std::uint32_t>(bfloat16::round_bits(v)) << 16);
+    else return v;
+  };
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * C;
+    const float* rr = Residual ? residual + r * C : nullptr;
+    float* o = out + r * C;
+    if constexpr (Bias)
+      for (std::int64_t c = 0; c < C; ++c) o[c] = (xr[c] - mu[c]) * a[c] + bias[c];
+    else
+      for (std::int64_t c = 0; c < C; ++c) o[c] = (xr[c] - mu[c]) * a[c];
+    // A second loop: the normalized value is rounded (stored) before the residual is added, so the
+    // compiler cannot contract (x - mu) * a + residual into one multiply-add, which the composed
+    // ops do not make.
+    if constexpr (Residual || Relu || Bf16)
+      for (std::int64_t c = 0; c < C; ++c) {
+        float v = o[c];
+        if constexpr (Residual) v = rr[c] + stored(v);
+        v = stored(v);  // (the residual sum's rounding; with none, the normalization's, which f32_commit repeats exactly)
+        if constexpr (Relu) v = std::max(v, 0.0f);
+        o[c] = v;
+      }
+  }
+}
+
+// The row function for a pass's variant.
+using RowFn = void (*)(const float*, const float*, const float*, const float*, const float*, float*, std::int64_t, std::int64_t);
+template <bool Relu>
+RowFn row_function(bool bf16, bool bias, bool residual) {
+  constexpr RowFn table[2][2][2] = {
+      {{pre_activation_rows<false, false, false, Relu>, pre_activation_rows<false, false, true, Relu>},
+       {pre_activation_rows<false, true, false, Relu>, pre_activation_rows<false, true, true, Relu>}},
+      {{pre_activation_rows<true, false, false, Relu>, pre_activation_rows<true, false, true, Relu>},
+       {pre_activation_rows<true, true, false, Relu>, pre_activation_rows<true, true, true, Relu>}}};
+  return table[bf16][bias][residual];
+}
+
+// y = pre_activation_rows' values (relu's too when asked), rounded to y's dtype, in one pass.
 void normalize_pass(const Geometry& g, const Array& x, const std::vector<float>& mu, const std::vector<float>& a,
-                    const std::vector<float>& bias, Array& y) {
+                    const std::vector<float>& bias, Array& y, const Array& residual = Array(), bool relu = false) {
   const std::int64_t C = g.channels;
-  for_row_blocks(g, 2, [&](std::int64_t, std::int64_t first, std::int64_t count, float* scratch) {
+  const RowFn row = relu ? row_function<true>(y.dtype() == DType::bf16, !bias.empty(), residual.defined())
+                         : row_function<false>(y.dtype() == DType::bf16, !bias.empty(), residual.defined());
+  for_row_blocks(g, 3, [&](std::int64_t, std::int64_t first, std::int64_t count, float* scratch) {
+    const std::int64_t e = g.block_elements();
     const float* xb = f32_view(x, first * C, count * C, scratch);
-    float* yb = ops::detail::f32_target(y, first * C, scratch + g.block_elements());
-    for (std::int64_t r = 0; r < count; ++r) {
-      const float* xr = xb + r * C;
-      float* yr = yb + r * C;
-      if (bias.empty())
-        for (std::int64_t c = 0; c < C; ++c) yr[c] = (xr[c] - mu[c]) * a[c];
-      else
-        for (std::int64_t c = 0; c < C; ++c) yr[c] = (xr[c] - mu[c]) * a[c] + bias[c];
-    }
+    const float* rb = residual.defined() ? f32_view(residual, first * C, count * C, scratch + 2 * e) : nullptr;
+    float* yb = ops::detail::f32_target(y, first * C, scratch + e);
+    row(xb, rb, mu.data(), a.data(), bias.empty() ? nullptr : bias.data(), yb, count, C);
     ops::detail::f32_commit(y, first * C, count * C, yb);
   });
+}
+
+// relu's rule (the cotangent where y > 0, else +0), y > 0 decided by the recomputed pre-activation,
+// over dy's storage.
+template <class T>
+void relu_select(const Geometry& g, const Array& x, const Array& residual, const float* mu, const float* a,
+                 const float* bias, const T* dy, T* out) {
+  const std::int64_t C = g.channels;
+  const RowFn row = row_function<false>(std::is_same_v<T, bfloat16>, bias != nullptr, residual.defined());
+  for_row_blocks(g, 3, [&](std::int64_t, std::int64_t first, std::int64_t count, float* scratch) {
+    const std::int64_t e = g.block_elements();
+    const float* xb = f32_view(x, first * C, count * C, scratch);
+    const float* rb = residual.defined() ? f32_view(residual, first * C, count * C, scratch + 2 * e) : nullptr;
+    float* pre = scratch + e;
+    row(xb, rb, mu, a, bias, pre, count, C);
+    const T* d = dy + first * C;
+    T* o = out + first * C;
+    for (std::int64_t i = 0; i < count * C; ++i) o[i] = pre[i] > 0.0f ? d[i] : T{};
+  });
+}
+
+// The cotangent through relu, written over dy when no other array shares its buffer (as relu's
+// rule: no array more alive).
+Array relu_cotangent(const Geometry& g, Array dy, const Array& x, const Array& residual, const float* mu, const float* a,
+                     const float* bias) {
+  Array out = dy.owns_buffer_alone() ? std::move(dy) : Array::empty(dy.shape(), dy.dtype());
+  const Array& in = dy.defined() ? dy : out;  // (moved from: read what is written over)
+  if (out.dtype() == DType::bf16)
+    relu_select(g, x, residual, mu, a, bias, static_cast<const bfloat16*>(in.raw()), static_cast<bfloat16*>(out.mutable_raw()));
+  else
+    relu_select(g, x, residual, mu, a, bias, static_cast<const float*>(in.raw()), static_cast<float*>(out.mutable_raw()));
+  return out;
+}
+
+// The normalization's factor per channel, rstd * scale (or rstd), from the kept statistics [3, C]
+// (mean, rstd, ...): the forward pass's `a`, the same floats.
+std::vector<float> scaled_rstd(const Array& stats, const Array& scale) {
+  const std::int64_t C = stats.dim(1);
+  const float* rstd = stats.data() + C;
+  const std::vector<float> sc = values_f32(scale);
+  std::vector<float> a(static_cast<std::size_t>(C));
+  for (std::int64_t c = 0; c < C; ++c) a[c] = sc.empty() ? rstd[c] : rstd[c] * sc[c];
+  return a;
+}
+
+// What follows the normalization, as ops: residual + y, then the activation.
+Array finish_composed(Array y, const BatchNormOptions& o) {
+  if (o.residual.defined()) y = o.residual + y;
+  return o.activation == Activation::none ? y : activate(y, o.activation);
 }
 
 struct Checked {
@@ -204,6 +301,21 @@ BatchNormResult batch_norm(const Array& x, const Array& scale, const Array& bias
   const Checked checked = check(op, x, {{"scale", &scale}, {"bias", &bias}}, o);
   const Geometry g = checked.g;
   const DType out_dtype = checked.out_dtype;
+  const Array& residual = o.residual;
+  const bool relu = o.activation == Activation::relu;
+  if (residual.defined() || o.activation != Activation::none) {
+    // Fused: relu or none, a residual of y's shape and dtype, nothing vmapped. Otherwise the ops.
+    const bool fusable = (relu || o.activation == Activation::none) && !x.batched() && !scale.batched() && !bias.batched() &&
+                         (!residual.defined() || (!residual.batched() && residual.shape() == x.shape() && residual.dtype() == out_dtype));
+    if (!fusable) {
+      BatchNormOptions plain = o;
+      plain.residual = Array();
+      plain.activation = Activation::none;
+      BatchNormResult r = batch_norm(x, scale, bias, plain);
+      r.y = finish_composed(std::move(r.y), o);
+      return r;
+    }
+  }
   if (x.batched() || scale.batched() || bias.batched()) [[unlikely]] {
     const Folded f = fold_levels(ops::batching::levels_of({&x, &scale, &bias}, op), x);
     BatchNormResult r = batch_norm(folded_x(f, x), folded_channels(f, scale), folded_channels(f, bias), o);
@@ -252,26 +364,45 @@ BatchNormResult batch_norm(const Array& x, const Array& scale, const Array& bias
       a[c] = sc.empty() ? st[C + c] : st[C + c] * sc[c];
     }
     Array y = Array::empty(x.shape(), out_dtype);
-    normalize_pass(g, x, mu, a, bi, y);
-    keep.keep(x, scale, stats);
+    normalize_pass(g, x, mu, a, bi, y, residual, relu);
+    if (relu) keep.keep(x, scale, stats, bias, residual);  // relu's mask, recomputed (not y)
+    else keep.keep(x, scale, stats);
     return std::vector<Array>{std::move(y), Array::from(Shape{C}, mu), Array::from(Shape{C}, var)};
   };
-  // Create-graph mode differentiates the same computation written with ops.
-  auto composite = [g, eps, fast, out_dtype, xshape = x.shape()](const std::vector<Array>& in) {
+  // Create-graph mode differentiates the same computation written with ops; with relu, its mask
+  // from the recomputed pre-activation (constant: relu is linear on each side of it).
+  auto composite = [g, eps, fast, out_dtype, xshape = x.shape()](const std::vector<Array>& in, const Array& residual_in,
+                                                                 const Array& relu_mask) {
     const Array xf = astype(reshape(in[0], {g.rows, g.channels}), DType::f32);
     Array mu = mean(xf, {0}, true), var;
     if (fast) var = maximum(Array::scalar(0.0f), mean(square(xf), {0}, true) - square(mu));
     else var = mean(square(xf - mu), {0}, true);
     Array y = reshape(composed_normalize(xf, mu, var, in[1], in[2], eps, out_dtype), xshape.vec());
+    if (residual_in.defined()) y = residual_in + y;
+    if (relu_mask.defined()) y = where(relu_mask, y, Array::zeros({}, y.dtype()));
     return std::vector<Array>{y, reshape(mu, {g.channels}), reshape(var, {g.channels})};
   };
-  const Array* const ins[] = {&x, &scale, &bias};
+  const Array* const ins[] = {&x, &scale, &bias, &residual};
   std::vector<Array> out = autodiff::primitive_multi(
-      op, std::span<const Array* const>(ins), forward,
-      autodiff::higher_order([g, composite, has_bias = bias.defined()](Cotangents& c, autodiff::Saved saved) {
+      op, std::span<const Array* const>(ins, residual.defined() ? 4 : 3), forward,
+      autodiff::higher_order([g, composite, relu, out_dtype, has_bias = bias.defined(), has_residual = residual.defined()](
+                                 Cotangents& c, autodiff::Saved saved) {
         if (autodiff::creating_graph()) {
-          const Array bias_stand_in = has_bias ? Array::zeros(Shape{g.channels}) : Array();  // its value does not enter the vjp
-          return autodiff::composite_rule(c, {saved[0], saved[1], bias_stand_in}, composite);
+          // (bias and residual enter linearly: their values do not enter the vjp)
+          const Array bias_stand_in = has_bias ? Array::zeros(Shape{g.channels}) : Array();
+          std::vector<Array> inputs{saved[0], saved[1], bias_stand_in};
+          if (has_residual) inputs.push_back(Array::zeros(saved[0].shape(), out_dtype));
+          Array mask;
+          if (relu) {
+            Array pre = Array::empty(saved[0].shape(), out_dtype);
+            const std::vector<float> a = scaled_rstd(saved[2], saved[1]), st = saved[2].to_vector();
+            normalize_pass(g, saved[0].detached(), std::vector<float>(st.begin(), st.begin() + g.channels), a,
+                           values_f32(saved[3]), pre, saved[4].defined() ? saved[4].detached() : Array());
+            mask = greater(pre, Array::zeros({}, out_dtype));
+          }
+          return autodiff::composite_rule(c, std::move(inputs), [composite, mask](const std::vector<Array>& in) {
+            return composite(in, in.size() > 3 ? in[3] : Array(), mask);
+          });
         }
         const Array& xs = saved[0];
         const std::int64_t C = g.channels;
@@ -279,7 +410,15 @@ BatchNormResult batch_norm(const Array& x, const Array& scale, const Array& bias
         const float* rstd = mu + C;
         const float* var_moves = mu + 2 * C;
         const std::vector<float> sc = values_f32(saved[1]);
-        const Array& dy = c.out(0);
+        // The cotangent of the normalized x (and of the residual): through relu first.
+        Array dy = c.out(0);
+        if (relu && dy.defined()) {
+          const std::vector<float> a = scaled_rstd(saved[2], saved[1]), bias_values = values_f32(saved[3]);
+          dy = Array();
+          dy = relu_cotangent(g, c.take_out(0), xs, saved[4], mu, a.data(), bias_values.empty() ? nullptr : bias_values.data())
+                   .detached();
+        }
+        if (has_residual && c.needs(3) && dy.defined()) c.set(3, dy);
         const std::vector<float> g_mean = values_f32(c.out(1)), g_var = values_f32(c.out(2));
         const auto R = static_cast<double>(g.rows);
         // Per channel: the sums of dy and of dy * xhat, xhat = (x - mean) * rstd.
@@ -347,6 +486,12 @@ Array batch_norm(const Array& x, const Array& mean_in, const Array& var_in, cons
   const Checked checked = check(op, x, {{"mean", &mean_in}, {"var", &var_in}, {"scale", &scale}, {"bias", &bias}}, o);
   const Geometry g = checked.g;
   const DType out_dtype = checked.out_dtype;
+  if (o.residual.defined() || o.activation != Activation::none) {  // (not fused in evaluation mode)
+    BatchNormOptions plain = o;
+    plain.residual = Array();
+    plain.activation = Activation::none;
+    return finish_composed(batch_norm(x, mean_in, var_in, scale, bias, plain), o);
+  }
   if (x.batched() || mean_in.batched() || var_in.batched() || scale.batched() || bias.batched()) [[unlikely]] {
     const Folded f = fold_levels(ops::batching::levels_of({&x, &mean_in, &var_in, &scale, &bias}, op), x);
     return unfolded_x(f, batch_norm(folded_x(f, x), folded_channels(f, mean_in), folded_channels(f, var_in),

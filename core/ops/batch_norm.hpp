@@ -13,9 +13,23 @@
 // order, so the results are the same bits on any number of threads. bf16 inputs and params are
 // computed in float32; y has `dtype` or, when not given, the promotion of x, scale and bias (Flax).
 // `scale` and `bias` are undefined (not used) or of shape [C].
+//
+// What follows the normalization in a residual network can be part of the op (Keras's and oneDNN's
+// fused batch norm + relu; XLA fuses the same chain when Flax writes it):
+//
+//   auto r = batch_norm(h, scale, bias, {.residual = x, .activation = Activation::relu});  // relu(x + bn(h))
+//
+// y = activation(residual + normalized), the same values as the ops written out (normalized rounded
+// to y's dtype, the sum rounded, then the activation). In training mode relu and none run inside
+// the normalization's second pass, which reads the residual as it writes y (the composed form makes
+// two more passes over the activations, and so does every recomputation under remat); backward
+// selects the cotangent by y once and hands it to the residual and the normalization. Other
+// activations, a residual of another shape or dtype than y, vmapped inputs and evaluation mode run
+// as the composed ops (the same values, not fused).
 #pragma once
 
 #include <linum/core/array.hpp>
+#include <linum/core/ops/linear.hpp>
 
 #include <optional>
 
@@ -25,6 +39,8 @@ struct BatchNormOptions {
   double epsilon = 1e-5;
   bool fast_variance = true;     // var = E[x^2] - E[x]^2 (clamped at 0), as Flax's use_fast_variance
   std::optional<DType> dtype;    // y's dtype (default: promote x, scale, bias)
+  Array residual;                // added to the normalized x before the activation (undefined: none)
+  Activation activation = Activation::none;  // applied last
 };
 
 struct BatchNormResult {

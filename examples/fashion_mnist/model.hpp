@@ -19,8 +19,12 @@ struct ConvBlock {
   DType param_dtype = DType::f32;  // the parameters' dtype (Flax's param_dtype)
   Array operator()(Scope& s, const Array& x, bool train) const {
     Array h = s(nn::Conv{.features = features, .kernel_size = {3, 3}, .dtype = dtype, .param_dtype = param_dtype}, x);
-    if (batch_norm) h = s(nn::BatchNorm{.dtype = dtype, .param_dtype = param_dtype}, h, /*use_running_average=*/!train);
-    h = relu(h);  // reassigning frees the conv output now: relu keeps only its own output
+    // (BatchNorm's relu in the same op: one pass over h less, the same values as relu(h) after it)
+    if (batch_norm)
+      h = s(nn::BatchNorm{.dtype = dtype, .param_dtype = param_dtype, .activation = Activation::relu}, h,
+            /*use_running_average=*/!train);
+    else
+      h = relu(h);  // reassigning frees the conv output now: relu keeps only its own output
     return avg_pool(h, {.window = {2, 2}, .strides = {2, 2}});
   }
 };
@@ -78,13 +82,12 @@ struct ResidualBlock {
   Array operator()(Scope& s, const Array& x, bool train) const {
     const nn::Conv conv{.features = features, .kernel_size = {3, 3}, .use_bias = !batch_norm, .dtype = dtype,
                         .param_dtype = param_dtype};
-    Array y = s(conv, x);
-    if (batch_norm) y = s(nn::BatchNorm{.momentum = 0.9, .dtype = dtype, .param_dtype = param_dtype}, y, !train);
-    y = relu(y);
-    y = s(conv, y);
-    if (batch_norm)
-      y = s(nn::BatchNorm{.momentum = 0.9, .dtype = dtype, .param_dtype = param_dtype}, y, !train);
-    return relu(x + y);
+    if (!batch_norm) return relu(x + s(conv, relu(s(conv, x))));
+    // BatchNorm's relu, and the second one's residual, in the same op: relu(bn(y)) and relu(x + bn(y))
+    // with the values of the ops written out, in two passes over the activations fewer each.
+    const nn::BatchNorm norm_relu{.momentum = 0.9, .dtype = dtype, .param_dtype = param_dtype, .activation = Activation::relu};
+    Array y = s(norm_relu, s(conv, x), !train);
+    return s(norm_relu, s(conv, y), !train, /*residual=*/x);
   }
 };
 
