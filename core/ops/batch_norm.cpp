@@ -69,15 +69,17 @@ std::vector<float> values_f32(const Array& p) { return p.defined() ? p.to_vector
 
 // Per-channel sums over the rows of one or two [rows, C] arrays: float within a row block, the
 // blocks' sums added in block order in double. `term(row_of_a, row_of_b, c, out)` writes the
-// `Parts` summands of one element.
-template <int Parts, class Term>
-std::vector<double> channel_sums(const Geometry& g, const Array& a, const Array& b, Term&& term) {
+// `Parts` summands of one element. The second array's block comes from
+// `b_block(first_row, rows, a_block, scratch)` (float32 values, or null for none; a_block is the first
+// array's block in float32; `scratch` holds `b_scratch_blocks` blocks).
+template <int Parts, class BBlock, class Term>
+std::vector<double> channel_sums_with(const Geometry& g, const Array& a, int b_scratch_blocks, BBlock&& b_block, Term&& term) {
   const std::int64_t C = g.channels;
   Array partial_sums = Array::zeros(Shape{g.blocks, Parts * C});  // counted by the memory timeline
   float* partial = partial_sums.mutable_data();
-  for_row_blocks(g, 2, [&](std::int64_t block, std::int64_t first, std::int64_t count, float* scratch) {
+  for_row_blocks(g, 1 + b_scratch_blocks, [&](std::int64_t block, std::int64_t first, std::int64_t count, float* scratch) {
     const float* ab = f32_view(a, first * C, count * C, scratch);
-    const float* bb = b.defined() ? f32_view(b, first * C, count * C, scratch + g.block_elements()) : nullptr;
+    const float* bb = b_block(first, count, ab, scratch + g.block_elements());
     float* out = partial + Parts * block * C;
     for (std::int64_t r = 0; r < count; ++r) {
       const float* ar = ab + r * C;
@@ -93,6 +95,17 @@ std::vector<double> channel_sums(const Geometry& g, const Array& a, const Array&
   for (std::int64_t block = 0; block < g.blocks; ++block)
     for (std::int64_t i = 0; i < Parts * C; ++i) total[i] += partial[block * Parts * C + i];
   return total;
+}
+
+template <int Parts, class Term>
+std::vector<double> channel_sums(const Geometry& g, const Array& a, const Array& b, Term&& term) {
+  const std::int64_t C = g.channels;
+  return channel_sums_with<Parts>(
+      g, a, 1,
+      [&](std::int64_t first, std::int64_t count, const float*, float* scratch) {
+        return b.defined() ? f32_view(b, first * C, count * C, scratch) : nullptr;
+      },
+      std::forward<Term>(term));
 }
 
 // Rows of the values before the activation, as y's dtype holds them: (x - mu) * a + bias per
@@ -160,36 +173,22 @@ void normalize_pass(const Geometry& g, const Array& x, const std::vector<float>&
   });
 }
 
-// relu's rule (the cotangent where y > 0, else +0), y > 0 decided by the recomputed pre-activation,
-// over dy's storage.
-template <class T>
-void relu_select(const Geometry& g, const Array& x, const Array& residual, const float* mu, const float* a,
-                 const float* bias, const T* dy, T* out) {
-  const std::int64_t C = g.channels;
-  const RowFn row = row_function<false>(std::is_same_v<T, bfloat16>, bias != nullptr, residual.defined());
-  for_row_blocks(g, 3, [&](std::int64_t, std::int64_t first, std::int64_t count, float* scratch) {
-    const std::int64_t e = g.block_elements();
-    const float* xb = f32_view(x, first * C, count * C, scratch);
-    const float* rb = residual.defined() ? f32_view(residual, first * C, count * C, scratch + 2 * e) : nullptr;
-    float* pre = scratch + e;
-    row(xb, rb, mu, a, bias, pre, count, C);
-    const T* d = dy + first * C;
-    T* o = out + first * C;
-    for (std::int64_t i = 0; i < count * C; ++i) o[i] = pre[i] > 0.0f ? d[i] : T{};
-  });
-}
-
-// The cotangent through relu, written over dy when no other array shares its buffer (as relu's
-// rule: no array more alive).
-Array relu_cotangent(const Geometry& g, Array dy, const Array& x, const Array& residual, const float* mu, const float* a,
-                     const float* bias) {
-  Array out = dy.owns_buffer_alone() ? std::move(dy) : Array::empty(dy.shape(), dy.dtype());
-  const Array& in = dy.defined() ? dy : out;  // (moved from: read what is written over)
-  if (out.dtype() == DType::bf16)
-    relu_select(g, x, residual, mu, a, bias, static_cast<const bfloat16*>(in.raw()), static_cast<bfloat16*>(out.mutable_raw()));
-  else
-    relu_select(g, x, residual, mu, a, bias, static_cast<const float*>(in.raw()), static_cast<float*>(out.mutable_raw()));
-  return out;
+// relu's rule (the cotangent where y > 0, else +0) for rows [first, first + count): from dy into
+// out (which may be dy itself), y > 0 decided by the recomputed pre-activation (row: its
+// pre_activation_rows); in float32 (a bf16 cotangent widened and narrowed again, exactly), so the
+// select vectorises. `xb` is x's block in float32. Returns the block's values in float32 (scratch
+// holds 2 blocks).
+const float* relu_select_block(const Geometry& g, RowFn row, const float* xb, const Array& residual, const float* mu,
+                               const float* a, const float* bias, const Array& dy, Array& out, std::int64_t first,
+                               std::int64_t count, float* scratch) {
+  const std::int64_t C = g.channels, e = g.block_elements(), n = count * C;
+  float* pre = scratch;
+  row(xb, residual.defined() ? f32_view(residual, first * C, n, scratch + e) : nullptr, mu, a, bias, pre, count, C);
+  const float* gb = f32_view(dy, first * C, n, scratch + e);
+  float* ob = ops::detail::f32_target(out, first * C, scratch + e);
+  for (std::int64_t i = 0; i < n; ++i) ob[i] = pre[i] > 0.0f ? gb[i] : 0.0f;
+  ops::detail::f32_commit(out, first * C, n, ob);
+  return ob;
 }
 
 // The normalization's factor per channel, rstd * scale (or rstd), from the kept statistics [3, C]
@@ -412,22 +411,35 @@ BatchNormResult batch_norm(const Array& x, const Array& scale, const Array& bias
         const std::vector<float> sc = values_f32(saved[1]);
         // The cotangent of the normalized x (and of the residual): through relu first.
         Array dy = c.out(0);
+        // Per channel: the sums of dy and of dy * xhat, xhat = (x - mean) * rstd.
+        auto term = [mu, rstd](const float* xr, const float* gr, std::int64_t ch, float* t) {
+          t[0] = gr[ch];
+          t[1] = gr[ch] * ((xr[ch] - mu[ch]) * rstd[ch]);
+        };
+        std::vector<double> sums;
         if (relu && dy.defined()) {
+          // The cotangent through relu (over dy's buffer when it owns it), made block by block in
+          // the sums' pass: the same sums as over it made first.
           const std::vector<float> a = scaled_rstd(saved[2], saved[1]), bias_values = values_f32(saved[3]);
+          const float* bias_p = bias_values.empty() ? nullptr : bias_values.data();
+          const RowFn row = row_function<false>(dy.dtype() == DType::bf16, bias_p != nullptr, saved[4].defined());
           dy = Array();
-          dy = relu_cotangent(g, c.take_out(0), xs, saved[4], mu, a.data(), bias_values.empty() ? nullptr : bias_values.data())
-                   .detached();
+          Array in = c.take_out(0);
+          Array g1 = in.owns_buffer_alone() ? std::move(in) : Array::empty(in.shape(), in.dtype());
+          const Array& from = in.defined() ? in : g1;  // (moved from: read what is written over)
+          sums = channel_sums_with<2>(
+              g, xs, 2,
+              [&](std::int64_t first, std::int64_t count, const float* xb, float* scratch) {
+                return relu_select_block(g, row, xb, saved[4], mu, a.data(), bias_p, from, g1, first, count, scratch);
+              },
+              term);
+          dy = g1.detached();
+        } else if (dy.defined()) {
+          sums = channel_sums<2>(g, xs, dy, term);
         }
         if (has_residual && c.needs(3) && dy.defined()) c.set(3, dy);
         const std::vector<float> g_mean = values_f32(c.out(1)), g_var = values_f32(c.out(2));
         const auto R = static_cast<double>(g.rows);
-        // Per channel: the sums of dy and of dy * xhat, xhat = (x - mean) * rstd.
-        std::vector<double> sums;
-        if (dy.defined())
-          sums = channel_sums<2>(g, xs, dy, [mu, rstd](const float* xr, const float* gr, std::int64_t ch, float* t) {
-            t[0] = gr[ch];
-            t[1] = gr[ch] * ((xr[ch] - mu[ch]) * rstd[ch]);
-          });
         if (c.needs(0)) {
           // dx = a * (dy - mean(dy) - xhat * mean(dy * xhat)) + g_mean / R + g_var * 2 (x - mean) / R
           std::vector<float> a(static_cast<std::size_t>(C)), m1(a.size(), 0.0f), m2(a.size(), 0.0f), gm(a.size(), 0.0f),

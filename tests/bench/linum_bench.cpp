@@ -59,9 +59,10 @@
 //   linum-bench fused [--steps S] [--rounds R] [--dtype f32|bf16]
 //       Fused ops against the ops they replace, forward + backward of sum(op(...) * r), alternating
 //       R rounds: batch_norm (training statistics) against Flax's composed BatchNorm on the main
-//       example's activations [128, 14, 14, 24]; conv_transpose2d (stride 2, SAME, 3x3, 32 -> 16
-//       channels on [128, 7, 7, 32]; on oneDNN the backward-data kernel) against the convolution
-//       of the stride-dilated input. Fields: bench, op, dtype, engine, fused_s, composed_s (minimum
+//       example's activations [128, 14, 14, 24]; batch_norm_residual_relu (relu(x + batch_norm(h)),
+//       its residual and relu in the op) against batch_norm, add and relu on the same;
+//       conv_transpose2d (stride 2, SAME, 3x3, 32 -> 16 channels on [128, 7, 7, 32]; on oneDNN the
+//       backward-data kernel) against the convolution of the stride-dilated input. Fields: bench, op, dtype, engine, fused_s, composed_s (minimum
 //       step), speedup = composed / fused.
 #include <linum/linum.hpp>
 
@@ -437,6 +438,18 @@ int bench_fused(const Flags& f) {
                        const Array var = maximum(Array::scalar(0.0f), mean(square(xf), {0, 1, 2}, true) - square(mu));
                        return astype((xf - mu) * (rsqrt(var + 1e-5f) * in[1]) + in[2], dtype);
                      }});
+  }
+  {
+    // A ResNet block's end, relu(x + BatchNorm(h)) (the main example's): the residual and relu in
+    // the op against batch_norm, add and relu.
+    const Array h = astype(random_normal(Shape{128, 14, 14, 24}, 27u, 1.0f), dtype);
+    const Array x = astype(random_normal(Shape{128, 14, 14, 24}, 28u, 1.0f), dtype);
+    const Array scale = random_normal(Shape{24}, 29u, 0.1f) + 1.0f, bias = random_normal(Shape{24}, 30u, 0.1f);
+    cases.push_back({"batch_norm_residual_relu", {h, x, scale, bias},
+                     [dtype](const std::vector<Array>& in) {
+                       return batch_norm(in[0], in[2], in[3], {.dtype = dtype, .residual = in[1], .activation = Activation::relu}).y;
+                     },
+                     [dtype](const std::vector<Array>& in) { return relu(in[1] + batch_norm(in[0], in[2], in[3], {.dtype = dtype}).y); }});
   }
   {
     const Array x = astype(random_normal(Shape{128, 7, 7, 32}, 24u, 1.0f), dtype);
