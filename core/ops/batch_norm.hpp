@@ -23,7 +23,9 @@
 // to y's dtype, the sum rounded, then the activation). In training mode relu and none run inside
 // the normalization's second pass, which reads the residual as it writes y (the composed form makes
 // two more passes over the activations, and so does every recomputation under remat); backward
-// selects the cotangent by y once and hands it to the residual and the normalization. Other
+// recomputes relu's mask from x and the residual in the pass that sums the cotangent per channel
+// (the op keeps neither y nor a mask) and hands the selected cotangent to the residual and the
+// normalization. Other
 // activations, a residual of another shape or dtype than y, vmapped inputs and evaluation mode run
 // as the composed ops (the same values, not fused).
 #pragma once
