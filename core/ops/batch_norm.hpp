@@ -14,8 +14,9 @@
 // computed in float32; y has `dtype` or, when not given, the promotion of x, scale and bias (Flax).
 // `scale` and `bias` are undefined (not used) or of shape [C].
 //
-// What follows the normalization in a residual network can be part of the op (Keras's and oneDNN's
-// fused batch norm + relu; XLA fuses the same chain when Flax writes it):
+// What follows the normalization in a residual network can be part of the op (as oneDNN's
+// fuse_norm_relu and TensorFlow's _FusedBatchNormEx with a side input; XLA fuses the same chain
+// when Flax writes it):
 //
 //   auto r = batch_norm(h, scale, bias, {.residual = x, .activation = Activation::relu});  // relu(x + bn(h))
 //
@@ -25,9 +26,8 @@
 // two more passes over the activations, and so does every recomputation under remat); backward
 // recomputes relu's mask from x and the residual in the pass that sums the cotangent per channel
 // (the op keeps neither y nor a mask) and hands the selected cotangent to the residual and the
-// normalization. Other
-// activations, a residual of another shape or dtype than y, vmapped inputs and evaluation mode run
-// as the composed ops (the same values, not fused).
+// normalization. Other activations, a residual of another shape or dtype than y, vmapped inputs and
+// evaluation mode run as the composed ops (the same values, not fused).
 #pragma once
 
 #include <linum/core/array.hpp>
