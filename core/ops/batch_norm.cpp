@@ -1,6 +1,7 @@
 #include <linum/core/ops/batch_norm.hpp>
 
 #include <linum/core/autodiff/primitive.hpp>
+#include <linum/core/kernels/channel_rows_avx512_internal.hpp>
 #include <linum/core/ops/batching.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/kernel_util.hpp>
@@ -71,9 +72,12 @@ std::vector<float> values_f32(const Array& p) { return p.defined() ? p.to_vector
 // blocks' sums added in block order in double. `term(row_of_a, row_of_b, c, out)` writes the
 // `Parts` summands of one element. The second array's block comes from
 // `b_block(first_row, rows, a_block, scratch)` (float32 values, or null for none; a_block is the first
-// array's block in float32; `scratch` holds `b_scratch_blocks` blocks).
-template <int Parts, class BBlock, class Term>
-std::vector<double> channel_sums_with(const Geometry& g, const Array& a, int b_scratch_blocks, BBlock&& b_block, Term&& term) {
+// array's block in float32; `scratch` holds `b_scratch_blocks` blocks). `block_sums(a_block, b_block,
+// rows, out)` may add a whole block's sums into out itself (the same sums, in registers: see
+// channel_rows_avx512_internal.hpp) and return true; else the rows run through `term`.
+template <int Parts, class BBlock, class Term, class BlockSums>
+std::vector<double> channel_sums_with(const Geometry& g, const Array& a, int b_scratch_blocks, BBlock&& b_block, Term&& term,
+                                      BlockSums&& block_sums) {
   const std::int64_t C = g.channels;
   Array partial_sums = Array::zeros(Shape{g.blocks, Parts * C});  // counted by the memory timeline
   float* partial = partial_sums.mutable_data();
@@ -81,6 +85,7 @@ std::vector<double> channel_sums_with(const Geometry& g, const Array& a, int b_s
     const float* ab = f32_view(a, first * C, count * C, scratch);
     const float* bb = b_block(first, count, ab, scratch + g.block_elements());
     float* out = partial + Parts * block * C;
+    if (block_sums(ab, bb, count, out)) return;
     for (std::int64_t r = 0; r < count; ++r) {
       const float* ar = ab + r * C;
       const float* br = bb != nullptr ? bb + r * C : nullptr;
@@ -97,21 +102,26 @@ std::vector<double> channel_sums_with(const Geometry& g, const Array& a, int b_s
   return total;
 }
 
-template <int Parts, class Term>
-std::vector<double> channel_sums(const Geometry& g, const Array& a, const Array& b, Term&& term) {
+// No block function: the rows through `term`.
+constexpr auto kRowsOnly = [](const float*, const float*, std::int64_t, float*) { return false; };
+
+template <int Parts, class Term, class BlockSums = decltype(kRowsOnly)>
+std::vector<double> channel_sums(const Geometry& g, const Array& a, const Array& b, Term&& term, BlockSums block_sums = {}) {
   const std::int64_t C = g.channels;
   return channel_sums_with<Parts>(
       g, a, 1,
       [&](std::int64_t first, std::int64_t count, const float*, float* scratch) {
         return b.defined() ? f32_view(b, first * C, count * C, scratch) : nullptr;
       },
-      std::forward<Term>(term));
+      std::forward<Term>(term), block_sums);
 }
 
 // Rows of the values before the activation, as y's dtype holds them: (x - mu) * a + bias per
 // channel (bias may be absent), rounded to y's dtype (Bf16); with a residual row, rr + that,
 // rounded again: the roundings of the composed ops. With Relu, max(that, 0) (std::max, as the relu
-// op: -0 and NaN stay). One loop, its variant fixed at compile time, so it vectorises. relu's rule
+// op: -0 and NaN stay). One loop, its variant fixed at compile time, so it vectorises (for up to 64
+// channels on AVX-512, with the per-channel values held in registers across the rows:
+// channel_rows_avx512_internal.hpp, which gives the same values). relu's rule
 // recomputes these values from what the op keeps (x and the residual, which the layers around it
 // keep anyway) rather than keeping y.
 template <bool Bf16, bool Bias, bool Residual, bool Relu>
@@ -119,6 +129,7 @@ void pre_activation_rows(const float* __restrict x, const float* __restrict resi
                          const float* __restrict a, const float* __restrict bias, float* __restrict out, std::int64_t rows,
                          std::int64_t C) {
   // (a value as y's dtype holds it: rounded to bf16 and widened back, or itself in float32)
+  if (kernels::detail::pre_activation<Bf16, Bias, Residual, Relu>(x, residual, mu, a, bias, out, rows, C)) return;
   auto stored = [](float v) {
     if constexpr (Bf16) return std::bit_cast<float>(static_cast<std::uint32_t>(bfloat16::round_bits(v)) << 16);
     else return v;
@@ -330,10 +341,15 @@ BatchNormResult batch_norm(const Array& x, const Array& scale, const Array& bias
 
   auto forward = [&](autodiff::Residuals& keep) {
     // The statistics: per channel sums of x and x^2 (or of (x - mean)^2 in a second pass).
-    std::vector<double> sums = channel_sums<2>(g, x, Array(), [](const float* xr, const float*, std::int64_t c, float* t) {
-      t[0] = xr[c];
-      t[1] = xr[c] * xr[c];
-    });
+    std::vector<double> sums = channel_sums<2>(
+        g, x, Array(),
+        [](const float* xr, const float*, std::int64_t c, float* t) {
+          t[0] = xr[c];
+          t[1] = xr[c] * xr[c];
+        },
+        [C](const float* xb, const float*, std::int64_t rows, float* out) {
+          return kernels::detail::sums_and_squares(xb, rows, C, out);
+        });
     std::vector<float> mu(static_cast<std::size_t>(C)), var(mu.size());
     std::vector<float> var_moves(mu.size(), 1.0f);  // 0 where the fast variance was clamped at 0
     for (std::int64_t c = 0; c < C; ++c) {
@@ -416,6 +432,9 @@ BatchNormResult batch_norm(const Array& x, const Array& scale, const Array& bias
           t[0] = gr[ch];
           t[1] = gr[ch] * ((xr[ch] - mu[ch]) * rstd[ch]);
         };
+        auto block_sums = [mu, rstd, C](const float* xb, const float* gb, std::int64_t rows, float* out) {
+          return kernels::detail::sums_of_cotangent(xb, gb, mu, rstd, rows, C, out);
+        };
         std::vector<double> sums;
         if (relu && dy.defined()) {
           // The cotangent through relu (over dy's buffer when it owns it), made block by block in
@@ -432,10 +451,10 @@ BatchNormResult batch_norm(const Array& x, const Array& scale, const Array& bias
               [&](std::int64_t first, std::int64_t count, const float* xb, float* scratch) {
                 return relu_select_block(g, row, xb, saved[4], mu, a.data(), bias_p, from, g1, first, count, scratch);
               },
-              term);
+              term, block_sums);
           dy = g1.detached();
         } else if (dy.defined()) {
-          sums = channel_sums<2>(g, xs, dy, term);
+          sums = channel_sums<2>(g, xs, dy, term, block_sums);
         }
         if (has_residual && c.needs(3) && dy.defined()) c.set(3, dy);
         const std::vector<float> g_mean = values_f32(c.out(1)), g_var = values_f32(c.out(2));
@@ -459,6 +478,11 @@ BatchNormResult batch_norm(const Array& x, const Array& scale, const Array& bias
             const float* xb = f32_view(xs, first * C, n, scratch);
             const float* gb = dy.defined() ? f32_view(dy, first * C, n, scratch + e) : nullptr;
             float* db = ops::detail::f32_target(dx, first * C, scratch + 2 * e);
+            if (kernels::detail::input_gradient(xb, gb, mu, rstd, a.data(), m1.data(), m2.data(), gm.data(), gv.data(), db,
+                                                count, C)) {
+              ops::detail::f32_commit(dx, first * C, n, db);
+              return;
+            }
             for (std::int64_t r = 0; r < count; ++r) {
               const float* xr = xb + r * C;
               float* dr = db + r * C;
@@ -561,10 +585,15 @@ Array batch_norm(const Array& x, const Array& mean_in, const Array& var_in, cons
         if (!(c.needs(1) || c.needs(2) || c.needs(3) || c.needs(4))) return;
         const float* mup = mu.data();
         const float* rp = rstd.data();
-        std::vector<double> sums = channel_sums<2>(g, xs, dy, [mup, rp](const float* xr, const float* gr, std::int64_t ch, float* t) {
-          t[0] = gr[ch];
-          t[1] = gr[ch] * ((xr[ch] - mup[ch]) * rp[ch]);
-        });
+        std::vector<double> sums = channel_sums<2>(
+            g, xs, dy,
+            [mup, rp](const float* xr, const float* gr, std::int64_t ch, float* t) {
+              t[0] = gr[ch];
+              t[1] = gr[ch] * ((xr[ch] - mup[ch]) * rp[ch]);
+            },
+            [mup, rp, C](const float* xb, const float* gb, std::int64_t rows, float* out) {
+              return kernels::detail::sums_of_cotangent(xb, gb, mup, rp, rows, C, out);
+            });
         auto channel_array = [&](auto&& value) {
           std::vector<float> v(static_cast<std::size_t>(C));
           for (std::int64_t ch = 0; ch < C; ++ch) v[ch] = static_cast<float>(value(ch));
