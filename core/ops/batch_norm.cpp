@@ -45,7 +45,8 @@ Geometry geometry_of(const Array& x) {
 }
 
 // Runs f(block, first_row, row_count, scratch) over the row blocks, in parallel for large inputs;
-// each thread's scratch holds `scratch_blocks` blocks of float32.
+// each thread's scratch holds `scratch_blocks` blocks of float32. Each thread takes one contiguous
+// run of blocks ("Contiguous runs" in kernel_util.hpp).
 template <class F>
 void for_row_blocks(const Geometry& g, int scratch_blocks, F&& f) {
   [[maybe_unused]] const bool parallel = g.rows * g.channels >= ops::detail::kParallelMin && g.blocks > 1;
@@ -53,7 +54,7 @@ void for_row_blocks(const Geometry& g, int scratch_blocks, F&& f) {
   {
     linum::detail::enter_compute();
     ops::detail::AlignedScratch scratch(std::max<std::int64_t>(1, scratch_blocks * g.block_elements()));
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(static)
     for (std::int64_t b = 0; b < g.blocks; ++b) {
       const std::int64_t first = b * g.rows_per_block;
       f(b, first, std::min(g.rows_per_block, g.rows - first), scratch.data());

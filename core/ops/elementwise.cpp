@@ -200,11 +200,11 @@ Array binary_kernel(const Array& a, const Array& b, const char* op, F f, std::op
     if (all_f32) rows_with(r0, r1, nullptr);
     else widened_rows(r0, r1);
   };
-  // Blocks of whole rows, about kBlock elements each, taken by whichever thread is free.
+  // Blocks of whole rows, about kBlock elements each, one contiguous run per thread ("Contiguous runs" in kernel_util.hpp).
   const std::int64_t rows_per_block = std::max<std::int64_t>(1, ops::detail::kBlock / std::max<std::int64_t>(inner, 1));
   const std::int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
   if (n >= ops::detail::kParallelMin && blocks > 1) {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(linum::team_size())
+#pragma omp parallel for schedule(static) num_threads(linum::team_size())
     for (std::int64_t blk = 0; blk < blocks; ++blk) {
       linum::detail::enter_compute();
       do_rows(blk * rows_per_block, std::min(rows, (blk + 1) * rows_per_block));
