@@ -445,10 +445,11 @@ TEST_CASE("conv2d and pooling") {
   check_close(conv2d(x2, w2, {.feature_group_count = 2}), {30, 500});
 }
 
-TEST_CASE("avg_pool: each window's in-bounds values summed in order and divided, for every channel count, window and padding") {
+TEST_CASE("avg_pool: each window's in-bounds values summed in order and divided, for every channel count, window, padding and dtype") {
   // The reference written out: per output pixel and channel, 0 + the window's in-bounds values
-  // (rows, then columns), divided by the window's size (or, without count_include_pad, by how many
-  // were in bounds). Channel counts for each width of the vector loop (16 lanes; the last partial).
+  // (rows, then columns) in float32, divided by the window's size (or, without count_include_pad,
+  // by how many were in bounds), rounded once for bf16. Channel counts for each width of the vector
+  // loop (16 lanes; the last partial).
   struct Case {
     std::array<std::int64_t, 2> window, strides;
     std::array<std::int64_t, 4> pads;  // top, bottom, left, right
@@ -458,36 +459,42 @@ TEST_CASE("avg_pool: each window's in-bounds values summed in order and divided,
                         {{3, 3}, {1, 2}, {1, 1, 1, 1}, false},
                         {{3, 2}, {2, 1}, {2, 0, 0, 1}, true},
                         {{5, 5}, {3, 3}, {4, 4, 4, 4}, false}};  // (windows of the pads alone: 0 / 0)
-  for (std::int64_t C : {1, 15, 16, 17, 24, 40, 70})
-    for (const Case& k : cases) {
-      CAPTURE(C);
-      CAPTURE(k.window[0]);
-      const Array x = linum::testing::random_array(Shape{3, 9, 7, C}, 90);
-      const auto [pt, pb, pl, pr] = k.pads;
-      const Array y = avg_pool(x, {.window = k.window, .strides = k.strides, .padding = Padding::explicit_pads(pt, pb, pl, pr),
-                                   .count_include_pad = k.count_include_pad});
-      const std::vector<float> xv = x.to_vector(), yv = y.to_vector();
-      const std::int64_t OH = y.dim(1), OW = y.dim(2);
-      bool same = true;
-      for (std::int64_t n = 0; n < 3; ++n)
-        for (std::int64_t oh = 0; oh < OH; ++oh)
-          for (std::int64_t ow = 0; ow < OW; ++ow)
-            for (std::int64_t c = 0; c < C; ++c) {
-              float sum = 0.0f;
-              std::int64_t valid = 0;
-              for (std::int64_t i = 0; i < k.window[0]; ++i)
-                for (std::int64_t j = 0; j < k.window[1]; ++j) {
-                  const std::int64_t ih = oh * k.strides[0] - pt + i, iw = ow * k.strides[1] - pl + j;
-                  if (ih < 0 || ih >= 9 || iw < 0 || iw >= 7) continue;
-                  sum += xv[((n * 9 + ih) * 7 + iw) * C + c];
-                  ++valid;
-                }
-              const float want = sum / static_cast<float>(k.count_include_pad ? k.window[0] * k.window[1] : valid);
-              const float got = yv[((n * OH + oh) * OW + ow) * C + c];
-              same = same && std::memcmp(&want, &got, sizeof(float)) == 0;
-            }
-      CHECK(same);
-    }
+  for (DType dt : {DType::f32, DType::bf16}) {
+    for (std::int64_t C : {1, 15, 16, 17, 24, 40, 70})
+      for (const Case& k : cases) {
+        CAPTURE(C);
+        CAPTURE(k.window[0]);
+        const std::string dtype_str(dtype_name(dt));
+        CAPTURE(dtype_str);
+        const Array x = astype(linum::testing::random_array(Shape{3, 9, 7, C}, 90), dt);
+        const auto [pt, pb, pl, pr] = k.pads;
+        const Array y = avg_pool(x, {.window = k.window, .strides = k.strides, .padding = Padding::explicit_pads(pt, pb, pl, pr),
+                                     .count_include_pad = k.count_include_pad});
+        CHECK(y.dtype() == dt);
+        const std::vector<float> xv = x.to_vector(), yv = y.to_vector();
+        const std::int64_t OH = y.dim(1), OW = y.dim(2);
+        bool same = true;
+        for (std::int64_t n = 0; n < 3; ++n)
+          for (std::int64_t oh = 0; oh < OH; ++oh)
+            for (std::int64_t ow = 0; ow < OW; ++ow)
+              for (std::int64_t c = 0; c < C; ++c) {
+                float sum = 0.0f;
+                std::int64_t valid = 0;
+                for (std::int64_t i = 0; i < k.window[0]; ++i)
+                  for (std::int64_t j = 0; j < k.window[1]; ++j) {
+                    const std::int64_t ih = oh * k.strides[0] - pt + i, iw = ow * k.strides[1] - pl + j;
+                    if (ih < 0 || ih >= 9 || iw < 0 || iw >= 7) continue;
+                    sum += xv[((n * 9 + ih) * 7 + iw) * C + c];
+                    ++valid;
+                  }
+                float want = sum / static_cast<float>(k.count_include_pad ? k.window[0] * k.window[1] : valid);
+                if (dt == DType::bf16) want = static_cast<float>(bfloat16(want));
+                const float got = yv[((n * OH + oh) * OW + ow) * C + c];
+                same = same && std::memcmp(&want, &got, sizeof(float)) == 0;
+              }
+        CHECK(same);
+      }
+  }
 }
 
 TEST_CASE("one Padding type for conv ops, pooling and the Conv layers: modes, ints and pairs spelled as Flax spells them") {

@@ -1,4 +1,5 @@
-// Internal to the AVX-512 kernels (gemm_bf16_panels.cpp, gemm_f32_panels.cpp): bf16 bits to float32
+// Internal to the AVX-512 kernels (gemm_bf16_panels.cpp, gemm_f32_panels.cpp, batch_norm's and avg_pool's
+// row loops): bf16 bits to float32
 // and back, 16 lanes at a time, exactly as the scalar bfloat16 conversions (core/dtype.hpp). Needs
 // AVX-512F only (no bf16 instructions: those flush subnormals).
 #pragma once

@@ -17,6 +17,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+#include <linum/core/kernels/avx512_bf16_bits_internal.hpp>
 #include <linum/core/kernels/avx512_lanes_internal.hpp>
 #endif
 
@@ -26,15 +27,8 @@ constexpr std::int64_t kRegisterChannels = 64;
 
 #if defined(__AVX512F__)
 
-// A value as bfloat16 holds it, widened back: round to nearest even, NaNs quiet (bfloat16::round_bits).
-inline __m512 stored_as_bf16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-  const __m512i bits = _mm512_mask_or_epi32(rounded, nan, u, _mm512_set1_epi32(0x00400000));
-  return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
-}
+// A value as bfloat16 holds it, widened back (bfloat16::round_bits' rounding).
+inline __m512 stored_as_bf16(__m512 v) { return widen_bf16(round_to_bf16(v)); }
 
 // NV vectors covering channels [0, C), the lanes past C masked off.
 template <int NV>

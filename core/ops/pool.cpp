@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #ifdef _OPENMP
@@ -25,6 +26,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+#include <linum/core/kernels/avx512_bf16_bits_internal.hpp>
 #include <linum/core/kernels/avx512_lanes_internal.hpp>
 #endif
 
@@ -114,12 +116,26 @@ void for_images(const PoolGeometry& G, bool image_scratch, F f) {
 }
 
 #if defined(__AVX512F__)
-// avg_pool's forward on float32 with AVX-512, per output row (image, row): each pixel's window
-// summed in registers 16 channels at a time (the last group masked), in for_window's order (window
-// rows, then columns, in bounds only), then divided: the portable loop's sums and quotients, without
-// its per-pixel index divisions and its sums in memory (which ran the main example's stem pooling at
-// a tenth of the memory's speed).
-void avg_pool_f32_rows(const PoolGeometry& G, const float* x, float* y, float* divisors, float full) {
+// 16 channels of a float or bfloat16 row as float32 (lanes past m zero), and back (bf16 rounded as
+// bfloat16(float) rounds).
+template <class T>
+__m512 load_lanes(__mmask16 m, const T* p) {
+  if constexpr (std::is_same_v<T, float>) return _mm512_maskz_loadu_ps(m, p);
+  else return kernels::detail::widen_bf16(_mm256_maskz_loadu_epi16(m, p));
+}
+template <class T>
+void store_lanes(__mmask16 m, T* p, __m512 v) {
+  if constexpr (std::is_same_v<T, float>) _mm512_mask_storeu_ps(p, m, v);
+  else _mm256_mask_storeu_epi16(p, m, kernels::detail::round_to_bf16(v));
+}
+
+// avg_pool's forward with AVX-512, per output row (image, row): each pixel's window summed in
+// float32 registers 16 channels at a time (the last group masked), in for_window's order (window
+// rows, then columns, in bounds only), then divided (and rounded to bf16 for bf16 images): the
+// portable loop's sums and quotients, without its per-pixel index divisions and its sums in memory
+// (which ran the main example's stem pooling at a tenth of the memory's speed).
+template <class T>
+void avg_pool_rows(const PoolGeometry& G, const T* x, T* y, float* divisors, float full) {
   const std::int64_t C = G.c, OH = G.ph.out, OW = G.pw.out, rows = G.n * OH;
   const int threads = G.out_pixels() * C * G.kh * G.kw > ops::detail::kParallelMin ? linum::team_size() : 1;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
@@ -134,14 +150,14 @@ void avg_pool_f32_rows(const PoolGeometry& G, const float* x, float* y, float* d
       const float divisor = divisors != nullptr ? static_cast<float>(valid) : full;
       if (divisors != nullptr) divisors[row * OW + ow] = divisor;
       const __m512 d = _mm512_set1_ps(divisor);
-      float* out = y + (row * OW + ow) * C;
+      T* out = y + (row * OW + ow) * C;
       for (std::int64_t c0 = 0; c0 < C; c0 += 16) {
         const __mmask16 m = kernels::detail::lanes(C - c0);
         __m512 sum = _mm512_setzero_ps();
         for (std::int64_t ih = ih0; ih < ih1; ++ih)
           for (std::int64_t iw = iw0; iw < iw1; ++iw)
-            sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(m, x + ((n * G.h + ih) * G.w + iw) * C + c0));
-        _mm512_mask_storeu_ps(out + c0, m, _mm512_div_ps(sum, d));
+            sum = _mm512_add_ps(sum, load_lanes(m, x + ((n * G.h + ih) * G.w + iw) * C + c0));
+        store_lanes(m, out + c0, _mm512_div_ps(sum, d));
       }
     }
   }
@@ -207,17 +223,13 @@ Array avg_pool(const Array& x, const PoolOptions& o) {
       // Without count_include_pad, windows at the border divide by their in-bounds size.
       Array divisors = o.count_include_pad ? Array() : Array::empty(Shape{G.n, G.ph.out, G.pw.out});
       float* pdiv = divisors.defined() ? divisors.mutable_data() : nullptr;
-      const std::int64_t C = G.c;
-#if defined(__AVX512F__)
-      if (x.dtype() == DType::f32) {
-        avg_pool_f32_rows(G, x.data(), y.mutable_data(), pdiv, full);
-        r.keep(divisors);
-        return y;
-      }
-#endif
       by_dtype(x.dtype(), [&]<class T>() {
         const T* px = static_cast<const T*>(x.raw());
         T* py = static_cast<T*>(y.mutable_raw());
+#if defined(__AVX512F__)
+        avg_pool_rows(G, px, py, pdiv, full);
+#else
+        const std::int64_t C = G.c;
         for_pixels(G, [&](std::int64_t p, float* sum) {
           std::fill_n(sum, C, 0.0f);
           const std::int64_t valid = for_window(G, p, [&](std::int64_t in_pixel) {
@@ -229,6 +241,7 @@ Array avg_pool(const Array& x, const PoolOptions& o) {
           T* out = py + p * C;
           for (std::int64_t ch = 0; ch < C; ++ch) out[ch] = narrow<T>(sum[ch] / divisor);
         });
+#endif
       });
       r.keep(divisors);  // undefined with count_include_pad (the rule divides by `full`)
       return y;
