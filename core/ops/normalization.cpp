@@ -29,7 +29,8 @@ struct NormShape {
   std::int64_t rows = 0, features = 0;
 };
 
-// Runs f(first_row, row_count, block_index, scratch) over row blocks, in parallel for large inputs.
+// Runs f(first_row, row_count, block_index, scratch) over row blocks, in parallel for large inputs
+// (one contiguous run of blocks per thread: "Contiguous runs" in kernel_util.hpp).
 template <class F>
 void for_row_blocks(const NormShape& s, F&& f) {
   const std::int64_t blocks = (s.rows + kRowsPerBlock - 1) / kRowsPerBlock;
@@ -38,7 +39,7 @@ void for_row_blocks(const NormShape& s, F&& f) {
   {
     linum::detail::enter_compute();
     ops::detail::AlignedScratch scratch(3 * s.features);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(static)
     for (std::int64_t b = 0; b < blocks; ++b) {
       const std::int64_t first = b * kRowsPerBlock;
       f(first, std::min(kRowsPerBlock, s.rows - first), b, scratch.data());

@@ -27,7 +27,8 @@ bool last_axis_only(const std::vector<int>& axes, const Array& x, const char* op
 }
 
 // Calls f(row, scratch) for every row of length n of an array with `rows` rows, in parallel
-// blocks of rows for large arrays (rows are independent, so results do not depend on threads).
+// blocks of rows for large arrays (rows are independent, so results do not depend on threads; one
+// contiguous run of blocks per thread: "Contiguous runs" in kernel_util.hpp).
 template <class F>
 void for_rows(std::int64_t rows, std::int64_t n, F&& f) {
   const std::int64_t per_block = std::max<std::int64_t>(1, ops::detail::kBlock / n);
@@ -36,7 +37,7 @@ void for_rows(std::int64_t rows, std::int64_t n, F&& f) {
   {
     linum::detail::enter_compute();
     ops::detail::AlignedScratch scratch(3 * n);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(static)
     for (std::int64_t b = 0; b < blocks; ++b)
       for (std::int64_t r = b * per_block; r < std::min(rows, (b + 1) * per_block); ++r) f(r, scratch.data());
   }
