@@ -23,7 +23,7 @@
 #include <omp.h>
 #endif
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 
 #include <linum/core/kernels/avx512_bf16_bits_internal.hpp>
@@ -115,7 +115,8 @@ void for_images(const PoolGeometry& G, bool image_scratch, F f) {
   }
 }
 
-#if defined(__AVX512F__)
+// (bf16 lanes load and store as 16-bit elements: AVX-512BW and VL)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 // 16 channels of a float or bfloat16 row as float32 (lanes past m zero), and back (bf16 rounded as
 // bfloat16(float) rounds).
 template <class T>
@@ -226,7 +227,7 @@ Array avg_pool(const Array& x, const PoolOptions& o) {
       by_dtype(x.dtype(), [&]<class T>() {
         const T* px = static_cast<const T*>(x.raw());
         T* py = static_cast<T*>(y.mutable_raw());
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
         avg_pool_rows(G, px, py, pdiv, full);
 #else
         const std::int64_t C = G.c;
