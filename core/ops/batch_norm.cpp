@@ -117,6 +117,20 @@ std::vector<double> channel_sums(const Geometry& g, const Array& a, const Array&
       std::forward<Term>(term), block_sums);
 }
 
+// The backward pass's per-channel sums of dy and of dy * xhat, xhat = (x - mu) * rstd: the term of
+// one element (for channel_sums' rows), and the same sums of a whole block in registers.
+auto cotangent_term(const float* mu, const float* rstd) {
+  return [mu, rstd](const float* xr, const float* gr, std::int64_t ch, float* t) {
+    t[0] = gr[ch];
+    t[1] = gr[ch] * ((xr[ch] - mu[ch]) * rstd[ch]);
+  };
+}
+auto cotangent_block_sums(const float* mu, const float* rstd, std::int64_t C) {
+  return [mu, rstd, C](const float* xb, const float* gb, std::int64_t rows, float* out) {
+    return kernels::detail::sums_of_cotangent(xb, gb, mu, rstd, rows, C, out);
+  };
+}
+
 // Rows of the values before the activation, as y's dtype holds them: (x - mu) * a + bias per
 // channel (bias may be absent), rounded to y's dtype (Bf16); with a residual row, rr + that,
 // rounded again: the roundings of the composed ops. With Relu, max(that, 0) (std::max, as the relu
@@ -429,13 +443,8 @@ BatchNormResult batch_norm(const Array& x, const Array& scale, const Array& bias
         // The cotangent of the normalized x (and of the residual): through relu first.
         Array dy = c.out(0);
         // Per channel: the sums of dy and of dy * xhat, xhat = (x - mean) * rstd.
-        auto term = [mu, rstd](const float* xr, const float* gr, std::int64_t ch, float* t) {
-          t[0] = gr[ch];
-          t[1] = gr[ch] * ((xr[ch] - mu[ch]) * rstd[ch]);
-        };
-        auto block_sums = [mu, rstd, C](const float* xb, const float* gb, std::int64_t rows, float* out) {
-          return kernels::detail::sums_of_cotangent(xb, gb, mu, rstd, rows, C, out);
-        };
+        const auto term = cotangent_term(mu, rstd);
+        const auto block_sums = cotangent_block_sums(mu, rstd, C);
         std::vector<double> sums;
         if (relu && dy.defined()) {
           // The cotangent through relu (over dy's buffer when it owns it), made block by block in
@@ -479,12 +488,9 @@ BatchNormResult batch_norm(const Array& x, const Array& scale, const Array& bias
             const float* xb = f32_view(xs, first * C, n, scratch);
             const float* gb = dy.defined() ? f32_view(dy, first * C, n, scratch + e) : nullptr;
             float* db = ops::detail::f32_target(dx, first * C, scratch + 2 * e);
-            if (kernels::detail::input_gradient(xb, gb, mu, rstd, a.data(), m1.data(), m2.data(), gm.data(), gv.data(), db,
-                                                count, C)) {
-              ops::detail::f32_commit(dx, first * C, n, db);
-              return;
-            }
-            for (std::int64_t r = 0; r < count; ++r) {
+            const bool in_registers = kernels::detail::input_gradient(xb, gb, mu, rstd, a.data(), m1.data(), m2.data(),
+                                                                     gm.data(), gv.data(), db, count, C);
+            for (std::int64_t r = 0; r < count && !in_registers; ++r) {
               const float* xr = xb + r * C;
               float* dr = db + r * C;
               if (gb != nullptr) {
@@ -586,15 +592,7 @@ Array batch_norm(const Array& x, const Array& mean_in, const Array& var_in, cons
         if (!(c.needs(1) || c.needs(2) || c.needs(3) || c.needs(4))) return;
         const float* mup = mu.data();
         const float* rp = rstd.data();
-        std::vector<double> sums = channel_sums<2>(
-            g, xs, dy,
-            [mup, rp](const float* xr, const float* gr, std::int64_t ch, float* t) {
-              t[0] = gr[ch];
-              t[1] = gr[ch] * ((xr[ch] - mup[ch]) * rp[ch]);
-            },
-            [mup, rp, C](const float* xb, const float* gb, std::int64_t rows, float* out) {
-              return kernels::detail::sums_of_cotangent(xb, gb, mup, rp, rows, C, out);
-            });
+        std::vector<double> sums = channel_sums<2>(g, xs, dy, cotangent_term(mup, rp), cotangent_block_sums(mup, rp, C));
         auto channel_array = [&](auto&& value) {
           std::vector<float> v(static_cast<std::size_t>(C));
           for (std::int64_t ch = 0; ch < C; ++ch) v[ch] = static_cast<float>(value(ch));
