@@ -12,6 +12,7 @@
 #include <linum/core/warnings.hpp>
 #include <linum/core/memory.hpp>
 #include <linum/core/memory_timeline.hpp>
+#include <linum/core/profiler.hpp>
 #include <linum/core/storage/stored_array.hpp>
 #include <linum/core/shape.hpp>
 #include <linum/rng/rng.hpp>

@@ -110,6 +110,8 @@ void timeline_mark(const char* op, const std::string& path);
 // Who is running: modules/ registers the current module path (core knows no modules).
 using PathProvider = std::string (*)();
 void set_timeline_path_provider(PathProvider provider);
+// The current module path from that provider ("" outside modules or without one; the profiler reads it too).
+std::string current_module_path();
 
 // Residual storage (core/storage/) reports what it moves. Deltas may be negative.
 void on_offloaded(std::int64_t delta);

@@ -158,8 +158,7 @@ void timeline_on_op(const char* op, const void* node) {
       forward_point = static_cast<std::int64_t>(it->second);
     }
   } else {
-    const PathProvider provider = g_path_provider.load();
-    if (provider != nullptr) path = provider();
+    path = current_module_path();
     if (node != nullptr) r.node_points[node] = r.timeline.points.size();
   }
   add_point(r, op, std::move(path), phase_str(phase));
@@ -174,6 +173,11 @@ void timeline_mark(const char* op, const std::string& path) {
 }
 
 void set_timeline_path_provider(PathProvider provider) { g_path_provider.store(provider); }
+
+std::string current_module_path() {
+  const PathProvider provider = g_path_provider.load();
+  return provider != nullptr ? provider() : std::string();
+}
 
 }  // namespace detail
 

@@ -228,8 +228,10 @@ void run_sweep(std::vector<std::shared_ptr<Node>>& order, bool retain_graph, con
       in_grads.assign(inputs.size(), Array());
       Cotangents c(grads, in_grads, inputs, &slot, node, create ? 0 : mark);
       if (!create) {
+        const profiler::detail::Span span(node->op(), profiler::detail::SpanKind::rule, {}, node);  // (nothing unless profiling)
         node->backward(c);
       } else {
+        const profiler::detail::Span span(node->op(), profiler::detail::SpanKind::rule, {}, node);
         const bool linked = std::any_of(grads.begin(), grads.end(), [](const Array& g) { return g.node() != nullptr; });
         node->backward_differentiable(c, *it);
         // A rule that computed a gradient with kernels from a differentiable cotangent would stop the
@@ -353,6 +355,8 @@ void after_record_observed(const char* op, std::span<Array> outs, Node* node, co
   }
   if (memory::detail::timeline_recording()) [[unlikely]]
     memory::detail::timeline_on_op(op, node);
+  if (profiler::detail::profiling_now()) [[unlikely]]
+    profiler::detail::on_record(node);
 }
 
 std::optional<Replayed> replay_primitive(std::span<const Array* const> inputs) {

@@ -15,6 +15,7 @@
 #include <linum/core/context.hpp>
 #include <linum/core/debug_nans.hpp>
 #include <linum/core/memory.hpp>
+#include <linum/core/profiler.hpp>
 
 #include <atomic>
 #include <cstdint>
@@ -473,7 +474,7 @@ void after_record_observed(const char* op, std::span<Array> outs, Node* node, co
 // one branch per op when nothing does, the common case in training.
 inline bool observed() {
   return record_hooks_active() || SavedValueHooksStack::innermost() != nullptr || linum::detail::debug_checks_on() ||
-         memory::detail::timeline_recording();
+         memory::detail::timeline_recording() || profiler::detail::profiling_now();
 }
 inline void after_record(const char* op, std::span<Array> outs, Node* node, const PrimitiveCall* call) {
   if (observed()) [[unlikely]]

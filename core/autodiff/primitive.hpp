@@ -23,8 +23,9 @@
 //      residuals were saved with the output);
 //   3. records the node, shows it to the hooks (checkpoint regions number it, decide what to save
 //      and learn the data flow; residual traces), packs its residuals through the saved-value hooks
-//      (core/autodiff/saved_hooks.hpp), checks its outputs (debug_nans) and tells the memory timeline.
-// So remat policies, dead-code elimination, verify mode, debug checks and timelines see every op,
+//      (core/autodiff/saved_hooks.hpp), checks its outputs (debug_nans) and tells the memory timeline;
+//   and, while a profiler records (core/profiler.hpp), times the op, constants included.
+// So remat policies, dead-code elimination, verify mode, debug checks, timelines and the profiler see every op,
 // built-in or user-defined (linum::custom_vjp, core/autodiff/custom_vjp.hpp, builds on this).
 //
 // The forward and the backward rule run with recording off; both may call ops (they are constants
@@ -39,6 +40,7 @@
 #include <linum/core/autodiff/graph.hpp>
 #include <linum/core/debug_nans.hpp>
 #include <linum/core/memory.hpp>
+#include <linum/core/profiler.hpp>
 
 #include <initializer_list>
 #include <memory>
@@ -263,6 +265,7 @@ std::vector<Array> primitive_by_loop(const char* name, std::span<const Array* co
 template <class Forward, class Rule>
 Array primitive(const char* name, std::initializer_list<const Array*> inputs, Forward&& forward, Rule&& rule) {
   const std::span<const Array* const> ins(inputs.begin(), inputs.size());
+  const profiler::detail::Span span(name, profiler::detail::SpanKind::op, ins);  // (nothing unless profiling)
   if (detail::plain_constant(ins)) [[likely]] {
     Residuals none(false);
     return forward(none);
@@ -286,6 +289,7 @@ Array primitive(const char* name, std::initializer_list<const Array*> inputs, Fo
 template <class Forward, class Rule>
 std::vector<Array> primitive_multi(const char* name, std::span<const Array* const> ins, Forward&& forward, Rule&& rule,
                                    std::shared_ptr<const void>* structure = nullptr) {
+  const profiler::detail::Span span(name, profiler::detail::SpanKind::op, ins);
   if (detail::plain_constant(ins)) [[likely]] {
     Residuals none(false);
     return forward(none);

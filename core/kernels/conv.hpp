@@ -24,6 +24,15 @@ struct ConvShape {
   bool operator<(const ConvShape& other) const { return tie() < other.tie(); }
 };
 
+// A pass's floating-point operations (forward, input gradient or kernel gradient alike: one
+// multiply-add per output element, kernel tap and input channel of its group), for the profiler.
+inline double conv_flops(std::int64_t n, std::int64_t oh, std::int64_t ow, std::int64_t o, std::int64_t cg, std::int64_t kh,
+                         std::int64_t kw) {
+  return 2.0 * static_cast<double>(n) * static_cast<double>(oh) * static_cast<double>(ow) * static_cast<double>(o) *
+         static_cast<double>(cg) * static_cast<double>(kh) * static_cast<double>(kw);
+}
+inline double conv_flops(const ConvShape& s) { return conv_flops(s.n, s.oh, s.ow, s.o, s.cg, s.kh, s.kw); }
+
 #if LINUM_HAVE_ONEDNN
 // Whether this CPU runs oneDNN's bf16 convolutions (forward, backward data and weights): a probe,
 // read once. Where it does not, the functions below run bf16 on the float32 kernels (operands

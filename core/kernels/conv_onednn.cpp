@@ -4,6 +4,7 @@
 // the convolution. Primitives are cached per shape, dtype and thread count, so recomputation under
 // remat runs the very primitive of the forward pass and gives bitwise the same result.
 #include <linum/core/kernels/conv.hpp>
+#include <linum/core/profiler.hpp>
 #include <linum/core/kernels/engine.hpp>
 #include <linum/core/kernels/gemm.hpp>
 
@@ -215,6 +216,7 @@ std::optional<Array> widened(const ConvShape& s, const Array& p, const Array& q,
 
 Array conv_forward_onednn(const Array& x, const Array& w, const ConvShape& s) {
   if (auto y = widened(s, x, w, conv_forward_onednn)) return std::move(*y);
+  profiler::detail::add_flops(conv_flops(s));
   const int threads = threads_for(s);
   return with_threads(threads, [&] {
     std::unique_lock<std::mutex> lock(g_mutex);
@@ -232,6 +234,7 @@ Array conv_forward_onednn(const Array& x, const Array& w, const ConvShape& s) {
 
 Array conv_backward_data_onednn(const Array& gy, const Array& w, const ConvShape& s) {
   if (auto dx = widened(s, gy, w, conv_backward_data_onednn)) return std::move(*dx);
+  profiler::detail::add_flops(conv_flops(s));
   const int threads = threads_for(s);
   return with_threads(threads, [&] {
     std::unique_lock<std::mutex> lock(g_mutex);
@@ -308,6 +311,7 @@ void run_piece(const WeightPiece& piece, const void* x, const void* gy, void* dw
 // any team.
 Array conv_backward_weights_onednn(const Array& x, const Array& gy, const ConvShape& s) {
   if (auto dw = widened(s, x, gy, conv_backward_weights_onednn)) return std::move(*dw);
+  profiler::detail::add_flops(conv_flops(s));
   constexpr std::int64_t kPieces = 8;
   const std::int64_t pieces = std::min<std::int64_t>(s.n, kPieces);
 #ifdef _OPENMP

@@ -1,4 +1,5 @@
 #include <linum/core/kernels/engine.hpp>
+#include <linum/core/profiler.hpp>
 #include <linum/core/error.hpp>
 #include <linum/core/kernels/conv.hpp>
 #include <linum/core/kernels/gemm.hpp>
@@ -144,7 +145,8 @@ namespace kernels {
 namespace {
 // 2 * batch * m * n * k of op(a) @ op(b) (product_timing.hpp), when timing is on (else 0: not read).
 double timed_flops(const Array& a, const Array& b, bool ta, bool tb) {
-  if (!product_timing_on() || a.rank() < 2 || b.rank() < 2) return 0.0;
+  // (counted only while products are timed or a profiler records: core/profiler.hpp)
+  if (!(product_timing_on() || profiler::detail::profiling_now()) || a.rank() < 2 || b.rank() < 2) return 0.0;
   const double batch = a.rank() == 3 ? static_cast<double>(a.dim(0)) : 1.0;
   const double m = static_cast<double>(ta ? a.dim(-1) : a.dim(-2)), k = static_cast<double>(ta ? a.dim(-2) : a.dim(-1));
   const double n = static_cast<double>(tb ? b.dim(-2) : b.dim(-1));

@@ -1,4 +1,5 @@
 #include <linum/core/kernels/product_timing.hpp>
+#include <linum/core/profiler.hpp>
 
 #include <atomic>
 #include <chrono>
@@ -37,6 +38,7 @@ ProductTiming ProductTimingScope::read() const {
 namespace detail {
 
 ProductClock::ProductClock(double flops) : flops_(flops) {
+  profiler::detail::add_flops(flops);  // (the profiler's FLOP count: nothing unless it records)
   if (product_timing_on()) start_ns_ = now_ns();
 }
 

@@ -329,6 +329,7 @@ Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
   return autodiff::primitive(ops::kind::conv2d, {&x, &w}, [&](autodiff::Residuals& r) {
     // x is needed for dw (columns) -- and cheap compared to the columns.
     if (r.recording()) r.keep(x, x.node() ? w : Array());
+    profiler::detail::add_flops(kernels::conv_flops(G.n, G.ph.out, G.pw.out, G.o, G.cg, G.kh, G.kw));
     Array y = Array::empty(Shape{G.n, G.ph.out, G.pw.out, G.o});
     const std::int64_t chunk = images_per_chunk(G), R = G.col_width();
     Array cols = scratch(chunk * G.rows_per_image(), R);
@@ -350,6 +351,8 @@ Array conv2d(const Array& x, const Array& w, const ConvOptions& opt) {
       const std::int64_t chunk = images_per_chunk(G), R = G.col_width();
       Array dx = c.needs(0) ? Array::zeros(s[0].shape()) : Array();
       Array dw = c.needs(1) ? Array::zeros(Shape{G.kh, G.kw, G.cg, G.o}) : Array();
+      profiler::detail::add_flops((c.needs(0) + c.needs(1)) *
+                                  kernels::conv_flops(G.n, G.ph.out, G.pw.out, G.o, G.cg, G.kh, G.kw));
       Array cols = scratch(chunk * G.rows_per_image(), R);
       for (std::int64_t n0 = 0; n0 < G.n; n0 += chunk) {
         const std::int64_t count = std::min(chunk, G.n - n0), P = count * G.rows_per_image();

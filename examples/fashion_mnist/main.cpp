@@ -3,7 +3,7 @@
 //   fashion_mnist [--epochs 3] [--remat full|dots|none] [--batch 128] [--lr 0.001] [--optimizer adam|sgd]
 //                 [--depth 8] [--width 24] [--no-batchnorm] [--dropout 0.0] [--seed 0] [--data DIR]
 //                 [--checkpoint FILE] [--resume] [--checkpoint-dir DIR] [--memory-plot FILE.svg|none]
-//                 [--measure step|none]
+//                 [--measure step|none] [--profile FILE.json]
 //                 [--eval] [--limit N] [--dtype f32|bf16] [--param-dtype f32|bf16]
 //                 [--micro-batches 4] [--reduction reproducible|fast] [--batch-stats average|per-rank]
 //                 [--residuals ram|bf16|int8|fp8_e4m3|disk|disk+int8|...]
@@ -15,8 +15,10 @@
 // activation memory of one forward and backward pass with remat and without (exact, from the memory
 // accounting), the time of one training step with and without, and draws the pass's memory timeline
 // for each remat choice to --memory-plot (fashion_mnist_memory.svg by default); --measure none skips
-// that (for runs that only train: the measurement costs about one epoch of a small dataset). The
-// learning rate halves every epoch.
+// that (for runs that only train: the measurement costs about one epoch of a small dataset).
+// --profile FILE.json times one training step op by op (linum::profiler, after a warm-up step):
+// it prints the ops' table, largest self time first, and writes the step's trace for Perfetto
+// (https://ui.perfetto.dev) or chrome://tracing to FILE.json. The learning rate halves every epoch.
 //
 // --residuals keeps what the training step saves for its backward pass compressed or in the spill
 // file (lift::ResidualScope, core/storage/): with --remat none, every residual; with remat, what the
@@ -92,6 +94,7 @@ struct Options {
   fs::path memory_plot = "fashion_mnist_memory.svg";
   bool measure = true;  // --measure none: no memory or step-time measurement before training (and no plot)
   storage::Placement residuals;  // --residuals: where the step's residuals live (default: RAM, as they are)
+  fs::path profile;              // --profile FILE.json: one step's op table printed, its trace written there
 };
 
 // The policy --residuals names: every residual placed there.
@@ -108,7 +111,7 @@ const char* remat_name(Remat r) { return r == Remat::none ? "none" : r == Remat:
 [[noreturn]] void usage_error(const std::string& message) {
   std::cerr << "fashion_mnist: " << message << "\n"
             << "usage: fashion_mnist [--epochs N] [--remat full|dots|none] [--batch N] [--lr X] [--optimizer adam|sgd]\n"
-            << "                     [--memory-plot FILE.svg|none] [--measure step|none] [--residuals ram|bf16|int8|fp8_e4m3|disk|disk+<codec>]\n"
+            << "                     [--memory-plot FILE.svg|none] [--measure step|none] [--profile FILE.json] [--residuals ram|bf16|int8|fp8_e4m3|disk|disk+<codec>]\n"
             << "                     [--dropout X] [--depth N] [--width N] [--no-batchnorm] [--seed N] [--data DIR] [--checkpoint FILE] [--resume]\n"
             << "                     [--checkpoint-dir DIR]\n"
             << "                     [--eval] [--limit N] [--dtype f32|bf16] [--param-dtype f32|bf16]\n"
@@ -162,6 +165,8 @@ Options parse(int argc, char** argv) {
     else if (a == "--memory-plot") {
       o.memory_plot = value();
       if (o.memory_plot == "none") o.memory_plot.clear();
+    } else if (a == "--profile") {
+      o.profile = value();
     } else if (a == "--measure") {
       const std::string m = value();
       if (m == "step") o.measure = true;
@@ -292,6 +297,21 @@ std::int64_t activation_peak(const ResNet& model, const Tree& params, const Tree
 // The wall time of one whole training step (every micro-batch, the reduction across ranks, the
 // optimizer), the best of `repeats` runs after a warm-up. `probe` is a copy of the trainer, so the
 // model being trained is untouched.
+// One training step timed op by op (after a warm-up step): the table printed, the trace written.
+void profile_step(Trainer probe, dist::DataParallel& dp, const Array& x, const Array& y, const fs::path& trace, bool lead) {
+  probe.step(dp, x, y, rng::key(0));
+  profiler::Profiler prof;
+  {
+    profiler::Range range("train step");
+    probe.step(dp, x, y, rng::key(0));
+  }
+  const profiler::Profile p = prof.finish();
+  if (!lead) return;
+  std::printf("one training step, op by op (linum::profiler):\n%s", p.table({.row_limit = 20}).c_str());
+  p.save_chrome_trace(trace);
+  std::printf("wrote the step's trace to '%s' (open it in https://ui.perfetto.dev)\n", trace.c_str());
+}
+
 double step_seconds(Trainer probe, dist::DataParallel& dp, const Array& x, const Array& y, int repeats) {
   probe.step(dp, x, y, rng::key(0));
   double best = std::numeric_limits<double>::infinity();
@@ -457,6 +477,8 @@ int run(const Options& o) {
                       .above_start = true});
     std::printf("wrote the memory timeline of a forward and backward pass to '%s'\n", o.memory_plot.c_str());
   }
+
+  if (!o.profile.empty()) profile_step(t, dp, mx, my, o.profile, lead);
 
   double train_seconds = 0, final_train_loss = 0;
   int epochs_run = 0;

@@ -50,7 +50,8 @@
 //       vfmadd231ps against vdpbf16ps on one core, the best of R rounds (dot_rate_bench.cpp): what
 //       decides bf16_products() (engine.hpp).
 //   linum-bench ops [--iters N]
-//       Per-op cost on tiny arrays, with and without recording the autodiff graph.
+//       Per-op cost on tiny arrays, with and without recording the autodiff graph, and with a
+//       profiler recording (profiled_ns, constants: core/profiler.hpp).
 //   linum-bench elementwise [--reps R]
 //       Unfused binary ops (add, mul, maximum) on [2048, 512] with the second operand of the same
 //       shape, a row (bias), a column and a scalar, and on [16, 64] with a row, in float32 and bf16.
@@ -343,17 +344,18 @@ int bench_ops(const Flags& f) {
       {"reshape", [](const Array& x, const Array&) { return reshape(x, {2, 2}); }},
   };
   for (const OpCase& c : cases) {
-    auto time_it = [&](const Array& x) {
+    auto time_it = [&](const Array& x, long n = 0) {
+      if (n == 0) n = iters;
       double best = 1e30;
       for (int rep = 0; rep < 3; ++rep) {
         auto t = Clock::now();
-        for (long i = 0; i < iters; ++i) {
+        for (long i = 0; i < n; ++i) {
           Array y = c.fn(x, b);
           if (y.numel() == 0) std::abort();
         }
         best = std::min(best, seconds_since(t));
       }
-      return best / static_cast<double>(iters) * 1e9;
+      return best / static_cast<double>(n) * 1e9;
     };
     const double plain_ns = time_it(a);
     double recorded_ns;
@@ -361,12 +363,18 @@ int bench_ops(const Flags& f) {
       autodiff::EnableGradGuard on;
       recorded_ns = time_it(autodiff::make_leaf(a));
     }
+    double profiled_ns;  // with a profiler recording (an event per op; fewer iterations: each is kept)
+    {
+      profiler::Profiler prof;
+      profiled_ns = time_it(a, std::max(1L, iters / 10));
+    }
     nlohmann::json out = {{"bench", "ops"},
                           {"op", c.name},
                           {"shape", "(4,)"},
                           {"plain_ns", plain_ns},
                           {"recorded_ns", recorded_ns},
-                          {"recording_overhead_ns", recorded_ns - plain_ns}};
+                          {"recording_overhead_ns", recorded_ns - plain_ns},
+                          {"profiled_ns", profiled_ns}};
     std::cout << out.dump() << std::endl;
   }
   return 0;
