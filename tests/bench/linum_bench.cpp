@@ -1,7 +1,7 @@
 // linum-bench: measured speed and memory, printed as one JSON line per variant.
 //
 //   linum-bench mlp [--layers L] [--width W] [--batch B] [--steps S] [--threads T] [--variant V]
-//                   [--dtype f32|bf16] [--engine onednn|eigen] [--memory-plot FILE.svg]
+//                   [--dtype f32|bf16] [--engine onednn|eigen] [--memory-plot FILE.svg] [--profile ROWS]
 //       The deep-MLP training step: L x (Dense(W) + GELU) on a batch of B, loss mean(h * h),
 //       parameters kept in float32 and cast to --dtype for the computation (Flax's dtype=bf16 with
 //       param_dtype=float32, PyTorch's autocast),
@@ -26,6 +26,7 @@
 //       products_gflops_in_step (their speed inside the step, against gemm_gflops alone),
 //       outside_products_s; plain_products_alone_s (the plain step's 3L - 1 products of the three
 //       kinds, each timed alone, in cache) and plain_products_alone_ratio (that over step_s_min).
+//       --profile ROWS: one more step timed op by op (linum::profiler), the first ROWS of its table on stderr.
 //   linum-bench load [--layers L] [--width W] [--batch B] [--steps S] [--dtype f32|bf16] [--rounds R]
 //       The plain deep-MLP step on a quiet machine and with one competing CPU-bound process pinned
 //       to the last core, alternating R rounds in one invocation. Fields: bench, wait_policy (how
@@ -99,7 +100,7 @@ namespace {
 
 void run_variant(const std::string& variant, const std::function<Array(const std::vector<Array>&, const Array&)>& loss,
                  const std::vector<Array>& params, const Array& x, long L, long W, long B, long steps, int threads,
-                 double gemm, DType dtype, std::vector<memory::Timeline>* timelines);
+                 double gemm, DType dtype, std::vector<memory::Timeline>* timelines, int profile_rows);
 
 int bench_mlp(const Flags& f) {
   const long L = f.get("layers", 24), W = f.get("width", 512), B = f.get("batch", 2048), steps = f.get("steps", 5);
@@ -221,7 +222,7 @@ int bench_mlp(const Flags& f) {
     run_variant(v.name, [&](const std::vector<Array>& p, const Array& in) {
       Array h = v.forward(p, in);
       return mean(h * h);
-    }, params, x, L, W, B, steps, threads, gemm, dtype, plot.empty() ? nullptr : &timelines);
+    }, params, x, L, W, B, steps, threads, gemm, dtype, plot.empty() ? nullptr : &timelines, static_cast<int>(f.get("profile", 0)));
   }
   if (!plot.empty()) {
     memory::save_svg(plot, timelines,
@@ -234,7 +235,7 @@ int bench_mlp(const Flags& f) {
 
 void run_variant(const std::string& variant, const std::function<Array(const std::vector<Array>&, const Array&)>& loss,
                  const std::vector<Array>& params, const Array& x, long L, long W, long B, long steps, int threads,
-                 double gemm, DType dtype, std::vector<memory::Timeline>* timelines) {
+                 double gemm, DType dtype, std::vector<memory::Timeline>* timelines, int profile_rows) {
   auto step = value_and_grad(loss);
   (void)step(params, x);  // warm-up
   std::vector<double> times;
@@ -269,6 +270,14 @@ void run_variant(const std::string& variant, const std::function<Array(const std
     (void)step(params, x);
     timed_step = seconds_since(t);
     products = timing.read();
+  }
+  if (profile_rows > 0) {  // one more step timed op by op (core/profiler.hpp): its table's first rows on stderr
+    profiler::Profiler prof;
+    {
+      profiler::Range range("step");
+      (void)step(params, x);
+    }
+    std::cerr << "mlp " << variant << ", one step op by op:\n" << prof.finish().table({.row_limit = profile_rows});
   }
   if (timelines != nullptr) {  // one more step, recorded op by op (after the timed ones)
     memory::TimelineRecorder recorder(variant);
