@@ -391,30 +391,38 @@ TEST_CASE("step(): adam and adamw fused give bitwise what update + apply_updates
     return Tree{{"big", rng::normal(rng::key(seed), Shape{300000})},
                 {"b", Tree{{"c", rng::normal(rng::key(seed + 1), Shape{7})}}}};
   };
-  for (double wd : {0.0, 0.01}) {
-    CAPTURE(wd);
-    const optim::GradientTransformation opt = wd == 0.0 ? optim::adam(1e-2) : optim::adamw(1e-2, 0.9, 0.999, 1e-8, wd);
-    Tree params_ref = make(1), state_ref = opt.init(params_ref);
-    Tree params = make(1), state = opt.init(params);  // separate buffers, so step() may write them
-    for (int step = 0; step < 3; ++step) {
-      const Tree grads = make(10 + static_cast<unsigned>(step));
-      auto [updates, next] = opt.update(grads, state_ref, params_ref);
-      params_ref = optim::apply_updates(params_ref, updates);
-      state_ref = next;
-      const void* before = params.at("big").array().raw();
-      const void* mu_before = state.at("0").at("mu").at("big").array().raw();
-      auto [p2, s2] = opt.step(std::move(params), grads, std::move(state));
-      CHECK(p2.at("big").array().raw() == before);  // written in place: nothing else held them
-      CHECK(s2.at("0").at("mu").at("big").array().raw() == mu_before);
-      params = std::move(p2);
-      state = std::move(s2);
-      CHECK(bitwise_equal(params, params_ref));
-      CHECK(bitwise_equal(state, state_ref));
+  // A constant learning rate and schedules (the schedule called with the chain's own count).
+  const std::vector<std::pair<std::string, optim::LearningRate>> rates = {
+      {"constant", 1e-2},
+      {"exponential_decay", optim::exponential_decay(1e-2f, 2, 0.5f)},
+      {"linear_schedule", optim::linear_schedule(1e-2f, 1e-3f, 3)}};
+  for (const auto& [rate_name, rate] : rates) {
+    for (double wd : {0.0, 0.01}) {
+      CAPTURE(rate_name);
+      CAPTURE(wd);
+      const optim::GradientTransformation opt = wd == 0.0 ? optim::adam(rate) : optim::adamw(rate, 0.9, 0.999, 1e-8, wd);
+      Tree params_ref = make(1), state_ref = opt.init(params_ref);
+      Tree params = make(1), state = opt.init(params);  // separate buffers, so step() may write them
+      for (int step = 0; step < 4; ++step) {
+        const Tree grads = make(10 + static_cast<unsigned>(step));
+        auto [updates, next] = opt.update(grads, state_ref, params_ref);
+        params_ref = optim::apply_updates(params_ref, updates);
+        state_ref = next;
+        const void* before = params.at("big").array().raw();
+        const void* mu_before = state.at("0").at("mu").at("big").array().raw();
+        auto [p2, s2] = opt.step(std::move(params), grads, std::move(state));
+        CHECK(p2.at("big").array().raw() == before);  // written in place: nothing else held them
+        CHECK(s2.at("0").at("mu").at("big").array().raw() == mu_before);
+        params = std::move(p2);
+        state = std::move(s2);
+        CHECK(bitwise_equal(params, params_ref));
+        CHECK(bitwise_equal(state, state_ref));
+      }
     }
   }
 }
 
-TEST_CASE("step(): parameters the caller still holds are not modified; schedules and bf16 take the general path") {
+TEST_CASE("step(): parameters the caller still holds are not modified; schedules fused, bf16 the general path") {
   const optim::GradientTransformation opt = optim::adam(1e-2);
   const Tree params = make_tree(1, -2, 0.5f), grads = make_tree(0.1f, 0.2f, -0.3f);
   const Tree state = opt.init(params);

@@ -358,17 +358,20 @@ bool all_f32(const Tree& t) {
   return true;
 }
 
-// adam / adamw with a constant learning rate as one pass per leaf. The arithmetic is the chain's,
-// operation for operation (scale_by_adam, add_decayed_weights, scale, apply_updates), so the
-// results are the same floats.
+// adam / adamw as one pass per leaf, with a constant learning rate or a schedule. The arithmetic is
+// the chain's, operation for operation (scale_by_adam, add_decayed_weights, scale or
+// scale_by_schedule, apply_updates), so the results are the same floats; a schedule is called once
+// per step with the chain's own count, as scale_by_schedule calls it.
 GradientTransformation::StepFn fused_adam_step(GradientTransformation chained, double b1, double b2, double eps,
-                                               double eps_root, double weight_decay, double learning_rate) {
+                                               double eps_root, double weight_decay, LearningRate learning_rate) {
   return [=](Tree&& params, const Tree& grads, Tree&& state) -> StepResult {
     const std::string who = chained.name() + ".step";
     const std::string adam_key = "0", lr_key = weight_decay != 0.0 ? "2" : "1";
+    const bool scheduled = learning_rate.is_schedule();
     const bool layout_ok = state.is_dict() && state.contains(adam_key) && state.contains(lr_key) &&
                            state.size() == (weight_decay != 0.0 ? 3u : 2u) && state.at(adam_key).is_dict() &&
-                           state.at(adam_key).contains("mu") && state.at(adam_key).contains("nu");
+                           state.at(adam_key).contains("mu") && state.at(adam_key).contains("nu") &&
+                           (!scheduled || (state.at(lr_key).is_dict() && state.at(lr_key).contains("count")));
     if (!layout_ok || !all_f32(params) || !all_f32(grads) || !all_f32(state.at(adam_key).at("mu")) ||
         !all_f32(state.at(adam_key).at("nu"))) {
       UpdateResult r = chained.update(grads, state, params);  // the general path (and its error messages)
@@ -382,7 +385,20 @@ GradientTransformation::StepFn fused_adam_step(GradientTransformation chained, d
     const float c1 = f32(1.0 - b1), d1 = f32(b1), c2 = f32(1.0 - b2), d2 = f32(b2);
     const float bc1 = 1.0f - static_cast<float>(std::pow(static_cast<double>(d1), static_cast<double>(count)));
     const float bc2 = 1.0f - static_cast<float>(std::pow(static_cast<double>(d2), static_cast<double>(count)));
-    const float e = f32(eps), er = f32(eps_root), wd = f32(weight_decay), s = f32(-learning_rate);
+    // The learning rate's factor: scale(-lr) for a constant, scale_by_schedule's -schedule(count)
+    // (its own count, read before it is incremented) for a schedule.
+    std::int64_t schedule_count = 0;
+    float s = 0.0f;
+    if (scheduled) {
+      const char* schedule_who = "optim::scale_by_schedule.update";
+      check_state_keys(schedule_who, state.at(lr_key), {"count"});
+      schedule_count = read_count(schedule_who, state.at(lr_key));
+      const float rate = learning_rate.schedule()(schedule_count);
+      s = -rate;
+    } else {
+      s = f32(-learning_rate.value());
+    }
+    const float e = f32(eps), er = f32(eps_root), wd = f32(weight_decay);
     const bool decay = weight_decay != 0.0;
     Tree mu = std::move(adam_state.at("mu")), nu = std::move(adam_state.at("nu"));
     adam_state = Tree();
@@ -421,6 +437,7 @@ GradientTransformation::StepFn fused_adam_step(GradientTransformation chained, d
     for_each_adam_leaf(params, grads, mu, nu, update_leaf);
     Tree next = std::move(state);
     next.set(adam_key, Tree{{"count", count_array(count)}, {"mu", std::move(mu)}, {"nu", std::move(nu)}});
+    if (scheduled) next.set(lr_key, Tree{{"count", count_array(safe_increment(schedule_count))}});
     return StepResult{std::move(params), std::move(next)};
   };
 }
@@ -428,19 +445,15 @@ GradientTransformation::StepFn fused_adam_step(GradientTransformation chained, d
 }  // namespace
 
 GradientTransformation adam(LearningRate learning_rate, double b1, double b2, double eps, double eps_root) {
-  const bool constant = !learning_rate.is_schedule();
-  const double lr = learning_rate.value();
-  GradientTransformation t = chain(scale_by_adam(b1, b2, eps, eps_root), scale_by_learning_rate(std::move(learning_rate)));
-  return constant ? t.with_fused_step(fused_adam_step(t, b1, b2, eps, eps_root, 0.0, lr)) : t;
+  GradientTransformation t = chain(scale_by_adam(b1, b2, eps, eps_root), scale_by_learning_rate(learning_rate));
+  return t.with_fused_step(fused_adam_step(t, b1, b2, eps, eps_root, 0.0, std::move(learning_rate)));
 }
 
 GradientTransformation adamw(LearningRate learning_rate, double b1, double b2, double eps, double weight_decay,
                              double eps_root) {
-  const bool constant = !learning_rate.is_schedule();
-  const double lr = learning_rate.value();
   GradientTransformation t = chain(scale_by_adam(b1, b2, eps, eps_root), add_decayed_weights(weight_decay),
-                                   scale_by_learning_rate(std::move(learning_rate)));
-  return constant ? t.with_fused_step(fused_adam_step(t, b1, b2, eps, eps_root, weight_decay, lr)) : t;
+                                   scale_by_learning_rate(learning_rate));
+  return t.with_fused_step(fused_adam_step(t, b1, b2, eps, eps_root, weight_decay, std::move(learning_rate)));
 }
 
 }  // namespace linum::optim

@@ -164,9 +164,10 @@ class GradientTransformation {
   // update() and apply_updates() in one call: the parameters after this step and the next state,
   // the same values as
   //   auto [updates, next] = opt.update(grads, state, params); params = apply_updates(params, updates);
-  // adam and adamw (constant learning rate, float32 leaves) run it as one parallel pass per leaf
-  // that reads each parameter, gradient and moment once; passed by value with std::move, the
-  // parameters and state are updated in their own buffers (when nothing else holds them):
+  // adam and adamw (float32 leaves; a constant learning rate or a schedule) run it as one parallel
+  // pass per leaf that reads each parameter, gradient and moment once; passed by value with
+  // std::move, the parameters and state are updated in their own buffers (when nothing else holds
+  // them):
   //   auto [params2, state2] = opt.step(std::move(params), grads, std::move(state));
   StepResult step(Tree params, const Tree& grads, Tree state) const;
 

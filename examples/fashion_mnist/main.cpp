@@ -249,9 +249,10 @@ struct Trainer {
       return std::make_pair(mean(nn::softmax_cross_entropy_with_integer_labels(logits, labels)), aux);
     };
     auto r = dp.value_and_grad(dist::LossWithAux(loss_fn), params, Tree{{"x", x}, {"y", y}}, dropout_key);
-    auto [updates, state] = optimizer.update(r.grads, opt_state, params);
-    params = optim::apply_updates(params, updates);
-    opt_state = state;
+    // update() + apply_updates() in one pass per leaf, written in place (nothing else holds them).
+    auto [next_params, next_state] = optimizer.step(std::move(params), r.grads, std::move(opt_state));
+    params = std::move(next_params);
+    opt_state = std::move(next_state);
     if (r.aux.contains("batch_stats")) batch_stats = r.aux.at("batch_stats");
     return {r.loss.item(), r.aux.at("accuracy").array().item()};
   }
