@@ -396,7 +396,10 @@ TEST_CASE("step(): adam and adamw fused give bitwise what update + apply_updates
       {"constant", 1e-2},
       {"exponential_decay", optim::exponential_decay(1e-2f, 2, 0.5f)},
       {"linear_schedule", optim::linear_schedule(1e-2f, 1e-3f, 3)}};
-  for (const auto& [rate_name, rate] : rates) {
+  for (const auto& named_rate : rates) {
+    // Not a structured binding: clang 14 cannot capture one in CAPTURE's lambda.
+    const std::string& rate_name = named_rate.first;
+    const optim::LearningRate& rate = named_rate.second;
     for (double wd : {0.0, 0.01}) {
       CAPTURE(rate_name);
       CAPTURE(wd);
