@@ -117,9 +117,10 @@ int main(int argc, char** argv) {
         auto [loss, losses, grads] = value_and_grad(loss_fn)(params, b.data.at("image").array(), b.data.at("label").array(), key);
         if (epoch == epochs - 1)
           for (std::int64_t e = 0; e < members; ++e) member_losses[static_cast<std::size_t>(e)] += losses.data()[e];
-        auto [updates, state] = optimizer.update(grads, opt_state, params);
-        params = optim::apply_updates(params, updates);
-        opt_state = state;
+        // update() and apply_updates() in one pass per leaf (adam's fused step), in place.
+        auto [next_params, next_state] = optimizer.step(std::move(params), grads, std::move(opt_state));
+        params = std::move(next_params);
+        opt_state = std::move(next_state);
         loss_sum += loss.item() / static_cast<double>(members);
         ++steps;
       }
