@@ -117,7 +117,8 @@ int main(int argc, char** argv) {
         auto [loss, losses, grads] = value_and_grad(loss_fn)(params, b.data.at("image").array(), b.data.at("label").array(), key);
         if (epoch == epochs - 1)
           for (std::int64_t e = 0; e < members; ++e) member_losses[static_cast<std::size_t>(e)] += losses.data()[e];
-        // update() and apply_updates() in one pass per leaf (adam's fused step), in place.
+        // update() and apply_updates() in one call: adam runs it as one pass per leaf, in the moved-in
+        // buffers when nothing else holds them.
         auto [next_params, next_state] = optimizer.step(std::move(params), grads, std::move(opt_state));
         params = std::move(next_params);
         opt_state = std::move(next_state);
