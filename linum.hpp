@@ -2,6 +2,10 @@
 // Include this header for everything, or the individual <linum/core/...> headers.
 #pragma once
 
+// The library's headers declare nlohmann::json (json_fwd.hpp) where they return or take JSON;
+// everything-included means the whole of it, so `plan.to_json().dump()` works here.
+#include <nlohmann/json.hpp>
+
 #include <linum/core/array.hpp>
 #include <linum/core/error.hpp>
 #include <linum/core/kernels/engine.hpp>

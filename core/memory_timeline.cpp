@@ -13,6 +13,7 @@
 #include <mutex>
 #include <span>
 #include <unordered_map>
+#include <nlohmann/json.hpp>
 
 namespace linum::memory {
 

@@ -22,7 +22,9 @@
 
 #include <linum/core/memory.hpp>
 
-#include <nlohmann/json.hpp>
+// Declarations only (nlohmann::json, ordered_json): the full json.hpp costs every includer
+// about 2.8 s of compile time; the .cpp files that build or read JSON include it themselves.
+#include <nlohmann/json_fwd.hpp>
 
 namespace linum::memory {
 

@@ -12,6 +12,7 @@
 #include <mutex>
 #include <tuple>
 #include <unordered_map>
+#include <nlohmann/json.hpp>
 
 namespace linum::profiler {
 

@@ -15,6 +15,7 @@
 #include <span>
 #include <type_traits>
 #include <sstream>
+#include <nlohmann/json.hpp>
 
 namespace linum::lift {
 

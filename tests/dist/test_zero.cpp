@@ -7,6 +7,7 @@
 #include "dist_model.hpp"
 
 #include <linum/train/distributed/mpi.hpp>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cmath>

@@ -5,6 +5,7 @@
 
 #include <linum/core/memory.hpp>
 #include <linum/train/io/serialization.hpp>
+#include <nlohmann/json.hpp>
 
 #include <cstddef>
 #include <cstdint>

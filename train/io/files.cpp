@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include <linum/train/io/serialization_internal.hpp>
+#include <nlohmann/json.hpp>
 
 namespace linum::serialization {
 

@@ -15,6 +15,7 @@
 #include <string>
 
 #include <linum/train/io/serialization_internal.hpp>
+#include <nlohmann/json.hpp>
 
 namespace linum::serialization {
 
