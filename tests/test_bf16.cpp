@@ -9,6 +9,7 @@
 #include "testing/threads.hpp"
 
 #include <linum/core/ops/bf16_table_internal.hpp>
+#include <linum/core/kernels/channel_rows_internal.hpp>
 
 #include <algorithm>
 #include <bit>
@@ -103,6 +104,33 @@ TEST_CASE("the bulk bf16 rounding agrees with the scalar one in whole blocks of 
   CHECK(out[16 + 1].bits == 0x0080);       // a subnormal rounds up to 2^-126 (a flushing conversion gives 0)
   CHECK(out[4 * 16 + 4].bits == 0x8080);   // and a negative one to -2^-126
   CHECK(out[7 * 16 + 7].bits == 0x0040);   // one that stays subnormal in bf16
+}
+
+TEST_CASE("batch_norm's register loops round to bf16 as the scalar conversion does (AVX-512 and AVX2)") {
+#if defined(LINUM_CHANNEL_ROWS_IN_REGISTERS)
+  // kernels::detail::ChannelVectors::stored_as_bf16 is the rounding of batch_norm's bf16 outputs on
+  // this build's instruction set: every pattern class of the test above, and a sweep of the upper
+  // halves with low bits at, below and above the tie.
+  using Simd = kernels::detail::ChannelVectors;
+  std::vector<std::uint32_t> bits = {0x3f808000u, 0x3f818000u, 0x3f808001u, 0x3f807fffu, 0x7f800001u, 0xffc12345u,
+                                     0x7f800000u, 0xff800000u, 0x7f7fffffu, 0x80000000u, 0x00000000u, 0x00800000u,
+                                     0x3dcccccdu, 0xc2c80000u, 0x477fe000u, 0x33800000u, 0x007ffffeu, 0x807fffffu,
+                                     0x00400000u, 0x7fffffffu, 0xff800001u, 0x7f7f8000u, 0xff7fffffu, 0x7fc00000u};
+  for (std::uint32_t high = 0; high < 0x10000u; high += 7)
+    for (std::uint32_t low : {0x0000u, 0x7fffu, 0x8000u, 0x8001u, 0xffffu}) bits.push_back(high << 16 | low);
+  while (bits.size() % Simd::kLanes != 0) bits.push_back(0x3f800000u);
+  int differ = 0;
+  for (std::size_t i = 0; i < bits.size(); i += Simd::kLanes) {
+    float in[Simd::kLanes], out[Simd::kLanes];
+    for (int l = 0; l < Simd::kLanes; ++l) in[l] = from_bits(bits[i + l]);
+    Simd::store(out, Simd::stored_as_bf16(Simd::load(in)));
+    for (int l = 0; l < Simd::kLanes; ++l)
+      differ += std::bit_cast<std::uint32_t>(out[l]) != static_cast<std::uint32_t>(bfloat16::round_bits(in[l])) << 16;
+  }
+  CHECK(differ == 0);
+#else
+  MESSAGE("this build has neither AVX-512 nor AVX2 with FMA: batch_norm runs its portable loops");
+#endif
 }
 
 TEST_CASE("astype of large arrays (converted in pieces across the team) gives every element's own rounding and widening") {

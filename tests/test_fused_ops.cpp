@@ -1047,11 +1047,11 @@ V bn_outputs(const BatchNormResult& r) { return {r.y, r.mean, r.var}; }
 TEST_CASE("fused batch_norm equals the composed formula, values and gradients (one block, many, in parallel)") {
   // [N, H, W, C]: one row block; ten blocks; enough elements for the parallel passes; a wide channel
   // axis; rows enough for the cap on the number of blocks (larger blocks); and channel counts for
-  // each width of the register loops on AVX-512 (1 to 4 vectors, the last one partial or whole)
-  // and just past them.
+  // each width of the register loops on AVX-512 (1 to 4 vectors of 16, the last one partial or
+  // whole) and on AVX2 (1 to 8 vectors of 8: 7, 17 and 63 end in a partial one) and just past them.
   for (const Shape& shape : {Shape{3, 5, 7, 24}, Shape{8, 20, 20, 24}, Shape{8, 40, 40, 24}, Shape{50, 700}, Shape{3000, 800},
-                             Shape{6, 9, 11, 1}, Shape{6, 9, 11, 16}, Shape{6, 9, 11, 17}, Shape{6, 9, 11, 40},
-                             Shape{6, 9, 11, 64}, Shape{6, 9, 11, 65}}) {
+                             Shape{6, 9, 11, 1}, Shape{6, 9, 11, 7}, Shape{6, 9, 11, 16}, Shape{6, 9, 11, 17},
+                             Shape{6, 9, 11, 40}, Shape{6, 9, 11, 63}, Shape{6, 9, 11, 64}, Shape{6, 9, 11, 65}}) {
     const std::int64_t C = shape.dim(-1);
     const Array x = random_array(shape, 40, -2.0f, 3.0f), r = random_array(shape, 41);
     const Array scale = random_array(Shape{C}, 42, 0.5f, 1.5f), bias = random_array(Shape{C}, 43);
@@ -1165,8 +1165,8 @@ TEST_CASE("batch_norm with a residual and relu: the composed ops' bits, values a
   // relu(residual + batch_norm(x)) in one op against the ops written out, outputs and the gradients
   // of x, scale, bias and the residual bit for bit; the residual has zeros of both signs (a
   // pre-activation of -0 stays -0 through relu) and values that cancel the normalized x.
-  for (const Shape& shape : {Shape{3, 5, 7, 24}, Shape{8, 20, 20, 24}, Shape{50, 700}, Shape{300, 1}, Shape{4, 9, 11, 17},
-                             Shape{2, 9, 11, 40}, Shape{2, 7, 9, 64}}) {
+  for (const Shape& shape : {Shape{3, 5, 7, 24}, Shape{8, 20, 20, 24}, Shape{50, 700}, Shape{300, 1}, Shape{4, 9, 11, 7},
+                             Shape{4, 9, 11, 17}, Shape{2, 9, 11, 40}, Shape{2, 7, 9, 63}, Shape{2, 7, 9, 64}}) {
     const std::int64_t C = shape.dim(-1);
     for (DType dt : {DType::f32, DType::bf16}) {
       const Array x = astype(random_array(shape, 70, -2.0f, 3.0f), dt), r = random_array(shape, 71);

@@ -1,7 +1,7 @@
 #include <linum/core/ops/batch_norm.hpp>
 
 #include <linum/core/autodiff/primitive.hpp>
-#include <linum/core/kernels/channel_rows_avx512_internal.hpp>
+#include <linum/core/kernels/channel_rows_internal.hpp>
 #include <linum/core/ops/batching.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/ops/kernel_util.hpp>
@@ -75,7 +75,7 @@ std::vector<float> values_f32(const Array& p) { return p.defined() ? p.to_vector
 // `b_block(first_row, rows, a_block, scratch)` (float32 values, or null for none; a_block is the first
 // array's block in float32; `scratch` holds `b_scratch_blocks` blocks). `block_sums(a_block, b_block,
 // rows, out)` may add a whole block's sums into out itself (the same sums, in registers: see
-// channel_rows_avx512_internal.hpp) and return true; else the rows run through `term`.
+// channel_rows_internal.hpp) and return true; else the rows run through `term`.
 template <int Parts, class BBlock, class Term, class BlockSums>
 std::vector<double> channel_sums_with(const Geometry& g, const Array& a, int b_scratch_blocks, BBlock&& b_block, Term&& term,
                                       BlockSums&& block_sums) {
@@ -135,8 +135,8 @@ auto cotangent_block_sums(const float* mu, const float* rstd, std::int64_t C) {
 // channel (bias may be absent), rounded to y's dtype (Bf16); with a residual row, rr + that,
 // rounded again: the roundings of the composed ops. With Relu, max(that, 0) (std::max, as the relu
 // op: -0 and NaN stay). One loop, its variant fixed at compile time, so it vectorises (for up to 64
-// channels on AVX-512, with the per-channel values held in registers across the rows:
-// channel_rows_avx512_internal.hpp, which gives the same values). relu's rule
+// channels on AVX-512 or AVX2, with the per-channel values held in registers across the rows:
+// channel_rows_internal.hpp, which gives the same values). relu's rule
 // recomputes these values from what the op keeps (x and the residual, which the layers around it
 // keep anyway) rather than keeping y.
 template <bool Bf16, bool Bias, bool Residual, bool Relu>
