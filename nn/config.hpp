@@ -20,8 +20,10 @@
 #include <linum/nn/conv.hpp>
 #include <linum/nn/dense.hpp>
 #include <linum/nn/dropout.hpp>
+#include <linum/nn/einsum.hpp>
 #include <linum/nn/embed.hpp>
 #include <linum/nn/normalization.hpp>
+#include <linum/nn/recurrent.hpp>
 #include <linum/nn/sequential.hpp>
 #include <linum/modules/scope.hpp>
 
@@ -53,6 +55,10 @@ BOOST_HANA_ADAPT_STRUCT(linum::nn::RMSNorm, epsilon, use_scale, reduction_axes, 
                         param_dtype);
 BOOST_HANA_ADAPT_STRUCT(linum::nn::GroupNorm, num_groups, group_size, epsilon, use_bias, use_scale, reduction_axes,
                         use_fast_variance, dtype, param_dtype);
+BOOST_HANA_ADAPT_STRUCT(linum::nn::InstanceNorm, epsilon, use_bias, use_scale, feature_axes, use_fast_variance, dtype,
+                        param_dtype);
+BOOST_HANA_ADAPT_STRUCT(linum::nn::Einsum, shape, einsum_str, use_bias, dtype, param_dtype);
+BOOST_HANA_ADAPT_STRUCT(linum::nn::ConvLSTMCell, features, kernel_size, strides, padding, use_bias, dtype, param_dtype);
 BOOST_HANA_ADAPT_STRUCT(linum::nn::BatchNorm, use_running_average, axis, momentum, epsilon, use_bias, use_scale,
                         use_fast_variance, dtype, param_dtype, activation);
 BOOST_HANA_ADAPT_STRUCT(linum::nn::Dropout, rate, broadcast_dims, deterministic, rng_collection);

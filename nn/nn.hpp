@@ -9,6 +9,7 @@
 #include <linum/nn/dense.hpp>
 #include <linum/nn/dtypes.hpp>
 #include <linum/nn/dropout.hpp>
+#include <linum/nn/einsum.hpp>
 #include <linum/nn/embed.hpp>
 #include <linum/nn/losses.hpp>
 #include <linum/nn/normalization.hpp>

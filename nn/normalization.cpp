@@ -119,6 +119,10 @@ void GroupNorm::validate() const {
   check_epsilon("GroupNorm", epsilon);
   require_float_dtype(param_dtype, "GroupNorm", "param_dtype");
 }
+void InstanceNorm::validate() const {
+  check_epsilon("InstanceNorm", epsilon);
+  require_float_dtype(param_dtype, "InstanceNorm", "param_dtype");
+}
 void BatchNorm::validate() const {
   if (!(momentum >= 0.0 && momentum <= 1.0))
     throw ValueError(detail::cat("BatchNorm: momentum must be in [0, 1] (the weight of the old running statistics), got ",
@@ -159,6 +163,24 @@ Array RMSNorm::operator()(Scope& s, const Array& x) const {
   }
   auto [mu, var] = compute_stats(widened(x), red, false, use_fast_variance);
   return normalize(s, x, mu, var, feat, epsilon, false, use_scale, initializers::zeros(), scale_init, dtype, param_dtype);
+}
+
+Array InstanceNorm::operator()(Scope& s, const Array& x) const {
+  validate();
+  require_float(x, "InstanceNorm", param_dtype);
+  const auto feat = canonical_axes(feature_axes, x, "InstanceNorm", "feature_axes");
+  if (std::find(feat.begin(), feat.end(), 0) != feat.end())
+    throw ValueError(detail::cat("InstanceNorm: feature_axes include the first axis of the input ", x.shape(),
+                                 ", which is the batch axis; name the channel axes (the default -1 is the last)"));
+  std::vector<int> red;
+  for (int a = 1; a < x.rank(); ++a)
+    if (std::find(feat.begin(), feat.end(), a) == feat.end()) red.push_back(a);
+  if (red.empty())
+    throw ShapeError(detail::cat("InstanceNorm: input of shape ", x.shape(),
+                                 " has no axis to normalize over besides the batch and the features; it needs "
+                                 "[N, spatial..., C] (for [N, C] use LayerNorm)"));
+  auto [mu, var] = compute_stats(widened(x), red, true, use_fast_variance);
+  return normalize(s, x, mu, var, feat, epsilon, use_bias, use_scale, bias_init, scale_init, dtype, param_dtype);
 }
 
 Array GroupNorm::operator()(Scope& s, const Array& x) const {

@@ -1,4 +1,5 @@
-// Normalization layers, as Flax's `nn.LayerNorm`, `nn.RMSNorm`, `nn.GroupNorm` and `nn.BatchNorm`.
+// Normalization layers, as Flax's `nn.LayerNorm`, `nn.RMSNorm`, `nn.GroupNorm`, `nn.InstanceNorm` and
+// `nn.BatchNorm`.
 //
 //   x = s(nn::LayerNorm{}, x);                                    // over the last axis
 //   x = s(nn::GroupNorm{.num_groups = 8}, x);                     // NHWC, groups of channels
@@ -75,6 +76,26 @@ struct GroupNorm {
   std::optional<DType> dtype;                                 // computation dtype; nullopt: promote inputs and params
   DType param_dtype = DType::f32;                             // dtype the params are created in
   // Normalizes `x` ([N, ..., C]); same shape out. Params "scale"/"bias" of shape (C,).
+  void validate() const;  // ValueError naming an out-of-range field (on each call and on config load)
+  Array operator()(Scope& s, const Array& x) const;
+};
+
+// Instance normalization (flax.linen.InstanceNorm, Ulyanov et al. 2016): each example and each
+// feature normalized on its own, over every axis but the batch axis (the first) and `feature_axes`
+// (an image [N, H, W, C]: over H and W per example and channel). Params "scale" / "bias" of the
+// shape of the feature axes. The first axis cannot be a feature axis; an input with no axis left to
+// normalize over ([N, C]) is a ShapeError.
+struct InstanceNorm {
+  double epsilon = 1e-6;
+  bool use_bias = true;
+  bool use_scale = true;
+  Initializer bias_init = initializers::zeros();
+  Initializer scale_init = initializers::ones();
+  std::vector<int> feature_axes = {-1};
+  bool use_fast_variance = true;
+
+  std::optional<DType> dtype;                                 // computation dtype; nullopt: promote inputs and params
+  DType param_dtype = DType::f32;                             // dtype the params are created in
   void validate() const;  // ValueError naming an out-of-range field (on each call and on config load)
   Array operator()(Scope& s, const Array& x) const;
 };

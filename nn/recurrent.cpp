@@ -143,6 +143,54 @@ SimpleCell::Carry SimpleCell::initialize_carry(const Shape& input_shape) const {
   return Array::zeros(carry_shape(input_shape, features, "nn::SimpleCell"), param_dtype);
 }
 
+std::pair<MGUCell::Carry, Array> MGUCell::operator()(Scope& s, const Carry& h, const Array& x) const {
+  check_carry(h, x, features, "nn::MGUCell");
+  const Dense forget_in{.features = features, .use_bias = true, .kernel_init = kernel_init, .bias_init = forget_bias_init,
+                        .dtype = dtype, .param_dtype = param_dtype};
+  Dense activation_in = forget_in;
+  activation_in.bias_init = activation_bias_init;
+  const Dense rec{.features = features, .use_bias = false, .kernel_init = recurrent_kernel_init,
+                  .bias_init = activation_bias_init, .dtype = dtype, .param_dtype = param_dtype};
+  Dense rec_n = rec;
+  rec_n.use_bias = reset_gate;
+  // Flax's creation order: if, hf, hn, in.
+  Array if_x = s("if", forget_in, x);
+  const Array f = gate_fn(if_x + s("hf", rec, h));
+  Array hn = s("hn", rec_n, h);
+  if (reset_gate) hn = hn * f;
+  Array in_x = s("in", activation_in, x);
+  const Array n = activation_fn(in_x + hn);
+  const Array new_h = (1.0f - f) * n + f * h;
+  return {new_h, new_h};
+}
+
+MGUCell::Carry MGUCell::initialize_carry(const Shape& input_shape) const {
+  return Array::zeros(carry_shape(input_shape, features, "nn::MGUCell"), param_dtype);
+}
+
+std::pair<ConvLSTMCell::Carry, Array> ConvLSTMCell::operator()(Scope& s, const Carry& carry, const Array& x) const {
+  const Array& c = carry.c;
+  const Array& h = carry.h;
+  check_carry(h, x, features, "nn::ConvLSTMCell");
+  if (c.shape() != h.shape())
+    throw ShapeError("nn::ConvLSTMCell: the carry's c " + c.type_str() + " and h " + h.type_str() +
+                     " must have one shape (initialize_carry gives it)");
+  const Conv conv{.features = 4 * features, .kernel_size = kernel_size, .strides = strides, .padding = padding,
+                  .use_bias = use_bias, .dtype = dtype, .param_dtype = param_dtype};
+  Array gates = s("ih", conv, x);
+  gates = gates + s("hh", conv, h);
+  const std::vector<Array> parts = split(gates, 4, -1);  // i, g, f, o
+  const Array f = sigmoid(parts[2] + 1.0f);
+  const Array new_c = f * c + sigmoid(parts[0]) * tanh(parts[1]);
+  const Array new_h = sigmoid(parts[3]) * tanh(new_c);
+  return {{new_c, new_h}, new_h};
+}
+
+ConvLSTMCell::Carry ConvLSTMCell::initialize_carry(const Shape& input_shape) const {
+  const Shape shape = carry_shape(input_shape, features, "nn::ConvLSTMCell");
+  return {Array::zeros(shape, param_dtype), Array::zeros(shape, param_dtype)};
+}
+
 namespace recurrent_detail {
 
 std::vector<Array> LSTMWeights::operator()(Scope& s, const Array& inputs) const {

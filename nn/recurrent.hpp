@@ -1,6 +1,7 @@
-// Recurrent layers, as flax.linen's: the cells LSTMCell, OptimizedLSTMCell, GRUCell and SimpleCell
-// (parameter names, shapes, gate layout and initializers as Flax's, so variable dicts move between
-// the two) and nn::RNN, which scans a cell over the time axis.
+// Recurrent layers, as flax.linen's: the cells LSTMCell, OptimizedLSTMCell, GRUCell, MGUCell,
+// SimpleCell and ConvLSTMCell (parameter names, shapes, gate layout and initializers as Flax's, so
+// variable dicts move between the two), nn::RNN, which scans a cell over the time axis, and
+// nn::Bidirectional, which runs one RNN forwards and another backwards and merges their outputs.
 //
 //   nn::RNN<nn::LSTMCell> lstm{.cell = {.features = 128}};
 //   Array ys = s(lstm, xs);                                       // xs [batch, time, in] -> [batch, time, 128]
@@ -18,6 +19,7 @@
 #include <linum/lift/scan.hpp>
 #include <linum/modules/initializers.hpp>
 #include <linum/modules/scope.hpp>
+#include <linum/nn/conv.hpp>
 #include <linum/nn/dtypes.hpp>
 
 #include <cstdint>
@@ -120,6 +122,46 @@ struct SimpleCell {
   bool residual = false;
 
   using Carry = Array;
+  std::pair<Carry, Array> operator()(Scope& s, const Carry& carry, const Array& x) const;
+  Carry initialize_carry(const Shape& input_shape) const;
+};
+
+// Minimal gated unit (flax.linen.MGUCell, Zhou et al. 2016): f = sigmoid(if(x) + hf(h)), n =
+// tanh(in(x) + f * hn(h)) (without reset_gate: + hn(h)), h' = (1 - f) n + f h. One gate where the
+// GRU has two. The input kernels if, in have biases (if's starts at forget_bias_init, ones, so the
+// unit starts by keeping its state); hn has one only with reset_gate; hf has none.
+struct MGUCell {
+  std::int64_t features = 0;
+  CellFunction gate_fn = Sigmoid{};
+  CellFunction activation_fn = Tanh{};
+  Initializer kernel_init = initializers::lecun_normal();
+  Initializer recurrent_kernel_init = initializers::orthogonal();
+  Initializer forget_bias_init = initializers::ones();
+  Initializer activation_bias_init = initializers::zeros();
+  std::optional<DType> dtype;
+  DType param_dtype = DType::f32;
+  bool reset_gate = true;
+
+  using Carry = Array;
+  std::pair<Carry, Array> operator()(Scope& s, const Carry& carry, const Array& x) const;
+  Carry initialize_carry(const Shape& input_shape) const;
+};
+
+// Convolutional LSTM (flax.linen.ConvLSTMCell, Shi et al. 2015): the LSTM's products become
+// convolutions, gates = ih(x) + hh(h) with two Convs of 4 * features channels (in gate order i, g,
+// f, o), c' = sigmoid(f + 1) c + sigmoid(i) tanh(g), h' = sigmoid(o) tanh(c'). Inputs are one
+// step's images [batch, spatial..., channels]; the carry LSTMCarry{c, h} has the input's spatial
+// shape and `features` channels (keep strides at 1 and padding SAME for that to hold).
+struct ConvLSTMCell {
+  std::int64_t features = 0;
+  std::vector<std::int64_t> kernel_size;
+  std::vector<std::int64_t> strides;
+  Padding padding = Padding::same();
+  bool use_bias = true;
+  std::optional<DType> dtype;
+  DType param_dtype = DType::f32;
+
+  using Carry = LSTMCarry;
   std::pair<Carry, Array> operator()(Scope& s, const Carry& carry, const Array& x) const;
   Carry initialize_carry(const Shape& input_shape) const;
 };
@@ -370,6 +412,53 @@ struct RNN {
     std::vector<Array> parts;
     for (std::int64_t i = ys.dim(0); i-- > 0;) parts.push_back(slice_axis(ys, 0, i, i + 1));
     return concatenate(parts, 0);
+  }
+};
+
+// A bidirectional RNN (flax.linen.Bidirectional): forward_rnn runs over the inputs from the first
+// step, backward_rnn from the last (with its outputs put back in input order), and merge_fn joins
+// the two outputs of each step (default: concatenated features, [..., f_forward + f_backward]).
+// Both see the same seq_lengths (the backward one reverses each row within its length, as Flax's
+// flip_sequences); their own reverse, keep_order and time_major settings are overridden, as Flax's
+// call arguments override them. Parameters live under "forward_rnn" and "backward_rnn".
+//
+//   nn::Bidirectional<nn::RNN<nn::LSTMCell>> bi{.forward_rnn = {.cell = {.features = 64}},
+//                                               .backward_rnn = {.cell = {.features = 64}}};
+//   Array ys = s(bi, xs);                                   // [batch, time, 128]
+//   auto [carries, ys2] = s(bi, xs, nn::RNNOptions{.return_carry = true, .seq_lengths = n});
+//   // carries.first: the forward RNN's final carry, carries.second: the backward one's
+template <class ForwardRNN, class BackwardRNN = ForwardRNN>
+struct Bidirectional {
+  ForwardRNN forward_rnn{};
+  BackwardRNN backward_rnn{};
+  std::function<Array(const Array& forward, const Array& backward)> merge_fn;  // empty: concatenate the features
+  bool time_major = false;
+
+  using ForwardCarry = typename decltype(ForwardRNN::cell)::Carry;
+  using BackwardCarry = typename decltype(BackwardRNN::cell)::Carry;
+
+  Array operator()(Scope& s, const Array& inputs) const { return run(s, inputs, {}).second; }
+  // With seq_lengths and return_carry as nn::RNN's: ((forward carry, backward carry), outputs).
+  std::pair<std::pair<ForwardCarry, BackwardCarry>, Array> operator()(Scope& s, const Array& inputs,
+                                                                      const RNNOptions& options) const {
+    return run(s, inputs, options);
+  }
+
+ private:
+  std::pair<std::pair<ForwardCarry, BackwardCarry>, Array> run(Scope& s, const Array& inputs, const RNNOptions& options) const {
+    ForwardRNN forward = forward_rnn;
+    forward.time_major = time_major;
+    forward.reverse = false;
+    BackwardRNN backward = backward_rnn;
+    backward.time_major = time_major;
+    backward.reverse = true;
+    backward.keep_order = true;
+    RNNOptions with_carry = options;
+    with_carry.return_carry = true;
+    auto [forward_carry, forward_out] = s("forward_rnn", forward, inputs, with_carry);
+    auto [backward_carry, backward_out] = s("backward_rnn", backward, inputs, with_carry);
+    Array merged = merge_fn ? merge_fn(forward_out, backward_out) : concatenate({forward_out, backward_out}, -1);
+    return {{std::move(forward_carry), std::move(backward_carry)}, std::move(merged)};
   }
 };
 

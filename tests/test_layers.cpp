@@ -15,6 +15,7 @@
 using namespace linum;
 using linum::testing::check_gradients;
 using linum::testing::random_array;
+using linum::testing::max_abs_diff;
 
 namespace {
 
@@ -1146,4 +1147,117 @@ TEST_CASE("MultiHeadDotProductAttention decode: the cache collection, one positi
   CHECK(error([&] { apply(Decoder{.decode = true}, Tree{{"params", vars.at("params")}, {"cache", state}},
                           {.mutable_collections = {"cache"}}, slice_axis(x, 1, 0, 1), Array()); })
             .find("all are written") != std::string::npos);
+}
+
+TEST_CASE("InstanceNorm, Einsum, MGUCell, ConvLSTMCell, Bidirectional: their definitions, gradients, configs and errors") {
+  using V = std::vector<Array>;
+  // InstanceNorm: each example and channel normalized over its spatial axes.
+  const Array img = random_array(Shape{2, 3, 4, 5}, 201, -2, 2);
+  const Tree vars = init(nn::InstanceNorm{}, rng::key(0), img);
+  CHECK(vars.at("params").keys() == std::vector<std::string>{"scale", "bias"});
+  CHECK(shape_at(vars, "params/scale") == Shape{5});
+  const Array y = apply(nn::InstanceNorm{.epsilon = 0.0}, vars, img);
+  const Array m = mean(y, {1, 2}), v = mean(square(y), {1, 2});
+  for (float e : m.to_vector()) CHECK(e == doctest::Approx(0.0).scale(1.0).epsilon(1e-5));
+  for (float e : v.to_vector()) CHECK(e == doctest::Approx(1.0).epsilon(1e-4));
+  check_gradients("InstanceNorm", [](const V& a) {
+    return apply(nn::InstanceNorm{}, params({{"scale", a[1]}, {"bias", a[2]}}), a[0]);
+  }, {random_array(Shape{2, 3, 2, 4}, 202, -2, 2), random_array(Shape{4}, 203), random_array(Shape{4}, 204)});
+  CHECK_THROWS_WITH_AS(init(nn::InstanceNorm{}, rng::key(0), Array::zeros(Shape{2, 5})), doctest::Contains("no axis to normalize"),
+                       ShapeError);
+  CHECK_THROWS_WITH_AS(init(nn::InstanceNorm{.feature_axes = {0}}, rng::key(0), img), doctest::Contains("batch axis"), ValueError);
+
+  // Einsum: the kernel contracted by the subscripts, plus a bias over the kernel's output axes.
+  const Array x = random_array(Shape{2, 3, 4}, 205);
+  const nn::Einsum heads{.shape = {4, 2, 5}, .einsum_str = "btd,dhk->bthk"};
+  const Tree ev = init(heads, rng::key(1), x);
+  CHECK(shape_at(ev, "params/kernel") == Shape{4, 2, 5});
+  CHECK(shape_at(ev, "params/bias") == Shape{2, 5});
+  const Array want = einsum("btd,dhk->bthk", x, ev.at_path("params/kernel").array()) +
+                     reshape(ev.at_path("params/bias").array(), {1, 1, 2, 5});
+  CHECK(apply(heads, ev, x).bitwise_equal(want));
+  CHECK(apply(nn::Einsum{.shape = {4, 2, 5}}, ev, x, std::string_view("btd,dhk->bthk")).bitwise_equal(want));
+  check_gradients("Einsum", [](const V& a) {
+    return apply(nn::Einsum{.shape = {4, 3}, .einsum_str = "...d,dk->...k"}, params({{"kernel", a[1]}, {"bias", a[2]}}), a[0]);
+  }, {random_array(Shape{2, 3, 4}, 206), random_array(Shape{4, 3}, 207), random_array(Shape{3}, 208)});
+  CHECK_THROWS_WITH_AS(init(nn::Einsum{.shape = {4, 2}, .einsum_str = "btd,dk"}, rng::key(0), x), doctest::Contains("->"), ValueError);
+  CHECK_THROWS_WITH_AS(init(nn::Einsum{.shape = {4, 2}, .einsum_str = "btd->btd"}, rng::key(0), x), doctest::Contains("two operands"),
+                       ValueError);
+  CHECK_THROWS_WITH_AS(init(nn::Einsum{.shape = {4, 2}, .einsum_str = "btd,dhk->bthk"}, rng::key(0), x),
+                       doctest::Contains("kernel shape"), ShapeError);
+  CHECK_THROWS_WITH_AS(apply(heads, ev, x, std::string_view("btd,dhk->bthk")), doctest::Contains("one place"), ValueError);
+  CHECK_THROWS_WITH_AS(init(nn::Einsum{.shape = {4, 2}}, rng::key(0), x), doctest::Contains("no subscripts"), ValueError);
+
+  // MGUCell: h' = (1 - f) n + f h, f = sigmoid(if(x) + hf(h)), n = tanh(in(x) + f hn(h)).
+  const Array h0 = random_array(Shape{2, 3}, 209), xs = random_array(Shape{2, 4}, 210);
+  const nn::MGUCell mgu{.features = 3};
+  const Tree mv = init(mgu, rng::key(2), h0, xs);
+  CHECK(mv.at("params").keys() == std::vector<std::string>{"if", "hf", "hn", "in"});
+  CHECK(mv.at_path("params/if/bias").array().to_vector() == std::vector<float>(3, 1.0f));  // forget_bias_init: ones
+  CHECK_FALSE(mv.at_path("params/hf").contains("bias"));
+  auto dense = [&](const std::string& name, const Array& in) {
+    const Tree& p = mv.at("params").at(name);
+    Array out = matmul(in, p.at("kernel").array());
+    return p.contains("bias") ? out + p.at("bias").array() : out;
+  };
+  const Array f = sigmoid(dense("if", xs) + dense("hf", h0));
+  const Array n = tanh(dense("in", xs) + f * dense("hn", h0));
+  const Array h1 = (1.0f - f) * n + f * h0;
+  CHECK(max_abs_diff(apply(mgu, mv, h0, xs).first, h1) < 1e-6f);
+  CHECK_FALSE(init(nn::MGUCell{.features = 3, .reset_gate = false}, rng::key(2), h0, xs).at_path("params/hn").contains("bias"));
+
+  // ConvLSTMCell over a sequence of images: the carry keeps the images' shape with `features` channels.
+  const nn::RNN<nn::ConvLSTMCell> conv_lstm{.cell = {.features = 2, .kernel_size = {3, 3}}};
+  const Array frames = random_array(Shape{2, 4, 5, 5, 3}, 211);
+  const Tree cv = init(conv_lstm, rng::key(3), frames);
+  CHECK(shape_at(cv, "params/cell/ih/kernel") == Shape{3, 3, 3, 8});
+  CHECK(shape_at(cv, "params/cell/hh/kernel") == Shape{3, 3, 2, 8});
+  CHECK(apply(conv_lstm, cv, frames).shape() == Shape{2, 4, 5, 5, 2});
+  check_gradients("RNN<ConvLSTMCell>", [](const V& a) {
+    const Tree p{{"cell", {{"ih", {{"kernel", a[1]}, {"bias", a[2]}}}, {"hh", {{"kernel", a[3]}, {"bias", a[4]}}}}}};
+    return apply(nn::RNN<nn::ConvLSTMCell>{.cell = {.features = 1, .kernel_size = {2, 2}}}, params(p), a[0]);
+  }, {random_array(Shape{1, 2, 3, 3, 2}, 212), random_array(Shape{2, 2, 2, 4}, 213, -0.5, 0.5), random_array(Shape{4}, 214),
+      random_array(Shape{2, 2, 1, 4}, 215, -0.5, 0.5), random_array(Shape{4}, 216)});
+
+  // Bidirectional: the forward RNN's outputs and the backward one's (in input order), concatenated.
+  using BiGRU = nn::Bidirectional<nn::RNN<nn::GRUCell>>;
+  const BiGRU bi{.forward_rnn = {.cell = {.features = 3}}, .backward_rnn = {.cell = {.features = 2}}};
+  const Array seq = random_array(Shape{2, 5, 4}, 217);
+  const Tree bv = init(bi, rng::key(4), seq);
+  CHECK(bv.at("params").keys() == std::vector<std::string>{"forward_rnn", "backward_rnn"});
+  const Array forward = apply(nn::RNN<nn::GRUCell>{.cell = {.features = 3}}, params(bv.at_path("params/forward_rnn")), seq);
+  const Array backward = apply(nn::RNN<nn::GRUCell>{.cell = {.features = 2}, .reverse = true, .keep_order = true},
+                               params(bv.at_path("params/backward_rnn")), seq);
+  CHECK(apply(bi, bv, seq).bitwise_equal(concatenate({forward, backward}, -1)));
+  // merge_fn replaces the concatenation; the carries come back with return_carry.
+  BiGRU summed = bi;
+  summed.backward_rnn.cell.features = 3;
+  summed.merge_fn = [](const Array& a, const Array& b) { return a + b; };
+  const Tree sv = init(summed, rng::key(4), seq);
+  auto [carries, ys] = apply(summed, sv, seq, nn::RNNOptions{.return_carry = true});
+  CHECK(ys.shape() == Shape{2, 5, 3});
+  // A GRU's carry is its last output: the forward RNN's at the last step, the backward one's at the first.
+  const Array f_out = apply(nn::RNN<nn::GRUCell>{.cell = {.features = 3}}, params(sv.at_path("params/forward_rnn")), seq);
+  const Array b_out = apply(nn::RNN<nn::GRUCell>{.cell = {.features = 3}, .reverse = true, .keep_order = true},
+                            params(sv.at_path("params/backward_rnn")), seq);
+  CHECK(carries.first.bitwise_equal(reshape(slice_axis(f_out, 1, 4, 5), {2, 3})));
+  CHECK(carries.second.bitwise_equal(reshape(slice_axis(b_out, 1, 0, 1), {2, 3})));
+  CHECK(ys.bitwise_equal(f_out + b_out));
+  check_gradients("Bidirectional", [](const V& a) {
+    const Tree cell{{"ir", {{"kernel", a[1]}, {"bias", a[2]}}}, {"hr", {{"kernel", a[3]}}},
+                    {"iz", {{"kernel", a[1]}, {"bias", a[2]}}}, {"hz", {{"kernel", a[3]}}},
+                    {"in", {{"kernel", a[1]}, {"bias", a[2]}}}, {"hn", {{"kernel", a[3]}, {"bias", a[2]}}}};
+    const Tree p{{"forward_rnn", {{"cell", cell}}}, {"backward_rnn", {{"cell", cell}}}};
+    return apply(BiGRU{.forward_rnn = {.cell = {.features = 2}}, .backward_rnn = {.cell = {.features = 2}}}, params(p), a[0]);
+  }, {random_array(Shape{1, 3, 2}, 218), random_array(Shape{2, 2}, 219), random_array(Shape{2}, 220), random_array(Shape{2, 2}, 221)});
+
+  // Configurations round-trip.
+  const auto in2 = nn::module_from_config<nn::InstanceNorm>(nn::module_config(nn::InstanceNorm{.epsilon = 1e-3}));
+  CHECK(in2.epsilon == 1e-3);
+  const auto e2 = nn::module_from_config<nn::Einsum>(nn::module_config(heads));
+  CHECK(e2.shape == heads.shape);
+  CHECK(e2.einsum_str == heads.einsum_str);
+  const auto c2 = nn::module_from_config<nn::ConvLSTMCell>(nn::module_config(nn::ConvLSTMCell{.features = 4, .kernel_size = {3, 3}}));
+  CHECK(c2.features == 4);
+  CHECK(c2.kernel_size == std::vector<std::int64_t>{3, 3});
 }

@@ -186,6 +186,77 @@ TEST_CASE("lion, lamb, adabelief: optax's rules") {
                        doctest::Contains("parameters"), ValueError);
 }
 
+TEST_CASE("adamax, adadelta, novograd: optax's rules; bad hyperparameters and states are ValueErrors") {
+  const float lr = 0.05f;
+  {
+    std::vector<float> m(3, 0.0f), v(3, 0.0f);
+    check_same(run(optim::adamax(lr)), reference([&](int t, const auto& g, const auto&) {
+      std::vector<float> u(3);
+      for (int i = 0; i < 3; ++i) {
+        m[i] = 0.1f * g[i] + 0.9f * m[i];
+        v[i] = std::max(std::fabs(g[i]) + 1e-8f, 0.999f * v[i]);  // the infinity norm
+        u[i] = -lr * (m[i] / (1.0f - std::pow(0.9f, static_cast<float>(t)))) / v[i];
+      }
+      return u;
+    }));
+  }
+  {
+    std::vector<float> eg(3, 0.0f), ex(3, 0.0f);
+    check_same(run(optim::adadelta(1.0, 0.9, 1e-6)), reference([&](int, const auto& g, const auto&) {
+      std::vector<float> u(3);
+      for (int i = 0; i < 3; ++i) {
+        eg[i] = 0.1f * g[i] * g[i] + 0.9f * eg[i];
+        const float step = std::sqrt(ex[i] + 1e-6f) / std::sqrt(eg[i] + 1e-6f) * g[i];
+        ex[i] = 0.1f * step * step + 0.9f * ex[i];
+        u[i] = -step;
+      }
+      return u;
+    }));
+  }
+  {
+    std::vector<float> m(3, 0.0f);
+    float nu = 0.0f;
+    check_same(run(optim::novograd(lr, 0.9, 0.25, 1e-6, 0.0, /*weight_decay=*/0.01)), reference([&](int t, const auto& g, const auto& p) {
+      const float n2 = norm(g) * norm(g);  // one leaf: one second moment
+      nu = t == 1 ? n2 : 0.75f * n2 + 0.25f * nu;
+      std::vector<float> u(3);
+      for (int i = 0; i < 3; ++i) {
+        const float a = g[i] / (std::sqrt(nu) + 1e-6f) + 0.01f * p[i];
+        m[i] = t == 1 ? a : 0.9f * m[i] + a;
+        u[i] = -lr * m[i];
+      }
+      return u;
+    }), 2e-5);
+  }
+  // optax's state layouts.
+  const Tree params = tree_of(kParams);
+  CHECK(optim::amsgrad(lr).init(params).at("0").keys() == std::vector<std::string>{"count", "mu", "nu", "nu_max"});
+  CHECK(optim::adadelta(lr).init(params).at("1").keys() == std::vector<std::string>{"e_g", "e_x"});
+  CHECK(optim::novograd(lr).init(params).at("0").at("nu").at("w").array().shape() == Shape{});
+  CHECK(optim::lars(lr).init(params).at("1").keys() == std::vector<std::string>{"inner_state"});
+  // Yogi starts both moments at initial_accumulator_value.
+  CHECK(optim::yogi(lr).init(params).at("0").at("nu").at("w").array().to_vector()[0] == 1e-6f);
+  // Bad hyperparameters fail when the optimizer is built; a missing params argument when it steps.
+  CHECK_THROWS_WITH_AS(optim::radam(lr, 0.9, 1.5), doctest::Contains("b2"), ValueError);
+  CHECK_THROWS_WITH_AS(optim::adadelta(lr, /*rho=*/-0.1), doctest::Contains("rho"), ValueError);
+  CHECK_THROWS_WITH_AS(optim::lars(lr, 0.0, nullptr, 0.001, 0.0, nullptr, /*momentum=*/-1.0), doctest::Contains("momentum"),
+                       ValueError);
+  CHECK_THROWS_WITH_AS(optim::novograd(lr).update(tree_of(kGrads[0]), optim::novograd(lr).init(params)),
+                       doctest::Contains("parameters"), ValueError);
+  // A state from another optimizer is refused with the keys it should have.
+  CHECK_THROWS_WITH_AS(optim::amsgrad(lr).update(tree_of(kGrads[0]), optim::adam(lr).init(params), params),
+                       doctest::Contains("nu_max"), ValueError);
+  // NAdam's first step: the look-ahead moment b1 m / (1 - b1^2) + (1 - b1) g / (1 - b1), over
+  // sqrt(v / (1 - b2)) + eps.
+  const auto nadam_steps = run(optim::nadam(lr));
+  for (int i = 0; i < 3; ++i) {
+    const float g = kGrads[0][i];
+    const float m = 0.1f * g, v = 0.001f * g * g;
+    const float mh = 0.9f * (m / (1.0f - 0.9f * 0.9f)) + 0.1f * (g / (1.0f - 0.9f));
+    CHECK(nadam_steps[0][i] == doctest::Approx(kParams[i] - lr * mh / (std::sqrt(v / (1.0f - 0.999f)) + 1e-8f)).epsilon(1e-5));
+  }
+}
+
 TEST_CASE("adafactor: factored second moments on a matrix, a full one on a vector, optax's rules") {
   // A [2, 3] kernel (factored with min_dim_size_to_factor = 2) and a [3] bias (not factored).
   const Array k = Array::from({2, 3}, {0.5f, -1.0f, 2.0f, 1.5f, 0.25f, -0.75f});

@@ -351,6 +351,22 @@ std::vector<LayerCase> layer_cases() {
       lstm_cell("lstm_cell_bf16", nn::LSTMCell{.features = 5, .dtype = DType::bf16}),
       one_input("rnn_lstm_bf16", nn::RNN<nn::LSTMCell>{.cell = {.features = 4, .dtype = DType::bf16}}),
       one_input("rnn_gru_bf16", nn::RNN<nn::GRUCell>{.cell = {.features = 3, .dtype = DType::bf16}}),
+      // more layers
+      one_input("instance_norm", nn::InstanceNorm{}),
+      one_input("instance_norm_bf16", nn::InstanceNorm{.dtype = DType::bf16}),
+      one_input("einsum", nn::Einsum{.shape = {6, 2, 3}, .einsum_str = "btd,dhk->bthk"}),
+      one_input("einsum_ellipsis", nn::Einsum{.shape = {6, 4}, .einsum_str = "...d,dk->...k"}),
+      one_input("einsum_bf16", nn::Einsum{.shape = {6, 2, 3}, .einsum_str = "btd,dhk->bthk", .dtype = DType::bf16}),
+      array_cell("mgu_cell", nn::MGUCell{.features = 5}),
+      array_cell("mgu_cell_no_reset", nn::MGUCell{.features = 5, .reset_gate = false}),
+      one_input("rnn_mgu", nn::RNN<nn::MGUCell>{.cell = {.features = 3}}),
+      lstm_cell("conv_lstm_cell", nn::ConvLSTMCell{.features = 3, .kernel_size = {3, 3}}),
+      one_input("rnn_conv_lstm", nn::RNN<nn::ConvLSTMCell>{.cell = {.features = 2, .kernel_size = {3, 3}}}),
+      one_input("bidirectional", nn::Bidirectional<nn::RNN<nn::LSTMCell>, nn::RNN<nn::GRUCell>>{
+                                     .forward_rnn = {.cell = {.features = 4}}, .backward_rnn = {.cell = {.features = 3}}}),
+      rnn_with_lengths("bidirectional_lengths", nn::Bidirectional<nn::RNN<nn::GRUCell>, nn::RNN<nn::MGUCell>>{
+                                                    .forward_rnn = {.cell = {.features = 3}},
+                                                    .backward_rnn = {.cell = {.features = 2}}}),
   };
 }
 
@@ -449,6 +465,15 @@ TEST_CASE("flax.linen layers: Linum's init lists the variables in Flax's order (
     if (c.name.rfind("rnn_", 0) == 0) {
       std::sort(ours_paths.begin(), ours_paths.end());
       CHECK(std::is_sorted(flax_paths.begin(), flax_paths.end()));
+    }
+    // Bidirectional: forward_rnn then backward_rnn in both, each RNN's variables as above.
+    if (c.name.rfind("bidirectional", 0) == 0) {
+      auto by_rnn = [](const std::string& a, const std::string& b) {
+        const bool fa = a.find("/forward_rnn/") != std::string::npos, fb = b.find("/forward_rnn/") != std::string::npos;
+        return fa != fb ? fa : a < b;
+      };
+      std::sort(ours_paths.begin(), ours_paths.end(), by_rnn);
+      CHECK(std::is_sorted(flax_paths.begin(), flax_paths.end(), by_rnn));
     }
     CHECK(ours_paths == flax_paths);
     // Where the values are bitwise too, the file Linum writes is the file Flax writes.
@@ -638,6 +663,21 @@ TEST_CASE("optax: every optimizer and wrapper: parameters over 5 steps and the f
       {"apply_if_finite", optim::apply_if_finite(optim::adam(1e-2), 2)},
       {"multi_steps", optim::multi_steps(optim::adam(1e-2), 2)},
       {"dpsgd", optim::dpsgd(0.1, 1.0, 0.5, 3)},
+      // the other adaptive optimizers
+      {"nadam", optim::nadam(1e-2)},
+      {"nadamw", optim::nadamw(1e-2, 0.9, 0.999, 1e-8, 0.1)},
+      {"amsgrad", optim::amsgrad(1e-2)},
+      {"amsgrad_no_bias_correction", optim::amsgrad(1e-2, 0.9, 0.999, 1e-8, 0.0, false, false)},
+      {"adamax", optim::adamax(1e-2)},
+      {"radam", optim::radam(1e-2)},
+      {"radam_rectified", optim::radam(1e-2, 0.9, 0.9, 1e-8, 0.0, 4.0)},
+      {"radam_rectified_nesterov", optim::radam(1e-2, 0.9, 0.9, 1e-8, 0.0, 4.0, true)},
+      {"yogi", optim::yogi(1e-2)},
+      {"adadelta", optim::adadelta(0.5)},
+      {"adadelta_decay_masked", optim::adadelta(0.5, 0.9, 1e-6, 0.1, only_w)},
+      {"novograd", optim::novograd(1e-2, 0.9, 0.25, 1e-6, 0.0, 0.01)},
+      {"lars", optim::lars(0.1, 0.01)},
+      {"lars_masked", optim::lars(0.1, 0.01, only_w, 0.001, 0.0, only_w, 0.9, true)},
   };
   for (const auto& entry : cases) {
     const auto& name = entry.first;

@@ -330,6 +330,19 @@ TEST_CASE("param_dtype=bf16: every layer's parameters get non-zero bf16 gradient
   }, seq);
   check_layer("RNN<GRUCell>", [](DType t) { return nn::RNN<nn::GRUCell>{.cell = {.features = 4, .dtype = t, .param_dtype = t}}; }, seq);
   check_layer("RNN<SimpleCell>", [](DType t) { return nn::RNN<nn::SimpleCell>{.cell = {.features = 4, .dtype = t, .param_dtype = t}}; }, seq);
+  check_layer("RNN<MGUCell>", [](DType t) { return nn::RNN<nn::MGUCell>{.cell = {.features = 4, .dtype = t, .param_dtype = t}}; }, seq);
+  check_layer("RNN<ConvLSTMCell>", [](DType t) {
+    return nn::RNN<nn::ConvLSTMCell>{.cell = {.features = 2, .kernel_size = {3, 3}, .dtype = t, .param_dtype = t}};
+  }, random_array(Shape{2, 3, 4, 4, 3}, 6));
+  check_layer("Bidirectional", [](DType t) {
+    return nn::Bidirectional<nn::RNN<nn::GRUCell>>{.forward_rnn = {.cell = {.features = 3, .dtype = t, .param_dtype = t}},
+                                                   .backward_rnn = {.cell = {.features = 2, .dtype = t, .param_dtype = t}}};
+  }, seq);
+  check_layer("InstanceNorm", [](DType t) { return nn::InstanceNorm{.dtype = t, .param_dtype = t}; },
+              random_array(Shape{2, 4, 4, 6}, 5));
+  check_layer("Einsum", [](DType t) {
+    return nn::Einsum{.shape = {8, 2, 3}, .einsum_str = "btd,dhk->bthk", .dtype = t, .param_dtype = t};
+  }, seq);
 }
 
 TEST_CASE("saved-value hooks see every residual; gradients through them are bitwise") {

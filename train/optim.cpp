@@ -235,14 +235,14 @@ GradientTransformation trace(double decay, bool nesterov) {
       });
 }
 
-GradientTransformation scale_by_adam(double b1, double b2, double eps, double eps_root) {
+GradientTransformation scale_by_adam(double b1, double b2, double eps, double eps_root, bool nesterov) {
   if (!(b1 >= 0.0 && b1 < 1.0) || !(b2 >= 0.0 && b2 < 1.0) || !(eps >= 0.0) || !(eps_root >= 0.0) ||
       !std::isfinite(eps) || !std::isfinite(eps_root))
     throw ValueError(detail::cat("optim::scale_by_adam: needs 0 <= b1, b2 < 1 and finite eps, eps_root >= 0; got b1 = ", b1,
                                  ", b2 = ", b2, ", eps = ", eps, ", eps_root = ", eps_root));
-  const std::string who = "optim::scale_by_adam.update";
+  const std::string who = nesterov ? "optim::scale_by_adam(nesterov).update" : "optim::scale_by_adam.update";
   return GradientTransformation(
-      "optim::scale_by_adam",
+      nesterov ? "optim::scale_by_adam(nesterov)" : "optim::scale_by_adam",
       [](const Tree& params) {
         return Tree{{"count", count_array(0)}, {"mu", zeros_like(params)}, {"nu", zeros_like(params)}};
       },
@@ -262,11 +262,14 @@ GradientTransformation scale_by_adam(double b1, double b2, double eps, double ep
         const float bc1 = 1.0f - static_cast<float>(std::pow(static_cast<double>(d1), static_cast<double>(count)));
         const float bc2 = 1.0f - static_cast<float>(std::pow(static_cast<double>(d2), static_cast<double>(count)));
         const float e = f32(eps), er = f32(eps_root);
-        Tree out = map2(mu, nu, [=](float m, float v) {
-          const float m_hat = m / bc1;
-          const float v_hat = v / bc2;
-          return m_hat / (std::sqrt(v_hat + er) + e);
-        });
+        auto rescale = [=](float m_hat, float v) { return m_hat / (std::sqrt(v / bc2 + er) + e); };
+        // NAdam (nesterov): the first moment looks one step ahead,
+        // b1 * mu / (1 - b1^(t+1)) + (1 - b1) * g / (1 - b1^t), as optax.
+        const float bc1_next = 1.0f - static_cast<float>(std::pow(static_cast<double>(d1), static_cast<double>(safe_increment(count))));
+        Tree out = nesterov ? map3(mu, updates, nu, [=](float m, float g, float v) {
+                     return rescale(d1 * (m / bc1_next) + c1 * (g / bc1), v);
+                   })
+                            : map2(mu, nu, [=](float m, float v) { return rescale(m / bc1, v); });
         return UpdateResult{std::move(out),
                             Tree{{"count", count_array(count)}, {"mu", std::move(mu)}, {"nu", std::move(nu)}}};
       });

@@ -238,7 +238,10 @@ GradientTransformation trace(double decay, bool nesterov = false);
 // Adam's rescaling (optax.scale_by_adam): mu = (1-b1) g + b1 mu, nu = (1-b2) g^2 + b2 nu,
 // t = count + 1, update = (mu / (1 - b1^t)) / (sqrt(nu / (1 - b2^t) + eps_root) + eps).
 // State {"count": int32[], "mu": ..., "nu": ...}.
-GradientTransformation scale_by_adam(double b1 = 0.9, double b2 = 0.999, double eps = 1e-8, double eps_root = 0.0);
+// With nesterov (NAdam, Dozat 2016) the first moment looks one step ahead:
+// mu_hat = b1 mu / (1 - b1^(t+1)) + (1 - b1) g / (1 - b1^t).
+GradientTransformation scale_by_adam(double b1 = 0.9, double b2 = 0.999, double eps = 1e-8, double eps_root = 0.0,
+                                     bool nesterov = false);
 
 // Adds weight_decay * params to the updates (optax.add_decayed_weights); needs the params.
 // State {}. A zero weight decay leaves the updates unchanged (as optax).
@@ -364,5 +367,74 @@ GradientTransformation adafactor(LearningRate learning_rate, std::int64_t min_di
                                  double decay_rate = 0.8, std::int64_t decay_offset = 0,
                                  bool multiply_by_parameter_scale = true, double clipping_threshold = 1.0,
                                  double momentum = 0.0, double eps = 1e-30, bool factored = true);
+
+// ---- more adaptive optimizers (optax's) ----------------------------------------------------------
+//
+// Each rescaling keeps optax's state layout; each optimizer is optax's chain of a rescaling and
+// scale_by_learning_rate (so its state is {"0": <rescaling state>, "1": <learning rate state>}).
+
+// AMSGrad's rescaling (optax.scale_by_amsgrad): Adam's moments, and nu_max, the running maximum of
+// the bias-corrected second moment (of nu itself without bias_correction_nu); update =
+// mu_hat / (sqrt(nu_max + eps_root) + eps). State {"count", "mu", "nu", "nu_max"}.
+GradientTransformation scale_by_amsgrad(double b1 = 0.9, double b2 = 0.999, double eps = 1e-8, double eps_root = 0.0,
+                                        bool bias_correction_mu = true, bool bias_correction_nu = true);
+// Adamax's rescaling (optax.scale_by_adamax): mu as Adam's, nu = max(|g| + eps, b2 nu) (an
+// exponentially weighted infinity norm), update = (mu / (1 - b1^t)) / nu. State {"count", "mu", "nu"}.
+GradientTransformation scale_by_adamax(double b1 = 0.9, double b2 = 0.999, double eps = 1e-8);
+// Rectified Adam's rescaling (optax.scale_by_radam): Adam's step times the rectification
+// r = sqrt((ro - 4)(ro - 2) ro_inf / ((ro_inf - 4)(ro_inf - 2) ro)) once ro = ro_inf -
+// 2 t b2^t / (1 - b2^t) reaches threshold (ro_inf = 2 / (1 - b2) - 1), and the bias-corrected first
+// moment alone before. nesterov as scale_by_adam's. State {"count", "mu", "nu"}.
+GradientTransformation scale_by_radam(double b1 = 0.9, double b2 = 0.999, double eps = 1e-8, double eps_root = 0.0,
+                                      double threshold = 5.0, bool nesterov = false);
+// Yogi's rescaling (optax.scale_by_yogi): nu = nu - (1 - b2) sign(nu - g^2) g^2 (additive, so nu
+// grows slowly after large gradients), mu and nu start at initial_accumulator_value, update as
+// Adam's. State {"count", "mu", "nu"}.
+GradientTransformation scale_by_yogi(double b1 = 0.9, double b2 = 0.999, double eps = 1e-3, double eps_root = 0.0,
+                                     double initial_accumulator_value = 1e-6);
+// Adadelta's rescaling (optax.scale_by_adadelta): e_g = (1 - rho) g^2 + rho e_g, update =
+// sqrt(e_x + eps) / sqrt(e_g + eps) * g (e_x before this step), then e_x = (1 - rho) update^2 + rho e_x.
+// State {"e_g", "e_x"}.
+GradientTransformation scale_by_adadelta(double rho = 0.9, double eps = 1e-6);
+// NovoGrad's rescaling (optax.scale_by_novograd): a second moment per layer, nu = (1 - b2) |g|^2 +
+// b2 nu (|g|^2 at the first step), and mu = b1 mu + g / (sqrt(nu + eps_root) + eps) + weight_decay *
+// params (without b1 mu at the first step); the update is mu. Needs the params. State {"count",
+// "mu", "nu": one scalar per leaf}.
+GradientTransformation scale_by_novograd(double b1 = 0.9, double b2 = 0.25, double eps = 1e-8, double eps_root = 0.0,
+                                         double weight_decay = 0.0);
+
+// NAdam (optax.nadam): adam with scale_by_adam(..., nesterov = true).
+GradientTransformation nadam(LearningRate learning_rate, double b1 = 0.9, double b2 = 0.999, double eps = 1e-8,
+                             double eps_root = 0.0);
+// NAdamW (optax.nadamw): adamw with scale_by_adam(..., nesterov = true); `mask` (when given) picks
+// the leaves that decay. Needs the params.
+GradientTransformation nadamw(LearningRate learning_rate, double b1 = 0.9, double b2 = 0.999, double eps = 1e-8,
+                              double weight_decay = 1e-4, double eps_root = 0.0, Mask mask = nullptr);
+// AMSGrad (optax.amsgrad): chain(scale_by_amsgrad, scale_by_learning_rate).
+GradientTransformation amsgrad(LearningRate learning_rate, double b1 = 0.9, double b2 = 0.999, double eps = 1e-8,
+                               double eps_root = 0.0, bool bias_correction_mu = true, bool bias_correction_nu = true);
+// Adamax (optax.adamax): chain(scale_by_adamax, scale_by_learning_rate).
+GradientTransformation adamax(LearningRate learning_rate, double b1 = 0.9, double b2 = 0.999, double eps = 1e-8);
+// RAdam (optax.radam): chain(scale_by_radam, scale_by_learning_rate).
+GradientTransformation radam(LearningRate learning_rate, double b1 = 0.9, double b2 = 0.999, double eps = 1e-8,
+                             double eps_root = 0.0, double threshold = 5.0, bool nesterov = false);
+// Yogi (optax.yogi): chain(scale_by_yogi(b1, b2, eps), scale_by_learning_rate).
+GradientTransformation yogi(LearningRate learning_rate, double b1 = 0.9, double b2 = 0.999, double eps = 1e-3);
+// Adadelta (optax.adadelta): chain(add_decayed_weights(weight_decay, weight_decay_mask),
+// scale_by_adadelta(rho, eps), scale_by_learning_rate). optax lets the learning rate be None (no
+// scaling, so the "update" ascends the gradient); Linum asks for one (1.0 is Adadelta's paper).
+GradientTransformation adadelta(LearningRate learning_rate, double rho = 0.9, double eps = 1e-6, double weight_decay = 0.0,
+                                Mask weight_decay_mask = nullptr);
+// NovoGrad (optax.novograd): chain(scale_by_novograd, scale_by_learning_rate). Needs the params.
+GradientTransformation novograd(LearningRate learning_rate, double b1 = 0.9, double b2 = 0.25, double eps = 1e-6,
+                                double eps_root = 0.0, double weight_decay = 0.0);
+// LARS (optax.lars): chain(masked(add_decayed_weights(weight_decay), weight_decay_mask),
+// masked(scale_by_trust_ratio(0, trust_coefficient, eps), trust_ratio_mask), scale_by_learning_rate,
+// trace(momentum, nesterov)). An empty mask means every leaf (optax's default True); the state is
+// then {"0": {"inner_state": {}}, "1": {"inner_state": {}}, "2": {}, "3": {"trace": ...}}, as optax's.
+// Needs the params.
+GradientTransformation lars(LearningRate learning_rate, double weight_decay = 0.0, Mask weight_decay_mask = nullptr,
+                            double trust_coefficient = 0.001, double eps = 0.0, Mask trust_ratio_mask = nullptr,
+                            double momentum = 0.9, bool nesterov = false);
 
 }  // namespace linum::optim

@@ -87,6 +87,11 @@ inline Tree zeros_like(const Tree& params) {
   return tree_map([](const Array& a) { return Array::zeros(a.shape(), a.dtype()); }, params);
 }
 
+// A tree with the structure of `params` and `value` (rounded to each leaf's dtype) at every element.
+inline Tree full_like(const Tree& params, float value) {
+  return tree_map([value](const Array& a) { return Array::full(a.shape(), value, a.dtype()); }, params);
+}
+
 // An empty dict: the state of a stateless transformation.
 inline Tree empty_state() { return Tree(); }
 

@@ -102,10 +102,6 @@ Schedule cosine_onecycle_schedule(std::int64_t transition_steps, float peak_valu
 
 namespace {
 
-Tree full_like(const Tree& params, float value) {
-  return tree_map([value](const Array& a) { return Array::full(a.shape(), value, a.dtype()); }, params);
-}
-
 // Each leaf's sum of squares and element count, exact and merged across shards (square_sums.hpp).
 std::vector<SquareSum> square_sums(const Tree& tree) { return leaf_square_sums(leaves(tree)); }
 

@@ -115,6 +115,15 @@ std::vector<Case> optimizers() {
                                                       return path.find("kernel") != std::string::npos;
                                                     }),
                                                     optim::ema(0.9), optim::sgd(0.1))},
+      {"nadamw", optim::nadamw(1e-2, 0.9, 0.999, 1e-8, 0.01)},
+      {"amsgrad (running maximum)", optim::amsgrad(1e-2)},
+      {"radam (rectified from step 5)", optim::radam(1e-2, 0.9, 0.9, 1e-8, 0.0, 4.0)},
+      {"yogi", optim::yogi(1e-2)},
+      {"adadelta", optim::adadelta(1.0)},
+      {"novograd (a second moment per leaf)", optim::novograd(1e-2, 0.9, 0.25, 1e-6, 0.0, 0.01)},
+      {"lars (trust ratio per leaf, masked)", optim::lars(0.1, 1e-3, nullptr, 0.001, 0.0, [](const std::string& path, const Array&) {
+                                                 return path.find("kernel") != std::string::npos;
+                                               })},
   };
 }
 

@@ -241,6 +241,22 @@ def layer_values():
         "lstm_cell_bf16": layer_case(nn.LSTMCell(5, dtype=bf16), [(fixed_normal(7, (2, 5)), fixed_normal(8, (2, 5))), x24]),
         "rnn_lstm_bf16": layer_case(nn.RNN(nn.LSTMCell(4, dtype=bf16)), [seq]),
         "rnn_gru_bf16": layer_case(nn.RNN(nn.GRUCell(3, dtype=bf16)), [seq]),
+        # more layers: InstanceNorm, Einsum, the MGU and convolutional LSTM cells, Bidirectional
+        "instance_norm": layer_case(nn.InstanceNorm(), [fixed_normal(5, (2, 4, 4, 6))]),
+        "instance_norm_bf16": layer_case(nn.InstanceNorm(dtype=bf16), [fixed_normal(5, (2, 4, 4, 6))]),
+        "einsum": layer_case(nn.Einsum((6, 2, 3), "btd,dhk->bthk"), [seq]),
+        "einsum_ellipsis": layer_case(nn.Einsum((6, 4), "...d,dk->...k"), [seq]),
+        "einsum_bf16": layer_case(nn.Einsum((6, 2, 3), "btd,dhk->bthk", dtype=bf16), [seq]),
+        "mgu_cell": layer_case(nn.MGUCell(5), [fixed_normal(9, (2, 5)), x24]),
+        "mgu_cell_no_reset": layer_case(nn.MGUCell(5, reset_gate=False), [fixed_normal(9, (2, 5)), x24]),
+        "rnn_mgu": layer_case(nn.RNN(nn.MGUCell(3)), [seq]),
+        "conv_lstm_cell": layer_case(nn.ConvLSTMCell(3, (3, 3)),
+                                     [(fixed_normal(11, (2, 6, 6, 3)), fixed_normal(12, (2, 6, 6, 3))), img]),
+        "rnn_conv_lstm": layer_case(nn.RNN(nn.ConvLSTMCell(2, (3, 3))), [fixed_normal(13, (2, 3, 5, 5, 3))]),
+        "bidirectional": layer_case(nn.Bidirectional(nn.RNN(nn.LSTMCell(4)), nn.RNN(nn.GRUCell(3))), [seq]),
+        "bidirectional_lengths": layer_case(nn.Bidirectional(nn.RNN(nn.GRUCell(3)), nn.RNN(nn.MGUCell(2))),
+                                            [padded, lengths],
+                                            call=lambda m, x, n: m(x, seq_lengths=n, return_carry=True)),
     }
     return cases
 
@@ -407,6 +423,24 @@ OPTIMIZERS = {
     "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(1e-2), 2),
     "multi_steps": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2).gradient_transformation(),
     "dpsgd": lambda: optax.contrib.dpsgd(0.1, l2_norm_clip=1.0, noise_multiplier=0.5, seed=3),
+    # the other adaptive optimizers
+    "nadam": lambda: optax.nadam(1e-2),
+    "nadamw": lambda: optax.nadamw(1e-2, weight_decay=0.1),
+    "amsgrad": lambda: optax.amsgrad(1e-2),
+    "amsgrad_no_bias_correction": lambda: optax.amsgrad(1e-2, bias_correction_mu=False, bias_correction_nu=False),
+    "adamax": lambda: optax.adamax(1e-2),
+    # RAdam with b2 = 0.999 stays on its momentum branch for 5 steps; with b2 = 0.9 and threshold 4
+    # the rectified branch takes over at step 5 (ro = 4.58).
+    "radam": lambda: optax.radam(1e-2),
+    "radam_rectified": lambda: optax.radam(1e-2, b2=0.9, threshold=4.0),
+    "radam_rectified_nesterov": lambda: optax.radam(1e-2, b2=0.9, threshold=4.0, nesterov=True),
+    "yogi": lambda: optax.yogi(1e-2),
+    "adadelta": lambda: optax.adadelta(0.5),
+    "adadelta_decay_masked": lambda: optax.adadelta(0.5, weight_decay=0.1, weight_decay_mask={"b": False, "w": True}),
+    "novograd": lambda: optax.novograd(1e-2, weight_decay=0.01),
+    "lars": lambda: optax.lars(0.1, weight_decay=0.01),
+    "lars_masked": lambda: optax.lars(0.1, weight_decay=0.01, weight_decay_mask={"b": False, "w": True},
+                                      trust_ratio_mask={"b": False, "w": True}, nesterov=True),
 }
 
 # Which gradients a trajectory takes: "grads" by default, with a NaN at step 2, or per example
@@ -465,6 +499,9 @@ def main():
     ap.add_argument("--any-version", action="store_true", help="run with other versions than the pinned ones")
     ap.add_argument("--only", choices=list(FIXTURES),
                     help="write only this fixture")
+    ap.add_argument("--add-only", action="store_true",
+                    help="keep every value already in the fixture files and add only the new cases (XLA's CPU "
+                         "code differs between machines in the last bits, so regenerating moves old values by an ulp)")
     args = ap.parse_args()
     found = {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__}
     if found != PINNED and not args.any_version:
@@ -474,7 +511,19 @@ def main():
     os.makedirs(os.path.join(HERE, "fixtures"), exist_ok=True)
     for name, values in FIXTURES.items():
         if args.only in (None, name):
-            write(name + ".msgpack", values(found))
+            tree = values(found)
+            path = os.path.join(HERE, "fixtures", name + ".msgpack")
+            if args.add_only and os.path.exists(path):
+                with open(path, "rb") as f:
+                    tree = keep_existing(flax.serialization.msgpack_restore(f.read()), np_tree(tree))
+            write(name + ".msgpack", tree)
+
+
+def keep_existing(old, new):
+    """`new` with every value `old` already has kept from `old` (dicts merged key by key)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        return {k: keep_existing(old[k], v) if k in old else v for k, v in new.items()}
+    return old
 
 
 # Each fixture file and what computes it. Tuples (LSTM carries (c, h)) are stored as {"0": c, "1": h}.

@@ -1,0 +1,323 @@
+// optax's other adaptive optimizers (train/optim.hpp): the rescalings of AMSGrad, Adamax, RAdam,
+// Yogi, Adadelta and NovoGrad, and the optimizers nadam, nadamw, amsgrad, adamax, radam, yogi,
+// adadelta, novograd and lars built from them. Formulas, constants and state layouts are optax
+// 0.2.8's, evaluated in float32 with each hyperparameter rounded once from double, as JAX does
+// with weakly typed Python floats.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#else
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#include <linum/train/optim.hpp>
+#include <linum/train/square_sums.hpp>
+#include <linum/train/optim_internal.hpp>
+
+#include <cmath>
+#include <limits>
+
+namespace linum::optim {
+
+using namespace internal;
+
+namespace {
+
+// jnp.maximum: the larger value, NaN when either is NaN.
+inline float nan_max(float a, float b) {
+  if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<float>::quiet_NaN();
+  return a > b ? a : b;
+}
+
+// 1 - decay^count with the float32 decay, as optax's bias_correction.
+inline float bias_correction(float decay, std::int64_t count) {
+  return 1.0f - static_cast<float>(std::pow(static_cast<double>(decay), static_cast<double>(count)));
+}
+
+void check_decay(const char* who, const char* name, double value) {
+  if (!(value >= 0.0 && value < 1.0))
+    throw ValueError(detail::cat(who, ": ", name, " must be in [0, 1), got ", value));
+}
+
+void check_non_negative(const char* who, const char* name, double value) {
+  if (!(value >= 0.0) || !std::isfinite(value))
+    throw ValueError(detail::cat(who, ": ", name, " must be a finite number >= 0, got ", value));
+}
+
+// Checks `state` has `keys` and that each listed moment matches the gradients' structure.
+void check_moments(const std::string& who, const Tree& updates, const Tree& state, std::initializer_list<std::string_view> keys,
+                   std::initializer_list<std::string_view> moments) {
+  check_state_keys(who, state, keys);
+  for (std::string_view m : moments)
+    check_same_structure(who, "grads", updates, detail::cat("state['", m, "']"), state.at(m));
+}
+
+// Adam's bias-corrected first moment, or NAdam's look-ahead when nesterov:
+// b1 * mu / (1 - b1^(t+1)) + (1 - b1) * g / (1 - b1^t).
+Tree first_moment_estimate(const Tree& updates, const Tree& mu, double b1, std::int64_t count, bool nesterov) {
+  const float d1 = f32(b1), c1 = f32(1.0 - b1);
+  const float bc = bias_correction(d1, count);
+  if (!nesterov) return map1(mu, [bc](float m) { return m / bc; });
+  const float bc_next = bias_correction(d1, safe_increment(count));
+  return map2(mu, updates, [=](float m, float g) { return d1 * (m / bc_next) + c1 * (g / bc); });
+}
+
+}  // namespace
+
+// ---- rescalings ----------------------------------------------------------------------------------
+
+GradientTransformation scale_by_amsgrad(double b1, double b2, double eps, double eps_root, bool bias_correction_mu,
+                                        bool bias_correction_nu) {
+  const char* name = "optim::scale_by_amsgrad";
+  check_decay(name, "b1", b1);
+  check_decay(name, "b2", b2);
+  check_non_negative(name, "eps", eps);
+  check_non_negative(name, "eps_root", eps_root);
+  const std::string who = "optim::scale_by_amsgrad.update";
+  return GradientTransformation(
+      name,
+      [](const Tree& params) {
+        return Tree{{"count", count_array(0)}, {"mu", zeros_like(params)}, {"nu", zeros_like(params)},
+                    {"nu_max", zeros_like(params)}};
+      },
+      [=](const Tree& updates, const Tree& state, const Tree*) {
+        check_moments(who, updates, state, {"count", "mu", "nu", "nu_max"}, {"mu", "nu", "nu_max"});
+        const float c1 = f32(1.0 - b1), d1 = f32(b1), c2 = f32(1.0 - b2), d2 = f32(b2), e = f32(eps), er = f32(eps_root);
+        Tree mu = map2(updates, state.at("mu"), [=](float g, float m) { return c1 * g + d1 * m; });
+        Tree nu = map2(updates, state.at("nu"), [=](float g, float v) { return c2 * (g * g) + d2 * v; });
+        const std::int64_t count = safe_increment(read_count(who, state));
+        const float bc1 = bias_correction_mu ? bias_correction(d1, count) : 1.0f;
+        const float bc2 = bias_correction_nu ? bias_correction(d2, count) : 1.0f;
+        // The running maximum of the (bias-corrected) second moment.
+        Tree nu_max = map2(state.at("nu_max"), nu, [=](float vmax, float v) {
+          return nan_max(vmax, bias_correction_nu ? v / bc2 : v);
+        });
+        Tree out = map2(mu, nu_max, [=](float m, float vmax) {
+          return (bias_correction_mu ? m / bc1 : m) / (std::sqrt(vmax + er) + e);
+        });
+        return UpdateResult{std::move(out), Tree{{"count", count_array(count)}, {"mu", std::move(mu)}, {"nu", std::move(nu)},
+                                                 {"nu_max", std::move(nu_max)}}};
+      });
+}
+
+GradientTransformation scale_by_adamax(double b1, double b2, double eps) {
+  const char* name = "optim::scale_by_adamax";
+  check_decay(name, "b1", b1);
+  check_decay(name, "b2", b2);
+  check_non_negative(name, "eps", eps);
+  const std::string who = "optim::scale_by_adamax.update";
+  return GradientTransformation(
+      name,
+      [](const Tree& params) {
+        return Tree{{"count", count_array(0)}, {"mu", zeros_like(params)}, {"nu", zeros_like(params)}};
+      },
+      [=](const Tree& updates, const Tree& state, const Tree*) {
+        check_moments(who, updates, state, {"count", "mu", "nu"}, {"mu", "nu"});
+        const float c1 = f32(1.0 - b1), d1 = f32(b1), d2 = f32(b2), e = f32(eps);
+        const std::int64_t count = safe_increment(read_count(who, state));
+        Tree mu = map2(updates, state.at("mu"), [=](float g, float m) { return c1 * g + d1 * m; });
+        // The exponentially weighted infinity norm: max(|g| + eps, b2 * nu).
+        Tree nu = map2(updates, state.at("nu"), [=](float g, float v) { return nan_max(std::fabs(g) + e, d2 * v); });
+        const float bc1 = bias_correction(d1, count);
+        Tree out = map2(mu, nu, [=](float m, float v) { return (m / bc1) / v; });
+        return UpdateResult{std::move(out), Tree{{"count", count_array(count)}, {"mu", std::move(mu)}, {"nu", std::move(nu)}}};
+      });
+}
+
+GradientTransformation scale_by_radam(double b1, double b2, double eps, double eps_root, double threshold, bool nesterov) {
+  const char* name = "optim::scale_by_radam";
+  check_decay(name, "b1", b1);
+  check_decay(name, "b2", b2);
+  check_non_negative(name, "eps", eps);
+  check_non_negative(name, "eps_root", eps_root);
+  if (!std::isfinite(threshold)) throw ValueError(detail::cat(name, ": threshold must be finite, got ", threshold));
+  const std::string who = "optim::scale_by_radam.update";
+  // The length of the approximated simple moving average, at the limit (a Python float in optax).
+  const double ro_inf = 2.0 / (1.0 - b2) - 1.0;
+  return GradientTransformation(
+      name,
+      [](const Tree& params) {
+        return Tree{{"count", count_array(0)}, {"mu", zeros_like(params)}, {"nu", zeros_like(params)}};
+      },
+      [=](const Tree& updates, const Tree& state, const Tree*) {
+        check_moments(who, updates, state, {"count", "mu", "nu"}, {"mu", "nu"});
+        const float c1 = f32(1.0 - b1), d1 = f32(b1), c2 = f32(1.0 - b2), d2 = f32(b2), e = f32(eps), er = f32(eps_root);
+        Tree mu = map2(updates, state.at("mu"), [=](float g, float m) { return c1 * g + d1 * m; });
+        Tree nu = map2(updates, state.at("nu"), [=](float g, float v) { return c2 * (g * g) + d2 * v; });
+        const std::int64_t count = safe_increment(read_count(who, state));
+        // optax's float32 arithmetic: b2t = b2^t, ro = ro_inf - 2 t b2t / (1 - b2t), and the
+        // rectification r = sqrt((ro - 4)(ro - 2) ro_inf / ((ro_inf - 4)(ro_inf - 2) ro)), whose
+        // constant factor (ro_inf - 4)(ro_inf - 2) is formed in double.
+        const float b2t = static_cast<float>(std::pow(static_cast<double>(d2), static_cast<double>(count)));
+        const float ro = f32(ro_inf) - (static_cast<float>(2 * count) * b2t) / (1.0f - b2t);
+        const float r = std::sqrt((((ro - 4.0f) * (ro - 2.0f)) * f32(ro_inf)) / (f32((ro_inf - 4.0) * (ro_inf - 2.0)) * ro));
+        const bool rectify = ro >= f32(threshold);
+        const Tree mu_hat = first_moment_estimate(updates, mu, b1, count, nesterov);
+        const float bc2 = bias_correction(d2, count);
+        // Adam's step scaled by r once the variance estimate is reliable (ro >= threshold), else
+        // momentum SGD (the bias-corrected first moment itself).
+        Tree out = rectify ? map2(mu_hat, nu, [=](float m, float v) { return (r * m) / (std::sqrt(v / bc2 + er) + e); })
+                           : mu_hat;
+        return UpdateResult{std::move(out), Tree{{"count", count_array(count)}, {"mu", std::move(mu)}, {"nu", std::move(nu)}}};
+      });
+}
+
+GradientTransformation scale_by_yogi(double b1, double b2, double eps, double eps_root, double initial_accumulator_value) {
+  const char* name = "optim::scale_by_yogi";
+  check_decay(name, "b1", b1);
+  check_decay(name, "b2", b2);
+  check_non_negative(name, "eps", eps);
+  check_non_negative(name, "eps_root", eps_root);
+  check_non_negative(name, "initial_accumulator_value", initial_accumulator_value);
+  const std::string who = "optim::scale_by_yogi.update";
+  const float init = f32(initial_accumulator_value);
+  return GradientTransformation(
+      name,
+      [init](const Tree& params) {
+        return Tree{{"count", count_array(0)}, {"mu", full_like(params, init)}, {"nu", full_like(params, init)}};
+      },
+      [=](const Tree& updates, const Tree& state, const Tree*) {
+        check_moments(who, updates, state, {"count", "mu", "nu"}, {"mu", "nu"});
+        const float c1 = f32(1.0 - b1), d1 = f32(b1), c2 = f32(1.0 - b2), d2 = f32(b2), e = f32(eps), er = f32(eps_root);
+        Tree mu = map2(updates, state.at("mu"), [=](float g, float m) { return c1 * g + d1 * m; });
+        // Yogi's additive second moment: nu - (1 - b2) sign(nu - g^2) g^2.
+        Tree nu = map2(updates, state.at("nu"), [=](float g, float v) {
+          const float g2 = g * g;
+          const float diff = v - g2;
+          const float sign = diff > 0.0f ? 1.0f : diff < 0.0f ? -1.0f : diff;  // jnp.sign
+          return v - (c2 * sign) * g2;
+        });
+        const std::int64_t count = safe_increment(read_count(who, state));
+        const float bc1 = bias_correction(d1, count), bc2 = bias_correction(d2, count);
+        Tree out = map2(mu, nu, [=](float m, float v) { return (m / bc1) / (std::sqrt(v / bc2 + er) + e); });
+        return UpdateResult{std::move(out), Tree{{"count", count_array(count)}, {"mu", std::move(mu)}, {"nu", std::move(nu)}}};
+      });
+}
+
+GradientTransformation scale_by_adadelta(double rho, double eps) {
+  const char* name = "optim::scale_by_adadelta";
+  check_decay(name, "rho", rho);
+  check_non_negative(name, "eps", eps);
+  const std::string who = "optim::scale_by_adadelta.update";
+  return GradientTransformation(
+      name, [](const Tree& params) { return Tree{{"e_g", zeros_like(params)}, {"e_x", zeros_like(params)}}; },
+      [=](const Tree& updates, const Tree& state, const Tree*) {
+        check_moments(who, updates, state, {"e_g", "e_x"}, {"e_g", "e_x"});
+        const float c = f32(1.0 - rho), d = f32(rho), e = f32(eps);
+        // E[g^2] first; the step is g * RMS(previous steps) / RMS(gradients); then E[step^2].
+        Tree e_g = map2(updates, state.at("e_g"), [=](float g, float t) { return c * (g * g) + d * t; });
+        Tree out = map3(updates, e_g, state.at("e_x"), [=](float g, float eg, float ex) {
+          return (std::sqrt(ex + e) / std::sqrt(eg + e)) * g;
+        });
+        Tree e_x = map2(out, state.at("e_x"), [=](float u, float t) { return c * (u * u) + d * t; });
+        return UpdateResult{std::move(out), Tree{{"e_g", std::move(e_g)}, {"e_x", std::move(e_x)}}};
+      });
+}
+
+GradientTransformation scale_by_novograd(double b1, double b2, double eps, double eps_root, double weight_decay) {
+  const char* name = "optim::scale_by_novograd";
+  check_decay(name, "b1", b1);
+  check_decay(name, "b2", b2);
+  check_non_negative(name, "eps", eps);
+  check_non_negative(name, "eps_root", eps_root);
+  if (!std::isfinite(weight_decay)) throw ValueError(detail::cat(name, ": weight_decay must be finite, got ", weight_decay));
+  const std::string who = "optim::scale_by_novograd.update";
+  return GradientTransformation(
+      name,
+      [](const Tree& params) {
+        // One second moment per leaf: a scalar of the leaf's dtype.
+        return Tree{{"count", count_array(0)},
+                    {"mu", zeros_like(params)},
+                    {"nu", tree_map([](const Array& p) { return Array::zeros(Shape{}, p.dtype()); }, params)}};
+      },
+      [=](const Tree& updates, const Tree& state, const Tree* params) {
+        check_state_keys(who, state, {"count", "mu", "nu"});
+        check_same_structure(who, "grads", updates, "state['mu']", state.at("mu"));
+        if (!params) throw ValueError(who + ": NovoGrad needs the parameters; call update(grads, state, params)");
+        check_same_structure(who, "grads", updates, "params", *params);
+        autodiff::NoGradGuard constants;
+        const std::vector<Array> g = leaves(updates), p = leaves(*params), m_prev = leaves(state.at("mu")),
+                                 nu_prev = leaves(state.at("nu"));
+        if (nu_prev.size() != g.size())
+          throw ValueError(who + ": state['nu'] does not match the gradients; pass the state that init(params) returned");
+        for (std::size_t i = 0; i < nu_prev.size(); ++i)
+          if (nu_prev[i].rank() != 0 || !is_floating(nu_prev[i].dtype()))
+            throw ValueError(detail::cat(who, ": state['nu'] holds one float scalar per leaf, got ", dtype_name(nu_prev[i].dtype()),
+                                         " ", nu_prev[i].shape(), "; pass the state that init(params) returned"));
+        const std::int64_t count = safe_increment(read_count(who, state));
+        const bool first = count == 1;
+        const float c2 = f32(1.0 - b2), d2 = f32(b2), d1 = f32(b1), e = f32(eps), er = f32(eps_root), wd = f32(weight_decay);
+        // Each leaf's squared L2 norm (whole leaves, merged across shards), as jnp.linalg.norm(g)**2.
+        const std::vector<SquareSum> sums = leaf_square_sums(g);
+        std::vector<Array> mu, nu;
+        for (std::size_t i = 0; i < g.size(); ++i) {
+          const float norm = static_cast<float>(std::sqrt(sums[i].value()));
+          const float norm2 = norm * norm;
+          const float v_prev = astype(nu_prev[i], DType::f32).data()[0];
+          const float v = first ? norm2 : c2 * norm2 + d2 * v_prev;
+          const float denom = std::sqrt(v + er) + e;
+          // mu = b1 mu + (g / (sqrt(nu) + eps) + weight_decay * params); at the first step without b1 mu.
+          mu.push_back(map3(Tree(g[i]), Tree(p[i]), Tree(m_prev[i]), [=](float gj, float pj, float mj) {
+                         const float u = gj / denom + wd * pj;
+                         return first ? u : d1 * mj + u;
+                       }).array());
+          nu.push_back(astype(Array::full(Shape{}, v), nu_prev[i].dtype()));
+        }
+        Tree mu_tree = with_leaves(updates, mu);
+        return UpdateResult{mu_tree, Tree{{"count", count_array(count)}, {"mu", mu_tree}, {"nu", with_leaves(updates, nu)}}};
+      });
+}
+
+// ---- optimizers ----------------------------------------------------------------------------------
+
+GradientTransformation nadam(LearningRate learning_rate, double b1, double b2, double eps, double eps_root) {
+  return chain(scale_by_adam(b1, b2, eps, eps_root, /*nesterov=*/true), scale_by_learning_rate(std::move(learning_rate)));
+}
+
+GradientTransformation nadamw(LearningRate learning_rate, double b1, double b2, double eps, double weight_decay, double eps_root,
+                              Mask mask) {
+  return chain(scale_by_adam(b1, b2, eps, eps_root, /*nesterov=*/true),
+               mask ? add_decayed_weights(weight_decay, std::move(mask)) : add_decayed_weights(weight_decay),
+               scale_by_learning_rate(std::move(learning_rate)));
+}
+
+GradientTransformation amsgrad(LearningRate learning_rate, double b1, double b2, double eps, double eps_root,
+                               bool bias_correction_mu, bool bias_correction_nu) {
+  return chain(scale_by_amsgrad(b1, b2, eps, eps_root, bias_correction_mu, bias_correction_nu),
+               scale_by_learning_rate(std::move(learning_rate)));
+}
+
+GradientTransformation adamax(LearningRate learning_rate, double b1, double b2, double eps) {
+  return chain(scale_by_adamax(b1, b2, eps), scale_by_learning_rate(std::move(learning_rate)));
+}
+
+GradientTransformation radam(LearningRate learning_rate, double b1, double b2, double eps, double eps_root, double threshold,
+                             bool nesterov) {
+  return chain(scale_by_radam(b1, b2, eps, eps_root, threshold, nesterov), scale_by_learning_rate(std::move(learning_rate)));
+}
+
+GradientTransformation yogi(LearningRate learning_rate, double b1, double b2, double eps) {
+  return chain(scale_by_yogi(b1, b2, eps), scale_by_learning_rate(std::move(learning_rate)));
+}
+
+GradientTransformation adadelta(LearningRate learning_rate, double rho, double eps, double weight_decay, Mask weight_decay_mask) {
+  return chain(weight_decay_mask ? add_decayed_weights(weight_decay, std::move(weight_decay_mask)) : add_decayed_weights(weight_decay),
+               scale_by_adadelta(rho, eps), scale_by_learning_rate(std::move(learning_rate)));
+}
+
+GradientTransformation novograd(LearningRate learning_rate, double b1, double b2, double eps, double eps_root,
+                                double weight_decay) {
+  return chain(scale_by_novograd(b1, b2, eps, eps_root, weight_decay), scale_by_learning_rate(std::move(learning_rate)));
+}
+
+GradientTransformation lars(LearningRate learning_rate, double weight_decay, Mask weight_decay_mask, double trust_coefficient,
+                            double eps, Mask trust_ratio_mask, double momentum, bool nesterov) {
+  if (!(momentum >= 0) || !std::isfinite(momentum))
+    throw ValueError(detail::cat("optim::lars: momentum must be a finite number >= 0, got ", momentum));
+  // optax's masks default to True (every leaf): its state then wraps both steps as masked ones.
+  const Mask every_leaf = [](const std::string&, const Array&) { return true; };
+  return chain(masked(add_decayed_weights(weight_decay), weight_decay_mask ? std::move(weight_decay_mask) : every_leaf),
+               masked(scale_by_trust_ratio(0.0, trust_coefficient, eps), trust_ratio_mask ? std::move(trust_ratio_mask) : every_leaf),
+               scale_by_learning_rate(std::move(learning_rate)), trace(momentum, nesterov));
+}
+
+}  // namespace linum::optim
