@@ -90,6 +90,58 @@ TEST_CASE("plan_remat: plans meet budgets of 75% and 50% of the activation memor
   }
 }
 
+namespace {
+// Blocks that draw dropout masks: a plan that remats them must replay each block's keys.
+struct DropBlock {
+  Array operator()(Scope& s, const Array& x) const {
+    const Array h = s(nn::Dropout{.rate = 0.3, .deterministic = false}, gelu(s(nn::Dense{.features = 192}, x)));
+    return s(nn::Dense{.features = x.dim(-1)}, h);
+  }
+};
+struct DeepDrop {
+  Array operator()(Scope& s, Array x) const {
+    for (int i = 0; i < 6; ++i) x = s(DropBlock{}, x);
+    return x;
+  }
+};
+}  // namespace
+
+TEST_CASE("plan_remat with dropout: rematted blocks redraw the same masks, so gradients stay bitwise") {
+  // PyTorch's memory-budget partitioner redraws random numbers in the backward pass (pytorch#190758):
+  // a plan here runs rematted calls through the lifted remat path, which replays the keys.
+  const DeepDrop model;
+  const Array x = rng::normal(rng::key(1), Shape{512, 64});
+  const Tree vars = init(model, rng::Streams{{"params", rng::key(0)}, {"dropout", rng::key(5)}}, x);
+  auto loss = [&](const Tree& p) {
+    return sum(apply(model, Tree{{"params", p}}, {.rngs = {{"dropout", rng::key(7)}}}, x).first);
+  };
+  auto step = [&] { (void)value_and_grad(loss)(vars.at("params")); };
+  const auto [loss0, plain_grads] = value_and_grad(loss)(vars.at("params"));
+  // The masks are real: another dropout key gives other gradients.
+  auto other_masks = [&](const Tree& p) {
+    return sum(apply(model, Tree{{"params", p}}, {.rngs = {{"dropout", rng::key(8)}}}, x).first);
+  };
+  CHECK_FALSE(bitwise_equal(grad(other_masks)(vars.at("params")), plain_grads));
+  step();
+  const std::int64_t fixed = memory::stats().live_bytes;
+  std::int64_t plain = 0;
+  {
+    memory::PeakScope peak;
+    step();
+    plain = peak.peak_bytes();
+  }
+  const std::int64_t budget = fixed + (plain - fixed) / 2;
+  const lift::RematPlan plan = lift::plan_remat(step, budget);
+  CAPTURE(plan.str());
+  REQUIRE(std::any_of(plan.calls.begin(), plan.calls.end(), [](const auto& c) { return c.policy.has_value(); }));
+  lift::PlanScope apply_plan(plan);
+  memory::PeakScope peak;
+  const auto [loss1, grads] = value_and_grad(loss)(vars.at("params"));
+  CHECK(peak.peak_bytes() <= budget);
+  CHECK(loss1.item() == loss0.item());
+  CHECK(bitwise_equal(grads, plain_grads));
+}
+
 TEST_CASE("plan_remat: a generous budget remats nothing; an impossible one names the smallest peak") {
   const Setup<Deep> m;
   std::int64_t fixed = 0, plain = 0;
