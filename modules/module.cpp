@@ -12,7 +12,30 @@ ScopeState ModuleEntry::for_apply(const Tree& variables, const ApplyOptions& opt
   state.rngs = options.rngs;
   state.all_mutable = options.all_mutable;
   state.mutable_collections.insert(options.mutable_collections.begin(), options.mutable_collections.end());
+  if (options.capture_intermediates) state.mutable_collections.insert("intermediates");
   return state;
+}
+
+bool CaptureIntermediates::wants(const ModuleCall& call) const {
+  if (call.kind == ModuleCall::Kind::method) return false;  // as Flax's default: __call__ only
+  return !filter_ || filter_(join_module_path(call.path), call.type);
+}
+
+std::vector<Array> CaptureIntermediates::around(Scope& scope, const ModuleCall&, const ModuleCallBody& next,
+                                                const ModuleCallBody&) {
+  std::vector<Array> out = next(scope);
+  (void)scope.sow("intermediates", "__call__", out);
+  return out;
+}
+
+CaptureScope::CaptureScope(const ApplyOptions& options) {
+  if (!options.capture_intermediates) return;
+  hook_ = std::make_unique<CaptureIntermediates>(options.capture_filter);
+  guard_ = std::make_unique<ModuleCallHookGuard>(hook_.get());
+}
+
+CaptureScope::~CaptureScope() {
+  guard_.reset();  // uninstalled before the hook goes
 }
 
 void ModuleEntry::check_unused_params(const ScopeState& state, const std::string& module_type) {

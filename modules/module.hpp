@@ -13,6 +13,8 @@
 #include <linum/modules/scope.hpp>
 #include <linum/rng/streams.hpp>
 
+#include <functional>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -29,6 +31,13 @@ struct ApplyOptions {
   // Refuse variable dicts with "params" entries the model never read (usually a dict from another
   // model). Only checked when the module's operator() runs, not for other methods.
   bool check_unused = true;
+  // Flax's capture_intermediates: the output of every module call (operator(), the root's too) is
+  // sown into "intermediates" at the module's path as "__call__" (intermediates/Dense_0/__call__/0;
+  // a module whose output has several arrays: .../__call__/0/0, .../__call__/0/1, ...), returned
+  // with the other updates. `capture_filter`, when set, picks the calls: (module path as
+  // "Block_0/Dense_1", "" for the root; type name such as "Dense") -> capture or not.
+  bool capture_intermediates = false;
+  std::function<bool(const std::string& path, const std::string& type)> capture_filter;
 };
 
 namespace detail {
@@ -60,6 +69,32 @@ struct ModuleEntry {
   static decltype(auto) invoke_method(const M& module, Method method, Scope& s, Args&&... args) {
     return Scope::invoke_method(module, method, s, std::forward<Args>(args)...);
   }
+};
+
+// apply's capture_intermediates: sows the output of each wanted module call into "intermediates".
+class CaptureIntermediates final : public ModuleCallHook {
+ public:
+  explicit CaptureIntermediates(std::function<bool(const std::string&, const std::string&)> filter)
+      : filter_(std::move(filter)) {}
+  bool wants(const ModuleCall& call) const override;
+  std::vector<Array> around(Scope& scope, const ModuleCall& call, const ModuleCallBody& next,
+                            const ModuleCallBody& body) override;
+
+ private:
+  std::function<bool(const std::string&, const std::string&)> filter_;
+};
+
+// Installs CaptureIntermediates for an apply that asked for it (nothing otherwise).
+class CaptureScope {
+ public:
+  explicit CaptureScope(const ApplyOptions& options);
+  ~CaptureScope();
+  CaptureScope(const CaptureScope&) = delete;
+  CaptureScope& operator=(const CaptureScope&) = delete;
+
+ private:
+  std::unique_ptr<CaptureIntermediates> hook_;
+  std::unique_ptr<ModuleCallHookGuard> guard_;
 };
 
 // Runs an apply; if params were missing, that is the error reported (also when a later op failed
@@ -187,11 +222,14 @@ template <class M, class... Args>
   requires std::invocable<const M&, Scope&, Args...>
 auto apply(const M& module, const Tree& variables, const ApplyOptions& options, Args&&... args) {
   detail::ScopeState state = detail::ModuleEntry::for_apply(variables, options);
-  auto out = detail::run_module(module, state, module, std::forward<Args>(args)...);
+  auto out = [&] {
+    const detail::CaptureScope capture(options);
+    return detail::run_module(module, state, module, std::forward<Args>(args)...);
+  }();
   if (options.check_unused) detail::ModuleEntry::check_unused_params(state, module_type_name<M>());
   using Out = decltype(out);
   return Applied<Out>(std::move(out), detail::ModuleEntry::mutated_collections(state),
-                      options.all_mutable || !options.mutable_collections.empty());
+                      options.all_mutable || !options.mutable_collections.empty() || options.capture_intermediates);
 }
 
 // Runs another method of the module: apply_method(&Encoder::encode, enc, vars, options, x).

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include <linum/core/memory.hpp>
+#include <linum/core/ops/elementwise.hpp>
 
 #include <cxxabi.h>
 
@@ -267,6 +268,10 @@ rng::Key Scope::make_rng(std::string_view stream) {
 }
 
 bool Scope::sow(std::string_view collection, std::string_view name, const Array& value) {
+  return sow(collection, name, std::vector<Array>{value});
+}
+
+bool Scope::sow(std::string_view collection, std::string_view name, const std::vector<Array>& values) {
   const std::string coll(collection);
   if (state_->lifted_collections && !state_->lifted_collections->count(coll)) return false;
   if (!state_->is_mutable(coll) || (state_->initializing && coll == "intermediates" && !state_->mutable_collections.count(coll)))
@@ -275,8 +280,30 @@ bool Scope::sow(std::string_view collection, std::string_view name, const Array&
   Tree& c = state_->variables[coll];
   int i = 0;
   while (c.contains_path(base + "/" + std::to_string(i))) ++i;
-  c.set_path(base + "/" + std::to_string(i), Tree(value));
+  const std::string at = base + "/" + std::to_string(i);
+  if (values.size() == 1) {
+    c.set_path(at, Tree(values[0]));
+  } else {
+    Tree tuple;  // {"0": ..., "1": ...}, as flax.serialization stores a tuple (an empty one: {})
+    for (std::size_t k = 0; k < values.size(); ++k) tuple.set(std::to_string(k), Tree(values[k]));
+    c.set_path(at, std::move(tuple));
+  }
   return true;
+}
+
+Array Scope::perturb(std::string_view name, const Array& value, std::string_view collection) {
+  const std::string coll(collection);
+  if (state_->is_mutable(coll) && !has_variable(coll, name))
+    (void)variable(coll, name, [&] { return Array::zeros(value.shape(), value.dtype()); });
+  if (!state_->variables.contains(coll)) return value;
+  if (!has_variable(coll, name))
+    throw ValueError(detail::cat("perturb: the variable dict has a '", coll, "' collection but no entry '", full_path(name),
+                                 "'; pass the '", coll, "' that init returned for this model (or leave the collection out)"));
+  const Array& delta = variable(coll, name, [] { return Array(); }).value();
+  if (delta.shape() != value.shape())
+    throw ShapeError(detail::cat("perturb: '", coll, "/", full_path(name), "' is ", delta.type_str(), " but the value it perturbs is ",
+                                 value.type_str(), "; pass the '", coll, "' that init returned for this model"));
+  return value + delta;
 }
 
 void Scope::mark_timeline_return() const noexcept {

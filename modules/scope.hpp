@@ -265,6 +265,15 @@ class Scope {
   // Stores `value` under <collection>/<path>/<name>/<i> (i = 0, 1, ... for repeated sows) when the
   // collection is mutable; otherwise does nothing and returns false (as Flax's sow).
   bool sow(std::string_view collection, std::string_view name, const Array& value);
+  // The same for a value of several arrays (a module's tuple output): <name>/<i>/0, <name>/<i>/1, ...
+  bool sow(std::string_view collection, std::string_view name, const std::vector<Array>& values);
+  // Flax's perturb: `value` plus a variable <collection>/<path>/<name> of zeros, so that the
+  // gradient with respect to that collection is the gradient with respect to this intermediate
+  // value (grad of a loss over {"params": p, "perturbations": z} at z = 0). The variable is created
+  // where the collection is mutable (at init, which therefore returns "perturbations"); an apply
+  // whose variables have no such collection gets `value` unchanged; one whose collection lacks this
+  // entry, or holds one of another shape, throws ValueError / ShapeError.
+  Array perturb(std::string_view name, const Array& value, std::string_view collection = "perturbations");
 
   // ---- child modules -----------------------------------------------------------------------------
   // Runs `module` in a child scope auto-named "<Type>_<n>".

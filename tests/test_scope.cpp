@@ -280,3 +280,73 @@ TEST_CASE("nn::with_partitioning: logical axis names on the init dict's leaves, 
   CHECK_THROWS_AS(Tree(x).with_axis_names({"a"}), ShapeError);
   CHECK_THROWS_AS(vars.with_axis_names({"a", "b"}), ShapeError);
 }
+
+namespace {
+struct TwoOut {  // a module with a tuple output
+  std::pair<Array, Array> operator()(Scope& s, const Array& x) const { return {s(Affine{}, x), x * 2.0f}; }
+};
+struct Probe {  // Flax's perturb after a layer, then a nonlinearity
+  Array operator()(Scope& s, const Array& x) const {
+    Array h = s.perturb("h", s(Affine{}, x));
+    return sum(gelu(h));
+  }
+};
+}  // namespace
+
+TEST_CASE("capture_intermediates sows every module call's output under its path; a filter picks calls") {
+  Array x = Array::from(Shape{2, 3}, {1, 2, 3, 4, 5, 6});
+  Tree vars = init(Net{}, rng::key(0), x);
+  auto [y, updates] = apply(Net{}, vars, {.mutable_collections = {"stats"}, .capture_intermediates = true}, x);
+  const Tree& inter = updates.at("intermediates");
+  CHECK(inter.keys() == std::vector<std::string>{"Affine_0", "Affine_1", "shared", "Counter_0", "h", "__call__"});
+  const Array a0 = apply(Affine{}, Tree{{"params", vars.at_path("params/Affine_0")}}, x);
+  CHECK(inter.at_path("Affine_0/__call__/0").array().bitwise_equal(a0));
+  CHECK(inter.at("shared").at("__call__").keys() == std::vector<std::string>{"0", "1"});  // called twice
+  CHECK(inter.at_path("__call__/0").array().bitwise_equal(y));                             // the root's output
+  CHECK(inter.at_path("h/0").array().bitwise_equal(y));                                    // the model's own sow
+  // A filter: only the Affine calls at "Affine_1".
+  auto [y2, only] = apply(Net{}, vars, {.mutable_collections = {"stats"}, .capture_intermediates = true,
+                                        .capture_filter = [](const std::string& path, const std::string& type) {
+                                          return type == "Affine" && path == "Affine_1";
+                                        }}, x);
+  CHECK(only.at("intermediates").keys() == std::vector<std::string>{"Affine_1", "h"});
+  CHECK(y2.bitwise_equal(y));
+  // Without mutable collections the call still returns (output, updates): the intermediates.
+  auto [y3, captured] = apply(Net{}, vars, {.capture_intermediates = true}, x);
+  CHECK(captured.keys() == std::vector<std::string>{"intermediates"});
+  // A tuple output: its arrays under __call__/0/0, __call__/0/1.
+  Tree tv = init(TwoOut{}, rng::key(1), x);
+  auto [out, tu] = apply(TwoOut{}, tv, {.capture_intermediates = true}, x);
+  CHECK(tu.at_path("intermediates/__call__/0/0").array().bitwise_equal(out.first));
+  CHECK(tu.at_path("intermediates/__call__/0/1").array().bitwise_equal(out.second));
+  // Under remat the outputs are captured once, and the gradients are unchanged.
+  using RA = lift::remat<Affine>;
+  Tree rv = init(RA{}, rng::key(2), x);
+  auto loss = [&](const Tree& p, bool capture) {
+    return sum(square(apply(RA{}, Tree{{"params", p}}, {.capture_intermediates = capture}, x).first));
+  };
+  CHECK(bitwise_equal(grad([&](const Tree& p) { return loss(p, true); })(rv.at("params")),
+                      grad([&](const Tree& p) { return loss(p, false); })(rv.at("params"))));
+  auto [ry, ru] = apply(RA{}, rv, {.capture_intermediates = true}, x);
+  CHECK(ru.at_path("intermediates/__call__").keys() == std::vector<std::string>{"0"});
+}
+
+TEST_CASE("perturb: init makes zero 'perturbations'; their gradient is the gradient with respect to the intermediate") {
+  Array x = Array::from(Shape{2, 3}, {1, -2, 3, 0.5f, 5, -1});
+  Tree vars = init(Probe{}, rng::key(0), x);
+  CHECK(vars.keys() == std::vector<std::string>{"params", "perturbations"});
+  CHECK(vars.at_path("perturbations/h").array().bitwise_equal(Array::zeros(Shape{2, 3})));
+  // d sum(gelu(h)) / dh, with h = Affine(x).
+  const Array h = apply(Affine{}, Tree{{"params", vars.at_path("params/Affine_0")}}, x);
+  const Array want = grad([](const Array& v) { return sum(gelu(v)); })(h);
+  const Array got = grad([&](const Tree& z) {
+                      return apply(Probe{}, Tree{{"params", vars.at("params")}, {"perturbations", z}}, x);
+                    })(vars.at("perturbations")).at("h").array();
+  CHECK(got.bitwise_equal(want));
+  // Without the collection the value passes unchanged; a collection without the entry is an error.
+  CHECK(apply(Probe{}, Tree{{"params", vars.at("params")}}, x).bitwise_equal(apply(Probe{}, vars, x)));
+  CHECK_THROWS_WITH_AS(apply(Probe{}, Tree{{"params", vars.at("params")}, {"perturbations", Tree{{"other", Array::zeros(Shape{1})}}}}, x),
+                       doctest::Contains("no entry 'h'"), ValueError);
+  CHECK_THROWS_WITH_AS(apply(Probe{}, Tree{{"params", vars.at("params")}, {"perturbations", Tree{{"h", Array::zeros(Shape{3})}}}}, x),
+                       doctest::Contains("perturb"), ShapeError);
+}
