@@ -29,6 +29,7 @@
 #include <linum/core/autodiff/saved_hooks.hpp>
 #include <linum/core/ops/all.hpp>
 #include <linum/core/tree.hpp>
+#include <linum/train/io/restore.hpp>
 #include <linum/train/io/serialization.hpp>
 #include <linum/train/io/safetensors.hpp>
 #include <linum/train/io/torch_layouts.hpp>
@@ -44,6 +45,7 @@
 #include <linum/train/distributed/sharded_data_parallel.hpp>
 #include <linum/train/distributed/sharding.hpp>
 #include <linum/modules/initializers.hpp>
+#include <linum/modules/intercept.hpp>
 #include <linum/modules/scope.hpp>
 #include <linum/modules/module.hpp>
 #include <linum/nn/nn.hpp>

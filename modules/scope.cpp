@@ -291,6 +291,23 @@ bool Scope::sow(std::string_view collection, std::string_view name, const std::v
   return true;
 }
 
+bool Scope::sow(std::string_view collection, std::string_view name, const Array& value,
+               const std::function<Array(const Array&, const Array&)>& reduce, const std::function<Array()>& init) {
+  if (!reduce || !init) throw ValueError("sow: reduce and init must both be callables (or use sow without them, which appends)");
+  const std::string coll(collection);
+  if (state_->lifted_collections && !state_->lifted_collections->count(coll)) return false;
+  if (!state_->is_mutable(coll) || (state_->initializing && coll == "intermediates" && !state_->mutable_collections.count(coll)))
+    return false;
+  const std::string at = full_path(name);
+  Tree& c = state_->variables[coll];
+  if (c.contains_path(at) && !c.at_path(at).is_leaf())
+    throw ValueError(detail::cat("sow: '", coll, "/", at, "' holds appended values (a sow without reduce); use one kind of "
+                                 "sow per name"));
+  const Array previous = c.contains_path(at) ? c.at_path(at).array() : init();
+  c.set_path(at, Tree(reduce(previous, value)));
+  return true;
+}
+
 Array Scope::perturb(std::string_view name, const Array& value, std::string_view collection) {
   const std::string coll(collection);
   if (state_->is_mutable(coll) && !has_variable(coll, name))

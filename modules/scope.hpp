@@ -265,6 +265,13 @@ class Scope {
   // Stores `value` under <collection>/<path>/<name>/<i> (i = 0, 1, ... for repeated sows) when the
   // collection is mutable; otherwise does nothing and returns false (as Flax's sow).
   bool sow(std::string_view collection, std::string_view name, const Array& value);
+  // Flax's sow with reduce_fn and init_fn: the value stored at <collection>/<path>/<name> (no
+  // index) becomes reduce(previous, value), the previous being init() at the first sow. A running
+  // sum of auxiliary losses:
+  //   s.sow("losses", "aux", l, [](const Array& acc, const Array& x) { return acc + x; },
+  //         [] { return Array::zeros(Shape{}); });
+  bool sow(std::string_view collection, std::string_view name, const Array& value,
+           const std::function<Array(const Array& previous, const Array& value)>& reduce, const std::function<Array()>& init);
   // The same for a value of several arrays (a module's tuple output): <name>/<i>/0, <name>/<i>/1, ...
   bool sow(std::string_view collection, std::string_view name, const std::vector<Array>& values);
   // Flax's perturb: `value` plus a variable <collection>/<path>/<name> of zeros, so that the

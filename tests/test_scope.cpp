@@ -350,3 +350,85 @@ TEST_CASE("perturb: init makes zero 'perturbations'; their gradient is the gradi
   CHECK_THROWS_WITH_AS(apply(Probe{}, Tree{{"params", vars.at("params")}, {"perturbations", Tree{{"h", Array::zeros(Shape{3})}}}}, x),
                        doctest::Contains("perturb"), ShapeError);
 }
+
+TEST_CASE("sow with reduce and init keeps one running value, as Flax's reduce_fn / init_fn") {
+  struct AuxLosses {
+    Array operator()(Scope& s, const Array& x) const {
+      auto add = [](const Array& acc, const Array& v) { return acc + v; };
+      auto zero = [] { return Array::zeros(Shape{}); };
+      for (float w : {1.0f, 2.0f, 3.0f}) s.sow("losses", "aux", sum(x) * w, add, zero);
+      s.sow("losses", "count", Array::ones(Shape{}), add, zero);
+      return x;
+    }
+  };
+  const Array x = Array::from(Shape{2}, {1.0f, 2.0f});
+  auto [y, updates] = apply(AuxLosses{}, Tree{}, {.mutable_collections = {"losses"}}, x);
+  CHECK(updates.at_path("losses/aux").array().item() == 18.0f);  // 3 * (1 + 2 + 3)
+  CHECK(updates.at_path("losses/count").array().item() == 1.0f);
+  // Not mutable: nothing stored, as the appending sow.
+  CHECK(apply(AuxLosses{}, Tree{}, x).bitwise_equal(x));
+}
+
+namespace {
+struct WithMethod {
+  Array operator()(Scope& s, const Array& x) const { return s.call(&WithMethod::half, *this, s(Affine{}, x)); }
+  Array half(Scope&, const Array& x) const { return x * 0.5f; }
+};
+}  // namespace
+
+TEST_CASE("InterceptMethods sees every module call, may change inputs and outputs; gradients follow; misuse is an error") {
+  const Array x = Array::from(Shape{2, 3}, {1, 2, 3, 4, 5, 6});
+  const Tree vars = init(Net{}, rng::key(0), x);
+  const Array plain = apply(Net{}, vars, x);
+  {  // A spy: calls in order, innermost returning first; the output unchanged.
+    std::vector<std::string> seen;
+    InterceptMethods spy([&](MethodCall& call, const auto& next) {
+      std::vector<Array> out = next();
+      seen.push_back(call.path_str() + ":" + call.type() + (call.is_call() ? "" : "(method)"));
+      return out;
+    });
+    CHECK(apply(Net{}, vars, x).bitwise_equal(plain));
+    CHECK(seen == std::vector<std::string>{"Affine_0:Affine", "Affine_1:Affine", "shared:Affine", "shared:Affine",
+                                           "Counter_0:Counter", ":Net"});
+    const Tree wv = init(WithMethod{}, rng::key(0), x);  // (init runs through the interceptor too)
+    seen.clear();
+    (void)apply(WithMethod{}, wv, x);
+    CHECK(seen == std::vector<std::string>{"Affine_0:Affine", "WithMethod_0:WithMethod(method)", ":WithMethod"});
+  }
+  CHECK(apply(Net{}, vars, x).bitwise_equal(plain));  // uninstalled with the scope
+  const Tree av = init(Affine{}, rng::key(4), x);
+  const Array w = av.at_path("params/w").array(), b = av.at_path("params/b").array();
+  {  // Inputs doubled, outputs plus one: the layer computes (2x) w + b + 1, and gradients see it.
+    InterceptMethods edit([](MethodCall& call, const auto& next) {
+      std::vector<Array> in = call.arguments();
+      REQUIRE(in.size() == 1);
+      in[0] = in[0] * 2.0f;
+      call.set_arguments(in);
+      std::vector<Array> out = next();
+      out[0] = out[0] + 1.0f;
+      return out;
+    });
+    CHECK(apply(Affine{}, av, x).bitwise_equal((x * 2.0f) * w + b + 1.0f));
+    const Tree g = grad([&](const Tree& p) { return sum(apply(Affine{}, Tree{{"params", p}}, x)); })(av.at("params"));
+    CHECK(g.at("w").array().bitwise_equal(sum(x * 2.0f, {0})));
+  }
+  {  // An interceptor must run the call once and return as many arrays.
+    InterceptMethods skip([](MethodCall&, const auto&) { return std::vector<Array>{Array::zeros(Shape{1})}; });
+    CHECK_THROWS_WITH_AS(apply(Affine{}, av, x), doctest::Contains("without running the call"), ValueError);
+  }
+  {
+    InterceptMethods extra([](MethodCall&, const auto& next) {
+      std::vector<Array> out = next();
+      out.push_back(out[0]);
+      return out;
+    });
+    CHECK_THROWS_WITH_AS(apply(Affine{}, av, x), doctest::Contains("returns 1 arrays but the interceptor returned 2"), ValueError);
+  }
+  {
+    InterceptMethods bad_args([](MethodCall& call, const auto& next) {
+      call.set_arguments(std::vector<Array>{});
+      return next();
+    });
+    CHECK_THROWS_WITH_AS(apply(Affine{}, av, x), doctest::Contains("takes 1 input arrays"), ValueError);
+  }
+}

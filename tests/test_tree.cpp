@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 #include <linum/train/io/serialization.hpp>
 #include <linum/core/tree.hpp>
+#include <linum/linum.hpp>
 
 #include <nlohmann/json.hpp>
 
@@ -862,4 +863,62 @@ TEST_CASE("files: temporary files of writers killed mid-write are cleaned up by 
   CHECK(fs::exists(fresh_stale));  // might belong to a writer in another PID namespace: left for a minute
   CHECK(fs::exists(live));
   CHECK(bitwise_equal(ser::load(dir / "vars.msgpack"), tricky_tree()));
+}
+
+namespace {
+struct FineTune {  // a backbone and a classification head
+  std::int64_t classes = 10;
+  Array operator()(Scope& s, const Array& x) const {
+    const Array h = relu(s("backbone", nn::Dense{.features = 8}, x));
+    return s("head", nn::Dense{.features = classes}, h);
+  }
+};
+}  // namespace
+
+TEST_CASE("restore: strict as Flax's from_state_dict; fine-tuning keeps a new head; floats convert; errors list the paths") {
+  const Array x = Array::ones(Shape{2, 4});
+  const Tree pretrained = init(FineTune{10}, rng::key(1), x);
+  // The same model: every array restored, bitwise.
+  const auto same = serialization::restore(init(FineTune{10}, rng::key(3), x), pretrained);
+  CHECK(bitwise_equal(same.tree, pretrained));
+  CHECK(same.report.complete());
+  CHECK(same.report.restored.size() == 4);
+  // A head of another size: an error naming it, unless mismatched shapes are skipped.
+  const Tree fresh = init(FineTune{3}, rng::key(2), x);
+  CHECK_THROWS_WITH_AS(serialization::restore(fresh, pretrained), doctest::Contains("params/head/bias"), ShapeError);
+  const auto [tuned, report] = serialization::restore(fresh, pretrained, {.skip_mismatched_shapes = true});
+  CHECK(bitwise_equal(tuned.at_path("params/backbone"), pretrained.at_path("params/backbone")));
+  CHECK(bitwise_equal(tuned.at_path("params/head"), fresh.at_path("params/head")));
+  CHECK(report.mismatched == std::vector<std::string>{"params/head/bias", "params/head/kernel"});
+  CHECK(report.str() == "restored 2, shape mismatched 2 (params/head/bias, params/head/kernel)");
+  // A file whose head has another name: strict lists both sides; non-strict restores the backbone.
+  Tree other = pretrained;
+  other.at("params").set("classifier", other.at_path("params/head"));
+  other.at("params").erase("head");
+  const std::string strict_error = [&] {
+    try {
+      (void)serialization::restore(pretrained, other);
+    } catch (const ValueError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  }();
+  CHECK(strict_error.find("missing from it: params/head/bias, params/head/kernel") != std::string::npos);
+  CHECK(strict_error.find("not in the target: params/classifier/bias, params/classifier/kernel") != std::string::npos);
+  const auto partial = serialization::restore(fresh, other, {.strict = false});
+  CHECK(partial.report.missing == std::vector<std::string>{"params/head/bias", "params/head/kernel"});
+  CHECK(partial.report.unexpected == std::vector<std::string>{"params/classifier/bias", "params/classifier/kernel"});
+  CHECK(bitwise_equal(partial.tree.at_path("params/backbone"), pretrained.at_path("params/backbone")));
+  // Into a bf16 model: float32 arrays convert; the structure and key order stay the target's.
+  const Tree bf16_target = tree_map([](const Array& a) { return astype(a, DType::bf16); }, fresh);
+  const auto in_bf16 = serialization::restore(bf16_target, pretrained, {.skip_mismatched_shapes = true});
+  CHECK(in_bf16.tree.at_path("params/backbone/kernel").array().dtype() == DType::bf16);
+  CHECK(in_bf16.tree.at_path("params/backbone/kernel").array().bitwise_equal(
+      astype(pretrained.at_path("params/backbone/kernel").array(), DType::bf16)));
+  CHECK(flatten(in_bf16.tree).front().first == flatten(fresh).front().first);
+  // An int32 leaf takes int32 only; a leaf where the other tree has a dict is an error.
+  const Tree ints{{"step", Array::full_i32(Shape{}, 3)}};
+  CHECK_THROWS_WITH_AS(serialization::restore(ints, Tree{{"step", Array::zeros(Shape{})}}), doctest::Contains("only float"), ShapeError);
+  CHECK_THROWS_WITH_AS(serialization::restore(pretrained, Tree{{"params", Array::zeros(Shape{1})}}), doctest::Contains("dict in the target"),
+                       ValueError);
 }
