@@ -43,6 +43,24 @@ void check_non_negative(const char* who, const char* name, double value) {
     throw ValueError(detail::cat(who, ": ", name, " must be a finite number >= 0, got ", value));
 }
 
+// Adam's hyperparameter checks: decays in [0, 1), finite epsilons >= 0.
+void check_adam_hyperparameters(const char* name, double b1, double b2, double eps, double eps_root = 0.0) {
+  check_decay(name, "b1", b1);
+  check_decay(name, "b2", b2);
+  check_non_negative(name, "eps", eps);
+  check_non_negative(name, "eps_root", eps_root);
+}
+
+// optax's update_moment: (1 - b) g + b m, and of the squares: (1 - b) g^2 + b v.
+Tree first_moment(const Tree& updates, const Tree& mu, double b) {
+  const float c = f32(1.0 - b), d = f32(b);
+  return map2(updates, mu, [=](float g, float m) { return c * g + d * m; });
+}
+Tree second_moment(const Tree& updates, const Tree& nu, double b) {
+  const float c = f32(1.0 - b), d = f32(b);
+  return map2(updates, nu, [=](float g, float v) { return c * (g * g) + d * v; });
+}
+
 // Checks `state` has `keys` and that each listed moment matches the gradients' structure.
 void check_moments(const std::string& who, const Tree& updates, const Tree& state, std::initializer_list<std::string_view> keys,
                    std::initializer_list<std::string_view> moments) {
@@ -68,10 +86,7 @@ Tree first_moment_estimate(const Tree& updates, const Tree& mu, double b1, std::
 GradientTransformation scale_by_amsgrad(double b1, double b2, double eps, double eps_root, bool bias_correction_mu,
                                         bool bias_correction_nu) {
   const char* name = "optim::scale_by_amsgrad";
-  check_decay(name, "b1", b1);
-  check_decay(name, "b2", b2);
-  check_non_negative(name, "eps", eps);
-  check_non_negative(name, "eps_root", eps_root);
+  check_adam_hyperparameters(name, b1, b2, eps, eps_root);
   const std::string who = "optim::scale_by_amsgrad.update";
   return GradientTransformation(
       name,
@@ -81,9 +96,9 @@ GradientTransformation scale_by_amsgrad(double b1, double b2, double eps, double
       },
       [=](const Tree& updates, const Tree& state, const Tree*) {
         check_moments(who, updates, state, {"count", "mu", "nu", "nu_max"}, {"mu", "nu", "nu_max"});
-        const float c1 = f32(1.0 - b1), d1 = f32(b1), c2 = f32(1.0 - b2), d2 = f32(b2), e = f32(eps), er = f32(eps_root);
-        Tree mu = map2(updates, state.at("mu"), [=](float g, float m) { return c1 * g + d1 * m; });
-        Tree nu = map2(updates, state.at("nu"), [=](float g, float v) { return c2 * (g * g) + d2 * v; });
+        const float d1 = f32(b1), d2 = f32(b2), e = f32(eps), er = f32(eps_root);
+        Tree mu = first_moment(updates, state.at("mu"), b1);
+        Tree nu = second_moment(updates, state.at("nu"), b2);
         const std::int64_t count = safe_increment(read_count(who, state));
         const float bc1 = bias_correction_mu ? bias_correction(d1, count) : 1.0f;
         const float bc2 = bias_correction_nu ? bias_correction(d2, count) : 1.0f;
@@ -101,9 +116,7 @@ GradientTransformation scale_by_amsgrad(double b1, double b2, double eps, double
 
 GradientTransformation scale_by_adamax(double b1, double b2, double eps) {
   const char* name = "optim::scale_by_adamax";
-  check_decay(name, "b1", b1);
-  check_decay(name, "b2", b2);
-  check_non_negative(name, "eps", eps);
+  check_adam_hyperparameters(name, b1, b2, eps);
   const std::string who = "optim::scale_by_adamax.update";
   return GradientTransformation(
       name,
@@ -112,9 +125,9 @@ GradientTransformation scale_by_adamax(double b1, double b2, double eps) {
       },
       [=](const Tree& updates, const Tree& state, const Tree*) {
         check_moments(who, updates, state, {"count", "mu", "nu"}, {"mu", "nu"});
-        const float c1 = f32(1.0 - b1), d1 = f32(b1), d2 = f32(b2), e = f32(eps);
+        const float d1 = f32(b1), d2 = f32(b2), e = f32(eps);
         const std::int64_t count = safe_increment(read_count(who, state));
-        Tree mu = map2(updates, state.at("mu"), [=](float g, float m) { return c1 * g + d1 * m; });
+        Tree mu = first_moment(updates, state.at("mu"), b1);
         // The exponentially weighted infinity norm: max(|g| + eps, b2 * nu).
         Tree nu = map2(updates, state.at("nu"), [=](float g, float v) { return nan_max(std::fabs(g) + e, d2 * v); });
         const float bc1 = bias_correction(d1, count);
@@ -125,10 +138,7 @@ GradientTransformation scale_by_adamax(double b1, double b2, double eps) {
 
 GradientTransformation scale_by_radam(double b1, double b2, double eps, double eps_root, double threshold, bool nesterov) {
   const char* name = "optim::scale_by_radam";
-  check_decay(name, "b1", b1);
-  check_decay(name, "b2", b2);
-  check_non_negative(name, "eps", eps);
-  check_non_negative(name, "eps_root", eps_root);
+  check_adam_hyperparameters(name, b1, b2, eps, eps_root);
   if (!std::isfinite(threshold)) throw ValueError(detail::cat(name, ": threshold must be finite, got ", threshold));
   const std::string who = "optim::scale_by_radam.update";
   // The length of the approximated simple moving average, at the limit (a Python float in optax).
@@ -140,9 +150,9 @@ GradientTransformation scale_by_radam(double b1, double b2, double eps, double e
       },
       [=](const Tree& updates, const Tree& state, const Tree*) {
         check_moments(who, updates, state, {"count", "mu", "nu"}, {"mu", "nu"});
-        const float c1 = f32(1.0 - b1), d1 = f32(b1), c2 = f32(1.0 - b2), d2 = f32(b2), e = f32(eps), er = f32(eps_root);
-        Tree mu = map2(updates, state.at("mu"), [=](float g, float m) { return c1 * g + d1 * m; });
-        Tree nu = map2(updates, state.at("nu"), [=](float g, float v) { return c2 * (g * g) + d2 * v; });
+        const float d2 = f32(b2), e = f32(eps), er = f32(eps_root);
+        Tree mu = first_moment(updates, state.at("mu"), b1);
+        Tree nu = second_moment(updates, state.at("nu"), b2);
         const std::int64_t count = safe_increment(read_count(who, state));
         // optax's float32 arithmetic: b2t = b2^t, ro = ro_inf - 2 t b2t / (1 - b2t), and the
         // rectification r = sqrt((ro - 4)(ro - 2) ro_inf / ((ro_inf - 4)(ro_inf - 2) ro)), whose
@@ -163,10 +173,7 @@ GradientTransformation scale_by_radam(double b1, double b2, double eps, double e
 
 GradientTransformation scale_by_yogi(double b1, double b2, double eps, double eps_root, double initial_accumulator_value) {
   const char* name = "optim::scale_by_yogi";
-  check_decay(name, "b1", b1);
-  check_decay(name, "b2", b2);
-  check_non_negative(name, "eps", eps);
-  check_non_negative(name, "eps_root", eps_root);
+  check_adam_hyperparameters(name, b1, b2, eps, eps_root);
   check_non_negative(name, "initial_accumulator_value", initial_accumulator_value);
   const std::string who = "optim::scale_by_yogi.update";
   const float init = f32(initial_accumulator_value);
@@ -177,8 +184,8 @@ GradientTransformation scale_by_yogi(double b1, double b2, double eps, double ep
       },
       [=](const Tree& updates, const Tree& state, const Tree*) {
         check_moments(who, updates, state, {"count", "mu", "nu"}, {"mu", "nu"});
-        const float c1 = f32(1.0 - b1), d1 = f32(b1), c2 = f32(1.0 - b2), d2 = f32(b2), e = f32(eps), er = f32(eps_root);
-        Tree mu = map2(updates, state.at("mu"), [=](float g, float m) { return c1 * g + d1 * m; });
+        const float d1 = f32(b1), c2 = f32(1.0 - b2), d2 = f32(b2), e = f32(eps), er = f32(eps_root);
+        Tree mu = first_moment(updates, state.at("mu"), b1);
         // Yogi's additive second moment: nu - (1 - b2) sign(nu - g^2) g^2.
         Tree nu = map2(updates, state.at("nu"), [=](float g, float v) {
           const float g2 = g * g;
