@@ -253,21 +253,20 @@ GradientTransformation scale_by_adam(double b1, double b2, double eps, double ep
         check_same_structure(who, "grads", updates, "state['mu']", mu_prev);
         check_same_structure(who, "grads", updates, "state['nu']", nu_prev);
         // optax: (1 - decay) is formed from the Python float, then rounded to float32.
-        const float c1 = f32(1.0 - b1), d1 = f32(b1);
-        const float c2 = f32(1.0 - b2), d2 = f32(b2);
-        Tree mu = map2(updates, mu_prev, [=](float g, float m) { return c1 * g + d1 * m; });
-        Tree nu = map2(updates, nu_prev, [=](float g, float v) { return c2 * (g * g) + d2 * v; });
+        const float c1 = f32(1.0 - b1), d1 = f32(b1), d2 = f32(b2);
+        Tree mu = first_moment(updates, mu_prev, b1);
+        Tree nu = second_moment(updates, nu_prev, b2);
         const std::int64_t count = safe_increment(read_count(who, state));
         // Bias corrections 1 - decay^t with the float32 decay, as optax's float32 arithmetic.
-        const float bc1 = 1.0f - static_cast<float>(std::pow(static_cast<double>(d1), static_cast<double>(count)));
-        const float bc2 = 1.0f - static_cast<float>(std::pow(static_cast<double>(d2), static_cast<double>(count)));
+        const float bc1 = bias_correction(d1, count);
+        const float bc2 = bias_correction(d2, count);
         const float e = f32(eps), er = f32(eps_root);
         auto rescale = [=](float m_hat, float v) { return m_hat / (std::sqrt(v / bc2 + er) + e); };
         // NAdam (nesterov): the first moment looks one step ahead,
         // b1 * mu / (1 - b1^(t+1)) + (1 - b1) * g / (1 - b1^t), as optax.
-        const float bc1_next = 1.0f - static_cast<float>(std::pow(static_cast<double>(d1), static_cast<double>(safe_increment(count))));
+        const float bc1_next = bias_correction(d1, safe_increment(count));
         Tree out = nesterov ? map3(mu, updates, nu, [=](float m, float g, float v) {
-                     return rescale(d1 * (m / bc1_next) + c1 * (g / bc1), v);
+                     return rescale(nesterov_moment(m, g, d1, c1, bc1, bc1_next), v);
                    })
                             : map2(mu, nu, [=](float m, float v) { return rescale(m / bc1, v); });
         return UpdateResult{std::move(out),
@@ -386,8 +385,8 @@ GradientTransformation::StepFn fused_adam_step(GradientTransformation chained, d
     check_same_structure(who, "grads", grads, "state['nu']", adam_state.at("nu"));
     const std::int64_t count = safe_increment(read_count("optim::scale_by_adam.update", adam_state));
     const float c1 = f32(1.0 - b1), d1 = f32(b1), c2 = f32(1.0 - b2), d2 = f32(b2);
-    const float bc1 = 1.0f - static_cast<float>(std::pow(static_cast<double>(d1), static_cast<double>(count)));
-    const float bc2 = 1.0f - static_cast<float>(std::pow(static_cast<double>(d2), static_cast<double>(count)));
+    const float bc1 = bias_correction(d1, count);
+    const float bc2 = bias_correction(d2, count);
     // The learning rate's factor: scale(-lr) for a constant, scale_by_schedule's -schedule(count)
     // (its own count, read before it is incremented) for a schedule.
     std::int64_t schedule_count = 0;

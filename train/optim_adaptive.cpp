@@ -28,11 +28,6 @@ inline float nan_max(float a, float b) {
   return a > b ? a : b;
 }
 
-// 1 - decay^count with the float32 decay, as optax's bias_correction.
-inline float bias_correction(float decay, std::int64_t count) {
-  return 1.0f - static_cast<float>(std::pow(static_cast<double>(decay), static_cast<double>(count)));
-}
-
 void check_decay(const char* who, const char* name, double value) {
   if (!(value >= 0.0 && value < 1.0))
     throw ValueError(detail::cat(who, ": ", name, " must be in [0, 1), got ", value));
@@ -51,16 +46,6 @@ void check_adam_hyperparameters(const char* name, double b1, double b2, double e
   check_non_negative(name, "eps_root", eps_root);
 }
 
-// optax's update_moment: (1 - b) g + b m, and of the squares: (1 - b) g^2 + b v.
-Tree first_moment(const Tree& updates, const Tree& mu, double b) {
-  const float c = f32(1.0 - b), d = f32(b);
-  return map2(updates, mu, [=](float g, float m) { return c * g + d * m; });
-}
-Tree second_moment(const Tree& updates, const Tree& nu, double b) {
-  const float c = f32(1.0 - b), d = f32(b);
-  return map2(updates, nu, [=](float g, float v) { return c * (g * g) + d * v; });
-}
-
 // Checks `state` has `keys` and that each listed moment matches the gradients' structure.
 void check_moments(const std::string& who, const Tree& updates, const Tree& state, std::initializer_list<std::string_view> keys,
                    std::initializer_list<std::string_view> moments) {
@@ -76,7 +61,7 @@ Tree first_moment_estimate(const Tree& updates, const Tree& mu, double b1, std::
   const float bc = bias_correction(d1, count);
   if (!nesterov) return map1(mu, [bc](float m) { return m / bc; });
   const float bc_next = bias_correction(d1, safe_increment(count));
-  return map2(mu, updates, [=](float m, float g) { return d1 * (m / bc_next) + c1 * (g / bc); });
+  return map2(mu, updates, [=](float m, float g) { return nesterov_moment(m, g, d1, c1, bc, bc_next); });
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include <linum/core/error.hpp>
 
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
@@ -152,6 +153,31 @@ inline std::int64_t safe_increment(std::int64_t n) { return n < kCountMax ? n + 
 
 // The float32 rounding of a (double) hyperparameter, as JAX converts a weakly typed Python float.
 inline float f32(double x) { return static_cast<float>(x); }
+
+// ---- Adam's moments (optax's update_moment, bias_correction) ---------------------------------------
+
+// 1 - decay^count with the float32 decay, as optax's bias_correction.
+inline float bias_correction(float decay, std::int64_t count) {
+  return 1.0f - static_cast<float>(std::pow(static_cast<double>(decay), static_cast<double>(count)));
+}
+
+// optax's update_moment: (1 - b) g + b m, and of the squares: (1 - b) g^2 + b v.
+inline Tree first_moment(const Tree& updates, const Tree& mu, double b) {
+  const float c = f32(1.0 - b), d = f32(b);
+  return map2(updates, mu, [=](float g, float m) { return c * g + d * m; });
+}
+inline Tree second_moment(const Tree& updates, const Tree& nu, double b) {
+  const float c = f32(1.0 - b), d = f32(b);
+  return map2(updates, nu, [=](float g, float v) { return c * (g * g) + d * v; });
+}
+
+// NAdam's look-ahead first moment of one element, as optax's scale_by_adam(nesterov=True):
+// b1 * mu / (1 - b1^(t+1)) + (1 - b1) * g / (1 - b1^t); `bc` and `bc_next` are the bias
+// corrections at t and t + 1.
+inline float nesterov_moment(float m, float g, float d1, float c1, float bc, float bc_next) {
+  return d1 * (m / bc_next) + c1 * (g / bc);
+}
+
 
 
 }  // namespace linum::optim::internal

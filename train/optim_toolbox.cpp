@@ -190,9 +190,9 @@ GradientTransformation scale_by_stddev(double decay, double eps, double initial_
         check_state_keys(who, state, {"mu", "nu"});
         check_same_structure(who, "grads", updates, "state['mu']", state.at("mu"));
         check_same_structure(who, "grads", updates, "state['nu']", state.at("nu"));
-        const float c = f32(1.0 - decay), d = f32(decay), e = f32(eps);
-        Tree mu = map2(updates, state.at("mu"), [=](float g, float m) { return c * g + d * m; });
-        Tree nu = map2(updates, state.at("nu"), [=](float g, float v) { return c * (g * g) + d * v; });
+        const float e = f32(eps);
+        Tree mu = first_moment(updates, state.at("mu"), decay);
+        Tree nu = second_moment(updates, state.at("nu"), decay);
         Tree out = map3(updates, mu, nu, [=](float g, float m, float v) {
           return eps_in_sqrt ? (1.0f / std::sqrt(v - m * m + e)) * g : (1.0f / (std::sqrt(v - m * m) + e)) * g;
         });
@@ -222,12 +222,12 @@ GradientTransformation scale_by_lion(double b1, double b2) {
       [=](const Tree& updates, const Tree& state, const Tree*) {
         check_state_keys(who, state, {"count", "mu"});
         check_same_structure(who, "grads", updates, "state['mu']", state.at("mu"));
-        const float c1 = f32(1.0 - b1), d1 = f32(b1), c2 = f32(1.0 - b2), d2 = f32(b2);
+        const float c1 = f32(1.0 - b1), d1 = f32(b1);
         Tree out = map2(updates, state.at("mu"), [=](float g, float m) {
           const float x = c1 * g + d1 * m;
           return x > 0.0f ? 1.0f : x < 0.0f ? -1.0f : x;  // jnp.sign (NaN stays NaN, 0 stays 0)
         });
-        Tree mu = map2(updates, state.at("mu"), [=](float g, float m) { return c2 * g + d2 * m; });
+        Tree mu = first_moment(updates, state.at("mu"), b2);
         const std::int64_t count = safe_increment(read_count(who, state));
         return UpdateResult{std::move(out), Tree{{"count", count_array(count)}, {"mu", std::move(mu)}}};
       });
@@ -242,16 +242,16 @@ GradientTransformation scale_by_belief(double b1, double b2, double eps, double 
         check_state_keys(who, state, {"count", "mu", "nu"});
         check_same_structure(who, "grads", updates, "state['mu']", state.at("mu"));
         check_same_structure(who, "grads", updates, "state['nu']", state.at("nu"));
-        const float c1 = f32(1.0 - b1), d1 = f32(b1), c2 = f32(1.0 - b2), d2 = f32(b2), er = f32(eps_root), e = f32(eps);
-        Tree mu = map2(updates, state.at("mu"), [=](float g, float m) { return c1 * g + d1 * m; });
+        const float c2 = f32(1.0 - b2), d1 = f32(b1), d2 = f32(b2), er = f32(eps_root), e = f32(eps);
+        Tree mu = first_moment(updates, state.at("mu"), b1);
         // optax: the prediction error uses the new first moment.
         Tree nu = map3(updates, mu, state.at("nu"), [=](float g, float m, float s) {
           const float err = g - m;
           return (c2 * (err * err) + d2 * s) + er;
         });
         const std::int64_t count = safe_increment(read_count(who, state));
-        const float bc1 = 1.0f - static_cast<float>(std::pow(static_cast<double>(d1), static_cast<double>(count)));
-        const float bc2 = 1.0f - static_cast<float>(std::pow(static_cast<double>(d2), static_cast<double>(count)));
+        const float bc1 = bias_correction(d1, count);
+        const float bc2 = bias_correction(d2, count);
         Tree out = map2(mu, nu, [=](float m, float s) { return (m / bc1) / (std::sqrt(s / bc2) + e); });
         return UpdateResult{std::move(out), Tree{{"count", count_array(count)}, {"mu", std::move(mu)}, {"nu", std::move(nu)}}};
       });
@@ -437,12 +437,12 @@ GradientTransformation ema(double decay, bool debias) {
       [=](const Tree& updates, const Tree& state, const Tree*) {
         check_state_keys(who, state, {"count", "ema"});
         check_same_structure(who, "grads", updates, "state['ema']", state.at("ema"));
-        const float c = f32(1.0 - decay), d = f32(decay);
-        Tree avg = map2(updates, state.at("ema"), [=](float g, float m) { return c * g + d * m; });
+        const float d = f32(decay);
+        Tree avg = first_moment(updates, state.at("ema"), decay);
         const std::int64_t count = safe_increment(read_count(who, state));
         Tree out = avg;
         if (debias) {
-          const float bc = 1.0f - static_cast<float>(std::pow(static_cast<double>(d), static_cast<double>(count)));
+          const float bc = bias_correction(d, count);
           out = map1(avg, [bc](float m) { return m / bc; });
         }
         return UpdateResult{std::move(out), Tree{{"count", count_array(count)}, {"ema", std::move(avg)}}};
