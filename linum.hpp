@@ -56,6 +56,7 @@
 #include <linum/lift/residual_scope.hpp>
 #include <linum/lift/scan.hpp>
 #include <linum/lift/vmap.hpp>
+#include <linum/lift/cond.hpp>
 #include <linum/lift/remat_scan.hpp>
 #include <linum/lift/schedule.hpp>
 #include <linum/nn/checkpoint_sequential.hpp>

@@ -150,4 +150,16 @@ void Pack::publish(Tree variables, RngCounters counters, const std::vector<const
   publish(result);
 }
 
+std::string Pack::next_child_name(Scope& s, const std::string& type_name) { return s.next_auto_name(type_name); }
+
+void Pack::mark_child_used(Scope& s, const std::string& child) {
+  ScopeState& state = s.state();
+  const std::string prefix = linum::detail::join_module_path(s.path());
+  const std::string path = prefix.empty() ? child : prefix + "/" + child;
+  for (const auto& [name, collection] : state.variables)
+    if (const Tree* t = subtree(collection, path))
+      for (const auto& [leaf_path, value] : flatten(*t))
+        state.touched.insert(leaf_path.empty() ? name + "/" + path : name + "/" + path + "/" + leaf_path);
+}
+
 }  // namespace linum::lift::detail

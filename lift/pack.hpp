@@ -80,6 +80,12 @@ class Pack {
   // variables every run in `runs` touched.
   void publish(Tree variables, RngCounters counters, const std::vector<const ScopeState*>& runs) const;
 
+  // ---- branches (lift::cond, lift::switch_) -------------------------------------------------------
+  // The next auto-name for `type_name` at `s` ("Dense_1"), taken as s(module, ...) would take it.
+  static std::string next_child_name(Scope& s, const std::string& type_name);
+  // Counts every variable under `s`'s child `child` as used, as if read (a branch that did not run).
+  static void mark_child_used(Scope& s, const std::string& child);
+
  private:
   static ScopeState select(const ScopeState& outer, const std::vector<std::string>& path, const LiftFilters& selection,
                            std::string note);

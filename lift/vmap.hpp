@@ -122,6 +122,7 @@ struct vmap {
   static std::string type_name() { return "Vmap" + module_type_name<Body>(); }
 
   template <class... Args>
+    requires std::invocable<const Body&, Scope&, const Args&...>  // so apply(vmap{...}, vars, x) picks its overload
   auto operator()(Scope& s, const Args&... args) const {
     return mapped(s, [](const Body& b, Scope& inner, const auto&... a) { return b(inner, a...); }, args...);
   }

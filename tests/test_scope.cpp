@@ -2,7 +2,12 @@
 #include <doctest/doctest.h>
 #include <linum/linum.hpp>
 
+#include "testing/gradcheck.hpp"
+
+#include <cmath>
+
 using namespace linum;
+using linum::testing::max_abs;
 
 namespace {
 
@@ -431,4 +436,128 @@ TEST_CASE("InterceptMethods sees every module call, may change inputs and output
     });
     CHECK_THROWS_WITH_AS(apply(Affine{}, av, x), doctest::Contains("takes 1 input arrays"), ValueError);
   }
+}
+
+// ---- lift::cond / lift::switch_ ------------------------------------------------------------------
+
+namespace {
+
+struct Scale {  // y = x * w, w of the input's last dimension (distinct per instance through its key)
+  float bias = 0.0f;
+  Array operator()(Scope& s, const Array& x) const { return x * s.param("w", from_key(), Shape{x.dim(-1)}) + bias; }
+};
+
+struct CondNet {  // two branches, then a sibling whose name must not depend on the branch
+  Array operator()(Scope& s, const Array& x, bool pred) const {
+    Array h = lift::cond(s, pred, Affine{}, Scale{.bias = 1.0f}, x);
+    return s(Affine{}, h);
+  }
+};
+
+struct SwitchNet {
+  Array operator()(Scope& s, const Array& x, const Array& index, bool train) const {
+    auto noisy = lift::branch("noisy", [train](Scope& in, const Array& v) {
+      return in(nn::Dropout{.rate = 0.5}, in(Scale{}, v), !train);
+    });
+    return lift::switch_(s, index, std::tuple{Scale{}, nn::BatchNorm{.use_running_average = false}, noisy}, x);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("lift::cond: init makes both branches' variables whichever runs; apply runs the chosen one; names and keys do not depend on it") {
+  const Array x = Array::from(Shape{2, 3}, {1, 2, 3, 4, 5, 6});
+  const Tree on_true = init(CondNet{}, rng::key(0), x, true);
+  const Tree on_false = init(CondNet{}, rng::key(0), x, false);
+  CHECK(on_true.at("params").keys() == std::vector<std::string>{"Affine_0", "Scale_0", "Affine_1"});
+  CHECK(on_true.at_path("params/Scale_0/w").array().shape() == Shape{3});
+  for (const auto& [path, value] : flatten(on_true)) {
+    CAPTURE(path);
+    CHECK(value.bitwise_equal(on_false.at_path(path).array()));  // the same dict whichever branch init took
+  }
+  // A dict made on one branch applies on the other (no unused-entry error); each branch's result is
+  // the module's own.
+  const Tree& p = on_false.at("params");
+  const Array after_true = apply(Affine{}, Tree{{"params", p.at("Affine_1")}},
+                                 apply(Affine{}, Tree{{"params", p.at("Affine_0")}}, x));
+  const Array after_false = apply(Affine{}, Tree{{"params", p.at("Affine_1")}},
+                                  apply(Scale{.bias = 1.0f}, Tree{{"params", p.at("Scale_0")}}, x));
+  CHECK(apply(CondNet{}, on_false, x, true).bitwise_equal(after_true));
+  CHECK(apply(CondNet{}, on_true, x, false).bitwise_equal(after_false));
+  // Gradients reach the chosen branch only, bitwise those of calling it directly.
+  auto loss = [&](bool pred) {
+    return [&, pred](const Tree& params) { return sum(square(apply(CondNet{}, Tree{{"params", params}}, x, pred))); };
+  };
+  const Tree g = grad(loss(false))(p);
+  CHECK(max_abs(g.at_path("Affine_0/w").array()) == 0.0f);
+  CHECK(max_abs(g.at_path("Scale_0/w").array()) > 0.0f);
+  struct Direct {
+    Array operator()(Scope& s, const Array& x) const { return s("Affine_1", Affine{}, s("Scale_0", Scale{.bias = 1.0f}, x)); }
+  };
+  Tree direct_params;
+  direct_params["Scale_0"] = p.at("Scale_0");
+  direct_params["Affine_1"] = p.at("Affine_1");
+  const Tree gd = grad([&](const Tree& q) { return sum(square(apply(Direct{}, Tree{{"params", q}}, x))); })(direct_params);
+  CHECK(g.at_path("Scale_0/w").array().bitwise_equal(gd.at_path("Scale_0/w").array()));
+  CHECK(g.at_path("Affine_1/b").array().bitwise_equal(gd.at_path("Affine_1/b").array()));
+  // Under lift::remat the recomputation takes the same branch: gradients bitwise the plain ones.
+  struct Rematted {
+    Array operator()(Scope& s, const Array& x, bool pred) const { return s("CondNet_0", lift::remat<CondNet>{}, x, pred); }
+  };
+  Tree nested;
+  nested["CondNet_0"] = p;
+  const Tree gr = grad([&](const Tree& q) { return sum(square(apply(Rematted{}, Tree{{"params", q}}, x, false))); })(nested);
+  for (const auto& [path, value] : flatten(g)) {
+    CAPTURE(path);
+    CHECK(value.bitwise_equal(gr.at_path("CondNet_0/" + path).array()));
+  }
+}
+
+TEST_CASE("lift::switch_: every branch initialized (params, batch_stats), an array index picks one, named branches, errors") {
+  const Array x = Array::from(Shape{4, 2}, {1, 2, 3, 4, 5, 6, 7, 9});
+  const rng::Streams streams{{"params", rng::key(1)}, {"dropout", rng::key(2)}};
+  const Tree vars = init(SwitchNet{}, streams, x, Array::from_i32(Shape{}, {0}), false);
+  CHECK(vars.at("params").keys() == std::vector<std::string>{"Scale_0", "BatchNorm_0", "noisy"});
+  CHECK(vars.contains_path("batch_stats/BatchNorm_0/mean"));
+  CHECK(vars.contains_path("params/noisy/Scale_0/w"));
+  // Index 1: BatchNorm in training mode updates its statistics; the others are untouched.
+  auto [y1, updates] = apply(SwitchNet{}, vars, {.mutable_collections = {"batch_stats"}}, x, Array::from_i32(Shape{}, {1}), false);
+  CHECK(y1.bitwise_equal(apply(nn::BatchNorm{.use_running_average = false}, Tree{{"params", vars.at_path("params/BatchNorm_0")},
+                                                       {"batch_stats", vars.at_path("batch_stats/BatchNorm_0")}},
+                               {.mutable_collections = {"batch_stats"}}, x).first));
+  CHECK_FALSE(updates.at_path("batch_stats/BatchNorm_0/mean").array().bitwise_equal(vars.at_path("batch_stats/BatchNorm_0/mean").array()));
+  // Index 2 (a lambda under an explicit name) draws dropout keys at its own path, as a direct call would.
+  const Array y2 = apply(SwitchNet{}, vars, {.rngs = {{"dropout", rng::key(7)}}}, x, Array::from_i32(Shape{}, {2}), true);
+  struct Noisy2 {
+    Array operator()(Scope& s, const Array& v) const {
+      return s("noisy", [](Scope& in, const Array& u) { return in(nn::Dropout{.rate = 0.5}, in(Scale{}, u), false); }, v);
+    }
+  };
+  Tree noisy_params;
+  noisy_params["noisy"] = vars.at_path("params/noisy");
+  CHECK(y2.bitwise_equal(apply(Noisy2{}, Tree{{"params", noisy_params}}, {.rngs = {{"dropout", rng::key(7)}}}, x)));
+  // Errors: out of range, a non-scalar or a NaN selector, a batched selector under lift::vmap.
+  auto message = [&](const Array& index) {
+    try {
+      (void)apply(SwitchNet{}, vars, x, index, false);
+    } catch (const ValueError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const std::string out_of_range = message(Array::from_i32(Shape{}, {3}));
+  CHECK(out_of_range.find("lift::switch_ at '<root>'") != std::string::npos);
+  CHECK(out_of_range.find("index 3 is out of range for 3 branches") != std::string::npos);
+  CHECK(message(Array::from_i32(Shape{2}, {0, 1})).find("pass a scalar") != std::string::npos);
+  CHECK(message(Array::full(Shape{}, std::nanf(""))).find("NaN") != std::string::npos);
+  struct PerMember {
+    Array operator()(Scope& s, const Array& v, const Array& index) const {
+      return lift::switch_(s, index, std::tuple{Scale{}, Affine{}}, v);
+    }
+  };
+  const lift::vmap<PerMember> mapped{.variable_axes = {{"params", 0}}, .split_rngs = {{"params", true}}};
+  const Array per_member = Array::from_i32(Shape{4}, {0, 1, 0, 1});
+  const Tree mapped_vars = init(mapped, rng::key(0), x, per_member);  // init runs member by member: fine
+  CHECK_THROWS_WITH_AS((void)apply(mapped, mapped_vars, x, per_member), doctest::Contains("the selector is batched"),
+                       ValueError);
 }
