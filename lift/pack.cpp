@@ -69,6 +69,7 @@ ScopeState Pack::select(const ScopeState& outer, const std::vector<std::string>&
     if (outer.all_mutable && inner.lifted_collections)
       for (const auto& name : *inner.lifted_collections) inner.mutable_collections.insert(name);
   }
+  inner.read_only = outer.read_only;
   // Streams and their counters under this path.
   for (const std::string& name : outer.rngs.names())
     if (!inner.lifted_streams || inner.lifted_streams->count(name)) inner.rngs.set(name, outer.rngs.at(name));
@@ -128,6 +129,7 @@ ScopeState Pack::state_on(Tree variables, rng::Streams streams, RngCounters coun
   st.initializing = entry_->initializing;
   st.all_mutable = entry_->all_mutable;
   st.mutable_collections = entry_->mutable_collections;
+  st.read_only = entry_->read_only;
   st.lifted_collections = entry_->lifted_collections;
   st.lifted_streams = entry_->lifted_streams;
   // Errors about collections name the transform that selected them (the enclosing one).
@@ -160,6 +162,10 @@ void Pack::mark_child_used(Scope& s, const std::string& child) {
     if (const Tree* t = subtree(collection, path))
       for (const auto& [leaf_path, value] : flatten(*t))
         state.touched.insert(leaf_path.empty() ? name + "/" + path : name + "/" + path + "/" + leaf_path);
+}
+
+void Pack::make_read_only(ScopeState& state, const std::vector<std::string>& collections) {
+  state.read_only.insert(collections.begin(), collections.end());
 }
 
 }  // namespace linum::lift::detail

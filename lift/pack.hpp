@@ -80,6 +80,10 @@ class Pack {
   // variables every run in `runs` touched.
   void publish(Tree variables, RngCounters counters, const std::vector<const ScopeState*>& runs) const;
 
+  // Makes `collections` read-only in `state` (lift::map_variables' mapped collections when it does
+  // not write them back): a write is an error, as to any collection that is not mutable.
+  static void make_read_only(ScopeState& state, const std::vector<std::string>& collections);
+
   // ---- branches (lift::cond, lift::switch_) -------------------------------------------------------
   // The next auto-name for `type_name` at `s` ("Dense_1"), taken as s(module, ...) would take it.
   static std::string next_child_name(Scope& s, const std::string& type_name);

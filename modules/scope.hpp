@@ -89,7 +89,7 @@ class ScopeState {
   friend class linum::lift::detail::Pack;
 
   bool is_mutable(std::string_view collection) const {
-    return all_mutable || mutable_collections.count(collection) > 0;
+    return (all_mutable || mutable_collections.count(collection) > 0) && read_only.count(collection) == 0;
   }
   // Throws ValueError if `collection` is not visible here (not lifted into a transform).
   void check_collection_visible(std::string_view collection, std::string_view module_path) const;
@@ -98,6 +98,7 @@ class ScopeState {
   Tree variables;                                      // every collection, e.g. {"params": ..., "batch_stats": ...}
   bool all_mutable = false;                            // init: every collection may be written
   std::set<std::string, std::less<>> mutable_collections;
+  std::set<std::string, std::less<>> read_only;        // never mutable here (lift::map_variables' mapped collections)
   rng::Streams rngs;
   RngCounters rng_counters;                            // draws so far per (stream, module path)
   std::set<std::string, std::less<>> touched;          // full variable paths read or written

@@ -561,3 +561,136 @@ TEST_CASE("lift::switch_: every branch initialized (params, batch_stats), an arr
   CHECK_THROWS_WITH_AS((void)apply(mapped, mapped_vars, x, per_member), doctest::Contains("the selector is batched"),
                        ValueError);
 }
+
+// ---- lift::map_variables -------------------------------------------------------------------------
+
+namespace {
+
+Array upper_triangle(const Shape& shape) {  // 1 on and above the diagonal, 0 below
+  std::vector<float> m(static_cast<std::size_t>(shape.numel()));
+  for (std::int64_t i = 0; i < shape[0]; ++i)
+    for (std::int64_t j = 0; j < shape[1]; ++j) m[static_cast<std::size_t>(i * shape[1] + j)] = j >= i ? 1.0f : 0.0f;
+  return Array::from(shape, m);
+}
+
+Tree masked_kernel(const Tree& vars) {
+  Tree out = vars;
+  const Array k = vars.at_path("params/kernel").array();
+  out.set_path("params/kernel", Tree(k * upper_triangle(k.shape())));
+  return out;
+}
+
+struct CausalDense {  // Flax's map_variables example
+  Array operator()(Scope& s, const Array& x) const {
+    return s(lift::map_variables<nn::Dense>{.body = {.features = 3}, .trans_in = masked_kernel}, x);
+  }
+};
+
+struct PlainMapped {  // the same module through an identity map
+  Array operator()(Scope& s, const Array& x) const { return s(lift::map_variables<nn::Dense>{.body = {.features = 3}}, x); }
+};
+
+struct WeightNormDense {  // weight normalization: kernel / |kernel| per output, times a learned scale
+  Array operator()(Scope& s, const Array& x) const {
+    auto normalize = [&s](const Tree& vars) {
+      Tree out = vars;
+      const Array k = vars.at_path("params/kernel").array();
+      const Array scale = s.param("scale", initializers::ones(), Shape{k.dim(1)});
+      out.set_path("params/kernel", Tree(k * rsqrt(sum(k * k, {0}, true) + 1e-12f) * scale));
+      return out;
+    };
+    return s(lift::map_variables<nn::Dense>{.body = {.features = 3}, .trans_in = normalize}, x);
+  }
+};
+
+struct AlwaysCount {  // writes its "stats" counter on every call, mutable or not
+  Array operator()(Scope& s, const Array& x) const {
+    Variable n = s.variable("stats", "calls", [] { return Array::zeros(Shape{}); });
+    n.set(n.value() + 1.0f);
+    return x;
+  }
+};
+
+struct StatsDoubled {  // a mapped mutable collection
+  bool write_back = false;
+  Array operator()(Scope& s, const Array& x) const {
+    auto doubled = [](const Tree& vars) {
+      return tree_map([](const Array& a) { return a * 2.0f; }, vars);
+    };
+    return s(lift::map_variables<AlwaysCount>{.collections = {"stats"}, .trans_in = doubled, .mutable_ = write_back}, x);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("lift::map_variables: the body computes with trans_in of its variables; init stores them mapped, as Flax's") {
+  const Array x = testing::random_array(Shape{2, 3}, 5);
+  const Tree plain = init(PlainMapped{}, rng::key(3), x);
+  const Tree vars = init(CausalDense{}, rng::key(3), x);
+  CHECK(vars.at("params").keys() == std::vector<std::string>{"Map_variablesDense_0"});
+  const Array created = plain.at_path("params/Map_variablesDense_0/kernel").array();
+  const Array stored = vars.at_path("params/Map_variablesDense_0/kernel").array();
+  CHECK(stored.bitwise_equal(created * upper_triangle(created.shape())));  // trans_out(trans_in(created)) is stored
+  // Apply on a full kernel computes with its upper triangle; the gradient below the diagonal is zero.
+  const Tree full = Tree{{"Map_variablesDense_0", plain.at_path("params/Map_variablesDense_0")}};
+  const Tree masked{{"kernel", Tree(created * upper_triangle(created.shape()))},
+                    {"bias", plain.at_path("params/Map_variablesDense_0/bias")}};
+  CHECK(apply(CausalDense{}, Tree{{"params", full}}, x).bitwise_equal(apply(nn::Dense{.features = 3}, Tree{{"params", masked}}, x)));
+  auto loss_mapped = [&](const Tree& p) { return sum(square(apply(CausalDense{}, Tree{{"params", p}}, x))); };
+  auto loss_direct = [&](const Tree& p) { return sum(square(apply(nn::Dense{.features = 3}, Tree{{"params", p}}, x))); };
+  const Tree g = grad(loss_mapped)(full);
+  const Tree gd = grad(loss_direct)(masked);
+  const Array gk = g.at_path("Map_variablesDense_0/kernel").array();
+  CHECK(gk.bitwise_equal(gd.at("kernel").array() * upper_triangle(created.shape())));
+  CHECK(g.at_path("Map_variablesDense_0/bias").array().bitwise_equal(gd.at("bias").array()));
+  // Under lift::remat: bitwise the same gradients.
+  struct Rematted {
+    Array operator()(Scope& s, const Array& x) const { return s("CausalDense_0", lift::remat<CausalDense>{}, x); }
+  };
+  const Tree gr = grad([&](const Tree& p) { return sum(square(apply(Rematted{}, Tree{{"params", p}}, x))); })(
+      Tree{{"CausalDense_0", full}});
+  CHECK(gr.at_path("CausalDense_0/Map_variablesDense_0/kernel").array().bitwise_equal(gk));
+}
+
+TEST_CASE("lift::map_variables: a map that creates params of its own (weight norm) has finite-difference gradients") {
+  const Array x = testing::random_array(Shape{4, 5}, 9);
+  const Tree vars = init(WeightNormDense{}, rng::key(1), x);
+  CHECK(vars.at("params").keys() == std::vector<std::string>{"scale", "Map_variablesDense_0"});
+  // The stored kernel is normalized per output (the default trans_out stores what trans_in gave).
+  const Array k = vars.at_path("params/Map_variablesDense_0/kernel").array();
+  CHECK(testing::max_abs_diff(sum(k * k, {0}), Array::full(Shape{3}, 1.0f)) < 1e-5f);
+  const Array k0 = testing::random_array(Shape{5, 3}, 10);
+  const Array s0 = testing::random_array(Shape{3}, 11, 0.5f, 2.0f);
+  const Array b0 = testing::random_array(Shape{3}, 12);
+  testing::check_gradients(
+      "weight-normalized Dense",
+      [&](const std::vector<Array>& in) {
+        Tree p{{"scale", Tree(in[1])}, {"Map_variablesDense_0", Tree{{"kernel", Tree(in[0])}, {"bias", Tree(in[2])}}}};
+        return sum(square(apply(WeightNormDense{}, Tree{{"params", p}}, x)));
+      },
+      {k0, s0, b0});
+}
+
+TEST_CASE("lift::map_variables: mapped mutable collections are written back through trans_out only with mutable_") {
+  const Array x = Array::from(Shape{1, 2}, {1, 2});
+  const Tree vars = init(StatsDoubled{}, rng::key(0), x);
+  // init, as Flax's: the creating run counts 0 -> 1; the second run counts trans_in(1) = 2 -> 3, stored.
+  CHECK(vars.at_path("stats/Map_variablesAlwaysCount_0/calls").array().item() == 3.0f);
+  CHECK_THROWS_WITH_AS((void)apply(StatsDoubled{}, vars, {.mutable_collections = {"stats"}}, x),
+                       doctest::Contains("does not write it back"), ValueError);
+  auto [y, updates] = apply(StatsDoubled{.write_back = true}, vars, {.mutable_collections = {"stats"}}, x);
+  CHECK(updates.at_path("stats/Map_variablesAlwaysCount_0/calls").array().item() == 7.0f);  // 2 * 3 + 1
+  // A map returning a collection that is not mapped is an error naming it.
+  struct Stray {
+    Array operator()(Scope& s, const Array& x) const {
+      auto stray = [](const Tree& vars) {
+        Tree out = vars;
+        out.set("cache", Tree());
+        return out;
+      };
+      return s(lift::map_variables<nn::Dense>{.body = {.features = 2}, .trans_in = stray}, x);
+    }
+  };
+  CHECK_THROWS_WITH_AS((void)init(Stray{}, rng::key(0), x), doctest::Contains("trans_in returned collection 'cache'"),
+                       ValueError);
+}
