@@ -298,6 +298,23 @@ class Scope {
     return child_scope(std::string(name)).call_module(module, std::forward<Args>(args)...);
   }
 
+  // A wrapper that leaves the layer it wraps bound to the calling module, as Flax binds a module to
+  // the one that constructed it (nn::WeightNorm, nn::SpectralNorm): the layer's scope is a sibling
+  // of the wrapper's, auto-named first ("Dense_1", then "WeightNorm_0"), and the wrapper runs as
+  // module(own scope, layer scope, args...). Declared by `using layer_bound_to_caller = Layer;`.
+  template <class M, class... Args>
+    requires(!std::is_convertible_v<const M&, std::string_view> && requires { typename M::layer_bound_to_caller; })
+  decltype(auto) operator()(const M& module, Args&&... args) {
+    std::string layer_name = next_auto_name(module_type_name<typename M::layer_bound_to_caller>());
+    return call_wrapper(next_auto_name(module_type_name<M>()), std::move(layer_name), module, std::forward<Args>(args)...);
+  }
+  template <class M, class... Args>
+    requires requires { typename M::layer_bound_to_caller; }
+  decltype(auto) operator()(std::string_view name, const M& module, Args&&... args) {
+    std::string layer_name = next_auto_name(module_type_name<typename M::layer_bound_to_caller>());
+    return call_wrapper(std::string(name), std::move(layer_name), module, std::forward<Args>(args)...);
+  }
+
   // Calls another method of a module in an auto-named child scope: s.call(&Encoder::encode, enc, x).
   template <class M, class Method, class... Args>
     requires std::is_member_function_pointer_v<Method>
@@ -351,6 +368,21 @@ class Scope {
   Scope child_scope(std::string name) const;
   // "Dense_0", "Dense_1", ...: the next auto-name for a type in this scope.
   std::string next_auto_name(const std::string& type_name);
+
+  // Runs the wrapper `module` in child `own` with its layer's scope, child `layer`, beside it (built
+  // from the scope the call runs in, so a hook that runs the call again elsewhere keeps the pair).
+  template <class M, class... Args>
+  decltype(auto) call_wrapper(std::string own, std::string layer, const M& module, Args&&... args) {
+    return child_scope(std::move(own))
+        .enter(detail::ModuleCall::Kind::child, module,
+               [layer = std::move(layer)](Scope& s, const M& m, auto&&... a) -> decltype(auto) {
+                 std::vector<std::string> beside = s.path_;
+                 beside.back() = layer;
+                 Scope layer_scope(*s.state_, std::move(beside));
+                 return m(s, layer_scope, std::forward<decltype(a)>(a)...);
+               },
+               std::forward<Args>(args)...);
+  }
 
   // Runs `module` as the body of this (child) scope; a memory timeline marks the call's return
   // (after a checkpointed call released its insides).

@@ -17,3 +17,5 @@
 #include <linum/nn/recurrent.hpp>
 #include <linum/nn/sequential.hpp>
 #include <linum/nn/tabulate.hpp>
+#include <linum/nn/spectral_norm.hpp>
+#include <linum/nn/weight_norm.hpp>

@@ -9,6 +9,7 @@
 #include "testing/gradcheck.hpp"
 
 #include <cmath>
+#include <optional>
 #include <limits>
 #include <vector>
 
@@ -1260,4 +1261,106 @@ TEST_CASE("InstanceNorm, Einsum, MGUCell, ConvLSTMCell, Bidirectional: their def
   const auto c2 = nn::module_from_config<nn::ConvLSTMCell>(nn::module_config(nn::ConvLSTMCell{.features = 4, .kernel_size = {3, 3}}));
   CHECK(c2.features == 4);
   CHECK(c2.kernel_size == std::vector<std::int64_t>{3, 3});
+}
+
+namespace {
+
+template <class Wrapper>
+struct Wrapped {  // a weight wrapper called from a parent module
+  Wrapper wrapper;
+  std::optional<bool> update_stats;
+  Array operator()(Scope& s, const Array& x) const {
+    if constexpr (requires { wrapper.n_steps; }) return s(wrapper, update_stats.value_or(false), x);
+    else return s(wrapper, x);
+  }
+};
+
+Array identity(std::int64_t n) {
+  std::vector<float> e(static_cast<std::size_t>(n * n), 0.0f);
+  for (std::int64_t i = 0; i < n; ++i) e[static_cast<std::size_t>(i * n + i)] = 1.0f;
+  return Array::from(Shape{n, n}, e);
+}
+
+// The largest singular value of a matrix, by many power iterations in double.
+double largest_singular_value(const Array& m) {
+  const std::int64_t r = m.dim(0), c = m.dim(1);
+  const std::vector<float> a = m.to_vector();
+  std::vector<double> u(static_cast<std::size_t>(c), 1.0), v(static_cast<std::size_t>(r));
+  double sigma = 0;
+  for (int it = 0; it < 500; ++it) {
+    double nv = 0, nu = 0;
+    for (std::int64_t i = 0; i < r; ++i) {
+      double acc = 0;
+      for (std::int64_t j = 0; j < c; ++j) acc += a[static_cast<std::size_t>(i * c + j)] * u[static_cast<std::size_t>(j)];
+      v[static_cast<std::size_t>(i)] = acc;
+      nv += acc * acc;
+    }
+    for (double& e : v) e /= std::sqrt(nv);
+    for (std::int64_t j = 0; j < c; ++j) {
+      double acc = 0;
+      for (std::int64_t i = 0; i < r; ++i) acc += a[static_cast<std::size_t>(i * c + j)] * v[static_cast<std::size_t>(i)];
+      u[static_cast<std::size_t>(j)] = acc;
+      nu += acc * acc;
+    }
+    sigma = std::sqrt(nu);
+    for (double& e : u) e /= sigma;
+  }
+  return sigma;
+}
+
+}  // namespace
+
+TEST_CASE("WeightNorm and SpectralNorm: layout beside the layer, definitions, gradients, statistics and errors") {
+  using V = std::vector<Array>;
+  const Array x = random_array(Shape{3, 4}, 21);
+  // WeightNorm: the layer's kernel is scale * v / |v| per output; its variables beside the wrapper.
+  using WN = Wrapped<nn::WeightNorm<nn::Dense>>;
+  const Tree wv = init(WN{{.layer = {.features = 5}}}, rng::key(0), x);
+  CHECK(wv.at("params").keys() == std::vector<std::string>{"WeightNorm_0", "Dense_0"});
+  CHECK(wv.contains_path("params/WeightNorm_0/Dense_0/kernel/scale"));
+  const Array v = random_array(Shape{4, 5}, 22), g = random_array(Shape{5}, 23, 0.5f, 2.0f), b = random_array(Shape{5}, 24);
+  auto wn_params = [](const Array& kernel, const Array& scale, const Array& bias) {
+    Tree p;
+    p.set_path("Dense_0/kernel", Tree(kernel));
+    p.set_path("Dense_0/bias", Tree(bias));
+    p.set_path("WeightNorm_0/Dense_0/kernel/scale", Tree(scale));
+    return params(p);
+  };
+  const Array w = v * rsqrt(sum(v * v, {0}, true) + 1e-12f) * g;
+  CHECK(max_abs_diff(apply(WN{{.layer = {.features = 5}}}, wn_params(v, g, b), x), matmul(x, w) + b) < 1e-5f);
+  check_gradients("WeightNorm<Dense>", [&](const V& a) {
+    return apply(WN{{.layer = {.features = 5}}}, wn_params(a[1], a[2], a[3]), a[0]);
+  }, {x, v, g, b});
+  CHECK_THROWS_WITH_AS(init(WN{{.layer = {.features = 5}, .feature_axes = std::vector<int>{2}}}, rng::key(0), x),
+                       doctest::Contains("feature axis 2 is out of range"), ValueError);
+
+  // SpectralNorm: with enough power iterations the kernel is divided by its largest singular value.
+  using SN = Wrapped<nn::SpectralNorm<nn::Dense>>;
+  const SN many{{.layer = {.features = 5}, .n_steps = 200}, true};
+  const Tree sv = init(many, rng::key(0), x);
+  CHECK(sv.contains_path("batch_stats/SpectralNorm_0/Dense_0/kernel/u"));
+  CHECK(sv.at_path("batch_stats/SpectralNorm_0/Dense_0/kernel/u").array().shape() == Shape{1, 5});
+  Tree stored = sv;
+  stored.set_path("params/Dense_0/kernel", Tree(v));
+  auto [y, updates] = apply(many, stored, {.mutable_collections = {"batch_stats"}}, identity(4));
+  const Array normalized = y - stored.at_path("params/Dense_0/bias").array();  // I (W / sigma) + b - b
+  CHECK(std::abs(largest_singular_value(normalized) - 1.0) < 1e-4);
+  CHECK(std::abs(updates.at_path("batch_stats/SpectralNorm_0/Dense_0/kernel/sigma").array().item() -
+                 largest_singular_value(v)) < 1e-3 * largest_singular_value(v));
+  // Evaluation (no update) needs no mutable collection; an update without one is the usual error.
+  CHECK_NOTHROW((void)apply(SN{{.layer = {.features = 5}}, false}, sv, x));
+  CHECK_THROWS_WITH_AS((void)apply(SN{{.layer = {.features = 5}}, true}, sv, x), doctest::Contains("not mutable"), ValueError);
+  // Gradients hold u and v constant (Flax's stop_gradient), so finite differences, which move them
+  // too, do not apply; the oracle test checks the kernel's gradient against Flax's. With respect to
+  // the input the layer is linear: finite differences do apply.
+  check_gradients("SpectralNorm<Dense> input", [&](const V& a) { return apply(SN{{.layer = {.features = 5}}, false}, sv, a[0]); },
+                  {x});
+  // A rank-4 kernel is a matrix of its leading dimensions by its last, or an error when asked.
+  const Array img = random_array(Shape{2, 5, 5, 3}, 25);
+  using SNConv = Wrapped<nn::SpectralNorm<nn::Conv>>;
+  CHECK(init(SNConv{{.layer = {.features = 2, .kernel_size = {3, 3}}}, false}, rng::key(0), img)
+            .at_path("batch_stats/SpectralNorm_0/Conv_0/kernel/u").array().shape() == Shape{1, 2});
+  CHECK_THROWS_WITH_AS(init(SNConv{{.layer = {.features = 2, .kernel_size = {3, 3}}, .error_on_non_matrix = true}, false},
+                            rng::key(0), img),
+                       doctest::Contains("error_on_non_matrix"), ValueError);
 }

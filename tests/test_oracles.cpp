@@ -299,6 +299,21 @@ LayerCase rnn_with_lengths(std::string name, M m) {
           }};
 }
 
+// A wrapper called from a parent module (the fixture's InParent): the wrapped layer stays bound to
+// the parent, beside the wrapper.
+template <class Wrapper>
+struct InParent {
+  Wrapper wrapper;
+  Array operator()(Scope& s, const Array& x) const { return s(wrapper, x); }
+};
+// The same for nn::SpectralNorm, whose call takes update_stats first.
+template <class Wrapper>
+struct InParentUpdating {
+  Wrapper wrapper;
+  bool update_stats = true;
+  Array operator()(Scope& s, const Array& x) const { return s(wrapper, update_stats, x); }
+};
+
 std::vector<LayerCase> layer_cases() {
   const rng::Streams dropout_init{{"params", rng::key(0)}, {"dropout", rng::key(1)}};
   return {
@@ -367,6 +382,18 @@ std::vector<LayerCase> layer_cases() {
       rnn_with_lengths("bidirectional_lengths", nn::Bidirectional<nn::RNN<nn::GRUCell>, nn::RNN<nn::MGUCell>>{
                                                     .forward_rnn = {.cell = {.features = 3}},
                                                     .backward_rnn = {.cell = {.features = 2}}}),
+      // weight reparametrizations
+      one_input("weight_norm", InParent<nn::WeightNorm<nn::Dense>>{{.layer = {.features = 4}}}),
+      one_input("weight_norm_every_variable",
+                InParent<nn::WeightNorm<nn::Dense>>{{.layer = {.features = 4}, .variable_filter = {}}}),
+      one_input("weight_norm_conv_one_scale", InParent<nn::WeightNorm<nn::Conv>>{
+                                                  {.layer = {.features = 3, .kernel_size = {3, 3}}, .feature_axes = std::nullopt}}),
+      one_input("spectral_norm", InParentUpdating<nn::SpectralNorm<nn::Dense>>{{.layer = {.features = 4}}},
+                ApplyOptions{.mutable_collections = {"batch_stats"}}),
+      one_input("spectral_norm_conv_3_steps",
+                InParentUpdating<nn::SpectralNorm<nn::Conv>>{{.layer = {.features = 3, .kernel_size = {3, 3}}, .n_steps = 3}},
+                ApplyOptions{.mutable_collections = {"batch_stats"}}),
+      one_input("spectral_norm_eval", InParentUpdating<nn::SpectralNorm<nn::Dense>>{{.layer = {.features = 4}}, false}),
   };
 }
 
@@ -388,8 +415,11 @@ void check_init(const std::string& file, const std::vector<LayerCase>& cases) {
     CAPTURE(c.name);
     const Tree& want = f.at(c.name);
     const std::vector<Array> inputs = leaves_of(want.at("inputs"));
-    check_tree("init", c.name, c.init(inputs), want.at("variables"), [](const std::string& path) {
-      return orthogonal_kernel(path) ? std::make_pair(2e-6, 2e-6) : std::make_pair(0.0, 0.0);
+    // The weight wrappers store normalized kernels and power-iteration vectors: sums, which XLA
+    // and Linum add in different orders (an ulp or two).
+    const bool normalized = c.name.rfind("weight_norm", 0) == 0 || c.name.rfind("spectral_norm", 0) == 0;
+    check_tree("init", c.name, c.init(inputs), want.at("variables"), [normalized](const std::string& path) {
+      return orthogonal_kernel(path) || normalized ? std::make_pair(2e-6, 2e-6) : std::make_pair(0.0, 0.0);
     });
   }
 }
@@ -475,9 +505,17 @@ TEST_CASE("flax.linen layers: Linum's init lists the variables in Flax's order (
       std::sort(ours_paths.begin(), ours_paths.end(), by_rnn);
       CHECK(std::is_sorted(flax_paths.begin(), flax_paths.end(), by_rnn));
     }
+    // The weight wrappers: Flax's map_variables is a lifted transform too (the layer's variables in
+    // sorted key order), and Flax keeps the wrapper's variable names as one key with slashes
+    // ("Dense_0/kernel/scale") where Linum nests dicts (the same paths), so their files differ.
+    const bool slash_keys = c.name.rfind("weight_norm", 0) == 0 || c.name.rfind("spectral_norm", 0) == 0;
+    if (slash_keys) {
+      std::sort(ours_paths.begin(), ours_paths.end());
+      std::sort(flax_paths.begin(), flax_paths.end());
+    }
     CHECK(ours_paths == flax_paths);
     // Where the values are bitwise too, the file Linum writes is the file Flax writes.
-    if (bitwise_equal(ours, flax_init)) CHECK(ser::to_msgpack(ours) == std::vector<std::uint8_t>(words.begin(), words.end()));
+    if (!slash_keys && bitwise_equal(ours, flax_init)) CHECK(ser::to_msgpack(ours) == std::vector<std::uint8_t>(words.begin(), words.end()));
   }
 }
 
@@ -767,7 +805,10 @@ TEST_CASE("flax.serialization: a file Flax wrote loads, and Linum writes it back
       CHECK(got[i].first == want[i].first);
       CHECK(got[i].second.bitwise_equal(want[i].second));
     }
-    CHECK(ser::to_msgpack(variables) == flax_bytes);
+    // Flax's weight wrappers name variables by paths in one key ("Dense_0/kernel/scale"); Linum
+    // reads them nested (the same paths, checked above) and writes nested dicts.
+    const bool slash_keys = name.rfind("weight_norm", 0) == 0 || name.rfind("spectral_norm", 0) == 0;
+    if (!slash_keys) CHECK(ser::to_msgpack(variables) == flax_bytes);
   }
 }
 

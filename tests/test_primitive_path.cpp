@@ -275,6 +275,16 @@ struct StoredStatsBatchNorm {
     return s(nn::BatchNorm{.use_running_average = true, .dtype = t, .param_dtype = t}, x);
   }
 };
+// A weight wrapper called from a parent (the wrapped layer is bound to the caller); SpectralNorm
+// without updating its statistics (apply's collections are not mutable here).
+template <class Wrapper>
+struct FromParent {
+  Wrapper wrapper;
+  Array operator()(Scope& s, const Array& x) const {
+    if constexpr (requires { wrapper.n_steps; }) return s(wrapper, false, x);
+    else return s(wrapper, x);
+  }
+};
 }  // namespace
 
 TEST_CASE("param_dtype=bf16: every layer's parameters get non-zero bf16 gradients close to the float32 ones") {
@@ -343,6 +353,13 @@ TEST_CASE("param_dtype=bf16: every layer's parameters get non-zero bf16 gradient
   check_layer("Einsum", [](DType t) {
     return nn::Einsum{.shape = {8, 2, 3}, .einsum_str = "btd,dhk->bthk", .dtype = t, .param_dtype = t};
   }, seq);
+  check_layer("WeightNorm<Dense>", [](DType t) {
+    return FromParent<nn::WeightNorm<nn::Dense>>{{.layer = {.features = 5, .dtype = t, .param_dtype = t}, .param_dtype = t}};
+  }, x);
+  check_layer("SpectralNorm<Conv>", [](DType t) {
+    return FromParent<nn::SpectralNorm<nn::Conv>>{
+        {.layer = {.features = 4, .kernel_size = {3, 3}, .dtype = t, .param_dtype = t}, .param_dtype = t}};
+  }, x);
 }
 
 TEST_CASE("saved-value hooks see every residual; gradients through them are bitwise") {

@@ -187,6 +187,18 @@ def layer_case(module, inputs, *, init_rngs=None, apply_rngs=None, mutable=None,
     return case
 
 
+class InParent(nn.Module):
+    """A wrapper made inside a parent, as users write it: the wrapped layer stays bound to the parent
+    (params/Dense_0 beside params/WeightNorm_0). `make` builds the wrapper; `call` runs it."""
+    make: object
+    call: object = None
+
+    @nn.compact
+    def __call__(self, x):
+        wrapper = self.make()
+        return wrapper(x) if self.call is None else self.call(wrapper, x)
+
+
 def layer_values():
     bf16 = jnp.bfloat16
     x24 = fixed_normal(1, (2, 4))
@@ -257,6 +269,18 @@ def layer_values():
         "bidirectional_lengths": layer_case(nn.Bidirectional(nn.RNN(nn.GRUCell(3)), nn.RNN(nn.MGUCell(2))),
                                             [padded, lengths],
                                             call=lambda m, x, n: m(x, seq_lengths=n, return_carry=True)),
+        # weight reparametrizations, the wrapped layer bound to a parent module
+        "weight_norm": layer_case(InParent(lambda: nn.WeightNorm(nn.Dense(4))), [x24]),
+        "weight_norm_every_variable": layer_case(InParent(lambda: nn.WeightNorm(nn.Dense(4), variable_filter=None)), [x24]),
+        "weight_norm_conv_one_scale": layer_case(InParent(lambda: nn.WeightNorm(nn.Conv(3, (3, 3)), feature_axes=None)),
+                                                 [img]),
+        "spectral_norm": layer_case(InParent(lambda: nn.SpectralNorm(nn.Dense(4)), lambda w, x: w(x, update_stats=True)),
+                                    [x24], mutable=["batch_stats"]),
+        "spectral_norm_conv_3_steps": layer_case(
+            InParent(lambda: nn.SpectralNorm(nn.Conv(3, (3, 3)), n_steps=3), lambda w, x: w(x, update_stats=True)),
+            [img], mutable=["batch_stats"]),
+        "spectral_norm_eval": layer_case(InParent(lambda: nn.SpectralNorm(nn.Dense(4)),
+                                                  lambda w, x: w(x, update_stats=False)), [x24]),
     }
     return cases
 

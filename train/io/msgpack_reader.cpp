@@ -244,8 +244,12 @@ class MsgpackReader {
     std::string k(reinterpret_cast<const char*>(h.data.data()), h.data.size());
     if (k.empty()) fail("empty map key; tree keys must be non-empty strings");
     if (!valid_utf8(k)) fail(detail::cat("map key at byte ", h.offset, " is not valid UTF-8"));
-    if (k.find('/') != std::string::npos)
-      fail(detail::cat("map key '", k, "' contains '/', which Linum uses to separate path components"));
+    // Flax's nn.WeightNorm and nn.SpectralNorm name variables by paths ("Dense_1/kernel/scale" as one
+    // key); Linum nests them (value() below), so each part must be a key of its own.
+    if (k.find('/') != std::string::npos &&
+        (k.front() == '/' || k.back() == '/' || k.find("//") != std::string::npos))
+      fail(detail::cat("map key '", k, "' has an empty part between '/'s; a key with '/' is read as a path of "
+                                       "non-empty keys"));
     return k;
   }
 
@@ -357,7 +361,7 @@ class MsgpackReader {
     if (h.u > remaining() / 2)
       fail(detail::cat("truncated ", what_, ": a map at byte ", h.offset, " declares ", h.u, " entries but only ",
                        remaining(), " bytes remain"));
-    std::vector<Tree::Entry> entries;
+    std::vector<Tree::Entry> entries, paths;  // paths: keys with '/', nested once the map is read
     entries.reserve(static_cast<std::size_t>(h.u));
     for (std::uint64_t e = 0; e < h.u; ++e) {
       std::string k = key(next());
@@ -365,10 +369,15 @@ class MsgpackReader {
       path_.push_back(k);
       Tree v = value(depth + 1);
       path_.pop_back();
-      entries.emplace_back(std::move(k), std::move(v));
+      (k.find('/') == std::string::npos ? entries : paths).emplace_back(std::move(k), std::move(v));
     }
     try {
-      return Tree::from_entries(std::move(entries));
+      Tree t = Tree::from_entries(std::move(entries));
+      for (auto& [k, v] : paths) {
+        if (t.contains_path(k)) fail(detail::cat("map key '", k, "' names a path that other keys already hold"));
+        t.set_path(k, std::move(v));
+      }
+      return t;
     } catch (const ValueError& err) {
       fail(err.what());
     }
