@@ -443,6 +443,56 @@ TEST_CASE("running metrics merge across batches and through a state tree") {
   CHECK_THROWS_AS(acc.update(Array::from({3, 2}, {0, 0, 0, 0, 0, 0}), Array::from_i32(Shape{2}, {0, 0})), ShapeError);
 }
 
+TEST_CASE("richer metrics: Std, LastValue, TopKAccuracy, a confusion matrix's precision, recall and F1") {
+  metrics::Std std_a, std_b;
+  std_a.update(Array::from({2}, {1.0f, 2.0f}));
+  std_b.update(3.0);
+  std_b.update(4.0);
+  const metrics::Std both = metrics::Std::from_state(std_a.merge(std_b).state());
+  CHECK(both.mean() == doctest::Approx(2.5));
+  CHECK(both.compute() == doctest::Approx(std::sqrt(1.25)));  // population standard deviation, as clu
+  CHECK(std::isnan(metrics::Std{}.compute()));
+  metrics::LastValue last;
+  CHECK(std::isnan(last.compute()));
+  last.update(3.0);
+  CHECK(last.merge(metrics::LastValue{}).compute() == 3.0);
+  // Top-k: a label tied with the k-th largest logit is a hit (tf.math.in_top_k).
+  metrics::TopKAccuracy top1(1), top2(2);
+  const Array logits = Array::from({3, 3}, {0.1f, 0.5f, 0.4f, 0.5f, 0.5f, 0.1f, 0.9f, 0.05f, 0.01f});
+  const Array labels = Array::from_i32(Shape{3}, {2, 1, 2});
+  top1.update(logits, labels);
+  top2.update(logits, labels);
+  CHECK(top1.compute() == doctest::Approx(1.0 / 3.0));  // only the tie
+  CHECK(top2.compute() == doctest::Approx(2.0 / 3.0));  // row 3: label 2 is third
+  CHECK(metrics::TopKAccuracy::from_state(top2.merge(top2).state(), 2).compute() == doctest::Approx(2.0 / 3.0));
+  CHECK_THROWS_AS(top1.merge(top2), ValueError);
+  CHECK_THROWS_AS(metrics::TopKAccuracy(0), ValueError);
+  // Labels 0 0 1 1 2 2 2, predicted 0 1 1 1 2 0 1; a fourth class never occurs (left out of the
+  // macro means, as torchmetrics). Values by hand (sklearn's formulas).
+  metrics::ConfusionMatrix cm(4), part(4);
+  cm.update_predictions(Array::from_i32(Shape{4}, {0, 1, 1, 1}), Array::from_i32(Shape{4}, {0, 0, 1, 1}));
+  part.update(Array::from({3, 4}, {0, 0, 1, 0, 1, 0, 0, 0, 0, 1, 0, 0}), Array::from_i32(Shape{3}, {2, 2, 2}));
+  cm = metrics::ConfusionMatrix::from_state(cm.merge(part).state());
+  CHECK(cm.matrix().to_vector() == std::vector<float>{1, 1, 0, 0, 0, 2, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0});
+  CHECK(cm.accuracy() == doctest::Approx(4.0 / 7.0));
+  CHECK(cm.precision_per_class() == std::vector<double>{0.5, 0.5, 1.0, 0.0});
+  CHECK(cm.recall_per_class()[2] == doctest::Approx(1.0 / 3.0));
+  CHECK(cm.precision() == doctest::Approx(2.0 / 3.0));
+  CHECK(cm.recall() == doctest::Approx(11.0 / 18.0));
+  CHECK(cm.f1() == doctest::Approx(5.0 / 9.0));
+  CHECK(cm.precision(metrics::Averaging::weighted) == doctest::Approx(5.0 / 7.0));
+  CHECK(cm.recall(metrics::Averaging::weighted) == doctest::Approx(4.0 / 7.0));
+  CHECK(cm.f1(metrics::Averaging::weighted) == doctest::Approx((1.0 + 4.0 / 3.0 + 1.5) / 7.0));
+  for (auto a : {metrics::Averaging::micro}) {
+    CHECK(cm.precision(a) == doctest::Approx(4.0 / 7.0));
+    CHECK(cm.f1(a) == doctest::Approx(4.0 / 7.0));
+  }
+  CHECK_THROWS_WITH_AS(cm.update_predictions(Array::from_i32(Shape{1}, {4}), Array::from_i32(Shape{1}, {0})),
+                       doctest::Contains("prediction 4 at element 0 is outside [0, 4)"), ValueError);
+  CHECK_THROWS_AS(cm.update(Array::zeros(Shape{2, 3}), Array::from_i32(Shape{2}, {0, 1})), ShapeError);
+  CHECK_THROWS_AS(cm.merge(metrics::ConfusionMatrix(3)), ValueError);
+}
+
 TEST_CASE("differentially_private_aggregate and dpsgd: per-example clipping, Gaussian noise, optax's key handling") {
   // Per-example gradients of params {"b": [2], "w": [3]}: 4 examples, norms 5, 0.5, 0, 13.
   Tree grads{{"b", Array::from({4, 2}, {3, 0, 0.3f, 0, 0, 0, 5, 0})},
