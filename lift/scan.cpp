@@ -58,6 +58,14 @@ void throw_scan_error(const std::vector<std::string>& path, const std::string& w
   throw ValueError(linum::detail::cat("lift::scan at '", path.empty() ? std::string("<root>") : join(path), "': ", what));
 }
 
+int scanned_axis(const Array& a, int axis, const std::vector<std::string>& path) {
+  const int r = a.rank();
+  if (axis < -r || axis >= r)
+    throw_scan_error(path, linum::detail::cat("axis ", axis, " is out of range for a scanned value of shape ", a.shape(),
+                                              "; give an axis in [-", r, ", ", r, ")"));
+  return axis < 0 ? axis + r : axis;
+}
+
 ScanPlan plan_scan(Scope& s, const ScanSettings& settings, int length) {
   ScanPlan plan;
   plan.path = s.path();

@@ -14,8 +14,9 @@
 // std::pair(next carry, y) whose ys the scan stacks along a new leading axis (then the scan returns
 // std::pair(carry, ys)). The carry and ys may be any pytree (Array, Tree, vector, pair, tuple);
 // the carry must keep its structure and shapes. Arguments wrapped in lift::scanned(...) are sliced
-// along their leading axis (Flax's in_axes=0; `length` may then be left 0 and is taken from them);
-// other arguments reach every iteration unchanged (nn.broadcast).
+// along their leading axis, or lift::scanned(x, axis) along another (Flax's in_axes; `length` may
+// then be left 0 and is taken from them); other arguments reach every iteration unchanged
+// (nn.broadcast). `out_axes` puts the iterations' axis of the stacked ys elsewhere than first.
 //
 // Variables, per collection (Flax's arguments of the same names):
 //   variable_axes       collection -> axis: one slice per iteration, stacked along that axis
@@ -60,14 +61,16 @@
 
 namespace linum::lift {
 
-// An argument of a scan sliced along its leading axis (see lift::scan).
+// An argument of a scan sliced along an axis, the leading one by default (see lift::scan; Flax's
+// in_axes, per argument; negative axes count from the end).
 template <class T>
 struct Scanned {
   T value;
+  int axis = 0;
 };
 template <class T>
-Scanned<std::decay_t<T>> scanned(T&& value) {
-  return {std::forward<T>(value)};
+Scanned<std::decay_t<T>> scanned(T&& value, int axis = 0) {
+  return {std::forward<T>(value), axis};
 }
 
 // The options of lift::scan that are not templates (see the header comment).
@@ -146,12 +149,15 @@ template <class T>
 int scanned_length(const T&, const std::vector<std::string>&) {
   return -1;
 }
+// `axis` of `a` counted from 0, or a scan error naming the argument's rank.
+int scanned_axis(const Array& a, int axis, const std::vector<std::string>& path);
+
 template <class T>
 int scanned_length(const Scanned<T>& s, const std::vector<std::string>& path) {
   int n = -1;
   for (const Array& a : pytree::flatten(s.value)) {
     if (a.rank() == 0) throw_scan_error(path, "a scanned argument has a scalar leaf; scanned values need a leading axis");
-    const int d = static_cast<int>(a.dim(0));
+    const int d = static_cast<int>(a.dim(scanned_axis(a, s.axis, path)));
     if (n >= 0 && d != n)
       throw_scan_error(path, linum::detail::cat("scanned arguments disagree on the length: leading axes ", n, " and ", d));
     n = d;
@@ -167,7 +173,10 @@ template <class T>
 ArgSlices<Scanned<T>> slice_arg(const Scanned<T>& s, int n) {
   std::vector<Array> leaves = pytree::flatten(s.value);
   std::vector<std::vector<Array>> per_leaf;
-  for (const Array& a : leaves) per_leaf.push_back(unstack(a));
+  for (const Array& a : leaves) {
+    const int axis = a.rank() > 0 ? (s.axis < 0 ? s.axis + a.rank() : s.axis) : 0;
+    per_leaf.push_back(unstack(axis == 0 ? a : moveaxis(a, axis, 0)));
+  }
   ArgSlices<Scanned<T>> out;
   for (int i = 0; i < n; ++i) {
     std::vector<Array> at;
@@ -192,16 +201,19 @@ struct YsOf<Result, true> {
   using type = typename Result::second_type;
 };
 
-// The pytree of ys (per slice index) stacked leaf by leaf along a new leading axis.
+// The pytree of ys (per slice index) stacked leaf by leaf along a new axis: the leading one, or
+// `out_axis` (Flax's out_axes; negative counts from the end of the stacked array).
 template <class Y>
-Y stack_ys(const std::vector<Y>& ys) {
+Y stack_ys(const std::vector<Y>& ys, int out_axis, const std::vector<std::string>& path) {
   std::vector<std::vector<Array>> leaves;
   for (const Y& y : ys) leaves.push_back(pytree::flatten(y));
   std::vector<Array> stacked;
   for (std::size_t k = 0; k < leaves.front().size(); ++k) {
     std::vector<Array> column;
     for (const auto& l : leaves) column.push_back(l[k]);
-    stacked.push_back(stack(column));
+    Array joined = stack(column);
+    if (out_axis != 0) joined = moveaxis(joined, 0, scanned_axis(joined, out_axis, path));
+    stacked.push_back(std::move(joined));
   }
   return pytree::rebuild(ys.front(), std::span<const Array>(stacked));
 }
@@ -231,6 +243,7 @@ struct scan {
   Body body{};
   int length = 0;  // 0: the leading axis of the scanned arguments
   bool reverse = false;
+  int out_axes = 0;  // the axis of the ys along which iterations are stacked (Flax's out_axes)
   std::map<std::string, int> variable_axes{};
   std::vector<std::string> variable_broadcast{};
   std::vector<std::string> variable_carry{};
@@ -312,7 +325,7 @@ struct scan {
       }
     }
     detail::finish_scan(plan, states);
-    if constexpr (kWithYs) return std::make_pair(std::move(h), detail::stack_ys(ys));
+    if constexpr (kWithYs) return std::make_pair(std::move(h), detail::stack_ys(ys, out_axes, s.path()));
     else return h;
   }
 
@@ -371,7 +384,7 @@ struct scan {
       auto [h, ys] = run_steps_with_ys(n, carry, step, schedule);
       finish();
       if (reverse) std::reverse(ys.begin(), ys.end());  // step k ran slice n - 1 - k; ys go by slice
-      return std::make_pair(std::move(h), detail::stack_ys(ys));
+      return std::make_pair(std::move(h), detail::stack_ys(ys, out_axes, plan.path));
     } else {
       Carry h = run_steps(n, carry, step, schedule);
       finish();

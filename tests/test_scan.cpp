@@ -608,3 +608,52 @@ TEST_CASE("scan hands each iteration a view of the stacked variables, not a copy
   CHECK(scope.peak_growth() < 1024 * 1024);
   CHECK(y.shape() == Shape{2, 512});
 }
+
+namespace {
+
+// ScannedRnn on batch-major inputs [batch, time, features]: sliced along axis 1 (Flax's in_axes=1),
+// ys stacked on axis 1 (out_axes=1).
+struct BatchMajorRnn {
+  lift::ScanSchedule schedule{};
+  int axis = 1;
+  auto operator()(Scope& s, const std::pair<Array, Array>& carry, const Array& xs) const {
+    return s(lift::scan<Cell>{.out_axes = axis, .variable_broadcast = {"params"}, .split_rngs = {{"params", false}},
+                              .schedule = schedule},
+             carry, lift::scanned(xs, axis));
+  }
+};
+
+}  // namespace
+
+TEST_CASE("scan in_axes / out_axes: batch-major inputs and outputs equal the time-major scan bitwise, also under a schedule") {
+  const Array xs_bt = random_array(Shape{3, 5, 4}, 61);  // [batch, time, features]
+  const Array xs_tb = swapaxes(xs_bt, 0, 1);
+  const std::pair<Array, Array> carry{random_array(Shape{3, 4}, 62), Array::zeros(Shape{3, 4})};
+  const Tree vars = init(ScannedRnn{}, rng::key(0), carry, xs_tb);
+  CHECK(init(BatchMajorRnn{}, rng::key(0), carry, xs_bt).at_path("params/ScanCell_0/Dense_0/kernel").array().bitwise_equal(
+      vars.at_path("params/ScanCell_0/Dense_0/kernel").array()));
+  for (const lift::ScanSchedule schedule : {lift::ScanSchedule{}, lift::ScanSchedule::sqrt_segments()}) {
+    const auto [c_tb, ys_tb] = apply(ScannedRnn{.schedule = schedule}, vars, carry, xs_tb);
+    const auto [c_bt, ys_bt] = apply(BatchMajorRnn{.schedule = schedule}, vars, carry, xs_bt);
+    CHECK(c_bt.first.bitwise_equal(c_tb.first));
+    CHECK(ys_bt.shape() == Shape{3, 5, 4});
+    CHECK(ys_bt.bitwise_equal(swapaxes(ys_tb, 0, 1)));
+    auto loss = [&](auto model, const Array& xs) {
+      return [model, xs, &carry](const Tree& p) {
+        const auto [c, ys] = apply(model, Tree{{"params", p}}, carry, xs);
+        return sum(square(ys)) + sum(c.first);
+      };
+    };
+    const Tree g_tb = grad(loss(ScannedRnn{.schedule = schedule}, xs_tb))(vars.at("params"));
+    const Tree g_bt = grad(loss(BatchMajorRnn{.schedule = schedule}, xs_bt))(vars.at("params"));
+    for (const auto& [path, value] : flatten(g_tb)) {
+      CAPTURE(path);
+      CHECK(value.bitwise_equal(g_bt.at_path(path).array()));
+    }
+  }
+  // A negative axis counts from the end; an axis out of range is an error naming it.
+  const auto [c_neg, ys_neg] = apply(BatchMajorRnn{.axis = -2}, vars, carry, xs_bt);
+  CHECK(ys_neg.bitwise_equal(apply(BatchMajorRnn{}, vars, carry, xs_bt).second));
+  CHECK_THROWS_WITH_AS((void)apply(BatchMajorRnn{.axis = 3}, vars, carry, xs_bt), doctest::Contains("axis 3 is out of range"),
+                       ValueError);
+}
