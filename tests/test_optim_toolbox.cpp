@@ -535,3 +535,20 @@ TEST_CASE("differentially_private_aggregate and dpsgd: per-example clipping, Gau
     CHECK_THROWS_AS(opt.update(params, opt.init(params), params), ValueError);
   }
 }
+
+TEST_CASE("adan, adamaxw, sign_sgd, sm3, fromage: their checks and state errors (values: the optax oracles)") {
+  const Tree params{{"b", Array::from({2}, {1.0f, -2.0f})}, {"w", Array::from({2, 2}, {0.5f, 0.0f, -1.0f, 2.0f})}};
+  CHECK_THROWS_WITH_AS(optim::adan(1e-2, 0.98, 0.92, 1.5), doctest::Contains("b3 must be in [0, 1)"), ValueError);
+  CHECK_THROWS_WITH_AS(optim::scale_by_sm3(0.9, 1.5), doctest::Contains("b2 must be in [0, 1]"), ValueError);
+  CHECK_THROWS_WITH_AS(optim::sm3(0.1).init(Tree{{"s", Array::full(Shape{}, 1.0f)}}), doctest::Contains("is a scalar"), ValueError);
+  CHECK_THROWS_AS(optim::fromage(std::nan("")), ValueError);
+  // sign_sgd moves every element by the learning rate against its gradient's sign; 0 stays.
+  const auto sgd = optim::sign_sgd(0.1);
+  const Tree g{{"b", Array::from({2}, {3.0f, -0.01f})}, {"w", Array::from({2, 2}, {0.0f, 1.0f, -1.0f, 5.0f})}};
+  const auto [u, st] = sgd.update(g, sgd.init(params), params);
+  CHECK(u.at("b").array().to_vector() == std::vector<float>{-0.1f, 0.1f});
+  CHECK(u.at("w").array().to_vector() == std::vector<float>{0.0f, -0.1f, 0.1f, -0.1f});
+  // A state from another optimizer is refused with the keys it should have.
+  CHECK_THROWS_WITH_AS(optim::adan(1e-2).update(g, optim::adam(1e-2).init(params), params),
+                       doctest::Contains("optimizer state"), ValueError);
+}

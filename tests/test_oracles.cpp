@@ -716,6 +716,13 @@ TEST_CASE("optax: every optimizer and wrapper: parameters over 5 steps and the f
       {"novograd", optim::novograd(1e-2, 0.9, 0.25, 1e-6, 0.0, 0.01)},
       {"lars", optim::lars(0.1, 0.01)},
       {"lars_masked", optim::lars(0.1, 0.01, only_w, 0.001, 0.0, only_w, 0.9, true)},
+      // more of optax's optimizers
+      {"adan", optim::adan(1e-2)},
+      {"adan_decay_masked", optim::adan(1e-2, 0.98, 0.92, 0.99, 1e-8, 1e-8, 0.1, only_w)},
+      {"adamaxw", optim::adamaxw(1e-2)},
+      {"sign_sgd", optim::sign_sgd(0.1)},
+      {"sm3", optim::sm3(0.1)},
+      {"fromage", optim::fromage(0.1)},
   };
   for (const auto& entry : cases) {
     const auto& name = entry.first;

@@ -413,6 +413,36 @@ GradientTransformation nadamw(LearningRate learning_rate, double b1 = 0.9, doubl
 // AMSGrad (optax.amsgrad): chain(scale_by_amsgrad, scale_by_learning_rate).
 GradientTransformation amsgrad(LearningRate learning_rate, double b1 = 0.9, double b2 = 0.999, double eps = 1e-8,
                                double eps_root = 0.0, bool bias_correction_mu = true, bool bias_correction_nu = true);
+// Adan's rescaling (optax.scale_by_adan, Xie et al. 2022): m, v and n the moving averages of the
+// gradient, of its change since the last step (0 at the first) and of the square of g + (1 - b2)
+// change; update = (m_hat + (1 - b2) v_hat) / (sqrt(n_hat + eps_root) + eps), each bias-corrected.
+// State {"m", "v", "n", "g", "t"} (g: the last gradient; t: the step count).
+GradientTransformation scale_by_adan(double b1 = 0.98, double b2 = 0.92, double b3 = 0.99, double eps = 1e-8,
+                                     double eps_root = 0.0);
+// The sign of each gradient element (optax.scale_by_sign; 0 stays 0, NaN stays NaN). No state.
+GradientTransformation scale_by_sign();
+// SM3's rescaling (optax.scale_by_sm3, Anil et al. 2019): one accumulator per axis of each leaf
+// instead of one per element; accum = (1 - b2 or 1 when b2 = 1) g^2 + b2 min over the axes'
+// accumulators, update = momentum b1 of g / sqrt(accum + eps) (0 where accum is 0); each axis keeps
+// the max of accum over the other axes. State {"mu": per leaf {"0": [d0], "1": [d1], ...}, "nu"};
+// leaves must have rank >= 1.
+GradientTransformation scale_by_sm3(double b1 = 0.9, double b2 = 1.0, double eps = 1e-8);
+// Adan (optax.adan): chain(scale_by_adan, add_decayed_weights(weight_decay, mask),
+// scale_by_learning_rate).
+GradientTransformation adan(LearningRate learning_rate, double b1 = 0.98, double b2 = 0.92, double b3 = 0.99,
+                            double eps = 1e-8, double eps_root = 1e-8, double weight_decay = 0.0, Mask mask = nullptr);
+// AdamaxW (optax.adamaxw): chain(scale_by_adamax, add_decayed_weights(weight_decay, mask),
+// scale_by_learning_rate).
+GradientTransformation adamaxw(LearningRate learning_rate, double b1 = 0.9, double b2 = 0.999, double eps = 1e-8,
+                               double weight_decay = 1e-4, Mask mask = nullptr);
+// signSGD (optax.sign_sgd): chain(scale_by_sign, scale_by_learning_rate).
+GradientTransformation sign_sgd(LearningRate learning_rate);
+// SM3 (optax.sm3): chain(scale_by_sm3(momentum), scale(-learning_rate)).
+GradientTransformation sm3(double learning_rate, double momentum = 0.9);
+// Fromage (optax.fromage, Bernstein et al. 2020): chain(scale_by_trust_ratio(min_norm),
+// scale_by_learning_rate(lr / sqrt(1 + lr^2)), add_decayed_weights(1 / sqrt(1 + lr^2) - 1)). Needs
+// the params.
+GradientTransformation fromage(double learning_rate, double min_norm = 1e-6);
 // Adamax (optax.adamax): chain(scale_by_adamax, scale_by_learning_rate).
 GradientTransformation adamax(LearningRate learning_rate, double b1 = 0.9, double b2 = 0.999, double eps = 1e-8);
 // RAdam (optax.radam): chain(scale_by_radam, scale_by_learning_rate).

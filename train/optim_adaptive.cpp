@@ -13,6 +13,7 @@
 #include <linum/train/square_sums.hpp>
 #include <linum/train/optim_internal.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -259,6 +260,128 @@ GradientTransformation scale_by_novograd(double b1, double b2, double eps, doubl
       });
 }
 
+GradientTransformation scale_by_adan(double b1, double b2, double b3, double eps, double eps_root) {
+  const char* name = "optim::scale_by_adan";
+  check_decay(name, "b1", b1);
+  check_decay(name, "b2", b2);
+  check_decay(name, "b3", b3);
+  check_non_negative(name, "eps", eps);
+  check_non_negative(name, "eps_root", eps_root);
+  const std::string who = "optim::scale_by_adan.update";
+  return GradientTransformation(
+      name,
+      [](const Tree& params) {
+        return Tree{{"m", zeros_like(params)}, {"v", zeros_like(params)}, {"n", zeros_like(params)},
+                    {"g", zeros_like(params)}, {"t", count_array(0)}};
+      },
+      [=](const Tree& updates, const Tree& state, const Tree*) {
+        check_moments(who, updates, state, {"m", "v", "n", "g", "t"}, {"m", "v", "n", "g"});
+        const std::int64_t t_prev = read_count(who, Tree{{"count", state.at("t")}});
+        // The gradient's change since the last step (0 at the first).
+        const Tree diff = t_prev == 0 ? zeros_like(updates) : map2(updates, state.at("g"), [](float g, float p) { return g - p; });
+        Tree m = first_moment(updates, state.at("m"), b1);
+        Tree v = first_moment(diff, state.at("v"), b2);
+        const float c2 = f32(1.0 - b2), e = f32(eps), er = f32(eps_root);
+        const Tree sq = map2(updates, diff, [=](float g, float d) { return g + c2 * d; });
+        Tree n = second_moment(sq, state.at("n"), b3);
+        const std::int64_t t = safe_increment(t_prev);
+        const float bc1 = bias_correction(f32(b1), t), bc2 = bias_correction(f32(b2), t), bc3 = bias_correction(f32(b3), t);
+        Tree out = map3(m, v, n, [=](float mj, float vj, float nj) {
+          return (mj / bc1 + c2 * (vj / bc2)) / (std::sqrt(nj / bc3 + er) + e);
+        });
+        return UpdateResult{std::move(out), Tree{{"m", std::move(m)}, {"v", std::move(v)}, {"n", std::move(n)},
+                                                 {"g", updates}, {"t", count_array(t)}}};
+      });
+}
+
+GradientTransformation scale_by_sign() {
+  const std::string who = "optim::scale_by_sign.update";
+  return GradientTransformation(
+      "optim::scale_by_sign", [](const Tree&) { return empty_state(); },
+      [who](const Tree& updates, const Tree& state, const Tree*) {
+        check_state_keys(who, state, {});
+        // jnp.sign: 0 stays 0 (its sign too), NaN stays NaN.
+        return UpdateResult{map1(updates, [](float g) { return g > 0.0f ? 1.0f : g < 0.0f ? -1.0f : g; }), empty_state()};
+      });
+}
+
+GradientTransformation scale_by_sm3(double b1, double b2, double eps) {
+  const char* name = "optim::scale_by_sm3";
+  check_decay(name, "b1", b1);
+  if (!(b2 >= 0.0 && b2 <= 1.0)) throw ValueError(detail::cat(name, ": b2 must be in [0, 1], got ", b2));
+  check_non_negative(name, "eps", eps);
+  const std::string who = "optim::scale_by_sm3.update";
+  // One accumulator per axis of each leaf: mu[leaf] = {"0": [d0], "1": [d1], ...}.
+  auto accumulators = [](const Tree& params) {
+    Tree mu;
+    for (const auto& [path, p] : flatten(params)) {
+      if (p.rank() == 0)
+        throw ValueError(detail::cat("optim::scale_by_sm3: leaf '", path, "' is a scalar; SM3 keeps one accumulator per "
+                                     "axis, so it needs leaves of rank 1 or more"));
+      Tree per_axis;
+      for (int i = 0; i < p.rank(); ++i) per_axis.set(std::to_string(i), Tree(Array::zeros(Shape{p.dim(i)}, p.dtype())));
+      if (path.empty()) return per_axis;
+      mu.set_path(path, per_axis);
+    }
+    return mu;
+  };
+  return GradientTransformation(
+      name, [accumulators](const Tree& params) { return Tree{{"mu", accumulators(params)}, {"nu", zeros_like(params)}}; },
+      [=](const Tree& updates, const Tree& state, const Tree*) {
+        check_state_keys(who, state, {"mu", "nu"});
+        check_same_structure(who, "grads", updates, "state['nu']", state.at("nu"));
+        autodiff::NoGradGuard constants;
+        const float c = b2 != 1.0 ? f32(1.0 - b2) : 1.0f, d = f32(b2), e = f32(eps);
+        std::vector<Array> ups, mus_flat;
+        Tree mu;
+        for (const auto& [path, g_any] : flatten(updates)) {
+          const Array g = astype(g_any, DType::f32);
+          const int r = g.rank();
+          const Tree& acc = path.empty() ? state.at("mu") : state.at("mu").at_path(path);
+          // The smallest accumulator over the axes, broadcast to the leaf's shape.
+          std::vector<float> accum(static_cast<std::size_t>(g.numel()));
+          std::vector<std::vector<float>> axis_acc;
+          for (int i = 0; i < r; ++i) {
+            const Array a = astype(acc.at(std::to_string(i)).array(), DType::f32);
+            if (a.rank() != 1 || a.dim(0) != g.dim(i))
+              throw ValueError(detail::cat(who, ": state['mu'] for '", path, "' axis ", i, " has shape ", a.shape(),
+                                           "; pass the state that init(params) returned"));
+            axis_acc.push_back(a.to_vector());
+          }
+          const std::vector<float> gv = g.to_vector();
+          std::vector<std::vector<float>> new_axis(static_cast<std::size_t>(r));
+          for (int i = 0; i < r; ++i) new_axis[static_cast<std::size_t>(i)].assign(static_cast<std::size_t>(g.dim(i)),
+                                                                                    -std::numeric_limits<float>::infinity());
+          std::vector<std::int64_t> index(static_cast<std::size_t>(r), 0);
+          for (std::size_t j = 0; j < gv.size(); ++j) {
+            float smallest = axis_acc[0][static_cast<std::size_t>(index[0])];
+            for (int i = 1; i < r; ++i) smallest = std::min(smallest, axis_acc[static_cast<std::size_t>(i)][static_cast<std::size_t>(index[static_cast<std::size_t>(i)])]);
+            accum[j] = c * (gv[j] * gv[j]) + d * smallest;
+            for (int i = 0; i < r; ++i) {
+              float& m = new_axis[static_cast<std::size_t>(i)][static_cast<std::size_t>(index[static_cast<std::size_t>(i)])];
+              m = nan_max(m, accum[j]);
+            }
+            for (int i = r - 1; i >= 0; --i) {  // the next index, last axis fastest
+              if (++index[static_cast<std::size_t>(i)] < g.dim(i)) break;
+              index[static_cast<std::size_t>(i)] = 0;
+            }
+          }
+          std::vector<float> up(gv.size());
+          for (std::size_t j = 0; j < gv.size(); ++j) up[j] = gv[j] * (accum[j] > 0.0f ? 1.0f / std::sqrt(accum[j] + e) : 0.0f);
+          ups.push_back(astype(Array::from(g.shape(), up), g_any.dtype()));
+          // A rank-1 leaf keeps the accumulator itself (optax: g.ndim < 2).
+          Tree per_axis;
+          for (int i = 0; i < r; ++i)
+            per_axis.set(std::to_string(i), Tree(astype(Array::from(Shape{g.dim(i)}, r < 2 ? accum : new_axis[static_cast<std::size_t>(i)]),
+                                                        g_any.dtype())));
+          if (path.empty()) mu = per_axis;
+          else mu.set_path(path, per_axis);
+        }
+        Tree nu = first_moment(with_leaves(updates, ups), state.at("nu"), b1);
+        return UpdateResult{nu, Tree{{"mu", std::move(mu)}, {"nu", nu}}};
+      });
+}
+
 // ---- optimizers ----------------------------------------------------------------------------------
 
 GradientTransformation nadam(LearningRate learning_rate, double b1, double b2, double eps, double eps_root) {
@@ -310,6 +433,34 @@ GradientTransformation lars(LearningRate learning_rate, double weight_decay, Mas
   return chain(masked(add_decayed_weights(weight_decay), weight_decay_mask ? std::move(weight_decay_mask) : every_leaf),
                masked(scale_by_trust_ratio(0.0, trust_coefficient, eps), trust_ratio_mask ? std::move(trust_ratio_mask) : every_leaf),
                scale_by_learning_rate(std::move(learning_rate)), trace(momentum, nesterov));
+}
+
+GradientTransformation adan(LearningRate learning_rate, double b1, double b2, double b3, double eps, double eps_root,
+                            double weight_decay, Mask mask) {
+  return chain(scale_by_adan(b1, b2, b3, eps, eps_root),
+               mask ? add_decayed_weights(weight_decay, std::move(mask)) : add_decayed_weights(weight_decay),
+               scale_by_learning_rate(std::move(learning_rate)));
+}
+
+GradientTransformation adamaxw(LearningRate learning_rate, double b1, double b2, double eps, double weight_decay, Mask mask) {
+  return chain(scale_by_adamax(b1, b2, eps),
+               mask ? add_decayed_weights(weight_decay, std::move(mask)) : add_decayed_weights(weight_decay),
+               scale_by_learning_rate(std::move(learning_rate)));
+}
+
+GradientTransformation sign_sgd(LearningRate learning_rate) {
+  return chain(scale_by_sign(), scale_by_learning_rate(std::move(learning_rate)));
+}
+
+GradientTransformation sm3(double learning_rate, double momentum) {
+  return chain(scale_by_sm3(momentum), scale(-learning_rate));
+}
+
+GradientTransformation fromage(double learning_rate, double min_norm) {
+  if (!std::isfinite(learning_rate)) throw ValueError(detail::cat("optim::fromage: learning_rate must be finite, got ", learning_rate));
+  // optax: the step shrinks the weights by 1 / sqrt(1 + lr^2), in Python floats.
+  const double mult = 1.0 / std::pow(1.0 + learning_rate * learning_rate, 0.5);
+  return chain(scale_by_trust_ratio(min_norm), scale_by_learning_rate(learning_rate * mult), add_decayed_weights(mult - 1.0));
 }
 
 }  // namespace linum::optim

@@ -124,6 +124,10 @@ std::vector<Case> optimizers() {
       {"lars (trust ratio per leaf, masked)", optim::lars(0.1, 1e-3, nullptr, 0.001, 0.0, [](const std::string& path, const Array&) {
                                                  return path.find("kernel") != std::string::npos;
                                                })},
+      {"adan (the last gradient in the state)", optim::adan(1e-2, 0.98, 0.92, 0.99, 1e-8, 1e-8, 0.01)},
+      {"adamaxw", optim::adamaxw(1e-2)},
+      {"sign_sgd", optim::sign_sgd(1e-2)},
+      {"fromage (trust ratio per leaf)", optim::fromage(1e-2)},
   };
 }
 

@@ -465,6 +465,13 @@ OPTIMIZERS = {
     "lars": lambda: optax.lars(0.1, weight_decay=0.01),
     "lars_masked": lambda: optax.lars(0.1, weight_decay=0.01, weight_decay_mask={"b": False, "w": True},
                                       trust_ratio_mask={"b": False, "w": True}, nesterov=True),
+    # more of optax's optimizers
+    "adan": lambda: optax.adan(1e-2),
+    "adan_decay_masked": lambda: optax.adan(1e-2, weight_decay=0.1, mask={"b": False, "w": True}),
+    "adamaxw": lambda: optax.adamaxw(1e-2),
+    "sign_sgd": lambda: optax.sign_sgd(0.1),
+    "sm3": lambda: optax.sm3(0.1),
+    "fromage": lambda: optax.fromage(0.1),
 }
 
 # Which gradients a trajectory takes: "grads" by default, with a NaN at step 2, or per example
