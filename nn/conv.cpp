@@ -125,6 +125,36 @@ Padding op_padding(const Padding& padding, std::size_t nsp, std::int64_t causal_
   return Padding::explicit_pads(first.first, first.second, second.first, second.second);
 }
 
+// The padding of a Conv-like layer as the 2-D op takes it: CAUSAL pads (k - 1) * dilation zeros on
+// the left (computed only for it: sizes may be huge).
+Padding layer_padding(const char* layer, const Padding& padding, const std::vector<std::int64_t>& kernel_size,
+                      const std::vector<std::int64_t>& dilation_v) {
+  std::int64_t causal_left = 0;
+  if (padding.kind == Padding::Kind::causal && __builtin_mul_overflow(dilation_v[0], kernel_size[0] - 1, &causal_left))
+    throw ShapeError(detail::cat(layer, ": CAUSAL padding of (kernel_size - 1) * kernel_dilation = (", kernel_size[0], " - 1) * ",
+                                 dilation_v[0], " overflows 64 bits"));
+  return op_padding(padding, kernel_size.size(), causal_left);
+}
+
+// A 1-D or 2-D convolution through the 2-D op (a 1-D one is a 2-D one over an image of height 1).
+Array conv_1d_or_2d(const Array& x, const Array& kernel, const std::vector<std::int64_t>& strides_v,
+                    const std::vector<std::int64_t>& dilation_v, const Padding& pad, std::int64_t feature_group_count) {
+  ConvOptions opt;
+  opt.padding = pad;
+  opt.feature_group_count = feature_group_count;
+  if (strides_v.size() == 2) {
+    opt.strides = {strides_v[0], strides_v[1]};
+    opt.dilation = {dilation_v[0], dilation_v[1]};
+    return conv2d(x, kernel, opt);
+  }
+  opt.strides = {1, strides_v[0]};
+  opt.dilation = {1, dilation_v[0]};
+  Array x4 = reshape(x, {x.dim(0), 1, x.dim(1), x.dim(2)});
+  Array k4 = reshape(kernel, {1, kernel.dim(0), kernel.dim(1), kernel.dim(2)});
+  Array y4 = conv2d(x4, k4, opt);
+  return reshape(y4, {y4.dim(0), y4.dim(2), y4.dim(3)});
+}
+
 }  // namespace
 
 void Conv::validate() const {
@@ -159,38 +189,72 @@ Array Conv::operator()(Scope& s, const Array& x_in) const {
   const auto strides_v = per_axis(strides, nsp, "strides");
   const auto dilation_v = per_axis(kernel_dilation, nsp, "kernel_dilation");
 
-  // CAUSAL pads (k - 1) * dilation zeros on the left; computed only for it (sizes may be huge).
-  std::int64_t causal_left = 0;
-  if (padding.kind == Padding::Kind::causal &&
-      __builtin_mul_overflow(dilation_v[0], kernel_size[0] - 1, &causal_left))
-    throw ShapeError(detail::cat("Conv: CAUSAL padding of (kernel_size - 1) * kernel_dilation = (", kernel_size[0], " - 1) * ",
-                                 dilation_v[0], " overflows 64 bits"));
-  const Padding pad = op_padding(padding, nsp, causal_left);
+  const Padding pad = layer_padding("Conv", padding, kernel_size, dilation_v);
 
   Operands p = conv_operands(s, x, kernel_size, in_features / feature_group_count, features, features, use_bias,
                              kernel_init, bias_init, dtype, param_dtype);
   x = p.x;
   const Array kernel = p.kernel, bias = p.bias;
-
-  ConvOptions opt;
-  opt.padding = pad;
-  opt.feature_group_count = feature_group_count;
-  Array y;
-  if (nsp == 2) {
-    opt.strides = {strides_v[0], strides_v[1]};
-    opt.dilation = {dilation_v[0], dilation_v[1]};
-    y = conv2d(x, kernel, opt);
-  } else {
-    // A 1-D convolution is a 2-D one over an image of height 1.
-    opt.strides = {1, strides_v[0]};
-    opt.dilation = {1, dilation_v[0]};
-    Array x4 = reshape(x, {x.dim(0), 1, x.dim(1), x.dim(2)});
-    Array k4 = reshape(kernel, {1, kernel.dim(0), kernel.dim(1), kernel.dim(2)});
-    Array y4 = conv2d(x4, k4, opt);
-    y = reshape(y4, {y4.dim(0), y4.dim(2), y4.dim(3)});
-  }
+  Array y = conv_1d_or_2d(x, kernel, strides_v, dilation_v, pad, feature_group_count);
   if (use_bias) y = y + bias;
 
+  return restore_batch_axes(y, x_in, batch_axes);
+}
+
+void ConvLocal::validate() const {
+  check_layer("ConvLocal", features, kernel_size, param_dtype);
+  const std::size_t nsp = kernel_size.size();
+  (void)per_axis(strides, nsp, "strides", "ConvLocal");
+  (void)per_axis(kernel_dilation, nsp, "kernel_dilation", "ConvLocal");
+  check_padding("ConvLocal", padding, nsp, /*causal_ok=*/true);
+}
+
+Array ConvLocal::operator()(Scope& s, const Array& x_in) const {
+  validate();
+  const std::size_t nsp = kernel_size.size();
+  Array x;
+  const int batch_axes = flatten_batch_axes(x_in, nsp, "ConvLocal", x);
+  const std::int64_t in_features = x.dim(-1);
+  const auto strides_v = per_axis(strides, nsp, "strides", "ConvLocal");
+  const auto dilation_v = per_axis(kernel_dilation, nsp, "kernel_dilation", "ConvLocal");
+  const Padding pad = layer_padding("ConvLocal", padding, kernel_size, dilation_v);
+  std::int64_t window = 1;
+  for (std::int64_t k : kernel_size) window *= k;
+
+  // Every output position's window as one vector, as lax.conv_general_dilated_patches lays it out
+  // (channel-major: element c * window + k is channel c at window offset k): a convolution by a
+  // one-hot kernel, one group per channel. Exact (one product by 1 per output).
+  Shape eye_shape;
+  for (std::int64_t k : kernel_size) eye_shape.push_back(k);
+  eye_shape.push_back(1);
+  eye_shape.push_back(in_features * window);
+  std::vector<float> eye(static_cast<std::size_t>(eye_shape.numel()), 0.0f);
+  for (std::int64_t c = 0; c < in_features; ++c)
+    for (std::int64_t k = 0; k < window; ++k)
+      eye[static_cast<std::size_t>(k * in_features * window + c * window + k)] = 1.0f;
+  const Array patches_f = conv_1d_or_2d(x, astype(Array::from(eye_shape, eye), x.dtype()), strides_v, dilation_v, pad, in_features);
+
+  // One kernel (and bias) per output position: (out positions..., window * C, features).
+  Shape kernel_shape, bias_shape;
+  std::int64_t positions = 1;
+  for (int a = 1; a + 1 < patches_f.rank(); ++a) {
+    kernel_shape.push_back(patches_f.dim(a));
+    bias_shape.push_back(patches_f.dim(a));
+    positions *= patches_f.dim(a);
+  }
+  kernel_shape.push_back(window * in_features);
+  kernel_shape.push_back(features);
+  bias_shape.push_back(features);
+  const Array kernel_p = s.param("kernel", initializer_in(kernel_init, param_dtype), kernel_shape);
+  const Array bias_p = use_bias ? s.param("bias", initializer_in(bias_init, param_dtype), bias_shape) : Array();
+  const auto p = promote_dtype({patches_f, kernel_p, bias_p}, dtype);
+  const Array patches = reshape(p[0], {x.dim(0), positions, window * in_features});
+  Array y = einsum("bpk,pkf->bpf", patches, reshape(p[1], {positions, window * in_features, features}));
+  std::vector<std::int64_t> out_shape{x.dim(0)};
+  for (int a = 1; a + 1 < patches_f.rank(); ++a) out_shape.push_back(patches_f.dim(a));
+  out_shape.push_back(features);
+  y = reshape(y, out_shape);
+  if (use_bias) y = y + p[2];
   return restore_batch_axes(y, x_in, batch_axes);
 }
 

@@ -48,6 +48,29 @@ struct Conv {
   Array operator()(Scope& s, const Array& x) const;
 };
 
+// A locally connected layer (Flax's nn.ConvLocal): a convolution whose kernel and bias are not
+// shared between output positions. Params "kernel" (output positions..., prod(kernel_size) * C,
+// features), its rows in lax.conv_general_dilated_patches' order (channel-major), and "bias"
+// (output positions..., features). Strides, padding (CAUSAL for 1-D), kernel dilation and inputs
+// as Conv's.
+//
+//   Array y = s(nn::ConvLocal{.features = 8, .kernel_size = {3, 3}}, x);  // [N, H, W, 8], H*W kernels
+struct ConvLocal {
+  std::int64_t features = 0;                                  // output channels (required, > 0)
+  std::vector<std::int64_t> kernel_size;                      // {kh, kw} for images, {k} for sequences (required)
+  std::vector<std::int64_t> strides;                          // per spatial axis; empty = 1, one value = all axes
+  Padding padding = Padding::same();                          // "SAME" by default (Flax's)
+  std::vector<std::int64_t> kernel_dilation;                  // per spatial axis; empty = 1, one value = all axes
+  bool use_bias = true;                                       // add the "bias" param
+  Initializer kernel_init = initializers::lecun_normal();
+  Initializer bias_init = initializers::zeros();
+  std::optional<DType> dtype;                                 // computation dtype; nullopt: promote inputs and params
+  DType param_dtype = DType::f32;                             // dtype the params are created in
+
+  void validate() const;  // ValueError naming an out-of-range field (on each call and on config load)
+  Array operator()(Scope& s, const Array& x) const;
+};
+
 // A transposed convolution (Flax's nn.ConvTranspose, lax.conv_transpose with NHWC/HWIO layouts):
 // upsamples by `strides`. SAME padding gives spatial size in * stride; VALID in * stride +
 // max(k - stride, 0); explicit (low, high) pairs pad the stride-dilated input.

@@ -1364,3 +1364,30 @@ TEST_CASE("WeightNorm and SpectralNorm: layout beside the layer, definitions, gr
                             rng::key(0), img),
                        doctest::Contains("error_on_non_matrix"), ValueError);
 }
+
+TEST_CASE("ConvLocal: each output position its own kernel (a Conv when they are all equal), gradients, errors") {
+  using V = std::vector<Array>;
+  const Array img = random_array(Shape{2, 4, 5, 3}, 31);
+  const nn::ConvLocal local{.features = 2, .kernel_size = {3, 3}};
+  const Tree vars = init(local, rng::key(0), img);
+  CHECK(vars.at_path("params/kernel").array().shape() == Shape{4, 5, 27, 2});
+  CHECK(vars.at_path("params/bias").array().shape() == Shape{4, 5, 2});
+  // With the same kernel at every position (rows reordered from Conv's (kh, kw, C) to channel-major
+  // (C, kh, kw)) and one bias, ConvLocal is Conv.
+  const Array k = random_array(Shape{3, 3, 3, 2}, 32), b = random_array(Shape{2}, 33);
+  const Array rows = reshape(transpose(k, {2, 0, 1, 3}), {27, 2});
+  std::vector<Array> every(20, rows);
+  const Array tiled = reshape(stack(every), {4, 5, 27, 2});
+  const Array biases = reshape(stack(std::vector<Array>(20, b)), {4, 5, 2});
+  const Array y_local = apply(local, params({{"kernel", tiled}, {"bias", biases}}), img);
+  const Array y_conv = apply(nn::Conv{.features = 2, .kernel_size = {3, 3}}, params({{"kernel", k}, {"bias", b}}), img);
+  CHECK(max_abs_diff(y_local, y_conv) < 1e-5f);
+  check_gradients("ConvLocal", [](const V& a) {
+    return apply(nn::ConvLocal{.features = 2, .kernel_size = {2, 2}, .strides = {2}, .padding = "VALID"},
+                 params({{"kernel", a[1]}, {"bias", a[2]}}), a[0]);
+  }, {random_array(Shape{1, 4, 4, 2}, 34), random_array(Shape{2, 2, 8, 2}, 35), random_array(Shape{2, 2, 2}, 36)});
+  CHECK_THROWS_WITH_AS(init(nn::ConvLocal{.features = 2, .kernel_size = {3, 3}, .strides = {1, 1, 1}}, rng::key(0), img),
+                       doctest::Contains("strides"), ValueError);
+  CHECK_THROWS_WITH_AS(init(nn::ConvLocal{.features = 0, .kernel_size = {3}}, rng::key(0), img),
+                       doctest::Contains("features must be positive"), ValueError);
+}

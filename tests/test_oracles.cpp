@@ -382,6 +382,11 @@ std::vector<LayerCase> layer_cases() {
       rnn_with_lengths("bidirectional_lengths", nn::Bidirectional<nn::RNN<nn::GRUCell>, nn::RNN<nn::MGUCell>>{
                                                     .forward_rnn = {.cell = {.features = 3}},
                                                     .backward_rnn = {.cell = {.features = 2}}}),
+      // locally connected (unshared) convolutions
+      one_input("conv_local", nn::ConvLocal{.features = 3, .kernel_size = {3, 3}}),
+      one_input("conv_local_strided_valid",
+                nn::ConvLocal{.features = 2, .kernel_size = {2, 3}, .strides = {2, 1}, .padding = "VALID"}),
+      one_input("conv_local_1d_dilated", nn::ConvLocal{.features = 4, .kernel_size = {3}, .kernel_dilation = {2}}),
       // weight reparametrizations
       one_input("weight_norm", InParent<nn::WeightNorm<nn::Dense>>{{.layer = {.features = 4}}}),
       one_input("weight_norm_every_variable",

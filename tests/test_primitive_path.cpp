@@ -353,6 +353,9 @@ TEST_CASE("param_dtype=bf16: every layer's parameters get non-zero bf16 gradient
   check_layer("Einsum", [](DType t) {
     return nn::Einsum{.shape = {8, 2, 3}, .einsum_str = "btd,dhk->bthk", .dtype = t, .param_dtype = t};
   }, seq);
+  check_layer("ConvLocal", [](DType t) {
+    return nn::ConvLocal{.features = 2, .kernel_size = {3, 3}, .dtype = t, .param_dtype = t};
+  }, x);
   check_layer("WeightNorm<Dense>", [](DType t) {
     return FromParent<nn::WeightNorm<nn::Dense>>{{.layer = {.features = 5, .dtype = t, .param_dtype = t}, .param_dtype = t}};
   }, x);

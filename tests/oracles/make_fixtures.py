@@ -269,6 +269,10 @@ def layer_values():
         "bidirectional_lengths": layer_case(nn.Bidirectional(nn.RNN(nn.GRUCell(3)), nn.RNN(nn.MGUCell(2))),
                                             [padded, lengths],
                                             call=lambda m, x, n: m(x, seq_lengths=n, return_carry=True)),
+        # locally connected (unshared) convolutions
+        "conv_local": layer_case(nn.ConvLocal(3, (3, 3)), [img]),
+        "conv_local_strided_valid": layer_case(nn.ConvLocal(2, (2, 3), strides=(2, 1), padding="VALID"), [img]),
+        "conv_local_1d_dilated": layer_case(nn.ConvLocal(4, (3,), kernel_dilation=(2,)), [seq]),
         # weight reparametrizations, the wrapped layer bound to a parent module
         "weight_norm": layer_case(InParent(lambda: nn.WeightNorm(nn.Dense(4))), [x24]),
         "weight_norm_every_variable": layer_case(InParent(lambda: nn.WeightNorm(nn.Dense(4), variable_filter=None)), [x24]),
