@@ -157,24 +157,25 @@ Array conv_1d_or_2d(const Array& x, const Array& kernel, const std::vector<std::
 
 }  // namespace
 
-void Conv::validate() const {
-  check_layer("Conv", features, kernel_size, param_dtype);
-  const std::size_t nsp = kernel_size.size();
-  if (feature_group_count <= 0 || features % feature_group_count != 0)
-    throw ValueError(detail::cat("Conv: feature_group_count ", feature_group_count, " must be positive and divide features (",
-                                 features, ")"));
-  (void)per_axis(strides, nsp, "strides");
-  (void)per_axis(kernel_dilation, nsp, "kernel_dilation");
-  check_padding("Conv", padding, nsp, /*causal_ok=*/true);
+// The field checks every convolution layer makes (features, kernel size, param dtype, strides,
+// dilation, padding).
+template <class Layer>
+void check_conv_fields(const char* name, const Layer& l, bool causal_ok) {
+  check_layer(name, l.features, l.kernel_size, l.param_dtype);
+  const std::size_t nsp = l.kernel_size.size();
+  (void)per_axis(l.strides, nsp, "strides", name);
+  (void)per_axis(l.kernel_dilation, nsp, "kernel_dilation", name);
+  check_padding(name, l.padding, nsp, causal_ok);
 }
 
-void ConvTranspose::validate() const {
-  check_layer("ConvTranspose", features, kernel_size, param_dtype);
-  const std::size_t nsp = kernel_size.size();
-  (void)per_axis(strides, nsp, "strides", "ConvTranspose");
-  (void)per_axis(kernel_dilation, nsp, "kernel_dilation", "ConvTranspose");
-  check_padding("ConvTranspose", padding, nsp, /*causal_ok=*/false);
+void Conv::validate() const {
+  if (feature_group_count <= 0 || (features > 0 && features % feature_group_count != 0))
+    throw ValueError(detail::cat("Conv: feature_group_count ", feature_group_count, " must be positive and divide features (",
+                                 features, ")"));
+  check_conv_fields("Conv", *this, /*causal_ok=*/true);
 }
+
+void ConvTranspose::validate() const { check_conv_fields("ConvTranspose", *this, /*causal_ok=*/false); }
 
 Array Conv::operator()(Scope& s, const Array& x_in) const {
   validate();
@@ -201,13 +202,7 @@ Array Conv::operator()(Scope& s, const Array& x_in) const {
   return restore_batch_axes(y, x_in, batch_axes);
 }
 
-void ConvLocal::validate() const {
-  check_layer("ConvLocal", features, kernel_size, param_dtype);
-  const std::size_t nsp = kernel_size.size();
-  (void)per_axis(strides, nsp, "strides", "ConvLocal");
-  (void)per_axis(kernel_dilation, nsp, "kernel_dilation", "ConvLocal");
-  check_padding("ConvLocal", padding, nsp, /*causal_ok=*/true);
-}
+void ConvLocal::validate() const { check_conv_fields("ConvLocal", *this, /*causal_ok=*/true); }
 
 Array ConvLocal::operator()(Scope& s, const Array& x_in) const {
   validate();

@@ -208,10 +208,7 @@ GradientTransformation scale_by_adadelta(double rho, double eps) {
 
 GradientTransformation scale_by_novograd(double b1, double b2, double eps, double eps_root, double weight_decay) {
   const char* name = "optim::scale_by_novograd";
-  check_decay(name, "b1", b1);
-  check_decay(name, "b2", b2);
-  check_non_negative(name, "eps", eps);
-  check_non_negative(name, "eps_root", eps_root);
+  check_adam_hyperparameters(name, b1, b2, eps, eps_root);
   if (!std::isfinite(weight_decay)) throw ValueError(detail::cat(name, ": weight_decay must be finite, got ", weight_decay));
   const std::string who = "optim::scale_by_novograd.update";
   return GradientTransformation(
@@ -262,11 +259,8 @@ GradientTransformation scale_by_novograd(double b1, double b2, double eps, doubl
 
 GradientTransformation scale_by_adan(double b1, double b2, double b3, double eps, double eps_root) {
   const char* name = "optim::scale_by_adan";
-  check_decay(name, "b1", b1);
-  check_decay(name, "b2", b2);
+  check_adam_hyperparameters(name, b1, b2, eps, eps_root);
   check_decay(name, "b3", b3);
-  check_non_negative(name, "eps", eps);
-  check_non_negative(name, "eps_root", eps_root);
   const std::string who = "optim::scale_by_adan.update";
   return GradientTransformation(
       name,
