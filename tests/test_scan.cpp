@@ -646,7 +646,9 @@ TEST_CASE("scan in_axes / out_axes: batch-major inputs and outputs equal the tim
     };
     const Tree g_tb = grad(loss(ScannedRnn{.schedule = schedule}, xs_tb))(vars.at("params"));
     const Tree g_bt = grad(loss(BatchMajorRnn{.schedule = schedule}, xs_bt))(vars.at("params"));
-    for (const auto& [path, value] : flatten(g_tb)) {
+    for (const auto& entry : flatten(g_tb)) {
+      const std::string& path = entry.first;  // named: clang 14 cannot capture a structured binding
+      const Array& value = entry.second;
       CAPTURE(path);
       CHECK(value.bitwise_equal(g_bt.at_path(path).array()));
     }

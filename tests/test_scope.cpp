@@ -471,7 +471,9 @@ TEST_CASE("lift::cond: init makes both branches' variables whichever runs; apply
   const Tree on_false = init(CondNet{}, rng::key(0), x, false);
   CHECK(on_true.at("params").keys() == std::vector<std::string>{"Affine_0", "Scale_0", "Affine_1"});
   CHECK(on_true.at_path("params/Scale_0/w").array().shape() == Shape{3});
-  for (const auto& [path, value] : flatten(on_true)) {
+  for (const auto& entry : flatten(on_true)) {
+    const std::string& path = entry.first;  // named: clang 14 cannot capture a structured binding
+    const Array& value = entry.second;
     CAPTURE(path);
     CHECK(value.bitwise_equal(on_false.at_path(path).array()));  // the same dict whichever branch init took
   }
@@ -507,7 +509,9 @@ TEST_CASE("lift::cond: init makes both branches' variables whichever runs; apply
   Tree nested;
   nested["CondNet_0"] = p;
   const Tree gr = grad([&](const Tree& q) { return sum(square(apply(Rematted{}, Tree{{"params", q}}, x, false))); })(nested);
-  for (const auto& [path, value] : flatten(g)) {
+  for (const auto& entry : flatten(g)) {
+    const std::string& path = entry.first;  // named: clang 14 cannot capture a structured binding
+    const Array& value = entry.second;
     CAPTURE(path);
     CHECK(value.bitwise_equal(gr.at_path("CondNet_0/" + path).array()));
   }
