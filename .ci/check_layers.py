@@ -17,6 +17,7 @@ LAYERS = [
     "core/autodiff",      # the tape, the primitive path, grad, custom_vjp, pytrees
     "core/ops",           # every differentiable op
     "core/transforms",    # transformations composed of grad/vjp/jvp and ops: jacobians, hessian, hvp, vmap
+    "core/pch",           # the library's precompiled header: the core headers most sources include
     "rng",                # JAX-compatible keys and named streams
     "modules",            # Scope, Module, init/apply, initializers
     "lift",               # lifted transforms: checkpoint engine, policies, remat, scan, planner

@@ -298,7 +298,10 @@ void Array::check_dtype(DType want, const char* where) const {
 std::string Array::type_str() const {
   if (!defined()) return "<undefined>";
   std::string s = std::string(dtype_short_name(dtype_)) + "[";
-  for (int i = 0; i < shape_.rank(); ++i) s += (i ? "," : "") + std::to_string(shape_[i]);
+  for (int i = 0; i < shape_.rank(); ++i) {
+    if (i) s += ',';
+    s += std::to_string(shape_[i]);
+  }
   return s + "]";
 }
 

@@ -10,7 +10,10 @@ namespace linum::lift {
 
 std::string Residual::str() const {
   std::string s = std::string(dtype_short_name(dtype)) + "[";
-  for (int i = 0; i < shape.rank(); ++i) s += (i ? "," : "") + std::to_string(shape[i]);
+  for (int i = 0; i < shape.rank(); ++i) {
+    if (i) s += ',';
+    s += std::to_string(shape[i]);
+  }
   s += "] ";
   if (kind == "argument") s += "from the argument " + std::to_string(argument);
   else if (kind == "op") s += (name.empty() ? "" : "named '" + name + "' ") + std::string("output of ") + op;

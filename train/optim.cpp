@@ -1,11 +1,7 @@
 // Every multiply and add rounds separately (no fused multiply-add contraction), as XLA evaluates
 // optax's formulas; the fused step() and the transformation-by-transformation path then give the
 // same floats.
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#else
-#pragma GCC optimize("fp-contract=off")
-#endif
+// Compiled with -ffp-contract=off (train/meson.build), as are the other optimizer sources.
 
 #include <linum/train/optim.hpp>
 #include <linum/train/square_sums.hpp>

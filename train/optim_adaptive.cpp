@@ -3,11 +3,7 @@
 // adadelta, novograd and lars built from them. Formulas, constants and state layouts are optax
 // 0.2.8's, evaluated in float32 with each hyperparameter rounded once from double, as JAX does
 // with weakly typed Python floats.
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#else
-#pragma GCC optimize("fp-contract=off")
-#endif
+// Compiled with -ffp-contract=off (train/meson.build), as are the other optimizer sources.
 
 #include <linum/train/optim.hpp>
 #include <linum/train/square_sums.hpp>

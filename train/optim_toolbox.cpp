@@ -2,11 +2,7 @@
 // RMSProp, Adagrad, Lion, AdaBelief, LAMB and Adafactor and those optimizers, and the wrappers
 // masked, apply_if_finite and multi_steps. Formulas and state layouts are optax's (current
 // main), evaluated in float32 with hyperparameters rounded once from double, as JAX does.
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#else
-#pragma GCC optimize("fp-contract=off")
-#endif
+// Compiled with -ffp-contract=off (train/meson.build), as are the other optimizer sources.
 
 #include <linum/train/optim.hpp>
 #include <linum/train/square_sums.hpp>

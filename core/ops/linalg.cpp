@@ -71,7 +71,10 @@ Array mm(const Array& a, const Array& b, const Shape& out_shape, bool ta = false
 
 std::string dims_str(const std::vector<int>& v) {
   std::string s = "[";
-  for (std::size_t i = 0; i < v.size(); ++i) s += (i ? "," : "") + std::to_string(v[i]);
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    if (i) s += ',';
+    s += std::to_string(v[i]);
+  }
   return s + "]";
 }
 
