@@ -58,6 +58,7 @@
 #include <linum/lift/vmap.hpp>
 #include <linum/lift/cond.hpp>
 #include <linum/lift/map_variables.hpp>
+#include <linum/lift/while_loop.hpp>
 #include <linum/lift/remat_scan.hpp>
 #include <linum/lift/schedule.hpp>
 #include <linum/nn/checkpoint_sequential.hpp>

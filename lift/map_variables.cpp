@@ -92,7 +92,10 @@ ScopeState mapped_state(const MapVariablesRun& run) {
   put_target(variables, linum::detail::join_module_path(run.path),
              mapped(run.trans_in, "trans_in", run.target, run.path, run.collections));
   ScopeState st = run.pack->state_on(std::move(variables), run.pack->streams(), run.pack->counters());
-  if (!run.writes_back) Pack::make_read_only(st, run.collections);
+  if (!run.writes_back)
+    for (const std::string& c : run.collections)
+      Pack::make_read_only(st, {c}, linum::detail::cat("a lift::map_variables maps collection '", c, "' and does not write it back; set the transform's "
+                                                       "mutable_ = true to write through its trans_out"));
   return st;
 }
 

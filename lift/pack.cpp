@@ -164,8 +164,10 @@ void Pack::mark_child_used(Scope& s, const std::string& child) {
         state.touched.insert(leaf_path.empty() ? name + "/" + path : name + "/" + path + "/" + leaf_path);
 }
 
-void Pack::make_read_only(ScopeState& state, const std::vector<std::string>& collections) {
-  state.read_only.insert(collections.begin(), collections.end());
+void Pack::add_reads(ScopeState& into, const ScopeState& run) { into.touched.insert(run.touched.begin(), run.touched.end()); }
+
+void Pack::make_read_only(ScopeState& state, const std::vector<std::string>& collections, const std::string& why) {
+  for (const std::string& c : collections) state.read_only.emplace(c, why);
 }
 
 }  // namespace linum::lift::detail

@@ -17,6 +17,7 @@
 #include <linum/modules/scope.hpp>
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <set>
@@ -81,8 +82,18 @@ class Pack {
   void publish(Tree variables, RngCounters counters, const std::vector<const ScopeState*>& runs) const;
 
   // Makes `collections` read-only in `state` (lift::map_variables' mapped collections when it does
-  // not write them back): a write is an error, as to any collection that is not mutable.
-  static void make_read_only(ScopeState& state, const std::vector<std::string>& collections);
+  // not write them back, lift::while_loop's shared ones): a write is an error that says `why`.
+  static void make_read_only(ScopeState& state, const std::vector<std::string>& collections, const std::string& why);
+  // Runs on `state` no longer create variables (lift::while_loop's iterations after init's
+  // creating run).
+  static void stop_initializing(ScopeState& state) { state.initializing = false; }
+  // Adds the variables `run` read or wrote to those `into` counts (for publish()).
+  static void add_reads(ScopeState& into, const ScopeState& run);
+
+  // ---- auto-names (lift::while_loop: the body's children named the same on every iteration) -------
+  using AutoNames = std::map<std::string, int, std::less<>>;
+  static AutoNames auto_names(const Scope& s) { return s.auto_name_counts_; }
+  static void set_auto_names(Scope& s, AutoNames names) { s.auto_name_counts_ = std::move(names); }
 
   // ---- branches (lift::cond, lift::switch_) -------------------------------------------------------
   // The next auto-name for `type_name` at `s` ("Dense_1"), taken as s(module, ...) would take it.

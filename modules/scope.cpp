@@ -138,9 +138,8 @@ const Array& Variable::value() const {
 }
 
 void Variable::set(Array value) const {
-  if (state_->read_only.count(collection_))
-    throw ValueError(detail::cat("cannot write variable '", collection_, "/", path_, "': a lift::map_variables maps collection '", collection_, "' and does not write it back; set the transform's "
-                                 "mutable_ = true to write through its trans_out"));
+  if (auto it = state_->read_only.find(collection_); it != state_->read_only.end())
+    throw ValueError(detail::cat("cannot write variable '", collection_, "/", path_, "': ", it->second));
   if (!state_->is_mutable(collection_))
     throw ValueError(detail::cat("cannot write variable '", collection_, "/", path_, "': collection '", collection_,
                                  "' is not mutable in this apply call; pass it in ApplyOptions::mutable_collections "

@@ -98,7 +98,7 @@ class ScopeState {
   Tree variables;                                      // every collection, e.g. {"params": ..., "batch_stats": ...}
   bool all_mutable = false;                            // init: every collection may be written
   std::set<std::string, std::less<>> mutable_collections;
-  std::set<std::string, std::less<>> read_only;        // never mutable here (lift::map_variables' mapped collections)
+  std::map<std::string, std::string, std::less<>> read_only;  // never mutable here -> what a write's error says
   rng::Streams rngs;
   RngCounters rng_counters;                            // draws so far per (stream, module path)
   std::set<std::string, std::less<>> touched;          // full variable paths read or written

@@ -659,3 +659,238 @@ TEST_CASE("scan in_axes / out_axes: batch-major inputs and outputs equal the tim
   CHECK_THROWS_WITH_AS((void)apply(BatchMajorRnn{.axis = 3}, vars, carry, xs_bt), doctest::Contains("axis 3 is out of range"),
                        ValueError);
 }
+
+// ---- lift::while_loop ------------------------------------------------------------------------------
+
+namespace {
+
+// Halves and squashes through one Dense until the carry is small: a data-dependent trip count.
+struct Shrink {
+  lift::ScanSchedule schedule{};
+  std::int64_t max_steps = 0;
+  Array operator()(Scope& s, const Array& x) const {
+    auto cond = [](Scope&, const Array& h) { return sum(square(h)).item() > 0.05f; };
+    auto body = [](Scope& s, const Array& h) { return 0.8f * tanh(s(nn::Dense{.features = 8}, h)) + 0.1f * h; };
+    return lift::while_loop(s, cond, body, x, {.schedule = schedule, .max_steps = max_steps});
+  }
+};
+
+// One iteration of Shrink's body, at the path the loop gives it.
+struct ShrinkStep {
+  Array operator()(Scope& s, const Array& h) const { return 0.8f * tanh(s("Dense_0", nn::Dense{.features = 8}, h)) + 0.1f * h; }
+};
+
+// One Dense at the loop's path (the counter example's body without its counter).
+struct ShrinkStepDense {
+  Array operator()(Scope& s, const Array& h) const { return s("Dense_0", nn::Dense{.features = 4}, h); }
+};
+
+// The same loop unrolled in plain C++ on the same params.
+std::pair<Array, int> shrink_by_hand(const Tree& params, const Array& x) {
+  Array h = x;
+  int trips = 0;
+  while (sum(square(h)).item() > 0.05f) {
+    h = apply(ShrinkStep{}, Tree{{"params", params}}, h);
+    ++trips;
+  }
+  return {h, trips};
+}
+
+}  // namespace
+
+TEST_CASE("lift::while_loop: the body's variables made once and shared by the iterations; values and gradients bitwise the unrolled loop; schedules") {
+  const Array x = random_array(Shape{3, 8}, 41, -1.0f, 1.0f);
+  const Tree vars = init(Shrink{}, rng::key(0), x);
+  CHECK(vars.at("params").size() == 1);  // one Dense, whatever the trip count
+  CHECK(vars.at_path("params/Dense_0/kernel").array().shape() == Shape{8, 8});
+  const auto [by_hand, trips] = shrink_by_hand(vars.at("params"), x);
+  REQUIRE(trips > 3);  // the example loops a data-dependent number of times
+  CHECK(apply(Shrink{}, vars, x).bitwise_equal(by_hand));
+  // init's output is apply's (the loop runs at init on the variables it made)
+  CHECK(init_with_output(Shrink{}, rng::Streams(rng::key(0)), x).first.bitwise_equal(by_hand));
+
+  using ParamsAndInput = std::pair<Tree, Array>;
+  auto loss = [&](const lift::ScanSchedule& schedule) {
+    return value_and_grad([&](const ParamsAndInput& pi) {
+      return sum(square(apply(Shrink{schedule}, Tree{{"params", pi.first}}, pi.second)));
+    })(ParamsAndInput{vars.at("params"), x});
+  };
+  const auto [v_hand, g_hand] = value_and_grad([&](const ParamsAndInput& pi) {
+    return sum(square(shrink_by_hand(pi.first, pi.second).first));
+  })(ParamsAndInput{vars.at("params"), x});
+  const auto [v0, g0] = loss({});
+  CHECK(v0.bitwise_equal(v_hand));
+  CHECK(bitwise_equal(g0.first, g_hand.first));
+  CHECK(g0.second.bitwise_equal(g_hand.second));
+  // Gradients are those of the function (finite differences on the input; the trip count is
+  // locally constant).
+  linum::testing::check_gradients(
+      "lift::while_loop", [&](const std::vector<Array>& in) { return sum(square(apply(Shrink{}, vars, in[0]))); }, {x});
+  for (const lift::ScanSchedule& schedule :
+       {lift::ScanSchedule::every_step(), lift::ScanSchedule::sqrt_segments(), lift::ScanSchedule::binomial(1),
+        lift::ScanSchedule::binomial(2), lift::ScanSchedule::binomial(3)}) {
+    CAPTURE(schedule.name());
+    CAPTURE(schedule.snapshots);
+    lift::reset_step_evaluations();
+    const auto [v, g] = loss(schedule);
+    CHECK(v.bitwise_equal(v0));
+    CHECK(bitwise_equal(g.first, g0.first));
+    CHECK(g.second.bitwise_equal(g0.second));
+    const std::int64_t extra = lift::step_evaluations() - trips;
+    if (schedule.kind == lift::ScanSchedule::Kind::every) CHECK(extra == trips);  // each iteration recomputed once
+    if (schedule.kind == lift::ScanSchedule::Kind::binomial) CHECK(extra == lift::binomial_extra_steps(trips, schedule.snapshots));
+  }
+}
+
+TEST_CASE("lift::while_loop under binomial(s): the backward pass holds a bounded number of carries, not one per iteration") {
+  // A long loop: the carry is large next to the body's parameters.
+  struct Long {
+    lift::ScanSchedule schedule{};
+    Array operator()(Scope& s, const Array& x) const {
+      using Carry = std::pair<Array, Array>;  // (state, iteration count)
+      auto cond = [](Scope&, const Carry& c) { return c.second.item() < 40.0f; };
+      auto body = [](Scope& s, const Carry& c) {
+        return Carry{tanh(s(nn::Dense{.features = 64, .use_bias = false}, c.first)) + c.first, c.second + 1.0f};
+      };
+      return lift::while_loop(s, cond, body, Carry{x, Array::zeros(Shape{})}, {.schedule = schedule}).first;
+    }
+  };
+  const Array x = random_array(Shape{32, 64}, 5, -0.1f, 0.1f);
+  const Tree vars = init(Long{}, rng::key(1), x);
+  auto peak_with = [&](const lift::ScanSchedule& schedule, Array* g) {
+    memory::PeakScope peak;
+    *g = grad([&](const Array& in) { return sum(square(apply(Long{schedule}, vars, in))); })(x);
+    return peak.peak_growth();
+  };
+  const std::int64_t carry_bytes = 32 * 64 * 4;
+  Array g0, g;
+  const std::int64_t plain = peak_with({}, &g0);
+  CHECK(plain > 40 * carry_bytes);  // every iteration keeps at least one carry-sized value
+  const std::int64_t bounded = peak_with(lift::ScanSchedule::binomial(3), &g);
+  CHECK(g.bitwise_equal(g0));
+  CHECK(bounded < (3 + 8) * carry_bytes);
+  MESSAGE("while_loop peak growth: plain ", plain, " B, binomial(3) ", bounded, " B");
+}
+
+TEST_CASE("lift::while_loop: carried collections (Flax's example), keys per iteration, names continue, a loop that never runs") {
+  SUBCASE("a counter in a carried collection; cond reads the variable the body creates") {
+    struct Counter {
+      Array operator()(Scope& s, const Array& x) const {
+        auto cond = [](Scope& s, const Array&) {
+          return s.variable("state", "acc", [] { return Array::zeros(Shape{}); }).value().item() < 5.0f;
+        };
+        auto body = [](Scope& s, const Array& c) {
+          Variable acc = s.variable("state", "acc", [] { return Array::zeros(Shape{}); });
+          acc.set(acc.value() + 1.0f);
+          return s(nn::Dense{.features = 4}, c);
+        };
+        return lift::while_loop(s, cond, body, x, {.carry_variables = {"state"}});
+      }
+    };
+    const Array x = random_array(Shape{2, 4}, 3);
+    Tree vars = init(Counter{}, rng::key(2), x);
+    CHECK(vars.at_path("state/acc").array().item() == 5.0f);  // init ran the loop, as apply would
+    vars.at("state").set_path("acc", Tree(Array::scalar(2.0f)));
+    auto [y, updates] = apply(Counter{}, vars, {.mutable_collections = {"state"}}, x);
+    CHECK(updates.at_path("state/acc").array().item() == 5.0f);
+    Array h = x;
+    for (int i = 0; i < 3; ++i) h = apply(ShrinkStepDense{}, Tree{{"params", vars.at("params")}}, h);
+    CHECK(y.bitwise_equal(h));
+    // Without the collection mutable, the body's write is refused with the apply's advice.
+    CHECK_THROWS_WITH_AS(apply(Counter{}, vars, x), doctest::Contains("not mutable in this apply call"), ValueError);
+  }
+  SUBCASE("split streams: fold_in(key, i) per iteration; a stream mapped to false repeats") {
+    struct Drop {
+      bool split = true;
+      Array operator()(Scope& s, const Array& x) const {
+        using Carry = std::pair<Array, Array>;  // (masks so far, count)
+        auto cond = [](Scope&, const Carry& c) { return c.second.item() < 3.0f; };
+        auto body = [](Scope& s, const Carry& c) {
+          const Array mask = s(nn::Dropout{.rate = 0.5}, Array::ones(Shape{16}), false);
+          return Carry{c.first + mask * (c.second + 1.0f), c.second + 1.0f};
+        };
+        return lift::while_loop(s, cond, body, Carry{x, Array::zeros(Shape{})}, {.split_rngs = {{"dropout", split}}}).first;
+      }
+    };
+    const Array zero = Array::zeros(Shape{16});
+    const rng::Key key = rng::key(7);
+    const Array y = apply(Drop{true}, Tree{}, {.rngs = {{"dropout", key}}}, zero);
+    // By hand: iteration i's Dropout_0 draws its first key from fold_in(key, i).
+    struct OneDrop {
+      Array operator()(Scope& s) const { return s(nn::Dropout{.rate = 0.5}, Array::ones(Shape{16}), false); }
+    };
+    Array want = zero;
+    for (int i = 0; i < 3; ++i)
+      want = want + Array(apply(OneDrop{}, Tree{}, {.rngs = {{"dropout", rng::fold_in(key, static_cast<std::uint32_t>(i))}}})) *
+                        static_cast<float>(i + 1);
+    CHECK(y.bitwise_equal(want));
+    const Array same = apply(Drop{false}, Tree{}, {.rngs = {{"dropout", key}}}, zero);
+    const Array once = apply(OneDrop{}, Tree{}, {.rngs = {{"dropout", key}}});
+    CHECK(same.bitwise_equal(once * 6.0f));
+  }
+  SUBCASE("the caller's children before and after the loop are named around the body's") {
+    struct Around {
+      Array operator()(Scope& s, const Array& x) const {
+        Array h = s(nn::Dense{.features = 4}, x);
+        using Carry = std::pair<Array, Array>;
+        h = lift::while_loop(s, [](Scope&, const Carry& c) { return c.second.item() < 2.0f; },
+                             [](Scope& s, const Carry& c) { return Carry{s(nn::Dense{.features = 4}, c.first), c.second + 1.0f}; },
+                             Carry{h, Array::zeros(Shape{})})
+                .first;
+        return s(nn::Dense{.features = 4}, h);
+      }
+    };
+    const Tree vars = init(Around{}, rng::key(3), random_array(Shape{1, 4}, 8));
+    CHECK(vars.at("params").size() == 3);
+    for (const char* name : {"Dense_0", "Dense_1", "Dense_2"}) CHECK(vars.at("params").contains(name));
+  }
+  SUBCASE("a loop that runs no iteration returns its carry; the body's variables count as used") {
+    const Array small = Array::zeros(Shape{3, 8});
+    const Tree vars = init(Shrink{}, rng::key(0), random_array(Shape{3, 8}, 41, -1.0f, 1.0f));
+    CHECK(apply(Shrink{}, vars, small).bitwise_equal(small));  // no unused-params error
+    const Tree made = init(Shrink{}, rng::key(0), small);    // init still creates the body's variables
+    CHECK(bitwise_equal(made, vars));
+  }
+}
+
+TEST_CASE("lift::while_loop errors: max_steps, a carry that changes shape, cond's value, shared collections, schedules with carried ones") {
+  const Array x = random_array(Shape{3, 8}, 41, -1.0f, 1.0f);
+  const Tree vars = init(Shrink{}, rng::key(0), x);
+  CHECK_THROWS_WITH_AS(apply(Shrink{.max_steps = 2}, vars, x), doctest::Contains("cond still holds after max_steps = 2"), ValueError);
+  struct Grows {
+    Array operator()(Scope& s, const Array& x) const {
+      return lift::while_loop(s, [](Scope&, const Array& h) { return h.dim(1) < 5; },
+                              [](Scope&, const Array& h) { return concatenate({h, h}, 1); }, x);
+    }
+  };
+  CHECK_THROWS_WITH_AS(apply(Grows{}, Tree{}, Array::ones(Shape{1, 1})), doctest::Contains("keep the carry's shapes"), ValueError);
+  struct VectorCond {
+    Array operator()(Scope& s, const Array& x) const {
+      return lift::while_loop(s, [](Scope&, const Array& h) { return h; }, [](Scope&, const Array& h) { return h; }, x);
+    }
+  };
+  CHECK_THROWS_WITH_AS(apply(VectorCond{}, Tree{}, Array::ones(Shape{2})), doctest::Contains("return a bool or a scalar"), ValueError);
+  struct WritesShared {
+    Array operator()(Scope& s, const Array& x) const {
+      using Carry = std::pair<Array, Array>;
+      return lift::while_loop(s, [](Scope&, const Carry& c) { return c.second.item() < 2.0f; },
+                              [](Scope& s, const Carry& c) {
+                                Variable v = s.variable("stats", "seen", [] { return Array::zeros(Shape{}); });
+                                v.set(v.value() + 1.0f);
+                                return Carry{c.first, c.second + 1.0f};
+                              },
+                              Carry{x, Array::zeros(Shape{})})
+          .first;
+    }
+  };
+  // Already at init: the loop runs there as apply would.
+  CHECK_THROWS_WITH_AS(init(WritesShared{}, rng::key(0), x), doctest::Contains("list it in carry_variables"), ValueError);
+  struct ScheduledCounter {
+    Array operator()(Scope& s, const Array& x) const {
+      return lift::while_loop(s, [](Scope&, const Array&) { return false; }, [](Scope&, const Array& h) { return h; }, x,
+                              {.carry_variables = {"state"}, .schedule = lift::ScanSchedule::every_step()});
+    }
+  };
+  CHECK_THROWS_WITH_AS(grad([&](const Array& in) { return sum(apply(ScheduledCounter{}, Tree{}, in)); })(x),
+                       doctest::Contains("cannot be combined with carry_variables"), ValueError);
+}
