@@ -586,6 +586,20 @@ struct RematScan {
   Array operator()(Scope& s, const Array& c) const { return s(lift::remat_scan<ResBlock>{.lengths = {2, 3}}, c); }
 };
 
+// Flax's nn.while_loop of three iterations over h -> dropout(tanh(Dense(h))) + h, dropout split per
+// iteration (make_fixtures.py's WhileDrop; Flax's init runs the body once, as lift::while_loop's).
+struct WhileDrop {
+  Array operator()(Scope& s, const Array& c) const {
+    using Carry = std::pair<Array, Array>;  // (h, iterations so far)
+    auto cond = [](Scope&, const Carry& k) { return k.second.item() < 3.0f; };
+    auto body = [](Scope& s, const Carry& k) {
+      const Array h = s(nn::Dropout{.rate = 0.5, .deterministic = false}, tanh(s(nn::Dense{.features = 5}, k.first)));
+      return Carry{h + k.first, k.second + 1.0f};
+    };
+    return lift::while_loop(s, cond, body, Carry{c, Array::zeros(Shape{})}, {.split_rngs = {{"dropout", true}}}).first;
+  }
+};
+
 // A model of one or two array inputs, initialized with params key 0 and dropout key 8, applied with
 // dropout key 7 (as make_fixtures.py's lifted cases).
 template <class M>
@@ -611,12 +625,12 @@ LayerCase lifted_case(std::string name, M m) {
 std::vector<LayerCase> lifted_cases() {
   return {lifted_case("scan_stacked", ScanStacked{}), lifted_case("scan_shared", ScanShared{}),
           lifted_case("scan_reverse", ScanReverse{}), lifted_case("remat_blocks", RematBlocks{}),
-          lifted_case("remat_scan", RematScan{})};
+          lifted_case("remat_scan", RematScan{}), lifted_case("while_loop", WhileDrop{})};
 }
 
 }  // namespace
 
-TEST_CASE("nn.scan, nn.remat, nn.remat_scan with dropout: Flax's variable layouts, masks drawn inside the lift, gradients") {
+TEST_CASE("nn.scan, nn.remat, nn.remat_scan, nn.while_loop with dropout: Flax's variable layouts, masks drawn inside the lift, gradients") {
   check_init("lifted.msgpack", lifted_cases());
   check_apply("lifted.msgpack", lifted_cases());
 }

@@ -18,9 +18,9 @@ Files (each a nested dict of numpy arrays, written with flax.serialization.msgpa
                          params and float inputs, f32 and bf16 computation; mutable collections
   optax.msgpack          optax optimizers over 5 steps (params after each step, the final state as
                          flax.serialization.to_state_dict gives it) and schedules at steps 0..N
-  lifted.msgpack         nn.scan (stacked and broadcast params, reverse), nn.remat and nn.remat_scan
-                         over blocks that draw dropout masks: variable layouts, outputs (the masks
-                         drawn inside the lifted transforms) and gradients
+  lifted.msgpack         nn.scan (stacked and broadcast params, reverse), nn.remat, nn.remat_scan
+                         and nn.while_loop over blocks that draw dropout masks: variable layouts,
+                         outputs (the masks drawn inside the lifted transforms) and gradients
   residuals.msgpack      jax.checkpoint under each policy: the residuals saved (shape and kind:
                          argument, named value, product output), from jax's saved_residuals
   flax_bytes.msgpack     flax.serialization.to_bytes of every layer case's variables (uint8 arrays)
@@ -142,9 +142,10 @@ def float_leaf(x):
     return jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
 
 
-def layer_case(module, inputs, *, init_rngs=None, apply_rngs=None, mutable=None, call=None):
+def layer_case(module, inputs, *, init_rngs=None, apply_rngs=None, mutable=None, call=None, grad=jax.grad):
     """init from key(0) ('params'; extra streams in init_rngs), apply on those variables, gradients of
-    sum(output_i * cotangent_i) with respect to the params and every float input."""
+    sum(output_i * cotangent_i) with respect to the params and every float input (by `grad`: forward
+    mode, jax.jacfwd, where JAX has no reverse mode, as through a while loop)."""
     rngs = {"params": jax.random.key(0), **(init_rngs or {})}
     call = call or (lambda mdl, *xs: mdl(*xs))
     variables = module.init(rngs, *inputs, method=lambda mdl, *xs: call(mdl, *xs))
@@ -173,7 +174,7 @@ def layer_case(module, inputs, *, init_rngs=None, apply_rngs=None, mutable=None,
         o, _ = run(p, *xs)
         return sum(jnp.sum(l.astype(jnp.float32) * c) for l, c in zip(jax.tree_util.tree_leaves(o), cots))
 
-    grads = jax.grad(loss, argnums=tuple(range(1 + len(diff))))(params, *[inputs[i] for i in diff])
+    grads = grad(loss, argnums=tuple(range(1 + len(diff))))(params, *[inputs[i] for i in diff])
     case = {
         "inputs": {str(i): x for i, x in enumerate(inputs)},
         "variables": variables,
@@ -353,6 +354,25 @@ class RematScan(nn.Module):
         return nn.remat_scan(ResBlock, lengths=(2, 3))()(c)
 
 
+class WhileDrop(nn.Module):
+    """nn.while_loop of three iterations (the count in the carry) over h -> dropout(tanh(Dense(h))) + h,
+    dropout keys split per iteration. At init the body runs once, as Flax's documentation has users
+    do (a while loop cannot create variables)."""
+    @nn.compact
+    def __call__(self, c):
+        def cond_fn(mdl, carry):
+            return carry[1] < 3
+
+        def body_fn(mdl, carry):
+            h, i = carry
+            return nn.Dropout(0.5, deterministic=False)(jnp.tanh(nn.Dense(5)(h))) + h, i + 1
+
+        carry = (c, jnp.zeros((), jnp.float32))
+        if self.is_initializing():
+            return body_fn(self, carry)[0]
+        return nn.while_loop(cond_fn, body_fn, self, carry, split_rngs={"dropout": True})[0]
+
+
 def lifted_values():
     c = fixed_normal(50, (2, 5))
     xs = fixed_normal(51, (4, 2, 5))
@@ -365,6 +385,7 @@ def lifted_values():
         "scan_reverse": layer_case(ScanReverse(), [c, xs], init_rngs=init_rngs, apply_rngs=drop),
         "remat_blocks": layer_case(RematBlocks(), [c, x], init_rngs=init_rngs, apply_rngs=drop),
         "remat_scan": layer_case(RematScan(), [c], init_rngs=init_rngs, apply_rngs=drop),
+        "while_loop": layer_case(WhileDrop(), [c], init_rngs=init_rngs, apply_rngs=drop, grad=jax.jacfwd),
     }
 
 
