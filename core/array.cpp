@@ -333,7 +333,9 @@ std::ostream& operator<<(std::ostream& os, const Array& a) {
 }
 
 namespace {
-constexpr std::int64_t kConvertPiece = 1 << 15, kParallelConvertElements = 1 << 18;
+// (The parallel threshold is unused in a build without OpenMP.)
+constexpr std::int64_t kConvertPiece = 1 << 15;
+[[maybe_unused]] constexpr std::int64_t kParallelConvertElements = 1 << 18;
 }  // namespace
 
 Array detail::convert_float(const Array& x, DType dtype) {

@@ -63,7 +63,7 @@ void copy_slice(const T* src, const Shape& shape, int axis, std::int64_t begin, 
 class RankReductions final : public optim::ShardReductions {
  public:
   explicit RankReductions(Communicator comm) : comm_(comm) {}
-  void merge_across_shards(std::vector<optim::SquareSum>& sums) const override {
+  void merge_across_shards([[maybe_unused]] std::vector<optim::SquareSum>& sums) const override {  // unused without MPI
     const int ranks = comm_.size();
     if (ranks == 1) return;
 #if LINUM_HAVE_MPI
