@@ -36,6 +36,8 @@ WhileLoopRun::WhileLoopRun(Scope& s, WhileLoopOptions options) : path_(s.path())
   }
   entry_counters_ = body_counters_ = end_counters_ = pack_->counters();
   caller_names_ = body_names_ = end_names_ = Pack::auto_names(s);
+  streams_where_ = linum::detail::cat("lift::while_loop at '", linum::detail::join_module_path(path_), "' (split_rngs)");
+  fix_read_only();
 }
 
 void WhileLoopRun::fail(const std::string& what) const {
@@ -43,7 +45,26 @@ void WhileLoopRun::fail(const std::string& what) const {
                                       "': ", what));
 }
 
-void WhileLoopRun::take_created(const ScopeState& created) { variables_ = Pack::variables_of(pack_->replay_base(created)); }
+void WhileLoopRun::take_created(const ScopeState& created) {
+  variables_ = Pack::variables_of(pack_->replay_base(created));
+  fix_read_only();
+}
+
+void WhileLoopRun::fix_read_only() {
+  // Fixed for the loop unless a collection appears: computed here, not per iteration.
+  cond_read_only_.clear();
+  body_read_only_.clear();
+  std::vector<std::string> fixed;
+  for (const auto& [collection, _] : variables_) fixed.push_back(collection);
+  if (!listed(fixed, "intermediates")) fixed.push_back("intermediates");  // sow skips it, as Flax's
+  for (const std::string& c : fixed) {
+    cond_read_only_.push_back(c);
+    if (!listed(options_.carry_variables, c))
+      body_read_only_.emplace_back(c, linum::detail::cat("lift::while_loop shares collection '", c,
+                                                         "' read-only across its iterations; list it in carry_variables "
+                                                         "for each iteration to see the previous one's writes"));
+  }
+}
 
 ScopeState WhileLoopRun::iteration_state(std::int64_t i, bool cond, const RngCounters& counters) const {
   // Flax's keys: fold_in(K, i) for the body, fold_in(K, -i) for cond (as 32-bit data).
@@ -51,20 +72,12 @@ ScopeState WhileLoopRun::iteration_state(std::int64_t i, bool cond, const RngCou
   rng::Streams streams;
   for (const auto& [stream, key] : split_) streams.set(stream, rng::fold_in(key, data));
   for (const auto& [stream, key] : unchanged_) streams.set(stream, key);
-  const std::string where = linum::detail::cat("lift::while_loop at '", linum::detail::join_module_path(path_), "' (split_rngs)");
-  ScopeState st = pack_->state_on(variables_, std::move(streams), counters, visible_streams_, where);
+  ScopeState st = pack_->state_on(variables_, std::move(streams), counters, visible_streams_, streams_where_);
   Pack::stop_initializing(st);
-  std::vector<std::string> fixed;
-  for (const auto& [collection, _] : variables_) fixed.push_back(collection);
-  if (!listed(fixed, "intermediates")) fixed.push_back("intermediates");  // sow skips it, as Flax's
-  for (const std::string& c : fixed) {
-    if (cond)
-      Pack::make_read_only(st, {c}, "a lift::while_loop's cond may not write variables (it decides, the body acts)");
-    else if (!listed(options_.carry_variables, c))
-      Pack::make_read_only(st, {c}, linum::detail::cat("lift::while_loop shares collection '", c,
-                                                       "' read-only across its iterations; list it in carry_variables "
-                                                       "for each iteration to see the previous one's writes"));
-  }
+  if (cond)
+    Pack::make_read_only(st, cond_read_only_, "a lift::while_loop's cond may not write variables (it decides, the body acts)");
+  else
+    for (const auto& [c, why] : body_read_only_) Pack::make_read_only(st, {c}, why);
   return st;
 }
 
@@ -90,15 +103,19 @@ void WhileLoopRun::after_body(const Scope& body_scope, const ScopeState& st, Bod
     end_counters_ = Pack::counters_of(st);
     end_names_ = Pack::auto_names(body_scope);
   }
+  bool appeared = false;
   for (const auto& [collection, tree] : Pack::variables_of(st)) {
     if (listed(options_.carry_variables, collection)) {
-      if (kind == BodyRunKind::forward) variables_[collection] = tree;  // the next iteration starts from these
+      if (kind != BodyRunKind::forward) continue;
+      appeared = appeared || !variables_.contains(collection);
+      variables_[collection] = tree;  // the next iteration starts from these
     } else if (!variables_.contains(collection)) {
       fail(linum::detail::cat("an iteration created collection '", collection,
                               "', which the loop does not carry; list it in carry_variables (its variables must "
                               "exist before the loop: init creates them in its first run of the body)"));
     }
   }
+  if (appeared) fix_read_only();  // cond may not write it either
 }
 
 bool WhileLoopRun::holds(const Array& pred) const {

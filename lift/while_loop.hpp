@@ -120,6 +120,7 @@ class WhileLoopRun {
 
  private:
   ScopeState iteration_state(std::int64_t i, bool cond, const RngCounters& counters) const;
+  void fix_read_only();  // the read-only collections of cond and body, from variables_
   void check_carry_leaves(std::int64_t i, const std::vector<Array>& before, const std::vector<Array>& after) const;
 
   std::optional<Pack> pack_;
@@ -133,6 +134,9 @@ class WhileLoopRun {
   Pack::AutoNames caller_names_, body_names_, end_names_;
   bool ran_cond_ = false, ran_body_ = false;
   ScopeState reads_;  // the variables the runs read (apply's unused-entry check)
+  std::vector<std::string> cond_read_only_;                         // every collection
+  std::vector<std::pair<std::string, std::string>> body_read_only_;  // the ones not carried, with the advice
+  std::string streams_where_;                                        // names the loop in stream errors
 };
 
 }  // namespace detail

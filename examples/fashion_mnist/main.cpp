@@ -411,9 +411,11 @@ int run(const Options& o) {
                                   .num_epochs = o.epochs});
 
   // With --checkpoint-dir, checkpoints go through a CheckpointManager: one directory per epoch, the
-  // last 3 kept, --resume from the latest.
+  // last 3 kept, --resume from the latest; written on a background thread while the next epoch
+  // trains (async_save).
   std::optional<CheckpointManager> manager;
-  if (lead && !o.checkpoint_dir.empty()) manager.emplace(o.checkpoint_dir, CheckpointManagerOptions{.max_to_keep = 3});
+  if (lead && !o.checkpoint_dir.empty())
+    manager.emplace(o.checkpoint_dir, CheckpointManagerOptions{.max_to_keep = 3, .async_save = true});
   const std::string source = o.checkpoint_dir.empty() ? o.checkpoint.string() : o.checkpoint_dir.string();
   if (o.resume || o.eval_only) {
     // Rank 0 reads the checkpoint and sends it to the others (they need no shared file system).
@@ -507,12 +509,13 @@ int run(const Options& o) {
       train_seconds += seconds;
       final_train_loss = loss_sum / static_cast<double>(std::max<std::int64_t>(steps, 1));
       ++epochs_run;
-      if (manager)  // a directory per epoch, atomic (temporary directory + rename)
+      if (manager)  // a directory per epoch, atomic (temporary directory + rename), in the background
         manager->save(epoch + 1, checkpoint_tree(t, epoch + 1, o, loader), {{"train_loss", loss_sum / static_cast<double>(std::max<std::int64_t>(steps, 1))}});
       else if (lead)
         serialization::save(o.checkpoint, checkpoint_tree(t, epoch + 1, o, loader));  // atomic: temp file + rename
     }
   }
+  if (manager) manager->wait_until_finished();  // the last epoch's checkpoint on disk (or its error thrown)
   dist::check_replicated(t.params, "the parameters after training");
 
   const double accuracy = t.evaluate(test, 500);

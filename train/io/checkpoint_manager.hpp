@@ -8,6 +8,14 @@
 //     Tree restored = ckpt.restore(*last, Tree{{"params", params}, {"opt_state", opt_state}});
 //   }
 //
+// With async_save, save() returns once the state is encoded in memory and the files are written on
+// a background thread, as orbax's asynchronous checkpointing does:
+//
+//   CheckpointManager ckpt("runs/cnn", {.max_to_keep = 3, .async_save = true});
+//   ckpt.save(step, state);        // the state as it is now; training goes on
+//   ...
+//   ckpt.wait_until_finished();    // the step is on disk (or its write error is thrown here)
+//
 // Layout: <root>/<step>/state.msgpack (Flax's msgpack layout) and <root>/<step>/metrics.json. A
 // step is written into <root>/.tmp-<step>-<pid> and renamed into place only when complete (and
 // fsynced), so a crash leaves either the whole step or none of it; temporaries a killed writer
@@ -20,6 +28,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -37,18 +46,40 @@ struct CheckpointManagerOptions {
   BestMode best_mode = BestMode::max;
   // save() writes only steps that are multiples of this (orbax's save_interval_steps); 1: all.
   std::int64_t save_interval_steps = 1;
+  // save() encodes the state (a copy: the caller may update the arrays at once) and returns; the
+  // files are written, fsynced and renamed into place, and steps beyond max_to_keep removed, on a
+  // background thread (orbax's enable_async_checkpointing). One save is in flight at a time: the
+  // next save, every query (should_save excepted), restore and the destructor wait for it first. A
+  // failed background write is thrown by the next call that waits, or by check_for_errors.
+  bool async_save = false;
 };
 
 class CheckpointManager {
  public:
   // Creates `root` if needed; throws IoError if it is not a usable directory.
   explicit CheckpointManager(std::filesystem::path root, CheckpointManagerOptions options = {});
+  // Waits for a save in flight; an error it ends with goes to warn() (a destructor cannot throw:
+  // call wait_until_finished() first to handle it).
+  ~CheckpointManager();
+  CheckpointManager(CheckpointManager&&) noexcept;
+  CheckpointManager& operator=(CheckpointManager&&) noexcept;
+  CheckpointManager(const CheckpointManager&) = delete;
+  CheckpointManager& operator=(const CheckpointManager&) = delete;
 
-  // Whether save(step) would write (the interval, and the step not saved already).
+  // Whether save(step) would write (the interval, and the step not saved already nor in flight).
   bool should_save(std::int64_t step) const;
-  // Writes the step (tree and metrics) atomically, then removes steps beyond max_to_keep. Returns
-  // false when should_save(step) is false. Throws ValueError for a negative step or one already saved.
+  // Writes the step (tree and metrics) atomically, then removes steps beyond max_to_keep (with
+  // async_save: encodes them and leaves the writing to a background thread). Returns false when
+  // should_save(step) is false. Throws ValueError for a negative step, one already saved or in
+  // flight, or a metric that is not finite, before anything is written.
   bool save(std::int64_t step, const Tree& state, const std::map<std::string, double>& metrics = {});
+
+  // Blocks until the save in flight (if any) is on disk; rethrows the error it ended with.
+  void wait_until_finished() const;
+  // Rethrows the error of a background save that has ended with one; never blocks.
+  void check_for_errors() const;
+  // The step a background save is writing, if one is in flight.
+  std::optional<std::int64_t> step_in_flight() const;
 
   // Steps on disk, ascending.
   std::vector<std::int64_t> all_steps() const;
@@ -67,10 +98,11 @@ class CheckpointManager {
   const std::filesystem::path& directory() const { return root_; }
 
  private:
+  struct InFlight;
   std::filesystem::path step_dir(std::int64_t step) const;
-  void cleanup() const;
   std::filesystem::path root_;
   CheckpointManagerOptions options_;
+  mutable std::unique_ptr<InFlight> in_flight_;  // the background save (queries wait for it)
 };
 
 }  // namespace linum
