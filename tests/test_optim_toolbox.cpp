@@ -552,3 +552,56 @@ TEST_CASE("adan, adamaxw, sign_sgd, sm3, fromage: their checks and state errors 
   CHECK_THROWS_WITH_AS(optim::adan(1e-2).update(g, optim::adam(1e-2).init(params), params),
                        doctest::Contains("optimizer state"), ValueError);
 }
+
+TEST_CASE("clip, adaptive_grad_clip, centralize, keep_params_nonnegative, zero_nans, set_to_zero, add_noise, optimistic gradients: "
+          "what each does and refuses (values: the optax oracles)") {
+  const Tree params{{"b", Array::from({2}, {1.0f, -2.0f})}, {"w", Array::from({2, 2}, {0.5f, 0.0f, -1.0f, 2.0f})}};
+  const Tree g{{"b", Array::from({2}, {3.0f, -0.01f})}, {"w", Array::from({2, 2}, {0.0f, 1.0f, -1.0f, 5.0f})}};
+  auto step = [&](const optim::GradientTransformation& t, const Tree& grads) { return t.update(grads, t.init(params), params); };
+  CHECK(step(optim::clip(0.5), g).updates.at("w").array().to_vector() == std::vector<float>{0.0f, 0.5f, -0.5f, 0.5f});
+  CHECK_THROWS_AS(optim::clip(-1.0), ValueError);
+  // centralize: each row of a matrix minus its mean; vectors unchanged.
+  const Tree c = step(optim::centralize(), g).updates;
+  CHECK(c.at("w").array().to_vector() == std::vector<float>{-0.5f, 0.5f, -3.0f, 3.0f});
+  CHECK(c.at("b").array().to_vector() == g.at("b").array().to_vector());
+  // keep_params_nonnegative: a step that would cross 0 lands on it.
+  const Tree down{{"b", Array::from({2}, {-3.0f, 1.0f})}, {"w", Array::from({2, 2}, {-0.25f, 1.0f, 0.0f, -5.0f})}};
+  const Tree kept = step(optim::keep_params_nonnegative(), down).updates;
+  CHECK(kept.at("b").array().to_vector() == std::vector<float>{-1.0f, 2.0f});  // 1 - 3 < 0 -> -1; -2 + 1 < 0 -> 2
+  CHECK(kept.at("w").array().to_vector() == std::vector<float>{-0.25f, 1.0f, 1.0f, -2.0f});
+  // adaptive_grad_clip: a Dense kernel's column whose gradient norm exceeds clipping * its norm is
+  // scaled to that norm; the others pass.
+  const Tree agc = step(optim::adaptive_grad_clip(1.0), g).updates;
+  const std::vector<float> w = agc.at("w").array().to_vector();
+  CHECK(w[0] == 0.0f);
+  CHECK(w[2] == -1.0f);  // column 0: |g| = 1 below |p| = sqrt(1.25): unchanged
+  CHECK(std::hypot(w[1], w[3]) == doctest::Approx(2.0f));  // column 1: |g| = sqrt(26) > |p| = 2 -> scaled to 2
+  // Transformations that need the params say so; leaves of rank 6 have no default unit.
+  CHECK_THROWS_WITH_AS(optim::adaptive_grad_clip(0.1).update(g, Tree()), doctest::Contains("needs the parameters"), ValueError);
+  CHECK_THROWS_WITH_AS(optim::keep_params_nonnegative().update(g, Tree()), doctest::Contains("needs the parameters"),
+                       ValueError);
+  const Tree six{{"x", Array::ones(Shape{2, 2, 2, 2, 2, 2})}};
+  CHECK_THROWS_WITH_AS(optim::adaptive_grad_clip(0.1).update(six, Tree(), six), doctest::Contains("ranks 1 to 5"), ShapeError);
+  // zero_nans: NaN elements become 0, and the state flags the leaves that had one.
+  const Tree nan{{"b", Array::from({2}, {std::nanf(""), 1.0f})}, {"w", Array::zeros(Shape{2, 2})}};
+  const auto [zeroed, flags] = step(optim::zero_nans(), nan);
+  CHECK(zeroed.at("b").array().to_vector() == std::vector<float>{0.0f, 1.0f});
+  CHECK(flags.at("found_nan").at("b").array().to_vector_i32() == std::vector<std::int32_t>{1});
+  CHECK(flags.at("found_nan").at("w").array().to_vector_i32() == std::vector<std::int32_t>{0});
+  CHECK(step(optim::set_to_zero(), g).updates.at("b").array().to_vector() == std::vector<float>{0.0f, 0.0f});
+  // add_noise: the same seed gives the same noise; its variance anneals with the step.
+  const auto noisy = optim::add_noise(1.0, 0.55, 7);
+  const auto first = noisy.update(g, noisy.init(params), params);
+  CHECK(bitwise_equal(first.updates, noisy.update(g, noisy.init(params), params).updates));
+  const auto other_seed = optim::add_noise(1.0, 0.55, 8);  // (the key lives in the state init makes)
+  CHECK_FALSE(bitwise_equal(first.updates, other_seed.update(g, other_seed.init(params), params).updates));
+  CHECK(first.state.at("count").array().to_vector_i32() == std::vector<std::int32_t>{1});
+  CHECK_THROWS_AS(optim::add_noise(-1.0, 0.55, 0), ValueError);
+  // optimistic gradients: at the first step (alpha + beta) g - beta g; then 2 g - g_prev.
+  const auto og = optim::scale_by_optimistic_gradient();
+  const auto [u1, s1] = og.update(g, og.init(params), params);
+  CHECK(u1.at("b").array().to_vector() == g.at("b").array().to_vector());
+  const auto [u2, s2] = og.update(down, s1, params);
+  CHECK(u2.at("b").array().to_vector() == std::vector<float>{-9.0f, 2.01f});
+  CHECK(s2.at("is_initial_step").array().to_vector_i32() == std::vector<std::int32_t>{0});
+}

@@ -742,13 +742,24 @@ TEST_CASE("optax: every optimizer and wrapper: parameters over 5 steps and the f
       {"sign_sgd", optim::sign_sgd(0.1)},
       {"sm3", optim::sm3(0.1)},
       {"fromage", optim::fromage(0.1)},
+      // clipping, constraints, noise, optimistic gradients
+      {"clip", optim::chain(optim::clip(0.5), optim::scale(-0.1))},
+      {"adaptive_grad_clip", optim::chain(optim::adaptive_grad_clip(0.1), optim::sgd(0.1))},
+      {"centralize", optim::chain(optim::centralize(), optim::sgd(0.1))},
+      {"keep_params_nonnegative", optim::chain(optim::sgd(0.5), optim::keep_params_nonnegative())},
+      {"zero_nans", optim::chain(optim::zero_nans(), optim::sgd(0.1))},
+      {"frozen_w", optim::chain(optim::sgd(0.1), optim::masked(optim::set_to_zero(), only_w))},
+      {"noisy_sgd", optim::noisy_sgd(0.1, 0.01, 0.55, 3)},
+      {"optimistic_gd", optim::optimistic_gradient_descent(0.1)},
+      {"optimistic_gd_ab", optim::optimistic_gradient_descent(0.1, 0.5, 0.3)},
   };
   for (const auto& entry : cases) {
     const auto& name = entry.first;
     const auto& opt = entry.second;
     CAPTURE(name);
-    // apply_if_finite's trajectory has a NaN in the gradients of step 2; DP-SGD takes per-example ones.
-    const Tree& grads = f.at(name == "apply_if_finite" ? "grads_nan" : name == "dpsgd" ? "grads_per_example" : "grads");
+    // apply_if_finite's and zero_nans' trajectories have a NaN in the gradients of step 2; DP-SGD takes per-example ones.
+    const Tree& grads =
+        f.at(name == "apply_if_finite" || name == "zero_nans" ? "grads_nan" : name == "dpsgd" ? "grads_per_example" : "grads");
     const Tree& want = f.at("optimizers").at(name);
     Tree params = f.at("params0");
     Tree state = opt.init(params);

@@ -443,6 +443,43 @@ GradientTransformation sm3(double learning_rate, double momentum = 0.9);
 // scale_by_learning_rate(lr / sqrt(1 + lr^2)), add_decayed_weights(1 / sqrt(1 + lr^2) - 1)). Needs
 // the params.
 GradientTransformation fromage(double learning_rate, double min_norm = 1e-6);
+
+// ---- clipping, constraints and noise (optim_constraints.cpp, optim_noise.cpp) -------------------
+
+// Each element clipped to [-max_delta, max_delta] (optax.clip; NaN stays NaN). No state.
+GradientTransformation clip(double max_delta);
+// Adaptive gradient clipping (optax.adaptive_grad_clip, Brock et al. 2021): each unit of a leaf
+// whose gradient norm exceeds clipping * max(its parameter norm, eps) is scaled down to that norm.
+// A unit is what optax's unitwise_norm reduces over: the whole leaf when at most one of its axes is
+// longer than 1, axis 0 for rank 2 and 3 (a Dense kernel's inputs, per output), axes 0-2 for rank 4
+// (a convolution kernel HWIO, per output channel), axes 0-3 for rank 5; other ranks are an error.
+// Needs the params. No state.
+GradientTransformation adaptive_grad_clip(double clipping, double eps = 1e-3);
+// Gradient centralization (optax.centralize, Yong et al. 2020): each leaf of rank >= 2 minus its
+// mean over every axis but the first; vectors and scalars unchanged. No state.
+GradientTransformation centralize();
+// Updates that would make a parameter negative become -param (optax.keep_params_nonnegative): the
+// parameter lands on 0. Needs the params. No state.
+GradientTransformation keep_params_nonnegative();
+// NaN elements replaced by 0 (optax.zero_nans). State {"found_nan": per leaf an int32 scalar, 1 if
+// the last update had a NaN there (optax's bool)}.
+GradientTransformation zero_nans();
+// Every update 0 (optax.set_to_zero): frozen parameters, usually under masked(). No state.
+GradientTransformation set_to_zero();
+// Annealed Gaussian noise (optax.add_noise, Neelakantan et al. 2015): g + sqrt(eta / t^gamma) n at
+// step t = 1, 2, ..., n ~ N(0, 1) drawn as optax draws it (the key split in two, the second split
+// once per leaf in tree order, jax.random.normal), so the noise is bitwise optax's for the same
+// seed. State {"count", "rng_key": int32[2], the key's words}.
+GradientTransformation add_noise(double eta, double gamma, std::int64_t seed);
+// Noisy SGD (optax.noisy_sgd): chain(add_noise(eta, gamma, seed), scale_by_learning_rate).
+GradientTransformation noisy_sgd(LearningRate learning_rate, double eta = 0.01, double gamma = 0.55, std::int64_t seed = 0);
+// Optimistic gradient (optax.scale_by_optimistic_gradient, Daskalakis et al. 2018): (alpha + beta)
+// g - beta g_prev, with g_prev = g at the first step. State {"is_initial_step": int32 scalar (optax's
+// bool), "previous_gradient"}.
+GradientTransformation scale_by_optimistic_gradient(double alpha = 1.0, double beta = 1.0);
+// Optimistic gradient descent (optax.optimistic_gradient_descent): chain(scale_by_optimistic_gradient,
+// scale_by_learning_rate), for min-max games.
+GradientTransformation optimistic_gradient_descent(LearningRate learning_rate, double alpha = 1.0, double beta = 1.0);
 // Adamax (optax.adamax): chain(scale_by_adamax, scale_by_learning_rate).
 GradientTransformation adamax(LearningRate learning_rate, double b1 = 0.9, double b2 = 0.999, double eps = 1e-8);
 // RAdam (optax.radam): chain(scale_by_radam, scale_by_learning_rate).

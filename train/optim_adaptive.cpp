@@ -453,4 +453,31 @@ GradientTransformation fromage(double learning_rate, double min_norm) {
   return chain(scale_by_trust_ratio(min_norm), scale_by_learning_rate(learning_rate * mult), add_decayed_weights(mult - 1.0));
 }
 
+GradientTransformation scale_by_optimistic_gradient(double alpha, double beta) {
+  if (!std::isfinite(alpha) || !std::isfinite(beta))
+    throw ValueError(detail::cat("optim::scale_by_optimistic_gradient: alpha and beta must be finite, got ", alpha, " and ", beta));
+  const float sum = f32(alpha + beta), b = f32(beta);  // (alpha + beta) in Python floats, as optax's
+  const std::string who = "optim::scale_by_optimistic_gradient.update";
+  return GradientTransformation(
+      "optim::scale_by_optimistic_gradient",
+      [](const Tree& params) {
+        return Tree{{"is_initial_step", Array::full_i32(Shape{}, 1)}, {"previous_gradient", zeros_like(params)}};
+      },
+      [sum, b, who](const Tree& updates, const Tree& state, const Tree*) {
+        check_state_keys(who, state, {"is_initial_step", "previous_gradient"});
+        check_f32(who, "update", updates);
+        check_same_structure(who, "grads", updates, "state['previous_gradient']", state.at("previous_gradient"));
+        const Array& first = state.at("is_initial_step").array();
+        const bool initial = first.dtype() == DType::i32 ? first.data_i32()[0] != 0 : first.item() != 0.0f;
+        // At the first step the previous gradient is the current one (optax issue 1082).
+        Tree next = map2(updates, state.at("previous_gradient"),
+                         [=](float g, float prev) { return sum * g - b * (initial ? g : prev); });
+        return UpdateResult{std::move(next), Tree{{"is_initial_step", Array::full_i32(Shape{}, 0)}, {"previous_gradient", updates}}};
+      });
+}
+
+GradientTransformation optimistic_gradient_descent(LearningRate learning_rate, double alpha, double beta) {
+  return chain(scale_by_optimistic_gradient(alpha, beta), scale_by_learning_rate(std::move(learning_rate)));
+}
+
 }  // namespace linum::optim

@@ -7,6 +7,7 @@
 #include <linum/core/autodiff/graph.hpp>
 #include <linum/core/ops/elementwise.hpp>
 #include <linum/core/error.hpp>
+#include <linum/rng/key.hpp>
 
 #include <array>
 #include <cmath>
@@ -153,6 +154,20 @@ inline std::int64_t safe_increment(std::int64_t n) { return n < kCountMax ? n + 
 
 // The float32 rounding of a (double) hyperparameter, as JAX converts a weakly typed Python float.
 inline float f32(double x) { return static_cast<float>(x); }
+
+// ---- keys in optimizer states ----------------------------------------------------------------------
+
+// A PRNG key as optax keeps it in a state: its two 32-bit words, as int32[2] (the bits unchanged).
+inline Array key_array(rng::Key k) {
+  return Array::from_i32(Shape{2}, {static_cast<std::int32_t>(k.hi), static_cast<std::int32_t>(k.lo)});
+}
+
+inline rng::Key key_of(const std::string& who, const Tree& state) {
+  const Array& a = state.at("rng_key").array();
+  if (a.dtype() != DType::i32 || a.numel() != 2)
+    throw ValueError(detail::cat(who, ": state['rng_key'] must be int32[2] (the key's two words), got ", a.type_str()));
+  return rng::Key{static_cast<std::uint32_t>(a.data_i32()[0]), static_cast<std::uint32_t>(a.data_i32()[1])};
+}
 
 // ---- Adam's moments (optax's update_moment, bias_correction) ---------------------------------------
 

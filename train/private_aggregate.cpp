@@ -17,21 +17,6 @@ namespace linum::optim {
 
 using namespace internal;
 
-namespace {
-
-Array key_array(rng::Key k) {
-  return Array::from_i32(Shape{2}, {static_cast<std::int32_t>(k.hi), static_cast<std::int32_t>(k.lo)});
-}
-
-rng::Key key_of(const std::string& who, const Tree& state) {
-  const Array& a = state.at("rng_key").array();
-  if (a.dtype() != DType::i32 || a.numel() != 2)
-    throw ValueError(detail::cat(who, ": state['rng_key'] must be int32[2] (the key's two words), got ", a.type_str()));
-  return rng::Key{static_cast<std::uint32_t>(a.data_i32()[0]), static_cast<std::uint32_t>(a.data_i32()[1])};
-}
-
-}  // namespace
-
 GradientTransformation differentially_private_aggregate(double l2_norm_clip, double noise_multiplier, std::int64_t seed) {
   if (!(l2_norm_clip >= 0) || !std::isfinite(l2_norm_clip))
     throw ValueError(detail::cat("optim::differentially_private_aggregate: l2_norm_clip must be a finite number >= 0, got ",

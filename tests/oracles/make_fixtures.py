@@ -497,11 +497,21 @@ OPTIMIZERS = {
     "sign_sgd": lambda: optax.sign_sgd(0.1),
     "sm3": lambda: optax.sm3(0.1),
     "fromage": lambda: optax.fromage(0.1),
+    # clipping, constraints, noise, optimistic gradients
+    "clip": lambda: optax.chain(optax.clip(0.5), optax.scale(-0.1)),
+    "adaptive_grad_clip": lambda: optax.chain(optax.adaptive_grad_clip(0.1), optax.sgd(0.1)),
+    "centralize": lambda: optax.chain(optax.centralize(), optax.sgd(0.1)),
+    "keep_params_nonnegative": lambda: optax.chain(optax.sgd(0.5), optax.keep_params_nonnegative()),
+    "zero_nans": lambda: optax.chain(optax.zero_nans(), optax.sgd(0.1)),
+    "frozen_w": lambda: optax.chain(optax.sgd(0.1), optax.masked(optax.set_to_zero(), {"b": False, "w": True})),
+    "noisy_sgd": lambda: optax.noisy_sgd(0.1, key=3),
+    "optimistic_gd": lambda: optax.optimistic_gradient_descent(0.1),
+    "optimistic_gd_ab": lambda: optax.optimistic_gradient_descent(0.1, alpha=0.5, beta=0.3),
 }
 
 # Which gradients a trajectory takes: "grads" by default, with a NaN at step 2, or per example
 # (3 examples; DP-SGD clips each).
-GRADS_OF = {"apply_if_finite": "grads_nan", "dpsgd": "grads_per_example"}
+GRADS_OF = {"apply_if_finite": "grads_nan", "zero_nans": "grads_nan", "dpsgd": "grads_per_example"}
 
 STEPS = 5
 
