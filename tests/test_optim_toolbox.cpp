@@ -605,3 +605,21 @@ TEST_CASE("clip, adaptive_grad_clip, centralize, keep_params_nonnegative, zero_n
   CHECK(u2.at("b").array().to_vector() == std::vector<float>{-9.0f, 2.01f});
   CHECK(s2.at("is_initial_step").array().to_vector_i32() == std::vector<std::int32_t>{0});
 }
+
+TEST_CASE("multi_transform: each group of leaves by its own transformation; unknown labels are refused") {
+  const Tree params{{"b", Array::from({2}, {1.0f, -2.0f})}, {"w", Array::from({2, 2}, {0.5f, 0.0f, -1.0f, 2.0f})}};
+  const Tree g{{"b", Array::from({2}, {3.0f, -0.01f})}, {"w", Array::from({2, 2}, {0.0f, 1.0f, -1.0f, 5.0f})}};
+  const optim::Labels by_name = [](const std::string& path, const Array&) { return path == "b" ? "frozen" : "trained"; };
+  const auto opt = optim::multi_transform({{"trained", optim::sgd(0.1)}, {"frozen", optim::set_to_zero()}}, by_name);
+  const auto [u, st] = opt.update(g, opt.init(params), params);
+  CHECK(u.at("b").array().to_vector() == std::vector<float>{0.0f, 0.0f});
+  const Tree w_only{{"w", g.at("w")}};
+  CHECK(bitwise_equal(u.at("w"), optim::sgd(0.1).update(w_only, optim::sgd(0.1).init(w_only)).updates.at("w")));
+  CHECK(st.at("inner_states").contains("trained"));
+  CHECK(st.at("inner_states").at("frozen").contains("inner_state"));
+  const auto missing = optim::multi_transform({{"trained", optim::sgd(0.1)}}, by_name);
+  CHECK_THROWS_WITH_AS(missing.init(params), doctest::Contains("label 'frozen', which has no transformation (labels with one: trained)"),
+                       ValueError);
+  CHECK_THROWS_WITH_AS(optim::multi_transform({{"a", optim::sgd(0.1)}, {"a", optim::adam(0.1)}}, by_name),
+                       doctest::Contains("given twice"), ValueError);
+}

@@ -752,6 +752,8 @@ TEST_CASE("optax: every optimizer and wrapper: parameters over 5 steps and the f
       {"noisy_sgd", optim::noisy_sgd(0.1, 0.01, 0.55, 3)},
       {"optimistic_gd", optim::optimistic_gradient_descent(0.1)},
       {"optimistic_gd_ab", optim::optimistic_gradient_descent(0.1, 0.5, 0.3)},
+      {"multi_transform", optim::multi_transform({{"adam", optim::adam(1e-2)}, {"sgd", optim::sgd(0.1, 0.9)}},
+                                                 [](const std::string& path, const Array&) { return path == "w" ? "adam" : "sgd"; })},
   };
   for (const auto& entry : cases) {
     const auto& name = entry.first;

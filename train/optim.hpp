@@ -316,6 +316,13 @@ GradientTransformation add_decayed_weights(double weight_decay, Mask mask);
 // `inner` on the leaves `mask` selects; the others pass unchanged (optax.masked). The inner state
 // is built from the selected leaves only. State {"inner_state": ...}.
 GradientTransformation masked(GradientTransformation inner, Mask mask);
+// Each leaf's label: which of multi_transform's transformations updates it.
+using Labels = std::function<std::string(const std::string& path, const Array& leaf)>;
+// A transformation per group of leaves (optax.multi_transform, renamed optax.transforms.partition):
+// each leaf goes to the transformation its label names, e.g. adam for the weights and set_to_zero
+// for frozen ones. Each transformation runs as masked() on its group. State {"inner_states": {label:
+// {"inner_state": ...}}}. A label with no transformation is a ValueError naming both lists.
+GradientTransformation multi_transform(std::vector<std::pair<std::string, GradientTransformation>> transforms, Labels labels);
 // `inner` while the updates are finite; a step with a NaN or infinity gives zero updates and keeps
 // the inner state, unless more than max_consecutive_errors such steps came in a row
 // (optax.apply_if_finite). State {"notfinite_count", "last_finite" (int32 0/1: Linum has no bool

@@ -475,6 +475,56 @@ GradientTransformation masked(GradientTransformation inner, Mask mask) {
       });
 }
 
+GradientTransformation multi_transform(std::vector<std::pair<std::string, GradientTransformation>> transforms, Labels labels) {
+  if (!labels) throw ValueError("optim::multi_transform: the labels are empty; pass a callable (path, leaf) -> label");
+  std::string names;
+  for (const auto& [label, t] : transforms) names += (names.empty() ? "" : ", ") + label;
+  for (std::size_t i = 0; i < transforms.size(); ++i)
+    for (std::size_t j = 0; j < i; ++j)
+      if (transforms[i].first == transforms[j].first)
+        throw ValueError(detail::cat("optim::multi_transform: label '", transforms[i].first, "' is given twice (", names, ")"));
+  const std::string who = "optim::multi_transform(" + names + ")";
+  // Every leaf's label must name a transformation (checked on the params at init, on the updates after).
+  std::vector<std::string> known;
+  for (const auto& [label, t] : transforms) known.push_back(label);
+  auto check_labels = [labels, known, names](const std::string& where, const Tree& tree) {
+    for (const auto& [path, leaf] : flatten(tree)) {
+      const std::string label = labels(path, leaf);
+      if (std::find(known.begin(), known.end(), label) == known.end())
+        throw ValueError(detail::cat(where, ": leaf '", path, "' has label '", label, "', which has no transformation (labels with one: ",
+                                     names.empty() ? std::string("none") : names, ")"));
+    }
+  };
+  auto groups = std::make_shared<std::vector<std::pair<std::string, GradientTransformation>>>();
+  for (auto& [label, t] : transforms)
+    groups->emplace_back(label, masked(std::move(t), [labels, label](const std::string& path, const Array& leaf) {
+                           return labels(path, leaf) == label;
+                         }));
+  return GradientTransformation(
+      who,
+      [groups, check_labels, who](const Tree& params) {
+        check_labels(who + ".init", params);
+        Tree inner;
+        for (const auto& [label, t] : *groups) inner.set(label, t.init(params));
+        return Tree{{"inner_states", std::move(inner)}};
+      },
+      [groups, check_labels, who](const Tree& updates, const Tree& state, const Tree* params) {
+        const std::string w = who + ".update";
+        check_state_keys(w, state, {"inner_states"});
+        check_labels(w, params ? *params : updates);
+        const Tree& inner = state.at("inner_states");
+        Tree out = updates, next;
+        for (const auto& [label, t] : *groups) {
+          if (!inner.contains(label))
+            throw ValueError(detail::cat(w, ": the state has no inner state for label '", label, "'; pass the state init() returned"));
+          UpdateResult r = params ? t.update(out, inner.at(label), *params) : t.update(out, inner.at(label));
+          out = std::move(r.updates);
+          next.set(label, std::move(r.state));
+        }
+        return UpdateResult{std::move(out), Tree{{"inner_states", std::move(next)}}};
+      });
+}
+
 GradientTransformation apply_if_finite(GradientTransformation inner, std::int64_t max_consecutive_errors) {
   if (max_consecutive_errors < 0)
     throw ValueError(detail::cat("optim::apply_if_finite: max_consecutive_errors must be >= 0, got ", max_consecutive_errors));

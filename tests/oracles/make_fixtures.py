@@ -507,6 +507,8 @@ OPTIMIZERS = {
     "noisy_sgd": lambda: optax.noisy_sgd(0.1, key=3),
     "optimistic_gd": lambda: optax.optimistic_gradient_descent(0.1),
     "optimistic_gd_ab": lambda: optax.optimistic_gradient_descent(0.1, alpha=0.5, beta=0.3),
+    "multi_transform": lambda: optax.multi_transform({"adam": optax.adam(1e-2), "sgd": optax.sgd(0.1, momentum=0.9)},
+                                                     {"b": "sgd", "w": "adam"}),
 }
 
 # Which gradients a trajectory takes: "grads" by default, with a NaN at step 2, or per example
