@@ -496,10 +496,12 @@ GradientTransformation multi_transform(std::vector<std::pair<std::string, Gradie
     }
   };
   auto groups = std::make_shared<std::vector<std::pair<std::string, GradientTransformation>>>();
-  for (auto& [label, t] : transforms)
-    groups->emplace_back(label, masked(std::move(t), [labels, label](const std::string& path, const Array& leaf) {
+  for (auto& entry : transforms) {
+    const std::string label = entry.first;  // (a copy: clang 14 cannot capture a structured binding)
+    groups->emplace_back(label, masked(std::move(entry.second), [labels, label](const std::string& path, const Array& leaf) {
                            return labels(path, leaf) == label;
                          }));
+  }
   return GradientTransformation(
       who,
       [groups, check_labels, who](const Tree& params) {
