@@ -14,10 +14,6 @@ using namespace internal;
 
 namespace {
 
-// The leaf in float32 (bf16 widened once), and back to `like`'s dtype.
-Array widened(const Array& a) { return a.dtype() == DType::f32 ? a : astype(a, DType::f32); }
-Array in_dtype_of(Array a, const Array& like) { return like.dtype() == DType::f32 ? a : astype(a, like.dtype()); }
-
 // How many leading axes optax's unitwise_norm reduces over (its default axes), for a leaf of this
 // shape; -1 for a rank it rejects.
 int unit_axes(const Shape& shape) {
@@ -92,7 +88,7 @@ GradientTransformation adaptive_grad_clip(double clipping, double eps) {
       std::int64_t outer = 1;
       for (int a = 0; a < axes; ++a) outer *= leaf.dim(a);
       const std::int64_t inner = outer == 0 ? 0 : leaf.numel() / outer;
-      const Array g = widened(leaf), w = widened(ps[k]);
+      const Array g = as_f32(leaf), w = as_f32(ps[k]);
       const std::vector<float> g_norm = unit_norms(g.data(), outer, inner), p_norm = unit_norms(w.data(), outer, inner);
       Array r = Array::empty(leaf.shape());
       float* o = r.mutable_data();
@@ -119,7 +115,7 @@ GradientTransformation centralize() {
     for (auto& [path, leaf] : out) {
       if (leaf.rank() < 2) continue;
       const std::int64_t rows = leaf.dim(0), per = rows == 0 ? 0 : leaf.numel() / rows;
-      const Array g = widened(leaf);
+      const Array g = as_f32(leaf);
       Array r = Array::empty(leaf.shape());
       float* o = r.mutable_data();
       const float* pg = g.data();
@@ -158,7 +154,7 @@ GradientTransformation zero_nans() {
         check_f32(who, "update", updates);
         autodiff::NoGradGuard constants;
         const Tree found = flags(updates, [](const Array& a) {
-          const Array x = widened(a);
+          const Array x = as_f32(a);
           return std::any_of(x.data(), x.data() + x.numel(), [](float v) { return std::isnan(v); });
         });
         return UpdateResult{map1(updates, [](float g) { return std::isnan(g) ? 0.0f : g; }), Tree{{"found_nan", found}}};

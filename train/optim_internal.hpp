@@ -41,6 +41,11 @@ inline void check_f32(const std::string& who, std::string_view what, const Tree&
                                    "trees you optimize)"));
 }
 
+// A leaf in float32 (bf16 widened once), and a float32 result back in `like`'s dtype: optimizers
+// compute in float32 and keep states and updates in the parameters' dtype.
+inline Array as_f32(const Array& a) { return a.dtype() == DType::f32 ? a : astype(a, DType::f32); }
+inline Array in_dtype_of(Array a, const Array& like) { return like.dtype() == DType::f32 ? a : astype(a, like.dtype()); }
+
 // A new tree with the structure of the first input whose leaves are f applied elementwise to
 // corresponding elements of the inputs (which must already have been checked to share one
 // structure and be float), computed in float32. Each result leaf has the dtype of the first
@@ -52,8 +57,7 @@ inline Tree map_elementwise(const std::array<const Tree*, N>& trees, F f) {
   autodiff::NoGradGuard constants;
   for (std::size_t k = 0; k < N; ++k) {
     in[k] = leaves(*trees[k]);
-    for (Array& a : in[k])
-      if (a.dtype() != DType::f32) a = astype(a, DType::f32);
+    for (Array& a : in[k]) a = as_f32(a);
   }
   const std::vector<Array> first_leaves = leaves(*trees[0]);
   std::vector<Array> out;
@@ -72,7 +76,7 @@ inline Tree map_elementwise(const std::array<const Tree*, N>& trees, F f) {
         else o[j] = f(p[0][j], p[1][j], p[2][j]);
       }
     });
-    out.push_back(first_leaves[i].dtype() == DType::f32 ? std::move(r) : astype(r, first_leaves[i].dtype()));
+    out.push_back(in_dtype_of(std::move(r), first_leaves[i]));
   }
   return with_leaves(*trees[0], out);
 }

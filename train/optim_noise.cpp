@@ -32,11 +32,11 @@ GradientTransformation add_noise(double eta, double gamma, std::int64_t seed) {
         for (std::size_t k = 0; k < out.size(); ++k) {
           const Array& leaf = out[k].second;
           Array noise = rng::normal(keys[k], leaf.shape());
-          const Array x = leaf.dtype() == DType::f32 ? leaf : astype(leaf, DType::f32);
+          const Array x = as_f32(leaf);
           float* pn = noise.mutable_data();
           const float* px = x.data();
           for (std::int64_t i = 0; i < x.numel(); ++i) pn[i] = px[i] + stddev * pn[i];  // optax's add_scale
-          out[k].second = leaf.dtype() == DType::f32 ? std::move(noise) : astype(noise, leaf.dtype());
+          out[k].second = in_dtype_of(std::move(noise), leaf);
         }
         return UpdateResult{unflatten(out), Tree{{"count", count_array(count)}, {"rng_key", key_array(next[0])}}};
       });

@@ -45,7 +45,7 @@ GradientTransformation differentially_private_aggregate(double l2_norm_clip, dou
         // factor min(clip / norm, 1) (NaN -> 0, as optax). Per-example gradients are large (batch
         // times the parameters): both passes read them once, without temporaries of their size.
         std::vector<Array> values;  // float32 views of the leaves (bf16 widened once)
-        for (const auto& [path, g] : leaves) values.push_back(g.dtype() == DType::f32 ? g : astype(g, DType::f32));
+        for (const auto& [path, g] : leaves) values.push_back(as_f32(g));
         std::vector<double> squares(static_cast<std::size_t>(batch), 0.0);
         for (const Array& g : values) {
           const std::int64_t per = g.numel() / batch;
@@ -82,7 +82,7 @@ GradientTransformation differentially_private_aggregate(double l2_norm_clip, dou
             }
             for (std::int64_t j = 0; j < count; ++j) po[begin + j] = (acc[static_cast<std::size_t>(j)] + noise_std * po[begin + j]) * inv_batch;
           });
-          leaves[k].second = astype(out, leaves[k].second.dtype());
+          leaves[k].second = in_dtype_of(std::move(out), leaves[k].second);
         }
         return UpdateResult{unflatten(leaves), Tree{{"rng_key", key_array(keys[0])}}};
       }).taking_per_example_gradients();
