@@ -35,6 +35,8 @@
 #include <linum/train/io/torch_layouts.hpp>
 #include <linum/train/io/checkpoint_manager.hpp>
 #include <linum/train/data/array_dataset.hpp>
+#include <linum/train/data/data_source.hpp>
+#include <linum/train/data/file_dataset.hpp>
 #include <linum/train/data/idx.hpp>
 #include <linum/train/data/loader.hpp>
 #include <linum/train/optim.hpp>

@@ -47,6 +47,9 @@
 //   linum-bench vmap [--members M] [--batch B] [--hidden H] [--examples N] [--steps S]
 //       an ensemble of M MLPs trained in one lift::vmap call against a loop over M models, and
 //       per-example gradients of N examples by vmap(grad) against N grad calls (vmap_bench.cpp).
+//   linum-bench data [--records N] [--floats F] [--batch B] [--workers 1,2] [--transform-us U] [--dir DIR]
+//       A dataset written in shards by FileDatasetWriter and read back cold through a shuffling
+//       DataLoader with each worker count: records per second and peak resident memory (data_bench.cpp).
 //   linum-bench dot-rate [--loops N] [--rounds R]
 //       vfmadd231ps against vdpbf16ps on one core, the best of R rounds (dot_rate_bench.cpp): what
 //       decides bf16_products() (engine.hpp).
@@ -570,11 +573,12 @@ int bench_rnn(const Flags& f);
 int bench_hvp(const Flags& f);
 int bench_vmap(const Flags& f);
 int bench_dot_rate(const Flags& f);
+int bench_data(const Flags& f);
 
 int main(int argc, char** argv) {
   linum::dist::Session mpi(argc, argv);  // `mpirun -np N linum-bench dp` (MPI only under a launcher)
   if (argc < 2) {
-    std::cerr << "usage: linum-bench mlp|gpt|scan|plan|dp|rnn|hvp|vmap|load|ops|fused|dot-rate [--name value ...]\n";
+    std::cerr << "usage: linum-bench mlp|gpt|scan|plan|dp|rnn|hvp|vmap|load|ops|fused|dot-rate|data [--name value ...]\n";
     return 2;
   }
   const std::string what = argv[1];
@@ -600,10 +604,11 @@ int main(int argc, char** argv) {
     if (what == "hvp") return bench_hvp(flags);
     if (what == "vmap") return bench_vmap(flags);
     if (what == "dot-rate") return bench_dot_rate(flags);
+    if (what == "data") return bench_data(flags);
   } catch (const std::exception& e) {
     std::cerr << "linum-bench: " << e.what() << "\n";
     return 1;
   }
-  std::cerr << "linum-bench: unknown benchmark '" << what << "' (choose mlp, gpt, scan, plan, dp, rnn, hvp, vmap, load, ops, elementwise, fused or dot-rate)\n";
+  std::cerr << "linum-bench: unknown benchmark '" << what << "' (choose mlp, gpt, scan, plan, dp, rnn, hvp, vmap, load, ops, elementwise, fused, dot-rate or data)\n";
   return 2;
 }

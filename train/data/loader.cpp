@@ -8,6 +8,8 @@
 #include <condition_variable>
 #include <deque>
 #include <exception>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -24,8 +26,10 @@ std::int64_t shard_start(std::int64_t n, int i, int p) { return n * i / p; }
 
 ShardOptions ShardOptions::by_process() { return {dist::rank(), dist::size()}; }
 
-// The background thread: prepares batches in order from `next_to_make`, keeping at most `depth`
-// ready. A failure is kept in place of the batch it was preparing.
+// The background threads: `workers` of them claim the batches in order from `from` (sequence
+// number 0, 1, ...), keeping at most `depth` claimed and not yet taken, and prepare them in
+// parallel; take() hands them out in sequence order. A failure is kept in place of the batch it was
+// preparing, and no batch after it is claimed.
 struct DataLoader::Prefetcher {
   struct Item {
     std::optional<Batch> batch;
@@ -33,58 +37,88 @@ struct DataLoader::Prefetcher {
   };
   std::mutex mutex;
   std::condition_variable changed;
-  std::deque<Item> ready;
-  bool stop = false;
-  std::thread thread;
+  std::map<std::int64_t, Item> done;  // prepared, by sequence number
+  std::int64_t claimed = 0;           // the next sequence number to claim
+  std::int64_t taken = 0;             // the next sequence number take() returns
+  bool stop = false, failed = false;
+  std::vector<std::thread> threads;
 
-  Prefetcher(const DataLoader& loader, LoaderPosition from, std::size_t depth) {
-    thread = std::thread([this, &loader, from, depth] {
+  Prefetcher(const DataLoader& loader, LoaderPosition from, std::int64_t depth, int workers) {
+    try {
+      for (int w = 0; w < workers; ++w) start(loader, from, depth);
+    } catch (...) {  // a thread could not start: stop those that did
+      shut_down();
+      throw;
+    }
+  }
+  void start(const DataLoader& loader, LoaderPosition from, std::int64_t depth) {
+    threads.emplace_back([this, &loader, from, depth] {
       autodiff::NoGradGuard no_grad;
-      LoaderPosition at = from;
-      while (!loader.finished(at)) {
+      for (;;) {
+        std::int64_t seq = 0;
         {
           std::unique_lock<std::mutex> lock(mutex);
-          changed.wait(lock, [&] { return stop || ready.size() < depth; });
-          if (stop) return;
+          changed.wait(lock, [&] { return stop || failed || claimed - taken < depth; });
+          if (stop || failed || loader.finished(loader.advance(from, claimed))) return;
+          seq = claimed++;
         }
         Item item;
         try {
-          item.batch = loader.make_batch(at);
+          item.batch = loader.make_batch(loader.advance(from, seq));
         } catch (...) {
           item.error = std::current_exception();
         }
-        const bool failed = item.error != nullptr;
         {
           std::lock_guard<std::mutex> lock(mutex);
-          ready.push_back(std::move(item));
+          failed = failed || item.error != nullptr;
+          done.emplace(seq, std::move(item));
         }
         changed.notify_all();
-        if (failed) return;
-        at = loader.after(at);
       }
     });
   }
-  ~Prefetcher() {
+  ~Prefetcher() { shut_down(); }
+  void shut_down() {
     {
       std::lock_guard<std::mutex> lock(mutex);
       stop = true;
     }
     changed.notify_all();
-    thread.join();
+    for (std::thread& t : threads) t.join();
+    threads.clear();
   }
   Item take() {
     std::unique_lock<std::mutex> lock(mutex);
-    changed.wait(lock, [&] { return !ready.empty(); });
-    Item item = std::move(ready.front());
-    ready.pop_front();
+    changed.wait(lock, [&] { return done.count(taken) != 0; });
+    auto it = done.find(taken);
+    Item item = std::move(it->second);
+    done.erase(it);
+    ++taken;
     lock.unlock();
     changed.notify_all();
     return item;
   }
 };
 
-DataLoader::DataLoader(ArrayDataset dataset, LoaderOptions options)
-    : dataset_(std::move(dataset)), options_(std::move(options)) {
+// The shuffled orders of the last two epochs asked for (workers may prepare the end of one epoch
+// and the start of the next at once), each drawn once.
+struct DataLoader::Orders {
+  std::mutex mutex;
+  std::deque<std::pair<std::int64_t, std::shared_ptr<const std::vector<std::int32_t>>>> recent;
+
+  std::shared_ptr<const std::vector<std::int32_t>> of(std::int64_t epoch, rng::Key seed, std::int64_t n) {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (const auto& [e, order] : recent)
+      if (e == epoch) return order;
+    const Array order = rng::permutation(rng::fold_in(seed, static_cast<std::uint32_t>(epoch)), n);
+    recent.emplace_back(epoch, std::make_shared<const std::vector<std::int32_t>>(order.to_vector_i32()));
+    if (recent.size() > 2) recent.pop_front();
+    return recent.back().second;
+  }
+};
+
+DataLoader::DataLoader(DataSource dataset, LoaderOptions options)
+    : dataset_(std::move(dataset)), options_(std::move(options)), orders_(std::make_unique<Orders>()) {
   const std::int64_t n = dataset_.size(), b = options_.batch_size;
   if (b < 1) throw ValueError(cat("DataLoader: batch_size must be at least 1, got ", b));
   if (options_.shard.shard_count < 1 || options_.shard.shard_index < 0 ||
@@ -93,6 +127,10 @@ DataLoader::DataLoader(ArrayDataset dataset, LoaderOptions options)
                          " is not a shard; need 0 <= shard_index < shard_count"));
   if (options_.num_epochs < 0) throw ValueError(cat("DataLoader: num_epochs must be 0 (forever) or more, got ", options_.num_epochs));
   if (options_.prefetch < 0) throw ValueError(cat("DataLoader: prefetch must be 0 or more, got ", options_.prefetch));
+  if (options_.workers < 1 || (options_.prefetch == 0 && options_.workers > 1))
+    throw ValueError(cat("DataLoader: workers must be at least 1 (and 1 with prefetch = 0, which prepares batches in next()), got ",
+                         options_.workers, " with prefetch ", options_.prefetch,
+                         options_.workers > 1 ? "; give prefetch >= workers" : ""));
   batches_per_epoch_ = options_.drop_remainder ? n / b : (n + b - 1) / b;
   if (batches_per_epoch_ == 0)
     throw ValueError(cat("DataLoader: the dataset's ", n, " records make no batch of ", b,
@@ -106,8 +144,11 @@ void DataLoader::stop_prefetching() { prefetcher_.reset(); }
 
 bool DataLoader::finished(LoaderPosition at) const { return options_.num_epochs != 0 && at.epoch >= options_.num_epochs; }
 
-LoaderPosition DataLoader::after(LoaderPosition at) const {
-  return at.index + 1 < batches_per_epoch_ ? LoaderPosition{at.epoch, at.index + 1} : LoaderPosition{at.epoch + 1, 0};
+LoaderPosition DataLoader::after(LoaderPosition at) const { return advance(at, 1); }
+
+LoaderPosition DataLoader::advance(LoaderPosition at, std::int64_t steps) const {
+  const std::int64_t flat = at.index + steps;
+  return {at.epoch + flat / batches_per_epoch_, flat % batches_per_epoch_};
 }
 
 Batch DataLoader::make_batch(LoaderPosition at) const {
@@ -118,18 +159,18 @@ Batch DataLoader::make_batch(LoaderPosition at) const {
   std::vector<std::int64_t> indices;
   indices.reserve(static_cast<std::size_t>(last - first));
   if (options_.shuffle) {
-    // The epoch's permutation is drawn once per epoch by whichever thread prepares its batches (one
-    // at a time: the prefetcher is stopped before the caller prepares any).
-    if (order_epoch_ != at.epoch) {
-      const Array order = rng::permutation(rng::fold_in(options_.seed, static_cast<std::uint32_t>(at.epoch)), n);
-      order_ = order.to_vector_i32();
-      order_epoch_ = at.epoch;
-    }
-    for (std::int64_t k = first; k < last; ++k) indices.push_back(order_[static_cast<std::size_t>(k)]);
+    const auto order = orders_->of(at.epoch, options_.seed, n);
+    for (std::int64_t k = first; k < last; ++k) indices.push_back((*order)[static_cast<std::size_t>(k)]);
   } else {
     for (std::int64_t k = first; k < last; ++k) indices.push_back(k);
   }
   Batch out{dataset_.gather(indices), at.epoch, at.index, rows, first - begin, at.index + 1 == batches_per_epoch_};
+  if (out.data.is_leaf())
+    throw ValueError("DataLoader: the dataset's gather() returned a single array; return a dict of columns");
+  for (const auto& [name, a] : flatten(out.data))
+    if (a.shape().rank() == 0 || a.shape()[0] != static_cast<std::int64_t>(indices.size()))
+      throw ValueError(cat("DataLoader: the dataset's gather() of ", indices.size(), " records returned column '", name,
+                           "' of shape ", a.shape(), "; every column needs a leading axis of one row per record"));
   if (options_.transform) out.data = options_.transform(std::move(out.data), at.epoch, at.index);
   return out;
 }
@@ -142,7 +183,7 @@ std::optional<Batch> DataLoader::next() {
     position_ = after(position_);
     return batch;
   }
-  if (!prefetcher_) prefetcher_ = std::make_unique<Prefetcher>(*this, position_, static_cast<std::size_t>(options_.prefetch));
+  if (!prefetcher_) prefetcher_ = std::make_unique<Prefetcher>(*this, position_, options_.prefetch, options_.workers);
   Prefetcher::Item item = prefetcher_->take();
   if (item.error) {
     stop_prefetching();  // the next call prepares this batch again

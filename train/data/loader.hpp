@@ -1,6 +1,7 @@
-// datasets::DataLoader: batches of an ArrayDataset for training, as grain's DataLoader or PyTorch's
+// datasets::DataLoader: batches of a DataSource (an ArrayDataset in memory, a FileDataset on disk,
+// or a user's own type: data_source.hpp) for training, as grain's DataLoader or PyTorch's
 // DataLoader give them: shuffled per epoch with an explicit PRNG key, batched, sharded across
-// processes, prepared ahead on a background thread, and resumable from a saved position.
+// processes, prepared ahead on background threads, and resumable from a saved position.
 //
 //   datasets::DataLoader loader(train, {.batch_size = 128, .seed = rng::key(0), .drop_remainder = true,
 //                                   .num_epochs = 3});
@@ -20,13 +21,18 @@
 // records instead, so each process sees other records when P changes.) ShardOptions::by_process()
 // takes this process's rank and the job's size from linum::dist.
 //
-// Prefetching: with prefetch = k > 0 a background thread keeps up to k batches ready (gathering rows
-// and running `transform`, under NoGradGuard) while the caller trains; next() waits only when the
-// thread is behind. An exception thrown while preparing a batch is rethrown by the next() that would
-// have returned it. prefetch = 0 prepares each batch inside next().
+// Prefetching: with prefetch = k > 0, `workers` background threads keep up to k batches ready or in
+// preparation (gathering rows and running `transform`, under NoGradGuard) while the caller trains;
+// each worker prepares whole batches, and next() returns them in order whatever worker finished
+// first, so the batches are the same for any number of workers. next() waits only when the workers
+// are behind. More than one worker (PyTorch's num_workers, grain's worker_count) pays when gathering
+// or the transform is slow: reading a FileDataset, decoding, augmenting. An exception thrown while
+// preparing a batch is rethrown by the next() that would have returned it. prefetch = 0 prepares
+// each batch inside next().
 #pragma once
 
 #include <linum/train/data/array_dataset.hpp>
+#include <linum/train/data/data_source.hpp>
 #include <linum/core/tree.hpp>
 #include <linum/rng/key.hpp>
 
@@ -56,10 +62,14 @@ struct LoaderOptions {
   // Epochs to produce; 0: repeat forever.
   std::int64_t num_epochs = 1;
   ShardOptions shard{};
-  // Batches prepared ahead on a background thread; 0: on the caller's thread, inside next().
+  // Batches prepared ahead (ready or in preparation) on background threads; 0: on the caller's
+  // thread, inside next().
   int prefetch = 2;
-  // Applied to every batch (this shard's rows) before it is returned, on the loader's thread:
-  // augmentation, normalization, casts. Must not depend on call order (it may run ahead).
+  // Threads preparing batches when prefetch > 0 (at most prefetch of them have work at once).
+  int workers = 1;
+  // Applied to every batch (this shard's rows) before it is returned, on a worker thread:
+  // augmentation, normalization, casts. Must not depend on call order (it may run ahead) and, with
+  // workers > 1, may run on several threads at once.
   std::function<Tree(Tree batch, std::int64_t epoch, std::int64_t index)> transform{};
 };
 
@@ -81,9 +91,10 @@ struct LoaderPosition {
 
 class DataLoader {
  public:
-  // ValueError for a batch size below 1, a bad shard, a negative epoch count or prefetch, or a
-  // dataset that makes no batch at all (fewer records than one batch with drop_remainder).
-  DataLoader(ArrayDataset dataset, LoaderOptions options);
+  // ValueError for a batch size below 1, a bad shard, a negative epoch count or prefetch, fewer
+  // than one worker (or several with prefetch = 0), or a dataset that makes no batch at all (fewer
+  // records than one batch with drop_remainder).
+  DataLoader(DataSource dataset, LoaderOptions options);
   ~DataLoader();
   DataLoader(const DataLoader&) = delete;
   DataLoader& operator=(const DataLoader&) = delete;
@@ -92,7 +103,7 @@ class DataLoader {
   std::optional<Batch> next();
 
   std::int64_t batches_per_epoch() const { return batches_per_epoch_; }
-  const ArrayDataset& dataset() const { return dataset_; }
+  const DataSource& dataset() const { return dataset_; }
   const LoaderOptions& options() const { return options_; }
 
   // The position of the next batch next() returns (batches already prepared ahead do not count).
@@ -136,19 +147,21 @@ class DataLoader {
 
  private:
   struct Prefetcher;
+  struct Orders;
   Batch make_batch(LoaderPosition at) const;
   bool finished(LoaderPosition at) const;
   LoaderPosition after(LoaderPosition at) const;
+  // The position `steps` batches after `at`.
+  LoaderPosition advance(LoaderPosition at, std::int64_t steps) const;
   void stop_prefetching();
 
-  ArrayDataset dataset_;
+  DataSource dataset_;
   LoaderOptions options_;
   std::int64_t batches_per_epoch_ = 0;
   LoaderPosition position_;
   std::unique_ptr<Prefetcher> prefetcher_;
-  // The shuffled order of epoch order_epoch_, drawn by whichever thread prepares batches.
-  mutable std::int64_t order_epoch_ = -1;
-  mutable std::vector<std::int32_t> order_;
+  // The shuffled orders of the epochs being prepared, drawn by whichever thread needs one first.
+  std::unique_ptr<Orders> orders_;
 };
 
 }  // namespace linum::datasets

@@ -21,6 +21,7 @@
 #include <string>
 #include <utility>
 
+#include <linum/train/io/safetensors_internal.hpp>
 #include <linum/train/io/serialization_internal.hpp>
 
 namespace linum::safetensors {
@@ -28,6 +29,7 @@ namespace linum::safetensors {
 using serialization::internal::ConvertError;
 using serialization::internal::DTypeInfo;
 using serialization::internal::FileDType;
+using internal::Entry;
 
 namespace {
 
@@ -53,13 +55,6 @@ std::string describe(const nlohmann::ordered_json& j) {
   std::string s = j.dump();
   return s.size() > 60 ? s.substr(0, 57) + "..." : s;
 }
-
-struct Entry {
-  std::string name;
-  const DTypeInfo* dtype = nullptr;
-  std::vector<std::int64_t> dims;
-  std::uint64_t begin = 0, end = 0;
-};
 
 std::uint64_t offset_of(std::string_view source, const std::string& name, const nlohmann::ordered_json& j) {
   if (!j.is_number_unsigned())
@@ -107,27 +102,15 @@ Entry parse_entry(std::string_view source, const std::string& name, const nlohma
 }
 
 Array read_tensor(std::string_view source, const Entry& e, std::span<const std::uint8_t> data, const LoadOptions& options) {
-  const std::uint8_t* src = data.data() + e.begin;
   const Shape shape(e.dims);
-  const auto count = static_cast<std::size_t>(shape.numel());
-  try {
-    if (e.dtype->type == FileDType::bf16) {
-      Array a = Array::empty(shape, DType::bf16);
-      serialization::internal::copy_bf16(src, count, static_cast<bfloat16*>(a.mutable_raw()));
-      return a;
-    }
-    const DType target = serialization::internal::target_dtype(e.dtype->type);
-    Array a = Array::empty(shape, target);
-    serialization::internal::convert_elements(*e.dtype, src, count, a.mutable_raw());
-    if (e.dtype->type == FileDType::f16 && options.f16_as_bf16) {
-      Array b = Array::empty(shape, DType::bf16);
-      f32_to_bf16(a.data(), static_cast<bfloat16*>(b.mutable_raw()), static_cast<std::int64_t>(count));
-      return b;
-    }
-    return a;
-  } catch (const ConvertError& err) {
-    fail(source, "tensor '" + e.name + "': " + err.message);
+  Array a = Array::empty(shape, internal::array_dtype(e));
+  internal::read_elements(source, e, data.data() + e.begin, static_cast<std::size_t>(shape.numel()), a.mutable_raw());
+  if (e.dtype->type == FileDType::f16 && options.f16_as_bf16) {
+    Array b = Array::empty(shape, DType::bf16);
+    f32_to_bf16(a.data(), static_cast<bfloat16*>(b.mutable_raw()), shape.numel());
+    return b;
   }
+  return a;
 }
 
 // A tensor name's place in the Tree: the name itself, or the path its '/'s give.
@@ -140,31 +123,44 @@ void place(std::string_view source, Tree& tree, const std::string& name, Array a
   }
 }
 
-// Unmaps on scope exit.
-struct Mapping {
-  void* addr = MAP_FAILED;
-  std::size_t size = 0;
-  ~Mapping() {
-    if (addr != MAP_FAILED && size > 0) munmap(addr, size);
-  }
-};
-
 }  // namespace
 
-Contents from_bytes(std::span<const std::uint8_t> bytes, std::string_view source, const LoadOptions& options) {
-  if (bytes.size() < 8) fail(source, linum::detail::cat("the file has ", bytes.size(), " bytes; a safetensors file starts with an 8-byte header length"));
-  const std::uint64_t n = serialization::internal::load_le<std::uint64_t>(bytes.data());
-  if (n > kMaxHeaderBytes || n > bytes.size() - 8)
-    fail(source, linum::detail::cat("the header length ", n, " is beyond the file's ", bytes.size() - 8,
+namespace internal {
+
+const char* file_dtype_name(const Entry& e) {
+  for (const NamedDType& d : kDTypes)
+    if (e.dtype == serialization::internal::find_dtype(d.numpy)) return d.safetensors;
+  return "?";
+}
+
+DType array_dtype(const Entry& e) {
+  return e.dtype->type == FileDType::bf16 ? DType::bf16 : serialization::internal::target_dtype(e.dtype->type);
+}
+
+void read_elements(std::string_view source, const Entry& e, const std::uint8_t* src, std::size_t count, void* dst) {
+  try {
+    if (e.dtype->type == FileDType::bf16) serialization::internal::copy_bf16(src, count, static_cast<bfloat16*>(dst));
+    else serialization::internal::convert_elements(*e.dtype, src, count, dst);
+  } catch (const ConvertError& err) {
+    fail(source, "tensor '" + e.name + "': " + err.message);
+  }
+}
+
+std::uint64_t header_length(std::span<const std::uint8_t> first_bytes, std::uint64_t file_size, std::string_view source) {
+  if (file_size < 8 || first_bytes.size() < 8)
+    fail(source, linum::detail::cat("the file has ", file_size, " bytes; a safetensors file starts with an 8-byte header length"));
+  const std::uint64_t n = serialization::internal::load_le<std::uint64_t>(first_bytes.data());
+  if (n > kMaxHeaderBytes || n > file_size - 8)
+    fail(source, linum::detail::cat("the header length ", n, " is beyond the file's ", file_size - 8,
                                     " remaining bytes (or the 100 MB limit): the file is truncated or not safetensors"));
-  const std::string_view text(reinterpret_cast<const char*>(bytes.data() + 8), static_cast<std::size_t>(n));
+  return n;
+}
+
+Layout parse_header(std::string_view text, std::uint64_t data_size, std::string_view source) {
   if (!serialization::internal::valid_utf8(text)) fail(source, "the header is not UTF-8");
   const nlohmann::ordered_json header = nlohmann::ordered_json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (header.is_discarded() || !header.is_object()) fail(source, "the header is not a JSON object");
-  const std::span<const std::uint8_t> data = bytes.subspan(8 + static_cast<std::size_t>(n));
-
-  Contents out;
-  std::vector<Entry> entries;
+  Layout out;
   for (const auto& [name, value] : header.items()) {
     if (name == "__metadata__") {
       if (!value.is_object()) fail(source, "__metadata__ must be an object of strings");
@@ -174,11 +170,11 @@ Contents from_bytes(std::span<const std::uint8_t> bytes, std::string_view source
       }
       continue;
     }
-    entries.push_back(parse_entry(source, name, value));
+    out.entries.push_back(parse_entry(source, name, value));
   }
   // The tensors tile the data section: sorted by offset, each begins where the previous ended.
   std::vector<const Entry*> by_offset;
-  for (const Entry& e : entries) by_offset.push_back(&e);
+  for (const Entry& e : out.entries) by_offset.push_back(&e);
   std::stable_sort(by_offset.begin(), by_offset.end(),
                    [](const Entry* a, const Entry* b) { return a->begin != b->begin ? a->begin < b->begin : a->end < b->end; });
   std::uint64_t expected = 0;
@@ -188,21 +184,13 @@ Contents from_bytes(std::span<const std::uint8_t> bytes, std::string_view source
                                       expected, ": tensors must cover the data with no gap or overlap"));
     expected = e->end;
   }
-  if (expected != data.size())
-    fail(source, linum::detail::cat("the tensors cover ", expected, " bytes of data but the file holds ", data.size(),
+  if (expected != data_size)
+    fail(source, linum::detail::cat("the tensors cover ", expected, " bytes of data but the file holds ", data_size,
                                     ": the file is truncated or has bytes no tensor owns"));
-
-  std::set<std::string> wanted(options.names.begin(), options.names.end());
-  for (const std::string& name : options.names)
-    if (std::none_of(entries.begin(), entries.end(), [&](const Entry& e) { return e.name == name; }))
-      fail(source, "no tensor named '" + name + "'");
-  // The tree lists the tensors in the header's order.
-  for (const Entry& e : entries)
-    if (wanted.empty() || wanted.count(e.name)) place(source, out.tensors, e.name, read_tensor(source, e, data, options));
   return out;
 }
 
-Contents load(const std::filesystem::path& path, const LoadOptions& options) {
+MappedFile::MappedFile(const std::filesystem::path& path) {
   const std::string source = path.string();
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) fail(source, std::string("cannot open: ") + std::strerror(errno));
@@ -216,19 +204,49 @@ Contents load(const std::filesystem::path& path, const LoadOptions& options) {
     ::close(fd);
     fail(source, "not a regular file");
   }
-  Mapping m;
-  m.size = static_cast<std::size_t>(st.st_size);
-  if (m.size > 0) {
-    m.addr = ::mmap(nullptr, m.size, PROT_READ, MAP_PRIVATE, fd, 0);
-    if (m.addr == MAP_FAILED) {
+  size_ = static_cast<std::size_t>(st.st_size);
+  if (size_ > 0) {
+    addr_ = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (addr_ == MAP_FAILED) {
       const int err = errno;
       ::close(fd);
       fail(source, std::string("cannot map: ") + std::strerror(err));
     }
   }
   ::close(fd);
-  const std::span<const std::uint8_t> bytes(m.size > 0 ? static_cast<const std::uint8_t*>(m.addr) : nullptr, m.size);
-  return from_bytes(bytes, source, options);
+}
+
+MappedFile::~MappedFile() {
+  if (addr_ != MAP_FAILED && size_ > 0) ::munmap(addr_, size_);
+}
+
+std::span<const std::uint8_t> MappedFile::bytes() const {
+  return {size_ > 0 ? static_cast<const std::uint8_t*>(addr_) : nullptr, size_};
+}
+
+}  // namespace internal
+
+Contents from_bytes(std::span<const std::uint8_t> bytes, std::string_view source, const LoadOptions& options) {
+  const std::uint64_t n = internal::header_length(bytes, bytes.size(), source);
+  const std::string_view text(reinterpret_cast<const char*>(bytes.data() + 8), static_cast<std::size_t>(n));
+  const std::span<const std::uint8_t> data = bytes.subspan(8 + static_cast<std::size_t>(n));
+  internal::Layout layout = internal::parse_header(text, data.size(), source);
+  Contents out;
+  out.metadata = std::move(layout.metadata);
+  const std::vector<Entry>& entries = layout.entries;
+  std::set<std::string> wanted(options.names.begin(), options.names.end());
+  for (const std::string& name : options.names)
+    if (std::none_of(entries.begin(), entries.end(), [&](const Entry& e) { return e.name == name; }))
+      fail(source, "no tensor named '" + name + "'");
+  // The tree lists the tensors in the header's order.
+  for (const Entry& e : entries)
+    if (wanted.empty() || wanted.count(e.name)) place(source, out.tensors, e.name, read_tensor(source, e, data, options));
+  return out;
+}
+
+Contents load(const std::filesystem::path& path, const LoadOptions& options) {
+  const internal::MappedFile file(path);
+  return from_bytes(file.bytes(), path.string(), options);
 }
 
 std::vector<std::uint8_t> to_bytes(const Tree& tensors, const std::map<std::string, std::string>& metadata, char separator) {
