@@ -623,3 +623,100 @@ TEST_CASE("multi_transform: each group of leaves by its own transformation; unkn
   CHECK_THROWS_WITH_AS(optim::multi_transform({{"a", optim::sgd(0.1)}, {"a", optim::adam(0.1)}}, by_name),
                        doctest::Contains("given twice"), ValueError);
 }
+
+// ---- optimizers that read the objective (ExtraArgs) -------------------------------------------
+
+namespace {
+
+// Rosenbrock's function over a two-leaf tree: sum over i of 100 (y_i - x_i^2)^2 + (1 - x_i)^2,
+// minimum 0 at x = y = 1; narrow curved valleys that plain gradient descent crawls along.
+Array rosenbrock(const Tree& p) {
+  const Array& x = p.at("x").array();
+  const Array& y = p.at("y").array();
+  const Array r = y - x * x, s = 1.0f - x;
+  return sum(100.0f * r * r + s * s);
+}
+
+Tree rosenbrock_start() {
+  return Tree{{"x", Array::from({3}, {-1.2f, -0.5f, 0.3f})}, {"y", Array::from({3}, {1.0f, 0.8f, -0.2f})}};
+}
+
+// Runs opt for `steps` steps with the value and value_fn; returns the values after each step.
+std::vector<float> minimize(const optim::GradientTransformation& opt, int steps, Tree& params) {
+  auto value_fn = [](const Tree& p) { return rosenbrock(p).item(); };
+  Tree state = opt.init(params);
+  std::vector<float> values;
+  for (int s = 0; s < steps; ++s) {
+    auto [value, grads] = value_and_grad(rosenbrock)(params);
+    auto [updates, next] = opt.update(grads, state, params, {.value = value.item(), .value_fn = value_fn});
+    params = optim::apply_updates(params, updates);
+    state = next;
+    values.push_back(value_fn(params));
+  }
+  return values;
+}
+
+}  // namespace
+
+TEST_CASE("lbfgs with its backtracking linesearch reaches Rosenbrock's minimum, which sgd and adam do not in as many steps") {
+  Tree p = rosenbrock_start();
+  const std::vector<float> lbfgs_values = minimize(optim::lbfgs(), 100, p);
+  CHECK(lbfgs_values.back() < 1e-9f);
+  for (const char* k : {"x", "y"})
+    for (float v : p.at(k).array().to_vector()) CHECK(v == doctest::Approx(1.0f).epsilon(1e-4));
+  // The Armijo condition: no step increases the objective (until float32's rounding of values near
+  // 0, where no trial passes and optax, as here, takes the last, shortest one).
+  for (std::size_t s = 1; s < lbfgs_values.size(); ++s)
+    if (lbfgs_values[s - 1] > 1e-10f) CHECK(lbfgs_values[s] <= lbfgs_values[s - 1]);
+  Tree q = rosenbrock_start();
+  CHECK(minimize(optim::adam(1e-2), 100, q).back() > 1e-3f);
+}
+
+TEST_CASE("the backtracking linesearch makes a too-long sgd step safe: it shrinks the step until the value decreases") {
+  // sgd(1.0) on Rosenbrock diverges at once; behind the linesearch every step decreases the value.
+  Tree p = rosenbrock_start();
+  const std::vector<float> values = minimize(optim::chain(optim::sgd(1.0), optim::scale_by_backtracking_linesearch(30)), 40, p);
+  float before = rosenbrock(rosenbrock_start()).item();
+  for (float v : values) {
+    CHECK(v <= before);
+    before = v;
+  }
+  Tree q = rosenbrock_start();
+  auto [value, grads] = value_and_grad(rosenbrock)(q);
+  auto [updates, state] = optim::sgd(1.0).update(grads, optim::sgd(1.0).init(q), q);
+  CHECK(rosenbrock(optim::apply_updates(q, updates)).item() > 100 * value.item());
+}
+
+TEST_CASE("extra arguments: a missing value is an error naming it; chain, apply_if_finite and multi_steps pass them on") {
+  const Tree p = rosenbrock_start();
+  auto [value, gradient] = value_and_grad(rosenbrock)(p);
+  const Tree grads = gradient;  // (named: clang 14 cannot capture a structured binding)
+  const auto polyak = optim::polyak_sgd();
+  CHECK(polyak.uses_extra_args());
+  CHECK_FALSE(optim::adam(1e-3).uses_extra_args());
+  auto message = [&](const optim::GradientTransformation& opt, const optim::ExtraArgs& extra) -> std::string {
+    try {
+      opt.update(grads, opt.init(p), p, extra);
+    } catch (const ValueError& e) {
+      return e.what();
+    }
+    return "";
+  };
+  CHECK(message(polyak, {}).find(".value = loss") != std::string::npos);
+  CHECK(message(optim::lbfgs(), {.value = value.item()}).find(".value_fn") != std::string::npos);
+  CHECK(message(polyak, {.value = value.item()}).empty());
+  // Without extra arguments at all (the three-argument update), the same error.
+  CHECK_THROWS_AS(polyak.update(grads, polyak.init(p), p), ValueError);
+  // Wrappers that see every parameter pass them on and give the inner transformation's updates.
+  const optim::ExtraArgs extra{.value = value.item()};
+  const Tree direct = polyak.update(grads, polyak.init(p), p, extra).updates;
+  for (const auto& wrapped : {optim::apply_if_finite(polyak, 2), optim::multi_steps(polyak, 1)}) {
+    CHECK(wrapped.uses_extra_args());
+    const Tree via = wrapped.update(grads, wrapped.init(p), p, extra).updates;
+    for (const char* k : {"x", "y"}) CHECK(via.at(k).array().to_vector() == direct.at(k).array().to_vector());
+  }
+  // A gradient of another structure than the params is refused.
+  CHECK_THROWS_AS(optim::lbfgs().update(grads, optim::lbfgs().init(p), p,
+                                        {.value = 1.0f, .value_fn = [](const Tree&) { return 0.0f; }, .grad = Tree{{"x", grads.at("x")}}}),
+                  ValueError);
+}

@@ -778,6 +778,54 @@ TEST_CASE("optax: every optimizer and wrapper: parameters over 5 steps and the f
   }
 }
 
+TEST_CASE("optax: the optimizers that read the objective (polyak_sgd, lbfgs, backtracking linesearch) follow optax's trajectory") {
+  const Tree& f = fixture("optax.msgpack");
+  const Tree& o = f.at("objective");
+  // f(p) = sum over the leaves of 0.5 a (p - t)^2 + 0.1 p^4, as make_fixtures.py's.
+  const Tree a = o.at("a"), t = o.at("t");
+  auto objective = [a, t](const Tree& p) {
+    Array total = Array::full(Shape{}, 0.0f);
+    for (const char* k : {"b", "w"}) {
+      const Array& x = p.at(k).array();
+      const Array d = x - t.at(k).array();
+      total = total + sum(0.5f * a.at(k).array() * d * d + 0.1f * (x * x) * (x * x));
+    }
+    return total;
+  };
+  auto value_fn = [objective](const Tree& p) { return objective(p).item(); };
+  const std::vector<std::pair<std::string, optim::GradientTransformation>> cases = {
+      {"polyak_sgd", optim::polyak_sgd()},
+      {"polyak_sgd_plus", optim::polyak_sgd(0.5, 0.8, 0.5, 1e-3, optim::PolyakVariant::sps_plus)},
+      {"lbfgs_lr", optim::lbfgs(0.1, 10, true, optim::identity())},
+      {"lbfgs_unscaled_lr", optim::lbfgs(0.05, 3, false, optim::identity())},
+      {"lbfgs_backtracking", optim::lbfgs()},
+      {"lbfgs_memory_2", optim::lbfgs(std::nullopt, 2)},
+      {"sgd_backtracking",
+       optim::chain(optim::sgd(1.0), optim::scale_by_backtracking_linesearch(15, 0.3, 0.5, 2.0, 4.0))},
+  };
+  for (const auto& entry : cases) {
+    const std::string& name = entry.first;
+    const optim::GradientTransformation& opt = entry.second;
+    CAPTURE(name);
+    CHECK(opt.uses_extra_args() == (name.find("_lr") == std::string::npos));
+    const Tree& want = o.at(name);
+    Tree params = f.at("params0");
+    Tree state = opt.init(params);
+    const std::vector<float> values = want.at("values").array().to_vector();
+    for (int s = 0; s < static_cast<int>(values.size()); ++s) {
+      auto [value, grads] = value_and_grad(objective)(params);
+      auto [updates, next] = opt.update(grads, state, params, {.value = value.item(), .value_fn = value_fn});
+      params = optim::apply_updates(params, updates);
+      state = next;
+      // The inner products are summed in another order than XLA's, and the linesearch's trial
+      // values come from Linum's ops: a few ulps, which the quasi-Newton steps amplify mildly.
+      check_tree("optax", name + "/params_" + std::to_string(s), params, want.at("params").at(std::to_string(s)), 1e-4, 1e-5);
+      CHECK(value_fn(params) == doctest::Approx(values[static_cast<std::size_t>(s)]).epsilon(1e-5));
+    }
+    check_tree("optax", name + "/state", state, want.at("state"), 1e-4, 1e-5);
+  }
+}
+
 TEST_CASE("optax schedules at steps 0..14 equal optax's") {
   const Tree& f = fixture("optax.msgpack").at("schedules");
   const std::vector<std::pair<std::string, optim::Schedule>> cases = {

@@ -93,9 +93,15 @@ UpdateResult GradientTransformation::update(const Tree& grads, const Tree& state
   return update_(grads, state, nullptr);
 }
 
-UpdateResult GradientTransformation::update(const Tree& grads, const Tree& state, const Tree& params) const {
-  autodiff::NoGradGuard no_grad;
-  check_f32(name_ + ".update", "grads", grads);
+GradientTransformation GradientTransformation::with_extra_args(std::string name, InitFn init, UpdateWithArgsFn update) {
+  // Called without extra arguments, it sees none (and says what it needs, if it needs any).
+  UpdateFn plain = [update](const Tree& u, const Tree& s, const Tree* p) { return update(u, s, p, ExtraArgs{}); };
+  GradientTransformation t(std::move(name), std::move(init), std::move(plain));
+  t.update_with_args_ = std::move(update);
+  return t;
+}
+
+void GradientTransformation::check_grads_against(const Tree& grads, const Tree& params) const {
   if (per_example_) {  // the params' structure, every leaf with a leading batch axis
     const auto g = flatten(grads), p = flatten(params);
     bool ok = g.size() == p.size();
@@ -110,7 +116,25 @@ UpdateResult GradientTransformation::update(const Tree& grads, const Tree& state
   } else {
     check_same_structure(name_ + ".update", "grads", grads, "params", params);
   }
+}
+
+UpdateResult GradientTransformation::update(const Tree& grads, const Tree& state, const Tree& params) const {
+  autodiff::NoGradGuard no_grad;
+  check_f32(name_ + ".update", "grads", grads);
+  check_grads_against(grads, params);
   return update_(grads, state, &params);
+}
+
+UpdateResult GradientTransformation::update(const Tree& grads, const Tree& state, const Tree& params,
+                                            const ExtraArgs& extra) const {
+  if (!update_with_args_) return update(grads, state, params);
+  autodiff::NoGradGuard no_grad;
+  check_f32(name_ + ".update", "grads", grads);
+  check_grads_against(grads, params);
+  if (extra.grad) check_same_structure(name_ + ".update", "extra.grad", *extra.grad, "params", params);
+  ExtraArgs with_grad = extra;
+  if (!with_grad.grad) with_grad.grad = grads;
+  return update_with_args_(grads, state, &params, with_grad);
 }
 
 StepResult GradientTransformation::step(Tree params, const Tree& grads, Tree state) const {
@@ -151,7 +175,7 @@ GradientTransformation chain(std::vector<GradientTransformation> transformations
     for (std::size_t i = 0; i < ts->size(); ++i) state.set(std::to_string(i), (*ts)[i].init(params));
     return state;
   };
-  auto update = [ts, name](const Tree& grads, const Tree& state, const Tree* params) {
+  auto update = [ts, name](const Tree& grads, const Tree& state, const Tree* params, const ExtraArgs& extra) {
     bool ok = state.is_dict() && state.size() == ts->size();
     for (std::size_t i = 0; ok && i < ts->size(); ++i) ok = state.contains(std::to_string(i));
     if (!ok)
@@ -163,13 +187,15 @@ GradientTransformation chain(std::vector<GradientTransformation> transformations
     Tree new_state;
     for (std::size_t i = 0; i < ts->size(); ++i) {
       const std::string k = std::to_string(i);
-      UpdateResult r = params ? (*ts)[i].update(updates, state.at(k), *params) : (*ts)[i].update(updates, state.at(k));
+      UpdateResult r = params ? (*ts)[i].update(updates, state.at(k), *params, extra) : (*ts)[i].update(updates, state.at(k));
       updates = std::move(r.updates);
       new_state.set(k, std::move(r.state));
     }
     return UpdateResult{std::move(updates), std::move(new_state)};
   };
-  GradientTransformation chained(name, std::move(init), std::move(update));
+  // A chain reads extra arguments when one of its members does, and passes them to every member.
+  const bool with_args = std::any_of(ts->begin(), ts->end(), [](const GradientTransformation& t) { return t.uses_extra_args(); });
+  GradientTransformation chained = passing_extra_args(with_args, name, std::move(init), std::move(update));
   return !ts->empty() && ts->front().takes_per_example_gradients() ? chained.taking_per_example_gradients() : chained;
 }
 

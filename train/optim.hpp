@@ -138,6 +138,21 @@ struct StepResult {
   Tree state;
 };
 
+// What some transformations need besides the gradients, the state and the parameters (optax's
+// extra_args, GradientTransformationExtraArgs): the objective's value at the parameters (polyak_sgd,
+// linesearches), a function giving its value at other parameters (a linesearch's trial points),
+// and its gradient at the parameters (a linesearch's slope; when not given, the gradients passed to
+// update()). A transformation that needs one that is missing throws ValueError naming it. chain,
+// apply_if_finite and multi_steps pass them to their transformations; masked and multi_transform do
+// not (theirs see part of the parameters, where value_fn does not apply).
+//   auto [loss, grads] = value_and_grad(objective)(params);
+//   auto [updates, state2] = opt.update(grads, state, params, {.value = loss.item(), .value_fn = objective_value});
+struct ExtraArgs {
+  std::optional<float> value;
+  std::function<float(const Tree& params)> value_fn;
+  std::optional<Tree> grad;
+};
+
 // A pure optimizer step, as optax.GradientTransformation: init builds a state from the
 // parameters; update maps (gradients, state, parameters) to (updates, next state).
 class GradientTransformation {
@@ -146,10 +161,17 @@ class GradientTransformation {
   using InitFn = std::function<Tree(const Tree& params)>;
   // Maps (updates, state, params or nullptr when not given) to (updates, next state).
   using UpdateFn = std::function<UpdateResult(const Tree& updates, const Tree& state, const Tree* params)>;
+  // The same with the extra arguments (ExtraArgs; empty when update() was called without them).
+  using UpdateWithArgsFn =
+      std::function<UpdateResult(const Tree& updates, const Tree& state, const Tree* params, const ExtraArgs& extra)>;
 
   // A transformation called `name` in error messages (e.g. "optim::scale_by_adam").
   GradientTransformation(std::string name, InitFn init, UpdateFn update)
       : name_(std::move(name)), init_(std::move(init)), update_(std::move(update)) {}
+  // One that reads extra arguments (optax's GradientTransformationExtraArgs).
+  static GradientTransformation with_extra_args(std::string name, InitFn init, UpdateWithArgsFn update);
+  // Whether update() reads extra arguments (then pass them with the four-argument update()).
+  bool uses_extra_args() const { return static_cast<bool>(update_with_args_); }
 
   // The initial state for `params` (which fixes the structure every later call must have).
   Tree init(const Tree& params) const;
@@ -160,6 +182,9 @@ class GradientTransformation {
 
   // One step: the updates for `grads` and the next state. `params` are the current parameters.
   UpdateResult update(const Tree& grads, const Tree& state, const Tree& params) const;
+  // One step with extra arguments: transformations that read them (and chains of them) get them,
+  // the others ignore them. extra.grad defaults to `grads`.
+  UpdateResult update(const Tree& grads, const Tree& state, const Tree& params, const ExtraArgs& extra) const;
 
   // update() and apply_updates() in one call: the parameters after this step and the next state,
   // the same values as
@@ -193,10 +218,15 @@ class GradientTransformation {
   }
 
  private:
+  // ValueError unless grads have the params' structure (with a leading batch axis per leaf when
+  // this transformation takes per-example gradients).
+  void check_grads_against(const Tree& grads, const Tree& params) const;
+
   std::string name_;
   bool per_example_ = false;
   InitFn init_;
   UpdateFn update_;
+  UpdateWithArgsFn update_with_args_;  // set for transformations that read extra arguments
   StepFn step_;
 };
 
@@ -510,5 +540,58 @@ GradientTransformation novograd(LearningRate learning_rate, double b1 = 0.9, dou
 GradientTransformation lars(LearningRate learning_rate, double weight_decay = 0.0, Mask weight_decay_mask = nullptr,
                             double trust_coefficient = 0.001, double eps = 0.0, Mask trust_ratio_mask = nullptr,
                             double momentum = 0.9, bool nesterov = false);
+
+// ---- step sizes from the objective, and L-BFGS (optim_linesearch.cpp, optim_lbfgs.cpp) ---------
+//
+// These read extra arguments (ExtraArgs): call update(grads, state, params, {.value = loss, ...}).
+//   auto opt = optim::lbfgs();                                  // L-BFGS with a backtracking linesearch
+//   Tree state = opt.init(params);
+//   for (...) {
+//     auto [loss, grads] = value_and_grad(objective)(params);  // loss: a scalar Array
+//     auto [updates, next] = opt.update(grads, state, params, {.value = loss.item(), .value_fn = objective_value});
+//     params = optim::apply_updates(params, updates);
+//     state = next;
+//   }
+
+// Which Polyak step: optax's variant 'sps' or 'sps+' (the gap to f_min floored at 0).
+enum class PolyakVariant { sps, sps_plus };
+
+// Polyak's step size (optax.scale_by_polyak): updates times min((value - f_min) / (|u|^2 + eps),
+// max_learning_rate), or times 0 when |u|^2 + eps is below float epsilon. Reads extra.value. State {}.
+GradientTransformation scale_by_polyak(double f_min = 0.0, double max_learning_rate = 1.0, double eps = 0.0,
+                                       PolyakVariant variant = PolyakVariant::sps);
+// Polyak SGD (optax.polyak_sgd): chain(sgd(scaling), scale_by_polyak(f_min, max_learning_rate, eps, variant)),
+// so the step is measured on -scaling * g. For objectives whose minimum f_min is known (0 for
+// interpolating models). Reads extra.value.
+GradientTransformation polyak_sgd(double max_learning_rate = 1.0, LearningRate scaling = 1.0, double f_min = 0.0,
+                                  double eps = 0.0, PolyakVariant variant = PolyakVariant::sps);
+
+// A backtracking linesearch ensuring sufficient decrease (optax.scale_by_backtracking_linesearch,
+// the Armijo criterion): starting from min(increase_factor * the last step, max_learning_rate), the
+// step shrinks by decrease_factor until value_fn(params + step * updates) <= (1 + rtol) value +
+// step * slope_rtol * (updates . grad) + atol, at most max_backtracking_steps + 1 trials; a step
+// whose trials all gave NaN or infinity becomes 0. The updates come out times the step. Reads
+// extra.value, extra.value_fn and extra.grad (default: update()'s gradients); needs the params.
+// State {"grad": {} (optax's None: Linum does not store the gradient), "info": {"decrease_error",
+// "num_linesearch_steps"}, "learning_rate", "value"} (the value at the chosen step).
+GradientTransformation scale_by_backtracking_linesearch(std::int64_t max_backtracking_steps, double slope_rtol = 1e-4,
+                                                        double decrease_factor = 0.8, double increase_factor = 1.5,
+                                                        double max_learning_rate = 1.0, double atol = 0.0, double rtol = 0.0);
+
+// L-BFGS's direction (optax.scale_by_lbfgs): the updates times the inverse-Hessian approximation of
+// the last memory_size differences of parameters and of updates (the two-loop recursion), scaled
+// at first by gamma = (dw . du) / (du . du) (scale_init_precond; at the first step min(1, 1 / |u|))
+// or 1. Needs the params. State {"count", "diff_params_memory" and "diff_updates_memory" (every
+// leaf [memory_size, ...]), "params", "updates", "weights_memory": f32[memory_size]}.
+GradientTransformation scale_by_lbfgs(std::int64_t memory_size = 10, bool scale_init_precond = true);
+// L-BFGS (optax.lbfgs): chain(scale_by_lbfgs(memory_size, scale_init_precond), scale(-1) without a
+// learning rate or scale_by_learning_rate(learning_rate), linesearch). optax's default linesearch is
+// its zoom linesearch (strong Wolfe conditions), which Linum does not have: here the default is
+// scale_by_backtracking_linesearch(20) (in Python: optax.lbfgs(linesearch=
+// optax.scale_by_backtracking_linesearch(max_backtracking_steps=20)) gives the same steps); pass
+// identity() for none (optax's linesearch=None). With a linesearch it reads extra arguments.
+GradientTransformation lbfgs(std::optional<LearningRate> learning_rate = std::nullopt, std::int64_t memory_size = 10,
+                             bool scale_init_precond = true,
+                             GradientTransformation linesearch = scale_by_backtracking_linesearch(20));
 
 }  // namespace linum::optim

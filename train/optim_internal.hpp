@@ -101,6 +101,16 @@ inline Tree full_like(const Tree& params, float value) {
 // An empty dict: the state of a stateless transformation.
 inline Tree empty_state() { return Tree(); }
 
+// A transformation built on `inner` (chain, apply_if_finite, multi_steps) that reads extra
+// arguments exactly when one of `inner` does, and passes them on; `update` gets ExtraArgs{} when
+// none were given.
+inline GradientTransformation passing_extra_args(bool inner_uses_them, std::string who, GradientTransformation::InitFn init,
+                                                 GradientTransformation::UpdateWithArgsFn update) {
+  if (inner_uses_them) return GradientTransformation::with_extra_args(std::move(who), std::move(init), std::move(update));
+  return GradientTransformation(std::move(who), std::move(init),
+                                [update](const Tree& u, const Tree& s, const Tree* p) { return update(u, s, p, ExtraArgs{}); });
+}
+
 // ---- state fields ------------------------------------------------------------------------------
 
 inline std::string key_list(const Tree& t) {

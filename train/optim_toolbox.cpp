@@ -532,15 +532,15 @@ GradientTransformation apply_if_finite(GradientTransformation inner, std::int64_
     throw ValueError(detail::cat("optim::apply_if_finite: max_consecutive_errors must be >= 0, got ", max_consecutive_errors));
   const std::string who = "optim::apply_if_finite(" + inner.name() + ")";
   auto shared = std::make_shared<const GradientTransformation>(std::move(inner));
-  return GradientTransformation(
-      who,
+  return passing_extra_args(
+      shared->uses_extra_args(), who,
       [shared](const Tree& params) {
         return Tree{{"notfinite_count", count_array(0)},
                     {"last_finite", Array::full_i32(Shape{}, 1)},
                     {"total_notfinite", count_array(0)},
                     {"inner_state", shared->init(params)}};
       },
-      [shared, who, max_consecutive_errors](const Tree& updates, const Tree& state, const Tree* params) {
+      [shared, who, max_consecutive_errors](const Tree& updates, const Tree& state, const Tree* params, const ExtraArgs& extra) {
         const std::string w = who + ".update";
         check_state_keys(w, state, {"notfinite_count", "last_finite", "total_notfinite", "inner_state"});
         const bool finite = all_across_shards(all_finite(updates));  // every shard skips, or none
@@ -548,7 +548,7 @@ GradientTransformation apply_if_finite(GradientTransformation inner, std::int64_
         const std::int64_t total = read_scalar(w, state, "total_notfinite");
         Tree out, inner_state;
         if (finite || notfinite > max_consecutive_errors) {
-          UpdateResult r = params ? shared->update(updates, state.at("inner_state"), *params)
+          UpdateResult r = params ? shared->update(updates, state.at("inner_state"), *params, extra)
                                   : shared->update(updates, state.at("inner_state"));
           out = std::move(r.updates);
           inner_state = std::move(r.state);
@@ -568,8 +568,8 @@ GradientTransformation multi_steps(GradientTransformation inner, std::int64_t ev
     throw ValueError(detail::cat("optim::multi_steps: every_k_steps must be at least 1, got ", every_k_steps));
   const std::string who = "optim::multi_steps(" + inner.name() + ")";
   auto shared = std::make_shared<const GradientTransformation>(std::move(inner));
-  return GradientTransformation(
-      who,
+  return passing_extra_args(
+      shared->uses_extra_args(), who,
       [shared](const Tree& params) {
         return Tree{{"mini_step", count_array(0)},
                     {"gradient_step", count_array(0)},
@@ -577,7 +577,7 @@ GradientTransformation multi_steps(GradientTransformation inner, std::int64_t ev
                     {"acc_grads", zeros_like(params)},
                     {"skip_state", Tree()}};
       },
-      [shared, who, every_k_steps](const Tree& updates, const Tree& state, const Tree* params) {
+      [shared, who, every_k_steps](const Tree& updates, const Tree& state, const Tree* params, const ExtraArgs& extra) {
         const std::string w = who + ".update";
         check_state_keys(w, state, {"mini_step", "gradient_step", "inner_opt_state", "acc_grads", "skip_state"});
         check_same_structure(w, "grads", updates, "state['acc_grads']", state.at("acc_grads"));
@@ -593,7 +593,7 @@ GradientTransformation multi_steps(GradientTransformation inner, std::int64_t ev
                                                         {"inner_opt_state", state.at("inner_opt_state")},
                                                         {"acc_grads", std::move(acc)},
                                                         {"skip_state", Tree()}}};
-        UpdateResult r = params ? shared->update(acc, state.at("inner_opt_state"), *params)
+        UpdateResult r = params ? shared->update(acc, state.at("inner_opt_state"), *params, extra)
                                 : shared->update(acc, state.at("inner_opt_state"));
         return UpdateResult{std::move(r.updates), Tree{{"mini_step", count_array(0)},
                                                        {"gradient_step", count_array(safe_increment(gstep))},

@@ -17,7 +17,9 @@ Files (each a nested dict of numpy arrays, written with flax.serialization.msgpa
                          outputs and gradients (of sum(outputs * cotangents)) with respect to the
                          params and float inputs, f32 and bf16 computation; mutable collections
   optax.msgpack          optax optimizers over 5 steps (params after each step, the final state as
-                         flax.serialization.to_state_dict gives it) and schedules at steps 0..N
+                         flax.serialization.to_state_dict gives it) and schedules at steps 0..N;
+                         under "objective", the optimizers that read the objective (polyak_sgd,
+                         lbfgs, the backtracking linesearch) over 8 steps of a real objective
   lifted.msgpack         nn.scan (stacked and broadcast params, reverse), nn.remat, nn.remat_scan
                          and nn.while_loop over blocks that draw dropout masks: variable layouts,
                          outputs (the masks drawn inside the lifted transforms) and gradients
@@ -518,6 +520,59 @@ GRADS_OF = {"apply_if_finite": "grads_nan", "zero_nans": "grads_nan", "dpsgd": "
 STEPS = 5
 
 
+# Optimizers that read the objective (optax's extra args: value, grad, value_fn), run on a real
+# objective instead of fixed gradients: f(p) = sum over the leaves of 0.5 a (p - t)^2 + 0.1 p^4.
+OBJECTIVE_OPTIMIZERS = {
+    "polyak_sgd": lambda: optax.polyak_sgd(),
+    "polyak_sgd_plus": lambda: optax.polyak_sgd(max_learning_rate=0.5, scaling=0.8, f_min=0.5, eps=1e-3, variant="sps+"),
+    "lbfgs_lr": lambda: optax.lbfgs(learning_rate=0.1, linesearch=None),
+    "lbfgs_unscaled_lr": lambda: optax.lbfgs(learning_rate=0.05, memory_size=3, scale_init_precond=False, linesearch=None),
+    "lbfgs_backtracking": lambda: optax.lbfgs(linesearch=optax.scale_by_backtracking_linesearch(max_backtracking_steps=20)),
+    "lbfgs_memory_2": lambda: optax.lbfgs(memory_size=2,
+                                          linesearch=optax.scale_by_backtracking_linesearch(max_backtracking_steps=20)),
+    "sgd_backtracking": lambda: optax.chain(optax.sgd(1.0), optax.scale_by_backtracking_linesearch(
+        max_backtracking_steps=15, decrease_factor=0.5, increase_factor=2.0, max_learning_rate=4.0, slope_rtol=0.3)),
+}
+OBJECTIVE_STEPS = 8
+
+
+def objective_coefficients():
+    return ({"b": np.abs(fixed_normal(80, (4,))) + 0.5, "w": np.abs(fixed_normal(81, (3, 4))) + 0.5},
+            {"b": fixed_normal(82, (4,)), "w": fixed_normal(83, (3, 4))})
+
+
+def objective_values(params):
+    a, t = objective_coefficients()
+
+    def f(p):
+        return sum(jnp.sum(0.5 * a[k] * (p[k] - t[k]) ** 2 + 0.1 * p[k] ** 4) for k in ("b", "w"))
+
+    out = {"a": a, "t": t}
+    for name, make in OBJECTIVE_OPTIMIZERS.items():
+        opt = make()
+        p = jax.tree_util.tree_map(jnp.asarray, params)
+        state = opt.init(p)
+        traj, values = {}, []
+        for s in range(OBJECTIVE_STEPS):
+            value, grad = jax.value_and_grad(f)(p)
+            updates, state = opt.update(grad, state, p, value=value, grad=grad, value_fn=f)
+            p = optax.apply_updates(p, updates)
+            traj[str(s)] = p
+            values.append(np.float32(f(p)))
+        # optax's None (the linesearch's unstored gradient) is Linum's empty dict.
+        state = nones_to_dicts(flax.serialization.to_state_dict(state))
+        out[name] = {"params": traj, "values": np.asarray(values, np.float32), "state": state}
+    return out
+
+
+def nones_to_dicts(tree):
+    if tree is None:
+        return {}
+    if isinstance(tree, dict):
+        return {k: nones_to_dicts(v) for k, v in tree.items()}
+    return tree
+
+
 def optax_values():
     params = {"b": fixed_normal(20, (4,)), "w": fixed_normal(21, (3, 4))}
     grads = [{"b": fixed_normal(30 + 2 * s, (4,)), "w": fixed_normal(31 + 2 * s, (3, 4))} for s in range(STEPS)]
@@ -542,6 +597,7 @@ def optax_values():
     for name, make in SCHEDULES.items():
         f = make()
         out["schedules"][name] = np.asarray([f(s) for s in range(15)], dtype=np.float32)
+    out["objective"] = objective_values(params)
     return out
 
 
